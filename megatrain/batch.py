@@ -1,0 +1,44 @@
+"""What the data pipeline hands the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of token sequences, Hugging Face conventions.
+
+    `labels` are *unshifted* (labels[t] is the token at position t, the engine predicts it from
+    position t-1) with -100 where no loss is taken. Packed sequences carry `document_ids`
+    (attention never crosses a change of id) and `position_ids` that restart per document; the
+    first token of each packed document must carry label -100 so no loss crosses a boundary.
+    """
+
+    input_ids: torch.Tensor  # [B, S] int64
+    labels: torch.Tensor  # [B, S] int64
+    position_ids: torch.Tensor | None = None  # [B, S] int64; default arange(S)
+    document_ids: torch.Tensor | None = None  # [B, S] int64; packing only
+
+    def __post_init__(self):
+        if self.input_ids.shape != self.labels.shape:
+            raise ValueError(f"input_ids {tuple(self.input_ids.shape)} vs labels {tuple(self.labels.shape)}")
+
+    @property
+    def shifted_labels(self) -> torch.Tensor:
+        """Targets aligned with the logits: target[t] = labels[t + 1], the last is ignored."""
+        t = torch.full_like(self.labels, IGNORE_INDEX)
+        t[:, :-1] = self.labels[:, 1:]
+        return t
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()

@@ -1,0 +1,227 @@
+"""The training configuration: one YAML file plus `key=value` overrides, with Hugging Face
+TrainingArguments names wherever one exists. Unknown keys and bad values are refused with a
+message that names them."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+from .optim import SCHEDULES
+
+DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
+
+
+@dataclass
+class TrainConfig:
+    # --- model
+    model_name_or_path: str | None = None
+    """Local Hugging Face model directory (config.json + safetensors)."""
+    model_config: str | None = None
+    """A config.json (or directory holding one): train from random initialisation."""
+    tokenizer_name_or_path: str | None = None
+    """Local tokenizer directory or tokenizer.json; defaults to model_name_or_path."""
+    # --- data
+    dataset: str | list[str] | None = None
+    """JSONL/JSON/Parquet file(s), a directory with dataset_info.json, or names in it."""
+    dataset_format: str = "auto"
+    """auto, text, tokens, messages, sharegpt, alpaca, prompt_completion."""
+    dataset_info: str | None = None
+    """Path of a LlamaFactory-style dataset_info.json registry."""
+    max_length: int = 2048
+    """Tokens per sequence; longer samples are truncated (or split, for plain text)."""
+    packing: bool = False
+    """Concatenate samples into full sequences without cross-document attention."""
+    train_on_prompt: bool = False
+    """Also take the loss on system/user turns of chat data."""
+    truncation: bool = True
+    """Truncate samples longer than max_length (false: refuse them with an error)."""
+    shuffle: bool = True
+    # --- schedule
+    output_dir: str = "output"
+    max_steps: int = -1
+    """Optimizer steps; overrides num_train_epochs when > 0."""
+    num_train_epochs: float = 1.0
+    per_device_train_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    seed: int = 42
+    # --- logging and checkpoints
+    logging_steps: int = 1
+    report_to: str = "none"
+    """none or tensorboard."""
+    save_steps: int = 0
+    """Save a resumable checkpoint every N steps (0: only at the end of training)."""
+    save_total_limit: int | None = None
+    save_dtype: str = "bfloat16"
+    """dtype of the exported Hugging Face weights: bfloat16 or float32."""
+    resume_from_checkpoint: str | bool | None = None
+    disable_tqdm: bool | None = None
+    # --- hardware
+    device: str = "auto"
+    """auto, cpu, cuda, cuda:N."""
+    compute_dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."""
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(key, why):
+            raise ConfigError(f"{key}: {why} (got {getattr(self, key)!r})")
+
+        if (self.model_name_or_path is None) == (self.model_config is None):
+            raise ConfigError("set exactly one of model_name_or_path (weights) or model_config (random init)")
+        for k in (
+            "max_length",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+        ):
+            if getattr(self, k) < 1:
+                bad(k, "must be >= 1")
+        if self.max_steps == 0 or self.max_steps < -1:
+            bad("max_steps", "must be > 0, or -1 to use num_train_epochs")
+        if self.num_train_epochs <= 0:
+            bad("num_train_epochs", "must be > 0")
+        if self.learning_rate < 0:
+            bad("learning_rate", "must be >= 0")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, k) < 1.0:
+                bad(k, "must be in [0, 1)")
+        if self.adam_epsilon <= 0:
+            bad("adam_epsilon", "must be > 0")
+        if self.max_grad_norm < 0:
+            bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
+        if self.lr_scheduler_type not in SCHEDULES:
+            bad("lr_scheduler_type", f"must be one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            bad("warmup_ratio", "must be in [0, 1)")
+        if self.dataset_format not in DATASET_FORMATS:
+            bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
+        if self.report_to not in ("none", "tensorboard"):
+            bad("report_to", "must be none or tensorboard")
+        if self.save_steps < 0:
+            bad("save_steps", "must be >= 0")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            bad("save_total_limit", "must be >= 1")
+        if self.save_dtype not in ("bfloat16", "float32"):
+            bad("save_dtype", "must be bfloat16 or float32")
+        if self.compute_dtype not in ("auto", "bfloat16", "float32"):
+            bad("compute_dtype", "must be auto, bfloat16 or float32")
+        if self.dataset is None:
+            raise ConfigError("dataset: required (a JSONL/JSON/Parquet file or a dataset_info.json name)")
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+        """Read a YAML config and apply `key=value` overrides (values parsed as YAML)."""
+        raw: dict[str, Any] = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"{p}: config file does not exist")
+            try:
+                raw = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{p}: expected a mapping of key: value at the top level")
+            base = p.parent
+            for k in ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info"):
+                if isinstance(raw.get(k), str):
+                    raw[k] = _relative(raw[k], base)
+            if isinstance(raw.get("dataset"), str):
+                raw["dataset"] = _relative(raw["dataset"], base)
+            elif isinstance(raw.get("dataset"), list):
+                raw["dataset"] = [_relative(d, base) if isinstance(d, str) else d for d in raw["dataset"]]
+        for ov in overrides:
+            if "=" not in ov:
+                raise ConfigError(f"override {ov!r}: expected key=value")
+            k, v = ov.split("=", 1)
+            try:
+                raw[k.strip()] = yaml.safe_load(v) if v != "" else None
+            except yaml.YAMLError:
+                raw[k.strip()] = v
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        known = {f.name: f for f in fields(cls) if f.name != "extra"}
+        unknown = [k for k in raw if k not in known]
+        if unknown:
+            import difflib
+
+            k = unknown[0]
+            close = difflib.get_close_matches(k, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {k!r}{hint}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {k: _coerce(k, v, hints[k]) for k, v in raw.items()}
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra", None)
+        return d
+
+
+def _relative(value: str, base: Path) -> str:
+    """Paths in a config file are relative to the file, when such a path exists."""
+    p = Path(value)
+    if p.is_absolute() or p.exists():
+        return value
+    cand = base / p
+    return str(cand) if cand.exists() else value
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against the field's annotation; ints are accepted for floats."""
+    options = (
+        typing.get_args(tp)
+        if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+        else (tp,)
+    )
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key}: a value is required")
+    for opt in options:
+        origin = typing.get_origin(opt) or opt
+        if opt is type(None):
+            continue
+        if origin is bool and isinstance(value, bool):
+            return value
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is str and isinstance(value, str):
+            return value
+        if origin is list and isinstance(value, list) and all(isinstance(x, str) for x in value):
+            return value
+        if origin is dict and isinstance(value, dict):
+            return value
+    names = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    raise ConfigError(f"{key}: expected {names}, got {value!r}")

@@ -1,0 +1,257 @@
+"""The layer-streaming engine: a forward sweep that keeps only layer-boundary activations, a
+loss head that never materialises the full logits, and a backward sweep that recomputes each
+layer from its saved input and produces its gradients.
+
+Every micro-batch of an optimizer step passes through a layer during one visit, so each unit's
+weights reach the device twice per optimizer step (forward, backward) however many micro-batches
+there are. Weights arrive through a `Transport` (transport.py), which also carries the fp32
+gradients back and applies the optimizer; the engine itself does only arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from .batch import IGNORE_INDEX, MicroBatch
+from .models.config import ModelConfig
+from .models.decoder import DecoderLayer, Head, attention_mask, rope_cos_sin, rope_inv_freq
+from .state import HostState, Unit, unit_views
+
+
+@dataclass
+class _Prepared:
+    ids: torch.Tensor  # [B, S] on device
+    targets: torch.Tensor  # [B*S] shifted labels on device
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
+
+
+def _bind(unit: Unit, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
+    views = unit_views(flat, unit)
+    if grad:
+        views = {k: v.detach().requires_grad_() for k, v in views.items()}
+    return views
+
+
+def _accumulate(gflat: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
+    """Add per-parameter gradients (compute dtype) into the unit's fp32 gradient buffer."""
+    views = unit_views(gflat, unit)
+    torch._foreach_add_([views[n] for n in names], [g.to(torch.float32) for g in grads])
+
+
+class Engine:
+    """Runs forward and backward sweeps over a host-resident model.
+
+    `forward_backward` leaves fp32 gradients (one flat buffer per unit, on the compute device);
+    `step` clips them by the global norm and hands them to the transport's optimizer.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state: HostState,
+        transport,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        loss_chunk_tokens: int | None = None,
+    ):
+        self.cfg, self.state, self.transport = cfg, state, transport
+        self.device, self.dtype = torch.device(device), compute_dtype
+        self.units = state.units
+        self.embed_unit, self.head_unit = self.units[0], self.units[-1]
+        self.layer_units = self.units[1:-1]
+        with torch.device("meta"):
+            self.layer = DecoderLayer(cfg)
+            self.head = Head(cfg)
+        self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.inv_freq = self.inv_freq.to(self.device)
+        # Logits of one chunk in fp32 plus their gradient: keep near 1 GiB by default.
+        self.loss_chunk_tokens = loss_chunk_tokens or max(256, 2**30 // (8 * cfg.vocab_size))
+        self.grads: dict[int, torch.Tensor] = {}
+        self._norms: dict[int, list[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ schedule
+    def _schedule(self, backward: bool) -> list[Unit]:
+        """The order in which unit weights are needed, so the transport can prefetch."""
+        order = [self.embed_unit, *self.layer_units, self.head_unit]
+        if self.cfg.tie_word_embeddings:
+            order.append(self.embed_unit)  # the head borrows the embedding matrix
+        if backward:
+            order += self.layer_units[::-1]
+        return order
+
+    def _prepare(self, mb: MicroBatch) -> _Prepared:
+        dev = self.device
+        ids = mb.input_ids.to(dev, non_blocking=True)
+        B, S = ids.shape
+        pos = mb.position_ids
+        pos = pos.to(dev) if pos is not None else torch.arange(S, device=dev).expand(B, S)
+        doc = mb.document_ids.to(dev) if mb.document_ids is not None else None
+        return _Prepared(
+            ids=ids,
+            targets=mb.shifted_labels.to(dev, non_blocking=True).reshape(-1),
+            rope=rope_cos_sin(self.inv_freq, self.rope_scale, pos, self.dtype),
+            mask=attention_mask(doc, S, self.cfg.sliding_window, dev),
+        )
+
+    def _grad(self, unit: Unit) -> torch.Tensor:
+        g = self.grads.get(unit.index)
+        if g is None:
+            g = self.grads[unit.index] = torch.zeros(unit.numel, device=self.device)
+        return g
+
+    def _finish_unit(self, unit: Unit) -> None:
+        """A unit's gradient is complete: take its per-parameter norms (for clipping) now, on the
+        compute stream, while the buffer is hot."""
+        views = unit_views(self.grads[unit.index], unit)
+        self._norms[unit.index] = torch._foreach_norm([views[p.name] for p in unit.params])
+
+    # ------------------------------------------------------------------ sweeps
+    def _forward_sweep(self, prep: list[_Prepared], keep: bool):
+        t = self.transport
+        w = t.fetch(self.embed_unit)
+        emb = unit_views(w, self.embed_unit)["embed_tokens.weight"]
+        h = [F.embedding(p.ids, emb) for p in prep]
+        del w, emb
+        saved = []
+        with torch.no_grad():
+            for unit in self.layer_units:
+                params = _bind(unit, t.fetch(unit), grad=False)
+                if keep:
+                    saved.append(h)
+                h = [functional_call(self.layer, params, (x, p.rope, p.mask)) for x, p in zip(h, prep)]
+                del params
+        return h, saved
+
+    def _lm_weight(self, head_params: dict[str, torch.Tensor]):
+        if self.cfg.tie_word_embeddings:
+            return unit_views(self.transport.fetch(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
+        return head_params["lm_head.weight"]
+
+    def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int):
+        """Loss (sum over tokens / n_tokens) and its gradient w.r.t. each micro-batch's last hidden
+        state, one chunk of tokens at a time; head gradients accumulate in fp32."""
+        head = self.head_unit
+        params = _bind(head, self.transport.fetch(head), grad=False)
+        W = self._lm_weight(params)
+        norm_w = params["norm.weight"]
+        g_head = self._grad(head)
+        g_norm = unit_views(g_head, head)["norm.weight"]
+        if self.cfg.tie_word_embeddings:
+            g_W = unit_views(self._grad(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
+        else:
+            g_W = unit_views(g_head, head)["lm_head.weight"]
+        loss = torch.zeros((), device=self.device)
+        dh = []
+        C = self.loss_chunk_tokens
+        for x, p in zip(h, prep):
+            shape = x.shape
+            x = x.detach().reshape(-1, shape[-1]).requires_grad_()
+            nw = norm_w.detach().requires_grad_()
+            with torch.enable_grad():
+                hn = functional_call(self.head.norm, {"weight": nw}, (x,))
+            hn_d = hn.detach()
+            dhn = torch.empty_like(hn_d)
+            for a in range(0, hn_d.shape[0], C):
+                tgt = p.targets[a : a + C]
+                hc = hn_d[a : a + C].requires_grad_()
+                Wl = W.detach().requires_grad_()
+                with torch.enable_grad():
+                    logits = F.linear(hc, Wl).float()
+                    l_sum = F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum")
+                    gh, gW = torch.autograd.grad(l_sum / n_tokens, (hc, Wl))
+                dhn[a : a + C] = gh
+                g_W.add_(gW)
+                loss += l_sum.detach()
+                del logits, gh, gW
+            gx, gnw = torch.autograd.grad(hn, (x, nw), dhn)
+            g_norm.add_(gnw)
+            dh.append(gx.reshape(shape))
+        self._finish_unit(head)
+        return loss / n_tokens, dh
+
+    def _backward_sweep(self, saved, dh, prep):
+        t = self.transport
+        for unit, xs in zip(self.layer_units[::-1], saved[::-1]):
+            params = _bind(unit, t.fetch(unit), grad=True)
+            names = list(params)
+            leaves = [params[n] for n in names]
+            g = self._grad(unit)
+            for m, p in enumerate(prep):
+                x = xs[m].detach().requires_grad_()
+                xs[m] = None  # the boundary activation is not needed again
+                with torch.enable_grad():
+                    y = functional_call(self.layer, params, (x, p.rope, p.mask))
+                    grads = torch.autograd.grad(y, [x, *leaves], dh[m])
+                dh[m] = grads[0]
+                _accumulate(g, unit, names, grads[1:])
+                del y, grads
+            del params, leaves
+            self._finish_unit(unit)
+        # Embedding: scatter-add of the input gradient; no weights needed.
+        g = unit_views(self._grad(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
+        det = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)  # sort-based, reproducible on CUDA
+        try:
+            for d, p in zip(dh, prep):
+                g.index_add_(0, p.ids.reshape(-1), d.reshape(-1, d.shape[-1]).to(torch.float32))
+        finally:
+            torch.use_deterministic_algorithms(det)
+        self._finish_unit(self.embed_unit)
+
+    # ------------------------------------------------------------------ public
+    def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
+        """Gradients of (sum of token losses over all micro-batches) / (number of label tokens).
+
+        Returns the loss (a device scalar) and the number of label tokens.
+        """
+        n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
+        if n_tokens == 0:
+            raise ValueError("optimizer step has no label tokens (all labels are -100)")
+        self.grads, self._norms = {}, {}
+        self.transport.begin(self._schedule(backward=True))
+        prep = [self._prepare(mb) for mb in micro_batches]
+        h, saved = self._forward_sweep(prep, keep=True)
+        loss, dh = self._head_loss_backward(h, prep, n_tokens)
+        del h
+        self._backward_sweep(saved, dh, prep)
+        return loss, n_tokens
+
+    def clip_grad_norm(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Global L2 norm of all gradients (as `torch.nn.utils.clip_grad_norm_` computes it) and
+        the clip coefficient to apply (None when clipping is off)."""
+        norms = [n for i in sorted(self._norms) for n in self._norms[i]]
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if not max_norm or max_norm <= 0:
+            return total, None
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total, coef
+
+    def step(self, lr: float, coef: torch.Tensor | None) -> None:
+        """Apply AdamW to every unit with its (clipped) gradients; asynchronous on CUDA."""
+        self.state.step += 1
+        grads, self.grads = self.grads, {}
+        self.transport.update(grads, coef, lr, self.state.step)
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Checkpoint key -> fp32 gradient, after `forward_backward` (for tests and debugging)."""
+        out = {}
+        for u in self.units:
+            views = unit_views(self.grads[u.index], u)
+            out.update({p.key: views[p.name] for p in u.params})
+        return out
+
+    @torch.no_grad()
+    def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """Full fp32 logits of one micro-batch (for evaluation and parity tests)."""
+        self.transport.begin(self._schedule(backward=False))
+        prep = [self._prepare(micro_batch)]
+        h, _ = self._forward_sweep(prep, keep=False)
+        params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)
+        W = self._lm_weight(params)
+        hn = functional_call(self.head.norm, {"weight": params["norm.weight"]}, (h[0],))
+        return F.linear(hn, W).float()

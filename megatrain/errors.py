@@ -1,0 +1,17 @@
+"""Errors a user can act on: one line naming the file, key or line at fault."""
+
+
+class MegatrainError(Exception):
+    """Base class; the CLI prints these as a one-line message without a traceback."""
+
+
+class ConfigError(MegatrainError):
+    """A bad configuration key or value, or a bad model config.json."""
+
+
+class DataError(MegatrainError):
+    """A dataset file that cannot be read or a record that is malformed."""
+
+
+class CheckpointError(MegatrainError):
+    """A checkpoint or weight file that is missing or inconsistent."""

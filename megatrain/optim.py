@@ -1,0 +1,87 @@
+"""AdamW on the host-resident fp32 master weights, and learning-rate schedules.
+
+The update is torch's fused CPU AdamW kernel (`torch._fused_adamw_`, what
+`torch.optim.AdamW(fused=True)` calls), applied to any sub-range of a unit's flat state: AdamW
+is elementwise, so stepping a unit in chunks as its gradients arrive gives bitwise the same
+result as stepping it whole. Semantics follow the Hugging Face Trainer: no weight decay on biases
+and norm weights, one global step count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .state import HostState, Unit
+
+
+@dataclass
+class AdamWConfig:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+def chunk_ranges(unit: Unit, max_elems: int) -> list[tuple[int, int]]:
+    """Split a unit's flat range into pieces of at most `max_elems` elements."""
+    return [(a, min(a + max_elems, unit.numel)) for a in range(0, unit.numel, max_elems)]
+
+
+class HostAdamW:
+    """Steps ranges of units' fp32 state in place, given fp32 gradients for the same range."""
+
+    def __init__(self, state: HostState, cfg: AdamWConfig):
+        self.state, self.cfg = state, cfg
+
+    def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
+        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""
+        st = self.state
+        p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
+        groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        for spec in unit.params:
+            a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+            if a < b:
+                groups[spec.decay].append((a, b))
+        for decay, spans in groups.items():
+            if not spans:
+                continue
+            sl = [slice(a, b) for a, b in spans]
+            gl = [slice(a - lo, b - lo) for a, b in spans]
+            steps = [torch.tensor(float(step)) for _ in spans]
+            torch._fused_adamw_(
+                [p[s] for s in sl],
+                [grad[s] for s in gl],
+                [m[s] for s in sl],
+                [v[s] for s in sl],
+                [],
+                steps,
+                amsgrad=False,
+                lr=lr,
+                beta1=self.cfg.betas[0],
+                beta2=self.cfg.betas[1],
+                weight_decay=self.cfg.weight_decay if decay else 0.0,
+                eps=self.cfg.eps,
+                maximize=False,
+            )
+
+
+def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based), as transformers' schedulers give it."""
+    if schedule == "constant":  # transformers' "constant" ignores warmup
+        return base_lr
+    if warmup_steps > 0 and step < warmup_steps:
+        return base_lr * (float(step) / float(max(1, warmup_steps)))
+    if schedule == "constant_with_warmup":
+        return base_lr
+    if schedule == "linear":
+        return base_lr * max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+    progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return base_lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    raise ValueError(f"unknown lr_scheduler_type {schedule!r}")
+
+
+SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")

@@ -1,0 +1,131 @@
+"""Host-resident model state: the units a model streams as, and their fp32 master weights and
+AdamW moments in host memory.
+
+A model is a sequence of *units*, the granularity at which weights travel to the device:
+`embed`, `layers.0` ... `layers.{L-1}`, `head` (final norm + LM head). Each unit's parameters
+are packed into one flat fp32 range of a single host allocation (`HostState.master`), in the
+template's parameter order, each parameter's start aligned to 64 elements. The AdamW moments
+have the same layout, so a unit's state is three contiguous ranges and a checkpoint is three
+tensors per unit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .models.config import ModelConfig
+from .models.decoder import DecoderLayer, Embedding, Head
+
+ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
+
+# Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
+# normalisation weights.
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    """Name inside the unit's template module, e.g. `self_attn.q_proj.weight`."""
+    key: str
+    """Checkpoint key, e.g. `model.layers.3.self_attn.q_proj.weight`."""
+    shape: tuple[int, ...]
+    offset: int
+    """Start inside the unit's flat range."""
+    decay: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    """`embed`, `layers.{i}` or `head`."""
+    kind: str
+    """`embed`, `layer` or `head`."""
+    index: int
+    """Position in `units` (forward order)."""
+    params: tuple[ParamSpec, ...]
+    numel: int
+    """Flat length including alignment padding."""
+    start: int = 0
+    """Start of this unit inside `HostState.master`."""
+
+
+def _template(cfg: ModelConfig, kind: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return {"embed": Embedding, "layer": DecoderLayer, "head": Head}[kind](cfg)
+
+
+def _key(kind: str, layer: int, name: str) -> str:
+    if kind == "layer":
+        return f"model.layers.{layer}.{name}"
+    if name.startswith("lm_head."):
+        return name
+    return f"model.{name}"
+
+
+def build_units(cfg: ModelConfig) -> list[Unit]:
+    """The units of a model in forward order, laid out back to back."""
+    plan = [("embed", "embed", 0)]
+    plan += [(f"layers.{i}", "layer", i) for i in range(cfg.num_hidden_layers)]
+    plan += [("head", "head", 0)]
+    templates = {k: _template(cfg, k) for k in ("embed", "layer", "head")}
+    units, start = [], 0
+    for index, (name, kind, layer) in enumerate(plan):
+        specs, off = [], 0
+        for pname, p in templates[kind].named_parameters():
+            key = _key(kind, layer, pname)
+            specs.append(ParamSpec(pname, key, tuple(p.shape), off, not _NO_DECAY.search(key)))
+            off += -(-p.numel() // ALIGN) * ALIGN
+        units.append(Unit(name, kind, index, tuple(specs), off, start))
+        start += off
+    return units
+
+
+def unit_views(flat: torch.Tensor, unit: Unit) -> dict[str, torch.Tensor]:
+    """Parameter-shaped views of a unit's flat range (`flat` holds that unit alone)."""
+    return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params}
+
+
+class HostState:
+    """fp32 master weights and AdamW moments of every unit, each one host allocation."""
+
+    def __init__(self, units: list[Unit], with_optimizer: bool = True):
+        self.units = units
+        self.numel = units[-1].start + units[-1].numel
+        # torch.zeros maps fresh zero pages: nothing is touched until a unit is written.
+        self.master = torch.zeros(self.numel, dtype=torch.float32)
+        self.exp_avg = torch.zeros(self.numel) if with_optimizer else None
+        self.exp_avg_sq = torch.zeros(self.numel) if with_optimizer else None
+        self.step = 0  # optimizer steps taken
+
+    def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:
+        t = getattr(self, which)
+        return t[unit.start : unit.start + unit.numel]
+
+    def params(self, unit: Unit) -> dict[str, torch.Tensor]:
+        return unit_views(self.flat(unit), unit)
+
+    def named_parameters(self):
+        """(checkpoint key, fp32 master view) for every parameter, in forward order."""
+        for u in self.units:
+            views = self.params(u)
+            for p in u.params:
+                yield p.key, views[p.name]
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for u in self.units for p in u.params)
+
+    def nbytes(self) -> int:
+        n = self.master.numel() * 4
+        if self.exp_avg is not None:
+            n += 2 * self.exp_avg.numel() * 4
+        return n
