@@ -8,6 +8,8 @@ tensor.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import shutil
@@ -160,25 +162,14 @@ def save_hf_checkpoint(
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        hf = cfg.hf_config
+        hf = copy.deepcopy(cfg.hf_config)
         hf.architectures = [type_to_arch(cfg.model_type)]
-        old_dtype = getattr(hf, "torch_dtype", None)
-        try:
-            hf.torch_dtype = dtype
-        except Exception:
-            pass
+        hf.torch_dtype = dtype  # transformers 4.x name; 5.x reads `dtype` and maps this to it
         hf.save_pretrained(tmp)
-        try:
+        with contextlib.suppress(Exception):  # models without generation defaults have none
             from transformers import GenerationConfig
 
             GenerationConfig.from_model_config(hf).save_pretrained(tmp)
-        except Exception:
-            pass
-        if old_dtype is not None:
-            try:
-                hf.torch_dtype = old_dtype
-            except Exception:
-                pass
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         commit_dir(tmp, out_dir)
