@@ -77,17 +77,19 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int) -> None:
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
     zeros for biases, ones for norms. Deterministic per seed, one unit at a time."""
     std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
-    g = torch.Generator().manual_seed(seed)
-    for unit in state.units:
-        views = state.params(unit)
-        for p in unit.params:
-            v = views[p.name]
-            if "norm" in p.name:
-                v.fill_(1.0)
-            elif p.name.endswith("bias"):
-                v.zero_()
-            else:
-                v.normal_(0.0, std, generator=g)
+    # A seed per unit; the default generator samples several times faster than a private one.
+    with torch.random.fork_rng(devices=[]):
+        for unit in state.units:
+            torch.manual_seed(seed * 100_003 + unit.index)
+            views = state.params(unit)
+            for p in unit.params:
+                v = views[p.name]
+                if "norm" in p.name:
+                    v.fill_(1.0)
+                elif p.name.endswith("bias"):
+                    v.zero_()
+                else:
+                    v.normal_(0.0, std)
 
 
 def _atomic_dir(out_dir: Path):

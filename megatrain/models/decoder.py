@@ -59,12 +59,14 @@ class Attention(nn.Module):
         cos, sin = rope  # [B, 1, S, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.n_kv != self.n_heads:
+        if mask is None:
+            # Plain causal attention: the fused flash kernel on CUDA, which reads grouped K/V as is.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        else:
+            # Packed documents or a sliding window: an explicit mask, K/V heads repeated.
             rep = self.n_heads // self.n_kv
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        # mask None means plain causal attention (the fused flash kernel on CUDA).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
