@@ -26,7 +26,7 @@ class MetricsLogger:
         self.logging_steps = logging_steps
         self.total = total_steps
         self._keep_until(start_step)
-        self._f = open(self.path, "a")
+        self._f = open(self.path, "a")  # noqa: SIM115 (closed in close())
         interactive = sys.stderr.isatty() if disable_tqdm is None else not disable_tqdm
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
                         disable=not interactive)
