@@ -30,8 +30,42 @@ def chunk_ranges(unit: Unit, max_elems: int) -> list[tuple[int, int]]:
     return [(a, min(a + max_elems, unit.numel)) for a in range(0, unit.numel, max_elems)]
 
 
+def adamw_range(
+    unit: Unit, lo: int, hi: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+    cfg: AdamWConfig, lr: float, step: int,
+) -> None:
+    """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the whole unit's flat state and
+    `g` exactly the range; host or device tensors alike."""
+    groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for spec in unit.params:
+        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+        if a < b:
+            groups[spec.decay].append((a, b))
+    for decay, spans in groups.items():
+        if not spans:
+            continue
+        sl = [slice(a, b) for a, b in spans]
+        gl = [slice(a - lo, b - lo) for a, b in spans]
+        steps = [torch.tensor(float(step), device=p.device) for _ in spans]
+        torch._fused_adamw_(
+            [p[s] for s in sl],
+            [g[s] for s in gl],
+            [m[s] for s in sl],
+            [v[s] for s in sl],
+            [],
+            steps,
+            amsgrad=False,
+            lr=lr,
+            beta1=cfg.betas[0],
+            beta2=cfg.betas[1],
+            weight_decay=cfg.weight_decay if decay else 0.0,
+            eps=cfg.eps,
+            maximize=False,
+        )
+
+
 class HostAdamW:
-    """Steps ranges of units' fp32 state in place, given fp32 gradients for the same range."""
+    """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range."""
 
     def __init__(self, state: HostState, cfg: AdamWConfig):
         self.state, self.cfg = state, cfg
@@ -40,32 +74,7 @@ class HostAdamW:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""
         st = self.state
         p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
-        groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-        for spec in unit.params:
-            a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-            if a < b:
-                groups[spec.decay].append((a, b))
-        for decay, spans in groups.items():
-            if not spans:
-                continue
-            sl = [slice(a, b) for a, b in spans]
-            gl = [slice(a - lo, b - lo) for a, b in spans]
-            steps = [torch.tensor(float(step)) for _ in spans]
-            torch._fused_adamw_(
-                [p[s] for s in sl],
-                [grad[s] for s in gl],
-                [m[s] for s in sl],
-                [v[s] for s in sl],
-                [],
-                steps,
-                amsgrad=False,
-                lr=lr,
-                beta1=self.cfg.betas[0],
-                beta2=self.cfg.betas[1],
-                weight_decay=self.cfg.weight_decay if decay else 0.0,
-                eps=self.cfg.eps,
-                maximize=False,
-            )
+        adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step)
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:

@@ -70,9 +70,13 @@ def build_model(
     overlap: bool = True,
     progress: bool = False,
     loss_chunk_tokens: int | None = None,
+    gpu_state: str = "auto",
+    compile: bool = False,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
-    engine on `device`. `overlap=False` selects the serial reference schedule on CUDA."""
+    engine on `device`. `overlap=False` selects the serial reference schedule on CUDA;
+    `gpu_state="off"` keeps all state in host memory (see StreamingTransport.make_resident);
+    `compile=True` compiles the decoder layer with torch.compile."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
     state = HostState(build_units(cfg))
@@ -82,8 +86,8 @@ def build_model(
         init_random(state, cfg, seed)
     opt = HostAdamW(state, adamw or AdamWConfig())
     if device.type == "cuda":
-        transport = StreamingTransport(state, opt, device, dtype, overlap=overlap)
+        transport = StreamingTransport(state, opt, device, dtype, overlap=overlap, gpu_state=gpu_state)
     else:
         transport = SerialTransport(state, opt, device, dtype)
-    engine = Engine(cfg, state, transport, device, dtype, loss_chunk_tokens=loss_chunk_tokens)
+    engine = Engine(cfg, state, transport, device, dtype, loss_chunk_tokens=loss_chunk_tokens, compile=compile)
     return TrainableModel(cfg, state, engine, transport, opt)

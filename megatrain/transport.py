@@ -14,16 +14,23 @@ The engine asks for one unit's weights at a time (`fetch`) in an order it announ
   into two small pinned buffers and runs AdamW on them as they land, in forward order, while the
   main thread already runs the next step's forward sweep; a fetch waits only for the update of
   the unit it needs. The GPU and the launching thread never wait on each other per layer.
+
+  Where GPU memory is free, the fp32 state (weights and moments) of the leading units can live
+  on the device (`make_resident`), stepped there by the fused CUDA AdamW: those units need no
+  PCIe traffic and no CPU time, and the CPU optimizer, which is the bottleneck at small batch
+  sizes, has that much less to do (DeepSpeed calls this "Twin-Flow"). `synchronize` writes their
+  state back to host memory, so checkpoints always see one place.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
 import torch
 
-from .optim import HostAdamW, chunk_ranges
+from .optim import HostAdamW, adamw_range, chunk_ranges
 from .state import HostState, Unit
 
 
@@ -66,6 +73,7 @@ class StreamingTransport:
         overlap: bool = True,
         prefetch: int = 2,
         chunk_elems: int = 32 * 2**20,
+        gpu_state: str = "auto",
     ):
         self.state, self.optimizer = state, optimizer
         self.device, self.dtype = torch.device(device), dtype
@@ -86,6 +94,11 @@ class StreamingTransport:
         self._ready = {u.index: threading.Event() for u in state.units}
         for e in self._ready.values():
             e.set()
+        self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.gpu_state = gpu_state  # "auto": decide residency after the first step; "off": never
+        # One core stays free for the thread that launches kernels; the optimizer's OpenMP
+        # threads would otherwise preempt it and starve the GPU.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._worker = None
@@ -102,10 +115,20 @@ class StreamingTransport:
     # ------------------------------------------------------------- weights in
     def begin(self, schedule: list[Unit]) -> None:
         self._check()
+        if self.gpu_state == "auto" and self.state.step >= 1:
+            self.gpu_state = "decided"
+            self.auto_resident()
         self.schedule, self._pos, self._issued = list(schedule), 0, {}
 
     def _issue(self, k: int) -> None:
         unit = self.schedule[k]
+        if unit.index in self.resident:
+            p32 = self.resident[unit.index][0]
+            buf = p32 if self.dtype == torch.float32 else p32.to(self.dtype)  # on the compute stream
+            ev = torch.cuda.Event()
+            ev.record(self.compute)
+            self._issued[k] = (buf, ev)
+            return
         self._wait_ready(unit)
         src = self.state.flat(unit)
         with torch.cuda.stream(self.h2d):
@@ -138,9 +161,16 @@ class StreamingTransport:
     # ------------------------------------------------------------- gradients out
     def update(self, grads: dict[int, torch.Tensor], coef, lr: float, step: int) -> None:
         self._check()
+        for i, (p, m, v) in self.resident.items():  # on the compute stream, ~1 ms per GB
+            unit, g = self.state.units[i], grads.pop(i)
+            if coef is not None:
+                g.mul_(coef)
+            adamw_range(unit, 0, unit.numel, p, g, m, v, self.optimizer.cfg, lr, step)
         done = torch.cuda.Event()
         done.record(self.compute)
         for u in self.state.units:
+            if u.index in self.resident:
+                continue
             self._ready[u.index].clear()
             if self.overlap:
                 grads[u.index].record_stream(self.d2h)
@@ -151,7 +181,10 @@ class StreamingTransport:
             self._apply(*job)
 
     def _apply(self, grads, coef, lr, step, done) -> None:
-        items = [(u, a, b) for u in self.state.units for a, b in chunk_ranges(u, self.chunk_elems)]
+        units = [u for u in self.state.units if u.index in grads]
+        items = [(u, a, b) for u in units for a, b in chunk_ranges(u, self.chunk_elems)]
+        if not items:
+            return
         events: dict[int, torch.cuda.Event] = {}
 
         def issue(i: int) -> None:
@@ -200,11 +233,44 @@ class StreamingTransport:
             raise RuntimeError("the optimizer worker failed") from e
 
     def synchronize(self) -> None:
-        """Wait until every pending update has reached the host master weights."""
+        """Wait until every pending update has reached the host state (device-resident units
+        are copied back)."""
         for u in self.state.units:
             self._ready[u.index].wait()
         self._check()
+        for i, tensors in self.resident.items():
+            unit = self.state.units[i]
+            for which, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
+                self.state.flat(unit, which).copy_(t, non_blocking=True)
         torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------- device-resident units
+    def make_resident(self, units: list[Unit]) -> None:
+        """Move the fp32 weights and moments of `units` to the device for good."""
+        self.synchronize()
+        for u in units:
+            self.resident[u.index] = tuple(
+                self.state.flat(u, w).to(self.device, non_blocking=True)
+                for w in ("master", "exp_avg", "exp_avg_sq")
+            )
+        torch.cuda.synchronize(self.device)
+
+    def auto_resident(self, reserve: float = 0.1) -> list[Unit]:
+        """After a step has shown the peak memory of streaming, keep the state of as many
+        leading units on the device as fits in what is left (minus `reserve` of the card)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free = total * (1 - reserve) - torch.cuda.max_memory_reserved(self.device)
+        chosen, need = [], 0
+        for u in self.state.units:
+            if u.index in self.resident:
+                continue
+            need += 12 * u.numel
+            if need > free:
+                break
+            chosen.append(u)
+        if chosen:
+            self.make_resident(chosen)
+        return chosen
 
     def close(self) -> None:
         if self._worker is not None:

@@ -47,12 +47,15 @@ def _steps(model, n_steps=4, n_micro=3, seq=128, vocab=512, max_norm=0.5, lr=2e-
 ADAMW = AdamWConfig(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("qwen3", True), ("qwen2", False)])
-def test_overlapped_equals_serial_bitwise(family, tied):
+@pytest.mark.parametrize("family,tied,resident", [("llama", False, 0), ("qwen3", True, 0), ("qwen2", False, 2)])
+def test_overlapped_equals_serial_bitwise(family, tied, resident):
     cfg = _cfg(family, tied)
     results = []
     for overlap in (False, True):
-        m = build_model(cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, overlap=overlap)
+        m = build_model(cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, overlap=overlap,
+                        gpu_state="off")
+        if resident:  # the leading units' state on the GPU, stepped there
+            m.transport.make_resident(m.state.units[:resident])
         if overlap:
             m.transport.chunk_elems = 10_000  # many chunks per unit: exercise the chunked pipeline
             m.transport.staging = [torch.empty(10_000, pin_memory=True) for _ in range(2)]
@@ -69,7 +72,7 @@ def test_overlapped_equals_serial_bitwise(family, tied):
 def test_bf16_cuda_tracks_fp32_cpu():
     cfg = _cfg("llama")
     ref = build_model(cfg, seed=5, device="cpu", compute_dtype="float32", adamw=ADAMW)
-    gpu = build_model(cfg, seed=5, device="cuda", compute_dtype="bfloat16", adamw=ADAMW)
+    gpu = build_model(cfg, seed=5, device="cuda", compute_dtype="bfloat16", adamw=ADAMW)  # auto residency
     w_init = ref.state.master.clone()
     l_ref, n_ref = _steps(ref)
     l_gpu, n_gpu = _steps(gpu)
@@ -90,5 +93,8 @@ def test_fp32_cuda_matches_cpu():
     l_ref, _ = _steps(ref, n_steps=2)
     l_gpu, _ = _steps(gpu, n_steps=2)
     assert l_ref == pytest.approx(l_gpu, rel=1e-4)
-    torch.testing.assert_close(gpu.state.master, ref.state.master, rtol=1e-3, atol=1e-4)
+    # Adam divides by sqrt(v): where a gradient is ~0, rounding noise moves a weight by up to lr.
+    diff = (gpu.state.master - ref.state.master).abs()
+    assert (diff > 1e-4).float().mean() < 1e-4, f"max {diff.max():.3g} mean {diff.mean():.3g}"
+    assert diff.max() < 2 * ADAMW.lr
     gpu.close()
