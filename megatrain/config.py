@@ -78,6 +78,11 @@ class TrainConfig:
     """auto, cpu, cuda, cuda:N."""
     compute_dtype: str = "auto"
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."""
+    torch_compile: bool | None = None
+    """Compile the decoder layer with torch.compile; default: on for CUDA, off on the CPU."""
+    gpu_state: str = "auto"
+    """auto: after the first step, keep the fp32 state of as many leading layers on the GPU as
+    its free memory holds (stepped there); off: all weights and moments stay in host memory."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -128,6 +133,8 @@ class TrainConfig:
             bad("save_total_limit", "must be >= 1")
         if self.save_dtype not in ("bfloat16", "float32"):
             bad("save_dtype", "must be bfloat16 or float32")
+        if self.gpu_state not in ("auto", "off"):
+            bad("gpu_state", "must be auto or off")
         if self.compute_dtype not in ("auto", "bfloat16", "float32"):
             bad("compute_dtype", "must be auto, bfloat16 or float32")
         if self.dataset is None:

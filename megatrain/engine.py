@@ -71,7 +71,7 @@ class Engine:
         self._layer_call = self._call_layer
         if compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
-            self._layer_call = torch.compile(self._call_layer, dynamic=False)
+            self._layer_call = torch.compile(self._call_layer)
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(self.device)
         # Logits of one chunk in fp32 plus their gradient: about 1 GiB on the CPU, 4 GiB on a GPU.

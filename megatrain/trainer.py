@@ -52,6 +52,8 @@ def train(cfg: TrainConfig) -> Path:
         compute_dtype=cfg.compute_dtype,
         adamw=AdamWConfig(cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay),
         progress=True,
+        gpu_state=cfg.gpu_state,
+        compile=device.type == "cuda" if cfg.torch_compile is None else cfg.torch_compile,
     )
     engine = model.engine
     out = Path(cfg.output_dir)
