@@ -30,6 +30,15 @@ class _Prepared:
     mask: torch.Tensor | None
 
 
+@dataclass
+class _Graph:
+    """A layer whose autograd graph was kept from the forward sweep: no recompute, no refetch."""
+
+    params: dict[str, torch.Tensor]
+    xs: list[torch.Tensor | None]
+    ys: list[torch.Tensor | None]
+
+
 def _bind(unit: Unit, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
     views = unit_views(flat, unit)
     if grad:
@@ -59,6 +68,7 @@ class Engine:
         compute_dtype: torch.dtype,
         loss_chunk_tokens: int | None = None,
         compile: bool = False,
+        keep_layers: int | str = "auto",
     ):
         self.cfg, self.state, self.transport = cfg, state, transport
         self.device, self.dtype = torch.device(device), compute_dtype
@@ -79,6 +89,12 @@ class Engine:
         self.loss_chunk_tokens = loss_chunk_tokens or max(256, budget // (8 * cfg.vocab_size))
         self.grads: dict[int, torch.Tensor] = {}
         self._norms: dict[int, list[torch.Tensor]] = {}
+        # Trailing layers whose autograd graphs are kept from the forward sweep instead of being
+        # recomputed: "auto" sizes this from free GPU memory after two measured steps.
+        self.keep_layers = 0 if keep_layers == "auto" else int(keep_layers)
+        self._keep_auto = keep_layers == "auto" and self.device.type == "cuda"
+        self._calls = 0
+        self._graph_bytes = 0  # activation memory one layer's graph holds, measured on CUDA
 
     def _call_layer(self, params, x, cos, sin, mask):
         return functional_call(self.layer, params, (x, (cos, sin), mask))
@@ -90,7 +106,7 @@ class Engine:
         if self.cfg.tie_word_embeddings:
             order.append(self.embed_unit)  # the head borrows the embedding matrix
         if backward:
-            order += self.layer_units[::-1]
+            order += self.layer_units[: len(self.layer_units) - self.keep_layers][::-1]
         return order
 
     def _prepare(self, mb: MicroBatch) -> _Prepared:
@@ -126,14 +142,23 @@ class Engine:
         emb = unit_views(w, self.embed_unit)["embed_tokens.weight"]
         h = [F.embedding(p.ids, emb) for p in prep]
         del w, emb
-        saved = []
-        with torch.no_grad():
-            for unit in self.layer_units:
+        saved: list[list[torch.Tensor] | _Graph] = []
+        first_kept = len(self.layer_units) - (self.keep_layers if keep else 0)
+        for j, unit in enumerate(self.layer_units):
+            if j < first_kept:
                 params = _bind(unit, t.fetch(unit), grad=False)
                 if keep:
                     saved.append(h)
-                h = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(h, prep)]
-                del params
+                with torch.no_grad():
+                    h = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(h, prep)]
+            else:
+                params = _bind(unit, t.fetch(unit), grad=True)
+                xs = [x.detach().requires_grad_() for x in h]
+                with torch.enable_grad():
+                    ys = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(xs, prep)]
+                saved.append(_Graph(params, xs, ys))
+                h = [y.detach() for y in ys]
+            del params
         return h, saved
 
     def _lm_weight(self, head_params: dict[str, torch.Tensor]):
@@ -185,20 +210,31 @@ class Engine:
 
     def _backward_sweep(self, saved, dh, prep):
         t = self.transport
-        for unit, xs in zip(self.layer_units[::-1], saved[::-1]):
-            params = _bind(unit, t.fetch(unit), grad=True)
+        measure = self.device.type == "cuda"
+        for unit, s in zip(self.layer_units[::-1], saved[::-1]):
+            kept = isinstance(s, _Graph)
+            params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
             names = list(params)
             leaves = [params[n] for n in names]
             g = self._grad(unit)
+            graph_bytes = 0
             for m, p in enumerate(prep):
-                x = xs[m].detach().requires_grad_()
-                xs[m] = None  # the boundary activation is not needed again
-                with torch.enable_grad():
-                    y = self._layer_call(params, x, *p.rope, p.mask)
-                    grads = torch.autograd.grad(y, [x, *leaves], dh[m])
+                if kept:
+                    x, y = s.xs[m], s.ys[m]
+                    s.xs[m] = s.ys[m] = None
+                else:
+                    x = s[m].detach().requires_grad_()
+                    s[m] = None  # the boundary activation is not needed again
+                    before = torch.cuda.memory_allocated(self.device) if measure else 0
+                    with torch.enable_grad():
+                        y = self._layer_call(params, x, *p.rope, p.mask)
+                    if measure:  # a host-side counter: no synchronisation
+                        graph_bytes += torch.cuda.memory_allocated(self.device) - before
+                grads = torch.autograd.grad(y, [x, *leaves], dh[m])
                 dh[m] = grads[0]
                 _accumulate(g, unit, names, grads[1:])
-                del y, grads
+                del x, y, grads
+            self._graph_bytes = max(self._graph_bytes, graph_bytes)
             del params, leaves
             self._finish_unit(unit)
         # Embedding: scatter-add of the input gradient; no weights needed.
@@ -222,6 +258,9 @@ class Engine:
         if n_tokens == 0:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
         self.grads, self._norms = {}, {}
+        self._calls += 1
+        if self._keep_auto and self._calls == 3:
+            self._size_kept_layers()
         self.transport.begin(self._schedule(backward=True))
         prep = [self._prepare(mb) for mb in micro_batches]
         h, saved = self._forward_sweep(prep, keep=True)
@@ -229,6 +268,14 @@ class Engine:
         del h
         self._backward_sweep(saved, dh, prep)
         return loss, n_tokens
+
+    def _size_kept_layers(self, reserve: float = 0.15) -> None:
+        """Spend GPU memory that two measured steps left free on keeping the last layers' graphs
+        (each saves one layer's recompute, about a quarter of its compute)."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free = total * (1 - reserve) - torch.cuda.max_memory_reserved(self.device)
+        if self._graph_bytes > 0 and free > 0:
+            self.keep_layers = min(len(self.layer_units), int(free // self._graph_bytes))
 
     def clip_grad_norm(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Global L2 norm of all gradients (as `torch.nn.utils.clip_grad_norm_` computes it) and

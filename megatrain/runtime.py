@@ -72,6 +72,7 @@ def build_model(
     loss_chunk_tokens: int | None = None,
     gpu_state: str = "auto",
     compile: bool = False,
+    keep_layers: int | str = "auto",
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`. `overlap=False` selects the serial reference schedule on CUDA;
@@ -89,5 +90,6 @@ def build_model(
         transport = StreamingTransport(state, opt, device, dtype, overlap=overlap, gpu_state=gpu_state)
     else:
         transport = SerialTransport(state, opt, device, dtype)
-    engine = Engine(cfg, state, transport, device, dtype, loss_chunk_tokens=loss_chunk_tokens, compile=compile)
+    engine = Engine(cfg, state, transport, device, dtype, loss_chunk_tokens=loss_chunk_tokens, compile=compile,
+                    keep_layers=keep_layers)
     return TrainableModel(cfg, state, engine, transport, opt)

@@ -96,6 +96,7 @@ class StreamingTransport:
             e.set()
         self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.gpu_state = gpu_state  # "auto": decide residency after the first step; "off": never
+        self._updates = 0
         # One core stays free for the thread that launches kernels; the optimizer's OpenMP
         # threads would otherwise preempt it and starve the GPU.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
@@ -115,7 +116,7 @@ class StreamingTransport:
     # ------------------------------------------------------------- weights in
     def begin(self, schedule: list[Unit]) -> None:
         self._check()
-        if self.gpu_state == "auto" and self.state.step >= 1:
+        if self.gpu_state == "auto" and self._updates >= 1:  # one step measured in this process
             self.gpu_state = "decided"
             self.auto_resident()
         self.schedule, self._pos, self._issued = list(schedule), 0, {}
@@ -161,6 +162,7 @@ class StreamingTransport:
     # ------------------------------------------------------------- gradients out
     def update(self, grads: dict[int, torch.Tensor], coef, lr: float, step: int) -> None:
         self._check()
+        self._updates += 1
         for i, (p, m, v) in self.resident.items():  # on the compute stream, ~1 ms per GB
             unit, g = self.state.units[i], grads.pop(i)
             if coef is not None:

@@ -47,13 +47,15 @@ def _steps(model, n_steps=4, n_micro=3, seq=128, vocab=512, max_norm=0.5, lr=2e-
 ADAMW = AdamWConfig(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-@pytest.mark.parametrize("family,tied,resident", [("llama", False, 0), ("qwen3", True, 0), ("qwen2", False, 2)])
-def test_overlapped_equals_serial_bitwise(family, tied, resident):
+@pytest.mark.parametrize(
+    "family,tied,resident,keep", [("llama", False, 0, 0), ("qwen3", True, 0, 2), ("qwen2", False, 2, 1)]
+)
+def test_overlapped_equals_serial_bitwise(family, tied, resident, keep):
     cfg = _cfg(family, tied)
     results = []
     for overlap in (False, True):
         m = build_model(cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, overlap=overlap,
-                        gpu_state="off")
+                        gpu_state="off", keep_layers=keep)
         if resident:  # the leading units' state on the GPU, stepped there
             m.transport.make_resident(m.state.units[:resident])
         if overlap:
