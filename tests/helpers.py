@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import random
+
 import torch
 import transformers
 
@@ -46,3 +49,76 @@ def tiny_hf_model(family="llama", tied=False, seed=0, **overrides):
             if "norm" in n or n.endswith("bias"):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
     return model.eval()
+
+
+# --------------------------------------------------------------------------- tiny tokenizers
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+TOKENIZER_SPECIALS = [
+    "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>",
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+]  # fmt: skip
+_TEXT = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one "
+    "had by word but not what all were we when your can said there use an each which she do how their "
+    "if will up other about out many then them these so some her would make like him into time has look "
+    "two more write go see number no way could people my than first water been call who oil its now "
+    "find long down day did get come made may part over new sound take only little work know place year "
+    "live me back give most very after thing our just name good sentence man think say great where help "
+    "through much before line right too mean old any same tell boy follow came want show also around "
+    "form three small set put end does another well large must big even such because turn here why ask "
+    "went men read need land different home us move try kind hand picture again change off play spell "
+    "air away animal house point page letter mother answer found study still learn should america world "
+    "hello hi question user assistant system sure thanks yes"
+)
+
+
+@functools.cache
+def _bpe_json(bos_post_processor: str) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    rng = random.Random(0)
+    words = _TEXT.split()
+    corpus = [" ".join(rng.choices(words, k=10)) + ".\n" for _ in range(400)]
+    corpus += [w.capitalize() + "?" for w in words] + ["0 1 2 3 4 5 6 7 8 9 , ! : ;"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=TOKENIZER_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    bos_id = tok.token_to_id(bos_post_processor)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos_post_processor} $A", special_tokens=[(bos_post_processor, bos_id)]
+    )
+    return tok.to_str()
+
+
+def tiny_tokenizer(template: str | None = "chatml"):
+    """A byte-level BPE (~600 tokens, trained in milliseconds) that adds a BOS by default, as a
+    transformers PreTrainedTokenizerFast. template: "chatml" (<s>/</s>, ChatML turns), "llama3"
+    (<|begin_of_text|>/<|eot_id|>, Llama 3 headers), or None (no chat template, <s>/</s>)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if template == "llama3":
+        bos, eos, chat = "<|begin_of_text|>", "<|eot_id|>", LLAMA3_TEMPLATE
+    else:
+        bos, eos, chat = "<s>", "</s>", CHATML_TEMPLATE if template == "chatml" else None
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_bpe_json(bos)), bos_token=bos, eos_token=eos, pad_token="<pad>"
+    )
+    if chat is not None:
+        tok.chat_template = chat
+    return tok

@@ -1,0 +1,221 @@
+"""Batcher: samples -> optimizer steps of micro-batches, deterministic and exactly resumable.
+
+Without packing each sample is one row, right-padded to the longest row of its micro-batch.
+To keep padding low, micro-batches are cut from windows of ~100 micro-batches' worth of
+shuffled samples sorted by length, and then the micro-batch order is shuffled again, so
+lengths do not drift over the epoch.
+
+With packing, samples are laid into rows of exactly max_length tokens once, up front (first
+fit over a few open rows, in a seeded shuffled order), and each epoch shuffles the rows. A
+document is never split across rows (samples are at most max_length long; plain text longer
+than that was already split into max_length pieces by build_samples); a row's unused tail is
+padding. Packing once keeps steps_per_epoch fixed, which the LR schedule and resume rely on.
+
+The order of an epoch is a pure function of (seed, epoch), so a resume only needs the epoch
+and the position in it. shuffle=False follows the file order exactly (no bucketing).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+
+import torch
+
+from ..batch import IGNORE_INDEX, MicroBatch
+from ..errors import DataError
+from .samples import Sample
+
+log = logging.getLogger(__name__)
+
+BUCKET_WINDOW = 100  # micro-batches per length-sorting window
+OPEN_ROWS = 16  # rows that stay open for first-fit packing
+
+
+class Batcher:
+    """Yields one optimizer step (grad_accum micro-batches) per `next_step()`, forever,
+    wrapping to a freshly shuffled epoch; the last incomplete optimizer step of an epoch is
+    dropped."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        batch_size: int,
+        grad_accum: int,
+        max_length: int,
+        packing: bool = False,
+        shuffle: bool = True,
+        seed: int = 42,
+        pad_id: int = 0,
+    ):
+        if batch_size < 1 or grad_accum < 1 or max_length < 1:
+            raise ValueError("batch_size, grad_accum and max_length must be >= 1")
+        if not samples:
+            raise DataError("no samples to train on")
+        self.samples = samples
+        self.batch_size, self.grad_accum, self.max_length = batch_size, grad_accum, max_length
+        self.packing, self.shuffle, self.seed, self.pad_id = packing, shuffle, seed, pad_id
+        # Over-long samples are truncated here too, so any caller gets rows <= max_length.
+        self._lengths = [min(len(s.input_ids), max_length) for s in samples]
+        self._rows: list[list[int]] | None = None
+        if packing:
+            order = list(range(len(samples)))
+            if shuffle:
+                random.Random(f"pack-{seed}").shuffle(order)  # independent of the epoch streams
+            self._rows = pack_rows(order, self._lengths, max_length, OPEN_ROWS if shuffle else 1)
+        units = len(self._rows) if packing else len(samples)
+        self.steps_per_epoch = units // batch_size // grad_accum
+        if self.steps_per_epoch == 0:
+            raise DataError(self._too_small(units))
+        self._epoch, self._position = 0, 0
+        self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, micro-batches of units)
+
+    def _too_small(self, units: int) -> str:
+        need = self.batch_size * self.grad_accum
+        tokens = sum(self._lengths)
+        have = f"{len(self.samples)} samples ({tokens} tokens)"
+        if self.packing:
+            have += f" pack into {units} rows of max_length {self.max_length}"
+        return (
+            f"dataset too small: {have}, but one optimizer step needs {need} "
+            f"{'rows' if self.packing else 'samples'} (per_device_train_batch_size {self.batch_size} "
+            f"x gradient_accumulation_steps {self.grad_accum})"
+        )
+
+    # ------------------------------------------------------------------ iteration
+    @property
+    def epoch(self) -> float:
+        """Epochs done, fractional."""
+        return self._epoch + self._position / self.steps_per_epoch
+
+    def next_step(self) -> list[MicroBatch]:
+        """The micro-batches of the next optimizer step."""
+        if self._position >= self.steps_per_epoch:
+            self._epoch, self._position = self._epoch + 1, 0
+        plan = self._epoch_plan(self._epoch)
+        ga = self.grad_accum
+        step = plan[self._position * ga : (self._position + 1) * ga]
+        self._position += 1
+        return [self._build(mb) for mb in step]
+
+    def _epoch_plan(self, epoch: int) -> list[list[int]]:
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, self._make_plan(epoch))
+        return self._plan[1]
+
+    def _make_plan(self, epoch: int) -> list[list[int]]:
+        """The micro-batches (lists of sample or row indices) of one epoch."""
+        bs, n_micro = self.batch_size, self.steps_per_epoch * self.grad_accum
+        units = len(self._rows) if self._rows is not None else len(self.samples)
+        order = list(range(units))
+        if not self.shuffle:
+            return [order[i * bs : (i + 1) * bs] for i in range(n_micro)]
+        rng = random.Random(self.seed + epoch)
+        rng.shuffle(order)
+        order = order[: n_micro * bs]  # whatever does not fill a step waits for a later epoch
+        if self._rows is not None:  # packed rows are all max_length: nothing to bucket
+            return [order[i * bs : (i + 1) * bs] for i in range(n_micro)]
+        window = BUCKET_WINDOW * bs
+        micro = []
+        for w in range(0, len(order), window):
+            chunk = sorted(order[w : w + window], key=self._lengths.__getitem__)
+            micro += [chunk[i : i + bs] for i in range(0, len(chunk), bs)]
+        rng.shuffle(micro)
+        return micro
+
+    # ------------------------------------------------------------------ tensors
+    def _build(self, units: list[int]) -> MicroBatch:
+        if self._rows is not None:
+            return self._build_packed([self._rows[u] for u in units])
+        width = max(self._lengths[i] for i in units)
+        ids, labels = [], []
+        for i in units:
+            s, n = self.samples[i], self._lengths[i]
+            ids.append(s.input_ids[:n] + [self.pad_id] * (width - n))
+            labels.append(s.labels[:n] + [IGNORE_INDEX] * (width - n))
+        # Right padding with causal attention: real tokens never see pads, and the default
+        # arange positions are exact, so no position_ids or attention mask are needed.
+        return MicroBatch(_tensor(ids), _tensor(labels))
+
+    def _build_packed(self, rows: list[list[int]]) -> MicroBatch:
+        ids, labels, pos, docs = [], [], [], []
+        for row in rows:
+            r_ids, r_lab, r_pos, r_doc = [], [], [], []
+            for d, i in enumerate(row):
+                s, n = self.samples[i], self._lengths[i]
+                r_ids += s.input_ids[:n]
+                # The first token of a document is predicted from the previous document's last
+                # token after the engine's shift: never a target.
+                r_lab += [IGNORE_INDEX] + s.labels[1:n]
+                r_pos += range(n)
+                r_doc += [d] * n
+            pad = self.max_length - len(r_ids)
+            r_ids += [self.pad_id] * pad
+            r_lab += [IGNORE_INDEX] * pad
+            r_pos += range(pad)
+            r_doc += [len(row)] * pad  # padding is its own document: attends to nothing real
+            ids.append(r_ids)
+            labels.append(r_lab)
+            pos.append(r_pos)
+            docs.append(r_doc)
+        return MicroBatch(
+            _tensor(ids), _tensor(labels), position_ids=_tensor(pos), document_ids=_tensor(docs)
+        )
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        """JSON-serialisable position: load it into a Batcher over the same samples and
+        settings and the following steps are exactly those an uninterrupted run would see."""
+        return {"epoch": self._epoch, "position": self._position, "steps_per_epoch": self.steps_per_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        saved = state.get("steps_per_epoch", self.steps_per_epoch)
+        if saved != self.steps_per_epoch:
+            # The data or batch settings changed: an exact resume is impossible, so keep the
+            # same fraction of the epoch rather than replaying or skipping data.
+            log.warning(
+                "data changed since the checkpoint (%d steps per epoch, now %d): resuming at the same epoch fraction",
+                saved,
+                self.steps_per_epoch,
+            )
+            position = round(position * self.steps_per_epoch / max(saved, 1))
+        if epoch < 0 or not 0 <= position <= self.steps_per_epoch:
+            raise DataError(f"data loader state out of range: epoch {epoch}, position {position}")
+        self._epoch, self._position = epoch, position
+
+
+def pack_rows(order: list[int], lengths: list[int], max_length: int, open_rows: int) -> list[list[int]]:
+    """Lay samples (indices, visited in `order`) into rows of at most max_length tokens.
+
+    First fit over the `open_rows` most recent unfinished rows: a short sample fills a gap
+    left in an earlier row instead of starting a new one. open_rows=1 is next fit, which keeps
+    the given order exactly. Rows come out in the order they were opened.
+    """
+    done: list[tuple[int, list[int]]] = []  # (opening index, row)
+    open_: list[tuple[int, list[int], int]] = []  # (opening index, row, room left)
+    opened = 0
+    for i in order:
+        n = lengths[i]
+        for k, (at, row, room) in enumerate(open_):
+            if n <= room:
+                row.append(i)
+                open_[k] = (at, row, room - n)
+                if room == n:  # full: stop scanning it
+                    done.append(open_.pop(k)[:2])
+                break
+        else:
+            if len(open_) == open_rows:
+                done.append(open_.pop(0)[:2])
+            open_.append((opened, [i], max_length - n))
+            opened += 1
+            if n == max_length:
+                done.append(open_.pop()[:2])
+    done += [(at, row) for at, row, _ in open_]
+    done.sort(key=lambda x: x[0])
+    return [row for _, row in done]
+
+
+def _tensor(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)

@@ -1,0 +1,134 @@
+"""Chat conversations -> tokens and labels, with the loss on the assistant turns.
+
+The conversation is rendered with the tokenizer's own chat template. Which characters belong
+to each assistant turn is found by rendering growing prefixes of the conversation (the way
+TRL and LlamaFactory do it): the turn starts where `messages[:i]` plus the generation prompt
+ends and stops where `messages[:i+1]` ends. That needs no knowledge of the template, so it
+works for ChatML, Llama 3, Mistral, Gemma... alike. The character spans are then mapped to
+tokens through the fast tokenizer's offsets, so a template's whitespace or a BPE merge across
+the boundary cannot shift the mask by a token.
+"""
+
+from __future__ import annotations
+
+from ..batch import IGNORE_INDEX
+from ..errors import ConfigError, DataError
+from .formats import Messages
+
+Span = tuple[int, int]
+
+
+def require_chat_template(tokenizer, where: str) -> None:
+    """ConfigError when `tokenizer` cannot render chat data (`where` names the dataset file)."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "(in memory)"
+        raise ConfigError(
+            f"tokenizer at {name} has no chat template; {where} is chat data. Use a tokenizer with a "
+            "chat_template (tokenizer_config.json or chat_template.jinja), or a text/tokens dataset"
+        )
+
+
+def encode_chats(
+    tokenizer, chats: list[tuple[str, Messages]], train_on_prompt: bool
+) -> list[tuple[list[int], list[int]]]:
+    """Token ids and unshifted labels for each (file:line, messages) conversation.
+
+    Labels are -100 everywhere except on assistant turns (content and end-of-turn token), or
+    on every token when `train_on_prompt`. The rendered text is tokenised without adding
+    special tokens: templates that want a BOS write it themselves, so adding one would double it.
+    """
+    texts, spans = [], []
+    for where, messages in chats:
+        text, sp = render_with_spans(tokenizer, messages, where)
+        texts.append(text)
+        spans.append(sp)
+    # One batched call: the Rust tokenizer parallelises across the texts.
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    out = []
+    for ids, offsets, sp in zip(enc["input_ids"], enc["offset_mapping"], spans):
+        labels = list(ids) if train_on_prompt else _labels_in_spans(ids, offsets, sp)
+        out.append((list(ids), labels))
+    return out
+
+
+def render_with_spans(tokenizer, messages: Messages, where: str) -> tuple[str, list[Span]]:
+    """The rendered conversation and the character spans of its assistant turns."""
+    full = _render(tokenizer, messages, False, where)
+    spans: list[Span] = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        span = _prefix_span(tokenizer, messages, i, full, cursor, where)
+        if span is None:
+            span = _search_span(tokenizer, messages, i, full, cursor, where)
+        start, end = span
+        # The newline a template puts after the end-of-turn token belongs to the next turn's
+        # layout; the model should learn to emit the end-of-turn token, not what follows it.
+        while end > start and full[end - 1].isspace():
+            end -= 1
+        spans.append((start, end))
+        cursor = span[1]
+    return full, spans
+
+
+def _render(tokenizer, messages: Messages, generation_prompt: bool, where: str) -> str:
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja2 errors, including the template's own raise_exception
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{where}: the chat template refused this conversation ({msg})") from None
+    if not isinstance(out, str):
+        raise DataError(f"{where}: the chat template did not render to a string")
+    return out
+
+
+def _prefix_span(tokenizer, messages: Messages, i: int, full: str, cursor: int, where: str) -> Span | None:
+    """Assistant turn i by prefix rendering; None when the template is not prefix-stable (e.g.
+    it drops the reasoning of earlier turns, or cannot render a conversation that ends early)."""
+    try:
+        before = _render(tokenizer, messages[:i], True, where)
+        through = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False, where)
+    except DataError:
+        return None
+    if len(before) < cursor or not through.startswith(before) or not full.startswith(through):
+        return None
+    return len(before), len(through)
+
+
+def _search_span(tokenizer, messages: Messages, i: int, full: str, cursor: int, where: str) -> Span:
+    """Fallback: find the assistant content itself in the rendering, after the previous turn,
+    and extend it over whatever the template writes after an assistant's content (its
+    end-of-turn marker), as learnt from rendering the conversation up to this turn."""
+    content = messages[i]["content"]
+    start = full.find(content, cursor)
+    if start < 0 or not content:
+        raise DataError(
+            f"{where}: cannot locate assistant turn {i} in the chat template's rendering, so the "
+            "tokens to train on are unknown (the template changes or drops assistant content)"
+        )
+    end = start + len(content)
+    try:
+        through = _render(tokenizer, messages[: i + 1], False, where)
+    except DataError:
+        return start, end
+    at = through.rfind(content)
+    tail = through[at + len(content) :] if at >= 0 else ""
+    if tail and full.startswith(tail, end):
+        end += len(tail)
+    return start, end
+
+
+def _labels_in_spans(ids: list[int], offsets: list[Span], spans: list[Span]) -> list[int]:
+    """ids where a token overlaps one of the (sorted, disjoint) character spans, else -100."""
+    labels = [IGNORE_INDEX] * len(ids)
+    k = 0
+    for t, (a, b) in enumerate(offsets):
+        while k < len(spans) and spans[k][1] <= a:
+            k += 1
+        if k == len(spans):
+            break
+        s, e = spans[k]
+        if a < e and b > s:
+            labels[t] = ids[t]
+    return labels

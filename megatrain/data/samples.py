@@ -1,0 +1,170 @@
+"""build_samples: dataset files -> tokenised training samples with labels."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from ..batch import IGNORE_INDEX
+from ..errors import ConfigError, DataError
+from .chat import encode_chats, require_chat_template
+from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize
+from .sources import read_records, resolve_dataset
+
+log = logging.getLogger(__name__)
+
+CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
+CHUNK = 2048  # records per batched tokenizer call: large enough to amortise, small for the bar
+
+
+@dataclass(slots=True)
+class Sample:
+    """One training sequence. `labels` are unshifted (labels[t] is the target at position t)
+    with -100 where no loss is taken; `source` is "file:line" for messages."""
+
+    input_ids: list[int]
+    labels: list[int]
+    source: str
+
+    def __post_init__(self):
+        if len(self.input_ids) != len(self.labels):
+            raise DataError(f"{self.source}: {len(self.labels)} labels for {len(self.input_ids)} input_ids")
+
+    @property
+    def has_labels(self) -> bool:
+        """Whether any token is trained on; labels[0] never is (nothing comes before it)."""
+        return any(x != IGNORE_INDEX for x in self.labels[1:])
+
+
+def build_samples(cfg, tokenizer) -> list[Sample]:
+    """Read, validate and tokenise every file of `cfg.dataset`, in order.
+
+    Samples longer than `cfg.max_length` are truncated (cfg.truncation) or refused with a
+    DataError naming file:line. Plain text with packing is instead split into max_length
+    pieces, so pretraining data loses nothing. Samples left with no label tokens are skipped
+    with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
+    the pre-tokenised `tokens` format.
+    """
+    vocab_size = len(tokenizer) if tokenizer is not None else None
+    samples: list[Sample] = []
+    skipped: list[str] = []
+    for file in resolve_dataset(cfg):
+        records = read_records(file.path)
+        where0 = f"{file.path}:{records[0][0]}"
+        fmt = file.format if file.format != "auto" else detect_format(where0, records[0][1])
+        encode = _encoder(fmt, cfg, tokenizer, str(file.path))
+        bar = tqdm(total=len(records), desc=f"tokenizing {file.path.name}", unit="rec", disable=_no_bar(cfg))
+        for chunk in _chunks(records, CHUNK):
+            items = [
+                (f"{file.path}:{line}", normalize(fmt, file, f"{file.path}:{line}", rec, vocab_size))
+                for line, rec in chunk
+            ]
+            for (where, _), (ids, labels) in zip(items, encode(items)):
+                kept = [s for s in _fit(Sample(ids, labels, where), fmt, cfg) if s.has_labels]
+                if not kept:
+                    skipped.append(where)
+                samples += kept
+            bar.update(len(chunk))
+        bar.close()
+    if not samples:
+        raise DataError(
+            f"no trainable samples: all {len(skipped)} have no label tokens left (first: {skipped[0]}); "
+            f"is max_length {cfg.max_length} shorter than the prompts?"
+        )
+    if skipped:
+        log.warning(
+            "skipped %d samples with no label tokens (all prompt, or cut by max_length %d; first: %s)",
+            len(skipped),
+            cfg.max_length,
+            skipped[0],
+        )
+    return samples
+
+
+def _no_bar(cfg) -> bool | None:
+    # None lets tqdm decide (off when stderr is not a terminal); an explicit setting wins.
+    return True if cfg.disable_tqdm else None
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+Encoded = list[tuple[list[int], list[int]]]
+
+
+def _encoder(fmt: str, cfg, tokenizer, where: str) -> Callable[[list[tuple[str, object]]], Encoded]:
+    """The batched encoder for a format, after checking the tokenizer can serve it."""
+    if fmt == "tokens":
+        return _encode_tokens
+    if tokenizer is None:
+        raise ConfigError(f"{where}: the {fmt} format needs a tokenizer (set tokenizer_name_or_path)")
+    if fmt == "text":
+        return lambda items: _encode_text(tokenizer, items)
+    if fmt == "prompt_completion" and not getattr(tokenizer, "chat_template", None):
+        return lambda items: _encode_plain_pc(tokenizer, items)
+    if fmt in (*CHAT_FORMATS, "prompt_completion"):
+        require_chat_template(tokenizer, where)
+        return lambda items: encode_chats(
+            tokenizer, [(w, _as_messages(x)) for w, x in items], cfg.train_on_prompt
+        )
+    raise ConfigError(f"dataset_format: unknown format {fmt!r}")
+
+
+def _as_messages(item) -> Messages:
+    if isinstance(item, PromptCompletion):
+        return [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": item.completion}]
+    return item
+
+
+def _encode_tokens(items: list[tuple[str, Tokens]]) -> Encoded:
+    return [(t.input_ids, list(t.labels) if t.labels is not None else list(t.input_ids)) for _, t in items]
+
+
+def _encode_text(tokenizer, items: list[tuple[str, str]]) -> Encoded:
+    # add_special_tokens=True adds a BOS exactly when the tokenizer does so by default; the EOS
+    # closes each document so the model learns where documents end.
+    enc = tokenizer([t for _, t in items], add_special_tokens=True)["input_ids"]
+    eos = tokenizer.eos_token_id
+    out = []
+    for ids in enc:
+        ids = list(ids)
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        out.append((ids, list(ids)))
+    return out
+
+
+def _encode_plain_pc(tokenizer, items: list[tuple[str, PromptCompletion]]) -> Encoded:
+    """prompt + completion + EOS without a chat template; loss on the completion and EOS."""
+    prompts = tokenizer([x.prompt for _, x in items], add_special_tokens=True)["input_ids"]
+    completions = tokenizer([x.completion for _, x in items], add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for p, c in zip(prompts, completions):
+        target = list(c) + eos
+        out.append((list(p) + target, [IGNORE_INDEX] * len(p) + target))
+    return out
+
+
+def _fit(sample: Sample, fmt: str, cfg) -> list[Sample]:
+    """A sample within max_length: as is, truncated, split (text with packing) or refused."""
+    n, m = len(sample.input_ids), cfg.max_length
+    if n <= m:
+        return [sample]
+    if fmt == "text" and cfg.packing:
+        # A one-token remainder has nothing to predict; drop it rather than warn about it.
+        return [
+            Sample(sample.input_ids[i : i + m], sample.labels[i : i + m], sample.source)
+            for i in range(0, n, m)
+            if n - i > 1
+        ]
+    if not cfg.truncation:
+        raise DataError(
+            f"{sample.source}: sample has {n} tokens, more than max_length {m} (set truncation: true to cut it)"
+        )
+    return [Sample(sample.input_ids[:m], sample.labels[:m], sample.source)]

@@ -1,0 +1,221 @@
+"""Finding and reading dataset files: JSON, JSONL and Parquet files, directories of them, and
+names registered in a LlamaFactory-style dataset_info.json."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, DataError
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+@dataclass
+class DataFile:
+    """One file to read, with how to interpret its records."""
+
+    path: Path
+    format: str = "auto"
+    """A dataset format name, or auto (detected from the first record)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """dataset_info.json `columns`: our field name -> the file's column name."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """dataset_info.json `tags` for sharegpt turns (role_tag, content_tag, user_tag, ...)."""
+
+
+# ------------------------------------------------------------------------ resolving names
+def resolve_dataset(cfg) -> list[DataFile]:
+    """The files `cfg.dataset` refers to, in order.
+
+    Each entry may be a file, a directory (with a dataset_info.json: every dataset registered
+    there; without: every .json/.jsonl/.parquet file in it, sorted), or a name registered in
+    `cfg.dataset_info` or in the dataset_info.json of the entry's directory ("data/alpaca_en").
+    A single string may list several entries separated by commas, as in LlamaFactory.
+    """
+    entries = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
+    if isinstance(cfg.dataset, str) and "," in cfg.dataset and not Path(cfg.dataset).exists():
+        entries = [e.strip() for e in cfg.dataset.split(",") if e.strip()]
+    if not entries:
+        raise ConfigError("dataset: no dataset given")
+    info = _load_info(Path(cfg.dataset_info)) if cfg.dataset_info else None
+    files: list[DataFile] = []
+    for entry in entries:
+        files += _resolve_entry(entry, info, cfg.dataset_format)
+    return files
+
+
+def _resolve_entry(entry: str, info: tuple[Path, dict] | None, fmt: str) -> list[DataFile]:
+    p = Path(entry)
+    if info is not None and entry in info[1]:
+        return _registered(entry, *info)
+    if p.is_file():
+        return [DataFile(p, fmt)]
+    if p.is_dir():
+        if (p / "dataset_info.json").is_file():
+            info_path, registry = _load_info(p / "dataset_info.json")
+            return [f for name in registry for f in _registered(name, info_path, registry)]
+        found = _files_in(p)
+        if not found:
+            raise ConfigError(
+                f"dataset {entry}: directory has no dataset_info.json and no {'/'.join(DATA_SUFFIXES)} files"
+            )
+        return [DataFile(f, fmt) for f in found]
+    local = p.parent / "dataset_info.json"
+    if p.parent != Path(".") and local.is_file():
+        info_path, registry = _load_info(local)
+        if p.name in registry:
+            return _registered(p.name, info_path, registry)
+        raise ConfigError(
+            f"dataset {entry}: no such file, and {p.name!r} is not registered in {local} ({_names(registry)})"
+        )
+    if info is not None:
+        raise ConfigError(f"dataset {entry}: no such file, and not a name in {info[0]} ({_names(info[1])})")
+    raise ConfigError(
+        f"dataset {entry}: no such file or directory (to use a registered name, set dataset_info)"
+    )
+
+
+def _names(registry: dict) -> str:
+    names = sorted(registry)
+    return "registered: " + ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+
+
+def _files_in(directory: Path) -> list[Path]:
+    return sorted(
+        f
+        for f in directory.iterdir()
+        if f.suffix in DATA_SUFFIXES and f.is_file() and f.name != "dataset_info.json"
+    )
+
+
+def _load_info(path: Path) -> tuple[Path, dict]:
+    if not path.is_file():
+        raise ConfigError(f"dataset_info {path}: no such file")
+    try:
+        registry = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"dataset_info {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(registry, dict) or not all(isinstance(v, dict) for v in registry.values()):
+        raise ConfigError(
+            f"dataset_info {path}: expected an object of name -> {{file_name, formatting, ...}}"
+        )
+    return path, registry
+
+
+def _registered(name: str, info_path: Path, registry: dict) -> list[DataFile]:
+    """The files of one dataset_info.json entry. Only local `file_name` entries are supported:
+    hub and script entries would need a network."""
+    spec = registry[name]
+    where = f"dataset_info {info_path}: {name!r}"
+    if "file_name" not in spec:
+        remote = [
+            k
+            for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+            if k in spec
+        ]
+        why = f"has {remote[0]}, but only local files are supported" if remote else "has no file_name"
+        raise ConfigError(f"{where} {why}")
+    if spec.get("ranking"):
+        raise ConfigError(f"{where} is a ranking (preference) dataset, which supervised training cannot use")
+    formatting = spec.get("formatting", "alpaca")
+    if formatting not in ("alpaca", "sharegpt"):
+        raise ConfigError(f"{where}: formatting must be alpaca or sharegpt (got {formatting!r})")
+    for key in ("columns", "tags"):
+        if not isinstance(spec.get(key, {}), dict):
+            raise ConfigError(f"{where}: {key} must be an object")
+    target = info_path.parent / spec["file_name"]
+    if target.is_dir():
+        paths = _files_in(target)
+    elif target.is_file():
+        paths = [target]
+    else:
+        raise ConfigError(f"{where}: file_name {target} does not exist")
+    if not paths:
+        raise ConfigError(f"{where}: directory {target} has no {'/'.join(DATA_SUFFIXES)} files")
+    return [DataFile(p, formatting, dict(spec.get("columns", {})), dict(spec.get("tags", {}))) for p in paths]
+
+
+# ------------------------------------------------------------------------ reading records
+def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """All records of a file as (line, record) pairs; for Parquet the "line" is the 1-based row.
+
+    JSON files may hold a top-level list of records or one record per line (JSONL), whatever
+    the suffix says, as the Hugging Face `json` loader accepts both. Raises DataError naming
+    file:line for anything malformed, and for files that are empty or hold no records.
+    """
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        records = list(_read_parquet(path))
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        start = _WS.match(text).end()
+        if start == len(text):
+            raise DataError(f"{path}: file is empty")
+        records = list(_read_json_array(path, text, start) if text[start] == "[" else _read_jsonl(path, text))
+    if not records:
+        raise DataError(f"{path}: no records")
+    for line, rec in records:
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}:{line}: expected a JSON object per record, got {type(rec).__name__}")
+    return records
+
+
+def _read_jsonl(path: Path, text: str) -> Iterator[tuple[int, Any]]:
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _read_json_array(path: Path, text: str, i: int) -> Iterator[tuple[int, Any]]:
+    # Decode element by element (json's C scanner) rather than json.loads the whole list, so
+    # every record knows the line it starts on and errors can name it.
+    decoder = json.JSONDecoder()
+    line, counted = 1, 0
+    i = _WS.match(text, i + 1).end()
+    if text.startswith("]", i):
+        return
+    while True:
+        line += text.count("\n", counted, i)
+        counted = i
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        yield line, obj
+        i = _WS.match(text, end).end()
+        if text.startswith("]", i):
+            break
+        if not text.startswith(",", i):
+            where = line + text.count("\n", counted, i)
+            raise DataError(f"{path}:{where}: not valid JSON (expected ',' or ']' after a record)")
+        i = _WS.match(text, i + 1).end()
+    if _WS.match(text, i + 1).end() != len(text):
+        raise DataError(
+            f"{path}:{line + text.count(chr(10), counted, i)}: not valid JSON (extra data after the list)"
+        )
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow (pip install 'megatrain[parquet]')") from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError with long messages
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    yield from enumerate(table.to_pylist(), 1)

@@ -1,0 +1,78 @@
+"""Loading a local Hugging Face tokenizer (never from the Hub: training runs are offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+from ..errors import ConfigError
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a fast tokenizer from a local directory or a `tokenizer.json` file.
+
+    A directory is loaded as Hugging Face saves it (tokenizer.json, tokenizer_config.json,
+    special_tokens_map.json, chat_template.jinja). A bare tokenizer.json is loaded with the
+    special tokens and chat template of a tokenizer_config.json / chat_template.jinja beside it
+    when those exist. Raises ConfigError naming the path when nothing usable is there.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"tokenizer {p}: no such file or directory")
+    if p.is_file():
+        if p.name == "tokenizer.json" and (p.parent / "tokenizer_config.json").is_file():
+            return _load_dir(p.parent)  # the config beside it knows bos/eos/pad and the template
+        return _load_file(p)
+    if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        raise ConfigError(f"tokenizer {p}: directory has no tokenizer.json or tokenizer_config.json")
+    return _load_dir(p)
+
+
+def _load_file(p: Path) -> PreTrainedTokenizerFast:
+    try:
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
+    except Exception as e:  # tokenizers raises bare Exceptions for malformed JSON
+        raise ConfigError(f"tokenizer {p}: cannot be read ({_first_line(e)})") from None
+    template = p.parent / "chat_template.jinja"
+    if template.is_file():
+        tok.chat_template = template.read_text()
+    return tok
+
+
+def _load_dir(p: Path) -> PreTrainedTokenizerFast:
+    # AutoTokenizer honours the model-specific class named in tokenizer_config.json (BOS/EOS
+    # handling differs per family); fall back to the generic fast class when that class is not
+    # available in this transformers version.
+    from transformers import AutoTokenizer
+
+    errors = []
+    for loader in (AutoTokenizer, PreTrainedTokenizerFast):
+        try:
+            tok = loader.from_pretrained(str(p), local_files_only=True)
+        except Exception as e:
+            errors.append(_first_line(e))
+            continue
+        if not getattr(tok, "is_fast", False):
+            errors.append(f"{type(tok).__name__} is not a fast tokenizer")
+            continue
+        return tok
+    raise ConfigError(f"tokenizer {p}: cannot be loaded ({errors[-1]})")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerFast | None) -> int:
+    """The id used to pad micro-batches: pad, else EOS, else 0.
+
+    The value never matters for the loss (padded positions carry label -100 and right padding
+    is invisible to causal attention), it only has to be a valid embedding row.
+    """
+    if tokenizer is not None:
+        for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+            if tid is not None:
+                return int(tid)
+    return 0

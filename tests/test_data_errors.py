@@ -1,0 +1,227 @@
+"""Malformed data is refused with one line naming the file and line (or the setting) at fault."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from helpers import tiny_tokenizer
+
+from megatrain.config import TrainConfig
+from megatrain.data import Batcher, Sample, build_samples, load_tokenizer
+from megatrain.errors import ConfigError, DataError
+
+USER = {"role": "user", "content": "Hi"}
+BOT = {"role": "assistant", "content": "Hello"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer("chatml")
+
+
+def cfg_for(dataset, **kw) -> TrainConfig:
+    return TrainConfig(model_config="unused", dataset=str(dataset), **kw)
+
+
+def jsonl(tmp_path, *lines: object, name="d.jsonl"):
+    """A JSONL file; str lines are written verbatim, anything else as JSON."""
+    p = tmp_path / name
+    p.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return p
+
+
+def raises(exc, path, line, what):
+    """pytest.raises for a one-line message starting `path:line: ` and containing `what`."""
+    where = re.escape(f"{path}:{line}" if line is not None else f"{path}")
+    return pytest.raises(exc, match=rf"^{where}: .*{re.escape(what)}[^\n]*$")
+
+
+@pytest.mark.parametrize(
+    "records,line,what",
+    [
+        ([{"messages": [USER, BOT]}, '{"messages": [', {"messages": [USER, BOT]}], 2, "not valid JSON"),
+        ([{"text": "ok"}, {"txt": "oops"}], 2, "missing field 'text'"),
+        ([{"text": "ok"}, {"text": 5}], 2, "field 'text' must be a string, got int"),
+        ([{"instruction": "Say hi."}], 1, "cannot detect the dataset format from the keys ['instruction']"),
+        ([{"instruction": "a", "output": "b"}, {"instruction": "a"}], 2, "missing field 'output'"),
+        (
+            [{"messages": [USER, BOT]}, {"messages": [USER, {"role": "bot", "content": "x"}]}],
+            2,
+            "unknown role 'bot'",
+        ),
+        ([{"messages": [USER, {"role": ["x"], "content": "x"}]}], 1, "turn 1 has unknown role ['x']"),
+        ([{"messages": [USER, BOT]}, {"messages": [USER, USER]}], 2, "conversation has no assistant turn"),
+        ([{"messages": [USER, BOT]}, {"messages": []}], 2, "'messages' is an empty conversation"),
+        ([{"messages": "hello"}], 1, "'messages' must be a list of turns, got str"),
+        (
+            [{"messages": [USER, {"role": "assistant", "content": None}]}],
+            1,
+            "content must be a string, got NoneType",
+        ),
+        ([{"messages": [USER, {"role": "assistant"}]}], 1, "turn 1 of 'messages' has no 'content'"),
+        (
+            [{"conversations": [{"from": "human", "value": "a"}, {"from": "robot", "value": "b"}]}],
+            1,
+            "unknown role 'robot'",
+        ),
+        ([{"prompt": "a", "completion": 3}], 1, "field 'completion' must be a string"),
+        ([{"text": "a"}, [1, 2]], 2, "expected a JSON object per record, got list"),
+    ],
+)
+def test_malformed_records(tmp_path, tok, records, line, what):
+    p = jsonl(tmp_path, *records)
+    with raises(DataError, p, line, what):
+        build_samples(cfg_for(p), tok)
+
+
+@pytest.mark.parametrize(
+    "records,line,what",
+    [
+        ([{"input_ids": [1, 2, 3], "labels": [1, 2]}], 1, "'labels' has 2 entries but 'input_ids' has 3"),
+        (
+            [{"input_ids": [1, 2]}, {"input_ids": [1, 600]}],
+            2,
+            "token id 600 in 'input_ids' is outside the tokenizer's vocabulary [0, 600)",
+        ),
+        ([{"input_ids": [1, "2"]}], 1, "'input_ids' must be a list of integers"),
+        ([{"input_ids": [1, 2], "labels": [-100, 7000]}], 1, "label 7000 is neither -100 nor a token id"),
+        ([{"input_ids": []}], 1, "'input_ids' is empty"),
+    ],
+)
+def test_malformed_token_records(tmp_path, tok, records, line, what):
+    p = jsonl(tmp_path, *records)
+    with raises(DataError, p, line, what):
+        build_samples(cfg_for(p), tok)
+
+
+def test_json_list_errors_name_the_line(tmp_path, tok):
+    p = tmp_path / "d.json"
+    p.write_text('[\n  {"text": "a"},\n  {"text": "b"\n  {"text": "c"}\n]\n')
+    with raises(DataError, p, 4, "not valid JSON"):
+        build_samples(cfg_for(p), tok)
+    p.write_text('[\n  {"text": "a"},\n\n  {"tex": "b"}\n]\n')
+    with raises(DataError, p, 4, "missing field 'text'"):
+        build_samples(cfg_for(p), tok)
+
+
+def test_empty_files(tmp_path, tok):
+    for text, what in [
+        ("", "file is empty"),
+        ("  \n\n", "file is empty"),
+        ("[]", "no records"),
+        ("[ ]\n", "no records"),
+    ]:
+        p = tmp_path / "e.json"
+        p.write_text(text)
+        with raises(DataError, p, None, what):
+            build_samples(cfg_for(p), tok)
+
+
+def test_over_long_sample_without_truncation(tmp_path, tok):
+    p = jsonl(
+        tmp_path, {"messages": [USER, BOT]}, {"messages": [{"role": "user", "content": "the " * 50}, BOT]}
+    )
+    with raises(DataError, p, 2, "more than max_length 32 (set truncation: true"):
+        build_samples(cfg_for(p, max_length=32, truncation=False), tok)
+    assert len(build_samples(cfg_for(p, max_length=32), tok)) == 1  # truncated: no label left, skipped
+
+
+def test_all_samples_without_labels(tmp_path, tok):
+    p = jsonl(tmp_path, {"messages": [{"role": "user", "content": "the " * 50}, BOT]})
+    with pytest.raises(
+        DataError,
+        match=rf"no trainable samples: all 1 have no label tokens left \(first: {re.escape(str(p))}:1\)",
+    ):
+        build_samples(cfg_for(p, max_length=16), tok)
+
+
+def test_chat_data_needs_a_chat_template(tmp_path):
+    p = jsonl(tmp_path, {"messages": [USER, BOT]})
+    plain = tiny_tokenizer(None)
+    plain.save_pretrained(tmp_path / "tk")
+    loaded = load_tokenizer(tmp_path / "tk")
+    with pytest.raises(
+        ConfigError,
+        match=rf"tokenizer at {re.escape(str(tmp_path / 'tk'))} has no chat template; {re.escape(str(p))} is chat data",
+    ):
+        build_samples(cfg_for(p), loaded)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(p))}: the messages format needs a tokenizer"):
+        build_samples(cfg_for(p), None)
+    q = jsonl(tmp_path, {"text": "a"}, name="t.jsonl")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(q))}: the text format needs a tokenizer"):
+        build_samples(cfg_for(q), None)
+
+
+def test_template_errors_name_the_record(tmp_path):
+    tok = tiny_tokenizer("chatml")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    p = jsonl(
+        tmp_path, {"messages": [USER, BOT]}, {"messages": [{"role": "system", "content": "s"}, USER, BOT]}
+    )
+    with raises(DataError, p, 2, "the chat template refused this conversation (no system role)"):
+        build_samples(cfg_for(p), tok)
+
+
+def test_missing_dataset_and_registry_errors(tmp_path, tok):
+    with pytest.raises(
+        ConfigError, match=rf"dataset {re.escape(str(tmp_path / 'nope.jsonl'))}: no such file"
+    ):
+        build_samples(cfg_for(tmp_path / "nope.jsonl"), tok)
+    info = tmp_path / "dataset_info.json"
+    info.write_text(json.dumps({"hub": {"hf_hub_url": "org/x"}, "gone": {"file_name": "gone.json"}}))
+    with pytest.raises(ConfigError, match=r"'hub' has hf_hub_url, but only local files are supported"):
+        build_samples(cfg_for("hub", dataset_info=str(info)), tok)
+    with pytest.raises(
+        ConfigError, match=rf"'gone': file_name {re.escape(str(tmp_path / 'gone.json'))} does not exist"
+    ):
+        build_samples(cfg_for("gone", dataset_info=str(info)), tok)
+    with pytest.raises(
+        ConfigError,
+        match=rf"dataset other: no such file, and not a name in {re.escape(str(info))} \(registered: gone, hub\)",
+    ):
+        build_samples(cfg_for("other", dataset_info=str(info)), tok)
+    info.write_text("{\n  'bad': 1\n}")
+    with pytest.raises(ConfigError, match=rf"dataset_info {re.escape(str(info))}:2: not valid JSON"):
+        build_samples(cfg_for("bad", dataset_info=str(info)), tok)
+
+
+def test_bad_parquet(tmp_path, tok):
+    p = tmp_path / "d.parquet"
+    p.write_bytes(b"this is not parquet")
+    with raises(DataError, p, None, "not a readable Parquet file"):
+        build_samples(cfg_for(p), tok)
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(
+        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path / 'x'))}: no such file or directory"
+    ):
+        load_tokenizer(tmp_path / "x")
+    with pytest.raises(
+        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path))}: directory has no tokenizer.json"
+    ):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(
+        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path / 'tokenizer.json'))}: cannot be read"
+    ):
+        load_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_dataset_smaller_than_one_step():
+    samples = [Sample([1, 2, 3], [1, 2, 3], f"mem:{k}") for k in range(5)]
+    with pytest.raises(
+        DataError,
+        match=r"dataset too small: 5 samples \(15 tokens\), but one optimizer step needs 6 samples \(per_device_train_batch_size 3 x gradient_accumulation_steps 2\)",
+    ):
+        Batcher(samples, batch_size=3, grad_accum=2, max_length=8)
+    with pytest.raises(
+        DataError,
+        match=r"5 samples \(15 tokens\) pack into 3 rows of max_length 8, but one optimizer step needs 4 rows",
+    ):
+        Batcher(samples, batch_size=2, grad_accum=2, max_length=8, packing=True)
