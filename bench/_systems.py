@@ -1,0 +1,391 @@
+"""Worker process of bench.py: trains one system for one (model, tokens-per-step) and writes raw
+measurements to a JSON file.
+
+Run as `python bench/_systems.py SPEC.json`. Each run lives in its own process so a crash or an
+out-of-memory kill of one system cannot take the others down, and so host memory is measured per
+system. The result file is rewritten after every step: a run killed by the parent's timeout still
+leaves the steps it finished. Derived metrics (tokens/s, TFLOP/s, ratios) are computed by bench.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _profile import profile_busy, warm_profiler
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the megatrain package of this checkout, whatever is installed
+
+LR, BETAS, CLIP = 1e-5, (0.9, 0.95), 1.0
+DEVICE = "cuda"  # the baselines' device; a seam for testing their loops on the CPU
+
+
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise BenchError("CUDA not available")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class BenchError(Exception):
+    """An expected failure, recorded as its message alone (no traceback)."""
+
+
+class Result:
+    """The worker's record; saved atomically so the parent never reads half a file."""
+
+    def __init__(self, path: str, **fields: Any):
+        self.path, self.data = path, dict(fields)
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def vm_hwm_bytes() -> int | None:
+    """Peak resident set of this process (VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def llama_config(spec: dict, **extra: Any):
+    """The one model config every system trains (random init, so rope_theta only fixes numerics)."""
+    from transformers import LlamaConfig
+
+    m = spec["shape"]
+    cfg = LlamaConfig(
+        hidden_size=m["hidden"],
+        num_hidden_layers=m["layers"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv"],
+        intermediate_size=m["ffn"],
+        vocab_size=m["vocab"],
+        max_position_embeddings=spec["seq"],
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def cuda_peak(res: Result) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        res.data["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+        res.data["gpu_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+
+
+def step_stats(times: list[float], warmup: int) -> dict[str, Any]:
+    meas = times[warmup:] or times
+    return {"step_times": times, "step_s": sum(meas) / len(meas), "step_median_s": statistics.median(meas)}
+
+
+# ---------------------------------------------------------------------------------------- megatrain
+def run_megatrain(spec: dict, res: Result) -> None:
+    from megatrain.batch import MicroBatch
+    from megatrain.models.config import ModelConfig
+    from megatrain.optim import AdamWConfig, chunk_ranges
+    from megatrain.runtime import build_model
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not spec["smoke"]:
+        raise BenchError("CUDA not available")
+    dev, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    mcfg = ModelConfig.from_hf(llama_config(spec))
+    t0 = time.perf_counter()
+    model = build_model(
+        mcfg, seed=0, device=dev, compute_dtype=dtype, adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0)
+    )
+    eng, tr, state = model.engine, model.transport, model.state
+    res.update(params=state.num_params, init_s=time.perf_counter() - t0, compute_dtype=dtype)
+
+    # The unhidden cost of the optimizer: AdamW over the whole real state in the chunks the
+    # transport uses, zero gradients (state unchanged: m, v stay 0 and the update is 0/(0+eps)).
+    # The first pass also first-touches the moment pages, so the second is the steady figure.
+    chunk = getattr(tr, "chunk_elems", 32 * 2**20)
+    zero = torch.zeros(chunk)
+    opt_times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        for u in state.units:
+            for a, b in chunk_ranges(u, chunk):
+                model.optimizer.step_range(u, a, b, zero[: b - a], LR, 1)
+        opt_times.append(time.perf_counter() - t)
+    del zero
+    res.update(opt_first_s=opt_times[0], opt_s=opt_times[1])
+
+    T, S, mbs = spec["tokens_per_step"], spec["seq"], spec["mbs"]
+    W, N = spec["warmup"], spec["steps"] - spec["warmup"]
+    gen = torch.Generator().manual_seed(0)
+
+    def batches() -> list:
+        out = []
+        for _ in range(T // S // mbs):
+            ids = torch.randint(0, mcfg.vocab_size, (mbs, S), generator=gen)
+            out.append(MicroBatch(ids.pin_memory() if cuda else ids, ids))
+        return out
+
+    data = [batches() for _ in range(spec["steps"] + 3)]
+    it = iter(data)
+    losses: list[float] = []
+    fb_count = 0
+
+    def fb() -> torch.Tensor | None:
+        """Forward + backward + global norm; norm.item() is the one host sync of a step."""
+        nonlocal fb_count
+        loss, _ = eng.forward_backward(next(it))
+        norm, coef = eng.clip_grad_norm(CLIP)
+        norm.item()
+        fb_count += 1
+        losses.append(loss.item())  # already computed: the sync above covered it
+        return coef
+
+    # Steady state: step k's optimizer runs on the host while step k+1 computes, so a step is the
+    # wall time between consecutive norm.item() returns; the optimizer tail of the last measured
+    # step (transport.synchronize) is charged to it.
+    times: list[float] = []
+    t_prev = time.perf_counter()
+    for _ in range(W + N):
+        coef = fb()
+        t = time.perf_counter()
+        times.append(t - t_prev)
+        t_prev = t
+        eng.step(LR, coef)
+        res.update(**step_stats(times, W), losses=losses)
+    tr.synchronize()
+    times[-1] += time.perf_counter() - t_prev
+    res.update(**step_stats(times, W))
+    # Bytes per step from the transport's counters (the CPU transport has none). After the
+    # synchronize every forward-backward so far has also had its optimizer update.
+    h2d, d2h = getattr(tr, "h2d_bytes", None), getattr(tr, "d2h_bytes", None)
+    if h2d is not None and d2h is not None:
+        res.update(h2d_bytes_per_step=h2d / fb_count, d2h_bytes_per_step=d2h / fb_count)
+
+    # GPU occupancy of one steady-state step: one unprofiled step primes the pipeline so the
+    # profiled step overlaps the previous optimizer exactly as in training.
+    if cuda:
+        warm_profiler()
+        eng.step(LR, fb())
+        box: dict[str, Any] = {}
+        res.update(**profile_busy(lambda: box.update(coef=fb())))
+        eng.step(LR, box["coef"])
+        tr.synchronize()
+    else:
+        res.update(gpu_busy=None, gpu_busy_note="no CUDA")
+
+    # One serial step: nothing pending before it, synchronize right after the optimizer. Its two
+    # halves are the compute of a step and the full optimizer pass (D2H + AdamW) left exposed.
+    t0 = time.perf_counter()
+    coef = fb()
+    t1 = time.perf_counter()
+    eng.step(LR, coef)
+    tr.synchronize()
+    t2 = time.perf_counter()
+    serial_fb, serial_opt = t1 - t0, t2 - t1
+    hidden = (serial_fb + serial_opt - res.data["step_median_s"]) / serial_opt if serial_opt > 0 else None
+    res.update(
+        serial_fb_s=serial_fb,
+        serial_opt_s=serial_opt,
+        opt_hidden_frac=None if hidden is None else max(0.0, min(1.0, hidden)),
+        losses=losses,
+    )
+    cuda_peak(res)
+    model.close()
+
+
+# ---------------------------------------------------------------------------------------- deepspeed
+def run_deepspeed(spec: dict, res: Result) -> None:
+    """Mirrors /work/shared/reference-probes/ds_baseline.py, plus gradient accumulation."""
+    require_cuda()
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    res.data.setdefault("versions", {})["deepspeed"] = deepspeed.__version__
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed()
+    cfg = llama_config(spec, torch_dtype="bfloat16")
+    mbs, S = spec["mbs"], spec["seq"]
+    gas = spec["tokens_per_step"] // S // mbs
+    ds = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": gas,
+        "bf16": {"enabled": True},
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "stage3_prefetch_bucket_size": 5e8,
+            "stage3_param_persistence_threshold": 1e5,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+        },
+        "wall_clock_breakdown": False,
+        "steps_per_print": 10**9,
+    }
+    t0 = time.perf_counter()
+    with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.bfloat16):
+        model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    nparam = sum(p.ds_numel for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    res.update(params=nparam, init_s=time.perf_counter() - t0, grad_accum=gas, ds_config=ds)
+
+    losses: list[float] = []
+
+    def step() -> None:
+        # DeepSpeed runs the optimizer inside engine.step() at the accumulation boundary.
+        xs = [torch.randint(0, cfg.vocab_size, (mbs, S), device=DEVICE) for _ in range(gas)]
+        for x in xs:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+        sync()
+        losses.append(loss.item())
+
+    _timed_steps(spec, res, step, losses)
+    # Optimizer steps DeepSpeed took: one per `step()` call proves the accumulation boundaries.
+    res.update(
+        ds_global_steps=engine.global_steps,
+        ds_optimizer=type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__,
+    )
+
+
+# ---------------------------------------------------------------------------------------- resident
+def run_resident(spec: dict, res: Result) -> None:
+    """Mirrors /work/shared/reference-probes/resident.py, plus gradient accumulation."""
+    require_cuda()
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(spec)
+    mbs, S = spec["mbs"], spec["seq"]
+    gas = spec["tokens_per_step"] // S // mbs
+    t0 = time.perf_counter()
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.0, fused=True)
+    res.update(params=n, init_s=time.perf_counter() - t0, grad_accum=gas)
+    losses: list[float] = []
+
+    def step() -> None:
+        xs = [torch.randint(0, cfg.vocab_size, (mbs, S), device=DEVICE) for _ in range(gas)]
+        total = torch.zeros((), device=DEVICE)
+        for x in xs:
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss / gas
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        losses.append(total.item())
+
+    _timed_steps(spec, res, step, losses)
+
+
+def _timed_steps(spec: dict, res: Result, step: Callable[[], None], losses: list[float]) -> None:
+    """Synchronous baselines: each step ends with a device sync, so it is timed on its own."""
+    times: list[float] = []
+    for _ in range(spec["steps"]):
+        sync()
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+        res.update(**step_stats(times, spec["warmup"]), losses=losses)
+    warm_profiler()  # after the timed steps: profiling cannot perturb them
+    res.update(**profile_busy(step))
+    cuda_peak(res)
+
+
+# ---------------------------------------------------------------------------------------- main
+def classify(e: BaseException) -> tuple[str, str | None]:
+    """(error, detail): one stable line per kind of failure, the traceback as detail."""
+    detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))[-4000:]
+    msg = f"{type(e).__name__}: {e}"
+    if isinstance(e, BenchError):
+        return str(e), None
+    if (
+        isinstance(e, torch.OutOfMemoryError)
+        or "CUDA out of memory" in msg
+        or "CUDA error: out of memory" in msg
+    ):
+        return "out of GPU memory", detail
+    if isinstance(e, MemoryError) or "can't allocate memory" in msg:
+        return "out of host memory", detail
+    return msg.splitlines()[0][:500] if msg.strip() else type(e).__name__, detail
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    try:  # if the host runs out of memory, the kernel should kill this worker, not the parent
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+    import transformers
+
+    res = Result(spec["result_path"], error=None, versions={"torch": torch.__version__})
+    res.data["versions"]["transformers"] = transformers.__version__
+    try:
+        if torch.cuda.is_available():
+            res.data["gpu"] = torch.cuda.get_device_name(0)
+            res.data["versions"]["cuda"] = torch.version.cuda
+    except Exception as e:  # a broken driver shows up again, with its message, in the run itself
+        res.data["gpu"] = f"unknown ({e!r})"[:200]
+    res.update(pid=os.getpid(), grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"])
+    runner = {"megatrain": run_megatrain, "deepspeed": run_deepspeed, "resident": run_resident}
+    ok = True
+    try:
+        runner[spec["system"]](spec, res)
+    except BaseException as e:  # recorded, never raised: the parent reads the file
+        ok = False
+        res.data["error"], res.data["error_detail"] = classify(e)
+        print(res.data.get("error_detail") or res.data["error"], file=sys.stderr)
+    with contextlib.suppress(Exception):
+        cuda_peak(res)
+    res.update(host_peak_rss_bytes=vm_hwm_bytes())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: NCCL / DeepSpeed / pinned-memory destructors can hang or crash.
+    os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
