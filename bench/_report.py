@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SYSTEM_ORDER = ("megatrain", "deepspeed", "resident")
-COLORS = {"megatrain": "#1f77b4", "deepspeed": "#ff7f0e", "resident": "#2ca02c"}
+SYSTEM_ORDER = ("megatrain", "megatrain-host", "deepspeed", "resident")
+COLORS = {"megatrain": "#1f77b4", "megatrain-host": "#9ecae1", "deepspeed": "#ff7f0e", "resident": "#2ca02c"}
 
 
 def _f(fmt: str) -> Callable[[Any], str]:
@@ -89,14 +89,14 @@ def write_json(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) 
 def _summary_lines(records: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in records:
-        if r["system"] == "megatrain" and r.get("tokens_per_s"):
+        if r["system"].startswith("megatrain") and r.get("tokens_per_s"):
             parts = [
                 f"{base} {r[f'ratio_vs_{base}']:.2f}x"
                 for base in ("deepspeed", "resident")
                 if r.get(f"ratio_vs_{base}") is not None
             ]
             out.append(
-                f"- {r['tokens_per_step']:,} tokens/step: megatrain {r['tokens_per_s']:,.0f} tokens/s"
+                f"- {r['tokens_per_step']:,} tokens/step: {r['system']} {r['tokens_per_s']:,.0f} tokens/s"
                 + (f" = {', '.join(parts)}" if parts else " (no baseline finished)")
             )
     return out
@@ -136,7 +136,7 @@ def write_md(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) ->
         "",
         "## megatrain details",
         "",
-        *[_megatrain_detail(r) for r in records if r["system"] == "megatrain" and not r.get("error")],
+        *[_megatrain_detail(r) for r in records if r["system"].startswith("megatrain") and not r.get("error")],
         "",
         "## other measurements",
         "",
@@ -189,7 +189,7 @@ def write_png(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) -
                 )
                 continue
             text = f"{v / 1000:.1f}k"
-            if s == "megatrain" and r.get("ratio_vs_deepspeed"):
+            if s.startswith("megatrain") and r.get("ratio_vs_deepspeed"):
                 text += f"\n{r['ratio_vs_deepspeed']:.2f}x DS"
             ax1.text(x, v, text, ha="center", va="bottom", fontsize=8)
     ax1.set_xticks(range(len(tokens)), [f"{t:,}" for t in tokens])

@@ -33,7 +33,8 @@ import _report  # noqa: E402  (a sibling module; bench/ is not a package)
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 WORKER = BENCH / "_systems.py"
-SYSTEMS = ("megatrain", "deepspeed", "resident")
+# megatrain-host: megatrain with every weight and moment kept in host memory (gpu_state=off).
+SYSTEMS = ("megatrain", "megatrain-host", "deepspeed", "resident")
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv", "ffn", "vocab")
 MODELS: dict[str, dict[str, int]] = {
     # 3.61 B, the model of /work/shared/PERFORMANCE.md

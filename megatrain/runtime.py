@@ -71,13 +71,13 @@ def build_model(
     progress: bool = False,
     loss_chunk_tokens: int | None = None,
     gpu_state: str = "auto",
-    compile: bool = False,
+    compile: bool | None = None,
     keep_layers: int | str = "auto",
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`. `overlap=False` selects the serial reference schedule on CUDA;
     `gpu_state="off"` keeps all state in host memory (see StreamingTransport.make_resident);
-    `compile=True` compiles the decoder layer with torch.compile."""
+    `compile` compiles the decoder layer with torch.compile (default: on CUDA only)."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
     state = HostState(build_units(cfg))
@@ -86,6 +86,8 @@ def build_model(
     else:
         init_random(state, cfg, seed)
     opt = HostAdamW(state, adamw or AdamWConfig())
+    if compile is None:
+        compile = device.type == "cuda"
     if device.type == "cuda":
         transport = StreamingTransport(state, opt, device, dtype, overlap=overlap, gpu_state=gpu_state)
     else:

@@ -53,6 +53,9 @@ class SerialTransport:
                 g.mul_(coef)
             self.optimizer.step_range(unit, 0, unit.numel, g.to("cpu"), lr, step)
 
+    def wait_updates(self) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -234,12 +237,16 @@ class StreamingTransport:
             e, self._error = self._error, None
             raise RuntimeError("the optimizer worker failed") from e
 
-    def synchronize(self) -> None:
-        """Wait until every pending update has reached the host state (device-resident units
-        are copied back)."""
+    def wait_updates(self) -> None:
+        """Wait until every pending host update has been applied."""
         for u in self.state.units:
             self._ready[u.index].wait()
         self._check()
+
+    def synchronize(self) -> None:
+        """Wait until every pending update has reached the host state (device-resident units
+        are copied back)."""
+        self.wait_updates()
         for i, tensors in self.resident.items():
             unit = self.state.units[i]
             for which, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
