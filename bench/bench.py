@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens-per-step", default=None, help="comma list, e.g. 16384,65536 or 16k,64k")
     ap.add_argument("--mbs", type=int, default=None, help="sequences per micro-batch (default 16384/seq)")
     ap.add_argument("--ds-mbs", type=int, default=None, help="DeepSpeed micro-batch (default --mbs)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps incl. warm-up (default 6)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps incl. warm-up (default 7)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps excluded (default 3)")
     ap.add_argument(
         "--systems",
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     smoke = dict(model="tiny", seq=128, tokens_per_step="256,512", mbs=1, steps=5, warmup=3, tag="smoke")
     # Warm-up 3: megatrain decides GPU-resident state after step 1 and kept layers at step 3.
-    normal = dict(model="A", seq=4096, tokens_per_step="16384,65536", mbs=None, steps=6, warmup=3, tag=None)
+    normal = dict(model="A", seq=4096, tokens_per_step="16384,65536", mbs=None, steps=7, warmup=3, tag=None)
     for k, v in (smoke if a.smoke else normal).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
