@@ -1,4 +1,10 @@
-"""`megatrain` command line: parse, build, run, close."""
+"""`megatrain` command line: train, export, plot, plan.
+
+Exit codes: 0 done; 1 training diverged (non-finite steps), or `plan` says the run does not
+fit; 2 bad input (one line "megatrain: error: ..." naming the key, file or line); 130 / 143 a run
+stopped by SIGINT / SIGTERM (after saving a checkpoint, or at once on a second signal; see
+guard.py).
+"""
 
 from __future__ import annotations
 
@@ -6,32 +12,133 @@ import argparse
 import sys
 
 from .errors import MegatrainError
+from .guard import Aborted, TrainingInterrupted
 
 
-def _train(args) -> None:
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line, like every other error, instead of argparse's usage block.
+        print(f"megatrain: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _size(text: str) -> int:
+    from .config import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def _train(args) -> int:
     from .config import TrainConfig
     from .trainer import train
 
     train(TrainConfig.load(args.config, args.overrides))
+    return 0
+
+
+def _export(args) -> int:
+    import torch
+
+    from .weights import export_model
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    progress = sys.stderr.isatty()
+    out = export_model(
+        args.checkpoint, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size, progress=progress
+    )
+    print(f"megatrain: exported {out} ({args.dtype})")
+    return 0
+
+
+def _plot(args) -> int:
+    from .plot import plot_metrics
+
+    print(f"megatrain: wrote {plot_metrics(args.output_dir, args.out)}")
+    return 0
+
+
+def _plan(args) -> int:
+    import torch
+
+    from . import plan
+    from .config import TrainConfig
+    from .models.config import ModelConfig
+
+    cfg = TrainConfig.load(args.config, args.overrides)
+    model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
+    # Plan for the device the config names, even where it is not present (a login node).
+    kind = (
+        cfg.device.split(":")[0] if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if kind not in ("cpu", "cuda"):
+        raise MegatrainError(f"device: {cfg.device!r} is not supported (auto, cpu, cuda, cuda:N)")
+    name = cfg.device if cfg.device != "auto" else kind
+    dtype = {"auto": "bfloat16" if kind == "cuda" else "float32"}.get(cfg.compute_dtype, cfg.compute_dtype)
+    gpu = plan.gpu_available(name) if kind == "cuda" else None
+    compute_bytes = 2 if dtype == "bfloat16" else 4
+    result = plan.check(
+        model_cfg, cfg, kind, name, compute_bytes, plan.host_available(), gpu, plan.data_bytes(cfg)
+    )
+    print(plan.report(model_cfg, result, name, dtype, cfg))
+    return 0 if result.fits else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="megatrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model: megatrain train CONFIG.yaml [key=value ...]")
+    p.add_argument("config", help="YAML config file (Hugging Face TrainingArguments names)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, values parsed as YAML")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("export", help="write a Hugging Face model from a checkpoint directory")
+    p.add_argument(
+        "checkpoint", help="output_dir/checkpoint-N (or any directory with config.json + safetensors)"
+    )
+    p.add_argument("out", help="directory to write (replaced atomically)")
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype (bfloat16)"
+    )
+    p.add_argument(
+        "--max-shard-size", type=_size, default="5GB", help="largest safetensors file, e.g. 2GB (5GB)"
+    )
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser("plot", help="draw loss, learning rate, grad norm and tokens/s to a PNG")
+    p.add_argument("output_dir", help="a training output_dir (reads its metrics.jsonl)")
+    p.add_argument("--out", help="PNG file to write (default OUTPUT_DIR/training.png)")
+    p.set_defaults(func=_plot)
+
+    p = sub.add_parser("plan", help="estimate host and GPU memory of a run before starting it")
+    p.add_argument("config", help="YAML config file, as for train")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for train")
+    p.set_defaults(func=_plan)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model: megatrain train CONFIG.yaml [key=value ...]")
-    p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="key=value overrides (TrainingArguments names)")
-    p.set_defaults(func=_train)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args)
+    except TrainingInterrupted as e:
+        print(f"megatrain: {e}", file=sys.stderr)
+        return e.exit_code
     except MegatrainError as e:
-        print(f"megatrain: error: {e}", file=sys.stderr)
-        return 2
+        text = " ".join(str(e).split())  # one line, whatever a library put in the message
+        print(f"megatrain: error: {text}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    except Aborted as e:
+        print(f"megatrain: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("megatrain: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ message that names them."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -69,10 +70,19 @@ class TrainConfig:
     save_steps: int = 0
     """Save a resumable checkpoint every N steps (0: only at the end of training)."""
     save_total_limit: int | None = None
+    """Keep only the newest N checkpoint-* directories (None: keep all)."""
     save_dtype: str = "bfloat16"
     """dtype of the exported Hugging Face weights: bfloat16 or float32."""
     resume_from_checkpoint: str | bool | None = None
+    """true: continue from the newest output_dir/checkpoint-N; a path: from that checkpoint."""
+    max_shard_size: str | int = "5GB"
+    """Largest safetensors file in checkpoints and exports: bytes, or "500MB", "5GB", "2GiB"."""
     disable_tqdm: bool | None = None
+    """Progress bar on a terminal (None), always off (true) or on (false)."""
+    max_consecutive_nonfinite: int = 3
+    """Steps with a non-finite loss or gradient norm are skipped; stop after this many in a row."""
+    preflight_check: bool = True
+    """Refuse a run that the memory estimate (`megatrain plan`) says cannot fit (false: warn)."""
     # --- hardware
     device: str = "auto"
     """auto, cpu, cuda, cuda:N."""
@@ -133,6 +143,14 @@ class TrainConfig:
             bad("save_total_limit", "must be >= 1")
         if self.save_dtype not in ("bfloat16", "float32"):
             bad("save_dtype", "must be bfloat16 or float32")
+        try:
+            parse_size(self.max_shard_size)
+        except ValueError as e:
+            bad("max_shard_size", str(e))
+        if self.max_consecutive_nonfinite < 1:
+            bad("max_consecutive_nonfinite", "must be >= 1")
+        if isinstance(self.resume_from_checkpoint, str) and not self.resume_from_checkpoint.strip():
+            bad("resume_from_checkpoint", "must be true, false or a checkpoint directory")
         if self.gpu_state not in ("auto", "off"):
             bad("gpu_state", "must be auto or off")
         if self.compute_dtype not in ("auto", "bfloat16", "float32"):
@@ -192,6 +210,26 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d.pop("extra", None)
         return d
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from an int or a size string as Hugging Face writes them ("5GB" = 5e9 bytes,
+    "2GiB" = 2 * 2**30); raises ValueError for anything else or a size < 1 byte."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise ValueError("expected bytes or a size such as 500MB, 5GB or 2GiB")
+        num, unit, binary = m.groups()
+        power = "KMGT".find(unit.upper()) + 1 if unit else 0
+        n = int(float(num) * (1024 if binary else 1000) ** power)
+    if n < 1:
+        raise ValueError("must be at least 1 byte")
+    return n
 
 
 def _relative(value: str, base: Path) -> str:

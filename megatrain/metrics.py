@@ -13,6 +13,9 @@ from tqdm.auto import tqdm
 
 
 class MetricsLogger:
+    """Appends one JSON record per optimizer step to `output_dir/metrics.jsonl` (records of
+    skipped steps carry `"skipped": true` and null loss/grad_norm), and reports progress."""
+
     def __init__(
         self,
         output_dir: Path,
@@ -25,17 +28,23 @@ class MetricsLogger:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.logging_steps = logging_steps
         self.total = total_steps
+        self.start = start_step
         self._keep_until(start_step)
         self._f = open(self.path, "a")  # noqa: SIM115 (closed in close())
         interactive = sys.stderr.isatty() if disable_tqdm is None else not disable_tqdm
-        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
-                        disable=not interactive)
+        # tqdm shows step/total, elapsed and ETA itself; loss and tokens/s go in the postfix.
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not interactive
+        )
         self.interactive = interactive
         self.tb = None
         if report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
+            # purge_step hides events of steps after a resumed checkpoint: they are redone.
+            self.tb = SummaryWriter(
+                log_dir=str(Path(output_dir) / "runs"), purge_step=start_step + 1 if start_step else None
+            )
         self._t0 = time.time()
 
     def _keep_until(self, step: int) -> None:
@@ -58,15 +67,16 @@ class MetricsLogger:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         step = record["step"]
+        loss = "skipped" if record.get("skipped") else f"{record['loss']:.4f}"
         self.bar.update(1)
         if self.interactive:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 refresh=False)
+            self.bar.set_postfix(loss=loss, tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         elif step % self.logging_steps == 0 or step == self.total:
-            eta = (time.time() - self._t0) / max(1, step) * (self.total - step)
+            eta = (time.time() - self._t0) / max(1, step - self.start) * (self.total - step)
+            gn = record.get("grad_norm")
             print(
-                f"step {step}/{self.total} loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
-                f"lr {record['lr']:.3g} tokens/s {record['tokens_per_s']:.0f} eta {eta:.0f}s",
+                f"step {step}/{self.total} loss {loss} grad_norm {'-' if gn is None else f'{gn:.3f}'} "
+                f"lr {record['lr']:.3g} tokens/s {record['tokens_per_s']:.0f} eta {_duration(eta)}",
                 flush=True,
             )
         if self.tb is not None:
@@ -75,6 +85,7 @@ class MetricsLogger:
                     self.tb.add_scalar(f"train/{k}", record[k], step)
 
     def message(self, text: str) -> None:
+        """A line for the user that does not break the progress bar."""
         (self.bar.write if self.interactive else print)(text)
 
     def close(self) -> None:
@@ -82,3 +93,10 @@ class MetricsLogger:
         self._f.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
