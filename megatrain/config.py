@@ -45,26 +45,41 @@ class TrainConfig:
     truncation: bool = True
     """Truncate samples longer than max_length (false: refuse them with an error)."""
     shuffle: bool = True
+    """Shuffle samples each epoch (seeded); false keeps file order exactly."""
     # --- schedule
     output_dir: str = "output"
+    """Where metrics.jsonl, checkpoint-N/ and final/ go."""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
     num_train_epochs: float = 1.0
+    """Epochs to train when max_steps is -1 (fractions allowed)."""
     per_device_train_batch_size: int = 1
+    """Sequences per micro-batch."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; all of them pass a layer in one visit."""
     learning_rate: float = 1e-5
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
+    """Decoupled weight decay; never applied to biases and norm weights."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.999
+    """AdamW beta2."""
     adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     lr_scheduler_type: str = "linear"
+    """constant, constant_with_warmup, linear or cosine (transformers' semantics)."""
     warmup_steps: int = 0
+    """Linear warmup steps (overrides warmup_ratio when > 0)."""
     warmup_ratio: float = 0.0
+    """Warmup as a fraction of all steps."""
     seed: int = 42
+    """Seeds random init, shuffling and everything else."""
     # --- logging and checkpoints
     logging_steps: int = 1
+    """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
     report_to: str = "none"
     """none or tensorboard."""
     save_steps: int = 0
