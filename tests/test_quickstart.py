@@ -1,0 +1,227 @@
+"""The quickstart, end to end: the shipped assets, a golden loss curve, the exported model
+against transformers, and the chat fine-tune on top of it.
+
+The golden test runs examples/quickstart.yaml through the CLI for GOLDEN_STEPS fixed-seed steps
+(shorter rows and batches than the real quickstart, for speed) and compares the loss of every
+step with tests/golden/quickstart_losses.json to a relative 1e-4. On the CPU in float32 the run
+is deterministic: the same losses bit for bit from run to run and for 1, 2 or 4 threads. A
+mismatch therefore means the numbers changed: the data pipeline (tokenizer, packing, order), the
+random initialisation, the forward/backward or the optimizer. When the change is intended,
+regenerate the golden file and commit it with the change:
+
+    MEGATRAIN_UPDATE_GOLDEN=1 python -m pytest tests/test_quickstart.py
+    # or: python tests/test_quickstart.py --update-golden
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.batch import IGNORE_INDEX, MicroBatch
+from megatrain.cli import main
+from megatrain.config import TrainConfig
+from megatrain.data import build_samples, load_tokenizer
+from megatrain.models.config import ModelConfig
+from megatrain.runtime import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "quickstart_losses.json"
+GOLDEN_STEPS = 8
+GOLDEN_OVERRIDES = [
+    f"max_steps={GOLDEN_STEPS}",
+    "max_length=128",
+    "per_device_train_batch_size=4",
+    "gradient_accumulation_steps=1",
+    "warmup_steps=1",
+    "learning_rate=0.003",
+    "seed=42",
+    "save_dtype=bfloat16",  # the default export dtype; the parity test loads both sides from it
+    "logging_steps=1",
+    "disable_tqdm=true",
+    "device=cpu",
+]
+REL_TOL = 1e-4
+
+
+def run_quickstart(output_dir: Path) -> list[float]:
+    """The golden run; returns the loss of every step from metrics.jsonl."""
+    torch.set_num_threads(2)  # results do not depend on it, but keep CI and laptops alike
+    rc = main(["train", str(EXAMPLES / "quickstart.yaml"), *GOLDEN_OVERRIDES, f"output_dir={output_dir}"])
+    assert rc == 0, f"megatrain train examples/quickstart.yaml exited {rc}"
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, GOLDEN_STEPS + 1))
+    return [r["loss"] for r in records]
+
+
+def write_golden(losses: list[float]) -> None:
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "comment": "regenerate: MEGATRAIN_UPDATE_GOLDEN=1 python -m pytest tests/test_quickstart.py",
+        "config": "examples/quickstart.yaml",
+        "overrides": GOLDEN_OVERRIDES,
+        "torch": torch.__version__,
+        "losses": losses,
+    }
+    GOLDEN.write_text(json.dumps(data, indent=2) + "\n")
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> tuple[Path, list[float]]:
+    out = tmp_path_factory.mktemp("quickstart")
+    return out, run_quickstart(out)
+
+
+# --------------------------------------------------------------------------- shipped assets
+def test_tokenizer_and_chat_template():
+    tok = load_tokenizer(EXAMPLES / "tokenizer")
+    model = json.loads((EXAMPLES / "tiny-llama" / "config.json").read_text())
+    assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
+    assert model["vocab_size"] == len(tok)
+    for name in ("bos", "eos", "pad"):
+        assert getattr(tok, f"{name}_token_id") is not None
+        assert model[f"{name}_token_id"] == getattr(tok, f"{name}_token_id")
+    assert len({tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}) == 3
+
+    text = 'Once upon a time, Pip the rabbit said, "Hello!"\n\nThe end.'
+    ids = tok(text).input_ids
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]) == text
+
+    chat = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Who is Pip?"},
+        {"role": "assistant", "content": "Pip is a rabbit who lives in the Green Forest."},
+    ]
+    rendered = tok.apply_chat_template(chat, tokenize=False)
+    assert rendered == (
+        "<s><|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWho is Pip?<|im_end|>\n"
+        "<|im_start|>assistant\nPip is a rabbit who lives in the Green Forest.<|im_end|>\n"
+    )
+    prompt = tok.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(prompt) and prompt.endswith("<|im_start|>assistant\n")
+    chat_ids = tok(rendered, add_special_tokens=False).input_ids
+    assert tok.decode(chat_ids) == rendered  # round trip
+    for special in ("<|im_start|>", "<|im_end|>", "<s>"):
+        assert len(tok(special, add_special_tokens=False).input_ids) == 1
+        assert special in tok.all_special_tokens
+    assert "<|im_start|>" not in tok.decode(chat_ids, skip_special_tokens=True)
+
+
+def test_shipped_data_is_what_the_generator_writes():
+    """The JSONL assets are a pure function of the generator's seeds (the tokenizer is checked
+    by `scripts/make_quickstart_assets.py --check`, which also depends on the tokenizers
+    version)."""
+    spec = importlib.util.spec_from_file_location(
+        "make_assets", ROOT / "scripts" / "make_quickstart_assets.py"
+    )
+    gen = importlib.util.module_from_spec(spec)
+    sys.modules["make_assets"] = gen  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(gen)
+    finally:
+        del sys.modules["make_assets"]
+    stories = gen.make_stories(gen.N_STORIES, gen.STORY_SEED)
+    chats = gen.make_chats(gen.N_CHATS, gen.CHAT_SEED)
+
+    def jsonl(records):
+        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+    assert (EXAMPLES / "data" / "stories.jsonl").read_text(encoding="utf-8") == jsonl(
+        {"text": t} for t in stories
+    )
+    assert (EXAMPLES / "chat" / "data.jsonl").read_text(encoding="utf-8") == jsonl(chats)
+    size = (EXAMPLES / "data" / "stories.jsonl").stat().st_size
+    assert 1.5e6 < size < 3e6
+
+
+def test_chat_data_trains_on_assistant_turns_only():
+    cfg = TrainConfig.load(EXAMPLES / "chat.yaml", ["model_name_or_path=unused"])
+    assert cfg.dataset_format == "messages" and not cfg.train_on_prompt
+    tok = load_tokenizer(cfg.tokenizer_name_or_path)
+    samples = build_samples(cfg, tok)
+    records = [json.loads(line) for line in (EXAMPLES / "chat" / "data.jsonl").read_text().splitlines()]
+    assert len(samples) == len(records)
+    for sample, rec in list(zip(samples, records))[:50]:
+        assert len(sample.input_ids) <= cfg.max_length
+        trained = [t for t in sample.labels if t != IGNORE_INDEX]
+        want = "".join(m["content"] + "<|im_end|>" for m in rec["messages"] if m["role"] == "assistant")
+        assert tok.decode(trained) == want
+
+
+# --------------------------------------------------------------------------- training runs
+def test_golden_losses(quickstart):
+    _, losses = quickstart
+    if os.environ.get("MEGATRAIN_UPDATE_GOLDEN"):
+        write_golden(losses)
+    assert GOLDEN.is_file(), f"{GOLDEN} is missing; create it with MEGATRAIN_UPDATE_GOLDEN=1"
+    golden = json.loads(GOLDEN.read_text())
+    assert golden["overrides"] == GOLDEN_OVERRIDES, "the golden run's settings changed: regenerate the file"
+    expected = golden["losses"]
+    assert len(losses) == len(expected)
+    for step, (got, want) in enumerate(zip(losses, expected), start=1):
+        assert got == pytest.approx(want, rel=REL_TOL), (
+            f"step {step}: loss {got!r}, golden {want!r}\n  got    {losses}\n  golden {expected}\n"
+            "If the change in numerics is intended, regenerate: MEGATRAIN_UPDATE_GOLDEN=1 python -m pytest "
+            "tests/test_quickstart.py"
+        )
+    # And the run learns: from ~ln(vocab) = 7.5 clearly down within these few steps.
+    assert losses[0] == pytest.approx(7.54, abs=0.15)
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_export_loads_in_transformers_with_the_same_logits(quickstart):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = quickstart[0] / "final"
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok.chat_template and tok.convert_tokens_to_ids("<|im_end|>") == 4
+    texts = [
+        json.loads(line)["text"] for line in (EXAMPLES / "data" / "stories.jsonl").open().readlines()[:2]
+    ]
+    ids = torch.tensor([tok(t).input_ids[:48] for t in texts])
+
+    # Both sides read the same exported (bfloat16) weights and compute in float32.
+    model = build_model(ModelConfig.from_json(final), weights=final, device="cpu", compute_dtype="float32")
+    try:
+        ours = model.engine.logits(MicroBatch(ids, ids))
+    finally:
+        model.close()
+    hf = AutoModelForCausalLM.from_pretrained(final).float().eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits.float()
+    assert ours.shape == ref.shape == (2, 48, len(tok))
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    # The exported weights are the trained ones, not a fresh initialisation (loss ~7.5).
+    loss = torch.nn.functional.cross_entropy(ref[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert loss < 7.0
+
+
+def test_chat_finetune_runs_on_the_exported_model(quickstart, tmp_path):
+    final = quickstart[0] / "final"
+    rc = main([
+        "train", str(EXAMPLES / "chat.yaml"), f"model_name_or_path={final}", f"output_dir={tmp_path}",
+        "max_steps=2", "max_length=128", "per_device_train_batch_size=2", "disable_tqdm=true", "device=cpu",
+    ])  # fmt: skip
+    assert rc == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["label_tokens"] > 0 for r in records)
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--update-golden"]:
+        sys.exit("usage: python tests/test_quickstart.py --update-golden")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        losses = run_quickstart(Path(tmp))
+    write_golden(losses)
+    print(f"wrote {GOLDEN}: {losses}")
