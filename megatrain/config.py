@@ -277,6 +277,12 @@ def _coerce(key: str, value: Any, tp) -> Any:
             return value
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if origin in (int, float) and isinstance(value, str):
+            # YAML 1.1 reads `3e-3` (no dot) as a string; accept what Python reads as a number.
+            try:
+                return origin(value)
+            except ValueError:
+                pass
         if origin is str and isinstance(value, str):
             return value
         if origin is list and isinstance(value, list) and all(isinstance(x, str) for x in value):
