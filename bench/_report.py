@@ -136,7 +136,11 @@ def write_md(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) ->
         "",
         "## megatrain details",
         "",
-        *[_megatrain_detail(r) for r in records if r["system"].startswith("megatrain") and not r.get("error")],
+        *[
+            _megatrain_detail(r)
+            for r in records
+            if r["system"].startswith("megatrain") and not r.get("error")
+        ],
         "",
         "## other measurements",
         "",

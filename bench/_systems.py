@@ -127,7 +127,11 @@ def run_megatrain(spec: dict, res: Result) -> None:
     mcfg = ModelConfig.from_hf(llama_config(spec))
     t0 = time.perf_counter()
     model = build_model(
-        mcfg, seed=0, device=dev, compute_dtype=dtype, adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0),
+        mcfg,
+        seed=0,
+        device=dev,
+        compute_dtype=dtype,
+        adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0),
         gpu_state="off" if spec["system"] == "megatrain-host" else "auto",
     )
     eng, tr, state = model.engine, model.transport, model.state
@@ -397,8 +401,12 @@ def main() -> None:
     except Exception as e:  # a broken driver shows up again, with its message, in the run itself
         res.data["gpu"] = f"unknown ({e!r})"[:200]
     res.update(pid=os.getpid(), grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"])
-    runner = {"megatrain": run_megatrain, "megatrain-host": run_megatrain, "deepspeed": run_deepspeed,
-              "resident": run_resident}
+    runner = {
+        "megatrain": run_megatrain,
+        "megatrain-host": run_megatrain,
+        "deepspeed": run_deepspeed,
+        "resident": run_resident,
+    }
     ok = True
     try:
         runner[spec["system"]](spec, res)

@@ -31,8 +31,16 @@ def chunk_ranges(unit: Unit, max_elems: int) -> list[tuple[int, int]]:
 
 
 def adamw_range(
-    unit: Unit, lo: int, hi: int, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-    cfg: AdamWConfig, lr: float, step: int,
+    unit: Unit,
+    lo: int,
+    hi: int,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AdamWConfig,
+    lr: float,
+    step: int,
 ) -> None:
     """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the whole unit's flat state and
     `g` exactly the range; host or device tensors alike."""

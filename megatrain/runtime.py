@@ -92,6 +92,14 @@ def build_model(
         transport = StreamingTransport(state, opt, device, dtype, overlap=overlap, gpu_state=gpu_state)
     else:
         transport = SerialTransport(state, opt, device, dtype)
-    engine = Engine(cfg, state, transport, device, dtype, loss_chunk_tokens=loss_chunk_tokens, compile=compile,
-                    keep_layers=keep_layers)
+    engine = Engine(
+        cfg,
+        state,
+        transport,
+        device,
+        dtype,
+        loss_chunk_tokens=loss_chunk_tokens,
+        compile=compile,
+        keep_layers=keep_layers,
+    )
     return TrainableModel(cfg, state, engine, transport, opt)

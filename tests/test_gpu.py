@@ -19,8 +19,15 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(family="llama", tied=False, **kw):
-    base = dict(vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
-                num_attention_heads=8, num_key_value_heads=2, initializer_range=0.05)
+    base = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        initializer_range=0.05,
+    )
     base.update(kw)
     return ModelConfig.from_hf(tiny_config(family, tied, **base))
 
@@ -54,8 +61,16 @@ def test_overlapped_equals_serial_bitwise(family, tied, resident, keep):
     cfg = _cfg(family, tied)
     results = []
     for overlap in (False, True):
-        m = build_model(cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, overlap=overlap,
-                        gpu_state="off", keep_layers=keep)
+        m = build_model(
+            cfg,
+            seed=3,
+            device="cuda",
+            compute_dtype="bfloat16",
+            adamw=ADAMW,
+            overlap=overlap,
+            gpu_state="off",
+            keep_layers=keep,
+        )
         if resident:  # the leading units' state on the GPU, stepped there
             m.transport.make_resident(m.state.units[:resident])
         if overlap:
