@@ -69,12 +69,14 @@ class Engine:
         loss_chunk_tokens: int | None = None,
         compile: bool = False,
         keep_layers: int | str = "auto",
+        offload_activations: bool | str = "auto",
     ):
         self.cfg, self.state, self.transport = cfg, state, transport
         self.device, self.dtype = torch.device(device), compute_dtype
         self.units = state.units
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.layer_units = self.units[1:-1]
+        self._host_acts_on = False
         with torch.device("meta"):
             self.layer = DecoderLayer(cfg)
             self.head = Head(cfg)
@@ -95,6 +97,10 @@ class Engine:
         self._keep_auto = keep_layers == "auto" and self.device.type == "cuda"
         self._calls = 0
         self._graph_bytes = 0  # activation memory one layer's graph holds, measured on CUDA
+        # Boundary activations stay on the GPU while they fit; "auto" parks them in host memory
+        # when they would take more than a third of the card.
+        self.offload_activations = offload_activations
+        self._host_acts = None
 
     def _call_layer(self, params, x, cos, sin, mask):
         return functional_call(self.layer, params, (x, (cos, sin), mask))
@@ -148,7 +154,7 @@ class Engine:
             if j < first_kept:
                 params = _bind(unit, t.fetch(unit), grad=False)
                 if keep:
-                    saved.append(h)
+                    saved.append([self._host_acts.park(x) for x in h] if self._host_acts_on else h)
                 with torch.no_grad():
                     h = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(h, prep)]
             else:
@@ -160,6 +166,38 @@ class Engine:
                 h = [y.detach() for y in ys]
             del params
         return h, saved
+
+    def _fetch_parked(self, s):
+        if isinstance(s, _Graph):
+            return s
+        out = []
+        for p in s:
+            x, ready = self._host_acts.fetch(p)
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            out.append(x)
+        return out
+
+    def _plan_activations(self, micro_batches: list[MicroBatch]) -> None:
+        """Decide whether this step's boundary activations live on the GPU or in host memory."""
+        per_layer = sum(mb.num_tokens for mb in micro_batches) * self.cfg.hidden_size * self.dtype.itemsize
+        n_saved = len(self.layer_units) - self.keep_layers
+        want = self.offload_activations
+        if want == "auto":
+            want = (
+                self.device.type == "cuda"
+                and per_layer * n_saved > torch.cuda.get_device_properties(self.device).total_memory / 3
+            )
+        self._host_acts_on = bool(want) and self.device.type == "cuda" and n_saved > 0
+        if self._host_acts_on:
+            if self._host_acts is None:
+                from .activations import HostActivations
+
+                self._host_acts = HostActivations(self.device)
+            aligned = sum(
+                -(-mb.num_tokens * self.cfg.hidden_size * self.dtype.itemsize // 512) * 512
+                for mb in micro_batches
+            )
+            self._host_acts.begin(aligned * n_saved)
 
     def _lm_weight(self, head_params: dict[str, torch.Tensor]):
         if self.cfg.tie_word_embeddings:
@@ -211,7 +249,14 @@ class Engine:
     def _backward_sweep(self, saved, dh, prep):
         t = self.transport
         measure = self.device.type == "cuda"
-        for unit, s in zip(self.layer_units[::-1], saved[::-1]):
+        order = list(zip(self.layer_units[::-1], saved[::-1]))
+        if self._host_acts_on:
+            fetched = {0: self._fetch_parked(order[0][1])}
+        for k, (unit, s) in enumerate(order):
+            if self._host_acts_on and not isinstance(s, _Graph):
+                if k + 1 < len(order):  # the next layer's inputs come back while this one computes
+                    fetched[k + 1] = self._fetch_parked(order[k + 1][1])
+                s = fetched.pop(k)
             kept = isinstance(s, _Graph)
             params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
             names = list(params)
@@ -261,6 +306,7 @@ class Engine:
         self._calls += 1
         if self._keep_auto and self._calls == 3:
             self._size_kept_layers()
+        self._plan_activations(micro_batches)
         self.transport.begin(self._schedule(backward=True))
         prep = [self._prepare(mb) for mb in micro_batches]
         h, saved = self._forward_sweep(prep, keep=True)

@@ -57,6 +57,8 @@ class TrainableModel:
 
     def close(self) -> None:
         self.transport.close()
+        if self.engine._host_acts is not None:
+            self.engine._host_acts.close()
 
 
 def build_model(
@@ -73,6 +75,7 @@ def build_model(
     gpu_state: str = "auto",
     compile: bool | None = None,
     keep_layers: int | str = "auto",
+    offload_activations: bool | str = "auto",
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`. `overlap=False` selects the serial reference schedule on CUDA;
@@ -101,5 +104,6 @@ def build_model(
         loss_chunk_tokens=loss_chunk_tokens,
         compile=compile,
         keep_layers=keep_layers,
+        offload_activations=offload_activations,
     )
     return TrainableModel(cfg, state, engine, transport, opt)

@@ -115,3 +115,28 @@ def test_fp32_cuda_matches_cpu():
     assert (diff > 1e-4).float().mean() < 1e-4, f"max {diff.max():.3g} mean {diff.mean():.3g}"
     assert diff.max() < 2 * ADAMW.lr
     gpu.close()
+
+
+def test_activations_parked_in_host_memory_change_nothing():
+    """Boundary activations offloaded to host memory give bitwise the same training."""
+    cfg = _cfg("llama")
+    results = []
+    for offload in (False, True):
+        m = build_model(
+            cfg,
+            seed=11,
+            device="cuda",
+            compute_dtype="bfloat16",
+            adamw=ADAMW,
+            gpu_state="off",
+            keep_layers=1,
+            offload_activations=offload,
+        )
+        losses, norms = _steps(m, n_steps=3)
+        assert (m.engine._host_acts is not None) == offload
+        if offload:
+            assert m.engine._host_acts.bytes_moved > 0
+        results.append((losses, norms, m.state.master.clone()))
+        m.close()
+    assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
+    assert torch.equal(results[0][2], results[1][2])
