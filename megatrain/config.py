@@ -105,6 +105,9 @@ class TrainConfig:
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."""
     torch_compile: bool | None = None
     """Compile the decoder layer with torch.compile; default: on for CUDA, off on the CPU."""
+    offload_activations: bool | None = None
+    """Park layer-boundary activations in host memory: true, false, or None (auto: when they
+    would take more than a third of the GPU)."""
     gpu_state: str = "auto"
     """auto: after the first step, keep the fp32 state of as many leading layers on the GPU as
     its free memory holds (stepped there); off: all weights and moments stay in host memory."""

@@ -112,6 +112,7 @@ def train(cfg: TrainConfig) -> Path:
         progress=True,
         gpu_state=cfg.gpu_state,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
+        offload_activations="auto" if cfg.offload_activations is None else cfg.offload_activations,
     )
     engine = model.engine
     out = Path(cfg.output_dir)
