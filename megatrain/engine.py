@@ -168,14 +168,17 @@ class Engine:
         return h, saved
 
     def _fetch_parked(self, s):
-        if isinstance(s, _Graph):
-            return s
-        out = []
-        for p in s:
-            x, ready = self._host_acts.fetch(p)
-            torch.cuda.current_stream(self.device).wait_event(ready)
-            out.append(x)
-        return out
+        """Start bringing a layer's parked inputs back (a kept graph needs nothing)."""
+        return s if isinstance(s, _Graph) else [self._host_acts.fetch(p) for p in s]
+
+    def _wait_parked(self, f):
+        """Make the compute stream wait for fetched inputs, just before their first use."""
+        if isinstance(f, _Graph):
+            return f
+        stream = torch.cuda.current_stream(self.device)
+        for _, ready in f:
+            stream.wait_event(ready)
+        return [x for x, _ in f]
 
     def _plan_activations(self, micro_batches: list[MicroBatch]) -> None:
         """Decide whether this step's boundary activations live on the GPU or in host memory."""
@@ -253,10 +256,10 @@ class Engine:
         if self._host_acts_on:
             fetched = {0: self._fetch_parked(order[0][1])}
         for k, (unit, s) in enumerate(order):
-            if self._host_acts_on and not isinstance(s, _Graph):
+            if self._host_acts_on:
                 if k + 1 < len(order):  # the next layer's inputs come back while this one computes
                     fetched[k + 1] = self._fetch_parked(order[k + 1][1])
-                s = fetched.pop(k)
+                s = self._wait_parked(fetched.pop(k))
             kept = isinstance(s, _Graph)
             params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
             names = list(params)
