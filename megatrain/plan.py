@@ -16,7 +16,8 @@ settings; nothing is allocated. The constants:
   the optimizer takes them after the backward sweep); the boundary activations the forward sweep
   keeps (tokens per step x hidden x layers); one layer's recompute working set (tokens per
   micro-batch x (10 hidden + 4 intermediate)); one loss chunk (at most 4 GiB of fp32 logits and
-  their gradient); 512 MiB of allocator slack. Tokens are upper bounds (rows padded to
+  their gradient); 512 MiB of allocator slack. Boundary activations move to page-locked host
+  memory when `offload_activations` says so (auto: above a third of the GPU), as the engine does. Tokens are upper bounds (rows padded to
   max_length). Device-resident state (gpu_state=auto) only uses memory left over, so it is not
   counted.
 * Tokenized data (`plan` only: in `train` the samples already sit in memory when it checks):
@@ -87,6 +88,8 @@ def estimate(
     accum: int,
     max_length: int,
     data_bytes: int = 0,
+    offload_activations: bool | None = None,
+    gpu_bytes: int | None = None,
 ) -> Estimate:
     """The memory a run needs (see the module docstring for the model behind each number)."""
     P, h, L, V = cfg.num_params, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
@@ -107,6 +110,14 @@ def estimate(
         fp32_stage = largest * 4 if compute_bytes != 4 else 0
         est.gpu["weight buffers"] = UNITS_IN_FLIGHT * largest * compute_bytes + fp32_stage
         est.gpu["fp32 gradients (all units)"] = 4 * P
+        boundary = activations["boundary activations"]
+        offload = offload_activations
+        if offload is None:  # the engine's rule: when they would take more than a third of the card
+            offload = gpu_bytes is not None and boundary > gpu_bytes / 3
+        if offload:
+            name = "boundary activations (page-locked)"
+            est.host[name] = activations.pop("boundary activations")
+            est.pinned += est.host[name]
         est.gpu.update(activations)
         est.gpu["allocator slack"] = GPU_SLACK_BYTES
     else:
@@ -187,6 +198,8 @@ def check(
             accum=accum,
             max_length=length,
             data_bytes=data,
+            offload_activations=getattr(cfg, "offload_activations", None),
+            gpu_bytes=gpu_avail,
         )
 
     knobs = {

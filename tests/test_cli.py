@@ -368,3 +368,20 @@ def test_export_reads_safetensors_headers_only_before_writing(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "export", ck, tmp_path / "hf")
     assert rc == 2 and f"{ck}: tensor model.norm.weight is missing" in err
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
+
+
+def test_plan_parks_boundary_activations_in_host_memory_above_a_third_of_the_gpu():
+    from megatrain.models.config import ModelConfig
+    from megatrain.plan import estimate
+
+    cfg = ModelConfig.from_hf(tiny_config("llama"))
+    kw = dict(device="cuda", compute_bytes=2, batch=8, accum=4, max_length=4096)
+    on_gpu = estimate(cfg, gpu_bytes=10**12, **kw)
+    parked = estimate(cfg, gpu_bytes=10**6, **kw)
+    forced = estimate(cfg, gpu_bytes=10**12, offload_activations=True, **kw)
+    boundary = on_gpu.gpu["boundary activations"]
+    assert boundary == 8 * 4 * 4096 * cfg.hidden_size * 2 * cfg.num_hidden_layers
+    assert "boundary activations" not in parked.gpu
+    assert parked.host["boundary activations (page-locked)"] == boundary
+    assert parked.pinned - on_gpu.pinned == boundary
+    assert forced.host == parked.host
