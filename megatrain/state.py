@@ -123,9 +123,3 @@ class HostState:
     @property
     def num_params(self) -> int:
         return sum(p.numel for u in self.units for p in u.params)
-
-    def nbytes(self) -> int:
-        n = self.master.numel() * 4
-        if self.exp_avg is not None:
-            n += 2 * self.exp_avg.numel() * 4
-        return n
