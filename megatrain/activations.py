@@ -1,11 +1,11 @@
 """Layer-boundary activations parked in host memory when the GPU cannot hold them all.
 
 The forward sweep keeps one activation per layer and micro-batch (tokens x hidden in compute
-dtype); at long context these outgrow the GPU (a 7B model at 512k tokens: 137 GB in bf16). Then
-each one is copied device->host on its own stream as soon as it is produced, and copied back one
-layer ahead of the backward sweep that needs it. The host side is a single pageable buffer
-page-locked in place once (`cudaHostRegister`, 5x faster than allocating pinned memory) and
-reused every step; it only grows.
+dtype); at long context these outgrow the GPU (a 7B model at 512k tokens: 137 GB in bf16). The
+placement plan parks the leading layers' beyond what the GPU holds: each one is copied
+device->host on its own stream as soon as it is produced, and copied back one layer ahead of the
+backward sweep that needs it. The host side is one buffer with a page-aligned slot per layer,
+page-locked in place (hostmem.py) and reused every step; it only grows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-_ALIGN = 512  # bytes
+from .hostmem import PAGE, Registration, host_buffer
+
+_ALIGN = 512  # bytes between micro-batches of one layer
 
 
 @dataclass
@@ -29,26 +31,33 @@ class HostActivations:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self.buf: torch.Tensor | None = None
-        self.offset = 0
+        self._registration: Registration | None = None
+        self.stride = 0  # bytes per layer slot
+        self._offsets: dict[int, int] = {}
         self.bytes_moved = 0
 
-    def begin(self, nbytes: int) -> None:
-        """Start a step that will park up to `nbytes` (plus alignment)."""
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.close()
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
-            rc = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), nbytes, 0)
-            if int(rc) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of {nbytes / 2**30:.1f} GiB for activations failed ({rc})"
-                )
-        self.offset = 0
+    @staticmethod
+    def layer_bytes(tokens_per_micro_batch: list[int], hidden: int, itemsize: int) -> int:
+        """Bytes one layer's parked inputs take in its slot."""
+        return sum(-(-t * hidden * itemsize // _ALIGN) * _ALIGN for t in tokens_per_micro_batch)
 
-    def park(self, t: torch.Tensor) -> Parked:
-        """Copy `t` to host memory behind the compute stream; `t` may be dropped at once."""
+    def begin(self, layer_bytes: int, layers: int) -> None:
+        """Start a step that parks up to `layer_bytes` for each of `layers` layers."""
+        stride = -(-layer_bytes // PAGE) * PAGE
+        if self.buf is None or stride > self.stride or stride * layers > self.buf.numel():
+            self.close()
+            self.stride = stride
+            self.buf = host_buffer(stride * layers, torch.uint8)
+            self._registration = Registration(self.buf, [i * stride for i in range(layers)])
+        self._offsets = {}
+
+    def park(self, t: torch.Tensor, layer: int) -> Parked:
+        """Copy `t` (an input of `layer`) to host memory behind the compute stream; `t` may be
+        dropped at once."""
         n = t.numel() * t.element_size()
-        host = self.buf[self.offset : self.offset + n].view(t.dtype).view(t.shape)
-        self.offset += -(-n // _ALIGN) * _ALIGN
+        start = layer * self.stride + self._offsets.get(layer, 0)
+        self._offsets[layer] = self._offsets.get(layer, 0) + -(-n // _ALIGN) * _ALIGN
+        host = self.buf[start : start + n].view(t.dtype).view(t.shape)
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
             host.copy_(t, non_blocking=True)
@@ -71,7 +80,8 @@ class HostActivations:
         return t, ready
 
     def close(self) -> None:
-        if self.buf is not None:
+        if self._registration is not None:
             torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
-            self.buf = None
+            self._registration.close()
+            self._registration = None
+        self.buf = None

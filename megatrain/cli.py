@@ -69,20 +69,28 @@ def _plan(args) -> int:
 
     cfg = TrainConfig.load(args.config, args.overrides)
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
-    # Plan for the device the config names, even where it is not present (a login node).
+    # Plan for the device the config names, even where it is not present (a login node): the
+    # budgets then come from max_gpu_memory / max_host_memory.
     kind = (
         cfg.device.split(":")[0] if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     if kind not in ("cpu", "cuda"):
         raise MegatrainError(f"device: {cfg.device!r} is not supported (auto, cpu, cuda, cuda:N)")
     name = cfg.device if cfg.device != "auto" else kind
+    if kind == "cuda" and not torch.cuda.is_available():
+        name = "cuda"
     dtype = {"auto": "bfloat16" if kind == "cuda" else "float32"}.get(cfg.compute_dtype, cfg.compute_dtype)
-    gpu = plan.gpu_available(name) if kind == "cuda" else None
     compute_bytes = 2 if dtype == "bfloat16" else 4
-    result = plan.check(
-        model_cfg, cfg, kind, name, compute_bytes, plan.host_available(), gpu, plan.data_bytes(cfg)
-    )
-    print(plan.report(model_cfg, result, name, dtype, cfg))
+    machine = plan.machine_of(cfg, name if torch.cuda.is_available() or kind == "cpu" else "cuda")
+    data = plan.data_bytes(cfg)
+    result = plan.check(model_cfg, cfg, machine, compute_bytes, data)
+    print(plan.report(model_cfg, result, name, dtype, cfg, data))
+    if result.fits:
+        lim = plan.limits(model_cfg, cfg, result.machine, compute_bytes)
+        print(
+            "largest that fit, the other settings as configured: "
+            + ", ".join(f"{k}={v}" for k, v in lim.items())
+        )
     return 0 if result.fits else 1
 
 

@@ -106,11 +106,19 @@ class TrainConfig:
     torch_compile: bool | None = None
     """Compile the decoder layer with torch.compile; default: on for CUDA, off on the CPU."""
     offload_activations: bool | None = None
-    """Park layer-boundary activations in host memory: true, false, or None (auto: when they
-    would take more than a third of the GPU)."""
+    """Layer-boundary activations in host memory: true (all), false (none), or None (auto: on the
+    GPU as far as it holds them, the leading layers' beyond that in host memory)."""
     gpu_state: str = "auto"
-    """auto: after the first step, keep the fp32 state of as many leading layers on the GPU as
-    its free memory holds (stepped there); off: all weights and moments stay in host memory."""
+    """auto: GPU memory the streaming leaves free holds the leading layers' fp32 state (stepped
+    there), the last layers' graphs and gradients, where the plan says it pays; off: the GPU
+    holds only the streaming working set (all state and gradients in host memory)."""
+    gradient_placement: str = "auto"
+    """Where gradients wait for the clip norm: auto (the plan decides), gpu, host, or two_pass (a
+    norm-only backward, then one that steps each layer as it lands: no storage, more compute)."""
+    max_gpu_memory: str | int | None = None
+    """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start)."""
+    max_host_memory: str | int | None = None
+    """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start)."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -171,8 +179,19 @@ class TrainConfig:
             bad("resume_from_checkpoint", "must be true, false or a checkpoint directory")
         if self.gpu_state not in ("auto", "off"):
             bad("gpu_state", "must be auto or off")
+        if self.gradient_placement not in ("auto", "gpu", "host", "two_pass"):
+            bad("gradient_placement", "must be auto, gpu, host or two_pass")
+        for k in ("max_gpu_memory", "max_host_memory"):
+            if getattr(self, k) is not None:
+                try:
+                    parse_size(getattr(self, k))
+                except ValueError as e:
+                    bad(k, str(e))
         if self.compute_dtype not in ("auto", "bfloat16", "float32"):
             bad("compute_dtype", "must be auto, bfloat16 or float32")
+
+    def require_dataset(self) -> None:
+        """Training needs data (planning does not)."""
         if self.dataset is None:
             raise ConfigError("dataset: required (a JSONL/JSON/Parquet file or a dataset_info.json name)")
 

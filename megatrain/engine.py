@@ -5,7 +5,18 @@ layer from its saved input and produces its gradients.
 Every micro-batch of an optimizer step passes through a layer during one visit, so each unit's
 weights reach the device twice per optimizer step (forward, backward) however many micro-batches
 there are. Weights arrive through a `Transport` (transport.py), which also carries the fp32
-gradients back and applies the optimizer; the engine itself does only arithmetic.
+gradients back and applies the optimizer; the engine itself does only arithmetic, placed as the
+`Plan` (placement.py) says.
+
+How a step's gradients meet the exact global-norm clip depends on the plan's `grad_mode`:
+* `stored`: `forward_backward` runs the whole backward sweep and hands each unit's gradient to
+  the transport to hold; `step` applies AdamW to all of them once the norm is known.
+* `two_pass`: `forward_backward` runs a backward sweep that only measures the norm (keeping the
+  boundary activations); `step` runs it again and steps each unit as its gradient lands.
+* `immediate` (no clipping): `forward_backward` stops after the loss; `step` runs the backward
+  sweep, stepping each unit as its gradient lands.
+All three give the same weights: the same gradients, times the same coefficient, through the
+same AdamW.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ from torch.func import functional_call
 from .batch import IGNORE_INDEX, MicroBatch
 from .models.config import ModelConfig
 from .models.decoder import DecoderLayer, Head, attention_mask, rope_cos_sin, rope_inv_freq
+from .placement import Plan
 from .state import HostState, Unit, unit_views
+from .transport import Transport
 
 
 @dataclass
@@ -53,30 +66,30 @@ def _accumulate(gflat: torch.Tensor, unit: Unit, names: list[str], grads) -> Non
 
 
 class Engine:
-    """Runs forward and backward sweeps over a host-resident model.
+    """Runs forward and backward sweeps over a host-resident model, placed as `plan` says.
 
-    `forward_backward` leaves fp32 gradients (one flat buffer per unit, on the compute device);
-    `step` clips them by the global norm and hands them to the transport's optimizer.
+    `forward_backward` computes the loss (and, as the plan's gradient mode says, the gradients or
+    their norm); `clip_grad_norm` gives the global norm and the clip coefficient; `step` applies
+    AdamW through the transport (asynchronously on CUDA).
     """
 
     def __init__(
         self,
         cfg: ModelConfig,
         state: HostState,
-        transport,
+        transport: Transport,
         device: torch.device,
         compute_dtype: torch.dtype,
-        loss_chunk_tokens: int | None = None,
+        plan: Plan,
         compile: bool = False,
-        keep_layers: int | str = "auto",
-        offload_activations: bool | str = "auto",
     ):
-        self.cfg, self.state, self.transport = cfg, state, transport
+        self.cfg, self.state, self.transport, self.plan = cfg, state, transport, plan
         self.device, self.dtype = torch.device(device), compute_dtype
         self.units = state.units
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.layer_units = self.units[1:-1]
-        self._host_acts_on = False
+        if plan.grad_mode == "two_pass" and plan.keep_layers:
+            raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
         with torch.device("meta"):
             self.layer = DecoderLayer(cfg)
             self.head = Head(cfg)
@@ -86,34 +99,30 @@ class Engine:
             self._layer_call = torch.compile(self._call_layer)
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(self.device)
-        # Logits of one chunk in fp32 plus their gradient: about 1 GiB on the CPU, 4 GiB on a GPU.
-        budget = 2**32 if self.device.type == "cuda" else 2**30
-        self.loss_chunk_tokens = loss_chunk_tokens or max(256, budget // (8 * cfg.vocab_size))
-        self.grads: dict[int, torch.Tensor] = {}
+        self.keep_layers = plan.keep_layers
+        self.loss_chunk_tokens = plan.loss_chunk_tokens
+        self.host_acts = None
+        if plan.parked_layers and self.device.type == "cuda":
+            from .activations import HostActivations
+
+            self.host_acts = HostActivations(self.device)
         self._norms: dict[int, list[torch.Tensor]] = {}
-        # Trailing layers whose autograd graphs are kept from the forward sweep instead of being
-        # recomputed: "auto" sizes this from free GPU memory after two measured steps.
-        self.keep_layers = 0 if keep_layers == "auto" else int(keep_layers)
-        self._keep_auto = keep_layers == "auto" and self.device.type == "cuda"
-        self._calls = 0
-        self._graph_bytes = 0  # activation memory one layer's graph holds, measured on CUDA
-        # Boundary activations stay on the GPU while they fit; "auto" parks them in host memory
-        # when they would take more than a third of the card.
-        self.offload_activations = offload_activations
-        self._host_acts = None
+        self._pending = None  # two_pass, immediate: what `step` needs to run the backward sweep
+        self._head_grads: dict[int, torch.Tensor] = {}
 
     def _call_layer(self, params, x, cos, sin, mask):
         return functional_call(self.layer, params, (x, (cos, sin), mask))
 
     # ------------------------------------------------------------------ schedule
-    def _schedule(self, backward: bool) -> list[Unit]:
-        """The order in which unit weights are needed, so the transport can prefetch."""
+    def _forward_order(self) -> list[Unit]:
         order = [self.embed_unit, *self.layer_units, self.head_unit]
         if self.cfg.tie_word_embeddings:
             order.append(self.embed_unit)  # the head borrows the embedding matrix
-        if backward:
-            order += self.layer_units[: len(self.layer_units) - self.keep_layers][::-1]
         return order
+
+    def _backward_order(self) -> list[Unit]:
+        """Layers whose weights the backward sweep fetches: all but the kept ones, last first."""
+        return self.layer_units[: len(self.layer_units) - self.keep_layers][::-1]
 
     def _prepare(self, mb: MicroBatch) -> _Prepared:
         dev = self.device
@@ -129,16 +138,10 @@ class Engine:
             mask=attention_mask(doc, S, self.cfg.sliding_window, dev),
         )
 
-    def _grad(self, unit: Unit) -> torch.Tensor:
-        g = self.grads.get(unit.index)
-        if g is None:
-            g = self.grads[unit.index] = torch.zeros(unit.numel, device=self.device)
-        return g
-
-    def _finish_unit(self, unit: Unit) -> None:
-        """A unit's gradient is complete: take its per-parameter norms (for clipping) now, on the
-        compute stream, while the buffer is hot."""
-        views = unit_views(self.grads[unit.index], unit)
+    def _norm(self, unit: Unit, g: torch.Tensor) -> None:
+        """Per-parameter norms of a unit's complete gradient (for clipping), taken on the compute
+        stream while the buffer is hot."""
+        views = unit_views(g, unit)
         self._norms[unit.index] = torch._foreach_norm([views[p.name] for p in unit.params])
 
     # ------------------------------------------------------------------ sweeps
@@ -148,13 +151,14 @@ class Engine:
         emb = unit_views(w, self.embed_unit)["embed_tokens.weight"]
         h = [F.embedding(p.ids, emb) for p in prep]
         del w, emb
-        saved: list[list[torch.Tensor] | _Graph] = []
+        saved: list[list | _Graph] = []
         first_kept = len(self.layer_units) - (self.keep_layers if keep else 0)
         for j, unit in enumerate(self.layer_units):
             if j < first_kept:
                 params = _bind(unit, t.fetch(unit), grad=False)
                 if keep:
-                    saved.append([self._host_acts.park(x) for x in h] if self._host_acts_on else h)
+                    park = j < self.plan.parked_layers and self.host_acts is not None
+                    saved.append([self.host_acts.park(x, j) for x in h] if park else h)
                 with torch.no_grad():
                     h = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(h, prep)]
             else:
@@ -167,41 +171,6 @@ class Engine:
             del params
         return h, saved
 
-    def _fetch_parked(self, s):
-        """Start bringing a layer's parked inputs back (a kept graph needs nothing)."""
-        return s if isinstance(s, _Graph) else [self._host_acts.fetch(p) for p in s]
-
-    def _wait_parked(self, f):
-        """Make the compute stream wait for fetched inputs, just before their first use."""
-        if isinstance(f, _Graph):
-            return f
-        stream = torch.cuda.current_stream(self.device)
-        for _, ready in f:
-            stream.wait_event(ready)
-        return [x for x, _ in f]
-
-    def _plan_activations(self, micro_batches: list[MicroBatch]) -> None:
-        """Decide whether this step's boundary activations live on the GPU or in host memory."""
-        per_layer = sum(mb.num_tokens for mb in micro_batches) * self.cfg.hidden_size * self.dtype.itemsize
-        n_saved = len(self.layer_units) - self.keep_layers
-        want = self.offload_activations
-        if want == "auto":
-            want = (
-                self.device.type == "cuda"
-                and per_layer * n_saved > torch.cuda.get_device_properties(self.device).total_memory / 3
-            )
-        self._host_acts_on = bool(want) and self.device.type == "cuda" and n_saved > 0
-        if self._host_acts_on:
-            if self._host_acts is None:
-                from .activations import HostActivations
-
-                self._host_acts = HostActivations(self.device)
-            aligned = sum(
-                -(-mb.num_tokens * self.cfg.hidden_size * self.dtype.itemsize // 512) * 512
-                for mb in micro_batches
-            )
-            self._host_acts.begin(aligned * n_saved)
-
     def _lm_weight(self, head_params: dict[str, torch.Tensor]):
         if self.cfg.tie_word_embeddings:
             return unit_views(self.transport.fetch(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
@@ -209,151 +178,213 @@ class Engine:
 
     def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int):
         """Loss (sum over tokens / n_tokens) and its gradient w.r.t. each micro-batch's last hidden
-        state, one chunk of tokens at a time; head gradients accumulate in fp32."""
+        state, a chunk of tokens at a time through norm, LM head and cross-entropy, so neither the
+        full logits nor the normalised states of a whole micro-batch ever exist. The head's fp32
+        gradients (and, tied, the LM head's share of the embedding's) are kept for the unit's
+        finish. Returns the loss and the list of gradients."""
         head = self.head_unit
         params = _bind(head, self.transport.fetch(head), grad=False)
-        W = self._lm_weight(params)
-        norm_w = params["norm.weight"]
-        g_head = self._grad(head)
+        W = self._lm_weight(params).detach()
+        norm_w = params["norm.weight"].detach()
+        g_head = torch.zeros(head.numel, device=self.device)
         g_norm = unit_views(g_head, head)["norm.weight"]
+        grads = {head.index: g_head}
         if self.cfg.tie_word_embeddings:
-            g_W = unit_views(self._grad(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
+            grads[self.embed_unit.index] = torch.zeros(self.embed_unit.numel, device=self.device)
+            g_W = unit_views(grads[self.embed_unit.index], self.embed_unit)["embed_tokens.weight"]
         else:
             g_W = unit_views(g_head, head)["lm_head.weight"]
         loss = torch.zeros((), device=self.device)
         dh = []
         C = self.loss_chunk_tokens
         for x, p in zip(h, prep):
-            shape = x.shape
-            x = x.detach().reshape(-1, shape[-1]).requires_grad_()
-            nw = norm_w.detach().requires_grad_()
-            with torch.enable_grad():
-                hn = functional_call(self.head.norm, {"weight": nw}, (x,))
-            hn_d = hn.detach()
-            dhn = torch.empty_like(hn_d)
-            for a in range(0, hn_d.shape[0], C):
-                tgt = p.targets[a : a + C]
-                hc = hn_d[a : a + C].requires_grad_()
-                Wl = W.detach().requires_grad_()
+            flat = x.reshape(-1, x.shape[-1])
+            dx = torch.empty_like(flat)
+            for a in range(0, flat.shape[0], C):
+                xc = flat[a : a + C].detach().requires_grad_()
+                nw, Wl = norm_w.requires_grad_(), W.requires_grad_()
                 with torch.enable_grad():
-                    logits = F.linear(hc, Wl).float()
-                    l_sum = F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum")
-                    gh, gW = torch.autograd.grad(l_sum / n_tokens, (hc, Wl))
-                dhn[a : a + C] = gh
+                    hn = functional_call(self.head.norm, {"weight": nw}, (xc,))
+                    logits = F.linear(hn, Wl).float()
+                    l_sum = F.cross_entropy(
+                        logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
+                    )
+                    gx, gnw, gW = torch.autograd.grad(l_sum / n_tokens, (xc, nw, Wl))
+                dx[a : a + C] = gx
+                g_norm.add_(gnw)
                 g_W.add_(gW)
                 loss += l_sum.detach()
-                del logits, gh, gW
-            gx, gnw = torch.autograd.grad(hn, (x, nw), dhn)
-            g_norm.add_(gnw)
-            dh.append(gx.reshape(shape))
-        self._finish_unit(head)
-        return loss / n_tokens, dh
+                del hn, logits, gx, gnw, gW
+            dh.append(dx.view(x.shape))
+        norm_w.requires_grad_(False)
+        W.requires_grad_(False)
+        return loss / n_tokens, dh, grads
 
-    def _backward_sweep(self, saved, dh, prep):
+    def _fetch_parked(self, s):
+        """Start bringing a layer's parked inputs back (resident inputs and kept graphs need nothing)."""
+        if isinstance(s, _Graph) or not s or not hasattr(s[0], "written"):
+            return s
+        return [self.host_acts.fetch(p) for p in s]
+
+    def _wait_parked(self, f):
+        """Make the compute stream wait for fetched inputs, just before their first use."""
+        if isinstance(f, _Graph) or not f or not isinstance(f[0], tuple):
+            return f
+        stream = torch.cuda.current_stream(self.device)
+        for _, ready in f:
+            stream.wait_event(ready)
+        return [x for x, _ in f]
+
+    def _backward_sweep(self, saved, dh, prep, finish, embed_grad, consume: bool = True):
+        """Recompute and differentiate each layer, last first; `finish(unit, grad)` takes each
+        unit's complete fp32 gradient, the embedding's last (a scatter-add of the input gradient
+        into `embed_grad`, which holds the tied LM head's share or is None). With
+        `consume=False` the boundary activations are left for a second sweep."""
         t = self.transport
-        measure = self.device.type == "cuda"
         order = list(zip(self.layer_units[::-1], saved[::-1]))
-        if self._host_acts_on:
-            fetched = {0: self._fetch_parked(order[0][1])}
+        fetched = {0: self._fetch_parked(order[0][1])} if order else {}
         for k, (unit, s) in enumerate(order):
-            if self._host_acts_on:
-                if k + 1 < len(order):  # the next layer's inputs come back while this one computes
-                    fetched[k + 1] = self._fetch_parked(order[k + 1][1])
-                s = self._wait_parked(fetched.pop(k))
+            if k + 1 < len(order):  # the next layer's parked inputs come back while this one computes
+                fetched[k + 1] = self._fetch_parked(order[k + 1][1])
+            s = self._wait_parked(fetched.pop(k))
             kept = isinstance(s, _Graph)
             params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
             names = list(params)
             leaves = [params[n] for n in names]
-            g = self._grad(unit)
-            graph_bytes = 0
+            g = torch.zeros(unit.numel, device=self.device)
             for m, p in enumerate(prep):
                 if kept:
                     x, y = s.xs[m], s.ys[m]
                     s.xs[m] = s.ys[m] = None
                 else:
                     x = s[m].detach().requires_grad_()
-                    s[m] = None  # the boundary activation is not needed again
-                    before = torch.cuda.memory_allocated(self.device) if measure else 0
+                    if consume:
+                        s[m] = None  # the boundary activation is not needed again
                     with torch.enable_grad():
                         y = self._layer_call(params, x, *p.rope, p.mask)
-                    if measure:  # a host-side counter: no synchronisation
-                        graph_bytes += torch.cuda.memory_allocated(self.device) - before
                 grads = torch.autograd.grad(y, [x, *leaves], dh[m])
                 dh[m] = grads[0]
                 _accumulate(g, unit, names, grads[1:])
                 del x, y, grads
-            self._graph_bytes = max(self._graph_bytes, graph_bytes)
             del params, leaves
-            self._finish_unit(unit)
+            finish(unit, g)
+            del g
         # Embedding: scatter-add of the input gradient; no weights needed.
-        g = unit_views(self._grad(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
+        g = torch.zeros(self.embed_unit.numel, device=self.device) if embed_grad is None else embed_grad
+        view = unit_views(g, self.embed_unit)["embed_tokens.weight"]
         det = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)  # sort-based, reproducible on CUDA
         try:
             for d, p in zip(dh, prep):
-                g.index_add_(0, p.ids.reshape(-1), d.reshape(-1, d.shape[-1]).to(torch.float32))
+                view.index_add_(0, p.ids.reshape(-1), d.reshape(-1, d.shape[-1]).to(torch.float32))
         finally:
             torch.use_deterministic_algorithms(det)
-        self._finish_unit(self.embed_unit)
+        finish(self.embed_unit, g)
 
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
-        """Gradients of (sum of token losses over all micro-batches) / (number of label tokens).
-
-        Returns the loss (a device scalar) and the number of label tokens.
-        """
+        """Loss of (sum of token losses over all micro-batches) / (number of label tokens), and
+        that number; the gradients or their norm as the plan's gradient mode says."""
         n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
         if n_tokens == 0:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
-        self.grads, self._norms = {}, {}
-        self._calls += 1
-        if self._keep_auto and self._calls == 3:
-            self._size_kept_layers()
-        self._plan_activations(micro_batches)
-        self.transport.begin(self._schedule(backward=True))
+        self._norms, self._pending = {}, None
+        self.transport.discard()
+        mode = self.plan.grad_mode
+        order = self._forward_order()
+        if mode != "immediate":
+            order += self._backward_order()
+        self.transport.begin(order)
+        self._begin_parking(micro_batches)
         prep = [self._prepare(mb) for mb in micro_batches]
         h, saved = self._forward_sweep(prep, keep=True)
-        loss, dh = self._head_loss_backward(h, prep, n_tokens)
+        loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
         del h
-        self._backward_sweep(saved, dh, prep)
+        head = self.head_unit
+        self._norm(head, head_grads[head.index])
+        embed_part = head_grads.get(self.embed_unit.index)  # tied: the LM head's share
+        if mode == "stored":
+            self.transport.hold(head, head_grads[head.index])
+            self._backward_sweep(saved, dh, prep, self._hold, embed_part)
+        elif mode == "two_pass":
+            dh_copy = [d.clone() for d in dh]
+            part = None if embed_part is None else embed_part.clone()
+            self._backward_sweep(saved, dh, prep, self._norm, part, consume=False)
+            self._pending = (saved, dh_copy, prep, head_grads)
+        else:
+            self._pending = (saved, dh, prep, head_grads)
         return loss, n_tokens
 
-    def _size_kept_layers(self, reserve: float = 0.15) -> None:
-        """Spend GPU memory that two measured steps left free on keeping the last layers' graphs
-        (each saves one layer's recompute, about a quarter of its compute)."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free = total * (1 - reserve) - torch.cuda.max_memory_reserved(self.device)
-        if self._graph_bytes > 0 and free > 0:
-            self.keep_layers = min(len(self.layer_units), int(free // self._graph_bytes))
+    def _begin_parking(self, micro_batches: list[MicroBatch]) -> None:
+        if self.host_acts is None:
+            return
+        tokens = [mb.num_tokens for mb in micro_batches]
+        layer = self.host_acts.layer_bytes(tokens, self.cfg.hidden_size, self.dtype.itemsize)
+        self.host_acts.begin(layer, self.plan.parked_layers)
 
-    def clip_grad_norm(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _hold(self, unit: Unit, g: torch.Tensor) -> None:
+        self._norm(unit, g)
+        self.transport.hold(unit, g)
+
+    def clip_grad_norm(self, max_norm: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Global L2 norm of all gradients (as `torch.nn.utils.clip_grad_norm_` computes it) and
-        the clip coefficient to apply (None when clipping is off)."""
-        norms = [n for i in sorted(self._norms) for n in self._norms[i]]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        the clip coefficient to apply (None when clipping is off). Without clipping in
+        `immediate` mode the norm is only known after `step`: (None, None)."""
+        if self.plan.grad_mode == "immediate":
+            return None, None
+        total = self._total_norm()
         if not max_norm or max_norm <= 0:
             return total, None
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        return total, coef
+        return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
-    def step(self, lr: float, coef: torch.Tensor | None) -> None:
-        """Apply AdamW to every unit with its (clipped) gradients; asynchronous on CUDA."""
+    def _total_norm(self) -> torch.Tensor:
+        norms = [n for i in sorted(self._norms) for n in self._norms[i]]
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def step(self, lr: float, coef: torch.Tensor | None) -> torch.Tensor | None:
+        """Apply AdamW to every unit with its (clipped) gradients; asynchronous on CUDA. In
+        `immediate` mode this runs the backward sweep and returns the gradient norm it measured
+        (a device scalar); otherwise None."""
         self.state.step += 1
-        grads, self.grads = self.grads, {}
-        self.transport.update(grads, coef, lr, self.state.step)
+        st = self.state.step
+        if self.plan.grad_mode == "stored":
+            self.transport.step(coef, lr, st)
+            return None
+        saved, dh, prep, head_grads = self._pending
+        self._pending = None
+        immediate = self.plan.grad_mode == "immediate"
+
+        def land(unit: Unit, g: torch.Tensor) -> None:
+            skip = None
+            if immediate:  # nothing checked this gradient before: a non-finite one is not applied
+                self._norm(unit, g)
+                skip = ~torch.isfinite(torch.stack(self._norms[unit.index]).sum())
+            self.transport.step_unit(unit, g, coef, lr, st, skip)
+
+        head = self.head_unit
+        land(head, head_grads.pop(head.index))
+        self.transport.begin(self._backward_order())
+        self._backward_sweep(saved, dh, prep, land, head_grads.pop(self.embed_unit.index, None))
+        return self._total_norm() if immediate else None
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients: weights and AdamW moments stay as they were."""
+        self._pending = None
+        self.transport.discard()
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        """Checkpoint key -> fp32 gradient, after `forward_backward` (for tests and debugging)."""
+        """Checkpoint key -> fp32 gradient held by a SerialTransport after `forward_backward` in
+        stored mode (for tests and debugging)."""
         out = {}
         for u in self.units:
-            views = unit_views(self.grads[u.index], u)
+            views = unit_views(self.transport.held[u.index], u)
             out.update({p.key: views[p.name] for p in u.params})
         return out
 
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Full fp32 logits of one micro-batch (for evaluation and parity tests)."""
-        self.transport.begin(self._schedule(backward=False))
+        self.transport.begin(self._forward_order())
         prep = [self._prepare(micro_batch)]
         h, _ = self._forward_sweep(prep, keep=False)
         params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)

@@ -41,9 +41,11 @@ def adamw_range(
     cfg: AdamWConfig,
     lr: float,
     step: int,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the whole unit's flat state and
-    `g` exactly the range; host or device tensors alike."""
+    `g` exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag on
+    the same device) makes the kernel leave everything unchanged."""
     groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
     for spec in unit.params:
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
@@ -69,6 +71,7 @@ def adamw_range(
             weight_decay=cfg.weight_decay if decay else 0.0,
             eps=cfg.eps,
             maximize=False,
+            found_inf=None if found_inf is None else found_inf.float(),
         )
 
 

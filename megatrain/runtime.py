@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
+from . import placement
 from .engine import Engine
 from .errors import ConfigError
 from .models.config import ModelConfig
 from .optim import AdamWConfig, HostAdamW
+from .placement import Batch, Choices, Machine, Plan
 from .state import HostState, build_units
-from .transport import SerialTransport, StreamingTransport
+from .transport import SerialTransport, StreamingTransport, Transport
 from .weights import init_random, load_hf_weights
 
 
@@ -52,13 +54,42 @@ class TrainableModel:
     cfg: ModelConfig
     state: HostState
     engine: Engine
-    transport: SerialTransport | StreamingTransport
+    transport: Transport
     optimizer: HostAdamW
+    plan: Plan
 
     def close(self) -> None:
         self.transport.close()
-        if self.engine._host_acts is not None:
-            self.engine._host_acts.close()
+        if self.engine.host_acts is not None:
+            self.engine.host_acts.close()
+
+
+def make_plan(
+    cfg: ModelConfig,
+    device: str | torch.device,
+    compute_dtype: torch.dtype,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 4096,
+    grad_accum: int = 1,
+    clip: bool = True,
+    masked: bool = False,
+    choices: Choices | None = None,
+    max_gpu_memory: int | None = None,
+    max_host_memory: int | None = None,
+) -> tuple[Plan, Machine]:
+    """The placement of a run on this machine (placement.plan with measured budgets)."""
+    machine = placement.measure(device, max_gpu_memory, max_host_memory)
+    batch = Batch(
+        micro_batch_tokens=batch_size * seq_len,
+        micro_batches=grad_accum,
+        seq_len=seq_len,
+        compute_bytes=compute_dtype.itemsize,
+        clip=clip,
+        masked=masked,
+        rows=batch_size,
+    )
+    return placement.plan(cfg, batch, machine, choices or Choices()), machine
 
 
 def build_model(
@@ -71,18 +102,26 @@ def build_model(
     adamw: AdamWConfig | None = None,
     overlap: bool = True,
     progress: bool = False,
-    loss_chunk_tokens: int | None = None,
-    gpu_state: str = "auto",
+    plan: Plan | None = None,
+    choices: Choices | None = None,
     compile: bool | None = None,
-    keep_layers: int | str = "auto",
-    offload_activations: bool | str = "auto",
+    machine: Machine | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
-    engine on `device`. `overlap=False` selects the serial reference schedule on CUDA;
-    `gpu_state="off"` keeps all state in host memory (see StreamingTransport.make_resident);
-    `compile` compiles the decoder layer with torch.compile (default: on CUDA only)."""
+    engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
+    sequence per step under `choices`). `overlap=False` selects the serial reference schedule on
+    CUDA; `compile` compiles the decoder layer with torch.compile (default: on CUDA only);
+    `machine` carries a user's max_gpu_memory, which caps the CUDA allocator."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
+    if plan is None:
+        plan, machine = make_plan(cfg, device, dtype, choices=choices)
+    if device.type == "cuda" and machine is not None:
+        fraction = placement.allocator_fraction(
+            machine, torch.cuda.get_device_properties(device).total_memory
+        )
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction, device)
     state = HostState(build_units(cfg))
     if weights is not None:
         load_hf_weights(state, weights, cfg, progress=progress)
@@ -91,19 +130,10 @@ def build_model(
     opt = HostAdamW(state, adamw or AdamWConfig())
     if compile is None:
         compile = device.type == "cuda"
+    transport: Transport
     if device.type == "cuda":
-        transport = StreamingTransport(state, opt, device, dtype, overlap=overlap, gpu_state=gpu_state)
+        transport = StreamingTransport(state, opt, device, dtype, plan, overlap=overlap)
     else:
         transport = SerialTransport(state, opt, device, dtype)
-    engine = Engine(
-        cfg,
-        state,
-        transport,
-        device,
-        dtype,
-        loss_chunk_tokens=loss_chunk_tokens,
-        compile=compile,
-        keep_layers=keep_layers,
-        offload_activations=offload_activations,
-    )
-    return TrainableModel(cfg, state, engine, transport, opt)
+    engine = Engine(cfg, state, transport, device, dtype, plan, compile=compile)
+    return TrainableModel(cfg, state, engine, transport, opt, plan)

@@ -17,10 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .hostmem import PAGE, host_buffer
 from .models.config import ModelConfig
 from .models.decoder import DecoderLayer, Embedding, Head
 
 ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
+# Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit
+# boundaries (hostmem.py).
+UNIT_ALIGN = PAGE // 4
 
 # Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
 # normalisation weights.
@@ -53,7 +57,7 @@ class Unit:
     """Position in `units` (forward order)."""
     params: tuple[ParamSpec, ...]
     numel: int
-    """Flat length including alignment padding."""
+    """Flat length including alignment padding (a multiple of UNIT_ALIGN)."""
     start: int = 0
     """Start of this unit inside `HostState.master`."""
 
@@ -84,6 +88,7 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
             key = _key(kind, layer, pname)
             specs.append(ParamSpec(pname, key, tuple(p.shape), off, not _NO_DECAY.search(key)))
             off += -(-p.numel() // ALIGN) * ALIGN
+        off = -(-off // UNIT_ALIGN) * UNIT_ALIGN
         units.append(Unit(name, kind, index, tuple(specs), off, start))
         start += off
     return units
@@ -100,15 +105,20 @@ class HostState:
     def __init__(self, units: list[Unit], with_optimizer: bool = True):
         self.units = units
         self.numel = units[-1].start + units[-1].numel
-        # torch.zeros maps fresh zero pages: nothing is touched until a unit is written.
-        self.master = torch.zeros(self.numel, dtype=torch.float32)
-        self.exp_avg = torch.zeros(self.numel) if with_optimizer else None
-        self.exp_avg_sq = torch.zeros(self.numel) if with_optimizer else None
+        # Fresh zero pages, page-aligned: nothing is touched until a unit is written.
+        self.master = host_buffer(self.numel)
+        self.exp_avg = host_buffer(self.numel) if with_optimizer else None
+        self.exp_avg_sq = host_buffer(self.numel) if with_optimizer else None
         self.step = 0  # optimizer steps taken
 
     def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:
         t = getattr(self, which)
         return t[unit.start : unit.start + unit.numel]
+
+    @property
+    def boundaries(self) -> list[int]:
+        """Element offsets where units start: where host memory may be cut into pieces."""
+        return [u.start for u in self.units]
 
     def params(self, unit: Unit) -> dict[str, torch.Tensor]:
         return unit_views(self.flat(unit), unit)

@@ -29,6 +29,7 @@ from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
 from .errors import ConfigError
 from .guard import NonFiniteGuard, SignalGuard
+from .memory import MemoryRecord
 from .metrics import MetricsLogger
 from .models.config import ModelConfig
 from .optim import AdamWConfig, lr_at
@@ -60,6 +61,7 @@ def train(cfg: TrainConfig) -> Path:
     guard.TrainingInterrupted after a signal (its checkpoint saved) and guard.DivergedError
     when steps keep producing non-finite losses.
     """
+    cfg.require_dataset()
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
@@ -98,7 +100,9 @@ def train(cfg: TrainConfig) -> Path:
         warmup_steps=warmup,
         total_steps=total_steps,
     )
-    preflight(model_cfg, cfg, device, compute_dtype.itemsize)  # refuses a run that cannot fit
+    # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
+    plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
+    memory = MemoryRecord(plan, machine)
 
     model = build_model(
         model_cfg,
@@ -110,15 +114,16 @@ def train(cfg: TrainConfig) -> Path:
             cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
         ),
         progress=True,
-        gpu_state=cfg.gpu_state,
+        plan=plan,
+        machine=machine,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
-        offload_activations="auto" if cfg.offload_activations is None else cfg.offload_activations,
     )
     engine = model.engine
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_temporaries(out)
     (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    memory.write(out)
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
@@ -128,6 +133,8 @@ def train(cfg: TrainConfig) -> Path:
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
         f"({str(engine.dtype).removeprefix('torch.')}), {len(samples)} samples, {total_steps} steps"
     )
+    for note in plan.notes:
+        log.message(f"megatrain: plan: {note}")
     if resume:
         log.message(f"megatrain: resumed from {resume.path} at step {start}")
         changed = resume.changed_settings(cfg.to_dict(), RESUME_SENSITIVE)
@@ -168,14 +175,21 @@ def train(cfg: TrainConfig) -> Path:
             for step in range(start, total_steps):
                 micro_batches = batcher.next_step()
                 loss, n_label = engine.forward_backward(micro_batches)
-                grad_norm, coef = engine.clip_grad_norm(cfg.max_grad_norm)
-                grad_norm, loss = grad_norm.item(), loss.item()  # the one host sync of the step
+                grad_norm, coef = engine.clip_grad_norm(cfg.max_grad_norm)  # None: known after the step
+                loss = loss.item()  # the one host sync of the step
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total_steps)
-                finite = nonfinite.finite(step + 1, loss, grad_norm)
-                if finite:
-                    engine.step(lr, coef)
+                if grad_norm is None and math.isfinite(loss):
+                    # No clipping: the backward sweep runs in `step`, each unit stepped as it lands
+                    # (one whose gradient is not finite is left as it was).
+                    grad_norm = engine.step(lr, coef).item()
+                    finite = nonfinite.finite(step + 1, loss, grad_norm)
                 else:
-                    engine.grads = {}  # skip the step: weights and AdamW moments stay as they were
+                    grad_norm = grad_norm.item() if grad_norm is not None else math.nan
+                    finite = nonfinite.finite(step + 1, loss, grad_norm)
+                    if finite:
+                        engine.step(lr, coef)
+                    else:
+                        engine.skip_step()  # weights and AdamW moments stay as they were
 
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
@@ -195,6 +209,7 @@ def train(cfg: TrainConfig) -> Path:
                     record["skipped"] = True
                 log.log(record)
                 history.append(record)
+                memory.measure(step + 1)
                 nonfinite.check_diverged(step + 1)
 
                 stopping = stop.requested  # read once: a signal during the save is acted on below
@@ -219,7 +234,9 @@ def train(cfg: TrainConfig) -> Path:
             generation_from=cfg.model_name_or_path,
         )
         log.message(f"megatrain: saved {final}")
+        log.message(memory.summary())
         return final
     finally:
+        memory.write(out)
         log.close()
         model.close()

@@ -1,25 +1,28 @@
 """Moving weights to the compute device and gradients back into the host optimizer.
 
 The engine asks for one unit's weights at a time (`fetch`) in an order it announces up front
-(`begin`), and hands over all gradients once per optimizer step (`update`). Two implementations:
+(`begin`). Each unit's gradient, once complete, is either held until the clip coefficient is
+known (`hold`, then `step` for all of them) or stepped at once (`step_unit`), as the placement
+plan says (placement.py). Two implementations of the `Transport` protocol:
 
 * `SerialTransport`: the plain schedule. Each fetch copies a unit's fp32 master to the device
-  (on the CPU with fp32 compute it is the master itself); `update` steps every unit in turn.
-  This is the reference the fast path must equal.
+  (on the CPU with fp32 compute it is the master itself); every update runs inline. This is the
+  reference the fast path must equal.
 
 * `StreamingTransport` (CUDA): the overlapped schedule. Host->device copies run on their own
-  stream, `prefetch` units ahead of compute; the master weights are page-locked once
-  (cudaHostRegister), so copies run at full PCIe rate without a staging copy. `update` returns at
-  once: a worker thread copies each unit's gradients device->host in chunks on a third stream
-  into two small pinned buffers and runs AdamW on them as they land, in forward order, while the
-  main thread already runs the next step's forward sweep; a fetch waits only for the update of
-  the unit it needs. The GPU and the launching thread never wait on each other per layer.
+  stream, `prefetch` units ahead of compute, from master weights page-locked in place. Held
+  gradients wait on the GPU (the leading units the plan keeps there) or are copied at once, on a
+  device->host stream, into page-locked host memory; either way the GPU buffer is released as
+  soon as possible. Updates run on a worker thread with torch's fused CPU AdamW, unit by unit in
+  the order they were handed over, device-resident gradients copied out in chunks through two
+  small pinned buffers; the main thread and the GPU go on at once, and a `fetch` waits only for
+  the update of the unit it needs. The leading units' fp32 state may live on the GPU for good
+  (`resident_units`), stepped there by the fused CUDA AdamW (DeepSpeed's "Twin-Flow"):
+  `synchronize` writes it back so checkpoints see one place.
 
-  Where GPU memory is free, the fp32 state (weights and moments) of the leading units can live
-  on the device (`make_resident`), stepped there by the fused CUDA AdamW: those units need no
-  PCIe traffic and no CPU time, and the CPU optimizer, which is the bottleneck at small batch
-  sizes, has that much less to do (DeepSpeed calls this "Twin-Flow"). `synchronize` writes their
-  state back to host memory, so checkpoints always see one place.
+Every path computes the same arithmetic: the fp32 gradient times the clip coefficient (an fp32
+multiply, exact on either device), then the fused AdamW. `overlap=False` runs the streaming
+transport's copies and updates inline on the compute stream: the serial reference on CUDA.
 """
 
 from __future__ import annotations
@@ -27,31 +30,84 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from typing import Protocol
 
 import torch
 
+from .hostmem import Registration, host_buffer
 from .optim import HostAdamW, adamw_range, chunk_ranges
+from .placement import Plan
 from .state import HostState, Unit
 
 
+class Transport(Protocol):
+    """What the engine streams through: weights in, gradients out, the optimizer."""
+
+    def begin(self, schedule: list[Unit]) -> None:
+        """Announce the order in which units will be fetched until the next `begin`."""
+
+    def fetch(self, unit: Unit) -> torch.Tensor:
+        """The unit's flat weights in compute dtype on the compute device (next in the order)."""
+
+    def hold(self, unit: Unit, grad: torch.Tensor) -> None:
+        """The unit's complete fp32 gradient of this step; keep it for `step`."""
+
+    def step(self, coef: torch.Tensor | None, lr: float, step: int) -> None:
+        """AdamW on every held gradient, multiplied by `coef` (None: not clipped)."""
+
+    def step_unit(
+        self, unit: Unit, grad: torch.Tensor, coef: torch.Tensor | None, lr: float, step: int, skip=None
+    ) -> None:
+        """AdamW on one unit now, its gradient complete and the clip coefficient known; `skip`, a
+        device flag, cancels the update when nonzero (a gradient that is not finite)."""
+
+    def discard(self) -> None:
+        """Drop held gradients: the step is skipped."""
+
+    def wait_updates(self) -> None:
+        """Block until every pending update has been applied to the host state."""
+
+    def synchronize(self) -> None:
+        """`wait_updates`, and device-resident state copied back: host memory is current."""
+
+    def close(self) -> None: ...
+
+
+def _scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+    return g if coef is None else g.mul_(coef.to(g.device))
+
+
 class SerialTransport:
+    """The plain schedule (see the module docstring); the CPU's transport."""
+
     def __init__(self, state: HostState, optimizer: HostAdamW, device, dtype: torch.dtype):
         self.state, self.optimizer = state, optimizer
         self.device, self.dtype = torch.device(device), dtype
+        self.held: dict[int, torch.Tensor] = {}  # gradients waiting for `step`, inspectable
 
     def begin(self, schedule: list[Unit]) -> None:
         pass
 
     def fetch(self, unit: Unit) -> torch.Tensor:
-        master = self.state.flat(unit)
-        return master.to(self.device, self.dtype)
+        return self.state.flat(unit).to(self.device, self.dtype)
 
-    def update(self, grads: dict[int, torch.Tensor], coef, lr: float, step: int) -> None:
+    def hold(self, unit: Unit, grad: torch.Tensor) -> None:
+        self.held[unit.index] = grad
+
+    def step(self, coef, lr: float, step: int) -> None:
+        held, self.held = self.held, {}
         for unit in self.state.units:
-            g = grads[unit.index]
-            if coef is not None:
-                g.mul_(coef)
-            self.optimizer.step_range(unit, 0, unit.numel, g.to("cpu"), lr, step)
+            if unit.index in held:
+                self.step_unit(unit, held.pop(unit.index), coef, lr, step)
+
+    def step_unit(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
+        if skip is not None and bool(skip):
+            return
+        g = _scaled(grad, coef).to("cpu")
+        self.optimizer.step_range(unit, 0, unit.numel, g, lr, step)
+
+    def discard(self) -> None:
+        self.held = {}
 
     def wait_updates(self) -> None:
         pass
@@ -64,8 +120,7 @@ class SerialTransport:
 
 
 class StreamingTransport:
-    """Overlapped CUDA transport (see module docstring). `overlap=False` runs the same copies and
-    the same optimizer arithmetic inline on the compute stream: the serial reference on CUDA."""
+    """Overlapped CUDA transport (see the module docstring)."""
 
     def __init__(
         self,
@@ -73,33 +128,40 @@ class StreamingTransport:
         optimizer: HostAdamW,
         device,
         dtype: torch.dtype,
+        plan: Plan,
         overlap: bool = True,
-        prefetch: int = 2,
-        chunk_elems: int = 32 * 2**20,
-        gpu_state: str = "auto",
     ):
-        self.state, self.optimizer = state, optimizer
+        self.state, self.optimizer, self.plan = state, optimizer, plan
         self.device, self.dtype = torch.device(device), dtype
-        self.overlap, self.prefetch = overlap, (prefetch if overlap else 0)
+        self.overlap, self.prefetch = overlap, (plan.prefetch if overlap else 0)
         self.compute = torch.cuda.current_stream(self.device)
         self.h2d = torch.cuda.Stream(self.device) if overlap else self.compute
         self.d2h = torch.cuda.Stream(self.device) if overlap else self.compute
-        # Page-lock the master weights in place: 5x faster than allocating pinned memory, and no
-        # second copy. Copies from pageable memory would run 7x slower.
-        m = state.master
-        rc = torch.cuda.cudart().cudaHostRegister(m.data_ptr(), m.numel() * 4, 0)
-        self._registered = int(rc) == 0
-        if not self._registered:
-            raise RuntimeError(f"cudaHostRegister of {m.numel() * 4 / 2**30:.1f} GiB failed ({rc})")
-        chunk_elems = min(chunk_elems, max(u.numel for u in state.units))
-        self.chunk_elems = chunk_elems
-        self.staging = [torch.empty(chunk_elems, pin_memory=True) for _ in range(2)]
-        self._ready = {u.index: threading.Event() for u in state.units}
+        units = state.units
+        # Page-lock the master weights in place (5x faster than allocating pinned memory, and no
+        # second copy); copies from pageable memory would run 7x slower.
+        self._registrations = [Registration(state.master, state.boundaries)]
+        # Gradients the plan keeps in host memory until the clip: one page-locked buffer.
+        self._host_slots: dict[int, torch.Tensor] = {}
+        first_host = max(plan.gpu_grad_units, plan.resident_units)
+        if plan.grad_mode == "stored" and first_host < len(units):
+            spilled = units[first_host:]
+            buf = host_buffer(sum(u.numel for u in spilled))
+            off = 0
+            for u in spilled:
+                self._host_slots[u.index] = buf[off : off + u.numel]
+                off += u.numel
+            self._registrations.append(Registration(buf, [u.start - spilled[0].start for u in spilled]))
+        self.chunk_elems = min(plan.staging_elems, max(u.numel for u in units))
+        self.staging = [torch.empty(self.chunk_elems, pin_memory=True) for _ in range(2)]
+        self._ready = {u.index: threading.Event() for u in units}
         for e in self._ready.values():
             e.set()
+        self._held: dict[int, object] = {}
+        # Gradients handed to the worker and still on the GPU: at most `inflight_units` at once.
+        self._inflight = threading.BoundedSemaphore(max(1, plan.inflight_units))
         self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.gpu_state = gpu_state  # "auto": decide residency after the first step; "off": never
-        self._updates = 0
+        self._make_resident(units[: plan.resident_units])
         # One core stays free for the thread that launches kernels; the optimizer's OpenMP
         # threads would otherwise preempt it and starve the GPU.
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
@@ -112,16 +174,12 @@ class StreamingTransport:
         self.schedule: list[Unit] = []
         self._pos = 0
         self._issued: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
-        # Accounting for benchmarks.
-        self.h2d_bytes = 0
+        self.h2d_bytes = 0  # accounting for benchmarks
         self.d2h_bytes = 0
 
     # ------------------------------------------------------------- weights in
     def begin(self, schedule: list[Unit]) -> None:
         self._check()
-        if self.gpu_state == "auto" and self._updates >= 1:  # one step measured in this process
-            self.gpu_state = "decided"
-            self.auto_resident()
         self.schedule, self._pos, self._issued = list(schedule), 0, {}
 
     def _issue(self, k: int) -> None:
@@ -163,57 +221,117 @@ class StreamingTransport:
         return buf
 
     # ------------------------------------------------------------- gradients out
-    def update(self, grads: dict[int, torch.Tensor], coef, lr: float, step: int) -> None:
+    def hold(self, unit: Unit, grad: torch.Tensor) -> None:
         self._check()
-        self._updates += 1
-        for i, (p, m, v) in self.resident.items():  # on the compute stream, ~1 ms per GB
-            unit, g = self.state.units[i], grads.pop(i)
-            if coef is not None:
-                g.mul_(coef)
-            adamw_range(unit, 0, unit.numel, p, g, m, v, self.optimizer.cfg, lr, step)
+        slot = self._host_slots.get(unit.index)
+        if slot is None or unit.index in self.resident:
+            self._held[unit.index] = grad
+            return
+        # To host memory now, during the backward sweep; the GPU buffer is free after the copy.
+        self.d2h.wait_stream(self.compute)
+        with torch.cuda.stream(self.d2h):
+            slot.copy_(grad, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(self.d2h)
+        if self.overlap:
+            grad.record_stream(self.d2h)
+        self.d2h_bytes += unit.numel * 4
+        self._held[unit.index] = (slot, landed)
+
+    def step(self, coef, lr: float, step: int) -> None:
+        self._check()
+        held, self._held = self._held, {}
+        items = []
+        for unit in self.state.units:
+            if unit.index not in held:
+                continue
+            g = held.pop(unit.index)
+            if unit.index in self.resident:
+                self._step_resident(unit, g, coef, lr, step)
+            else:
+                items.append((unit, g))
+        self._submit(items, coef, lr, step)
+
+    def step_unit(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
+        self._check()
+        if unit.index in self.resident:
+            self._step_resident(unit, grad, coef, lr, step, skip)
+            return
+        if self.overlap:
+            self._inflight.acquire()  # bounded GPU memory: wait while the worker is behind
+        self._submit([(unit, grad)], coef, lr, step, release=self.overlap, skip=skip)
+
+    def discard(self) -> None:
+        self._held = {}
+
+    def _step_resident(self, unit: Unit, g: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
+        p, m, v = self.resident[unit.index]  # on the compute stream, ~1 ms per GB
+        adamw_range(unit, 0, unit.numel, p, _scaled(g, coef), m, v, self.optimizer.cfg, lr, step, skip)
+
+    def _submit(self, items, coef, lr: float, step: int, release: bool = False, skip=None) -> None:
+        if not items:
+            return
         done = torch.cuda.Event()
         done.record(self.compute)
-        for u in self.state.units:
-            if u.index in self.resident:
-                continue
-            self._ready[u.index].clear()
-            if self.overlap:
-                grads[u.index].record_stream(self.d2h)
-        job = (grads, coef, lr, step, done)
+        for unit, g in items:
+            self._ready[unit.index].clear()
+            if self.overlap and isinstance(g, torch.Tensor):
+                g.record_stream(self.d2h)
+        job = (items, coef, lr, step, done, release, skip)
         if self.overlap:
             self._jobs.put(job)
         else:
             self._apply(*job)
 
-    def _apply(self, grads, coef, lr, step, done) -> None:
-        units = [u for u in self.state.units if u.index in grads]
-        items = [(u, a, b) for u in units for a, b in chunk_ranges(u, self.chunk_elems)]
-        if not items:
-            return
+    def _apply(self, items, coef, lr: float, step: int, done, release: bool, skip) -> None:
+        """Step `items` (unit, gradient on the GPU or (host slot, landed event)) in order."""
+        self.d2h.wait_event(done)
+        coef_host = None
+        for unit, g in items:
+            if skip is not None:
+                done.synchronize()
+                if bool(skip.to("cpu")):
+                    if release:
+                        self._inflight.release()
+                    self._ready[unit.index].set()
+                    continue
+            if isinstance(g, torch.Tensor):
+                self._apply_from_device(unit, g, coef, lr, step)
+                if release:
+                    self._inflight.release()
+            else:
+                slot, landed = g
+                landed.synchronize()
+                if coef is not None and coef_host is None:
+                    done.synchronize()  # the clip coefficient is computed on the compute stream
+                    coef_host = coef.to("cpu")
+                for a, b in chunk_ranges(unit, self.chunk_elems):
+                    gh = _scaled(slot[a:b], coef_host)
+                    self.optimizer.step_range(unit, a, b, gh, lr, step)
+            self._ready[unit.index].set()
+
+    def _apply_from_device(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int) -> None:
+        """Copy a gradient out in chunks through the two pinned buffers, each chunk's AdamW
+        overlapping the next chunk's copy."""
+        ranges = chunk_ranges(unit, self.chunk_elems)
         events: dict[int, torch.cuda.Event] = {}
 
         def issue(i: int) -> None:
-            u, a, b = items[i]
+            a, b = ranges[i]
             with torch.cuda.stream(self.d2h):
-                g = grads[u.index][a:b]
-                if coef is not None:
-                    g.mul_(coef)
+                g = _scaled(grad[a:b], coef)
                 self.staging[i % 2][: b - a].copy_(g, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.d2h)
             self.d2h_bytes += (b - a) * 4
             events[i] = ev
 
-        self.d2h.wait_event(done)
         issue(0)
-        for i, (u, a, b) in enumerate(items):
-            if i + 1 < len(items):
+        for i, (a, b) in enumerate(ranges):
+            if i + 1 < len(ranges):
                 issue(i + 1)  # the copy of the next chunk overlaps this chunk's AdamW
             events.pop(i).synchronize()
-            self.optimizer.step_range(u, a, b, self.staging[i % 2][: b - a], lr, step)
-            if b == u.numel:
-                grads.pop(u.index)
-                self._ready[u.index].set()
+            self.optimizer.step_range(unit, a, b, self.staging[i % 2][: b - a], lr, step)
 
     def _work(self) -> None:
         with torch.cuda.device(self.device):
@@ -227,6 +345,11 @@ class StreamingTransport:
                     self._error = e
                     for ev in self._ready.values():
                         ev.set()
+                    for _ in range(self.plan.inflight_units):
+                        try:
+                            self._inflight.release()
+                        except ValueError:
+                            break
 
     def _wait_ready(self, unit: Unit) -> None:
         self._ready[unit.index].wait()
@@ -238,14 +361,11 @@ class StreamingTransport:
             raise RuntimeError("the optimizer worker failed") from e
 
     def wait_updates(self) -> None:
-        """Wait until every pending host update has been applied."""
         for u in self.state.units:
             self._ready[u.index].wait()
         self._check()
 
     def synchronize(self) -> None:
-        """Wait until every pending update has reached the host state (device-resident units
-        are copied back)."""
         self.wait_updates()
         for i, tensors in self.resident.items():
             unit = self.state.units[i]
@@ -254,9 +374,8 @@ class StreamingTransport:
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------- device-resident units
-    def make_resident(self, units: list[Unit]) -> None:
+    def _make_resident(self, units: list[Unit]) -> None:
         """Move the fp32 weights and moments of `units` to the device for good."""
-        self.synchronize()
         for u in units:
             self.resident[u.index] = tuple(
                 self.state.flat(u, w).to(self.device, non_blocking=True)
@@ -264,29 +383,13 @@ class StreamingTransport:
             )
         torch.cuda.synchronize(self.device)
 
-    def auto_resident(self, reserve: float = 0.1) -> list[Unit]:
-        """After a step has shown the peak memory of streaming, keep the state of as many
-        leading units on the device as fits in what is left (minus `reserve` of the card)."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free = total * (1 - reserve) - torch.cuda.max_memory_reserved(self.device)
-        chosen, need = [], 0
-        for u in self.state.units:
-            if u.index in self.resident:
-                continue
-            need += 12 * u.numel
-            if need > free:
-                break
-            chosen.append(u)
-        if chosen:
-            self.make_resident(chosen)
-        return chosen
-
     def close(self) -> None:
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join()
             self._worker = None
-        if self._registered:
+        if self._registrations:
             torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self.state.master.data_ptr())
-            self._registered = False
+            for r in self._registrations:
+                r.close()
+            self._registrations = []

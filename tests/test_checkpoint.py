@@ -200,6 +200,7 @@ def test_save_total_limit_keeps_newest(tmp_path):
         "checkpoint-5",
         "final",
         "metrics.jsonl",
+        "plan.json",
         "train_config.json",
     ]
 

@@ -13,7 +13,6 @@ from helpers import tiny_config, tiny_tokenizer
 from safetensors import safe_open
 from test_checkpoint import make_run, metrics, one_thread, tensors, write_yaml  # noqa: F401 (fixture)
 
-from megatrain import plan
 from megatrain.batch import MicroBatch
 from megatrain.cli import main
 from megatrain.config import TrainConfig
@@ -174,115 +173,6 @@ def test_tensorboard_writes_events(tmp_path):
 
 
 # ---------------------------------------------------------------------------- plan / preflight
-def test_plan_prints_estimate(tmp_path, capsys):
-    base = make_run(tmp_path)
-    cfg = write_yaml(tmp_path / "run.yaml", dict(base, output_dir=str(tmp_path / "out")))
-    rc, stdout, _ = run_cli(capsys, "plan", cfg)
-    assert rc == 0, stdout
-    n = ModelConfig.from_json(tmp_path / "model").num_params
-    assert f"parameters ({n:,})" in stdout
-    assert (
-        "host memory" in stdout and "available (MemAvailable)" in stdout and stdout.rstrip().endswith("fits")
-    )
-    assert "2 x 32 per micro-batch, x 2 accumulation = 128 per optimizer step" in stdout
-    assert not (tmp_path / "out").exists()
-
-    # Planning for a GPU from a machine without one: the GPU table, availability unknown.
-    rc, stdout, _ = run_cli(
-        capsys, "plan", cfg, "device=cuda", "per_device_train_batch_size=4", "max_length=4096"
-    )
-    assert rc == 0
-    assert (
-        "GPU memory" in stdout
-        and "fp32 gradients (all units)" in stdout
-        and "no CUDA device visible" in stdout
-    )
-    e = plan.estimate(
-        ModelConfig.from_json(tmp_path / "model"),
-        device="cuda",
-        compute_bytes=2,
-        batch=4,
-        accum=2,
-        max_length=4096,
-    )
-    assert e.gpu["fp32 gradients (all units)"] == 4 * n
-    assert e.gpu["boundary activations"] == 4 * 4096 * 2 * 64 * 2 * 3  # tokens/step x hidden x 2 B x layers
-    assert e.pinned == 4 * n + e.host["pinned gradient staging"]
-
-
-def test_plan_numbers_for_a_large_model():
-    """An 8B Llama: the arithmetic the docstring promises, without allocating anything."""
-    cfg = ModelConfig.from_hf(
-        tiny_config(
-            "llama",
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-        )
-    )
-    assert 8.0e9 < cfg.num_params < 8.1e9
-    e = plan.estimate(cfg, device="cuda", compute_bytes=2, batch=1, accum=8, max_length=4096)
-    GiB = 2**30
-    assert e.host["fp32 weights + AdamW moments + runtime"] == int(13.0 * cfg.num_params)
-    assert 29 < e.gpu["fp32 gradients (all units)"] / GiB < 31
-    assert e.gpu["boundary activations"] == 8 * 4096 * 4096 * 2 * 32
-    assert e.gpu["one layer's recompute"] == 4096 * (10 * 4096 + 4 * 14336) * 2
-    assert e.gpu["loss chunk"] == min(2**32, 4096 * 128256 * 8)  # fp32 logits + their gradient
-    # the head (norm + 128256 x 4096 lm_head) is the largest unit: 3 bf16 copies + one fp32 staging copy.
-    assert e.gpu["weight buffers"] == (128256 * 4096 + 4096) * (3 * 2 + 4)
-
-
-def test_train_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch, capsys):
-    base = make_run(tmp_path)
-    out = tmp_path / "out"
-    cfg = write_yaml(
-        tmp_path / "run.yaml", dict(base, output_dir=str(out), per_device_train_batch_size=4, max_steps=2)
-    )
-    need = {
-        b: plan.estimate(
-            ModelConfig.from_json(tmp_path / "model"),
-            device="cpu",
-            compute_bytes=4,
-            batch=b,
-            accum=2,
-            max_length=32,
-        ).host_total
-        for b in (2, 4)
-    }
-    # Room for batch size 2 (or 3) but not 4.
-    monkeypatch.setattr(plan, "host_available", lambda *a: need[2] + 1)
-    rc, _, err = run_cli(capsys, "train", cfg)
-    assert rc == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("megatrain: error: not enough host memory: need ~"), err
-    assert "available (MemAvailable); would fit with per_device_train_batch_size=" in lines[0]
-    assert re.search(r"per_device_train_batch_size=[23]\b", lines[0]) and "max_length=" in lines[0]
-    assert not out.exists()
-
-    rc, stdout, _ = run_cli(capsys, "plan", cfg)
-    assert rc == 1 and "DOES NOT FIT" in stdout
-
-    # Nothing fits at all: say so.
-    monkeypatch.setattr(plan, "host_available", lambda *a: 1024)
-    rc, _, err = run_cli(capsys, "train", cfg)
-    assert rc == 2 and "no batch setting fits: use a machine with more memory or a smaller model" in err
-
-    # preflight_check=false only warns.
-    rc, stdout, err = run_cli(capsys, "train", cfg, "preflight_check=false")
-    assert rc == 0 and "megatrain: warning: not enough host memory" in stdout + err
-    assert (out / "final").is_dir()
-
-
-def test_host_available_reads_meminfo(tmp_path):
-    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable:   2048 kB\n")
-    assert plan.host_available(str(tmp_path / "meminfo")) == 2048 * 1024
-    assert plan.host_available(str(tmp_path / "nope")) is None
-    assert plan.host_available() > 0  # this machine
-
-
 # ---------------------------------------------------------------------------- bad inputs
 def _bad_inputs(tmp_path: Path) -> dict:
     base = make_run(tmp_path)
@@ -368,20 +258,3 @@ def test_export_reads_safetensors_headers_only_before_writing(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "export", ck, tmp_path / "hf")
     assert rc == 2 and f"{ck}: tensor model.norm.weight is missing" in err
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
-
-
-def test_plan_parks_boundary_activations_in_host_memory_above_a_third_of_the_gpu():
-    from megatrain.models.config import ModelConfig
-    from megatrain.plan import estimate
-
-    cfg = ModelConfig.from_hf(tiny_config("llama"))
-    kw = dict(device="cuda", compute_bytes=2, batch=8, accum=4, max_length=4096)
-    on_gpu = estimate(cfg, gpu_bytes=10**12, **kw)
-    parked = estimate(cfg, gpu_bytes=10**6, **kw)
-    forced = estimate(cfg, gpu_bytes=10**12, offload_activations=True, **kw)
-    boundary = on_gpu.gpu["boundary activations"]
-    assert boundary == 8 * 4 * 4096 * cfg.hidden_size * 2 * cfg.num_hidden_layers
-    assert "boundary activations" not in parked.gpu
-    assert parked.host["boundary activations (page-locked)"] == boundary
-    assert parked.pinned - on_gpu.pinned == boundary
-    assert forced.host == parked.host

@@ -1,0 +1,80 @@
+"""What a run's memory plan predicted beside what the run measured: `output_dir/plan.json`.
+
+The plan (placement.py) predicts the peak of allocated GPU memory and the growth of the host
+resident set before anything is allocated; the run measures both as it goes (the CUDA caching
+allocator's peak, the process's VmHWM) and records them next to each other, so a user sees how
+far the prediction was off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from .placement import Machine, Plan, fmt_bytes
+
+PLAN_FILE = "plan.json"
+
+
+def _status_bytes(field: str) -> int | None:
+    """A size from /proc/self/status (VmRSS, VmHWM) in bytes, None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class MemoryRecord:
+    """The plan of a run, the resident set before it allocated anything, and the peaks measured."""
+
+    def __init__(self, plan: Plan, machine: Machine):
+        self.plan, self.machine = plan, machine
+        self.baseline = _status_bytes("VmRSS") or 0
+        self.measured: dict[str, int | None] = {}
+
+    def measure(self, step: int) -> None:
+        """Read the peaks so far (cheap: no device synchronisation)."""
+        m = {"step": step, "host_peak_rss": _status_bytes("VmHWM")}
+        if self.plan.device == "cuda":
+            import torch
+
+            m["gpu_peak_allocated"] = torch.cuda.max_memory_allocated()
+            m["gpu_peak_reserved"] = torch.cuda.max_memory_reserved()
+        self.measured = m
+
+    @property
+    def predicted(self) -> dict[str, int]:
+        out = {"host_peak_rss": self.baseline + self.plan.host_total}
+        if self.plan.device == "cuda":
+            out["gpu_peak_allocated"] = self.plan.gpu_peak
+        return out
+
+    def write(self, output_dir: Path) -> None:
+        """plan.json, written atomically."""
+        record = {
+            "plan": self.plan.to_json(),
+            "machine": asdict(self.machine),
+            "host_rss_before": self.baseline,
+            "predicted": self.predicted,
+            "measured": self.measured,
+        }
+        path = Path(output_dir) / PLAN_FILE
+        tmp = path.with_name(f".{PLAN_FILE}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def summary(self) -> str:
+        parts = []
+        for key, name in (("gpu_peak_allocated", "GPU peak"), ("host_peak_rss", "host peak")):
+            got, want = self.measured.get(key), self.predicted.get(key)
+            if got is not None and want:
+                parts.append(
+                    f"{name} {fmt_bytes(got)} (plan {fmt_bytes(want)}, {100 * (got / want - 1):+.1f}%)"
+                )
+        return "megatrain: memory: " + ("; ".join(parts) or "not measured")

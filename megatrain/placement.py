@@ -1,0 +1,583 @@
+"""Where every byte of a run lives: the one module that decides memory placement.
+
+From the model's shape, the batch shape and the memory the run may use (measured, or capped by
+`max_gpu_memory` / `max_host_memory`), `plan()` decides, before anything is allocated:
+
+* **gradients**: how the exact global-norm clip is served.
+  `stored`: each unit's fp32 gradient is kept until the norm is known, the leading units' on the
+  GPU and the rest in page-locked host memory (copied there as each unit finishes, during the
+  backward sweep: only what spills costs host bytes); `two_pass`: where neither holds them, a
+  backward sweep that only measures the norm, then a second one that steps each unit as its
+  gradient lands (no storage, a second recompute); `immediate`: without clipping
+  (`max_grad_norm: 0`) each unit is stepped as its gradient lands.
+* **boundary activations**: on the GPU as far as it holds them; the leading layers' beyond that
+  are parked in page-locked host memory and brought back ahead of the backward sweep.
+* **GPU-resident state** (`gpu_state: auto`): the fp32 weights and moments of the leading units,
+  stepped on the GPU, and **kept graphs**: the trailing layers' autograd graphs from the forward
+  sweep, not recomputed. What GPU memory is left goes to whichever of the two the cost model says
+  saves more time per byte.
+* the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
+
+The engine and the transport receive the `Plan` and carry it out; they keep no rules of their
+own. `megatrain plan` prints the same plan, and a training run records it in `plan.json` beside
+the peaks it measured.
+
+The memory model replays one optimizer step and takes the largest set of tensors alive at once
+(`_gpu_peak`); its per-token constants were measured with `bench/calibrate.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .errors import MegatrainError
+from .models.config import ModelConfig
+
+GiB, MiB = 2**30, 2**20
+
+# --- measured constants (bench/calibrate.py; bf16 compute, compiled decoder layer on Hopper)
+# Saved tensors of one decoder layer's forward with autograd, per token: cb * (a*h + b*ffn).
+GRAPH_H, GRAPH_F = 9.0, 3.0
+# Extra memory while one layer is differentiated (activation gradients, kernels' workspace),
+# per token, on top of its graph: cb * (a*h + b*ffn).
+BACKWARD_H, BACKWARD_F = 6.0, 3.0
+# The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient.
+LOGIT_BYTES = 16
+HEAD_TOKEN_H = 24  # per token of a chunk, x hidden: norm in fp32 and its gradient
+LOSS_CHUNK_BUDGET = {"cuda": 2 * GiB, "cpu": 1 * GiB}
+# Host memory of the Python/torch runtime beside the model state (CUDA libraries, compiled
+# kernels, pinned pools) and the GPU memory outside the allocator (the CUDA context).
+HOST_RUNTIME = {"cuda": 3 * GiB, "cpu": 256 * MiB}
+CUDA_CONTEXT = 600 * MiB
+GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
+PREFETCH = 2  # units copied ahead of compute
+STAGING_CHUNK = 32 * 2**20  # elements per device->host gradient chunk
+STAGING_SLOTS = 2
+INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, two_pass)
+
+# --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
+# bench/README.md). The plan only compares choices with them and projects step times.
+GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
+PCIE_BYTES_S = 45e9
+ADAM_PARAMS_S = 5e9
+
+
+class PlanError(MegatrainError):
+    """No placement fits the memory this run may use."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the run may use. Sizes are budgets in bytes (None: unknown, not checked)."""
+
+    device: str  # "cuda" or "cpu"
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+    gpu_capped: bool = False
+    """gpu_bytes is a user cap that includes the CUDA context (not a measured free size)."""
+    gpu_flops: float | None = None
+    pcie_bytes_s: float = PCIE_BYTES_S
+    adam_params_s: float = ADAM_PARAMS_S
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The largest optimizer step of the run: rows padded to max_length are an upper bound."""
+
+    micro_batch_tokens: int
+    micro_batches: int
+    seq_len: int
+    compute_bytes: int
+    clip: bool
+    masked: bool = False
+    """An explicit attention mask (packing, sliding window): quadratic in seq_len."""
+    rows: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_tokens * self.micro_batches
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The user's settings that constrain placement; None means the plan decides."""
+
+    gpu_state: str = "auto"  # auto | off
+    gradient_placement: str = "auto"  # auto | gpu | host | two_pass
+    offload_activations: bool | None = None
+    keep_layers: int | None = None
+    resident_units: int | None = None
+    loss_chunk_tokens: int | None = None
+
+
+@dataclass
+class Plan:
+    """Every placement decision of a run, and the memory and time it predicts."""
+
+    device: str
+    grad_mode: str  # stored | two_pass | immediate
+    gpu_grad_units: int  # stored: leading units whose gradients wait on the GPU (the rest: host)
+    resident_units: int  # leading units whose fp32 state lives on the GPU
+    keep_layers: int  # trailing layers whose graphs are kept from the forward sweep
+    parked_layers: int  # leading layers whose boundary activations wait in host memory
+    loss_chunk_tokens: int
+    prefetch: int = PREFETCH
+    staging_elems: int = STAGING_CHUNK
+    inflight_units: int = INFLIGHT_UNITS
+    gpu_peak: int = 0
+    """Predicted peak of allocated GPU memory (torch.cuda.max_memory_allocated)."""
+    gpu: dict[str, int] = field(default_factory=dict)
+    """The tensors alive at that peak, by kind."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Host memory by kind; its sum is the predicted growth of the resident set."""
+    pinned: int = 0
+    step_time_s: float = 0.0
+    """Cost-model estimate of one optimizer step (comparisons and projections, not a promise)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "host_total": self.host_total}
+
+
+# ---------------------------------------------------------------------------- model shape
+@dataclass(frozen=True)
+class _Shape:
+    """What the memory model needs of a model: units in forward order (numel incl. padding)."""
+
+    units: tuple[int, ...]  # embed, layers..., head
+    largest_param: tuple[int, ...]  # per unit
+    hidden: int
+    ffn: int
+    q_dim: int
+    vocab: int
+    layers: int
+    tied: bool
+
+    @property
+    def layer(self) -> int:
+        return self.units[1] if self.layers else 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.units)
+
+
+def _shape(cfg: ModelConfig) -> _Shape:
+    from .state import build_units  # meta-device templates: shapes only
+
+    units = build_units(cfg)
+    return _Shape(
+        units=tuple(u.numel for u in units),
+        largest_param=tuple(max(p.numel for p in u.params) for u in units),
+        hidden=cfg.hidden_size,
+        ffn=cfg.intermediate_size,
+        q_dim=cfg.num_attention_heads * cfg.head_dim,
+        vocab=cfg.vocab_size,
+        layers=cfg.num_hidden_layers,
+        tied=cfg.tie_word_embeddings,
+    )
+
+
+def graph_bytes(s: _Shape, tokens: int, cb: int) -> int:
+    """Saved tensors of one layer's forward with autograd over `tokens` tokens."""
+    return int(tokens * cb * (GRAPH_H * s.hidden + GRAPH_F * s.ffn))
+
+
+def _backward_extra(s: _Shape, tokens: int, cb: int) -> int:
+    return int(tokens * cb * (BACKWARD_H * s.hidden + BACKWARD_F * s.ffn))
+
+
+def _mask_bytes(b: Batch, cb: int) -> int:
+    """An explicit [rows, 1, S, S] boolean mask and the additive copy the kernel makes of it."""
+    return b.rows * b.seq_len * b.seq_len * (1 + cb) if b.masked else 0
+
+
+def _loss_chunk(s: _Shape, b: Batch, device: str, given: int | None) -> int:
+    if given:
+        return given
+    return max(256, min(b.micro_batch_tokens, LOSS_CHUNK_BUDGET[device] // (LOGIT_BYTES * s.vocab)))
+
+
+# ---------------------------------------------------------------------------- GPU memory model
+def _fetch_window(s: _Shape, plan: Plan, cb: int) -> int:
+    """Weight buffers alive at once: the unit computing and `prefetch` units copied ahead, in
+    compute dtype, plus the fp32 landing buffer of one (converted on the device)."""
+    order = list(range(len(s.units)))
+    if s.tied:
+        order.append(0)
+    order += list(range(s.layers, 0, -1))  # backward: layers last to first (unit index = layer + 1)
+    n = plan.prefetch + 1
+    worst = 0
+    for i in range(len(order)):
+        win = order[i : i + n]
+        streamed = [u for u in win if u >= plan.resident_units]
+        size = sum(s.units[u] for u in win) * cb
+        stage = max((s.units[u] for u in streamed), default=0) * 4 if cb != 4 else 0
+        worst = max(worst, size + stage)
+    return worst
+
+
+def _gpu_peak(s: _Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
+    """Replay one optimizer step and return the most GPU memory alive at once, with its parts."""
+    cb, L, h = b.compute_bytes, s.layers, s.hidden
+    T, Tm = b.tokens, b.micro_batch_tokens
+    act = T * h * cb  # one layer's boundary activations, all micro-batches
+    R, k, p = plan.resident_units, plan.keep_layers, plan.parked_layers
+    stored = plan.grad_mode == "stored"
+    n = len(s.units)
+    # Gradients held on the GPU until the optimizer step: resident units' always, and in stored
+    # mode the leading units' the plan keeps there. suffix[u]: their bytes over units >= u.
+    on_gpu = [u < R or (stored and u < plan.gpu_grad_units) for u in range(n)]
+    suffix = [0] * (n + 1)
+    suffix_streamed = [0] * (n + 1)
+    for u in range(n - 1, -1, -1):
+        suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
+        suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
+    fixed = {
+        "fp32 state of GPU-resident units": 12 * sum(s.units[:R]),
+        "weight buffers": _fetch_window(s, plan, cb),
+    }
+    kept_graph = graph_bytes(s, T, cb) + act
+    mask = _mask_bytes(b, cb)
+
+    # boundary activations on the GPU before layer j: layers p .. L-k-1 (parked ones lead, kept
+    # ones hold theirs inside their graphs)
+    def acts_before(j: int) -> int:
+        return act * max(0, min(j, L - k) - p)
+
+    head_grad = 4 * s.units[-1] + (4 * s.units[0] if s.tied else 0)
+    streaming = head_grad + plan.inflight_units * max(s.units) * 4  # immediate, two_pass
+    phases: list[dict[str, int]] = []
+    # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
+    # the host optimizer, which runs in forward order behind this sweep, has taken them.
+    for j in range(L):
+        phases.append(
+            {
+                "boundary activations": acts_before(j),
+                "kept graphs": kept_graph * max(0, j - (L - k)),
+                "layer forward": graph_bytes(s, Tm, cb) // 2 + mask,
+                "gradients": suffix_streamed[j + 2] if stored else 0,
+            }
+        )
+    # The head: every boundary activation and kept graph alive, the loss chunk on top.
+    phases.append(
+        {
+            "boundary activations": acts_before(L),
+            "kept graphs": kept_graph * k,
+            "loss head": plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H) + 2 * T * h * cb,
+            "gradients": head_grad,
+        }
+    )
+    # Backward sweep at layer j (from the last): activations of layers <= j (all of them during a
+    # norm-only first pass), the layer's working set and gradient, the gradients held before it.
+    two_pass = plan.grad_mode == "two_pass"
+    for j in range(L - 1, -1, -1):
+        u = j + 1
+        kept = j >= L - k
+        if stored:
+            held = suffix[u + 1] + (0 if on_gpu[u + 1] else 4 * s.units[u + 1])  # + one on its way out
+        else:
+            held = streaming
+        phases.append(
+            {
+                "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
+                + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
+                "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
+                "layer backward": (0 if kept else graph_bytes(s, Tm, cb))
+                + _backward_extra(s, Tm, cb)
+                + mask
+                + 2 * T * h * cb,  # the activation gradient flowing back, old and new
+                # the unit's fp32 gradient, its compute-dtype parameter gradients, one fp32 copy
+                "gradients": held + (4 + cb) * s.units[u] + 4 * s.largest_param[u],
+            }
+        )
+    # The embedding's gradient: a scatter-add of the last activation gradient, in fp32.
+    phases.append(
+        {
+            "embedding backward": T * h * cb + Tm * h * 4,
+            "gradients": (suffix[0] if stored else streaming) + (0 if on_gpu[0] else 4 * s.units[0]),
+        }
+    )
+    worst = max(phases, key=lambda ph: sum(ph.values()))
+    parts = {name: v for name, v in {**fixed, **worst}.items() if v}
+    return sum(parts.values()), parts
+
+
+# ---------------------------------------------------------------------------- host memory model
+def _host(s: _Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
+    """Host memory by kind, and how much of it is page-locked."""
+    cb, T, h = b.compute_bytes, b.tokens, s.hidden
+    host = {"fp32 weights + AdamW moments": 12 * s.total}
+    if plan.device == "cpu":
+        if plan.grad_mode == "stored":
+            host["fp32 gradients"] = 4 * s.total
+        else:
+            host["fp32 gradients in flight"] = 4 * (2 * max(s.units))
+        host["boundary activations"] = T * h * cb * s.layers
+        host["layer working set"] = graph_bytes(s, b.micro_batch_tokens, cb) + _backward_extra(
+            s, b.micro_batch_tokens, cb
+        )
+        host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
+        host["runtime"] = HOST_RUNTIME["cpu"]
+        return host, 0
+    pinned = 4 * s.total  # the master weights, registered in place
+    first_spilled = max(plan.gpu_grad_units, plan.resident_units)
+    spilled = sum(s.units[first_spilled:]) if plan.grad_mode == "stored" else 0
+    if spilled > 0:
+        host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
+        pinned += 4 * spilled
+    if plan.parked_layers:
+        host["boundary activations (page-locked)"] = plan.parked_layers * _parked_layer_bytes(b, h)
+        pinned += host["boundary activations (page-locked)"]
+    host["gradient staging (page-locked)"] = STAGING_SLOTS * plan.staging_elems * 4
+    pinned += host["gradient staging (page-locked)"]
+    host["runtime"] = HOST_RUNTIME["cuda"]
+    return host, pinned
+
+
+def _parked_layer_bytes(b: Batch, hidden: int) -> int:
+    """One layer's boundary activations in the host buffer (each micro-batch 512-byte aligned)."""
+    per_mb = b.micro_batch_tokens * hidden * b.compute_bytes
+    return b.micro_batches * (-(-per_mb // 512) * 512)
+
+
+# ---------------------------------------------------------------------------- cost model
+def _step_time(s: _Shape, b: Batch, plan: Plan, m: Machine) -> float:
+    """Seconds per optimizer step: GPU compute or PCIe, whichever binds, plus the part of the
+    CPU optimizer that the overlap does not hide."""
+    F = m.gpu_flops or GPU_FLOPS[m.device]
+    T, L = b.tokens, s.layers
+    attn = 2 * T * b.seq_len * s.q_dim  # causal QK^T and PV of one layer's forward
+    layer_fwd = 2 * s.layer * T + attn
+    head = 6 * s.vocab * s.hidden * T
+    recompute = L - plan.keep_layers
+    passes = 2 if plan.grad_mode == "two_pass" else 1
+    flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
+    gpu = flops / F
+    if m.device == "cpu":
+        return gpu + s.total / m.adam_params_s
+    streamed = sum(s.units[plan.resident_units :])
+    act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
+    h2d = 4 * streamed * (1 + passes) + act_bytes * passes
+    d2h = 4 * streamed + act_bytes
+    pcie = max(h2d, d2h) / m.pcie_bytes_s
+    optimizer = streamed / m.adam_params_s
+    if plan.grad_mode == "stored":
+        on_gpu = sum(s.units[plan.resident_units : plan.gpu_grad_units])
+        optimizer = max(optimizer, 4 * on_gpu / m.pcie_bytes_s)
+        window = L * layer_fwd / F  # the next forward sweep
+    else:
+        window = 3 * L * layer_fwd / F  # the backward sweep that lands the gradients
+    return max(gpu, pcie) + max(0.0, optimizer - window)
+
+
+# ---------------------------------------------------------------------------- deciding
+def _usable_gpu(m: Machine) -> int | None:
+    if m.gpu_bytes is None:
+        return None
+    ctx = CUDA_CONTEXT if m.gpu_capped else 0
+    return int((m.gpu_bytes - ctx) * (1 - GPU_RESERVE))
+
+
+def _evaluate(s: _Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
+    plan = replace(plan)
+    if plan.device == "cuda":
+        plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
+    plan.host, plan.pinned = _host(s, b, plan)
+    plan.step_time_s = _step_time(s, b, plan, m)
+    return plan
+
+
+def _fits(plan: Plan, m: Machine) -> bool:
+    gpu = _usable_gpu(m)
+    if plan.device == "cuda" and gpu is not None and plan.gpu_peak > gpu:
+        return False
+    return m.host_bytes is None or plan.host_total <= m.host_bytes
+
+
+def plan(cfg: ModelConfig, batch: Batch, machine: Machine, choices: Choices | None = None) -> Plan:
+    """The placement of a run, or PlanError naming what does not fit (see the module docstring)."""
+    s, c, m = _shape(cfg), choices or Choices(), machine
+    L = s.layers
+    keep = min(c.keep_layers or 0, L)
+    resident = min(c.resident_units or 0, len(s.units))
+    chunk = _loss_chunk(s, batch, m.device, c.loss_chunk_tokens)
+
+    def candidate(mode: str, gpu_grad_units: int, parked: int) -> Plan:
+        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk)
+        return _evaluate(s, batch, p, m)
+
+    if m.device == "cpu":
+        parked_options: list[int] | range = [0]
+    elif c.offload_activations is not None:
+        parked_options = [L - keep] if c.offload_activations else [0]
+    else:
+        parked_options = range(L - keep + 1)
+    best: Plan | None = None
+    for parked in parked_options:
+        for p in _gradient_options(s, batch, c, m, parked, candidate):
+            if _fits(p, m) and (best is None or p.step_time_s < best.step_time_s * 0.999):
+                best = p
+        if best is not None and best.grad_mode != "two_pass":
+            break  # parking more activations only adds PCIe traffic
+    if best is None:
+        worst = candidate("two_pass" if batch.clip else "immediate", resident, parked_options[-1])
+        raise PlanError(_too_big(worst, m, batch))
+    auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
+    if m.device == "cuda" and auto:
+        best = _spend_free_gpu(s, batch, best, m)
+    return _note(best, s, batch)
+
+
+def _gradient_options(s: _Shape, b: Batch, c: Choices, m: Machine, parked: int, candidate):
+    """The gradient placements worth trying with `parked` layers' activations in host memory."""
+    n = len(s.units)
+    if not b.clip:
+        yield candidate("immediate", 0, parked)
+        return
+    if c.gradient_placement == "two_pass":
+        yield candidate("two_pass", 0, parked)
+        return
+    if c.gradient_placement == "gpu" or m.device == "cpu":
+        yield candidate("stored", n, parked)
+    elif c.gradient_placement == "host" or c.gpu_state == "off":
+        yield candidate("stored", 0, parked)
+    else:
+        # As many trailing units' gradients in host memory as it holds (they move there during
+        # the backward sweep, off the critical path); the leading units' wait on the GPU.
+        lo, hi = 0, n
+        if m.host_bytes is not None:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if candidate("stored", mid, parked).host_total <= m.host_bytes:
+                    hi = mid
+                else:
+                    lo = mid + 1
+        yield candidate("stored", lo, parked)
+    if c.gradient_placement == "auto":
+        yield candidate("two_pass", 0, parked)
+
+
+def _spend_free_gpu(s: _Shape, b: Batch, base: Plan, m: Machine) -> Plan:
+    """Give the GPU memory a plan leaves free to resident state or kept graphs, one unit or
+    layer at a time, whichever the cost model says saves more time per byte."""
+    cur = base
+    while True:
+        options = []
+        if cur.resident_units < len(s.units):
+            r = cur.resident_units + 1
+            options.append(replace(cur, resident_units=r))
+        if cur.grad_mode != "two_pass" and cur.keep_layers < s.layers - cur.parked_layers:
+            options.append(replace(cur, keep_layers=cur.keep_layers + 1))
+        scored = []
+        for o in options:
+            o = _evaluate(s, b, o, m)
+            gain = cur.step_time_s - o.step_time_s
+            if gain > 1e-6 and _fits(o, m):
+                scored.append((gain / max(1, o.gpu_peak - cur.gpu_peak), o))
+        if not scored:
+            return cur
+        cur = max(scored, key=lambda x: x[0])[1]
+
+
+def _too_big(p: Plan, m: Machine, b: Batch) -> str:
+    gpu = _usable_gpu(m)
+    parts = []
+    if p.device == "cuda" and gpu is not None and p.gpu_peak > gpu:
+        parts.append(
+            f"GPU memory: one layer's working set at {b.micro_batch_tokens:,} tokens per micro-batch needs "
+            f"~{fmt_bytes(p.gpu_peak)} with every activation in host memory, {fmt_bytes(gpu)} usable"
+        )
+    if m.host_bytes is not None and p.host_total > m.host_bytes:
+        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(m.host_bytes)} usable")
+    return "no placement fits: " + "; ".join(parts or ["unknown"])
+
+
+def _note(p: Plan, s: _Shape, b: Batch) -> Plan:
+    n = len(s.units)
+    notes = []
+    if p.grad_mode == "stored" and p.device == "cpu":
+        notes.append("gradients: kept until the clip norm is known")
+    elif p.grad_mode == "stored":
+        on_gpu = max(p.gpu_grad_units, p.resident_units)
+        where = (
+            "all on the GPU"
+            if on_gpu == n
+            else "all in host memory"
+            if on_gpu == 0
+            else f"the {on_gpu} leading units' on the GPU, the other {n - on_gpu} in host memory"
+        )
+        notes.append(f"gradients: kept until the clip norm is known, {where}")
+    elif p.grad_mode == "two_pass":
+        extra = 3 * s.layers * 2 * s.layer * b.tokens
+        notes.append(
+            "gradients: two-pass step (neither GPU nor host holds them): a norm-only backward sweep, then "
+            f"one that steps each unit as it lands; ~{extra / 1e12:.0f} TFLOP more per step"
+        )
+    else:
+        notes.append("gradients: no clipping, each unit stepped as its gradient lands")
+    if p.parked_layers:
+        notes.append(f"boundary activations: {p.parked_layers} of {s.layers} layers in host memory")
+    if p.resident_units:
+        notes.append(f"GPU-resident state: {p.resident_units} leading units")
+    if p.keep_layers:
+        notes.append(f"kept graphs: last {p.keep_layers} layers (not recomputed)")
+    p.notes = notes
+    return p
+
+
+# ---------------------------------------------------------------------------- what is there
+def host_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes (None where /proc/meminfo is not there). Virtual machines whose
+    memory grows as it is used report too little here: set max_host_memory there."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def gpu_available(device) -> int | None:
+    """Free memory of a CUDA device in bytes (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def measure(device, max_gpu_memory: int | None = None, max_host_memory: int | None = None) -> Machine:
+    """The budgets of a run on `device` (a torch.device or "cpu"/"cuda[:N]"): the caps where the
+    user set them, else what is free now."""
+    kind = str(device).split(":")[0]
+    gpu = None
+    if kind == "cuda":
+        gpu = max_gpu_memory if max_gpu_memory is not None else gpu_available(device)
+    host = max_host_memory if max_host_memory is not None else host_available()
+    return Machine(kind, gpu, host, gpu_capped=max_gpu_memory is not None)
+
+
+def allocator_fraction(machine: Machine, total_gpu_bytes: int) -> float | None:
+    """The share of the card the CUDA caching allocator may take under a user's max_gpu_memory
+    (torch.cuda.set_per_process_memory_fraction), or None without a cap."""
+    if not machine.gpu_capped or machine.gpu_bytes is None:
+        return None
+    return max(0.01, min(1.0, (machine.gpu_bytes - CUDA_CONTEXT) / total_gpu_bytes))
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
+
+
+def predicted_tokens_per_s(p: Plan, b: Batch) -> float:
+    return b.tokens / p.step_time_s if p.step_time_s else math.nan

@@ -1,0 +1,271 @@
+"""The placement plan: which gradient mode, what goes where, and what it predicts; `megatrain plan`
+and the training preflight built on it; page-locking in pieces."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import tiny_config
+from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixture)
+from test_cli import run_cli
+
+from megatrain import placement
+from megatrain.hostmem import PAGE, host_buffer, pieces
+from megatrain.models.config import ModelConfig
+from megatrain.placement import Batch, Choices, Machine, PlanError
+from megatrain.state import HostState, build_units
+
+GiB = 2**30
+
+
+def llama(hidden, layers, heads, kv, ffn, vocab=128256) -> ModelConfig:
+    return ModelConfig.from_hf(
+        tiny_config(
+            "llama",
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=ffn,
+            vocab_size=vocab,
+        )
+    )
+
+
+B8 = llama(4096, 32, 32, 8, 14336)  # Llama-3.1-8B shape
+B18 = llama(6144, 44, 48, 8, 16384)  # 18.7B
+STEP16K = Batch(micro_batch_tokens=16384, micro_batches=1, seq_len=4096, compute_bytes=2, clip=True, rows=4)
+
+
+def cuda(gpu_gib, host_gib, capped=False) -> Machine:
+    return Machine("cuda", int(gpu_gib * GiB), int(host_gib * GiB), gpu_capped=capped)
+
+
+def test_gpu_state_off_bounds_gpu_memory_whatever_the_model_size():
+    """All state and gradients in host memory: the GPU holds a few layers' working set and the
+    boundary activations, not 4 bytes/param; with the activations parked too, a model twice as
+    deep needs no more GPU memory at all."""
+    off = Choices(gpu_state="off")
+    for c in (B8, B18):
+        p = placement.plan(c, STEP16K, cuda(139, 1000), off)
+        assert (
+            p.grad_mode == "stored" and p.gpu_grad_units == 0 and p.resident_units == 0 and p.keep_layers == 0
+        )
+        assert p.gpu_peak < 40 * GiB
+        assert p.gpu["gradients"] < 4 * 3 * max(u.numel for u in build_units(c))  # a few units, not all
+        n = sum(u.numel for u in build_units(c))
+        assert p.host["fp32 gradients waiting for the clip (page-locked)"] == 4 * n
+    deep = llama(4096, 64, 32, 8, 14336)
+    parked = Choices(gpu_state="off", offload_activations=True)
+    p32, p64 = (placement.plan(c, STEP16K, cuda(139, 1000), parked) for c in (B8, deep))
+    assert p64.gpu_peak == p32.gpu_peak
+    g32, g64 = (placement.plan(c, STEP16K, cuda(139, 1000), off) for c in (B8, deep))
+    assert g64.gpu_peak - g32.gpu_peak == 32 * 16384 * 4096 * 2  # exactly the added activations
+
+
+def test_gradients_spill_to_host_then_two_pass_then_refuse():
+    """Exact clipping at every scale: GPU and host share the gradients while they can; where
+    neither can, a two-pass step; where not even the state fits, a one-line refusal."""
+    n = sum(u.numel for u in build_units(B18))
+    state = 12 * n + placement.HOST_RUNTIME["cuda"] + 2 * GiB
+    # Host holds the state and a third of the gradients: the rest waits on the GPU.
+    hybrid = placement.plan(B18, STEP16K, cuda(139, state / GiB + 4 * n / 3 / GiB))
+    assert hybrid.grad_mode == "stored" and 0 < hybrid.gpu_grad_units < len(build_units(B18))
+    assert "leading units' on the GPU" in hybrid.notes[0]
+    # An 80 GB card cannot take the other two thirds: two passes, nothing stored.
+    two = placement.plan(B18, STEP16K, cuda(40, state / GiB + 4 * n / 3 / GiB))
+    assert two.grad_mode == "two_pass" and "two-pass step" in two.notes[0]
+    assert two.host_total < 12 * n + 4 * GiB
+    with pytest.raises(PlanError, match="host memory: needs"):
+        placement.plan(B18, STEP16K, cuda(40, 12 * n / GiB))
+    # Without clipping nothing waits: each unit is stepped as it lands.
+    free = placement.plan(B18, Batch(16384, 1, 4096, 2, clip=False), cuda(78, state / GiB))
+    assert free.grad_mode == "immediate"
+
+
+def test_user_choices_are_honoured():
+    for choice, mode in (("two_pass", "two_pass"), ("host", "stored"), ("gpu", "stored")):
+        p = placement.plan(B8, STEP16K, cuda(139, 1000), Choices(gradient_placement=choice))
+        assert p.grad_mode == mode
+        on_gpu = max(p.gpu_grad_units, p.resident_units)
+        if choice == "gpu":
+            assert on_gpu == len(build_units(B8))
+        if choice == "host":
+            assert "fp32 gradients waiting for the clip (page-locked)" in p.host
+    forced = placement.plan(B8, STEP16K, cuda(139, 1000), Choices(gpu_state="off", offload_activations=True))
+    assert forced.parked_layers == 32 and "boundary activations (page-locked)" in forced.host
+
+
+def test_activations_go_to_host_only_beyond_what_the_gpu_holds():
+    long = Batch(micro_batch_tokens=131072, micro_batches=1, seq_len=131072, compute_bytes=2, clip=True)
+    roomy = placement.plan(B8, long, cuda(139, 1000), Choices(gpu_state="off"))
+    tight = placement.plan(B8, long, cuda(60, 1000), Choices(gpu_state="off"))
+    assert roomy.parked_layers < tight.parked_layers < 32
+    act = 131072 * 4096 * 2  # one layer's boundary activation
+    assert tight.host["boundary activations (page-locked)"] == tight.parked_layers * act
+    assert tight.gpu_peak <= placement._usable_gpu(cuda(60, 1000))
+
+
+def test_gpu_state_auto_spends_free_memory_by_the_cost_model():
+    """Resident state helps while the CPU optimizer is exposed (small steps); kept graphs help
+    while the GPU is the bottleneck (large steps). Both only where they fit."""
+    small = placement.plan(B8, STEP16K, cuda(139, 1000))
+    big = placement.plan(B8, Batch(16384, 8, 4096, 2, True, rows=4), cuda(139, 1000))
+    off = placement.plan(B8, STEP16K, cuda(139, 1000), Choices(gpu_state="off"))
+    assert small.resident_units > 0 and small.step_time_s < off.step_time_s
+    assert big.keep_layers > 0
+    for p in (small, big):
+        assert p.gpu_peak <= placement._usable_gpu(cuda(139, 1000))
+
+
+def test_the_gpu_cap_includes_the_cuda_context():
+    capped = cuda(22, 1000, capped=True)
+    assert placement._usable_gpu(capped) < 22 * GiB - placement.CUDA_CONTEXT
+    p = placement.plan(B8, STEP16K, capped)
+    assert p.gpu_peak <= placement._usable_gpu(capped)
+    frac = placement.allocator_fraction(capped, 80 * GiB)
+    assert frac == pytest.approx((22 * GiB - placement.CUDA_CONTEXT) / (80 * GiB))
+    assert placement.allocator_fraction(cuda(22, 1000), 80 * GiB) is None
+
+
+def test_loss_chunk_counts_sixteen_bytes_per_logit():
+    p = placement.plan(B8, STEP16K, cuda(139, 1000))
+    assert p.loss_chunk_tokens * 128256 * placement.LOGIT_BYTES <= placement.LOSS_CHUNK_BUDGET["cuda"]
+    assert p.gpu.get("loss head", 0) == 0 or p.gpu["loss head"] >= p.loss_chunk_tokens * 128256 * 16
+
+
+def test_host_available_reads_meminfo(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable:   2048 kB\n")
+    assert placement.host_available(str(tmp_path / "meminfo")) == 2048 * 1024
+    assert placement.host_available(str(tmp_path / "nope")) is None
+    assert placement.host_available() > 0  # this machine
+
+
+# ---------------------------------------------------------------------------- page-locking
+def test_registration_pieces_cut_only_at_unit_boundaries():
+    assert pieces([10, 20, 30], 40, 50 * 4, 4) == [(0, 40)]
+    assert pieces([10, 20, 30], 40, 25 * 4, 4) == [(0, 20), (20, 40)]
+    assert pieces([10, 20, 30], 40, 10 * 4, 4) == [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert pieces([], 40, 4, 4) == [(0, 40)]  # nowhere to cut: one piece, however large
+    # Units start on pages of their own, and host buffers start on a page.
+    state = HostState(build_units(ModelConfig.from_hf(tiny_config("qwen3"))))
+    for which in ("master", "exp_avg", "exp_avg_sq"):
+        t = getattr(state, which)
+        assert all((t.data_ptr() + 4 * b) % PAGE == 0 for b in state.boundaries)
+    assert host_buffer(3).data_ptr() % PAGE == 0 and host_buffer(3).sum() == 0
+
+
+# ---------------------------------------------------------------------------- plan / preflight
+def test_plan_command_needs_no_dataset_and_plans_for_another_machine(tmp_path, capsys):
+    tiny_config("llama", vocab_size=97).save_pretrained(tmp_path / "model")
+    cfg = write_yaml(
+        tmp_path / "run.yaml",
+        dict(
+            model_config=str(tmp_path / "model"),
+            device="cuda",
+            max_gpu_memory="1GiB",
+            max_host_memory="8GiB",
+            max_length=4096,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            output_dir=str(tmp_path / "out"),
+        ),
+    )
+    rc, stdout, _ = run_cli(capsys, "plan", cfg)
+    assert rc == 0, stdout
+    n = ModelConfig.from_json(tmp_path / "model").num_params
+    assert f"parameters ({n:,})" in stdout
+    assert "4 x 4096 per micro-batch, x 2 accumulation = 32,768 per optimizer step" in stdout
+    assert "budget: GPU 1.00 GiB (max_gpu_memory), host 8.00 GiB" in stdout
+    assert "GPU memory at its peak" in stdout and "plan: gradients:" in stdout
+    assert re.search(r"largest that fit.*max_length=\d+", stdout)
+    assert not (tmp_path / "out").exists()
+
+
+def test_planner_limit_trains_and_three_percent_past_it_is_refused(tmp_path, capsys):
+    """A run at the limit `megatrain plan` names fits; 3% past it the preflight refuses it with one
+    line naming the settings that would fit."""
+    from megatrain import plan
+    from megatrain.config import TrainConfig
+
+    base = make_run(tmp_path)
+    cfg = TrainConfig(**base, device="cpu", max_host_memory="400MB", output_dir=str(tmp_path / "out"))
+    mcfg = ModelConfig.from_json(tmp_path / "model")
+    machine = plan.machine_of(cfg, "cpu")
+    lim = plan.limits(mcfg, cfg, machine, 4)["max_length"]
+    assert lim and lim > cfg.max_length
+    assert plan.check(
+        mcfg, TrainConfig(**dict(base, max_length=lim), device="cpu", max_host_memory="400MB"), machine, 4
+    ).fits
+    over = int(lim * 1.03) + 1
+    path = write_yaml(
+        tmp_path / "over.yaml",
+        dict(base, device="cpu", max_host_memory="400MB", max_length=over, output_dir=str(tmp_path / "out")),
+    )
+    rc, _, err = run_cli(capsys, "train", path)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "megatrain: error: no placement fits: host memory: needs ~"
+    )
+    assert "would fit with per_device_train_batch_size=" in lines[0] or "max_length=" in lines[0]
+    assert not (tmp_path / "out").exists()
+    rc, stdout, _ = run_cli(capsys, "plan", path)
+    assert rc == 1 and "does not fit" in stdout
+    # preflight_check=false only warns, and trains.
+    rc, stdout, err = run_cli(capsys, "train", path, "preflight_check=false", "max_steps=1")
+    assert rc == 0 and "megatrain: warning: no placement fits" in stdout + err
+
+
+def test_run_records_plan_and_measured_peaks(tmp_path):
+    from megatrain.config import TrainConfig
+    from megatrain.trainer import train
+
+    base = make_run(tmp_path)
+    train(TrainConfig(**base, output_dir=str(tmp_path / "out"), max_steps=2))
+    rec = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert rec["plan"]["grad_mode"] == "stored" and rec["plan"]["device"] == "cpu"
+    assert rec["predicted"]["host_peak_rss"] == rec["host_rss_before"] + rec["plan"]["host_total"]
+    assert rec["measured"]["step"] == 2 and rec["measured"]["host_peak_rss"] >= rec["host_rss_before"]
+
+
+def test_no_clipping_trains_immediately_and_logs_the_norm(tmp_path):
+    from test_checkpoint import metrics
+
+    from megatrain.config import TrainConfig
+    from megatrain.trainer import train
+
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    train(TrainConfig(**dict(base, max_grad_norm=0.0), output_dir=str(out), max_steps=3))
+    assert json.loads((out / "plan.json").read_text())["plan"]["grad_mode"] == "immediate"
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in recs) and recs[-1]["loss"] < recs[0]["loss"] + 1.0
+
+
+def test_two_pass_trains_like_stored(tmp_path):
+    """Through `train`: the two-pass step (nothing stored) gives the weights and moments of the
+    default stored step, to fp32 rounding on the CPU, with the clip active."""
+    from test_checkpoint import metrics, tensors
+
+    from megatrain.config import TrainConfig
+    from megatrain.trainer import train
+
+    base = make_run(tmp_path)
+    runs = {}
+    for key in ("auto", "two_pass"):
+        out = tmp_path / f"out-{key}"
+        train(TrainConfig(**base, output_dir=str(out), max_steps=3, gradient_placement=key))
+        assert json.loads((out / "plan.json").read_text())["plan"]["grad_mode"] == (
+            "two_pass" if key == "two_pass" else "stored"
+        )
+        runs[key] = (tensors(out / "checkpoint-3"), [r["grad_norm"] for r in metrics(out)])
+    (w0, n0), (w1, n1) = runs["auto"], runs["two_pass"]
+    assert n1 == pytest.approx(n0, rel=1e-6) and max(n0) > base["max_grad_norm"]  # clipped
+    assert set(w0) == set(w1)
+    for k, v in w0.items():
+        torch.testing.assert_close(w1[k], v, rtol=1e-5, atol=1e-6)
