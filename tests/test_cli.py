@@ -65,6 +65,10 @@ def test_export_round_trip_into_transformers(tmp_path, capsys):
     ):
         assert (hf32 / name).is_file(), name
     assert not list(hf32.glob("optimizer*")) and not (hf32 / "trainer_state.json").exists()
+    # Checkpoint, final/ and export all stop generating at the chat template's end of turn.
+    im_end = tiny_tokenizer("chatml").convert_tokens_to_ids("<|im_end|>")
+    for d in (ckpt, out / "final", hf32):
+        assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [2, im_end], d
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf32, attn_implementation="eager").eval()
     assert model.dtype == torch.float32
@@ -540,3 +544,50 @@ def test_train_help_lists_every_config_key(capsys):
         assert re.search(rf"(^|\n)  {k}\b", stdout), k
         assert " ".join(docs[k].split()[:6]) in flat, k
     assert "max_length (default 2048)" in flat and "gpu_state (default auto)" in flat
+
+
+# ---------------------------------------------------------------------------- chat models stop
+@pytest.mark.parametrize("template,token", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"), (None, None)])
+def test_end_of_turn_token_from_the_template(template, token):
+    from megatrain.data.chat import end_of_turn_id
+
+    tok = tiny_tokenizer(template)
+    assert end_of_turn_id(tok) == (tok.convert_tokens_to_ids(token) if token else None)
+
+
+def test_exported_chat_model_stops_at_the_end_of_turn(tmp_path, capsys):
+    """The template ends turns with <|im_end|>, the model's EOS is </s>: generate() must stop at
+    <|im_end|>, which is what a model fine-tuned on these chats emits at the end of an answer."""
+    import transformers
+
+    from megatrain.weights import save_hf_checkpoint
+
+    tok = tiny_tokenizer("chatml")
+    im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
+    cfg = ModelConfig.from_hf(tiny_config("llama", vocab_size=640))
+    mt = build_model(cfg, device="cpu")
+    save_hf_checkpoint(mt.state, cfg, tmp_path / "final", dtype=torch.float32, tokenizer=tok, progress=False)
+    rc, _, err = run_cli(capsys, "export", tmp_path / "final", tmp_path / "exported", "--dtype", "float32")
+    assert rc == 0, err
+
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+
+    class EndTurnThird(transformers.LogitsProcessor):
+        """Two ordinary tokens (never an end), then the end of turn: as a chat model answers."""
+
+        def __call__(self, input_ids, scores):
+            scores[:, [eos, im_end]] = -float("inf")
+            if input_ids.shape[1] == ids.shape[1] + 2:
+                scores[:, im_end] = 1e9
+            return scores
+
+    for d in ("final", "exported"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d).eval()
+        assert model.generation_config.eos_token_id == [eos, im_end]
+        out = model.generate(
+            ids, max_new_tokens=12, do_sample=False, logits_processor=[EndTurnThird()], pad_token_id=0
+        )
+        assert out.shape[1] == ids.shape[1] + 3 and out[0, -1] == im_end, (d, out)
