@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .models.config import ModelConfig
 from .state import HostState, build_units
 
@@ -347,7 +347,10 @@ def export_model(
     cfg = ModelConfig.from_json(src)
     from .data.tokenizer import load_tokenizer  # only for the chat template's end-of-turn token
 
-    tokenizer = load_tokenizer(src, optional=True)
+    try:
+        tokenizer = load_tokenizer(src, optional=True)
+    except ConfigError:
+        tokenizer = None  # e.g. a slow-only tokenizer: its files are still copied as they are
     reader = TensorReader(checkpoint_files(src), src)
     entries = [(p.key, p.shape) for u in build_units(cfg) for p in u.params]
     try:

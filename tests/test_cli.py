@@ -591,3 +591,18 @@ def test_exported_chat_model_stops_at_the_end_of_turn(tmp_path, capsys):
             ids, max_new_tokens=12, do_sample=False, logits_processor=[EndTurnThird()], pad_token_id=0
         )
         assert out.shape[1] == ids.shape[1] + 3 and out[0, -1] == im_end, (d, out)
+
+
+def test_export_copies_a_tokenizer_it_cannot_load(tmp_path, capsys):
+    """Export only reads the tokenizer for its chat template: one it cannot load (a slow-only
+    tokenizer, say) is copied as before, not refused."""
+    from megatrain.weights import save_hf_checkpoint
+
+    cfg = ModelConfig.from_hf(tiny_config("llama"))
+    save_hf_checkpoint(build_model(cfg, device="cpu").state, cfg, tmp_path / "m", progress=False)
+    (tmp_path / "m" / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
+    rc, _, err = run_cli(capsys, "export", tmp_path / "m", tmp_path / "out")
+    assert rc == 0, err
+    assert (
+        tmp_path / "out" / "tokenizer_config.json"
+    ).read_text() == '{"tokenizer_class": "NoSuchTokenizer"}'
