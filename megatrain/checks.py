@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .models.config import ModelConfig
+from .optim import lr_at
 
 
 def check_outputs(cfg) -> None:
@@ -42,7 +43,9 @@ def run_warnings(cfg, model_cfg: ModelConfig, total_steps: int, warmup_steps: in
             f"max_length {cfg.max_length} is beyond the model's max_position_embeddings "
             f"{model_cfg.max_position_embeddings}: positions past it were never trained"
         )
-    if cfg.lr_scheduler_type != "constant" and warmup_steps >= total_steps:
+    # Every schedule peaks at the step where warmup ends; the run may end before it.
+    peak = lr_at(min(warmup_steps, total_steps - 1), 1.0, cfg.lr_scheduler_type, warmup_steps, total_steps)
+    if peak < 1.0:
         warnings.append(
             f"warmup of {warmup_steps} steps is not shorter than the run's {total_steps} steps: "
             f"the learning rate never reaches learning_rate {cfg.learning_rate:g}"
