@@ -206,7 +206,9 @@ def save_checkpoint(
             moments.__getitem__,
             max_shard_bytes,
         )
-        write_model_config(tmp, model_cfg, torch.float32, Path(generation_from) if generation_from else None)
+        write_model_config(
+            tmp, model_cfg, torch.float32, Path(generation_from) if generation_from else None, tokenizer
+        )
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         torch.save(rng_state(), tmp / RNG_STATE)

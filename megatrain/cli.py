@@ -16,10 +16,52 @@ from .guard import Aborted, TrainingInterrupted
 
 
 class _Parser(argparse.ArgumentParser):
+    lists_keys = False
+    """Whether --help ends with the configuration keys (train, plan)."""
+
     def error(self, message: str):
         # One line, like every other error, instead of argparse's usage block.
         print(f"megatrain: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+    def format_help(self) -> str:
+        # Built on demand: reading the keys imports the config (and torch), which `megatrain
+        # --version` and the other commands' help should not wait for.
+        return super().format_help() + (_keys_help() if self.lists_keys else "")
+
+
+def _keys_help() -> str:
+    """The configuration keys with their defaults and docstrings, from TrainConfig itself."""
+    import dataclasses
+    import textwrap
+
+    from .config import TrainConfig, key_docs
+
+    docs = key_docs()
+    lines = ["", "configuration keys (in the YAML file, or as key=value overrides):"]
+    for f in dataclasses.fields(TrainConfig):
+        if f.name not in docs:
+            continue
+        d = f.default
+        default = (
+            ""
+            if d in (None, dataclasses.MISSING)
+            else f" (default {str(d).lower() if isinstance(d, bool) else d})"
+        )
+        lines.append(f"  {f.name}{default}")
+        lines += textwrap.wrap(docs[f.name], width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines) + "\n"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatrain")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        from . import __version__
+
+        return __version__
 
 
 def _size(text: str) -> int:
@@ -42,10 +84,11 @@ def _train(args) -> int:
 def _export(args) -> int:
     import torch
 
+    from .metrics import show_progress
     from .weights import export_model
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    progress = sys.stderr.isatty()
+    progress = show_progress(None)  # on a terminal only
     out = export_model(
         args.checkpoint, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size, progress=progress
     )
@@ -98,12 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="megatrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"megatrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train a model: megatrain train CONFIG.yaml [key=value ...]")
     p.add_argument("config", help="YAML config file (Hugging Face TrainingArguments names)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, values parsed as YAML")
     p.set_defaults(func=_train)
+    p.lists_keys = True
 
     p = sub.add_parser("export", help="write a Hugging Face model from a checkpoint directory")
     p.add_argument(
@@ -127,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML config file, as for train")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as for train")
     p.set_defaults(func=_plan)
+    p.lists_keys = True
     return parser
 
 

@@ -4,7 +4,10 @@ message that names them."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import math
 import re
 import types
 import typing
@@ -18,6 +21,10 @@ from .errors import ConfigError
 from .optim import SCHEDULES
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
+# YAML 1.1 reads on/off/yes/no/true/false as booleans, so `gpu_state: off` arrives as False. For
+# string-choice keys where a boolean has one obvious meaning, it is read as that choice.
+BOOLEAN_CHOICES = {"gpu_state": {False: "off", True: "auto"}, "report_to": {False: "none"}}
+SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
 
 
 @dataclass
@@ -76,12 +83,12 @@ class TrainConfig:
     warmup_ratio: float = 0.0
     """Warmup as a fraction of all steps."""
     seed: int = 42
-    """Seeds random init, shuffling and everything else."""
+    """Seeds random init, shuffling and everything else (0 <= seed < 2**32)."""
     # --- logging and checkpoints
     logging_steps: int = 1
     """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
     report_to: str = "none"
-    """none or tensorboard."""
+    """none or tensorboard (YAML's false/no/off read as none)."""
     save_steps: int = 0
     """Save a resumable checkpoint every N steps (0: only at the end of training)."""
     save_total_limit: int | None = None
@@ -111,7 +118,8 @@ class TrainConfig:
     gpu_state: str = "auto"
     """auto: GPU memory the streaming leaves free holds the leading layers' fp32 state (stepped
     there), the last layers' graphs and gradients, where the plan says it pays; off: the GPU
-    holds only the streaming working set (all state and gradients in host memory)."""
+    holds only the streaming working set (all state and gradients in host memory). YAML's
+    unquoted off/false/no are read as off, on/true/yes as auto."""
     gradient_placement: str = "auto"
     """Where gradients wait for the clip norm: auto (the plan decides), gpu, host, or two_pass (a
     norm-only backward, then one that steps each layer as it lands: no storage, more compute)."""
@@ -128,6 +136,10 @@ class TrainConfig:
         def bad(key, why):
             raise ConfigError(f"{key}: {why} (got {getattr(self, key)!r})")
 
+        for f in fields(self):
+            # NaN passes every comparison below, and no float key has a meaning for infinity.
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name)):
+                bad(f.name, "must be a finite number")
         if (self.model_name_or_path is None) == (self.model_config is None):
             raise ConfigError("set exactly one of model_name_or_path (weights) or model_config (random init)")
         for k in (
@@ -155,6 +167,8 @@ class TrainConfig:
             bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
         if self.lr_scheduler_type not in SCHEDULES:
             bad("lr_scheduler_type", f"must be one of {', '.join(SCHEDULES)}")
+        if not 0 <= self.seed < SEED_LIMIT:
+            bad("seed", "must be in [0, 2**32)")
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be >= 0")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -205,9 +219,9 @@ class TrainConfig:
             if not p.is_file():
                 raise ConfigError(f"{p}: config file does not exist")
             try:
-                raw = yaml.safe_load(p.read_text()) or {}
+                raw = yaml.load(p.read_text(), Loader=_StrictLoader) or {}
             except yaml.YAMLError as e:
-                raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+                raise ConfigError(_yaml_error(p, e)) from None
             if not isinstance(raw, dict):
                 raise ConfigError(f"{p}: expected a mapping of key: value at the top level")
             base = p.parent
@@ -223,7 +237,7 @@ class TrainConfig:
                 raise ConfigError(f"override {ov!r}: expected key=value")
             k, v = ov.split("=", 1)
             try:
-                raw[k.strip()] = yaml.safe_load(v) if v != "" else None
+                raw[k.strip()] = yaml.load(v, Loader=_StrictLoader) if v != "" else None
             except yaml.YAMLError:
                 raw[k.strip()] = v
         return cls.from_dict(raw)
@@ -240,7 +254,10 @@ class TrainConfig:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {k!r}{hint}")
         hints = typing.get_type_hints(cls)
-        kwargs = {k: _coerce(k, v, hints[k]) for k, v in raw.items()}
+        kwargs = {
+            k: _coerce(k, BOOLEAN_CHOICES.get(k, {}).get(v, v) if isinstance(v, bool) else v, hints[k])
+            for k, v in raw.items()
+        }
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -285,7 +302,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
         else (tp,)
     )
-    if value is None:
+    if value is None or (value == "auto" and set(options) == {bool, type(None)}):
+        # The README's "auto" for true/false/None keys (torch_compile, disable_tqdm...) is None.
         if type(None) in options:
             return None
         raise ConfigError(f"{key}: a value is required")
@@ -298,7 +316,10 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if origin is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise ConfigError(f"{key}: too large for a float") from None
         if origin in (int, float) and isinstance(value, str):
             # YAML 1.1 reads `3e-3` (no dot) as a string; accept what Python reads as a number.
             try:
@@ -312,4 +333,56 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if origin is dict and isinstance(value, dict):
             return value
     names = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
-    raise ConfigError(f"{key}: expected {names}, got {value!r}")
+    hint = ""
+    if isinstance(value, bool) and str in options:
+        hint = " (YAML reads unquoted yes/no/on/off/true/false as booleans: quote the value)"
+    raise ConfigError(f"{key}: expected {names}, got {value!r}{hint}")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error, not "last one wins"."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` may override keys on purpose
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: SafeLoader refuses it with its own message
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """One line: path:line:column of the problem, what is wrong, and the construct it is in."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and cmark:
+        what += f", {context} from line {cmark.line + 1}"
+    return f"{where}: not valid YAML: {what}"
+
+
+def key_docs() -> dict[str, str]:
+    """Each TrainConfig key's docstring (the string under its field), on one line: the source
+    of `megatrain train --help`."""
+    body = ast.parse(inspect.getsource(TrainConfig)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

@@ -12,6 +12,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 
+def show_progress(disable_tqdm: bool | None) -> bool:
+    """Whether progress bars are drawn: on a terminal unless `disable_tqdm` says otherwise. A bar
+    redrawn with carriage returns is noise in a log file, so without a terminal there is none."""
+    return sys.stderr.isatty() if disable_tqdm is None else not disable_tqdm
+
+
 class MetricsLogger:
     """Appends one JSON record per optimizer step to `output_dir/metrics.jsonl` (records of
     skipped steps carry `"skipped": true` and null loss/grad_norm), and reports progress."""
@@ -31,7 +37,7 @@ class MetricsLogger:
         self.start = start_step
         self._keep_until(start_step)
         self._f = open(self.path, "a")  # noqa: SIM115 (closed in close())
-        interactive = sys.stderr.isatty() if disable_tqdm is None else not disable_tqdm
+        interactive = show_progress(disable_tqdm)
         # tqdm shows step/total, elapsed and ETA itself; loss and tokens/s go in the postfix.
         self.bar = tqdm(
             total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not interactive

@@ -25,12 +25,13 @@ from .checkpoint import (
     resume_path,
     save_checkpoint,
 )
+from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
 from .errors import ConfigError
 from .guard import NonFiniteGuard, SignalGuard
 from .memory import MemoryRecord
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, show_progress
 from .models.config import ModelConfig
 from .optim import AdamWConfig, lr_at
 from .plan import preflight
@@ -68,13 +69,15 @@ def train(cfg: TrainConfig) -> Path:
 
     # Everything that can be wrong with the inputs is checked before anything is written.
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
+    check_outputs(cfg)
     ckpt_path = resume_path(cfg)
     resume = open_checkpoint(ckpt_path, model_cfg) if ckpt_path else None
     tok_path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
-    tokenizer = load_tokenizer(tok_path) if tok_path else None
+    # A model directory without tokenizer files is fine for pre-tokenised data.
+    tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
-    samples = build_samples(cfg, tokenizer)
+    samples = build_samples(cfg, tokenizer, model_cfg.vocab_size)
     batcher = Batcher(
         samples,
         batch_size=cfg.per_device_train_batch_size,
@@ -83,7 +86,9 @@ def train(cfg: TrainConfig) -> Path:
         packing=cfg.packing,
         shuffle=cfg.shuffle,
         seed=cfg.seed,
-        pad_id=pad_token_id(tokenizer),
+        pad_id=pad_token_id(
+            tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None)
+        ),
     )
     total_steps = (
         cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * batcher.steps_per_epoch)
@@ -100,6 +105,8 @@ def train(cfg: TrainConfig) -> Path:
         warmup_steps=warmup,
         total_steps=total_steps,
     )
+    for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
+        print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
     memory = MemoryRecord(plan, machine)
@@ -113,7 +120,7 @@ def train(cfg: TrainConfig) -> Path:
         adamw=AdamWConfig(
             cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
         ),
-        progress=True,
+        progress=show_progress(cfg.disable_tqdm),
         plan=plan,
         machine=machine,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .models.config import ModelConfig
 from .state import HostState, build_units
 
@@ -244,11 +244,13 @@ def write_sharded(
 
 
 def write_model_config(
-    out_dir: Path, cfg: ModelConfig, dtype: torch.dtype, generation_from: Path | None = None
+    out_dir: Path, cfg: ModelConfig, dtype: torch.dtype, generation_from: Path | None = None, tokenizer=None
 ) -> None:
     """config.json (with `architectures` and the weights' dtype) and generation_config.json:
     copied from `generation_from` when that directory has one (it carries the model's EOS ids
-    and sampling defaults), else derived from the model config."""
+    and sampling defaults), else derived from the model config. When `tokenizer` has a chat
+    template, the token that ends its assistant turns joins the EOS ids, so `generate()` stops
+    where a chat model ends its answer."""
     hf = copy.deepcopy(cfg.hf_config)
     hf.architectures = [type_to_arch(cfg.model_type)]
     if isinstance(inspect.getattr_static(type(hf), "torch_dtype", None), property):
@@ -259,11 +261,28 @@ def write_model_config(
     src = Path(generation_from) / "generation_config.json" if generation_from else None
     if src is not None and src.is_file():
         shutil.copyfile(src, out_dir / "generation_config.json")
-        return
-    with contextlib.suppress(Exception):  # models without generation defaults have none
-        from transformers import GenerationConfig
+    else:
+        with contextlib.suppress(Exception):  # models without generation defaults have none
+            from transformers import GenerationConfig
 
-        GenerationConfig.from_model_config(hf).save_pretrained(out_dir)
+            GenerationConfig.from_model_config(hf).save_pretrained(out_dir)
+    if tokenizer is not None:
+        from .data.chat import end_of_turn_id
+
+        eot = end_of_turn_id(tokenizer)
+        if eot is not None:
+            _add_eos(out_dir / "generation_config.json", eot, getattr(hf, "eos_token_id", None))
+
+
+def _add_eos(path: Path, token_id: int, default) -> None:
+    """Add `token_id` to generation_config.json's eos_token_id, a list as transformers writes it
+    for chat models (`default`, the model config's EOS, when the file names none)."""
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    eos = gen.get("eos_token_id", default)
+    eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    if token_id not in eos:
+        gen["eos_token_id"] = [*eos, token_id]
+        path.write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def save_hf_checkpoint(
@@ -285,7 +304,7 @@ def save_hf_checkpoint(
         params = dict(state.named_parameters())
         entries = [(k, tuple(v.shape)) for k, v in params.items()]
         write_sharded(tmp, "model", entries, dtype, params.__getitem__, max_shard_bytes, progress)
-        write_model_config(tmp, cfg, dtype, Path(generation_from) if generation_from else None)
+        write_model_config(tmp, cfg, dtype, Path(generation_from) if generation_from else None, tokenizer)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         commit_dir(tmp, out_dir)
@@ -326,6 +345,12 @@ def export_model(
     if src.resolve() == out_dir.resolve():
         raise CheckpointError(f"{out_dir}: the output directory must differ from the checkpoint")
     cfg = ModelConfig.from_json(src)
+    from .data.tokenizer import load_tokenizer  # only for the chat template's end-of-turn token
+
+    try:
+        tokenizer = load_tokenizer(src, optional=True)
+    except ConfigError:
+        tokenizer = None  # e.g. a slow-only tokenizer: its files are still copied as they are
     reader = TensorReader(checkpoint_files(src), src)
     entries = [(p.key, p.shape) for u in build_units(cfg) for p in u.params]
     try:
@@ -334,7 +359,7 @@ def export_model(
         tmp = _atomic_dir(out_dir)
         try:
             write_sharded(tmp, "model", entries, dtype, reader.get, max_shard_bytes, progress)
-            write_model_config(tmp, cfg, dtype, src)
+            write_model_config(tmp, cfg, dtype, src, tokenizer)
             for name in TOKENIZER_FILES:
                 if (src / name).is_file():
                     shutil.copyfile(src / name, tmp / name)

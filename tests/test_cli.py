@@ -64,6 +64,10 @@ def test_export_round_trip_into_transformers(tmp_path, capsys):
     ):
         assert (hf32 / name).is_file(), name
     assert not list(hf32.glob("optimizer*")) and not (hf32 / "trainer_state.json").exists()
+    # Checkpoint, final/ and export all stop generating at the chat template's end of turn.
+    im_end = tiny_tokenizer("chatml").convert_tokens_to_ids("<|im_end|>")
+    for d in (ckpt, out / "final", hf32):
+        assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [2, im_end], d
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf32, attn_implementation="eager").eval()
     assert model.dtype == torch.float32
@@ -182,6 +186,10 @@ def _bad_inputs(tmp_path: Path) -> dict:
         '{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5, 6]}\n{"input_ids": [7,\n'
     )
     (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "vocab.jsonl").write_text('{"input_ids": [1, 96]}\n{"input_ids": [1, 97]}\n')
+    (tmp_path / "huge.jsonl").write_text(f'{{"input_ids": [1, {2**70}]}}\n')
+    (tmp_path / "text.jsonl").write_text('{"text": "the people who were there"}\n')
+    tiny_tokenizer(None).save_pretrained(tmp_path / "tok")  # 600 ids, the model has 97
     return base
 
 
@@ -197,6 +205,25 @@ BAD = [
     (["max_shard_size=huge"], "max_shard_size: expected bytes or a size"),
     (["resume_from_checkpoint=true"], "resume_from_checkpoint: no checkpoint-* directory"),
     (["oops"], "override 'oops': expected key=value"),
+    (["learning_rate=nan"], "learning_rate: must be a finite number (got nan)"),
+    (["max_grad_norm=.inf"], "max_grad_norm: must be a finite number (got inf)"),
+    (["adam_epsilon=NaN"], "adam_epsilon: must be a finite number (got nan)"),
+    (["num_train_epochs=.inf", "max_steps=-1"], "num_train_epochs: must be a finite number (got inf)"),
+    (["warmup_ratio=.nan"], "warmup_ratio: must be a finite number (got nan)"),
+    (["weight_decay=-.inf"], "weight_decay: must be a finite number (got -inf)"),
+    ([f"seed={2**70}"], f"seed: must be in [0, 2**32) (got {2**70})"),
+    (
+        ["dataset={tmp}/vocab.jsonl"],
+        "{tmp}/vocab.jsonl:2: token id 97 in 'input_ids' is outside the vocabulary [0, 97)",
+    ),
+    (
+        ["dataset={tmp}/huge.jsonl"],
+        f"{{tmp}}/huge.jsonl:1: token id {2**70} in 'input_ids' is outside the vocabulary",
+    ),
+    (
+        ["dataset={tmp}/text.jsonl", "tokenizer_name_or_path={tmp}/tok"],
+        "{tmp}/text.jsonl:1: the tokenizer gives token id",
+    ),
 ]
 
 
@@ -258,3 +285,197 @@ def test_export_reads_safetensors_headers_only_before_writing(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "export", ck, tmp_path / "hf")
     assert rc == 2 and f"{ck}: tensor model.norm.weight is missing" in err
     assert not (tmp_path / "hf").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
+
+
+# ---------------------------------------------------------------------------- outputs and environment
+def test_output_dir_that_is_a_file(tmp_path, capsys):
+    base = make_run(tmp_path)
+    f = tmp_path / "taken"
+    f.write_text("mine")
+    cfg = write_yaml(tmp_path / "run.yaml", dict(base, max_steps=1))
+    for out, what in [
+        (f, f"output_dir: {f} is a file"),
+        (f / "sub", f"output_dir: {f / 'sub'} is inside {f}"),
+    ]:
+        rc, _, err = run_cli(capsys, "train", cfg, f"output_dir={out}")
+        lines = err.strip().splitlines()
+        assert (
+            rc == 2
+            and len(lines) == 1
+            and lines[0].startswith(f"megatrain: error: {what}, which is a file"[:-15])
+        ), err
+        assert f.read_text() == "mine"
+
+
+def test_missing_tensorboard_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    import sys
+
+    # `import x` raises ImportError while sys.modules["x"] is None: as if it were not installed.
+    for name in ("tensorboard", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    cfg = write_yaml(
+        tmp_path / "run.yaml", dict(base, output_dir=str(out), max_steps=1, report_to="tensorboard")
+    )
+    rc, _, err = run_cli(capsys, "train", cfg)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert (
+        lines[0]
+        == "megatrain: error: report_to: tensorboard is not installed (pip install tensorboard, or report_to: none)"
+    )
+    assert not out.exists()
+
+
+def _hf_model_dir(tmp_path: Path) -> Path:
+    """A tiny Llama saved by transformers (vocab 97, max_position_embeddings 256), no tokenizer."""
+    from helpers import tiny_hf_model
+
+    tiny_hf_model("llama").save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_pretokenised_data_needs_no_tokenizer(tmp_path, capsys):
+    base = make_run(tmp_path)  # ids below 97
+    del base["model_config"]
+    out = tmp_path / "out"
+    cfg = write_yaml(
+        tmp_path / "run.yaml",
+        dict(base, model_name_or_path=str(_hf_model_dir(tmp_path)), output_dir=str(out), max_steps=2),
+    )
+    rc, _, err = run_cli(capsys, "train", cfg)
+    assert rc == 0, err
+    assert (out / "final" / "model.safetensors").is_file() and not (out / "final" / "tokenizer.json").exists()
+    # A tokenizer named explicitly must exist, and text data still needs one.
+    rc, _, err = run_cli(
+        capsys, "train", cfg, f"tokenizer_name_or_path={tmp_path}", f"output_dir={tmp_path / 'o2'}"
+    )
+    assert rc == 2 and f"tokenizer {tmp_path}: directory has no tokenizer.json" in err
+    (tmp_path / "text.jsonl").write_text('{"text": "hello"}\n')
+    rc, _, err = run_cli(
+        capsys, "train", cfg, f"dataset={tmp_path / 'text.jsonl'}", f"output_dir={tmp_path / 'o2'}"
+    )
+    assert rc == 2 and "the text format needs a tokenizer (set tokenizer_name_or_path)" in err
+    assert not (tmp_path / "o2").exists()
+
+
+def test_no_carriage_returns_without_a_terminal(tmp_path, capsys):
+    """Progress bars redraw with '\\r': without a terminal (a log file, CI) there must be none,
+    from loading weights, tokenizing, training or saving."""
+    base = make_run(tmp_path)
+    del base["model_config"], base["disable_tqdm"]  # the default: decide by the terminal
+    tiny_tokenizer("chatml").save_pretrained(tmp_path / "tok")
+    out = tmp_path / "out"
+    run = dict(
+        base, model_name_or_path=str(_hf_model_dir(tmp_path)), tokenizer_name_or_path=str(tmp_path / "tok")
+    )
+    cfg = write_yaml(tmp_path / "run.yaml", dict(run, output_dir=str(out), max_steps=2, save_steps=1))
+    capsys.readouterr()  # transformers' own bar from saving the model above
+    rc, stdout, err = run_cli(capsys, "train", cfg)
+    assert rc == 0, err
+    assert "step 2/2 loss" in stdout  # log lines instead of a bar
+    assert "\r" not in err + stdout
+    rc, stdout, err = run_cli(capsys, "export", out / "checkpoint-2", tmp_path / "exported")
+    assert rc == 0 and "\r" not in err + stdout
+
+
+def test_doubtful_settings_are_warned_about(tmp_path, capsys):
+    base = make_run(tmp_path)
+    cfg = write_yaml(tmp_path / "run.yaml", dict(base, output_dir=str(tmp_path / "out"), max_steps=2))
+    rc, stdout, _ = run_cli(capsys, "train", cfg, "max_length=300", "warmup_steps=2")
+    assert rc == 0
+    assert "megatrain: warning: max_length 300 is beyond the model's max_position_embeddings 256" in stdout
+    assert (
+        "megatrain: warning: warmup of 2 steps is not shorter than the run's 2 steps: the learning rate never reaches learning_rate 0.003"
+        in stdout
+    )
+    rc, stdout, _ = run_cli(capsys, "train", cfg, "warmup_steps=1", f"output_dir={tmp_path / 'o2'}")
+    assert rc == 0 and "warning" not in stdout
+
+
+# ---------------------------------------------------------------------------- version and help
+def test_version(capsys):
+    from importlib.metadata import version
+
+    rc, stdout, _ = run_cli(capsys, "--version")
+    assert rc == 0 and stdout.strip() == f"megatrain {version('megatrain')}"
+
+
+def test_train_help_lists_every_config_key(capsys):
+    from dataclasses import fields
+
+    from megatrain.config import key_docs
+
+    rc, stdout, _ = run_cli(capsys, "train", "--help")
+    assert rc == 0
+    docs = key_docs()
+    keys = [f.name for f in fields(TrainConfig) if f.name != "extra"]
+    assert sorted(docs) == sorted(keys)  # every key has a docstring
+    flat = " ".join(stdout.split())
+    for k in keys:
+        assert re.search(rf"(^|\n)  {k}\b", stdout), k
+        assert " ".join(docs[k].split()[:6]) in flat, k
+    assert "max_length (default 2048)" in flat and "gpu_state (default auto)" in flat
+
+
+# ---------------------------------------------------------------------------- chat models stop
+@pytest.mark.parametrize("template,token", [("chatml", "<|im_end|>"), ("llama3", "<|eot_id|>"), (None, None)])
+def test_end_of_turn_token_from_the_template(template, token):
+    from megatrain.data.chat import end_of_turn_id
+
+    tok = tiny_tokenizer(template)
+    assert end_of_turn_id(tok) == (tok.convert_tokens_to_ids(token) if token else None)
+
+
+def test_exported_chat_model_stops_at_the_end_of_turn(tmp_path, capsys):
+    """The template ends turns with <|im_end|>, the model's EOS is </s>: generate() must stop at
+    <|im_end|>, which is what a model fine-tuned on these chats emits at the end of an answer."""
+    import transformers
+
+    from megatrain.weights import save_hf_checkpoint
+
+    tok = tiny_tokenizer("chatml")
+    im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
+    cfg = ModelConfig.from_hf(tiny_config("llama", vocab_size=640))
+    mt = build_model(cfg, device="cpu")
+    save_hf_checkpoint(mt.state, cfg, tmp_path / "final", dtype=torch.float32, tokenizer=tok, progress=False)
+    rc, _, err = run_cli(capsys, "export", tmp_path / "final", tmp_path / "exported", "--dtype", "float32")
+    assert rc == 0, err
+
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+
+    class EndTurnThird(transformers.LogitsProcessor):
+        """Two ordinary tokens (never an end), then the end of turn: as a chat model answers."""
+
+        def __call__(self, input_ids, scores):
+            scores[:, [eos, im_end]] = -float("inf")
+            if input_ids.shape[1] == ids.shape[1] + 2:
+                scores[:, im_end] = 1e9
+            return scores
+
+    for d in ("final", "exported"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d).eval()
+        assert model.generation_config.eos_token_id == [eos, im_end]
+        out = model.generate(
+            ids, max_new_tokens=12, do_sample=False, logits_processor=[EndTurnThird()], pad_token_id=0
+        )
+        assert out.shape[1] == ids.shape[1] + 3 and out[0, -1] == im_end, (d, out)
+
+
+def test_export_copies_a_tokenizer_it_cannot_load(tmp_path, capsys):
+    """Export only reads the tokenizer for its chat template: one it cannot load (a slow-only
+    tokenizer, say) is copied as before, not refused."""
+    from megatrain.weights import save_hf_checkpoint
+
+    cfg = ModelConfig.from_hf(tiny_config("llama"))
+    save_hf_checkpoint(build_model(cfg, device="cpu").state, cfg, tmp_path / "m", progress=False)
+    (tmp_path / "m" / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
+    rc, _, err = run_cli(capsys, "export", tmp_path / "m", tmp_path / "out")
+    assert rc == 0, err
+    assert (
+        tmp_path / "out" / "tokenizer_config.json"
+    ).read_text() == '{"tokenizer_class": "NoSuchTokenizer"}'

@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_tokenizer
 
 from megatrain.config import TrainConfig
-from megatrain.data import Batcher, Sample, build_samples, load_tokenizer
+from megatrain.data import Batcher, Sample, build_samples, load_tokenizer, pad_token_id
 from megatrain.errors import ConfigError, DataError
 
 USER = {"role": "user", "content": "Hi"}
@@ -44,6 +44,7 @@ def raises(exc, path, line, what):
         ([{"messages": [USER, BOT]}, '{"messages": [', {"messages": [USER, BOT]}], 2, "not valid JSON"),
         ([{"text": "ok"}, {"txt": "oops"}], 2, "missing field 'text'"),
         ([{"text": "ok"}, {"text": 5}], 2, "field 'text' must be a string, got int"),
+        ([{"text": "ok"}, {"text": None}], 2, "field 'text' is null, expected a string"),
         ([{"instruction": "Say hi."}], 1, "cannot detect the dataset format from the keys ['instruction']"),
         ([{"instruction": "a", "output": "b"}, {"instruction": "a"}], 2, "missing field 'output'"),
         (
@@ -83,7 +84,7 @@ def test_malformed_records(tmp_path, tok, records, line, what):
         (
             [{"input_ids": [1, 2]}, {"input_ids": [1, 600]}],
             2,
-            "token id 600 in 'input_ids' is outside the tokenizer's vocabulary [0, 600)",
+            "token id 600 in 'input_ids' is outside the vocabulary [0, 600)",
         ),
         ([{"input_ids": [1, "2"]}], 1, "'input_ids' must be a list of integers"),
         ([{"input_ids": [1, 2], "labels": [-100, 7000]}], 1, "label 7000 is neither -100 nor a token id"),
@@ -225,3 +226,66 @@ def test_dataset_smaller_than_one_step():
         match=r"5 samples \(15 tokens\) pack into 3 rows of max_length 8, but one optimizer step needs 4 rows",
     ):
         Batcher(samples, batch_size=2, grad_accum=2, max_length=8, packing=True)
+
+
+# ---------------------------------------------------------------------------- JSON corner cases
+@pytest.mark.parametrize("sep", ["\u2028", "\u2029", "\u0085"])
+def test_jsonl_lines_end_at_newline_only(tmp_path, tok, sep):
+    """JSON allows these unescaped inside strings; str.splitlines() would split the record there."""
+    p = tmp_path / "d.jsonl"
+    p.write_text(f'{{"text": "one{sep}two"}}\r\n\r\n{{"text": "three"}}\r\n', encoding="utf-8", newline="")
+    samples = build_samples(cfg_for(p), tok)
+    assert [s.source for s in samples] == [f"{p}:1", f"{p}:3"]
+    assert tok.decode(samples[0].input_ids, skip_special_tokens=True) == f"one{sep}two"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_lone_surrogate_names_the_line(tmp_path, tok, suffix):
+    records = ['{"text": "fine \\ud83d\\ude00"}', '{"messages": "x", "text": "half \\udc00 a pair"}']
+    p = tmp_path / f"d{suffix}"
+    p.write_text("\n".join(records) + "\n" if suffix == ".jsonl" else "[\n" + ",\n".join(records) + "\n]\n")
+    line = 2 if suffix == ".jsonl" else 3  # a JSON list starts with "[" on line 1
+    with raises(DataError, p, line, "a string holds an unpaired UTF-16 surrogate escape"):
+        build_samples(cfg_for(p, dataset_format="text"), tok)
+    p.write_text(p.read_text().replace("\\udc00", "\\u00e9"))  # the pair on line 1 is fine
+    assert len(build_samples(cfg_for(p, dataset_format="text"), tok)) == 2
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_deep_nesting_names_the_line(tmp_path, tok, suffix):
+    deep = '{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    records = ['{"text": "ok"}', deep]
+    p = tmp_path / f"d{suffix}"
+    p.write_text("\n".join(records) + "\n" if suffix == ".jsonl" else "[\n" + ",\n".join(records) + "\n]\n")
+    with raises(DataError, p, 2 if suffix == ".jsonl" else 3, "JSON nested too deeply to read"):
+        build_samples(cfg_for(p), tok)
+
+
+def test_token_ids_checked_against_the_models_vocabulary(tmp_path, tok):
+    """The model's vocab_size bounds every id, read or produced by the tokenizer: an id past the
+    embedding fails only in the middle of a run."""
+    p = jsonl(tmp_path, {"input_ids": [1, 96]}, {"input_ids": [1, 2, 97]})
+    with raises(DataError, p, 2, "token id 97 in 'input_ids' is outside the vocabulary [0, 97)"):
+        build_samples(cfg_for(p), tok, vocab_size=97)
+    p = jsonl(
+        tmp_path, {"input_ids": [1, 2], "labels": [-100, 2]}, {"input_ids": [1, 2], "labels": [-100, 97]}
+    )
+    with raises(DataError, p, 2, "label 97 is neither -100 nor a token id of the vocabulary [0, 97)"):
+        build_samples(cfg_for(p), tok, vocab_size=97)
+    p = jsonl(tmp_path, {"input_ids": [1, 2**70]})  # without any vocabulary: still an int64
+    with raises(DataError, p, 1, f"token id {2**70} in 'input_ids' is outside the vocabulary [0, {2**63})"):
+        build_samples(cfg_for(p), None)
+    p = jsonl(tmp_path, {"text": "the"}, {"text": "the people"}, name="t.jsonl")
+    high = max(tok("the people")["input_ids"])
+    assert high > max(tok("the")["input_ids"])
+    with raises(DataError, p, 2, f"the tokenizer gives token id {high}, outside the model's vocabulary"):
+        build_samples(cfg_for(p), tok, vocab_size=high)
+
+
+def test_pad_id_is_a_row_of_the_embedding():
+    tok = tiny_tokenizer("chatml")
+    assert pad_token_id(tok, 600) == tok.pad_token_id == 0
+    tok.pad_token = "<|eot_id|>"  # id 8: beyond a 5-row model, so its EOS pads
+    assert pad_token_id(tok, 5) == tok.eos_token_id == 2
+    assert pad_token_id(None, 97, 7) == 7  # the model config's pad_token_id
+    assert pad_token_id(None, 97, 200) == 0 and pad_token_id(None, 97) == 0

@@ -12,18 +12,44 @@ from helpers import tiny_hf_model
 
 from megatrain.batch import MicroBatch
 from megatrain.models.config import ModelConfig
-from megatrain.optim import AdamWConfig, lr_at
+from megatrain.optim import SCHEDULES, AdamWConfig, lr_at
 from megatrain.placement import Choices
 from megatrain.runtime import build_model, make_plan
+from megatrain.state import build_units
 
+# Llama 3.1's RoPE scaling with an original context shorter than the test sequences' positions
+# matter for: the low frequencies are divided by `factor`, the middle band interpolated.
+LLAMA3_ROPE = dict(
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    rope_theta=500000.0,
+)
 CASES = [
-    ("llama", False),
-    ("llama", True),
-    ("mistral", False),
-    ("qwen2", False),
-    ("qwen2", True),
-    ("qwen3", False),
-    ("qwen3", True),
+    ("llama", False, {}),
+    ("llama", True, {}),
+    ("llama", False, LLAMA3_ROPE),
+    ("llama", False, {"attention_bias": True}),  # bias on q, k, v and o
+    ("mistral", False, {}),
+    ("qwen2", False, {}),
+    ("qwen2", True, {}),
+    ("qwen3", False, {}),
+    ("qwen3", True, {}),
+]
+CASE_IDS = [
+    "llama",
+    "llama-tied",
+    "llama3-rope",
+    "llama-attention-bias",
+    "mistral",
+    "qwen2",
+    "qwen2-tied",
+    "qwen3",
+    "qwen3-tied",
 ]
 
 
@@ -51,9 +77,9 @@ def _hf_loss_sum(model, mb):
     )
 
 
-@pytest.mark.parametrize("family,tied", CASES)
-def test_logits_and_grads_match_transformers(family, tied, tmp_path):
-    hf = tiny_hf_model(family, tied)
+@pytest.mark.parametrize("family,tied,overrides", CASES, ids=CASE_IDS)
+def test_logits_and_grads_match_transformers(family, tied, overrides, tmp_path):
+    hf = tiny_hf_model(family, tied, **overrides)
     # Loss chunks that do not divide the batch; the last layer's graph kept, the others recomputed.
     mt = _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=1))
     mbs = [_batch(hf.config.vocab_size, seed=s) for s in (1, 2)]
@@ -79,12 +105,49 @@ def test_logits_and_grads_match_transformers(family, tied, tmp_path):
         torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def _decay_groups(model, wd):
-    from megatrain.state import _NO_DECAY
+def _hf_decay_names(model) -> set[str]:
+    """The parameters Hugging Face's Trainer applies weight decay to (its own rule: not biases,
+    not norms, not LayerNorm modules), among the model's distinct parameters."""
+    from transformers import Trainer
 
-    decay = [p for n, p in model.named_parameters() if not _NO_DECAY.search(n)]
-    no = [p for n, p in model.named_parameters() if _NO_DECAY.search(n)]
-    return [{"params": decay, "weight_decay": wd}, {"params": no, "weight_decay": 0.0}]
+    # An instance method that does not use the instance: no Trainer (and no dataset) needed.
+    return set(Trainer.get_decay_parameter_names(None, model)) & dict(model.named_parameters()).keys()
+
+
+def _decay_groups(model, wd):
+    decay = _hf_decay_names(model)
+    return [
+        {"params": [p for n, p in model.named_parameters() if n in decay], "weight_decay": wd},
+        {"params": [p for n, p in model.named_parameters() if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("family,tied,overrides", CASES, ids=CASE_IDS)
+def test_weight_decay_groups_are_hugging_faces(family, tied, overrides):
+    hf = tiny_hf_model(family, tied, **overrides)
+    specs = [p for u in build_units(ModelConfig.from_hf(hf.config)) for p in u.params]
+    assert {p.key for p in specs} == dict(hf.named_parameters()).keys()
+    no_decay = {p.key for p in specs if not p.decay}
+    assert {p.key for p in specs if p.decay} == _hf_decay_names(hf), no_decay
+    assert any("norm" in k for k in no_decay)  # the rule is not vacuous here
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("warmup", [0, 3, 12])
+def test_lr_schedules_match_transformers(schedule, warmup):
+    """Every step's learning rate equals what transformers' scheduler gives (warmup 12 is longer
+    than the 10-step run)."""
+    from transformers import get_scheduler
+
+    total, base = 10, 0.5
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    sched = get_scheduler(schedule, opt, num_warmup_steps=warmup, num_training_steps=total)
+    for step in range(total):
+        assert lr_at(step, base, schedule, warmup, total) == pytest.approx(
+            sched.get_last_lr()[0], abs=1e-12
+        ), step
+        opt.step()
+        sched.step()
 
 
 # Every way the plan can serve the clip: gradients held until the norm is known (stored), a

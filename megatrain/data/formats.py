@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..batch import IGNORE_INDEX
 from ..errors import DataError
 from .sources import DataFile
 
@@ -53,8 +54,9 @@ def detect_format(where: str, record: dict[str, Any]) -> str:
     )
 
 
-def normalize(fmt: str, file: DataFile, where: str, rec: dict[str, Any], vocab_size: int | None) -> Item:
-    """One record of format `fmt` as a canonical item; `where` (file:line) prefixes errors."""
+def normalize(fmt: str, file: DataFile, where: str, rec: dict[str, Any], vocab_size: int) -> Item:
+    """One record of format `fmt` as a canonical item; `where` (file:line) prefixes errors and
+    token ids of pre-tokenised records must be below `vocab_size`."""
     if fmt == "text":
         return _string(rec, "text", where)
     if fmt == "tokens":
@@ -72,6 +74,8 @@ def _string(rec: dict, key: str, where: str, optional: bool = False) -> str:
     if key not in rec or rec[key] is None:
         if optional:
             return ""
+        if key in rec:
+            raise DataError(f"{where}: field {key!r} is null, expected a string")
         raise DataError(f"{where}: missing field {key!r} (record has {sorted(rec)})")
     value = rec[key]
     if not isinstance(value, str):
@@ -86,26 +90,31 @@ def _int_list(rec: dict, key: str, where: str) -> list[int]:
     return value
 
 
-def _tokens(rec: dict, where: str, vocab_size: int | None) -> Tokens:
+def out_of_vocab(ids: list[int], vocab_size: int) -> int | None:
+    """The first id outside [0, vocab_size), or None: such an id would index past the
+    embedding in the middle of a run."""
+    return next((x for x in ids if not 0 <= x < vocab_size), None)
+
+
+def _tokens(rec: dict, where: str, vocab_size: int) -> Tokens:
     if "input_ids" not in rec:
         raise DataError(f"{where}: missing field 'input_ids' (record has {sorted(rec)})")
     ids = _int_list(rec, "input_ids", where)
     if not ids:
         raise DataError(f"{where}: 'input_ids' is empty")
-    bad = [x for x in ids if x < 0 or (vocab_size is not None and x >= vocab_size)]
-    if bad:
-        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise DataError(
-            f"{where}: token id {bad[0]} in 'input_ids' is outside the tokenizer's vocabulary {limit}"
-        )
+    bad = out_of_vocab(ids, vocab_size)
+    if bad is not None:
+        raise DataError(f"{where}: token id {bad} in 'input_ids' is outside the vocabulary [0, {vocab_size})")
     labels = None
     if rec.get("labels") is not None:
         labels = _int_list(rec, "labels", where)
         if len(labels) != len(ids):
             raise DataError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
-        bad = [x for x in labels if x != -100 and (x < 0 or (vocab_size is not None and x >= vocab_size))]
-        if bad:
-            raise DataError(f"{where}: label {bad[0]} is neither -100 nor a token id of the vocabulary")
+        bad = out_of_vocab([x for x in labels if x != IGNORE_INDEX], vocab_size)
+        if bad is not None:
+            raise DataError(
+                f"{where}: label {bad} is neither -100 nor a token id of the vocabulary [0, {vocab_size})"
+            )
     return Tokens(ids, labels)
 
 

@@ -10,14 +10,16 @@ from tqdm.auto import tqdm
 
 from ..batch import IGNORE_INDEX
 from ..errors import ConfigError, DataError
+from ..metrics import show_progress
 from .chat import encode_chats, require_chat_template
-from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize
+from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
 from .sources import read_records, resolve_dataset
 
 log = logging.getLogger(__name__)
 
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 CHUNK = 2048  # records per batched tokenizer call: large enough to amortise, small for the bar
+INT64_LIMIT = 2**63  # ids become int64 tensors
 
 
 @dataclass(slots=True)
@@ -39,16 +41,18 @@ class Sample:
         return any(x != IGNORE_INDEX for x in self.labels[1:])
 
 
-def build_samples(cfg, tokenizer) -> list[Sample]:
+def build_samples(cfg, tokenizer, vocab_size: int | None = None) -> list[Sample]:
     """Read, validate and tokenise every file of `cfg.dataset`, in order.
 
     Samples longer than `cfg.max_length` are truncated (cfg.truncation) or refused with a
     DataError naming file:line. Plain text with packing is instead split into max_length
     pieces, so pretraining data loses nothing. Samples left with no label tokens are skipped
     with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
-    the pre-tokenised `tokens` format.
+    the pre-tokenised `tokens` format. Every token id, read or produced by the tokenizer, must
+    be below `vocab_size` (the model's embedding rows; default: the tokenizer's size).
     """
-    vocab_size = len(tokenizer) if tokenizer is not None else None
+    if vocab_size is None:
+        vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     samples: list[Sample] = []
     skipped: list[str] = []
     for file in resolve_dataset(cfg):
@@ -56,13 +60,23 @@ def build_samples(cfg, tokenizer) -> list[Sample]:
         where0 = f"{file.path}:{records[0][0]}"
         fmt = file.format if file.format != "auto" else detect_format(where0, records[0][1])
         encode = _encoder(fmt, cfg, tokenizer, str(file.path))
-        bar = tqdm(total=len(records), desc=f"tokenizing {file.path.name}", unit="rec", disable=_no_bar(cfg))
+        bar = tqdm(
+            total=len(records),
+            desc=f"tokenizing {file.path.name}",
+            unit="rec",
+            disable=not show_progress(cfg.disable_tqdm),
+        )
         for chunk in _chunks(records, CHUNK):
             items = [
                 (f"{file.path}:{line}", normalize(fmt, file, f"{file.path}:{line}", rec, vocab_size))
                 for line, rec in chunk
             ]
             for (where, _), (ids, labels) in zip(items, encode(items)):
+                if fmt != "tokens" and (bad := out_of_vocab(ids, vocab_size)) is not None:
+                    raise DataError(
+                        f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
+                        f"[0, {vocab_size}) (is it the model's tokenizer?)"
+                    )
                 kept = [s for s in _fit(Sample(ids, labels, where), fmt, cfg) if s.has_labels]
                 if not kept:
                     skipped.append(where)
@@ -82,11 +96,6 @@ def build_samples(cfg, tokenizer) -> list[Sample]:
             skipped[0],
         )
     return samples
-
-
-def _no_bar(cfg) -> bool | None:
-    # None lets tqdm decide (off when stderr is not a terminal); an explicit setting wins.
-    return True if cfg.disable_tqdm else None
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:

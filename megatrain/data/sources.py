@@ -14,6 +14,8 @@ from ..errors import ConfigError, DataError
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 _WS = re.compile(r"[ \t\n\r]*")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # only escapes can make a surrogate in JSON
+_TOO_DEEP = "JSON nested too deeply to read (Python's recursion limit)"
 
 
 @dataclass
@@ -171,13 +173,41 @@ def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 def _read_jsonl(path: Path, text: str) -> Iterator[tuple[int, Any]]:
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+    # Records end at "\n" only (a "\r" before it is JSON whitespace): str.splitlines() would also
+    # split at U+2028, U+0085 and friends, which JSON allows unescaped inside strings.
+    for line_no, line in enumerate(text.split("\n"), 1):
+        if _WS.fullmatch(line):
             continue
         try:
-            yield line_no, json.loads(line)
+            obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{line_no}: {_TOO_DEEP}") from None
+        _check_text(path, line_no, obj, line, 0, len(line))
+        yield line_no, obj
+
+
+def _check_text(path: Path, line: int, obj: Any, text: str, start: int, end: int) -> None:
+    """DataError unless every string of `obj` (decoded from text[start:end]) is valid Unicode:
+    JSON's \\udXXX escapes can encode half a surrogate pair, which tokenizers cannot take."""
+    if not _SURROGATE_ESCAPE.search(text, start, end):
+        return  # the common case: no escape that could make a surrogate
+    stack = [obj]
+    while stack:  # iterative: the value may be nested as deep as json could read
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise DataError(
+                    f"{path}:{line}: a string holds an unpaired UTF-16 surrogate escape "
+                    "(\\ud800-\\udfff), which is not text"
+                ) from None
+        elif isinstance(x, dict):
+            stack += [*x.keys(), *x.values()]
+        elif isinstance(x, list):
+            stack += x
 
 
 def _read_json_array(path: Path, text: str, i: int) -> Iterator[tuple[int, Any]]:
@@ -195,6 +225,9 @@ def _read_json_array(path: Path, text: str, i: int) -> Iterator[tuple[int, Any]]
             obj, end = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{line}: {_TOO_DEEP}") from None
+        _check_text(path, line, obj, text, i, end)
         yield line, obj
         i = _WS.match(text, end).end()
         if text.startswith("]", i):

@@ -9,13 +9,15 @@ from transformers import PreTrainedTokenizerFast
 from ..errors import ConfigError
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: str | Path, optional: bool = False) -> PreTrainedTokenizerFast | None:
     """Load a fast tokenizer from a local directory or a `tokenizer.json` file.
 
     A directory is loaded as Hugging Face saves it (tokenizer.json, tokenizer_config.json,
     special_tokens_map.json, chat_template.jinja). A bare tokenizer.json is loaded with the
     special tokens and chat template of a tokenizer_config.json / chat_template.jinja beside it
-    when those exist. Raises ConfigError naming the path when nothing usable is there.
+    when those exist. Raises ConfigError naming the path when nothing usable is there, except
+    that with `optional` a directory without tokenizer files gives None (a model directory
+    used for pre-tokenised data).
     """
     p = Path(path)
     if not p.exists():
@@ -25,6 +27,8 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
             return _load_dir(p.parent)  # the config beside it knows bos/eos/pad and the template
         return _load_file(p)
     if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        if optional:
+            return None
         raise ConfigError(f"tokenizer {p}: directory has no tokenizer.json or tokenizer_config.json")
     return _load_dir(p)
 
@@ -65,14 +69,17 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def pad_token_id(tokenizer: PreTrainedTokenizerFast | None) -> int:
-    """The id used to pad micro-batches: pad, else EOS, else 0.
+def pad_token_id(
+    tokenizer: PreTrainedTokenizerFast | None, vocab_size: int | None = None, model_pad: int | None = None
+) -> int:
+    """The id used to pad micro-batches: the tokenizer's pad, else its EOS, else the model
+    config's `pad_token_id` (`model_pad`), else 0; the first that is below `vocab_size`.
 
     The value never matters for the loss (padded positions carry label -100 and right padding
     is invisible to causal attention), it only has to be a valid embedding row.
     """
-    if tokenizer is not None:
-        for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-            if tid is not None:
-                return int(tid)
+    candidates = (tokenizer.pad_token_id, tokenizer.eos_token_id) if tokenizer is not None else ()
+    for tid in (*candidates, model_pad):
+        if isinstance(tid, int) and tid >= 0 and (vocab_size is None or tid < vocab_size):
+            return tid
     return 0
