@@ -118,7 +118,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.batch import MicroBatch
     from megatrain.models.config import ModelConfig
     from megatrain.optim import AdamWConfig, chunk_ranges
-    from megatrain.runtime import build_model
+    from megatrain.placement import Choices
+    from megatrain.runtime import build_model, make_plan
 
     cuda = torch.cuda.is_available()
     if not cuda and not spec["smoke"]:
@@ -126,13 +127,26 @@ def run_megatrain(spec: dict, res: Result) -> None:
     dev, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     mcfg = ModelConfig.from_hf(llama_config(spec))
     t0 = time.perf_counter()
+    # The placement `megatrain train` would choose for this step shape on this machine.
+    gpu_state = "off" if spec["system"] == "megatrain-host" else "auto"
+    plan, machine = make_plan(
+        mcfg,
+        dev,
+        getattr(torch, dtype),
+        batch_size=spec["mbs"],
+        seq_len=spec["seq"],
+        grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"],
+        choices=Choices(gpu_state=gpu_state),
+    )
+    res.update(plan=plan.to_json())
     model = build_model(
         mcfg,
         seed=0,
         device=dev,
         compute_dtype=dtype,
         adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0),
-        gpu_state="off" if spec["system"] == "megatrain-host" else "auto",
+        plan=plan,
+        machine=machine,
     )
     eng, tr, state = model.engine, model.transport, model.state
     res.update(params=state.num_params, init_s=time.perf_counter() - t0, compute_dtype=dtype)
@@ -237,14 +251,17 @@ def run_megatrain(spec: dict, res: Result) -> None:
 
 
 def _tuning(eng, tr) -> dict[str, int]:
-    """What megatrain's self-tuning chose: layers whose graphs are kept (not recomputed), and
-    units whose fp32 state lives on the GPU (stepped there, never copied)."""
+    """What megatrain's plan chose: layers whose graphs are kept (not recomputed), units whose
+    fp32 state lives on the GPU (stepped there, never copied), gradients and activations."""
     resident = getattr(tr, "resident", None) or {}
     units = eng.state.units
     return {
-        "keep_layers": int(getattr(eng, "keep_layers", 0) or 0),
+        "keep_layers": int(eng.plan.keep_layers),
         "gpu_resident_units": len(resident),
         "gpu_resident_params": sum(units[i].numel for i in resident),
+        "grad_mode": eng.plan.grad_mode,
+        "gpu_grad_units": eng.plan.gpu_grad_units,
+        "parked_layers": eng.plan.parked_layers,
     }
 
 

@@ -126,7 +126,7 @@ def build_model(
     if weights is not None:
         load_hf_weights(state, weights, cfg, progress=progress)
     else:
-        init_random(state, cfg, seed)
+        init_random(state, cfg, seed, progress=progress)
     opt = HostAdamW(state, adamw or AdamWConfig())
     if compile is None:
         compile = device.type == "cuda"

@@ -21,6 +21,7 @@ import os
 import shutil
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -110,35 +111,55 @@ class TensorReader:
 
 
 def load_hf_weights(state: HostState, model_dir: str | Path, cfg: ModelConfig, progress=True) -> None:
-    """Fill `state.master` from a Hugging Face safetensors checkpoint, unit by unit."""
+    """Fill `state.master` from a Hugging Face safetensors checkpoint, units in parallel threads
+    (reading, and converting to fp32, release the GIL)."""
     reader = TensorReader(checkpoint_files(model_dir), model_dir)
+    for unit in state.units:  # every tensor present with its shape before anything is read
+        for p in unit.params:
+            reader.check(p.key, p.shape)
+
+    def load(unit) -> None:
+        views = state.params(unit)
+        for p in unit.params:
+            views[p.name].copy_(reader.get(p.key))
+
     try:
-        for unit in tqdm(state.units, desc="loading weights", disable=not progress, unit="unit"):
-            views = state.params(unit)
-            for p in unit.params:
-                reader.check(p.key, p.shape)
-                views[p.name].copy_(reader.get(p.key))
+        _per_unit(load, state.units, "loading weights", progress)
     finally:
         reader.close()
 
 
-def init_random(state: HostState, cfg: ModelConfig, seed: int) -> None:
+def _per_unit(fn, units, desc: str, progress: bool) -> None:
+    """fn(unit) for every unit on a thread pool, with a progress bar; the first error is raised."""
+    workers = min(len(units), os.cpu_count() or 1, 32)
+    with (
+        ThreadPoolExecutor(workers) as pool,
+        tqdm(total=len(units), desc=desc, disable=not progress, unit="unit") as bar,
+    ):
+        for fut in as_completed([pool.submit(fn, u) for u in units]):
+            fut.result()
+            bar.update(1)
+
+
+def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = False) -> None:
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
-    zeros for biases, ones for norms. Deterministic per seed, one unit at a time."""
+    zeros for biases, ones for norms. Each unit draws from its own generator seeded from `seed`
+    and its index, so units fill in parallel threads and the result depends on the seed alone."""
     std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
-    # A seed per unit; the default generator samples several times faster than a private one.
-    with torch.random.fork_rng(devices=[]):
-        for unit in state.units:
-            torch.manual_seed(seed * 100_003 + unit.index)
-            views = state.params(unit)
-            for p in unit.params:
-                v = views[p.name]
-                if "norm" in p.name:
-                    v.fill_(1.0)
-                elif p.name.endswith("bias"):
-                    v.zero_()
-                else:
-                    v.normal_(0.0, std)
+
+    def fill(unit) -> None:
+        gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
+        views = state.params(unit)
+        for p in unit.params:
+            v = views[p.name]
+            if "norm" in p.name:
+                v.fill_(1.0)
+            elif p.name.endswith("bias"):
+                v.zero_()
+            else:
+                v.normal_(0.0, std, generator=gen)
+
+    _per_unit(fill, state.units, "initialising weights", progress)
 
 
 def _atomic_dir(out_dir: Path):

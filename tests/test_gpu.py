@@ -65,7 +65,14 @@ def _plan(mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0) -> Plan:
 
 def _train(cfg, plan, overlap, max_norm=0.5, staging=None):
     m = build_model(
-        cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, overlap=overlap, plan=plan
+        cfg,
+        seed=3,
+        device="cuda",
+        compute_dtype="bfloat16",
+        adamw=ADAMW,
+        overlap=overlap,
+        plan=plan,
+        compile=False,  # the schedule is under test; compiled layers are in the last tests
     )
     if staging:  # many chunks per unit: exercise the chunked pipeline
         m.transport.chunk_elems = staging

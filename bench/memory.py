@@ -1,0 +1,271 @@
+"""Planner accuracy and bounded GPU memory: train Llama-shaped models under chosen placements and
+put the plan's predicted peaks beside the measured ones.
+
+Each run is its own process (clean allocator peaks and resident set): it plans as `megatrain
+train` does (placement.plan with the machine's budgets, or the caps given), builds the model
+(random init), trains a few steps of random tokens, and reports the predicted and measured GPU
+peak (torch.cuda.max_memory_allocated), host peak (VmHWM), the plan's choices and tokens/s.
+
+    python bench/memory.py --runs A16k-off,A16k-auto,B16k-off --out bench/results
+    python bench/memory.py --list
+
+Run specs are `NAME` from RUNS below, or `model:tokens:key=value,...` (e.g.
+`B:16384:gpu_state=off,max_gpu_memory=22GiB`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+MODELS = {  # hidden, layers, heads, kv, ffn, vocab
+    "A": (3072, 28, 24, 8, 8192, 128256),
+    "B": (4096, 32, 32, 8, 14336, 128256),
+    "B18": (6144, 44, 48, 8, 16384, 128256),
+    "B20": (6144, 48, 48, 8, 16384, 128256),
+    "X120": (12288, 4, 96, 8, 28672, 128256),  # a 120B-class layer shape, a few layers
+    "tiny": (256, 4, 8, 2, 640, 512),
+}
+RUNS = {
+    "A16k-off": "A:16384:gpu_state=off",
+    "A16k-auto": "A:16384:gpu_state=auto",
+    "A64k-off": "A:65536:gpu_state=off",
+    "A16k-twopass": "A:16384:gpu_state=off,gradient_placement=two_pass",
+    "A16k-noclip": "A:16384:gpu_state=off,max_grad_norm=0",
+    "A128k-park": "A:131072:gpu_state=off,seq=131072,mbs=1,max_gpu_memory=40GiB",
+    "B16k-off": "B:16384:gpu_state=off",
+    "B64k-auto": "B:65536:gpu_state=auto",
+    "B64k-off": "B:65536:gpu_state=off",
+    "B16k-22GiB": "B:16384:max_gpu_memory=22GiB",
+    "B18-16k-off": "B18:16384:gpu_state=off",
+    "B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB",
+    "X120-16k": "X120:16384:gpu_state=off",
+    "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
+}
+
+
+def parse(spec: str) -> dict:
+    spec = RUNS.get(spec, spec)
+    model, tokens, *rest = spec.split(":")
+    opts = dict(kv.split("=", 1) for kv in (rest[0].split(",") if rest and rest[0] else []))
+    return {"spec": spec, "model": model, "tokens": int(tokens), **opts}
+
+
+# ---------------------------------------------------------------------------- worker
+def worker(run: dict) -> dict:
+    import torch
+    from transformers import LlamaConfig
+
+    from megatrain.batch import MicroBatch
+    from megatrain.config import parse_size
+    from megatrain.memory import MemoryRecord
+    from megatrain.models.config import ModelConfig
+    from megatrain.optim import AdamWConfig
+    from megatrain.placement import Choices
+    from megatrain.runtime import build_model, make_plan
+
+    h, L, heads, kv, ffn, V = MODELS[run["model"]]
+    seq = int(run.get("seq", 4096))
+    cfg = ModelConfig.from_hf(
+        LlamaConfig(
+            hidden_size=h,
+            num_hidden_layers=int(run.get("layers", L)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=ffn,
+            vocab_size=V,
+            max_position_embeddings=max(seq, 8192),
+            rope_theta=500000.0,
+        )
+    )
+    T = run["tokens"]
+    mbs = int(run.get("mbs", max(1, 16384 // seq)))
+    accum = T // (mbs * seq)
+    clip = float(run.get("max_grad_norm", 1.0))
+    size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
+    t0 = time.perf_counter()
+    plan, machine = make_plan(
+        cfg,
+        "cuda",
+        torch.bfloat16,
+        batch_size=mbs,
+        seq_len=seq,
+        grad_accum=accum,
+        clip=clip > 0,
+        choices=Choices(
+            gpu_state=run.get("gpu_state", "auto"),
+            gradient_placement=run.get("gradient_placement", "auto"),
+        ),
+        max_gpu_memory=size("max_gpu_memory"),
+        max_host_memory=size("max_host_memory"),
+    )
+    record = MemoryRecord(plan, machine)
+    out = {
+        "plan": plan.to_json(),
+        "machine": machine.__dict__,
+        "params": cfg.num_params,
+        "plan_s": time.perf_counter() - t0,
+    }
+    model = build_model(
+        cfg,
+        seed=0,
+        device="cuda",
+        compute_dtype="bfloat16",
+        adamw=AdamWConfig(lr=1e-5),
+        plan=plan,
+        machine=machine,
+    )
+    out["init_s"] = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    steps = int(run.get("steps", 5))
+    times, losses = [], []
+    t_prev = time.perf_counter()
+    for _ in range(steps):
+        mb = []
+        for _ in range(accum):
+            ids = torch.randint(0, V, (mbs, seq), generator=gen)
+            mb.append(MicroBatch(ids.pin_memory(), ids))
+        loss, _ = model.engine.forward_backward(mb)
+        norm, coef = model.engine.clip_grad_norm(clip)
+        lv = loss.item()
+        measured = model.engine.step(1e-5, coef)
+        if measured is not None:
+            measured.item()
+        elif norm is not None:
+            norm.item()
+        t = time.perf_counter()
+        times.append(t - t_prev)
+        t_prev = t
+        losses.append(lv)
+        record.measure(len(times))
+    model.transport.wait_updates()
+    torch.cuda.synchronize()
+    record.measure(steps)
+    steady = times[2:] or times
+    out.update(
+        step_times=times,
+        step_s=sum(steady) / len(steady),
+        tokens_per_s=T / (sum(steady) / len(steady)),
+        losses=losses,
+        predicted=record.predicted,
+        measured=record.measured,
+        host_rss_before=record.baseline,
+        host_acts_moved=model.engine.host_acts.bytes_moved if model.engine.host_acts else 0,
+    )
+    model.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- parent
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="tiny")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--tag", default="memory")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--deadline", type=int, default=560)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.list:
+        for k, v in RUNS.items():
+            print(f"{k:<16} {v}")
+        return
+    if args.worker:
+        run = json.loads(args.worker)
+        try:
+            res = worker(run)
+        except Exception as e:  # noqa: BLE001 - recorded as the run's result
+            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    start = time.time()
+    results = []
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
+    os.makedirs(args.out, exist_ok=True)
+    for name in args.runs.split(","):
+        left = args.deadline - (time.time() - start) if args.deadline else args.timeout
+        if left < 30:
+            results.append({"name": name, "error": "skipped: deadline"})
+            continue
+        run = parse(name)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(run)]
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=min(args.timeout, left))
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            res = (
+                json.loads(line[-1][7:])
+                if line
+                else {"error": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+            )
+        except subprocess.TimeoutExpired:
+            res = {"error": f"timeout after {min(args.timeout, left):.0f} s"}
+        res.update(name=name, run=run, wall_s=time.time() - t0)
+        results.append(res)
+        print(row(res), flush=True)
+        write(results, args, stamp)
+    print()
+    print(table(results))
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.1f}"
+
+
+def _err(got, want) -> str:
+    return "-" if not got or not want else f"{100 * (got / want - 1):+.1f}%"
+
+
+def row(r: dict) -> str:
+    if r.get("error"):
+        return f"| {r['name']} | {r['run']['spec']} | error: {r['error']} |"
+    p, pr, me = r["plan"], r["predicted"], r["measured"]
+    mode = f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']} k{p['keep_layers']} park{p['parked_layers']}"
+    return (
+        f"| {r['name']} | {r['params'] / 1e9:.2f}B | {r['run']['tokens']:,} | {mode} | "
+        f"{_gib(pr.get('gpu_peak_allocated'))} | {_gib(me.get('gpu_peak_allocated'))} | "
+        f"{_err(me.get('gpu_peak_allocated'), pr.get('gpu_peak_allocated'))} | "
+        f"{_gib(pr['host_peak_rss'])} | {_gib(me.get('host_peak_rss'))} | {_err(me.get('host_peak_rss'), pr['host_peak_rss'])} | "
+        f"{r['tokens_per_s']:,.0f} | {p['step_time_s'] and r['run']['tokens'] / p['step_time_s']:,.0f} | {r['init_s']:.0f} |"
+    )
+
+
+HEADER = (
+    "| run | params | tokens/step | plan | GPU plan GiB | GPU measured GiB | GPU err | host plan GiB | "
+    "host measured GiB | host err | tokens/s | plan tokens/s | init s |\n|" + "---|" * 13
+)
+
+
+def table(results) -> str:
+    return HEADER + "\n" + "\n".join(row(r) for r in results)
+
+
+def write(results, args, stamp) -> None:
+    import torch
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "cpus": os.cpu_count(),
+        "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
+    }
+    base = os.path.join(args.out, f"{stamp}_{args.tag}")
+    with open(base + ".json", "w") as f:
+        json.dump({**meta, "runs": results}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(f"# {args.tag}: plan vs measured\n\n")
+        f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n")
+        f.write(table(results) + "\n")
+
+
+if __name__ == "__main__":
+    main()
