@@ -69,7 +69,8 @@ def worker(run: dict) -> dict:
     from megatrain.memory import MemoryRecord
     from megatrain.models.config import ModelConfig
     from megatrain.optim import AdamWConfig
-    from megatrain.placement import Choices
+    from megatrain.placement import Batch, Choices, phase_peaks
+    from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, make_plan
 
     h, L, heads, kv, ffn, V = MODELS[run["model"]]
@@ -87,7 +88,7 @@ def worker(run: dict) -> dict:
         )
     )
     T = run["tokens"]
-    mbs = int(run.get("mbs", max(1, 16384 // seq)))
+    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
     accum = T // (mbs * seq)
     clip = float(run.get("max_grad_norm", 1.0))
     size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
@@ -108,6 +109,8 @@ def worker(run: dict) -> dict:
         max_host_memory=size("max_host_memory"),
     )
     record = MemoryRecord(plan, machine)
+    batch = Batch(mbs * seq, accum, seq, 2, clip > 0, rows=mbs)
+    layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq)
     out = {
         "plan": plan.to_json(),
         "machine": machine.__dict__,
@@ -124,6 +127,7 @@ def worker(run: dict) -> dict:
         machine=machine,
     )
     out["init_s"] = time.perf_counter() - t0
+    phases = _instrument(model.engine)
     gen = torch.Generator().manual_seed(0)
     steps = int(run.get("steps", 5))
     times, losses = [], []
@@ -149,6 +153,7 @@ def worker(run: dict) -> dict:
     model.transport.wait_updates()
     torch.cuda.synchronize()
     record.measure(steps)
+    record.measured["gpu_peak_allocated"] = max(phases.values())  # the phases reset the counter
     steady = times[2:] or times
     out.update(
         step_times=times,
@@ -159,9 +164,38 @@ def worker(run: dict) -> dict:
         measured=record.measured,
         host_rss_before=record.baseline,
         host_acts_moved=model.engine.host_acts.bytes_moved if model.engine.host_acts else 0,
+        phase_peaks=phases,
+        phase_predicted=phase_peaks(cfg, batch, plan, layer_mem),
+        layer_mem=layer_mem.__dict__,
     )
     model.close()
     return out
+
+
+def _instrument(engine) -> dict[str, int]:
+    """Peak allocated GPU memory within each phase of a step (forward sweep, loss head, backward
+    sweep with the embedding), by resetting the allocator's peak at each phase's start."""
+    import torch
+
+    peaks: dict[str, int] = {}
+
+    def wrap(name: str, fn):
+        def inner(*a, **kw):
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return fn(*a, **kw)
+            finally:
+                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated())
+
+        return inner
+
+    for name, attr in (
+        ("forward", "_forward_sweep"),
+        ("head", "_head_loss_backward"),
+        ("backward", "_backward_sweep"),
+    ):
+        setattr(engine, attr, wrap(name, getattr(engine, attr)))
+    return peaks
 
 
 # ---------------------------------------------------------------------------- parent

@@ -126,10 +126,11 @@ def _plan(args) -> int:
     compute_bytes = 2 if dtype == "bfloat16" else 4
     machine = plan.machine_of(cfg, name if torch.cuda.is_available() or kind == "cpu" else "cuda")
     data = plan.data_bytes(cfg)
-    result = plan.check(model_cfg, cfg, machine, compute_bytes, data)
+    layer_mem = plan.layer_memory(model_cfg, cfg, name, compute_bytes) if torch.cuda.is_available() else None
+    result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
     print(plan.report(model_cfg, result, name, dtype, cfg, data))
     if result.fits:
-        lim = plan.limits(model_cfg, cfg, result.machine, compute_bytes)
+        lim = plan.limits(model_cfg, cfg, result.machine, compute_bytes, layer_mem)
         print(
             "largest that fit, the other settings as configured: "
             + ", ".join(f"{k}={v}" for k, v in lim.items())

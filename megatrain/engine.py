@@ -60,9 +60,10 @@ def _bind(unit: Unit, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]
 
 
 def _accumulate(gflat: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
-    """Add per-parameter gradients (compute dtype) into the unit's fp32 gradient buffer."""
+    """Add per-parameter gradients (compute dtype) into the unit's fp32 gradient buffer. The add
+    upcasts on the fly (exactly), so no fp32 copy of the gradients is ever made."""
     views = unit_views(gflat, unit)
-    torch._foreach_add_([views[n] for n in names], [g.to(torch.float32) for g in grads])
+    torch._foreach_add_([views[n] for n in names], list(grads))
 
 
 class Engine:

@@ -34,22 +34,26 @@ from pathlib import Path
 
 from .errors import MegatrainError
 from .models.config import ModelConfig
+from .probe import LayerMemory
 
 GiB, MiB = 2**30, 2**20
 
-# --- measured constants (bench/calibrate.py; bf16 compute, compiled decoder layer on Hopper)
-# Saved tensors of one decoder layer's forward with autograd, per token: cb * (a*h + b*ffn).
-GRAPH_H, GRAPH_F = 9.0, 3.0
-# Extra memory while one layer is differentiated (activation gradients, kernels' workspace),
-# per token, on top of its graph: cb * (a*h + b*ffn).
-BACKWARD_H, BACKWARD_F = 6.0, 3.0
-# The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient.
+# --- measured constants (bench/calibrate.py, bench/memory.py; bf16, compiled layer, Hopper)
+# One decoder layer's activations when no device is there to measure them (probe.py measures them
+# before every CUDA run): bytes per token = cb * (a*hidden + b*ffn). An upper envelope of four
+# measured shapes (hidden 3072..12288): within 1-4% for wide layers, up to 1.5x for narrow ones.
+GRAPH_H, GRAPH_F = 14.4, 2.5
+BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
+FORWARD_H = 9.0  # peak above the input of a forward without autograd
+# The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient
+# (measured 16.3), and per token x hidden of a chunk: the norm in fp32 and its gradient.
 LOGIT_BYTES = 16
-HEAD_TOKEN_H = 24  # per token of a chunk, x hidden: norm in fp32 and its gradient
+HEAD_TOKEN_H = 24
 LOSS_CHUNK_BUDGET = {"cuda": 2 * GiB, "cpu": 1 * GiB}
-# Host memory of the Python/torch runtime beside the model state (CUDA libraries, compiled
-# kernels, pinned pools) and the GPU memory outside the allocator (the CUDA context).
-HOST_RUNTIME = {"cuda": 3 * GiB, "cpu": 256 * MiB}
+# Host memory of the runtime beside the model state, above the resident set before the model is
+# built (CUDA libraries, kernels, pinned pools; measured 0.84 GiB), and the GPU memory outside the
+# allocator (the CUDA context).
+HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
 CUDA_CONTEXT = 600 * MiB
 GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
 PREFETCH = 2  # units copied ahead of compute
@@ -158,6 +162,7 @@ class _Shape:
     vocab: int
     layers: int
     tied: bool
+    layer_mem: LayerMemory
 
     @property
     def layer(self) -> int:
@@ -168,7 +173,13 @@ class _Shape:
         return sum(self.units)
 
 
-def _shape(cfg: ModelConfig) -> _Shape:
+def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
+    """A conservative estimate of one layer's activation memory (see GRAPH_H)."""
+    h, f, cb = cfg.hidden_size, cfg.intermediate_size, compute_bytes
+    return LayerMemory(cb * (GRAPH_H * h + GRAPH_F * f), cb * BACKWARD_H * h, 0.0, cb * FORWARD_H * h)
+
+
+def _shape(cfg: ModelConfig, layer_mem: LayerMemory) -> _Shape:
     from .state import build_units  # meta-device templates: shapes only
 
     units = build_units(cfg)
@@ -181,16 +192,8 @@ def _shape(cfg: ModelConfig) -> _Shape:
         vocab=cfg.vocab_size,
         layers=cfg.num_hidden_layers,
         tied=cfg.tie_word_embeddings,
+        layer_mem=layer_mem,
     )
-
-
-def graph_bytes(s: _Shape, tokens: int, cb: int) -> int:
-    """Saved tensors of one layer's forward with autograd over `tokens` tokens."""
-    return int(tokens * cb * (GRAPH_H * s.hidden + GRAPH_F * s.ffn))
-
-
-def _backward_extra(s: _Shape, tokens: int, cb: int) -> int:
-    return int(tokens * cb * (BACKWARD_H * s.hidden + BACKWARD_F * s.ffn))
 
 
 def _mask_bytes(b: Batch, cb: int) -> int:
@@ -205,78 +208,94 @@ def _loss_chunk(s: _Shape, b: Batch, device: str, given: int | None) -> int:
 
 
 # ---------------------------------------------------------------------------- GPU memory model
-def _fetch_window(s: _Shape, plan: Plan, cb: int) -> int:
-    """Weight buffers alive at once: the unit computing and `prefetch` units copied ahead, in
-    compute dtype, plus the fp32 landing buffer of one (converted on the device)."""
+def _schedule(s: _Shape, plan: Plan) -> list[int]:
+    """Unit indices in the order the engine fetches them in one step (unit j+1 is layer j)."""
     order = list(range(len(s.units)))
     if s.tied:
-        order.append(0)
-    order += list(range(s.layers, 0, -1))  # backward: layers last to first (unit index = layer + 1)
-    n = plan.prefetch + 1
-    worst = 0
+        order.append(0)  # the head borrows the embedding matrix
+    return order + list(range(s.layers - plan.keep_layers, 0, -1))
+
+
+def _windows(s: _Shape, plan: Plan, cb: int) -> list[int]:
+    """For each position of the schedule: the weight buffers alive while it computes (the unit
+    and `prefetch` units copied ahead, in compute dtype) and the fp32 landing buffer of the unit
+    being copied (converted on the device; resident units need none)."""
+    order = _schedule(s, plan)
+    out = []
     for i in range(len(order)):
-        win = order[i : i + n]
-        streamed = [u for u in win if u >= plan.resident_units]
-        size = sum(s.units[u] for u in win) * cb
-        stage = max((s.units[u] for u in streamed), default=0) * 4 if cb != 4 else 0
-        worst = max(worst, size + stage)
-    return worst
+        win = order[i : i + plan.prefetch + 1]
+        newest = win[-1]
+        stage = 4 * s.units[newest] if cb != 4 and newest >= plan.resident_units else 0
+        out.append(cb * sum(s.units[u] for u in win) + stage)
+    return out
 
 
-def _gpu_peak(s: _Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
-    """Replay one optimizer step and return the most GPU memory alive at once, with its parts."""
-    cb, L, h = b.compute_bytes, s.layers, s.hidden
+def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]:
+    """Replay one optimizer step: the GPU memory alive at each point (forward at each layer, the
+    loss head, backward at each layer, the embedding), by kind."""
+    cb, L, h, lm = b.compute_bytes, s.layers, s.hidden, s.layer_mem
     T, Tm = b.tokens, b.micro_batch_tokens
     act = T * h * cb  # one layer's boundary activations, all micro-batches
     R, k, p = plan.resident_units, plan.keep_layers, plan.parked_layers
     stored = plan.grad_mode == "stored"
     n = len(s.units)
+    win = _windows(s, plan, cb)
+    back_pos = {u: L + 2 + int(s.tied) + i for i, u in enumerate(range(L - k, 0, -1))}
     # Gradients held on the GPU until the optimizer step: resident units' always, and in stored
     # mode the leading units' the plan keeps there. suffix[u]: their bytes over units >= u.
     on_gpu = [u < R or (stored and u < plan.gpu_grad_units) for u in range(n)]
-    suffix = [0] * (n + 1)
-    suffix_streamed = [0] * (n + 1)
+    suffix, suffix_streamed = [0] * (n + 1), [0] * (n + 1)
     for u in range(n - 1, -1, -1):
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
         suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
-    fixed = {
-        "fp32 state of GPU-resident units": 12 * sum(s.units[:R]),
-        "weight buffers": _fetch_window(s, plan, cb),
-    }
-    kept_graph = graph_bytes(s, T, cb) + act
+    resident = {"fp32 state of GPU-resident units": 12 * sum(s.units[:R])}  # in every phase
+    kept_graph = lm.graph(T) + act  # a kept layer's graphs and their outputs
     mask = _mask_bytes(b, cb)
 
-    # boundary activations on the GPU before layer j: layers p .. L-k-1 (parked ones lead, kept
-    # ones hold theirs inside their graphs)
     def acts_before(j: int) -> int:
+        """Boundary activations on the GPU for layers < j: p .. L-k-1 (parked ones lead; kept
+        layers hold theirs inside their graphs)."""
         return act * max(0, min(j, L - k) - p)
 
     head_grad = 4 * s.units[-1] + (4 * s.units[0] if s.tied else 0)
     streaming = head_grad + plan.inflight_units * max(s.units) * 4  # immediate, two_pass
-    phases: list[dict[str, int]] = []
+    phases: list[tuple[str, dict[str, int]]] = []
     # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
     # the host optimizer, which runs in forward order behind this sweep, has taken them.
     for j in range(L):
+        kept = j >= L - k
         phases.append(
-            {
-                "boundary activations": acts_before(j),
-                "kept graphs": kept_graph * max(0, j - (L - k)),
-                "layer forward": graph_bytes(s, Tm, cb) // 2 + mask,
-                "gradients": suffix_streamed[j + 2] if stored else 0,
-            }
+            (
+                "forward",
+                {
+                    "weight buffers": win[j + 1],
+                    "boundary activations": acts_before(j) + Tm * h * cb,
+                    "kept graphs": kept_graph * max(0, j - (L - k)),
+                    "layer forward": (lm.graph(Tm) if kept else lm.forward(Tm)) + mask,
+                    "gradients": suffix_streamed[j + 2] if stored else 0,
+                },
+            )
         )
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
     phases.append(
-        {
-            "boundary activations": acts_before(L),
-            "kept graphs": kept_graph * k,
-            "loss head": plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H) + 2 * T * h * cb,
-            "gradients": head_grad,
-        }
+        (
+            "head",
+            {
+                "weight buffers": win[L + 1],
+                "boundary activations": acts_before(L),
+                "kept graphs": kept_graph * k,
+                "loss head": plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H)
+                + 2 * T * h * cb,
+                "gradients": head_grad,
+            },
+        )
     )
     # Backward sweep at layer j (from the last): activations of layers <= j (all of them during a
-    # norm-only first pass), the layer's working set and gradient, the gradients held before it.
+    # norm-only first pass), the layer's recomputed graph and its output, the backward's working
+    # set, the activation gradient flowing back, the unit's fp32 gradient and its parameter
+    # gradients in compute dtype, and the gradients held before it.
     two_pass = plan.grad_mode == "two_pass"
+    first_back = back_pos.get(L - k, len(win) - 1)
     for j in range(L - 1, -1, -1):
         u = j + 1
         kept = j >= L - k
@@ -285,28 +304,51 @@ def _gpu_peak(s: _Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
         else:
             held = streaming
         phases.append(
-            {
-                "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
-                + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
-                "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
-                "layer backward": (0 if kept else graph_bytes(s, Tm, cb))
-                + _backward_extra(s, Tm, cb)
-                + mask
-                + 2 * T * h * cb,  # the activation gradient flowing back, old and new
-                # the unit's fp32 gradient, its compute-dtype parameter gradients, one fp32 copy
-                "gradients": held + (4 + cb) * s.units[u] + 4 * s.largest_param[u],
-            }
+            (
+                "backward",
+                {
+                    "weight buffers": win[back_pos.get(u, first_back)],
+                    "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
+                    + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
+                    "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
+                    "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb)
+                    + lm.backward(Tm)
+                    + mask
+                    + T * h * cb,  # the activation gradients of all micro-batches
+                    "gradients": held + (4 + cb) * s.units[u],
+                },
+            )
         )
     # The embedding's gradient: a scatter-add of the last activation gradient, in fp32.
     phases.append(
-        {
-            "embedding backward": T * h * cb + Tm * h * 4,
-            "gradients": (suffix[0] if stored else streaming) + (0 if on_gpu[0] else 4 * s.units[0]),
-        }
+        (
+            "backward",
+            {
+                "embedding backward": T * h * cb + Tm * h * 4,
+                "gradients": (suffix[0] if stored else streaming) + (0 if on_gpu[0] else 4 * s.units[0]),
+            },
+        )
     )
-    worst = max(phases, key=lambda ph: sum(ph.values()))
-    parts = {name: v for name, v in {**fixed, **worst}.items() if v}
+    return [(name, {**resident, **ph}) for name, ph in phases]
+
+
+def _gpu_peak(s: _Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
+    """The most GPU memory alive at once in one step, with its parts."""
+    worst = max((ph for _, ph in _phases(s, b, plan)), key=lambda ph: sum(ph.values()))
+    parts = {name: v for name, v in worst.items() if v}
     return sum(parts.values()), parts
+
+
+def phase_peaks(
+    cfg: ModelConfig, batch: Batch, plan: Plan, layer_mem: LayerMemory | None = None
+) -> dict[str, int]:
+    """The predicted GPU peak of each phase of a step (forward, head, backward), for comparing the
+    memory model with the allocator's counters phase by phase."""
+    s = _shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
+    out: dict[str, int] = {}
+    for name, ph in _phases(s, batch, plan):
+        out[name] = max(out.get(name, 0), sum(ph.values()))
+    return out
 
 
 # ---------------------------------------------------------------------------- host memory model
@@ -320,8 +362,8 @@ def _host(s: _Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
         else:
             host["fp32 gradients in flight"] = 4 * (2 * max(s.units))
         host["boundary activations"] = T * h * cb * s.layers
-        host["layer working set"] = graph_bytes(s, b.micro_batch_tokens, cb) + _backward_extra(
-            s, b.micro_batch_tokens, cb
+        host["layer working set"] = s.layer_mem.graph(b.micro_batch_tokens) + s.layer_mem.backward(
+            b.micro_batch_tokens
         )
         host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
         host["runtime"] = HOST_RUNTIME["cpu"]
@@ -401,9 +443,17 @@ def _fits(plan: Plan, m: Machine) -> bool:
     return m.host_bytes is None or plan.host_total <= m.host_bytes
 
 
-def plan(cfg: ModelConfig, batch: Batch, machine: Machine, choices: Choices | None = None) -> Plan:
-    """The placement of a run, or PlanError naming what does not fit (see the module docstring)."""
-    s, c, m = _shape(cfg), choices or Choices(), machine
+def plan(
+    cfg: ModelConfig,
+    batch: Batch,
+    machine: Machine,
+    choices: Choices | None = None,
+    layer_mem: LayerMemory | None = None,
+) -> Plan:
+    """The placement of a run, or PlanError naming what does not fit (see the module docstring).
+    `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula)."""
+    c, m = choices or Choices(), machine
+    s = _shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
     L = s.layers
     keep = min(c.keep_layers or 0, L)
     resident = min(c.resident_units or 0, len(s.units))
@@ -432,7 +482,11 @@ def plan(cfg: ModelConfig, batch: Batch, machine: Machine, choices: Choices | No
     auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
     if m.device == "cuda" and auto:
         best = _spend_free_gpu(s, batch, best, m)
-    return _note(best, s, batch)
+    best = _note(best, s, batch)
+    if m.device == "cuda":
+        how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
+        best.notes.append(f"one layer's activation memory: {how}")
+    return best
 
 
 def _gradient_options(s: _Shape, b: Batch, c: Choices, m: Machine, parked: int, candidate):

@@ -70,14 +70,16 @@ class Check:
         return self.problem is None
 
 
-def check(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, data: int = 0) -> Check:
-    """Plan the run; when nothing fits, name the largest value of each batch knob that would."""
+def check(
+    model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, data: int = 0, layer_mem=None
+) -> Check:
+    """Plan the run; when nothing fits, name the largest value of each batch knob that would.
+    `layer_mem`: the layer's activation memory as probe.py measured it (None: the formula)."""
     machine = _less_data(machine, data)
 
     def attempt(**knobs: int) -> Plan:
-        return make_placement(
-            model_cfg, batch_of(cfg, model_cfg, compute_bytes, **knobs), machine, choices_of(cfg)
-        )
+        batch = batch_of(cfg, model_cfg, compute_bytes, **knobs)
+        return make_placement(model_cfg, batch, machine, choices_of(cfg), layer_mem)
 
     try:
         return Check(attempt(), machine, None)
@@ -95,13 +97,15 @@ def check(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, dat
         return Check(None, machine, f"{e}; {hint}")
 
 
-def limits(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int) -> dict[str, int | None]:
+def limits(
+    model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None
+) -> dict[str, int | None]:
     """The largest value of each batch knob (the others as configured) that a placement fits
     (searched up to 2**24)."""
 
     def attempt(**knobs: int) -> Plan:
         batch = batch_of(cfg, model_cfg, compute_bytes, **knobs)
-        return make_placement(model_cfg, batch, machine, choices_of(cfg))
+        return make_placement(model_cfg, batch, machine, choices_of(cfg), layer_mem)
 
     out = {}
     for name in KNOBS:
@@ -145,11 +149,23 @@ def _largest_fitting(fits, hi: int) -> int | None:
     return lo
 
 
+def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
+    """One layer's activation memory measured on `device` (None off CUDA: the formula)."""
+    import torch
+
+    from .probe import layer_memory_for
+
+    dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
+    tokens = cfg.per_device_train_batch_size * cfg.max_length
+    return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, tokens)
+
+
 def preflight(model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=print) -> tuple[Plan, Machine]:
     """The plan `train` runs under. Raises InsufficientMemory with a one-line message when no
     placement fits; with preflight_check=false it warns and plans as if memory were unlimited."""
     machine = machine_of(cfg, device)
-    result = check(model_cfg, cfg, machine, compute_bytes)
+    layer_mem = layer_memory(model_cfg, cfg, device, compute_bytes)
+    result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem)
     if result.fits:
         return result.plan, machine
     msg = result.problem + " (see `megatrain plan`; preflight_check=false runs anyway)"
@@ -159,7 +175,7 @@ def preflight(model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=prin
     unlimited = Machine(machine.device)
     batch = batch_of(cfg, model_cfg, compute_bytes)
     choices = replace(choices_of(cfg), gpu_state="off")
-    return make_placement(model_cfg, batch, unlimited, choices), unlimited
+    return make_placement(model_cfg, batch, unlimited, choices, layer_mem), unlimited
 
 
 def data_bytes(cfg) -> int:

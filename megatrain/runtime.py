@@ -13,6 +13,7 @@ from .errors import ConfigError
 from .models.config import ModelConfig
 from .optim import AdamWConfig, HostAdamW
 from .placement import Batch, Choices, Machine, Plan
+from .probe import layer_memory_for
 from .state import HostState, build_units
 from .transport import SerialTransport, StreamingTransport, Transport
 from .weights import init_random, load_hf_weights
@@ -77,9 +78,13 @@ def make_plan(
     choices: Choices | None = None,
     max_gpu_memory: int | None = None,
     max_host_memory: int | None = None,
+    compile: bool | None = None,
 ) -> tuple[Plan, Machine]:
-    """The placement of a run on this machine (placement.plan with measured budgets)."""
+    """The placement of a run on this machine: placement.plan with measured budgets and, on
+    CUDA, one layer's activation memory measured by running it (probe.py; `compile` as the
+    engine will run it, default on)."""
     machine = placement.measure(device, max_gpu_memory, max_host_memory)
+    layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len)
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,
         micro_batches=grad_accum,
@@ -89,7 +94,7 @@ def make_plan(
         masked=masked,
         rows=batch_size,
     )
-    return placement.plan(cfg, batch, machine, choices or Choices()), machine
+    return placement.plan(cfg, batch, machine, choices or Choices(), layer_mem), machine
 
 
 def build_model(
@@ -115,7 +120,7 @@ def build_model(
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
     if plan is None:
-        plan, machine = make_plan(cfg, device, dtype, choices=choices)
+        plan, machine = make_plan(cfg, device, dtype, choices=choices, compile=compile)
     if device.type == "cuda" and machine is not None:
         fraction = placement.allocator_fraction(
             machine, torch.cuda.get_device_properties(device).total_memory

@@ -135,7 +135,7 @@ def test_page_locking_in_pieces(monkeypatch):
     """Master weights and host gradients registered in many pieces (as for a model past the
     drivers' 512 GiB limit) train exactly as with one registration."""
     cfg = _cfg("llama")
-    ref, _ = _train(cfg, _plan(gpu_grads=0), overlap=True)
+    (ref, _) = _train(cfg, _plan(gpu_grads=0), overlap=True)
     monkeypatch.setattr(hostmem, "MAX_REGISTRATION", 2**20)
     m = build_model(
         cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, plan=_plan(gpu_grads=0)
