@@ -65,7 +65,12 @@ INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, t
 # bench/README.md). The plan only compares choices with them and projects step times.
 GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
 PCIE_BYTES_S = 45e9
-ADAM_PARAMS_S = 5e9
+# The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
+# (it shares host memory bandwidth with the copies and cores with the launching thread), and even
+# "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
+ADAM_PARAMS_S = 3e9  # where it is not measured
+ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
+OPT_INTERFERENCE = 0.25
 
 
 class PlanError(MegatrainError):
@@ -249,7 +254,7 @@ def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
         suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
     resident = {"fp32 state of GPU-resident units": 12 * sum(s.units[:R])}  # in every phase
-    kept_graph = lm.graph(T) + act  # a kept layer's graphs and their outputs
+    kept_graph = lm.graph(T) + act + cb * s.layer  # a kept layer's graphs, outputs and weights
     mask = _mask_bytes(b, cb)
 
     def acts_before(j: int) -> int:
@@ -258,7 +263,12 @@ def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]
         return act * max(0, min(j, L - k) - p)
 
     head_grad = 4 * s.units[-1] + (4 * s.units[0] if s.tied else 0)
-    streaming = head_grad + plan.inflight_units * max(s.units) * 4  # immediate, two_pass
+
+    def inflight(u: int) -> int:
+        """immediate, two_pass: gradients of the units stepped just before unit u (backward
+        order: head, last layer, ..., embedding) that the host optimizer has not taken yet."""
+        return sum(4 * s.units[v] for v in range(u + 1, min(n, u + 1 + plan.inflight_units)))
+
     phases: list[tuple[str, dict[str, int]]] = []
     # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
     # the host optimizer, which runs in forward order behind this sweep, has taken them.
@@ -301,8 +311,10 @@ def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]
         kept = j >= L - k
         if stored:
             held = suffix[u + 1] + (0 if on_gpu[u + 1] else 4 * s.units[u + 1])  # + one on its way out
+        elif two_pass:  # the first pass holds the head's gradient; the second streams
+            held = max(head_grad, inflight(u))
         else:
-            held = streaming
+            held = inflight(u)
         phases.append(
             (
                 "backward",
@@ -325,7 +337,7 @@ def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]
             "backward",
             {
                 "embedding backward": T * h * cb + Tm * h * 4,
-                "gradients": (suffix[0] if stored else streaming) + (0 if on_gpu[0] else 4 * s.units[0]),
+                "gradients": (suffix[0] if stored else inflight(0)) + (0 if on_gpu[0] else 4 * s.units[0]),
             },
         )
     )
@@ -393,7 +405,7 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
 def _step_time(s: _Shape, b: Batch, plan: Plan, m: Machine) -> float:
     """Seconds per optimizer step: GPU compute or PCIe, whichever binds, plus the part of the
     CPU optimizer that the overlap does not hide."""
-    F = m.gpu_flops or GPU_FLOPS[m.device]
+    F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
     T, L = b.tokens, s.layers
     attn = 2 * T * b.seq_len * s.q_dim  # causal QK^T and PV of one layer's forward
     layer_fwd = 2 * s.layer * T + attn
@@ -416,7 +428,7 @@ def _step_time(s: _Shape, b: Batch, plan: Plan, m: Machine) -> float:
         window = L * layer_fwd / F  # the next forward sweep
     else:
         window = 3 * L * layer_fwd / F  # the backward sweep that lands the gradients
-    return max(gpu, pcie) + max(0.0, optimizer - window)
+    return max(gpu, pcie) + max(0.0, optimizer - window) + OPT_INTERFERENCE * min(optimizer, window)
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -610,13 +622,16 @@ def gpu_available(device) -> int | None:
 
 def measure(device, max_gpu_memory: int | None = None, max_host_memory: int | None = None) -> Machine:
     """The budgets of a run on `device` (a torch.device or "cpu"/"cuda[:N]"): the caps where the
-    user set them, else what is free now."""
+    user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s)."""
+    from .probe import adam_rate
+
     kind = str(device).split(":")[0]
     gpu = None
     if kind == "cuda":
         gpu = max_gpu_memory if max_gpu_memory is not None else gpu_available(device)
     host = max_host_memory if max_host_memory is not None else host_available()
-    return Machine(kind, gpu, host, gpu_capped=max_gpu_memory is not None)
+    adam = ADAM_IN_STEP * adam_rate() if kind == "cuda" else ADAM_PARAMS_S
+    return Machine(kind, gpu, host, gpu_capped=max_gpu_memory is not None, adam_params_s=adam)
 
 
 def allocator_fraction(machine: Machine, total_gpu_bytes: int) -> float | None:

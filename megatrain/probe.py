@@ -12,6 +12,7 @@ formula instead. The probe decides nothing.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,8 @@ class LayerMemory:
     freed as the backward runs)."""
     forward_per_token: float
     """Peak above the input of a forward without autograd (its output excluded)."""
+    flops_per_s: float | None = None
+    """The rate the layer's forward + backward ran at (matmul and attention FLOPs / s)."""
 
     def graph(self, tokens: int) -> int:
         return int(self.graph_per_token * tokens)
@@ -71,17 +74,23 @@ def probe_layer_memory(
         cos, sin = rope_cos_sin(inv, scale, pos, dtype)
         x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=dtype)
         for _ in range(2):  # the first compiles; the second is measured
+            t0 = time.perf_counter()
             rows.append((t, *_measure(fn, leaves, params, x, cos, sin, pgrads, device)))
+            elapsed = time.perf_counter() - t0
         rows.pop(-2)
         del x
     torch.cuda.empty_cache()
     (t1, g1, b1, f1), (t2, g2, b2, f2) = rows[0], rows[-1]
+    n = sum(t.numel() for t in params.values())
+    q = cfg.num_attention_heads * cfg.head_dim
+    flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2
     return LayerMemory(
         graph_per_token=max(g1 / t1, g2 / t2),
         backward_per_token=slope,
         backward_fixed=b2 - slope * t2,
         forward_per_token=max(f1 / t1, f2 / t2),
+        flops_per_s=flops / elapsed,
     )
 
 
@@ -122,3 +131,31 @@ def layer_memory_for(
         return None
     compile = True if compile is None else compile
     return probe_layer_memory(cfg, device, dtype, compile, min(micro_batch_tokens, PROBE_TOKENS))
+
+
+def adam_rate(numel: int = 32 * 2**20) -> float:
+    """Parameters per second of the fused CPU AdamW on this host's threads, alone."""
+    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    steps = [torch.tensor(1.0)]
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        torch._fused_adamw_(
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            steps,
+            amsgrad=False,
+            lr=1e-5,
+            beta1=0.9,
+            beta2=0.999,
+            weight_decay=0.0,
+            eps=1e-8,
+            maximize=False,
+        )
+        return time.perf_counter() - t0
+
+    once()
+    return numel / min(once() for _ in range(3))

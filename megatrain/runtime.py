@@ -126,7 +126,7 @@ def build_model(
             machine, torch.cuda.get_device_properties(device).total_memory
         )
         if fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(fraction, device)
+            torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
     state = HostState(build_units(cfg))
     if weights is not None:
         load_hf_weights(state, weights, cfg, progress=progress)

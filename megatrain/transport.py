@@ -341,6 +341,7 @@ class StreamingTransport:
                     return
                 try:
                     self._apply(*job)
+                    del job  # its gradients' GPU memory is free now, not when the next job comes
                 except BaseException as e:  # surfaced on the main thread at the next call
                     self._error = e
                     for ev in self._ready.values():

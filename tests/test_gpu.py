@@ -141,9 +141,13 @@ def test_page_locking_in_pieces(monkeypatch):
         cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, plan=_plan(gpu_grads=0)
     )
     assert all(len(r.ptrs) >= 3 for r in m.transport._registrations)
-    got = _steps(m)
-    m.transport.synchronize()
-    assert ref[0] == got[0] and torch.equal(ref[2], m.state.master)
+    losses, norms = _steps(m)
+    diff = (ref[2] - m.state.master).abs()
+    assert ref[0] == losses, (ref[0], losses)
+    assert ref[1] == norms, (ref[1], norms)
+    assert torch.equal(ref[2], m.state.master), (
+        f"weights differ: max {diff.max():.3g}, {int((diff > 0).sum())} elements"
+    )
     m.close()
 
 

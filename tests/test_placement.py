@@ -88,7 +88,7 @@ def test_gradients_spill_to_host_then_two_pass_then_refuse():
 
 def test_user_choices_are_honoured():
     for choice, mode in (("two_pass", "two_pass"), ("host", "stored"), ("gpu", "stored")):
-        p = placement.plan(B8, STEP16K, cuda(139, 1000), Choices(gradient_placement=choice))
+        p = placement.plan(B8, STEP16K, cuda(139, 1000), Choices(gpu_state="off", gradient_placement=choice))
         assert p.grad_mode == mode
         on_gpu = max(p.gpu_grad_units, p.resident_units)
         if choice == "gpu":
