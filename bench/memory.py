@@ -25,6 +25,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from megatrain import CUDA_ALLOC_CONF  # noqa: E402
 
 MODELS = {  # hidden, layers, heads, kv, ffn, vocab
     "A": (3072, 28, 24, 8, 8192, 128256),
@@ -44,6 +45,7 @@ RUNS = {
     "B16k-off": "B:16384:gpu_state=off",
     "B64k-auto": "B:65536:gpu_state=auto",
     "B64k-off": "B:65536:gpu_state=off",
+    "B64k-78GiB": "B:65536:max_gpu_memory=78GiB",
     "B16k-22GiB": "B:16384:max_gpu_memory=22GiB",
     "B18-16k-off": "B18:16384:gpu_state=off",
     "B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB",
@@ -214,6 +216,7 @@ def main() -> None:
             print(f"{k:<16} {v}")
         return
     if args.worker:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # as `megatrain train` sets it
         run = json.loads(args.worker)
         try:
             res = worker(run)

@@ -9,8 +9,10 @@ guard.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from . import CUDA_ALLOC_CONF
 from .errors import MegatrainError
 from .guard import Aborted, TrainingInterrupted
 
@@ -178,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # before torch starts
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

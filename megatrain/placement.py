@@ -49,6 +49,7 @@ FORWARD_H = 9.0  # peak above the input of a forward without autograd
 # (measured 16.3), and per token x hidden of a chunk: the norm in fp32 and its gradient.
 LOGIT_BYTES = 16
 HEAD_TOKEN_H = 24
+LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the weight's is formed
 LOSS_CHUNK_BUDGET = {"cuda": 2 * GiB, "cpu": 1 * GiB}
 # Host memory of the runtime beside the model state, above the resident set before the model is
 # built (CUDA libraries, kernels, pinned pools; measured 0.84 GiB), and the GPU memory outside the
@@ -213,39 +214,60 @@ def _loss_chunk(s: _Shape, b: Batch, device: str, given: int | None) -> int:
 
 
 # ---------------------------------------------------------------------------- GPU memory model
-def _schedule(s: _Shape, plan: Plan) -> list[int]:
-    """Unit indices in the order the engine fetches them in one step (unit j+1 is layer j)."""
-    order = list(range(len(s.units)))
-    if s.tied:
-        order.append(0)  # the head borrows the embedding matrix
-    return order + list(range(s.layers - plan.keep_layers, 0, -1))
+def _schedule(s: _Shape, plan: Plan) -> list[list[int]]:
+    """The engine's fetch orders in one step (unit j+1 is layer j), one list per `begin`: forward
+    and backward in one for the stored and two-pass first sweeps, apart in immediate mode (whose
+    backward sweep runs in `step`)."""
+    forward = list(range(len(s.units))) + ([0] if s.tied else [])  # a tied head borrows the embedding
+    backward = list(range(s.layers - plan.keep_layers, 0, -1))
+    return [forward, backward] if plan.grad_mode == "immediate" else [forward + backward]
 
 
-def _windows(s: _Shape, plan: Plan, cb: int) -> list[int]:
-    """For each position of the schedule: the weight buffers alive while it computes (the unit
-    and `prefetch` units copied ahead, in compute dtype) and the fp32 landing buffer of the unit
-    being copied (converted on the device; resident units need none)."""
-    order = _schedule(s, plan)
+def _windows(s: _Shape, plan: Plan, cb: int) -> list[tuple[int, int]]:
+    """For each fetch of a step, in order: the weight buffers alive while that unit computes (it
+    and the `prefetch` units copied ahead, in compute dtype), and the fp32 landing buffer of the
+    unit being copied then (converted on the device; resident units need none). The landing
+    buffer lives only while that copy is issued, before the unit's own work allocates anything."""
     out = []
-    for i in range(len(order)):
-        win = order[i : i + plan.prefetch + 1]
-        newest = win[-1]
-        stage = 4 * s.units[newest] if cb != 4 and newest >= plan.resident_units else 0
-        out.append(cb * sum(s.units[u] for u in win) + stage)
+    for order in _schedule(s, plan):
+        for i in range(len(order)):
+            win = order[i : i + plan.prefetch + 1]
+            newest = win[-1]
+            stage = 4 * s.units[newest] if cb != 4 and newest >= plan.resident_units else 0
+            out.append((cb * sum(s.units[u] for u in win), stage))
     return out
 
 
-def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]:
+@dataclass
+class _Phase:
+    """GPU memory at one point of a step: `rest` is alive throughout, `work` while the unit
+    computes, `landing` while the next copy is issued (before the work starts)."""
+
+    name: str
+    window: tuple[int, int]
+    rest: dict[str, int]
+    work: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.rest.values()) + self.window[0] + max(self.window[1], sum(self.work.values()))
+
+    def parts(self) -> dict[str, int]:
+        if self.window[1] > sum(self.work.values()):
+            return {**self.rest, "weight buffers": self.window[0] + self.window[1]}
+        return {**self.rest, "weight buffers": self.window[0], **self.work}
+
+
+def _phases(s: _Shape, b: Batch, plan: Plan) -> list[_Phase]:
     """Replay one optimizer step: the GPU memory alive at each point (forward at each layer, the
     loss head, backward at each layer, the embedding), by kind."""
     cb, L, h, lm = b.compute_bytes, s.layers, s.hidden, s.layer_mem
     T, Tm = b.tokens, b.micro_batch_tokens
     act = T * h * cb  # one layer's boundary activations, all micro-batches
     R, k, p = plan.resident_units, plan.keep_layers, plan.parked_layers
-    stored = plan.grad_mode == "stored"
+    stored, two_pass = plan.grad_mode == "stored", plan.grad_mode == "two_pass"
     n = len(s.units)
     win = _windows(s, plan, cb)
-    back_pos = {u: L + 2 + int(s.tied) + i for i, u in enumerate(range(L - k, 0, -1))}
     # Gradients held on the GPU until the optimizer step: resident units' always, and in stored
     # mode the leading units' the plan keeps there. suffix[u]: their bytes over units >= u.
     on_gpu = [u < R or (stored and u < plan.gpu_grad_units) for u in range(n)]
@@ -269,43 +291,38 @@ def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]
         order: head, last layer, ..., embedding) that the host optimizer has not taken yet."""
         return sum(4 * s.units[v] for v in range(u + 1, min(n, u + 1 + plan.inflight_units)))
 
-    phases: list[tuple[str, dict[str, int]]] = []
+    phases: list[_Phase] = []
     # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
     # the host optimizer, which runs in forward order behind this sweep, has taken them.
     for j in range(L):
         kept = j >= L - k
-        phases.append(
-            (
-                "forward",
-                {
-                    "weight buffers": win[j + 1],
-                    "boundary activations": acts_before(j) + Tm * h * cb,
-                    "kept graphs": kept_graph * max(0, j - (L - k)),
-                    "layer forward": (lm.graph(Tm) if kept else lm.forward(Tm)) + mask,
-                    "gradients": suffix_streamed[j + 2] if stored else 0,
-                },
-            )
-        )
+        rest = {
+            "boundary activations": acts_before(j) + Tm * h * cb,
+            "kept graphs": kept_graph * max(0, j - (L - k)),
+            "gradients": suffix_streamed[j + 2] if stored else 0,
+        }
+        work = {"layer forward": (lm.graph(Tm) if kept else lm.forward(Tm)) + mask}
+        phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
-    phases.append(
-        (
-            "head",
-            {
-                "weight buffers": win[L + 1],
-                "boundary activations": acts_before(L),
-                "kept graphs": kept_graph * k,
-                "loss head": plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H)
-                + 2 * T * h * cb,
-                "gradients": head_grad,
-            },
+    head = L + 1
+    rest = {"boundary activations": acts_before(L), "kept graphs": kept_graph * k}
+    work = {
+        # a chunk's logits and their gradients, or later the LM head weight's gradient of the chunk
+        # beside the logits' gradient in compute dtype (wins for wide layers); the last hidden states
+        # and their gradient
+        "loss head": max(
+            plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H),
+            plan.loss_chunk_tokens * s.vocab * LOGIT_GRAD_BYTES + cb * s.vocab * h,
         )
-    )
+        + 2 * T * h * cb,
+        "gradients": head_grad,
+    }
+    phases.append(_Phase("head", win[head], {**resident, **rest}, work))
     # Backward sweep at layer j (from the last): activations of layers <= j (all of them during a
-    # norm-only first pass), the layer's recomputed graph and its output, the backward's working
-    # set, the activation gradient flowing back, the unit's fp32 gradient and its parameter
-    # gradients in compute dtype, and the gradients held before it.
-    two_pass = plan.grad_mode == "two_pass"
-    first_back = back_pos.get(L - k, len(win) - 1)
+    # norm-only first pass), the activation gradients of all micro-batches, the gradients held
+    # before it; the layer's recomputed graph, its output, the backward's working set, its fp32
+    # gradient and its parameter gradients in compute dtype.
+    back = {u: head + 1 + int(s.tied) + i for i, u in enumerate(range(L - k, 0, -1))}
     for j in range(L - 1, -1, -1):
         u = j + 1
         kept = j >= L - k
@@ -315,40 +332,32 @@ def _phases(s: _Shape, b: Batch, plan: Plan) -> list[tuple[str, dict[str, int]]]
             held = max(head_grad, inflight(u))
         else:
             held = inflight(u)
-        phases.append(
-            (
-                "backward",
-                {
-                    "weight buffers": win[back_pos.get(u, first_back)],
-                    "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
-                    + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
-                    "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
-                    "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb)
-                    + lm.backward(Tm)
-                    + mask
-                    + T * h * cb,  # the activation gradients of all micro-batches
-                    "gradients": held + (4 + cb) * s.units[u],
-                },
-            )
-        )
+        rest = {
+            "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
+            + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
+            "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
+            "activation gradients": T * h * cb,
+            "gradients": held,
+        }
+        work = {
+            "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb) + lm.backward(Tm) + mask,
+            "unit gradient": (4 + cb) * s.units[u],
+        }
+        phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
     # The embedding's gradient: a scatter-add of the last activation gradient, in fp32.
-    phases.append(
-        (
-            "backward",
-            {
-                "embedding backward": T * h * cb + Tm * h * 4,
-                "gradients": (suffix[0] if stored else inflight(0)) + (0 if on_gpu[0] else 4 * s.units[0]),
-            },
-        )
-    )
-    return [(name, {**resident, **ph}) for name, ph in phases]
+    rest = {
+        "activation gradients": T * h * cb,
+        "gradients": suffix[0] if stored else inflight(0),
+    }
+    work = {"embedding backward": Tm * h * 4 + (0 if on_gpu[0] else 4 * s.units[0])}
+    phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work))
+    return phases
 
 
 def _gpu_peak(s: _Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
     """The most GPU memory alive at once in one step, with its parts."""
-    worst = max((ph for _, ph in _phases(s, b, plan)), key=lambda ph: sum(ph.values()))
-    parts = {name: v for name, v in worst.items() if v}
-    return sum(parts.values()), parts
+    worst = max(_phases(s, b, plan), key=lambda ph: ph.total)
+    return worst.total, {name: v for name, v in worst.parts().items() if v}
 
 
 def phase_peaks(
@@ -358,8 +367,8 @@ def phase_peaks(
     memory model with the allocator's counters phase by phase."""
     s = _shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
     out: dict[str, int] = {}
-    for name, ph in _phases(s, batch, plan):
-        out[name] = max(out.get(name, 0), sum(ph.values()))
+    for ph in _phases(s, batch, plan):
+        out[ph.name] = max(out.get(ph.name, 0), ph.total)
     return out
 
 

@@ -138,7 +138,13 @@ def test_page_locking_in_pieces(monkeypatch):
     (ref, _) = _train(cfg, _plan(gpu_grads=0), overlap=True)
     monkeypatch.setattr(hostmem, "MAX_REGISTRATION", 2**20)
     m = build_model(
-        cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, plan=_plan(gpu_grads=0)
+        cfg,
+        seed=3,
+        device="cuda",
+        compute_dtype="bfloat16",
+        adamw=ADAMW,
+        plan=_plan(gpu_grads=0),
+        compile=False,
     )
     assert all(len(r.ptrs) >= 3 for r in m.transport._registrations)
     losses, norms = _steps(m)
