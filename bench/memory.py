@@ -49,6 +49,10 @@ RUNS = {
     "B16k-22GiB": "B:16384:max_gpu_memory=22GiB",
     "B18-16k-off": "B18:16384:gpu_state=off",
     "B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB",
+    # one GPU of a two-GPU machine whose MemTotal starts at 31 GiB and grows as it is used
+    "x2-B18-16k-off": "B18:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
+    "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
+    "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "X120-16k": "X120:16384:gpu_state=off",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
 }

@@ -50,7 +50,8 @@ FORWARD_H = 9.0  # peak above the input of a forward without autograd
 LOGIT_BYTES = 16
 HEAD_TOKEN_H = 24
 LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the weight's is formed
-LOSS_CHUNK_BUDGET = {"cuda": 2 * GiB, "cpu": 1 * GiB}
+LOSS_CHUNK_BUDGET = {"cuda": 4 * GiB, "cpu": 1 * GiB}
+LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
 # Host memory of the runtime beside the model state, above the resident set before the model is
 # built (CUDA libraries, kernels, pinned pools; measured 0.84 GiB), and the GPU memory outside the
 # allocator (the CUDA context).
@@ -207,10 +208,15 @@ def _mask_bytes(b: Batch, cb: int) -> int:
     return b.rows * b.seq_len * b.seq_len * (1 + cb) if b.masked else 0
 
 
-def _loss_chunk(s: _Shape, b: Batch, device: str, given: int | None) -> int:
+def _loss_chunk(s: _Shape, b: Batch, m: Machine, given: int | None) -> int:
+    """Tokens per loss-head chunk: as many as LOSS_CHUNK_BUDGET (or 4% of a small GPU) holds;
+    fewer, larger chunks launch fewer kernels."""
     if given:
         return given
-    return max(256, min(b.micro_batch_tokens, LOSS_CHUNK_BUDGET[device] // (LOGIT_BYTES * s.vocab)))
+    budget = LOSS_CHUNK_BUDGET[m.device]
+    if m.device == "cuda" and m.gpu_bytes is not None:
+        budget = min(budget, int(LOSS_CHUNK_SHARE * m.gpu_bytes))
+    return max(256, min(b.micro_batch_tokens, budget // (LOGIT_BYTES * s.vocab)))
 
 
 # ---------------------------------------------------------------------------- GPU memory model
@@ -478,7 +484,7 @@ def plan(
     L = s.layers
     keep = min(c.keep_layers or 0, L)
     resident = min(c.resident_units or 0, len(s.units))
-    chunk = _loss_chunk(s, batch, m.device, c.loss_chunk_tokens)
+    chunk = _loss_chunk(s, batch, m, c.loss_chunk_tokens)
 
     def candidate(mode: str, gpu_grad_units: int, parked: int) -> Plan:
         p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk)
