@@ -47,6 +47,8 @@ RUNS = {
     "B64k-off": "B:65536:gpu_state=off",
     "B64k-78GiB": "B:65536:max_gpu_memory=78GiB",
     "B16k-22GiB": "B:16384:max_gpu_memory=22GiB",
+    # gradients shared: the host holds a fifth of them, the GPU the rest
+    "B16k-shared": "B:16384:max_gpu_memory=60GiB,max_host_memory=103GiB",
     "B18-16k-off": "B18:16384:gpu_state=off",
     "B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB",
     # one GPU of a two-GPU machine whose MemTotal starts at 31 GiB and grows as it is used

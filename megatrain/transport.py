@@ -287,7 +287,11 @@ class StreamingTransport:
         """Step `items` (unit, gradient on the GPU or (host slot, landed event)) in order."""
         self.d2h.wait_event(done)
         coef_host = None
-        for unit, g in items:
+        items.reverse()
+        while items:
+            # Popped, so each gradient's GPU memory is free once its unit is stepped, not when
+            # the whole step is: the next forward sweep reuses it layer by layer.
+            unit, g = items.pop()
             if skip is not None:
                 done.synchronize()
                 if bool(skip.to("cpu")):
@@ -308,6 +312,7 @@ class StreamingTransport:
                 for a, b in chunk_ranges(unit, self.chunk_elems):
                     gh = _scaled(slot[a:b], coef_host)
                     self.optimizer.step_range(unit, a, b, gh, lr, step)
+            del g
             self._ready[unit.index].set()
 
     def _apply_from_device(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int) -> None:
