@@ -138,6 +138,8 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
                     _write_chunk(f, chunk)
                     progress.update(len(chunk))
                 del t, data  # one tensor per writer
+            f.flush()
+            os.fsync(f.fileno())  # here, so the writers' flushes overlap too (commit's is then cheap)
     except OSError as e:
         e.filename = e.filename or str(path)  # a failed write() names no file
         raise
