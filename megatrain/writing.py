@@ -102,10 +102,6 @@ def plan_shards(
     return shards, {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}
 
 
-def _write_chunk(f, chunk: memoryview) -> None:
-    f.write(chunk)
-
-
 class _Stopped(Exception):
     """Another writer failed: stop this one at the next tensor."""
 
@@ -124,7 +120,7 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
     crc = zlib.crc32(head)
     try:
         with open(path, "wb") as f:
-            _write_chunk(f, memoryview(head))
+            f.write(head)
             for key, shape in shard.entries:
                 if stop.is_set():
                     raise _Stopped
@@ -135,7 +131,7 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
                 for i in range(0, len(data), CHUNK):
                     chunk = data[i : i + CHUNK]
                     crc = zlib.crc32(chunk, crc)
-                    _write_chunk(f, chunk)
+                    f.write(chunk)
                     progress.update(len(chunk))
                 del t, data  # one tensor per writer
             f.flush()
