@@ -25,6 +25,7 @@ DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "
 # string-choice keys where a boolean has one obvious meaning, it is read as that choice.
 BOOLEAN_CHOICES = {"gpu_state": {False: "off", True: "auto"}, "report_to": {False: "none"}}
 SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
+SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best" (no evaluation metric to rank by)
 
 
 @dataclass
@@ -56,6 +57,10 @@ class TrainConfig:
     # --- schedule
     output_dir: str = "output"
     """Where metrics.jsonl, checkpoint-N/ and final/ go."""
+    overwrite_output_dir: bool = False
+    """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
+    Nothing is deleted: its checkpoints stay (this run never prunes them), metrics.jsonl and
+    train_config.json are renamed aside, its final/ is replaced at the end."""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
     num_train_epochs: float = 1.0
@@ -89,8 +94,14 @@ class TrainConfig:
     """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
     report_to: str = "none"
     """none or tensorboard (YAML's false/no/off read as none)."""
-    save_steps: int = 0
-    """Save a resumable checkpoint every N steps (0: only at the end of training)."""
+    save_strategy: str = "steps"
+    """When to save checkpoints: steps (every save_steps), epoch (at the end of each epoch) or
+    no (none; a stopped run still saves). With steps or epoch the last step is saved too."""
+    save_steps: int | float = 0
+    """With save_strategy steps: every N steps, or a fraction < 1 of all steps (0: only the last)."""
+    save_only_model: bool = False
+    """Checkpoints hold the fp32 weights only (4 instead of 12 bytes per parameter); they cannot
+    be resumed. A checkpoint saved on SIGTERM/SIGINT is always complete."""
     save_total_limit: int | None = None
     """Keep only the newest N checkpoint-* directories (None: keep all)."""
     save_dtype: str = "bfloat16"
@@ -104,7 +115,8 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 3
     """Steps with a non-finite loss or gradient norm are skipped; stop after this many in a row."""
     preflight_check: bool = True
-    """Refuse a run that the memory estimate (`megatrain plan`) says cannot fit (false: warn)."""
+    """Refuse a run that the memory estimate (`megatrain plan`) or the free disk space says cannot
+    fit (false: warn)."""
     # --- hardware
     device: str = "auto"
     """auto, cpu, cuda, cuda:N."""
@@ -177,8 +189,13 @@ class TrainConfig:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
         if self.report_to not in ("none", "tensorboard"):
             bad("report_to", "must be none or tensorboard")
-        if self.save_steps < 0:
-            bad("save_steps", "must be >= 0")
+        if self.save_strategy not in SAVE_STRATEGIES:
+            bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
+        steps = self.save_steps
+        if not (0 <= steps < 1 or (steps >= 1 and float(steps).is_integer())):
+            bad("save_steps", "must be a whole number of steps >= 0, or a fraction of all steps below 1")
+        if isinstance(self.save_steps, float) and self.save_steps >= 1:
+            self.save_steps = int(self.save_steps)
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad("save_total_limit", "must be >= 1")
         if self.save_dtype not in ("bfloat16", "float32"):

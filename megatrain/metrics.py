@@ -1,11 +1,14 @@
 """Where training progress goes: `metrics.jsonl` always, a tqdm bar on a terminal (plain log
-lines otherwise), TensorBoard when asked."""
+lines otherwise), TensorBoard when asked; and byte progress bars for long saves and reads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,11 +57,10 @@ class MetricsLogger:
         self._t0 = time.time()
 
     def _keep_until(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint (they will be redone)."""
-        if not self.path.exists():
-            return
-        if step == 0:
-            self.path.unlink()
+        """On resume, drop records of steps after the checkpoint (they will be redone). The
+        trimmed file replaces the old one by rename, so a kill at any moment leaves one of the
+        two complete. (Whether the file belongs to this run is outputs.py's decision, made before.)"""
+        if not self.path.exists() or step == 0:
             return
         kept = []
         for line in self.path.read_text().splitlines():
@@ -67,11 +69,17 @@ class MetricsLogger:
                     kept.append(line)
             except json.JSONDecodeError:
                 continue
-        self.path.write_text("".join(x + "\n" for x in kept))
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write("".join(x + "\n" for x in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        with self._naming_errors():
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
         step = record["step"]
         loss = "skipped" if record.get("skipped") else f"{record['loss']:.4f}"
         self.bar.update(1)
@@ -96,9 +104,45 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.bar.close()
-        self._f.close()
         if self.tb is not None:
             self.tb.close()
+        with self._naming_errors():
+            self._f.close()
+
+    @contextlib.contextmanager
+    def _naming_errors(self):
+        """A failed write() (a full disk) names no file; name it, for cli.py's one line."""
+        try:
+            yield
+        except OSError as e:
+            e.filename = e.filename or str(self.path)
+            raise
+
+
+class ByteProgress:
+    """A progress bar in bytes (on a terminal, when `enabled`) that threads may advance."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            leave=False,
+            disable=not enabled,
+        )
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self._bar.update(n)
+
+    def __enter__(self) -> ByteProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
 
 
 def _duration(seconds: float) -> str:

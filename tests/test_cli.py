@@ -127,9 +127,8 @@ def test_export_streams_one_tensor_at_a_time(tmp_path, monkeypatch, capsys):
             capsys, "export", tmp_path / "out" / "checkpoint-1", tmp_path / dtype, "--dtype", dtype
         )
         assert rc == 0 and len(refs) == len(tensors(tmp_path / dtype))
-        # fp32: the tensor being written stays referenced until the next one arrives; bf16: only
-        # its converted copy does.
-        assert max(alive_at_read) == (1 if dtype == "float32" else 0)
+        # The writer drops each tensor (fp32) or its converted copy (bf16) once it is written.
+        assert max(alive_at_read) == 0
 
 
 # ---------------------------------------------------------------------------- plot, tensorboard
