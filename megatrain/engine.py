@@ -351,6 +351,39 @@ class Engine:
         return out
 
     @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
+        """Sum of token losses over `micro_batches` (an fp32 device scalar) and their number of
+        label tokens, forward only: no gradients, nothing for the optimizer, no random numbers.
+
+        All micro-batches pass each layer in one visit, so the weights cross once per call; the
+        head computes the cross-entropy a chunk of tokens at a time exactly as in training, so
+        the full logits never exist and the sum equals the training loss's numerator. On CUDA
+        the optimizer may still be applying the previous step on its worker thread: the
+        transport's fetch waits for that unit's update first (StreamingTransport._issue calls
+        _wait_ready, set once the unit's AdamW has run; device-resident units are stepped on the
+        compute stream, ahead of this sweep), so evaluation sees the updated weights.
+        """
+        n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
+        self.transport.begin(self._schedule(backward=False))
+        prep = [self._prepare(mb) for mb in micro_batches]
+        h, _ = self._forward_sweep(prep, keep=False)
+        params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)
+        W = self._lm_weight(params)
+        loss = torch.zeros((), device=self.device)
+        C = self.loss_chunk_tokens
+        for x, p in zip(h, prep):
+            hn = functional_call(
+                self.head.norm, {"weight": params["norm.weight"]}, (x.reshape(-1, x.shape[-1]),)
+            )
+            for a in range(0, hn.shape[0], C):
+                logits = F.linear(hn[a : a + C], W).float()
+                loss += F.cross_entropy(
+                    logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                del logits
+        return loss, n_tokens
+
+    @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Full fp32 logits of one micro-batch (for evaluation and parity tests)."""
         self.transport.begin(self._schedule(backward=False))

@@ -140,3 +140,45 @@ def test_activations_parked_in_host_memory_change_nothing():
         m.close()
     assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
     assert torch.equal(results[0][2], results[1][2])
+
+
+@pytest.mark.parametrize("resident,keep", [(0, 0), (2, 1)])
+def test_eval_after_an_async_step_sees_the_updated_weights(resident, keep):
+    """Evaluating right after `step`, while the optimizer still runs behind on its worker
+    thread, reads the updated weights (the serial schedule's eval losses, bit for bit), and
+    leaves training as it is without evaluation."""
+    cfg = _cfg("llama")
+    g = torch.Generator().manual_seed(99)
+    evaluation = [MicroBatch(ids, ids) for ids in (torch.randint(0, 512, (2, 96), generator=g),) * 2]
+    results = []
+    for overlap, evaluate in ((False, True), (True, True), (True, False)):
+        m = build_model(
+            cfg,
+            seed=3,
+            device="cuda",
+            compute_dtype="bfloat16",
+            adamw=ADAMW,
+            overlap=overlap,
+            gpu_state="off",
+            keep_layers=keep,
+        )
+        if resident:
+            m.transport.make_resident(m.state.units[:resident])
+        if overlap:  # a slow, many-chunk optimizer: a fetch that did not wait would read old weights
+            m.transport.chunk_elems = 10_000
+            m.transport.staging = [torch.empty(10_000, pin_memory=True) for _ in range(2)]
+        evals, step = [], m.engine.step
+
+        def step_then_eval(lr, coef, m=m, evals=evals, step=step, evaluate=evaluate):
+            step(lr, coef)
+            if evaluate:
+                evals.append(m.engine.eval_loss(evaluation)[0].item())
+
+        m.engine.step = step_then_eval
+        losses, norms = _steps(m)
+        results.append((evals, losses, norms, m.state.master.clone()))
+        m.close()
+    (e0, l0, n0, w0), (e1, l1, n1, w1), (_, l2, n2, w2) = results
+    assert len(e0) == 4 and e0 == e1, (e0, e1)
+    assert l0 == l1 == l2 and n0 == n1 == n2
+    assert torch.equal(w0, w1) and torch.equal(w1, w2)
