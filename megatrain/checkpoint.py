@@ -13,7 +13,8 @@ Layout of `output_dir/checkpoint-{step}/` (format 1):
                                  what resuming needs: optimizer_step (AdamW's bias-correction
                                  count: skipped steps do not advance it), lr_scheduler (schedule
                                  parameters and step), data_state (Batcher.state_dict()),
-                                 nonfinite_streak
+                                 nonfinite_streak; with metric_for_best_model, best_metric,
+                                 best_global_step and best_model_checkpoint (HF names)
     rng_state.pt                 python `random`, torch CPU and CUDA generator states
     train_config.json            the run's configuration
     tokenizer files              when the run has a tokenizer (chat template included)
@@ -76,6 +77,11 @@ class TrainerState:
     """Batcher.state_dict(): the position in the data."""
     nonfinite_streak: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    best_metric: float | None = None
+    """metric_for_best_model of the best evaluated checkpoint so far."""
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    """output_dir/checkpoint-N of the best checkpoint (pruning never deletes it)."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, **dataclasses.asdict(self)}
@@ -114,7 +120,11 @@ class TrainerState:
                 raise CheckpointError(
                     f"{path}: {key!r} is missing or not a {getattr(tp, '__name__', 'number')}"
                 )
-        return cls(**{k: raw[k] for k in types})
+        optional = {"best_metric": (int, float), "best_global_step": int, "best_model_checkpoint": str}
+        for key, tp in optional.items():
+            if raw.get(key) is not None and (not isinstance(raw[key], tp) or isinstance(raw[key], bool)):
+                raise CheckpointError(f"{path}: {key!r} is not a {getattr(tp, '__name__', 'number')}")
+        return cls(**{k: raw[k] for k in types}, **{k: raw.get(k) for k in optional})
 
 
 # ---------------------------------------------------------------------------- finding
@@ -126,6 +136,11 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     return sorted(found)
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint after `step` optimizer steps goes."""
+    return Path(output_dir) / f"checkpoint-{step}"
 
 
 def resume_path(cfg) -> Path | None:
@@ -185,7 +200,7 @@ def save_checkpoint(
 ) -> Path:
     """Write `output_dir/checkpoint-{global_step}` atomically (see the module docstring) and
     return it. The host state must be current: call `transport.synchronize()` first."""
-    final = Path(output_dir) / f"checkpoint-{trainer_state.global_step}"
+    final = checkpoint_dir(output_dir, trainer_state.global_step)
     tmp = _atomic_dir(final)
     try:
         params = dict(state.named_parameters())
@@ -219,11 +234,19 @@ def save_checkpoint(
     return final
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints (by step); returns those deleted."""
+def prune_checkpoints(output_dir: Path, keep: int | None, protect: str | Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (by step); returns those deleted.
+
+    `protect` (the best checkpoint) is never deleted and, as in transformers, counts toward
+    `keep` when it is older than the newest `keep`, except that the newest always stays."""
     if keep is None:
         return []
-    doomed = [p for _, p in list_checkpoints(output_dir)[:-keep]]
+    found = [p for _, p in list_checkpoints(output_dir)]
+    older = [p for p in found[:-keep] if protect is not None and p.resolve() == Path(protect).resolve()]
+    if older:  # spared, in place of the oldest of the newest `keep`
+        found.remove(older[0])
+        keep = max(keep - 1, 1)
+    doomed = found[:-keep]
     for p in doomed:
         # Rename first: a kill during rmtree must not leave a partial checkpoint-N behind.
         trash = p.with_name(f".{p.name}.del-{os.getpid()}-{time.monotonic_ns()}")

@@ -18,6 +18,7 @@ from .errors import ConfigError
 from .optim import SCHEDULES
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 
 @dataclass
@@ -98,6 +99,26 @@ class TrainConfig:
     """Steps with a non-finite loss or gradient norm are skipped; stop after this many in a row."""
     preflight_check: bool = True
     """Refuse a run that the memory estimate (`megatrain plan`) says cannot fit (false: warn)."""
+    # --- evaluation
+    eval_dataset: str | list[str] | None = None
+    """Held-out data in any form `dataset` takes (same format, chat handling and packing)."""
+    eval_strategy: str | bool | None = None
+    """no, steps or epoch; default: steps when eval_dataset is set, else no. (YAML reads a bare
+    `no` as false, which means no.)"""
+    eval_steps: int | float | None = None
+    """Steps between evaluations, or a fraction (< 1) of the run; default: save_steps when set,
+    else 0.1. The last step is always evaluated."""
+    eval_on_start: bool = False
+    """Also evaluate before the first step (a baseline; not repeated on resume)."""
+    per_device_eval_batch_size: int | None = None
+    """Sequences per evaluation micro-batch; default: per_device_train_batch_size."""
+    load_best_model_at_end: bool = False
+    """Export final/ from the checkpoint with the best metric_for_best_model."""
+    metric_for_best_model: str | None = None
+    """eval_loss (or loss): track best_metric and best_model_checkpoint, which save_total_limit
+    never deletes; default eval_loss with load_best_model_at_end."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric is better; default: false for a loss (transformers' rule)."""
     # --- hardware
     device: str = "auto"
     """auto, cpu, cuda, cuda:N."""
@@ -115,6 +136,7 @@ class TrainConfig:
 
     def __post_init__(self):
         self.validate()
+        self._validate_eval()
 
     def validate(self) -> None:
         def bad(key, why):
@@ -176,6 +198,65 @@ class TrainConfig:
         if self.dataset is None:
             raise ConfigError("dataset: required (a JSONL/JSON/Parquet file or a dataset_info.json name)")
 
+    def _validate_eval(self) -> None:
+        """The evaluation keys, with their derived defaults; transformers' rules for
+        load_best_model_at_end (checkpoints must be evaluated ones)."""
+
+        def bad(key, why):
+            raise ConfigError(f"{key}: {why} (got {getattr(self, key)!r})")
+
+        if self.eval_strategy is None:
+            self.eval_strategy = "steps" if self.eval_dataset else "no"
+        elif self.eval_strategy is False:
+            self.eval_strategy = "no"
+        if self.eval_strategy not in EVAL_STRATEGIES:
+            bad("eval_strategy", f"must be one of {', '.join(EVAL_STRATEGIES)}")
+        evaluating = self.eval_strategy != "no"
+        if evaluating and not self.eval_dataset:
+            bad("eval_strategy", "needs an eval_dataset to evaluate on")
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.save_steps if self.save_steps > 0 else 0.1
+        if self.eval_steps is not None:
+            if not (
+                0 < self.eval_steps < 1 or (self.eval_steps >= 1 and float(self.eval_steps).is_integer())
+            ):
+                bad("eval_steps", "must be a whole number of steps >= 1, or a fraction of the run in (0, 1)")
+            if self.eval_steps >= 1:
+                self.eval_steps = int(self.eval_steps)
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
+        if self.per_device_eval_batch_size < 1:
+            bad("per_device_eval_batch_size", "must be >= 1")
+        if self.load_best_model_at_end and (why := self._best_model_schedule_problem()):
+            raise ConfigError(f"load_best_model_at_end: {why}")
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "eval_loss"
+        if self.metric_for_best_model is not None:
+            if self.metric_for_best_model not in ("eval_loss", "loss"):
+                bad("metric_for_best_model", "must be eval_loss (the metric evaluation computes)")
+            if not evaluating:
+                bad("metric_for_best_model", "needs evaluation (set eval_dataset)")
+            if self.greater_is_better is None:
+                self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    def _best_model_schedule_problem(self) -> str | None:
+        """Why load_best_model_at_end cannot work with these schedules, if it cannot. As in
+        transformers, every checkpoint must be an evaluated one: saves are a subset of the
+        evaluations (checkpoints are saved every save_steps steps, never per epoch)."""
+        if self.eval_strategy == "no":
+            return "needs evaluation (set eval_dataset)"
+        if self.eval_strategy != "steps":
+            return "needs eval_strategy steps (checkpoints are saved every save_steps steps, not per epoch)"
+        if self.save_steps == 0:
+            return f"needs save_steps, a round multiple of eval_steps ({self.eval_steps})"
+        if self.eval_steps < 1:
+            return (
+                f"needs eval_steps in steps, not a fraction ({self.eval_steps}), to line up with save_steps"
+            )
+        if self.save_steps % self.eval_steps:
+            return f"save_steps {self.save_steps} must be a round multiple of eval_steps {self.eval_steps}"
+        return None
+
     # ----------------------------------------------------------------- loading
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -195,10 +276,11 @@ class TrainConfig:
             for k in ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info"):
                 if isinstance(raw.get(k), str):
                     raw[k] = _relative(raw[k], base)
-            if isinstance(raw.get("dataset"), str):
-                raw["dataset"] = _relative(raw["dataset"], base)
-            elif isinstance(raw.get("dataset"), list):
-                raw["dataset"] = [_relative(d, base) if isinstance(d, str) else d for d in raw["dataset"]]
+            for k in ("dataset", "eval_dataset"):
+                if isinstance(raw.get(k), str):
+                    raw[k] = _relative(raw[k], base)
+                elif isinstance(raw.get(k), list):
+                    raw[k] = [_relative(d, base) if isinstance(d, str) else d for d in raw[k]]
         for ov in overrides:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r}: expected key=value")

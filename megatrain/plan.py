@@ -152,11 +152,12 @@ def gpu_available(device) -> int | None:
 
 
 def data_bytes(cfg) -> int:
-    """Estimated host memory of the tokenized dataset, from its file sizes."""
+    """Estimated host memory of the tokenized datasets (training and eval), from their file sizes."""
     from .data.sources import resolve_dataset
 
+    files = resolve_dataset(cfg) + (resolve_dataset(cfg, "eval_dataset") if cfg.eval_strategy != "no" else [])
     total = 0
-    for f in resolve_dataset(cfg):
+    for f in files:
         factor = DATA_BYTES_PER_FILE_BYTE.get(f.path.suffix, DATA_BYTES_DEFAULT)
         total += f.path.stat().st_size * factor
     return total

@@ -2,7 +2,7 @@
 
 The machinery lives elsewhere: checkpoint.py (save, prune, resume), guard.py (signals,
 non-finite steps), plan.py (the memory preflight), metrics.py (metrics.jsonl, progress bar,
-TensorBoard).
+TensorBoard), evaluation.py (eval loss, the best checkpoint).
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from .checkpoint import (
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
 from .errors import ConfigError
+from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .metrics import MetricsLogger
 from .models.config import ModelConfig
 from .optim import AdamWConfig, lr_at
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
-from .weights import save_hf_checkpoint
+from .weights import load_hf_weights, save_hf_checkpoint
 
 # Settings whose change between a checkpoint and its resume makes the continuation differ from
 # an uninterrupted run; changing them is allowed, with a warning.
@@ -91,6 +92,7 @@ def train(cfg: TrainConfig) -> Path:
             f"max_steps: {resume.path} is at step {resume.trainer_state.global_step}, past the {total_steps} "
             "steps this run trains for (raise max_steps or num_train_epochs)"
         )
+    evaluator = Evaluator(cfg, tokenizer, total_steps, batcher.steps_per_epoch)  # tokenizes eval_dataset
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     schedule = dict(
         type=cfg.lr_scheduler_type,
@@ -130,13 +132,21 @@ def train(cfg: TrainConfig) -> Path:
     )
     if resume:
         log.message(f"megatrain: resumed from {resume.path} at step {start}")
+        evaluator.restore(ts, log.message)
         changed = resume.changed_settings(cfg.to_dict(), RESUME_SENSITIVE)
         if changed:
             log.message("megatrain: warning: settings changed since the checkpoint: " + "; ".join(changed))
 
+    def evaluate(step: int) -> None:
+        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
+        record = evaluator.evaluate(engine, step, batcher.epoch, log.progress)
+        log.log_eval(record)
+        history.append(record)
+
     def save(step: int) -> Path:
-        """Checkpoint after `step` optimizer steps, then prune to save_total_limit."""
+        """Checkpoint after `step` optimizer steps, then prune to save_total_limit (never the best)."""
         model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
+        evaluator.checkpointed(step)  # is this checkpoint the best so far?
         trainer_state = TrainerState(
             global_step=step,
             epoch=batcher.epoch,
@@ -146,6 +156,7 @@ def train(cfg: TrainConfig) -> Path:
             data_state=batcher.state_dict(),
             nonfinite_streak=nonfinite.streak,
             log_history=list(history),
+            **evaluator.state(),
         )
         path = save_checkpoint(
             out,
@@ -157,13 +168,15 @@ def train(cfg: TrainConfig) -> Path:
             generation_from=cfg.model_name_or_path,
             max_shard_bytes=parse_size(cfg.max_shard_size),
         )
-        prune_checkpoints(out, cfg.save_total_limit)
+        prune_checkpoints(out, cfg.save_total_limit, protect=evaluator.best_checkpoint)
         log.message(f"megatrain: saved {path}")
         return path
 
     try:
         with SignalGuard(log.message) as stop:
             last = resume.path if resume else None  # the newest checkpoint of this run
+            if start == 0 and evaluator.due(0):
+                evaluate(0)  # eval_on_start: a baseline before the first step
             t_last = time.perf_counter()
             for step in range(start, total_steps):
                 micro_batches = batcher.next_step()
@@ -196,6 +209,9 @@ def train(cfg: TrainConfig) -> Path:
                 log.log(record)
                 history.append(record)
                 nonfinite.check_diverged(step + 1)
+                if evaluator.due(step + 1):
+                    evaluate(step + 1)
+                    t_last = time.perf_counter()  # evaluation is not step time
 
                 stopping = stop.requested  # read once: a signal during the save is acted on below
                 if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0):
@@ -208,6 +224,14 @@ def train(cfg: TrainConfig) -> Path:
             if stop.requested:
                 raise stop.interrupted(last)
         model.transport.synchronize()
+        best = evaluator.best_checkpoint
+        if cfg.load_best_model_at_end and best is not None:
+            if evaluator.best_step != total_steps:  # the weights in memory are the last step's
+                load_hf_weights(model.state, best, model_cfg, progress=log.interactive)
+            log.message(
+                f"megatrain: final/ is the best checkpoint, {best.name} "
+                f"({evaluator.metric} {evaluator.best_metric:.4f})"
+            )
         final = save_hf_checkpoint(
             model.state,
             model_cfg,

@@ -307,6 +307,14 @@ BAD = [
     (["max_shard_size=huge"], "max_shard_size: expected bytes or a size"),
     (["resume_from_checkpoint=true"], "resume_from_checkpoint: no checkpoint-* directory"),
     (["oops"], "override 'oops': expected key=value"),
+    # Evaluation data is read and checked before anything is written, like the training data.
+    (["eval_dataset={tmp}/broken.jsonl"], "{tmp}/broken.jsonl:3: not valid JSON"),
+    (["eval_dataset={tmp}/nowhere.jsonl"], "eval_dataset {tmp}/nowhere.jsonl: no such file"),
+    (["eval_strategy=epoch"], "eval_strategy: needs an eval_dataset"),
+    (
+        ["eval_dataset={tmp}/data.jsonl", "save_steps=3", "eval_steps=2", "load_best_model_at_end=true"],
+        "load_best_model_at_end: save_steps 3 must be a round multiple of eval_steps 2",
+    ),
 ]
 
 
