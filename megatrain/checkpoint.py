@@ -13,7 +13,9 @@ Layout of `output_dir/checkpoint-{step}/` (format 1):
                                  run_id of the run (lineage) that wrote it, and what resuming
                                  needs: optimizer_step (AdamW's bias-correction count: skipped
                                  steps do not advance it), lr_scheduler (schedule parameters and
-                                 step), data_state (Batcher.state_dict()), nonfinite_streak
+                                 step), data_state (Batcher.state_dict()), nonfinite_streak; with
+                                 metric_for_best_model, best_metric, best_global_step and
+                                 best_model_checkpoint (HF names)
     rng_state.pt                 python `random`, torch CPU and CUDA generator states
     train_config.json            the run's configuration
     tokenizer files              when the run has a tokenizer (chat template included)
@@ -87,6 +89,11 @@ class TrainerState:
     """The lineage: the run that started from scratch and every resume of it (None: before ids)."""
     weights_only: bool = False
     """Saved with save_only_model: no optimizer or RNG state, so it cannot be resumed."""
+    best_metric: float | None = None
+    """metric_for_best_model of the best evaluated checkpoint so far."""
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    """output_dir/checkpoint-N of the best checkpoint (pruning never deletes it)."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, **dataclasses.asdict(self)}
@@ -125,10 +132,20 @@ class TrainerState:
                 raise CheckpointError(
                     f"{path}: {key!r} is missing or not a {getattr(tp, '__name__', 'number')}"
                 )
-        optional = {"run_id": raw.get("run_id"), "weights_only": raw.get("weights_only", False)}
-        if not isinstance(optional["run_id"], str | None) or not isinstance(optional["weights_only"], bool):
-            raise CheckpointError(f"{path}: 'run_id' or 'weights_only' has the wrong type")
-        return cls(**{k: raw[k] for k in types}, **optional)
+        # Fields added after format 1 was first written: absent from older checkpoints.
+        optional = {
+            "run_id": str,
+            "weights_only": bool,
+            "best_metric": (int, float),
+            "best_global_step": int,
+            "best_model_checkpoint": str,
+        }
+        for key, tp in optional.items():
+            v = raw.get(key)
+            if v is not None and (not isinstance(v, tp) or (tp is not bool and isinstance(v, bool))):
+                raise CheckpointError(f"{path}: {key!r} is not a {getattr(tp, '__name__', 'number')}")
+        present = {k: raw[k] for k in optional if raw.get(k) is not None}
+        return cls(**{k: raw[k] for k in types}, **present)
 
 
 def checkpoint_bytes(num_params: int, weights_only: bool = False) -> int:
@@ -145,6 +162,11 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     return sorted(found)
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint after `step` optimizer steps goes."""
+    return Path(output_dir) / f"checkpoint-{step}"
 
 
 def run_id_of(path: Path) -> str | None:
@@ -247,7 +269,7 @@ def save_checkpoint(
     return it; `trainer_state.weights_only` leaves the optimizer and RNG state out. An existing
     directory of that name is replaced only if it is a megatrain checkpoint. The host state
     must be current: call `transport.synchronize()` first."""
-    final = Path(output_dir) / f"checkpoint-{trainer_state.global_step}"
+    final = checkpoint_dir(output_dir, trainer_state.global_step)
     params = dict(state.named_parameters())
     moments = {} if trainer_state.weights_only else _moments(state)
     nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
@@ -272,12 +294,22 @@ def save_checkpoint(
         return d.commit()
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None, run_id: str | None) -> list[Path]:
+def prune_checkpoints(
+    output_dir: Path, keep: int | None, run_id: str | None, protect: str | Path | None = None
+) -> list[Path]:
     """Delete all but the newest `keep` checkpoints (by step) of lineage `run_id`; other runs'
-    checkpoints are never touched. Returns those deleted."""
+    checkpoints are never touched. Returns those deleted.
+
+    `protect` (the best checkpoint) is never deleted and, as in transformers, counts toward
+    `keep` when it is older than the newest `keep`, except that the newest always stays."""
     if keep is None:
         return []
-    doomed = [p for _, p in lineages(output_dir).get(run_id, [])[:-keep]]
+    found = [p for _, p in lineages(output_dir).get(run_id, [])]
+    older = [p for p in found[:-keep] if protect is not None and p.resolve() == Path(protect).resolve()]
+    if older:  # spared, in place of the oldest of the newest `keep`
+        found.remove(older[0])
+        keep = max(keep - 1, 1)
+    doomed = found[:-keep]
     for p in doomed:
         # Rename first: a kill during rmtree must not leave a partial checkpoint-N behind.
         trash = p.with_name(f".{p.name}.del-{os.getpid()}-{time.monotonic_ns()}")

@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 import time
@@ -40,8 +39,10 @@ from .checkpoint import (
     list_checkpoints,
     remove_temporaries,
 )
+from .config import interval_steps
 from .errors import ConfigError, OutputError
 from .memory import PLAN_FILE
+from .metrics import is_eval
 from .placement import fmt_bytes
 from .writing import AtomicDir, free_bytes
 
@@ -70,9 +71,7 @@ class SaveSchedule:
             return cls(0, False, total_steps)
         if cfg.save_strategy == "epoch":
             return cls(steps_per_epoch, True, total_steps)
-        steps = cfg.save_steps
-        every = math.ceil(steps * total_steps) if 0 < steps < 1 else int(steps)  # HF: a fraction < 1
-        return cls(every, True, total_steps)
+        return cls(interval_steps(cfg.save_steps, total_steps), True, total_steps)
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or (self.at_end and step == self.total_steps)
@@ -88,7 +87,7 @@ class SaveSchedule:
 
 
 def _metrics_record(path: Path, step: int) -> dict | None:
-    """The record of `step` in a metrics.jsonl, if any."""
+    """The optimizer step's record of `step` in a metrics.jsonl (not an evaluation's), if any."""
     found = None
     with open(path) as f:
         for line in f:
@@ -96,15 +95,17 @@ def _metrics_record(path: Path, step: int) -> dict | None:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and rec.get("step") == step:
+            if isinstance(rec, dict) and rec.get("step") == step and not is_eval(rec):
                 found = rec
     return found
 
 
 def _records_run_of(path: Path, ts: TrainerState) -> bool:
     """Whether metrics.jsonl was written by the run that saved `ts`: its record of the
-    checkpoint's step is the one in the checkpoint's log_history (step_time_s is unique)."""
-    want = next((r for r in reversed(ts.log_history) if r.get("step") == ts.global_step), None)
+    checkpoint's step is the one in the checkpoint's log_history (step_time_s is unique; an
+    evaluation's record of the same step has none of these keys, so it is not compared)."""
+    history = (r for r in reversed(ts.log_history) if not is_eval(r))
+    want = next((r for r in history if r.get("step") == ts.global_step), None)
     got = _metrics_record(path, ts.global_step)
     keys = ("step", "loss", "grad_norm", "tokens", "step_time_s")
     return want is not None and got is not None and all(want.get(k) == got.get(k) for k in keys)

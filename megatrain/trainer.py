@@ -2,7 +2,8 @@
 
 The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
 output_dir, when to save, disk space), guard.py (signals, non-finite steps), plan.py (the memory
-preflight), metrics.py (metrics.jsonl, progress bar, TensorBoard).
+preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, TensorBoard),
+evaluation.py (eval loss, the best checkpoint).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
 from .errors import ConfigError
+from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .memory import MemoryRecord
 from .metrics import MetricsLogger, show_progress
@@ -98,6 +100,10 @@ def train(cfg: TrainConfig) -> Path:
             f"max_steps: {resume.path} is at step {resume.trainer_state.global_step}, past the {total_steps} "
             "steps this run trains for (raise max_steps or num_train_epochs)"
         )
+    # Tokenizes eval_dataset now: bad eval data stops the run before anything is written.
+    evaluator = Evaluator(
+        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id
+    )
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     schedule = dict(
         type=cfg.lr_scheduler_type,
@@ -148,13 +154,22 @@ def train(cfg: TrainConfig) -> Path:
         log.message(f"megatrain: resumed from {resume.path} at step {start}")
         if not resume.verified:
             log.message(f"megatrain: warning: {resume.path} has no checksums (saved by an older megatrain)")
+        evaluator.restore(ts, log.message)
         changed = resume.changed_settings(cfg.to_dict(), RESUME_SENSITIVE)
         if changed:
             log.message("megatrain: warning: settings changed since the checkpoint: " + "; ".join(changed))
 
+    def evaluate(step: int) -> None:
+        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
+        record = evaluator.evaluate(engine, step, batcher.epoch, log.progress)
+        log.log_eval(record)
+        history.append(record)
+
     def save(step: int, weights_only: bool) -> Path:
-        """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit."""
+        """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit
+        (never the best)."""
         model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
+        evaluator.checkpointed(step)  # is this checkpoint the best so far?
         trainer_state = TrainerState(
             global_step=step,
             epoch=batcher.epoch,
@@ -166,6 +181,7 @@ def train(cfg: TrainConfig) -> Path:
             log_history=list(history),
             run_id=outputs.run_id,
             weights_only=weights_only,
+            **evaluator.state(),
         )
         path = save_checkpoint(
             out,
@@ -178,13 +194,15 @@ def train(cfg: TrainConfig) -> Path:
             max_shard_bytes=parse_size(cfg.max_shard_size),
             progress=log.interactive,
         )
-        prune_checkpoints(out, cfg.save_total_limit, outputs.run_id)
+        prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
         log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
         return path
 
     try:
         with SignalGuard(log.message) as stop:
             last = resume.path if resume else None  # the newest checkpoint of this run
+            if start == 0 and evaluator.due(0):
+                evaluate(0)  # eval_on_start: a baseline before the first step
             t_last = time.perf_counter()
             for step in range(start, total_steps):
                 micro_batches = batcher.next_step()
@@ -223,8 +241,11 @@ def train(cfg: TrainConfig) -> Path:
                     record["skipped"] = True
                 log.log(record)
                 history.append(record)
-                memory.measure(step + 1)
                 nonfinite.check_diverged(step + 1)
+                if evaluator.due(step + 1):
+                    evaluate(step + 1)
+                    t_last = time.perf_counter()  # evaluation is not step time
+                memory.measure(step + 1)  # the peaks so far, evaluation's included
 
                 stopping = stop.requested  # read once: a signal during the save is acted on below
                 if stopping or saves.due(step + 1):
@@ -241,6 +262,8 @@ def train(cfg: TrainConfig) -> Path:
             if stop.requested:
                 raise stop.interrupted(last)
         model.transport.synchronize()
+        if note := evaluator.load_best(model.state, model_cfg, log.interactive):  # load_best_model_at_end
+            log.message(note)
         final = save_hf_checkpoint(
             model.state,
             model_cfg,

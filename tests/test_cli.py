@@ -223,6 +223,18 @@ BAD = [
         ["dataset={tmp}/text.jsonl", "tokenizer_name_or_path={tmp}/tok"],
         "{tmp}/text.jsonl:1: the tokenizer gives token id",
     ),
+    # Evaluation data is read and checked before anything is written, like the training data.
+    (["eval_dataset={tmp}/broken.jsonl"], "{tmp}/broken.jsonl:3: not valid JSON"),
+    (["eval_dataset={tmp}/nowhere.jsonl"], "eval_dataset {tmp}/nowhere.jsonl: no such file"),
+    (
+        ["eval_dataset={tmp}/vocab.jsonl"],
+        "{tmp}/vocab.jsonl:2: token id 97 in 'input_ids' is outside the vocabulary [0, 97)",
+    ),
+    (["eval_strategy=epoch"], "eval_strategy: needs an eval_dataset"),
+    (
+        ["eval_dataset={tmp}/data.jsonl", "save_steps=3", "eval_steps=2", "load_best_model_at_end=true"],
+        "load_best_model_at_end: save_steps 3 must be a round multiple of eval_steps 2",
+    ),
 ]
 
 
