@@ -9,24 +9,37 @@ Layout of `output_dir/checkpoint-{step}/` (format 1):
                                  `exp_avg_sq.<hf key>`; sharded the same way. Keyed by parameter,
                                  not by the host layout, so the layout may change between versions.
     config.json                  the model config (plus generation_config.json)
-    trainer_state.json           global_step, epoch, log_history tail (Hugging Face names), and
-                                 what resuming needs: optimizer_step (AdamW's bias-correction
-                                 count: skipped steps do not advance it), lr_scheduler (schedule
-                                 parameters and step), data_state (Batcher.state_dict()),
-                                 nonfinite_streak
+    trainer_state.json           global_step, epoch, log_history tail (Hugging Face names), the
+                                 run_id of the run (lineage) that wrote it, and what resuming
+                                 needs: optimizer_step (AdamW's bias-correction count: skipped
+                                 steps do not advance it), lr_scheduler (schedule parameters and
+                                 step), data_state (Batcher.state_dict()), nonfinite_streak; with
+                                 metric_for_best_model, best_metric, best_global_step and
+                                 best_model_checkpoint (HF names)
     rng_state.pt                 python `random`, torch CPU and CUDA generator states
     train_config.json            the run's configuration
     tokenizer files              when the run has a tokenizer (chat template included)
+    megatrain_manifest.json      size and CRC-32 of every file above (manifest.py), verified at
+                                 resume; checkpoints written before it existed resume unverified
+
+With save_only_model the optimizer and RNG files are left out (`weights_only` in
+trainer_state.json): such a checkpoint is a loadable model, but it cannot be resumed.
 
 A checkpoint is written into a dot-named temporary directory in output_dir, fsynced and renamed
-into place (weights.commit_dir), so a checkpoint-N directory is either complete or absent, and
+into place (writing.AtomicDir), so a checkpoint-N directory is either complete or absent, and
 killing the process at any moment leaves the previous checkpoints intact. Pruned checkpoints
 are renamed to a dot name before they are deleted, for the same reason.
+
+*Lineage.* Every run has a run_id (a fresh run makes one; a resumed run carries on its
+checkpoint's), recorded in each checkpoint's trainer_state.json. Pruning deletes only the
+running lineage's checkpoints, and `resume_from_checkpoint: true` picks the newest checkpoint
+of the lineage that saved most recently. Checkpoints from before run ids form one lineage.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import random
@@ -40,17 +53,12 @@ from typing import Any
 
 import torch
 
+from . import manifest
 from .errors import CheckpointError, ConfigError
 from .models.config import ModelConfig
 from .state import HostState, build_units
-from .weights import (
-    TensorReader,
-    _atomic_dir,
-    checkpoint_files,
-    commit_dir,
-    write_model_config,
-    write_sharded,
-)
+from .weights import TensorReader, checkpoint_files, read_generation_config, write_model_config
+from .writing import AtomicDir
 
 FORMAT = 1
 TRAINER_STATE = "trainer_state.json"
@@ -58,7 +66,8 @@ RNG_STATE = "rng_state.pt"
 TRAIN_CONFIG = "train_config.json"
 HISTORY = 1000  # log_history records kept in trainer_state.json (metrics.jsonl has them all)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-_TEMPORARY = re.compile(r"^\.(checkpoint-\d+|final)\.(tmp|old|del)-")
+# Also the temporaries of the run's small files written by rename (metrics.jsonl, plan.json).
+_TEMPORARY = re.compile(r"^\.(checkpoint-\d+|final|metrics\.jsonl|plan\.json)\.(tmp|old|del)-")
 
 
 @dataclass
@@ -76,6 +85,15 @@ class TrainerState:
     """Batcher.state_dict(): the position in the data."""
     nonfinite_streak: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    run_id: str | None = None
+    """The lineage: the run that started from scratch and every resume of it (None: before ids)."""
+    weights_only: bool = False
+    """Saved with save_only_model: no optimizer or RNG state, so it cannot be resumed."""
+    best_metric: float | None = None
+    """metric_for_best_model of the best evaluated checkpoint so far."""
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    """output_dir/checkpoint-N of the best checkpoint (pruning never deletes it)."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, **dataclasses.asdict(self)}
@@ -114,7 +132,25 @@ class TrainerState:
                 raise CheckpointError(
                     f"{path}: {key!r} is missing or not a {getattr(tp, '__name__', 'number')}"
                 )
-        return cls(**{k: raw[k] for k in types})
+        # Fields added after format 1 was first written: absent from older checkpoints.
+        optional = {
+            "run_id": str,
+            "weights_only": bool,
+            "best_metric": (int, float),
+            "best_global_step": int,
+            "best_model_checkpoint": str,
+        }
+        for key, tp in optional.items():
+            v = raw.get(key)
+            if v is not None and (not isinstance(v, tp) or (tp is not bool and isinstance(v, bool))):
+                raise CheckpointError(f"{path}: {key!r} is not a {getattr(tp, '__name__', 'number')}")
+        present = {k: raw[k] for k in optional if raw.get(k) is not None}
+        return cls(**{k: raw[k] for k in types}, **present)
+
+
+def checkpoint_bytes(num_params: int, weights_only: bool = False) -> int:
+    """Tensor bytes of a checkpoint: fp32 weights, and both fp32 AdamW moments unless weights only."""
+    return num_params * 4 * (1 if weights_only else 3)
 
 
 # ---------------------------------------------------------------------------- finding
@@ -128,17 +164,47 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint after `step` optimizer steps goes."""
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+def run_id_of(path: Path) -> str | None:
+    """The lineage of a checkpoint (None for one from before run ids). Raises CheckpointError
+    when its trainer_state.json is missing or unreadable (not a megatrain checkpoint)."""
+    return TrainerState.read(path / TRAINER_STATE).run_id
+
+
+def lineages(output_dir: str | Path) -> dict[str | None, list[tuple[int, Path]]]:
+    """The megatrain checkpoints in output_dir by lineage, oldest first within each; the
+    lineage that saved most recently comes last. Directories that are not megatrain
+    checkpoints (no readable trainer_state.json) belong to none and are never touched."""
+    found: dict[str | None, list[tuple[int, Path]]] = {}
+    latest: dict[str | None, int] = {}
+    for step, path in list_checkpoints(output_dir):
+        try:
+            run_id = run_id_of(path)
+        except CheckpointError:
+            continue
+        found.setdefault(run_id, []).append((step, path))
+        mtime = (path / TRAINER_STATE).stat().st_mtime_ns
+        latest[run_id] = max(latest.get(run_id, 0), mtime)
+    # Ties (coarse file times) go to the later-started run: run ids begin with their start time.
+    return {k: found[k] for k in sorted(found, key=lambda k: (latest[k], k or ""))}
+
+
 def resume_path(cfg) -> Path | None:
-    """The checkpoint `cfg.resume_from_checkpoint` names: None when not resuming, the newest
-    checkpoint in output_dir for `true`, else the given directory."""
+    """The checkpoint `cfg.resume_from_checkpoint` names: None when not resuming, for `true`
+    the newest checkpoint (by step) of the lineage that saved last in output_dir, else the
+    given directory."""
     value = cfg.resume_from_checkpoint
     if value is None or value is False or (isinstance(value, str) and value.lower() in ("false", "no")):
         return None
     if value is True or (isinstance(value, str) and value.lower() in ("true", "yes", "latest")):
-        found = list_checkpoints(cfg.output_dir)
+        found = lineages(cfg.output_dir)
         if not found:
             raise ConfigError(f"resume_from_checkpoint: no checkpoint-* directory in {cfg.output_dir}")
-        return found[-1][1]
+        return list(found.values())[-1][-1][1]
     path = Path(value)
     if not path.is_dir():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a directory")
@@ -146,11 +212,14 @@ def resume_path(cfg) -> Path | None:
 
 
 def remove_temporaries(output_dir: Path) -> None:
-    """Delete what an interrupted save or prune left behind (dot-named; never a checkpoint).
-    Assumes one training run per output_dir."""
+    """Delete what an interrupted save, prune, metrics trim or plan.json write left behind
+    (dot-named; never a checkpoint). Assumes one training run at a time per output_dir."""
     for p in output_dir.iterdir():
-        if _TEMPORARY.match(p.name) and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
+        if _TEMPORARY.match(p.name):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- saving
@@ -173,6 +242,18 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """A checkpoint directory megatrain wrote (with a manifest, or from before manifests)."""
+    kind = manifest.kind_of(path)
+    if kind is not None:
+        return kind == manifest.CHECKPOINT
+    try:
+        run_id_of(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def save_checkpoint(
     output_dir: Path,
     trainer_state: TrainerState,
@@ -182,50 +263,53 @@ def save_checkpoint(
     tokenizer=None,
     generation_from: str | Path | None = None,
     max_shard_bytes: int = 5 * 10**9,
+    progress: bool = False,
 ) -> Path:
     """Write `output_dir/checkpoint-{global_step}` atomically (see the module docstring) and
-    return it. The host state must be current: call `transport.synchronize()` first."""
-    final = Path(output_dir) / f"checkpoint-{trainer_state.global_step}"
-    tmp = _atomic_dir(final)
-    try:
-        params = dict(state.named_parameters())
-        write_sharded(
-            tmp,
-            "model",
-            [(k, tuple(v.shape)) for k, v in params.items()],
-            torch.float32,
-            params.__getitem__,
-            max_shard_bytes,
-        )
-        moments = _moments(state)
-        write_sharded(
-            tmp,
-            "optimizer",
-            [(k, tuple(v.shape)) for k, v in moments.items()],
-            torch.float32,
-            moments.__getitem__,
-            max_shard_bytes,
-        )
+    return it; `trainer_state.weights_only` leaves the optimizer and RNG state out. An existing
+    directory of that name is replaced only if it is a megatrain checkpoint. The host state
+    must be current: call `transport.synchronize()` first."""
+    final = checkpoint_dir(output_dir, trainer_state.global_step)
+    params = dict(state.named_parameters())
+    moments = {} if trainer_state.weights_only else _moments(state)
+    nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
+    why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
+    with AtomicDir(final, manifest.CHECKPOINT, _is_checkpoint, why_not, nbytes, progress) as d:
+        for prefix, tensors in (("model", params), ("optimizer", moments)):
+            if tensors:
+                entries = [(k, tuple(v.shape)) for k, v in tensors.items()]
+                d.write_tensors(prefix, entries, torch.float32, tensors.__getitem__, max_shard_bytes)
         write_model_config(
-            tmp, model_cfg, torch.float32, Path(generation_from) if generation_from else None, tokenizer
+            d.path, model_cfg, torch.float32, read_generation_config(generation_from), tokenizer
         )
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        torch.save(rng_state(), tmp / RNG_STATE)
-        (tmp / TRAIN_CONFIG).write_text(json.dumps(train_config, indent=2) + "\n")
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state.to_json(), indent=2) + "\n")
-        commit_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+            tokenizer.save_pretrained(d.path)
+        if not trainer_state.weights_only:
+            # Through Python's file API, so a full disk is an OSError like any other write.
+            buffer = io.BytesIO()
+            torch.save(rng_state(), buffer)
+            (d.path / RNG_STATE).write_bytes(buffer.getvalue())
+        (d.path / TRAIN_CONFIG).write_text(json.dumps(train_config, indent=2) + "\n")
+        (d.path / TRAINER_STATE).write_text(json.dumps(trainer_state.to_json(), indent=2) + "\n")
+        return d.commit()
 
 
-def prune_checkpoints(output_dir: Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints (by step); returns those deleted."""
+def prune_checkpoints(
+    output_dir: Path, keep: int | None, run_id: str | None, protect: str | Path | None = None
+) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (by step) of lineage `run_id`; other runs'
+    checkpoints are never touched. Returns those deleted.
+
+    `protect` (the best checkpoint) is never deleted and, as in transformers, counts toward
+    `keep` when it is older than the newest `keep`, except that the newest always stays."""
     if keep is None:
         return []
-    doomed = [p for _, p in list_checkpoints(output_dir)[:-keep]]
+    found = [p for _, p in lineages(output_dir).get(run_id, [])]
+    older = [p for p in found[:-keep] if protect is not None and p.resolve() == Path(protect).resolve()]
+    if older:  # spared, in place of the oldest of the newest `keep`
+        found.remove(older[0])
+        keep = max(keep - 1, 1)
+    doomed = found[:-keep]
     for p in doomed:
         # Rename first: a kill during rmtree must not leave a partial checkpoint-N behind.
         trash = p.with_name(f".{p.name}.del-{os.getpid()}-{time.monotonic_ns()}")
@@ -244,6 +328,8 @@ class Checkpoint:
     optimizer: TensorReader
     rng: dict[str, Any]
     train_config: dict[str, Any]
+    verified: bool
+    """Its files matched the manifest's checksums (False: it has no manifest, from before them)."""
 
     def changed_settings(self, current: dict[str, Any], keys: Iterable[str]) -> list[str]:
         """`key: old -> new` for settings of `keys` that differ from the checkpoint's run."""
@@ -279,15 +365,20 @@ class Checkpoint:
         return ts
 
 
-def open_checkpoint(path: str | Path, model_cfg: ModelConfig) -> Checkpoint:
+def open_checkpoint(path: str | Path, model_cfg: ModelConfig, progress: bool = False) -> Checkpoint:
     """Check a checkpoint completely before anything is allocated: trainer state, model config
     (must equal `model_cfg`), every weight and moment tensor (present, shape, fp32; the
-    safetensors headers are validated against the file sizes), RNG state. Raises a
-    CheckpointError naming the file at fault."""
+    safetensors headers are validated against the file sizes), RNG state, and last every file's
+    checksum against the manifest. Raises a CheckpointError naming the file at fault."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     ts = TrainerState.read(path / TRAINER_STATE)
+    if ts.weights_only:
+        raise CheckpointError(
+            f"{path}: saved with save_only_model=true (weights only, no optimizer state), so it cannot "
+            f"be resumed; start a new run from its weights with model_name_or_path={path}"
+        )
     try:
         saved_cfg = ModelConfig.from_json(path / "config.json")
     except ConfigError as e:
@@ -321,4 +412,5 @@ def open_checkpoint(path: str | Path, model_cfg: ModelConfig) -> Checkpoint:
         train_config = json.loads((path / TRAIN_CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path / TRAIN_CONFIG}: unreadable ({e})") from None
-    return Checkpoint(path, ts, optimizer, rng, train_config)
+    verified = manifest.verify(path, progress=progress)
+    return Checkpoint(path, ts, optimizer, rng, train_config, verified)

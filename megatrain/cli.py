@@ -9,6 +9,7 @@ guard.py).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -91,10 +92,16 @@ def _export(args) -> int:
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     progress = show_progress(None)  # on a terminal only
-    out = export_model(
-        args.checkpoint, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size, progress=progress
+    out, verified = export_model(
+        args.checkpoint,
+        args.out,
+        dtype=dtype,
+        max_shard_bytes=args.max_shard_size,
+        progress=progress,
+        overwrite=args.overwrite,
     )
-    print(f"megatrain: exported {out} ({args.dtype})")
+    checked = "its source's checksums verified" if verified else "the source has no checksums to verify"
+    print(f"megatrain: exported {out} ({args.dtype}; {checked})")
     return 0
 
 
@@ -157,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "checkpoint", help="output_dir/checkpoint-N (or any directory with config.json + safetensors)"
     )
-    p.add_argument("out", help="directory to write (replaced atomically)")
+    p.add_argument("out", help="a new (or empty) directory to write, atomically")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it is a previous export (nothing else)"
+    )
     p.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weight dtype (bfloat16)"
     )
@@ -197,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("megatrain: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # Saves and exports say more (writing.AtomicDir); this catches the small files.
+        where = f"cannot write {e.filename}" if e.filename else "cannot write"
+        print(f"megatrain: error: {where}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ from .optim import SCHEDULES
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
 # YAML 1.1 reads on/off/yes/no/true/false as booleans, so `gpu_state: off` arrives as False. For
 # string-choice keys where a boolean has one obvious meaning, it is read as that choice.
-BOOLEAN_CHOICES = {"gpu_state": {False: "off", True: "auto"}, "report_to": {False: "none"}}
+BOOLEAN_CHOICES = {
+    "gpu_state": {False: "off", True: "auto"},
+    "report_to": {False: "none"},
+    "save_strategy": {False: "no"},
+    "eval_strategy": {False: "no"},
+}
 SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
+SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
+EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 
 @dataclass
@@ -56,6 +63,10 @@ class TrainConfig:
     # --- schedule
     output_dir: str = "output"
     """Where metrics.jsonl, checkpoint-N/ and final/ go."""
+    overwrite_output_dir: bool = False
+    """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
+    Nothing is deleted: its checkpoints stay (this run never prunes them), metrics.jsonl and
+    train_config.json are renamed aside, its final/ is replaced at the end."""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
     num_train_epochs: float = 1.0
@@ -89,8 +100,15 @@ class TrainConfig:
     """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
     report_to: str = "none"
     """none or tensorboard (YAML's false/no/off read as none)."""
-    save_steps: int = 0
-    """Save a resumable checkpoint every N steps (0: only at the end of training)."""
+    save_strategy: str = "steps"
+    """When to save checkpoints: steps (every save_steps), epoch (at the end of each epoch) or
+    no (none; a stopped run still saves; YAML's no/false: no). With steps or epoch the last step
+    is saved too."""
+    save_steps: int | float = 0
+    """With save_strategy steps: every N steps, or a fraction < 1 of all steps (0: only the last)."""
+    save_only_model: bool = False
+    """Checkpoints hold the fp32 weights only (4 instead of 12 bytes per parameter); they cannot
+    be resumed. A checkpoint saved on SIGTERM/SIGINT is always complete."""
     save_total_limit: int | None = None
     """Keep only the newest N checkpoint-* directories (None: keep all)."""
     save_dtype: str = "bfloat16"
@@ -104,7 +122,27 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 3
     """Steps with a non-finite loss or gradient norm are skipped; stop after this many in a row."""
     preflight_check: bool = True
-    """Refuse a run that the memory estimate (`megatrain plan`) says cannot fit (false: warn)."""
+    """Refuse a run that the memory estimate (`megatrain plan`) or the free disk space says cannot
+    fit (false: warn)."""
+    # --- evaluation
+    eval_dataset: str | list[str] | None = None
+    """Held-out data in any form `dataset` takes (same format, chat handling and packing)."""
+    eval_strategy: str | None = None
+    """no, steps or epoch; default: steps when eval_dataset is set, else no (YAML's no/false: no)."""
+    eval_steps: int | float | None = None
+    """Steps between evaluations, or a fraction (< 1) of the run; default: save_steps when set,
+    else 0.1. The last step is always evaluated."""
+    eval_on_start: bool = False
+    """Also evaluate before the first step (a baseline; not repeated on resume)."""
+    per_device_eval_batch_size: int | None = None
+    """Sequences per evaluation micro-batch; default: per_device_train_batch_size."""
+    load_best_model_at_end: bool = False
+    """Export final/ from the checkpoint with the best metric_for_best_model."""
+    metric_for_best_model: str | None = None
+    """eval_loss (or loss): track best_metric and best_model_checkpoint, which save_total_limit
+    never deletes; default eval_loss with load_best_model_at_end."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric is better; default: false for a loss (transformers' rule)."""
     # --- hardware
     device: str = "auto"
     """auto, cpu, cuda, cuda:N."""
@@ -131,6 +169,7 @@ class TrainConfig:
 
     def __post_init__(self):
         self.validate()
+        self._validate_eval()
 
     def validate(self) -> None:
         def bad(key, why):
@@ -177,8 +216,13 @@ class TrainConfig:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
         if self.report_to not in ("none", "tensorboard"):
             bad("report_to", "must be none or tensorboard")
-        if self.save_steps < 0:
-            bad("save_steps", "must be >= 0")
+        if self.save_strategy not in SAVE_STRATEGIES:
+            bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
+        steps = self.save_steps
+        if not (0 <= steps < 1 or (steps >= 1 and float(steps).is_integer())):
+            bad("save_steps", "must be a whole number of steps >= 0, or a fraction of all steps below 1")
+        if isinstance(self.save_steps, float) and self.save_steps >= 1:
+            self.save_steps = int(self.save_steps)
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad("save_total_limit", "must be >= 1")
         if self.save_dtype not in ("bfloat16", "float32"):
@@ -209,6 +253,70 @@ class TrainConfig:
         if self.dataset is None:
             raise ConfigError("dataset: required (a JSONL/JSON/Parquet file or a dataset_info.json name)")
 
+    def _validate_eval(self) -> None:
+        """The evaluation keys, with their derived defaults; transformers' rules for
+        load_best_model_at_end (checkpoints must be evaluated ones)."""
+
+        def bad(key, why):
+            raise ConfigError(f"{key}: {why} (got {getattr(self, key)!r})")
+
+        if self.eval_strategy is None:
+            self.eval_strategy = "steps" if self.eval_dataset else "no"
+        if self.eval_strategy not in EVAL_STRATEGIES:
+            bad("eval_strategy", f"must be one of {', '.join(EVAL_STRATEGIES)}")
+        evaluating = self.eval_strategy != "no"
+        if evaluating and not self.eval_dataset:
+            bad("eval_strategy", "needs an eval_dataset to evaluate on")
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            self.eval_steps = self.save_steps if self.save_steps > 0 else 0.1
+        if self.eval_steps is not None:
+            if not (
+                0 < self.eval_steps < 1 or (self.eval_steps >= 1 and float(self.eval_steps).is_integer())
+            ):
+                bad("eval_steps", "must be a whole number of steps >= 1, or a fraction of the run in (0, 1)")
+            if self.eval_steps >= 1:
+                self.eval_steps = int(self.eval_steps)
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
+        if self.per_device_eval_batch_size < 1:
+            bad("per_device_eval_batch_size", "must be >= 1")
+        if self.load_best_model_at_end and (why := self._best_model_schedule_problem()):
+            raise ConfigError(f"load_best_model_at_end: {why}")
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "eval_loss"
+        if self.metric_for_best_model is not None:
+            if self.metric_for_best_model not in ("eval_loss", "loss"):
+                bad("metric_for_best_model", "must be eval_loss (the metric evaluation computes)")
+            if not evaluating:
+                bad("metric_for_best_model", "needs evaluation (set eval_dataset)")
+            if self.greater_is_better is None:
+                self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    def _best_model_schedule_problem(self) -> str | None:
+        """Why load_best_model_at_end cannot work with these schedules, if it cannot. As in
+        transformers, every checkpoint must be an evaluated one: save_strategy is eval_strategy,
+        and with steps the saves are a subset of the evaluations. (Per epoch both happen at the
+        end of every epoch and after the last step.)"""
+        if self.eval_strategy == "no":
+            return "needs evaluation (set eval_dataset)"
+        if self.save_strategy != self.eval_strategy:
+            return (
+                f"needs save_strategy and eval_strategy to be the same (got {self.save_strategy} and "
+                f"{self.eval_strategy}): every checkpoint must be an evaluated one"
+            )
+        if self.eval_strategy == "epoch":
+            return None
+        if self.save_steps == 0:
+            return f"needs save_steps, a round multiple of eval_steps ({self.eval_steps})"
+        if self.eval_steps < 1 or self.save_steps < 1:
+            return (
+                f"needs save_steps and eval_steps in steps, not fractions ({self.save_steps}, "
+                f"{self.eval_steps}), to line up"
+            )
+        if self.save_steps % self.eval_steps:
+            return f"save_steps {self.save_steps} must be a round multiple of eval_steps {self.eval_steps}"
+        return None
+
     # ----------------------------------------------------------------- loading
     @classmethod
     def load(cls, path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
@@ -228,10 +336,11 @@ class TrainConfig:
             for k in ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info"):
                 if isinstance(raw.get(k), str):
                     raw[k] = _relative(raw[k], base)
-            if isinstance(raw.get("dataset"), str):
-                raw["dataset"] = _relative(raw["dataset"], base)
-            elif isinstance(raw.get("dataset"), list):
-                raw["dataset"] = [_relative(d, base) if isinstance(d, str) else d for d in raw["dataset"]]
+            for k in ("dataset", "eval_dataset"):
+                if isinstance(raw.get(k), str):
+                    raw[k] = _relative(raw[k], base)
+                elif isinstance(raw.get(k), list):
+                    raw[k] = [_relative(d, base) if isinstance(d, str) else d for d in raw[k]]
         for ov in overrides:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r}: expected key=value")
@@ -264,6 +373,13 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d.pop("extra", None)
         return d
+
+
+def interval_steps(value: int | float, total_steps: int) -> int:
+    """The steps a save_steps or eval_steps value means in a run of `total_steps`: a whole
+    number as it is; a fraction (< 1) of the run rounded up, as in transformers, once
+    floating-point noise is dropped (0.07 x 100 is 7 steps, not 8)."""
+    return int(value) if value >= 1 else math.ceil(round(value * total_steps, 9))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)

@@ -383,6 +383,40 @@ class Engine:
         return out
 
     @torch.no_grad()
+    def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
+        """Sum of token losses over `micro_batches` (an fp32 device scalar) and their number of
+        label tokens, forward only: no gradients, nothing for the optimizer, no random numbers.
+        Called between optimizer steps (after `step` or `skip_step`), when no gradient is held.
+
+        All micro-batches pass each layer in one visit. The head runs as `_head_loss_backward`
+        does (norm, LM head and cross-entropy a chunk of tokens at a time, summed in the same
+        order), so the sum is the training loss's numerator bit for bit. On CUDA the previous
+        step's optimizer may still run on the worker thread: each fetch waits for its unit's
+        update (resident units are stepped on the compute stream, ahead of this sweep).
+        """
+        if self._pending is not None:
+            # Its boundary activations are still on the device, and the plan has no room for two.
+            raise RuntimeError("eval_loss inside an optimizer step: call it after step() or skip_step()")
+        n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
+        self.transport.begin(self._forward_order())
+        prep = [self._prepare(mb) for mb in micro_batches]
+        h, _ = self._forward_sweep(prep, keep=False)
+        params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)
+        W, norm_w = self._lm_weight(params), params["norm.weight"]
+        loss = torch.zeros((), device=self.device)
+        C = self.loss_chunk_tokens
+        for x, p in zip(h, prep):
+            flat = x.reshape(-1, x.shape[-1])
+            for a in range(0, flat.shape[0], C):
+                hn = functional_call(self.head.norm, {"weight": norm_w}, (flat[a : a + C],))
+                logits = F.linear(hn, W).float()
+                loss += F.cross_entropy(
+                    logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+                del hn, logits
+        return loss, n_tokens
+
+    @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Full fp32 logits of one micro-batch (for evaluation and parity tests)."""
         self.transport.begin(self._forward_order())

@@ -15,3 +15,8 @@ class DataError(MegatrainError):
 
 class CheckpointError(MegatrainError):
     """A checkpoint or weight file that is missing or inconsistent."""
+
+
+class OutputError(MegatrainError):
+    """An output megatrain cannot or will not write: the disk is full, or the path holds files
+    that megatrain did not write (they are never replaced)."""

@@ -1,11 +1,18 @@
 """Where training progress goes: `metrics.jsonl` always, a tqdm bar on a terminal (plain log
-lines otherwise), TensorBoard when asked."""
+lines otherwise), TensorBoard when asked; and byte progress bars for long saves and reads.
+
+metrics.jsonl holds two kinds of records, both with a `step`: one per optimizer step (`loss`,
+`grad_norm`, `lr`, ...) and one per evaluation (`eval_loss`, `eval_perplexity`, ...; Hugging
+Face's names), written after the step it evaluates; `is_eval` tells them apart."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,9 +25,15 @@ def show_progress(disable_tqdm: bool | None) -> bool:
     return sys.stderr.isatty() if disable_tqdm is None else not disable_tqdm
 
 
+def is_eval(record: dict) -> bool:
+    """Whether a metrics.jsonl record is an evaluation's (else it is an optimizer step's)."""
+    return "eval_loss" in record
+
+
 class MetricsLogger:
     """Appends one JSON record per optimizer step to `output_dir/metrics.jsonl` (records of
-    skipped steps carry `"skipped": true` and null loss/grad_norm), and reports progress."""
+    skipped steps carry `"skipped": true` and null loss/grad_norm) and one per evaluation, and
+    reports progress."""
 
     def __init__(
         self,
@@ -52,13 +65,13 @@ class MetricsLogger:
                 log_dir=str(Path(output_dir) / "runs"), purge_step=start_step + 1 if start_step else None
             )
         self._t0 = time.time()
+        self._eval_loss: str | None = None  # the latest, shown in the bar's postfix
 
     def _keep_until(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint (they will be redone)."""
-        if not self.path.exists():
-            return
-        if step == 0:
-            self.path.unlink()
+        """On resume, drop records of steps after the checkpoint (they will be redone). The
+        trimmed file replaces the old one by rename, so a kill at any moment leaves one of the
+        two complete. (Whether the file belongs to this run is outputs.py's decision, made before.)"""
+        if not self.path.exists() or step == 0:
             return
         kept = []
         for line in self.path.read_text().splitlines():
@@ -67,16 +80,23 @@ class MetricsLogger:
                     kept.append(line)
             except json.JSONDecodeError:
                 continue
-        self.path.write_text("".join(x + "\n" for x in kept))
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write("".join(x + "\n" for x in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        with self._naming_errors():
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
         step = record["step"]
         loss = "skipped" if record.get("skipped") else f"{record['loss']:.4f}"
         self.bar.update(1)
         if self.interactive:
-            self.bar.set_postfix(loss=loss, tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            extra = {"eval_loss": self._eval_loss} if self._eval_loss else {}
+            self.bar.set_postfix(loss=loss, tok_s=f"{record['tokens_per_s']:.0f}", **extra, refresh=False)
         elif step % self.logging_steps == 0 or step == self.total:
             eta = (time.time() - self._t0) / max(1, step - self.start) * (self.total - step)
             gn = record.get("grad_norm")
@@ -90,15 +110,79 @@ class MetricsLogger:
                 if isinstance(record.get(k), (int, float)):
                     self.tb.add_scalar(f"train/{k}", record[k], step)
 
+    def log_eval(self, record: dict) -> None:
+        """An evaluation record: to metrics.jsonl, as a line for the user, to TensorBoard."""
+        with self._naming_errors():
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        loss, ppl = record["eval_loss"], record["eval_perplexity"]
+        self._eval_loss = "nan" if loss is None else f"{loss:.4f}"
+        self.message(
+            f"eval step {record['step']}/{self.total} eval_loss {self._eval_loss} "
+            f"perplexity {'-' if ppl is None else f'{ppl:.3f}'} ({record['eval_runtime']:.1f}s, "
+            f"{record['eval_tokens_per_s']:.0f} tokens/s)"
+        )
+        if self.tb is not None:
+            for k in ("loss", "perplexity", "runtime", "tokens_per_s"):
+                if isinstance(record.get(f"eval_{k}"), (int, float)):
+                    self.tb.add_scalar(f"eval/{k}", record[f"eval_{k}"], record["step"])
+
+    def progress(self, total: int, desc: str = "eval"):
+        """A transient bar (under the training bar) for long work such as an evaluation."""
+        return tqdm(
+            total=total,
+            desc=desc,
+            unit="batch",
+            leave=False,
+            dynamic_ncols=True,
+            disable=not self.interactive,
+        )
+
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""
         (self.bar.write if self.interactive else print)(text)
 
     def close(self) -> None:
         self.bar.close()
-        self._f.close()
         if self.tb is not None:
             self.tb.close()
+        with self._naming_errors():
+            self._f.close()
+
+    @contextlib.contextmanager
+    def _naming_errors(self):
+        """A failed write() (a full disk) names no file; name it, for cli.py's one line."""
+        try:
+            yield
+        except OSError as e:
+            e.filename = e.filename or str(self.path)
+            raise
+
+
+class ByteProgress:
+    """A progress bar in bytes (on a terminal, when `enabled`) that threads may advance."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            leave=False,
+            disable=not enabled,
+        )
+        self._lock = threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self._bar.update(n)
+
+    def __enter__(self) -> ByteProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
 
 
 def _duration(seconds: float) -> str:

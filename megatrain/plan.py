@@ -179,13 +179,15 @@ def preflight(model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=prin
 
 
 def data_bytes(cfg) -> int:
-    """Estimated host memory of the tokenized dataset, from its file sizes."""
+    """Estimated host memory of the tokenized datasets (training and, when evaluating, eval),
+    from their file sizes."""
     from .data.sources import resolve_dataset
 
-    if cfg.dataset is None:
-        return 0
+    keys = ["dataset"] if cfg.dataset is not None else []
+    if cfg.eval_strategy != "no":
+        keys.append("eval_dataset")
     total = 0
-    for f in resolve_dataset(cfg):
+    for f in (f for key in keys for f in resolve_dataset(cfg, key)):
         factor = DATA_BYTES_PER_FILE_BYTE.get(f.path.suffix, DATA_BYTES_DEFAULT)
         total += f.path.stat().st_size * factor
     return total

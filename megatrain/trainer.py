@@ -1,13 +1,13 @@
 """The training loop: batch, forward and backward sweeps, clip, optimizer, log, checkpoint.
 
-The machinery lives elsewhere: checkpoint.py (save, prune, resume), guard.py (signals,
-non-finite steps), plan.py (the memory preflight), metrics.py (metrics.jsonl, progress bar,
-TensorBoard).
+The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
+output_dir, when to save, disk space), guard.py (signals, non-finite steps), plan.py (the memory
+preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, TensorBoard),
+evaluation.py (eval loss, the best checkpoint).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -21,7 +21,6 @@ from .checkpoint import (
     TrainerState,
     open_checkpoint,
     prune_checkpoints,
-    remove_temporaries,
     resume_path,
     save_checkpoint,
 )
@@ -29,11 +28,13 @@ from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
 from .errors import ConfigError
+from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .memory import MemoryRecord
 from .metrics import MetricsLogger, show_progress
 from .models.config import ModelConfig
 from .optim import AdamWConfig, lr_at
+from .outputs import OutputDir, SaveSchedule
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
 from .weights import save_hf_checkpoint
@@ -71,7 +72,8 @@ def train(cfg: TrainConfig) -> Path:
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
     check_outputs(cfg)
     ckpt_path = resume_path(cfg)
-    resume = open_checkpoint(ckpt_path, model_cfg) if ckpt_path else None
+    resume = open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm)) if ckpt_path else None
+    outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     tok_path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
     # A model directory without tokenizer files is fine for pre-tokenised data.
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
@@ -98,6 +100,10 @@ def train(cfg: TrainConfig) -> Path:
             f"max_steps: {resume.path} is at step {resume.trainer_state.global_step}, past the {total_steps} "
             "steps this run trains for (raise max_steps or num_train_epochs)"
         )
+    # Tokenizes eval_dataset now: bad eval data stops the run before anything is written.
+    evaluator = Evaluator(
+        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id
+    )
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
     schedule = dict(
         type=cfg.lr_scheduler_type,
@@ -110,6 +116,8 @@ def train(cfg: TrainConfig) -> Path:
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
     memory = MemoryRecord(plan, machine)
+    saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
+    outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
 
     model = build_model(
         model_cfg,
@@ -126,10 +134,8 @@ def train(cfg: TrainConfig) -> Path:
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
     )
     engine = model.engine
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_temporaries(out)
-    (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    out = outputs.path
+    notes = outputs.take_over()  # creates output_dir; a previous run's metrics are kept aside
     memory.write(out)
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
@@ -140,17 +146,30 @@ def train(cfg: TrainConfig) -> Path:
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
         f"({str(engine.dtype).removeprefix('torch.')}), {len(samples)} samples, {total_steps} steps"
     )
+    for note in notes:
+        log.message(note)
     for note in plan.notes:
         log.message(f"megatrain: plan: {note}")
     if resume:
         log.message(f"megatrain: resumed from {resume.path} at step {start}")
+        if not resume.verified:
+            log.message(f"megatrain: warning: {resume.path} has no checksums (saved by an older megatrain)")
+        evaluator.restore(ts, log.message)
         changed = resume.changed_settings(cfg.to_dict(), RESUME_SENSITIVE)
         if changed:
             log.message("megatrain: warning: settings changed since the checkpoint: " + "; ".join(changed))
 
-    def save(step: int) -> Path:
-        """Checkpoint after `step` optimizer steps, then prune to save_total_limit."""
+    def evaluate(step: int) -> None:
+        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
+        record = evaluator.evaluate(engine, step, batcher.epoch, log.progress)
+        log.log_eval(record)
+        history.append(record)
+
+    def save(step: int, weights_only: bool) -> Path:
+        """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit
+        (never the best)."""
         model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
+        evaluator.checkpointed(step)  # is this checkpoint the best so far?
         trainer_state = TrainerState(
             global_step=step,
             epoch=batcher.epoch,
@@ -160,6 +179,9 @@ def train(cfg: TrainConfig) -> Path:
             data_state=batcher.state_dict(),
             nonfinite_streak=nonfinite.streak,
             log_history=list(history),
+            run_id=outputs.run_id,
+            weights_only=weights_only,
+            **evaluator.state(),
         )
         path = save_checkpoint(
             out,
@@ -170,14 +192,17 @@ def train(cfg: TrainConfig) -> Path:
             tokenizer=tokenizer,
             generation_from=cfg.model_name_or_path,
             max_shard_bytes=parse_size(cfg.max_shard_size),
+            progress=log.interactive,
         )
-        prune_checkpoints(out, cfg.save_total_limit)
-        log.message(f"megatrain: saved {path}")
+        prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
+        log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
         return path
 
     try:
         with SignalGuard(log.message) as stop:
             last = resume.path if resume else None  # the newest checkpoint of this run
+            if start == 0 and evaluator.due(0):
+                evaluate(0)  # eval_on_start: a baseline before the first step
             t_last = time.perf_counter()
             for step in range(start, total_steps):
                 micro_batches = batcher.next_step()
@@ -216,20 +241,29 @@ def train(cfg: TrainConfig) -> Path:
                     record["skipped"] = True
                 log.log(record)
                 history.append(record)
-                memory.measure(step + 1)
                 nonfinite.check_diverged(step + 1)
+                if evaluator.due(step + 1):
+                    evaluate(step + 1)
+                    t_last = time.perf_counter()  # evaluation is not step time
+                memory.measure(step + 1)  # the peaks so far, evaluation's included
 
                 stopping = stop.requested  # read once: a signal during the save is acted on below
-                if stopping or (cfg.save_steps and (step + 1) % cfg.save_steps == 0):
-                    last = save(step + 1)
+                if stopping or saves.due(step + 1):
+                    # A signal's checkpoint is always complete: it exists to be resumed.
+                    last = save(step + 1, cfg.save_only_model and not stopping)
                     t_last = time.perf_counter()  # saving is not step time
                 if stopping:
                     raise stop.interrupted(last)
-            if last is None or last.name != f"checkpoint-{total_steps}":
-                last = save(total_steps)  # the last step is always resumable (e.g. to train further)
+            # The last step is saved (to train further) unless save_strategy=no; a signal always saves.
+            if (saves.at_end or stop.requested) and (
+                last is None or last.name != f"checkpoint-{total_steps}"
+            ):
+                last = save(total_steps, cfg.save_only_model and not stop.requested)
             if stop.requested:
                 raise stop.interrupted(last)
         model.transport.synchronize()
+        if note := evaluator.load_best(model.state, model_cfg, log.interactive):  # load_best_model_at_end
+            log.message(note)
         final = save_hf_checkpoint(
             model.state,
             model_cfg,

@@ -3,11 +3,10 @@ host master weights, and written back as sharded safetensors with an index.
 
 Reading never builds the model: each tensor is memory-mapped by safetensors, converted to fp32
 into its place in `HostState.master`, and dropped, so peak host memory is the state plus one
-tensor. Writing streams the same way (`write_safetensors`): the header is computed from the
-shapes, then each tensor is converted and appended, so fp32 master weights are written straight
-from host memory and an export never holds a second copy of the model.
-
-Every directory is written atomically: into a dot-named temporary sibling, fsynced, renamed.
+tensor. Writing streams the same way (writing.AtomicDir.write_tensors): the header is computed
+from the shapes, then each tensor is converted and appended, so fp32 master weights are written
+straight from host memory and an export never holds a second copy of the model. Every directory
+is written atomically, with a checksum manifest (manifest.py).
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import inspect
 import json
 import math
 import os
-import shutil
-import struct
-import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -28,9 +25,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .errors import CheckpointError, ConfigError
+from . import manifest
+from .errors import CheckpointError, ConfigError, OutputError
 from .models.config import ModelConfig
 from .state import HostState, build_units
+from .writing import AtomicDir
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -68,17 +67,16 @@ def _open_safetensors(path: Path):
 
 
 class TensorReader:
-    """Reads tensors by key from a set of safetensors files, each opened once, lazily."""
+    """Reads tensors by key from a set of safetensors files, all opened (memory-mapped) at
+    construction: the files stay readable even if their directory is deleted afterwards, and
+    several threads may read at once."""
 
     def __init__(self, files: dict[str, Path], where: str | Path):
         self.files, self.where = files, where  # `where` names the checkpoint in errors
-        self._handles: dict[Path, object] = {}
+        self._handles = {path: _open_safetensors(path) for path in set(files.values())}
 
     def _handle(self, key: str):
-        path = self.files[key]
-        if path not in self._handles:
-            self._handles[path] = _open_safetensors(path)
-        return self._handles[path]
+        return self._handles[self.files[key]]
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handle(key).get_slice(key).get_shape())
@@ -162,116 +160,19 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
     _per_unit(fill, state.units, "initialising weights", progress)
 
 
-def _atomic_dir(out_dir: Path):
-    """A temporary sibling directory that replaces `out_dir` on success. Its name starts with a
-    dot, so nothing that looks for `checkpoint-N` or `final` can mistake it for one."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    umask = os.umask(0o022)  # mkdtemp makes the directory private; give it the usual mode
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit_dir(tmp: Path, out_dir: Path) -> None:
-    """fsync everything in `tmp`, then swap it into place as `out_dir`."""
-    _fsync_dir(tmp)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-    fd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ------------------------------------------------------------------ writing safetensors
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, get) -> int:
-    """Write one safetensors file, one tensor at a time: `get(key)` is called for each entry in
-    order and its result converted to `dtype` and appended, so peak memory is one tensor (none
-    for fp32 views of the master weights, which are written in place). Returns the data bytes."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for key, shape in entries:
-        n = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for key, shape in entries:
-            t = get(key).to(dtype).contiguous()
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{key}: shape {tuple(t.shape)}, announced {shape}")
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return off
-
-
-def write_sharded(
-    out_dir: Path,
-    prefix: str,
-    entries: list[tuple[str, tuple[int, ...]]],
-    dtype: torch.dtype,
-    get,
-    max_shard_bytes: int,
-    progress: bool = False,
-) -> list[str]:
-    """`{prefix}.safetensors`, or shards `{prefix}-0000i-of-0000N.safetensors` plus
-    `{prefix}.safetensors.index.json` when the tensors exceed `max_shard_bytes`, as
-    transformers writes them. Shards are planned from the shapes first, so each is streamed.
-    Returns the file names written."""
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for key, shape in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((key, shape))
-        size += nbytes
-    n = len(shards)
-    names, weight_map, total = [], {}, 0
-    for i, shard in enumerate(tqdm(shards, desc=f"saving {prefix}", disable=not progress, unit="shard")):
-        fname = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
-        total += write_safetensors(out_dir / fname, shard, dtype, get)
-        weight_map.update({k: fname for k, _ in shard})
-        names.append(fname)
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return names
+def read_generation_config(model_dir: str | Path | None) -> bytes | None:
+    """generation_config.json of a model directory (its EOS ids and sampling defaults), if any."""
+    path = Path(model_dir) / "generation_config.json" if model_dir else None
+    return path.read_bytes() if path is not None and path.is_file() else None
 
 
 def write_model_config(
-    out_dir: Path, cfg: ModelConfig, dtype: torch.dtype, generation_from: Path | None = None, tokenizer=None
+    out_dir: Path, cfg: ModelConfig, dtype: torch.dtype, generation: bytes | None, tokenizer=None
 ) -> None:
     """config.json (with `architectures` and the weights' dtype) and generation_config.json:
-    copied from `generation_from` when that directory has one (it carries the model's EOS ids
-    and sampling defaults), else derived from the model config. When `tokenizer` has a chat
-    template, the token that ends its assistant turns joins the EOS ids, so `generate()` stops
-    where a chat model ends its answer."""
+    `generation` (the source model's file: its EOS ids and sampling defaults) when given, else
+    derived from the model config. When `tokenizer` has a chat template, the token that ends its
+    assistant turns joins the EOS ids, so `generate()` stops where a chat model ends its answer."""
     hf = copy.deepcopy(cfg.hf_config)
     hf.architectures = [type_to_arch(cfg.model_type)]
     if isinstance(inspect.getattr_static(type(hf), "torch_dtype", None), property):
@@ -279,9 +180,8 @@ def write_model_config(
     else:
         hf.torch_dtype = dtype
     hf.save_pretrained(out_dir)
-    src = Path(generation_from) / "generation_config.json" if generation_from else None
-    if src is not None and src.is_file():
-        shutil.copyfile(src, out_dir / "generation_config.json")
+    if generation is not None:
+        (out_dir / "generation_config.json").write_bytes(generation)
     else:
         with contextlib.suppress(Exception):  # models without generation defaults have none
             from transformers import GenerationConfig
@@ -317,22 +217,18 @@ def save_hf_checkpoint(
     generation_from: str | Path | None = None,
 ) -> Path:
     """Write a Hugging Face model directory (sharded safetensors + index, config.json,
-    generation_config.json, tokenizer files) atomically: either the whole directory appears or
-    nothing changes. Call `transport.synchronize()` first on CUDA."""
-    out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    try:
-        params = dict(state.named_parameters())
-        entries = [(k, tuple(v.shape)) for k, v in params.items()]
-        write_sharded(tmp, "model", entries, dtype, params.__getitem__, max_shard_bytes, progress)
-        write_model_config(tmp, cfg, dtype, Path(generation_from) if generation_from else None, tokenizer)
+    generation_config.json, tokenizer files, the manifest) atomically: either the whole
+    directory appears or nothing changes. An existing `out_dir` is replaced only if it is a
+    model directory megatrain wrote. Call `transport.synchronize()` first on CUDA."""
+    params = dict(state.named_parameters())
+    entries = [(k, tuple(v.shape)) for k, v in params.items()]
+    nbytes = state.num_params * dtype.itemsize
+    with AtomicDir(out_dir, manifest.MODEL, nbytes=nbytes, progress=progress) as d:
+        d.write_tensors("model", entries, dtype, params.__getitem__, max_shard_bytes)
+        write_model_config(d.path, cfg, dtype, read_generation_config(generation_from), tokenizer)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        commit_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+            tokenizer.save_pretrained(d.path)
+        return d.commit()
 
 
 # Everything transformers' AutoTokenizer may read, chat templates included.
@@ -349,48 +245,78 @@ TOKENIZER_FILES = (
 )
 
 
+def _export_target(src: Path, out_dir: Path, overwrite: bool) -> tuple[Callable[[Path], bool], str]:
+    """The rule for what an export may replace: nothing but a previous export, and that only
+    with --overwrite. Refuses targets that would put the export inside the source or replace
+    the current directory. Returns AtomicDir's `may_replace` and `why_not`."""
+    src_abs, cwd = src.resolve(), Path.cwd().resolve()
+    target = out_dir.resolve()
+    if target == src_abs or src_abs in target.parents:
+        raise OutputError(f"{out_dir}: must not be the checkpoint {src} or inside it")
+    if target == cwd or target in cwd.parents:
+        raise OutputError(f"{out_dir}: is the current directory; export into a new one, e.g. {src.name}-hf")
+    if overwrite:
+        why = f"--overwrite replaces only a previous export (a directory with {manifest.MANIFEST})"
+        return (lambda p: manifest.kind_of(p) == manifest.MODEL), why
+    return (lambda p: False), "export never replaces anything (--overwrite replaces a previous export)"
+
+
 def export_model(
     src: str | Path,
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 10**9,
     progress: bool = True,
-) -> Path:
+    overwrite: bool = False,
+) -> tuple[Path, bool]:
     """Export a checkpoint (or any model directory with config.json + safetensors) as a Hugging
-    Face model in `dtype`, atomically. Tensors are read one at a time from the memory-mapped
-    source and written straight out: peak memory is one tensor, no GPU needed. Every tensor the
-    config implies is checked (presence, shape) before anything is written."""
+    Face model in `dtype`, atomically, into a new or empty `out_dir` (or, with `overwrite`, in
+    place of a previous export). Tensors are read one at a time from the memory-mapped source
+    and written straight out: peak memory is one tensor per writer, no GPU needed.
+
+    Before anything is written, every tensor the config implies is checked (presence, shape),
+    the files read are verified against the source's manifest, and every source file is open:
+    the small ones read, the safetensors memory-mapped, so a checkpoint deleted meanwhile (a run
+    pruning it) still exports whole, or the export fails with one line. Returns the output
+    directory and whether the source had checksums to verify."""
     src, out_dir = Path(src), Path(out_dir)
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint directory does not exist")
-    if src.resolve() == out_dir.resolve():
-        raise CheckpointError(f"{out_dir}: the output directory must differ from the checkpoint")
+    may_replace, why_not = _export_target(src, out_dir, overwrite)
+    AtomicDir(out_dir, manifest.MODEL, may_replace, why_not).check_target()  # refuse before reading
+    identity = os.stat(src)
     cfg = ModelConfig.from_json(src)
+    files = checkpoint_files(src)
+    small = {
+        n: (src / n).read_bytes() for n in (*TOKENIZER_FILES, "generation_config.json") if (src / n).is_file()
+    }
+    used = {"config.json", *small, *(f.name for f in files.values())}
+    used |= {INDEX} if (src / INDEX).is_file() else set()
     from .data.tokenizer import load_tokenizer  # only for the chat template's end-of-turn token
 
     try:
         tokenizer = load_tokenizer(src, optional=True)
     except ConfigError:
         tokenizer = None  # e.g. a slow-only tokenizer: its files are still copied as they are
-    reader = TensorReader(checkpoint_files(src), src)
-    entries = [(p.key, p.shape) for u in build_units(cfg) for p in u.params]
+    reader = TensorReader(files, src)  # opens (maps) every file now
     try:
+        entries = [(p.key, p.shape) for u in build_units(cfg) for p in u.params]
         for key, shape in entries:
             reader.check(key, shape)
-        tmp = _atomic_dir(out_dir)
-        try:
-            write_sharded(tmp, "model", entries, dtype, reader.get, max_shard_bytes, progress)
-            write_model_config(tmp, cfg, dtype, src, tokenizer)
-            for name in TOKENIZER_FILES:
-                if (src / name).is_file():
-                    shutil.copyfile(src / name, tmp / name)
-            commit_dir(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        verified = manifest.verify(src, only=used, progress=progress)
+        now = os.stat(src) if src.is_dir() else None
+        if now is None or (now.st_ino, now.st_dev) != (identity.st_ino, identity.st_dev):
+            raise CheckpointError(f"{src}: deleted or replaced while it was being exported; export it again")
+        nbytes = sum(math.prod(shape) for _, shape in entries) * dtype.itemsize
+        with AtomicDir(out_dir, manifest.MODEL, may_replace, why_not, nbytes, progress) as d:
+            d.write_tensors("model", entries, dtype, reader.get, max_shard_bytes)
+            write_model_config(d.path, cfg, dtype, small.pop("generation_config.json", None), tokenizer)
+            for name, data in small.items():
+                (d.path / name).write_bytes(data)
+            d.commit()
     finally:
         reader.close()
-    return out_dir
+    return out_dir, verified
 
 
 def type_to_arch(model_type: str) -> str:

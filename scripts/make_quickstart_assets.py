@@ -6,6 +6,8 @@
 
 Writes:
   examples/data/stories.jsonl    {"text": ...} short children's stories from a seeded grammar
+  examples/data/stories_eval.jsonl  held-out stories for evaluation: the same grammar, its own
+                                 seed, none that also occurs in the training stories
   examples/chat/data.jsonl       {"messages": [...]} conversations about the same story world
                                  (who is who, where they live, little sums, short stories)
   examples/tokenizer/            byte-level BPE (tokenizers) trained on both, saved as a Hugging
@@ -33,8 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 STORY_SEED = 1234
+EVAL_STORY_SEED = 4321
 CHAT_SEED = 5678
 N_STORIES = 3600
+N_EVAL_STORIES = 100
 N_CHATS = 1200
 VOCAB_SIZE = 2048
 
@@ -721,6 +725,15 @@ def make_stories(n: int, seed: int) -> list[str]:
     return texts
 
 
+def make_eval_stories(n: int, seed: int, train: list[str]) -> list[str]:
+    """Held-out stories: drawn like the training ones, with repeats of a training story left out
+    (a seeded pool twice the size, filtered, so the result is fixed)."""
+    seen = set(train)
+    held_out = [t for t in make_stories(2 * n, seed) if t not in seen]
+    assert len(held_out) >= n, "the grammar repeats itself too much for a held-out set"
+    return held_out[:n]
+
+
 # =========================================================================== chat
 def fact_qa(rng: random.Random, ch: Character) -> tuple[str, str]:
     """One question about a character and its answer, both consistent with the world."""
@@ -933,8 +946,10 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 
 def generate(out: Path) -> None:
     stories = make_stories(N_STORIES, STORY_SEED)
+    eval_stories = make_eval_stories(N_EVAL_STORIES, EVAL_STORY_SEED, stories)
     chats = make_chats(N_CHATS, CHAT_SEED)
     write_jsonl(out / "data" / "stories.jsonl", [{"text": t} for t in stories])
+    write_jsonl(out / "data" / "stories_eval.jsonl", [{"text": t} for t in eval_stories])
     write_jsonl(out / "chat" / "data.jsonl", chats)
     # The tokenizer learns the chat layout too, so the roles and the template's newlines are
     # cheap tokens in the chat fine-tune.
@@ -949,6 +964,7 @@ def generate(out: Path) -> None:
 
 ASSETS = [
     "data/stories.jsonl",
+    "data/stories_eval.jsonl",
     "chat/data.jsonl",
     "tokenizer/tokenizer.json",
     "tokenizer/tokenizer_config.json",

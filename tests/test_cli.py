@@ -127,9 +127,8 @@ def test_export_streams_one_tensor_at_a_time(tmp_path, monkeypatch, capsys):
             capsys, "export", tmp_path / "out" / "checkpoint-1", tmp_path / dtype, "--dtype", dtype
         )
         assert rc == 0 and len(refs) == len(tensors(tmp_path / dtype))
-        # fp32: the tensor being written stays referenced until the next one arrives; bf16: only
-        # its converted copy does.
-        assert max(alive_at_read) == (1 if dtype == "float32" else 0)
+        # The writer drops each tensor (fp32) or its converted copy (bf16) once it is written.
+        assert max(alive_at_read) == 0
 
 
 # ---------------------------------------------------------------------------- plot, tensorboard
@@ -223,6 +222,18 @@ BAD = [
     (
         ["dataset={tmp}/text.jsonl", "tokenizer_name_or_path={tmp}/tok"],
         "{tmp}/text.jsonl:1: the tokenizer gives token id",
+    ),
+    # Evaluation data is read and checked before anything is written, like the training data.
+    (["eval_dataset={tmp}/broken.jsonl"], "{tmp}/broken.jsonl:3: not valid JSON"),
+    (["eval_dataset={tmp}/nowhere.jsonl"], "eval_dataset {tmp}/nowhere.jsonl: no such file"),
+    (
+        ["eval_dataset={tmp}/vocab.jsonl"],
+        "{tmp}/vocab.jsonl:2: token id 97 in 'input_ids' is outside the vocabulary [0, 97)",
+    ),
+    (["eval_strategy=epoch"], "eval_strategy: needs an eval_dataset"),
+    (
+        ["eval_dataset={tmp}/data.jsonl", "save_steps=3", "eval_steps=2", "load_best_model_at_end=true"],
+        "load_best_model_at_end: save_steps 3 must be a round multiple of eval_steps 2",
     ),
 ]
 

@@ -34,6 +34,7 @@ def test_yaml_booleans_for_choice_keys(tmp_path, capsys):
     assert cfg.torch_compile is None and cfg.offload_activations is None and cfg.disable_tqdm is None
     assert TrainConfig.load(p, ["gpu_state=on"]).gpu_state == "auto"
     assert TrainConfig.load(p, ["gpu_state=false"]).gpu_state == "off"
+    assert TrainConfig.load(p, ["save_strategy=no"]).save_strategy == "no"  # as the README writes it
     with pytest.raises(ConfigError, match=r"^gpu_state: expected str, got 0$"):
         TrainConfig.load(p, ["gpu_state=0"])  # 0 == False in Python, but it is not a boolean
     with pytest.raises(

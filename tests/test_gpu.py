@@ -3,7 +3,8 @@
 Every placement the plan can choose (gradients held on the GPU or in host memory or both, a
 two-pass step, immediate stepping without clipping; GPU-resident units, kept graphs, parked
 activations, memory page-locked in pieces) must give bitwise the same weights as the plain
-serial schedule; bf16 CUDA training must track the fp32 CPU reference within bf16 tolerance.
+serial schedule; bf16 CUDA training must track the fp32 CPU reference within bf16 tolerance;
+an evaluation right after an asynchronous optimizer step must see the updated weights.
 """
 
 from __future__ import annotations
@@ -186,3 +187,55 @@ def test_fp32_cuda_matches_cpu():
     assert (diff > 1e-4).float().mean() < 1e-4, f"max {diff.max():.3g} mean {diff.mean():.3g}"
     assert diff.max() < 2 * ADAMW.lr
     gpu.close()
+
+
+EVAL_CASES = {
+    # gradients held until the clip; kept graphs and GPU-resident units stepped on the device
+    "stored": (_plan(gpu_grads=0), 0.5),
+    "stored-resident-kept": (_plan(resident=2, keep=1), 0.5),
+    # steps whose backward sweep runs inside `step`: evaluation comes after it
+    "two-pass": (_plan("two_pass", 0, resident=2), 0.5),
+    "immediate": (_plan("immediate", 0), 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_eval_after_an_async_step_sees_the_updated_weights(case):
+    """Evaluating right after `step`, while the optimizer still runs behind on its worker
+    thread, reads the updated weights (the serial schedule's eval losses, bit for bit), and
+    leaves training as it is without evaluation."""
+    plan, max_norm = EVAL_CASES[case]
+    cfg = _cfg("llama")
+    g = torch.Generator().manual_seed(99)
+    evaluation = [MicroBatch(ids, ids) for ids in (torch.randint(0, 512, (2, 96), generator=g),) * 2]
+    results = []
+    for overlap, evaluate in ((False, True), (True, True), (True, False)):
+        m = build_model(
+            cfg,
+            seed=3,
+            device="cuda",
+            compute_dtype="bfloat16",
+            adamw=ADAMW,
+            overlap=overlap,
+            plan=plan,
+            compile=False,
+        )
+        if overlap:  # a slow, many-chunk optimizer: a fetch that did not wait would read old weights
+            m.transport.chunk_elems = 10_000
+            m.transport.staging = [torch.empty(10_000, pin_memory=True) for _ in range(2)]
+        evals, step = [], m.engine.step
+
+        def step_then_eval(lr, coef, m=m, evals=evals, step=step, evaluate=evaluate):
+            measured = step(lr, coef)  # the gradient norm in immediate mode
+            if evaluate:
+                evals.append(m.engine.eval_loss(evaluation)[0].item())
+            return measured
+
+        m.engine.step = step_then_eval
+        losses, norms = _steps(m, max_norm=max_norm)
+        results.append((evals, losses, norms, m.state.master.clone()))
+        m.close()
+    (e0, l0, n0, w0), (e1, l1, n1, w1), (_, l2, n2, w2) = results
+    assert len(e0) == 4 and e0 == e1, (e0, e1)
+    assert l0 == l1 == l2 and n0 == n1 == n2
+    assert torch.equal(w0, w1) and torch.equal(w1, w2)

@@ -3,7 +3,8 @@ against transformers, and the chat fine-tune on top of it.
 
 The golden test runs examples/quickstart.yaml through the CLI for GOLDEN_STEPS fixed-seed steps
 (shorter rows and batches than the real quickstart, for speed) and compares the loss of every
-step with tests/golden/quickstart_losses.json to a relative 1e-4. On the CPU in float32 the run
+step, and the eval loss on the held-out stories after the last one, with
+tests/golden/quickstart_losses.json to a relative 1e-4. On the CPU in float32 the run
 is deterministic: the same losses bit for bit from run to run and for 1, 2 or 4 threads. A
 mismatch therefore means the numbers changed: the data pipeline (tokenizer, packing, order), the
 random initialisation, the forward/backward or the optimizer. When the change is intended,
@@ -28,6 +29,7 @@ from megatrain.batch import IGNORE_INDEX, MicroBatch
 from megatrain.cli import main
 from megatrain.config import TrainConfig
 from megatrain.data import build_samples, load_tokenizer
+from megatrain.metrics import is_eval
 from megatrain.models.config import ModelConfig
 from megatrain.runtime import build_model
 
@@ -51,17 +53,20 @@ GOLDEN_OVERRIDES = [
 REL_TOL = 1e-4
 
 
-def run_quickstart(output_dir: Path) -> list[float]:
-    """The golden run; returns the loss of every step from metrics.jsonl."""
+def run_quickstart(output_dir: Path) -> tuple[list[float], float]:
+    """The golden run; returns the loss of every step and then the eval loss after the last
+    (the quickstart evaluates every 25 steps and after the last) from metrics.jsonl."""
     torch.set_num_threads(2)  # results do not depend on it, but keep CI and laptops alike
     rc = main(["train", str(EXAMPLES / "quickstart.yaml"), *GOLDEN_OVERRIDES, f"output_dir={output_dir}"])
     assert rc == 0, f"megatrain train examples/quickstart.yaml exited {rc}"
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, GOLDEN_STEPS + 1))
-    return [r["loss"] for r in records]
+    steps, evals = [r for r in records if not is_eval(r)], [r for r in records if is_eval(r)]
+    assert [r["step"] for r in steps] == list(range(1, GOLDEN_STEPS + 1))
+    assert [r["step"] for r in evals] == [GOLDEN_STEPS] and records[-1] is evals[0]
+    return [r["loss"] for r in steps], evals[0]["eval_loss"]
 
 
-def write_golden(losses: list[float]) -> None:
+def write_golden(losses: list[float], eval_loss: float) -> None:
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "comment": "regenerate: MEGATRAIN_UPDATE_GOLDEN=1 python -m pytest tests/test_quickstart.py",
@@ -69,14 +74,15 @@ def write_golden(losses: list[float]) -> None:
         "overrides": GOLDEN_OVERRIDES,
         "torch": torch.__version__,
         "losses": losses,
+        "eval_loss": eval_loss,
     }
     GOLDEN.write_text(json.dumps(data, indent=2) + "\n")
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> tuple[Path, list[float]]:
+def quickstart(tmp_path_factory) -> tuple[Path, list[float], float]:
     out = tmp_path_factory.mktemp("quickstart")
-    return out, run_quickstart(out)
+    return out, *run_quickstart(out)
 
 
 # --------------------------------------------------------------------------- shipped assets
@@ -129,6 +135,7 @@ def test_shipped_data_is_what_the_generator_writes():
     finally:
         del sys.modules["make_assets"]
     stories = gen.make_stories(gen.N_STORIES, gen.STORY_SEED)
+    held_out = gen.make_eval_stories(gen.N_EVAL_STORIES, gen.EVAL_STORY_SEED, stories)
     chats = gen.make_chats(gen.N_CHATS, gen.CHAT_SEED)
 
     def jsonl(records):
@@ -138,6 +145,10 @@ def test_shipped_data_is_what_the_generator_writes():
         {"text": t} for t in stories
     )
     assert (EXAMPLES / "chat" / "data.jsonl").read_text(encoding="utf-8") == jsonl(chats)
+    assert (EXAMPLES / "data" / "stories_eval.jsonl").read_text(encoding="utf-8") == jsonl(
+        {"text": t} for t in held_out
+    )
+    assert len(held_out) == gen.N_EVAL_STORIES and not set(held_out) & set(stories)  # held out
     size = (EXAMPLES / "data" / "stories.jsonl").stat().st_size
     assert 1.5e6 < size < 3e6
 
@@ -158,9 +169,9 @@ def test_chat_data_trains_on_assistant_turns_only():
 
 # --------------------------------------------------------------------------- training runs
 def test_golden_losses(quickstart):
-    _, losses = quickstart
+    _, losses, eval_loss = quickstart
     if os.environ.get("MEGATRAIN_UPDATE_GOLDEN"):
-        write_golden(losses)
+        write_golden(losses, eval_loss)
     assert GOLDEN.is_file(), f"{GOLDEN} is missing; create it with MEGATRAIN_UPDATE_GOLDEN=1"
     golden = json.loads(GOLDEN.read_text())
     assert golden["overrides"] == GOLDEN_OVERRIDES, "the golden run's settings changed: regenerate the file"
@@ -172,9 +183,12 @@ def test_golden_losses(quickstart):
             "If the change in numerics is intended, regenerate: MEGATRAIN_UPDATE_GOLDEN=1 python -m pytest "
             "tests/test_quickstart.py"
         )
-    # And the run learns: from ~ln(vocab) = 7.5 clearly down within these few steps.
+    assert eval_loss == pytest.approx(golden["eval_loss"], rel=REL_TOL), (eval_loss, golden["eval_loss"])
+    # And the run learns: from ~ln(vocab) = 7.5 clearly down within these few steps, on the
+    # held-out stories too.
     assert losses[0] == pytest.approx(7.54, abs=0.15)
     assert losses[-1] < losses[0] - 1.0
+    assert eval_loss < losses[0] - 1.0
 
 
 def test_export_loads_in_transformers_with_the_same_logits(quickstart):
@@ -222,6 +236,6 @@ if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        losses = run_quickstart(Path(tmp))
-    write_golden(losses)
-    print(f"wrote {GOLDEN}: {losses}")
+        losses, eval_loss = run_quickstart(Path(tmp))
+    write_golden(losses, eval_loss)
+    print(f"wrote {GOLDEN}: {losses}, eval_loss {eval_loss}")

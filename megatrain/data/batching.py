@@ -13,13 +13,16 @@ padding. Packing once keeps steps_per_epoch fixed, which the LR schedule and res
 
 The order of an epoch is a pure function of (seed, epoch), so a resume only needs the epoch
 and the position in it. shuffle=False follows the file order exactly (no bucketing).
+
+Evaluation uses the same Batcher with shuffle=False and drop_last=False: every sample, in file
+order, the last micro-batch and step possibly short (`epoch_steps`).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -36,7 +39,7 @@ OPEN_ROWS = 16  # rows that stay open for first-fit packing
 class Batcher:
     """Yields one optimizer step (grad_accum micro-batches) per `next_step()`, forever,
     wrapping to a freshly shuffled epoch; the last incomplete optimizer step of an epoch is
-    dropped."""
+    dropped (drop_last=False keeps it, short: evaluation, where every sample counts)."""
 
     def __init__(
         self,
@@ -48,6 +51,7 @@ class Batcher:
         shuffle: bool = True,
         seed: int = 42,
         pad_id: int = 0,
+        drop_last: bool = True,
     ):
         if batch_size < 1 or grad_accum < 1 or max_length < 1:
             raise ValueError("batch_size, grad_accum and max_length must be >= 1")
@@ -65,7 +69,9 @@ class Batcher:
                 random.Random(f"pack-{seed}").shuffle(order)  # independent of the epoch streams
             self._rows = pack_rows(order, self._lengths, max_length, OPEN_ROWS if shuffle else 1)
         units = len(self._rows) if packing else len(samples)
-        self.steps_per_epoch = units // batch_size // grad_accum
+        self.drop_last = drop_last
+        per_step = batch_size * grad_accum
+        self.steps_per_epoch = units // per_step if drop_last else -(-units // per_step)
         if self.steps_per_epoch == 0:
             raise DataError(self._too_small(units))
         self._epoch, self._position = 0, 0
@@ -108,6 +114,8 @@ class Batcher:
         """The micro-batches (lists of sample or row indices) of one epoch."""
         bs, n_micro = self.batch_size, self.steps_per_epoch * self.grad_accum
         units = len(self._rows) if self._rows is not None else len(self.samples)
+        if not self.drop_last:
+            n_micro = -(-units // bs)
         order = list(range(units))
         if not self.shuffle:
             return [order[i * bs : (i + 1) * bs] for i in range(n_micro)]
@@ -123,6 +131,13 @@ class Batcher:
             micro += [chunk[i : i + bs] for i in range(0, len(chunk), bs)]
         rng.shuffle(micro)
         return micro
+
+    def epoch_steps(self, epoch: int = 0) -> Iterator[list[MicroBatch]]:
+        """Every step of `epoch` in order, leaving the position of `next_step` alone (an
+        evaluation pass over the whole data)."""
+        plan = self._make_plan(epoch)
+        for i in range(0, len(plan), self.grad_accum):
+            yield [self._build(mb) for mb in plan[i : i + self.grad_accum]]
 
     # ------------------------------------------------------------------ tensors
     def _build(self, units: list[int]) -> MicroBatch:

@@ -41,8 +41,9 @@ class Sample:
         return any(x != IGNORE_INDEX for x in self.labels[1:])
 
 
-def build_samples(cfg, tokenizer, vocab_size: int | None = None) -> list[Sample]:
-    """Read, validate and tokenise every file of `cfg.dataset`, in order.
+def build_samples(cfg, tokenizer, vocab_size: int | None = None, key: str = "dataset") -> list[Sample]:
+    """Read, validate and tokenise every file of `cfg.dataset` (or of the key named, e.g.
+    eval_dataset: the same formats and chat handling), in order.
 
     Samples longer than `cfg.max_length` are truncated (cfg.truncation) or refused with a
     DataError naming file:line. Plain text with packing is instead split into max_length
@@ -55,7 +56,7 @@ def build_samples(cfg, tokenizer, vocab_size: int | None = None) -> list[Sample]
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     samples: list[Sample] = []
     skipped: list[str] = []
-    for file in resolve_dataset(cfg):
+    for file in resolve_dataset(cfg, key):
         records = read_records(file.path)
         where0 = f"{file.path}:{records[0][0]}"
         fmt = file.format if file.format != "auto" else detect_format(where0, records[0][1])
@@ -85,7 +86,7 @@ def build_samples(cfg, tokenizer, vocab_size: int | None = None) -> list[Sample]
         bar.close()
     if not samples:
         raise DataError(
-            f"no trainable samples: all {len(skipped)} have no label tokens left (first: {skipped[0]}); "
+            f"{key}: no trainable samples: all {len(skipped)} have no label tokens left (first: {skipped[0]}); "
             f"is max_length {cfg.max_length} shorter than the prompts?"
         )
     if skipped:

@@ -32,27 +32,28 @@ class DataFile:
 
 
 # ------------------------------------------------------------------------ resolving names
-def resolve_dataset(cfg) -> list[DataFile]:
-    """The files `cfg.dataset` refers to, in order.
+def resolve_dataset(cfg, key: str = "dataset") -> list[DataFile]:
+    """The files `cfg.dataset` (or the key named, e.g. eval_dataset) refers to, in order.
 
     Each entry may be a file, a directory (with a dataset_info.json: every dataset registered
     there; without: every .json/.jsonl/.parquet file in it, sorted), or a name registered in
     `cfg.dataset_info` or in the dataset_info.json of the entry's directory ("data/alpaca_en").
     A single string may list several entries separated by commas, as in LlamaFactory.
     """
-    entries = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
-    if isinstance(cfg.dataset, str) and "," in cfg.dataset and not Path(cfg.dataset).exists():
-        entries = [e.strip() for e in cfg.dataset.split(",") if e.strip()]
-    if not entries:
-        raise ConfigError("dataset: no dataset given")
+    value = getattr(cfg, key)
+    entries = value if isinstance(value, list) else [value]
+    if isinstance(value, str) and "," in value and not Path(value).exists():
+        entries = [e.strip() for e in value.split(",") if e.strip()]
+    if not entries or entries == [None]:
+        raise ConfigError(f"{key}: no dataset given")
     info = _load_info(Path(cfg.dataset_info)) if cfg.dataset_info else None
     files: list[DataFile] = []
     for entry in entries:
-        files += _resolve_entry(entry, info, cfg.dataset_format)
+        files += _resolve_entry(entry, info, cfg.dataset_format, key)
     return files
 
 
-def _resolve_entry(entry: str, info: tuple[Path, dict] | None, fmt: str) -> list[DataFile]:
+def _resolve_entry(entry: str, info: tuple[Path, dict] | None, fmt: str, key: str) -> list[DataFile]:
     p = Path(entry)
     if info is not None and entry in info[1]:
         return _registered(entry, *info)
@@ -65,7 +66,7 @@ def _resolve_entry(entry: str, info: tuple[Path, dict] | None, fmt: str) -> list
         found = _files_in(p)
         if not found:
             raise ConfigError(
-                f"dataset {entry}: directory has no dataset_info.json and no {'/'.join(DATA_SUFFIXES)} files"
+                f"{key} {entry}: directory has no dataset_info.json and no {'/'.join(DATA_SUFFIXES)} files"
             )
         return [DataFile(f, fmt) for f in found]
     local = p.parent / "dataset_info.json"
@@ -74,12 +75,12 @@ def _resolve_entry(entry: str, info: tuple[Path, dict] | None, fmt: str) -> list
         if p.name in registry:
             return _registered(p.name, info_path, registry)
         raise ConfigError(
-            f"dataset {entry}: no such file, and {p.name!r} is not registered in {local} ({_names(registry)})"
+            f"{key} {entry}: no such file, and {p.name!r} is not registered in {local} ({_names(registry)})"
         )
     if info is not None:
-        raise ConfigError(f"dataset {entry}: no such file, and not a name in {info[0]} ({_names(info[1])})")
+        raise ConfigError(f"{key} {entry}: no such file, and not a name in {info[0]} ({_names(info[1])})")
     raise ConfigError(
-        f"dataset {entry}: no such file or directory (to use a registered name, set dataset_info)"
+        f"{key} {entry}: no such file or directory (to use a registered name, set dataset_info)"
     )
 
 

@@ -1,0 +1,278 @@
+"""Writing directories: atomically, checksummed, and safetensors shards in parallel.
+
+Every directory megatrain writes (a checkpoint, `final/`, an export) goes through `AtomicDir`:
+its files are written into a dot-named temporary sibling, the manifest (manifest.py) last,
+everything is fsynced and the directory renamed into place, so it is either complete or absent,
+and nothing that looks for `checkpoint-N` or `final` can mistake the temporary for one. An
+existing directory at that path is replaced only when it is empty or the caller's rule allows it
+(it is a directory of the same kind that megatrain wrote); anything else is refused with an
+OutputError and left untouched.
+
+Safetensors files are written by a pool of threads, one file per thread at a time and one
+tensor at a time per file: the header is computed from the shapes, then each tensor is
+converted to the target dtype and appended while its CRC-32 is updated. File writes, dtype
+conversion and zlib.crc32 release the GIL, so the writers keep a fast disk busy; peak memory is
+one converted tensor per writer (none for fp32 views of the master weights, written in place).
+
+An OSError while writing (a full disk above all) removes the temporary directory and becomes one
+OutputError naming the directory, the file, and the bytes needed and free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import manifest
+from .errors import OutputError
+from .metrics import ByteProgress
+from .placement import fmt_bytes
+
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+CHUNK = 64 << 20  # bytes per write: the progress bar moves, and a stop request is seen soon
+MAX_WRITERS = 8
+
+Entries = list[tuple[str, tuple[int, ...]]]
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or would: its nearest existing parent)."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+# ---------------------------------------------------------------------------- safetensors
+@dataclass
+class Shard:
+    """One safetensors file to write: its tensors, in order, fetched by `get(key)`."""
+
+    name: str
+    entries: Entries
+    dtype: torch.dtype
+    get: Callable[[str], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.entries) * self.dtype.itemsize
+
+
+def plan_shards(
+    prefix: str, entries: Entries, dtype: torch.dtype, get, max_shard_bytes: int
+) -> tuple[list[Shard], dict | None]:
+    """`{prefix}.safetensors`, or shards `{prefix}-0000i-of-0000N.safetensors` and the index
+    `{prefix}.safetensors.index.json` transformers writes when the tensors exceed
+    `max_shard_bytes` (a tensor larger than that gets a shard of its own). Returns the shards
+    and the index (None for a single file)."""
+    groups: list[Entries] = [[]]
+    size = 0
+    for key, shape in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((key, shape))
+        size += nbytes
+    n = len(groups)
+    shards = [
+        Shard(
+            f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors",
+            g,
+            dtype,
+            get,
+        )
+        for i, g in enumerate(groups)
+    ]
+    if n == 1:
+        return shards, None
+    weight_map = {k: s.name for s in shards for k, _ in s.entries}
+    return shards, {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}
+
+
+class _Stopped(Exception):
+    """Another writer failed: stop this one at the next tensor."""
+
+
+def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threading.Event) -> tuple[int, int]:
+    """Stream one safetensors file; returns its (bytes, CRC-32)."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for key, shape in shard.entries:
+        n = math.prod(shape) * shard.dtype.itemsize
+        header[key] = {"dtype": ST_DTYPES[shard.dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    head = struct.pack("<Q", len(raw)) + raw
+    crc = zlib.crc32(head)
+    try:
+        with open(path, "wb") as f:
+            f.write(head)
+            for key, shape in shard.entries:
+                if stop.is_set():
+                    raise _Stopped
+                t = shard.get(key).to(shard.dtype).contiguous()
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{key}: shape {tuple(t.shape)}, announced {shape}")
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                for i in range(0, len(data), CHUNK):
+                    chunk = data[i : i + CHUNK]
+                    crc = zlib.crc32(chunk, crc)
+                    f.write(chunk)
+                    progress.update(len(chunk))
+                del t, data  # one tensor per writer
+            f.flush()
+            os.fsync(f.fileno())  # here, so the writers' flushes overlap too (commit's is then cheap)
+    except OSError as e:
+        e.filename = e.filename or str(path)  # a failed write() names no file
+        raise
+    return len(head) + off, crc
+
+
+# ---------------------------------------------------------------------------- directories
+def _same_kind(kind: str) -> Callable[[Path], bool]:
+    return lambda path: manifest.kind_of(path) == kind
+
+
+class AtomicDir:
+    """Write `out_dir` atomically (see the module docstring):
+
+        with AtomicDir(out_dir, manifest.MODEL, nbytes=...) as d:
+            d.write_tensors("model", entries, dtype, get, max_shard_bytes)
+            (d.path / "config.json").write_text(...)
+            d.commit()
+
+    An existing non-empty `out_dir` is replaced only if `may_replace(out_dir)` (default: it is
+    a directory of the same kind that megatrain wrote); otherwise entering (before anything is
+    written) and committing raise an OutputError ending in `why_not`. `nbytes` (what the
+    directory will hold, roughly) is quoted when the disk is full."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        kind: str,
+        may_replace: Callable[[Path], bool] | None = None,
+        why_not: str = "",
+        nbytes: int = 0,
+        progress: bool = False,
+    ):
+        self.out_dir, self.kind, self.nbytes, self.progress = Path(out_dir), kind, nbytes, progress
+        self.may_replace = may_replace or _same_kind(kind)
+        self.why_not = why_not or f"it is not a {kind} directory megatrain wrote, so it is never replaced"
+        self.checksums: dict[str, tuple[int, int]] = {}
+        self.path = Path()
+
+    def check_target(self) -> None:
+        """Raise OutputError unless `out_dir` is absent, an empty directory, or replaceable."""
+        out = self.out_dir
+        if not (out.exists() or out.is_symlink()):
+            return
+        if not out.is_dir() or out.is_symlink():
+            raise OutputError(f"{out}: exists and is not a directory; refusing to replace it")
+        if any(out.iterdir()) and not self.may_replace(out):
+            raise OutputError(f"{out}: exists and is not empty; {self.why_not}")
+
+    def __enter__(self) -> AtomicDir:
+        self.check_target()
+        try:
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        except OSError as e:
+            raise self._error(e) from None
+        umask = os.umask(0o022)  # mkdtemp makes the directory private; give it the usual mode
+        os.umask(umask)
+        self.path.chmod(0o777 & ~umask)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise self._error(exc) from None
+
+    def _error(self, e: OSError) -> OutputError:
+        where = f" ({Path(e.filename).name})" if e.filename else ""
+        need = f"it needs {fmt_bytes(self.nbytes)}, " if self.nbytes else ""
+        return OutputError(
+            f"cannot write {self.out_dir}{where}: {e.strerror or e}; {need}"
+            f"{fmt_bytes(free_bytes(self.out_dir))} free; nothing was left half-written"
+        )
+
+    def write_tensors(
+        self, prefix: str, entries: Entries, dtype: torch.dtype, get, max_shard_bytes: int
+    ) -> list[str]:
+        """Write `entries` as (sharded) safetensors, several files at a time; `get(key)` may be
+        called from several threads at once. Returns the file names."""
+        shards, index = plan_shards(prefix, entries, dtype, get, max_shard_bytes)
+        stop = threading.Event()
+        desc = f"saving {self.out_dir.name}/{prefix}"
+        with (
+            ByteProgress(sum(s.nbytes for s in shards), desc, self.progress) as bar,
+            ThreadPoolExecutor(
+                max_workers=max(1, min(MAX_WRITERS, os.cpu_count() or 1, len(shards)))
+            ) as pool,
+        ):
+            futures = {pool.submit(_write_shard, self.path / s.name, s, bar, stop): s.name for s in shards}
+            try:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                failed = [f for f in done if f.exception() is not None]
+                if failed:
+                    raise failed[0].exception()
+            except BaseException:
+                stop.set()  # the others finish their current chunk and stop
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            for future, name in futures.items():
+                self.checksums[name] = future.result()
+        if index is not None:
+            (self.path / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return [s.name for s in shards]
+
+    def commit(self) -> Path:
+        """Write the manifest, fsync everything and swap the directory into place."""
+        manifest.write(self.path, self.kind, self.checksums)
+        _fsync_dir(self.path)
+        out = self.out_dir
+        self.check_target()  # again: something may have appeared there while we wrote
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            try:
+                os.replace(self.path, out)
+            except BaseException:
+                os.replace(old, out)  # put the previous one back: dot names are deleted as leftovers
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.path, out)
+        _fsync(out.parent)
+        return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            _fsync(f)
+    _fsync(path)
