@@ -230,6 +230,47 @@ def test_chat_finetune_runs_on_the_exported_model(quickstart, tmp_path):
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_the_chat_example_answers_and_stops(tmp_path):
+    """The README's path, whole: the quickstart, the chat fine-tune on its model, `megatrain
+    export`, then plain `generate()` (greedy, no stopping criteria of our own): the model answers
+    a question from the chat data and stops at the template's end-of-turn token."""
+    import transformers
+
+    def cli(*argv) -> None:
+        assert main([str(a) for a in argv]) == 0
+
+    quick, chat, exported = tmp_path / "quick", tmp_path / "chat", tmp_path / "my-model"
+    cli("train", EXAMPLES / "quickstart.yaml", f"output_dir={quick}", "disable_tqdm=true", "device=cpu")
+    cli(
+        "train", EXAMPLES / "chat.yaml", f"model_name_or_path={quick / 'final'}", f"output_dir={chat}",
+        "disable_tqdm=true", "device=cpu",
+    )  # fmt: skip
+    cli("export", chat / "checkpoint-100", exported, "--dtype", "bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(exported)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end in model.generation_config.eos_token_id
+    chats = [json.loads(line) for line in (EXAMPLES / "chat" / "data.jsonl").read_text().splitlines()]
+    # Questions whose answer in the data is a sentence (others ask for a whole story).
+    questions = [
+        c["messages"][:1]
+        for c in chats
+        if c["messages"][0]["content"].rstrip().endswith("?")
+        and len(c["messages"][1]["content"].split()) < 15
+    ][:5]
+    assert len(questions) == 5
+    for prompt in questions:
+        ids = tok.apply_chat_template(
+            prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        out = model.generate(**ids, max_new_tokens=48, do_sample=False)[0, ids["input_ids"].shape[1] :]
+        assert out[-1] == end and end not in out[:-1].tolist(), tok.decode(
+            out
+        )  # stopped at the end of the turn
+        assert len(out) > 2 and tok.decode(out[:-1]).strip(), tok.decode(out)  # after an answer
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--update-golden"]:
         sys.exit("usage: python tests/test_quickstart.py --update-golden")
