@@ -12,7 +12,7 @@ from helpers import tiny_config
 from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixture)
 from test_cli import run_cli
 
-from megatrain import placement
+from megatrain import footprint, placement
 from megatrain.hostmem import PAGE, host_buffer, pieces
 from megatrain.models.config import ModelConfig
 from megatrain.placement import Batch, Choices, Machine, PlanError
@@ -70,7 +70,7 @@ def test_gradients_spill_to_host_then_two_pass_then_refuse():
     """Exact clipping at every scale: GPU and host share the gradients while they can; where
     neither can, a two-pass step; where not even the state fits, a one-line refusal."""
     n = sum(u.numel for u in build_units(B18))
-    state = 12 * n + placement.HOST_RUNTIME["cuda"] + 2 * GiB
+    state = 12 * n + footprint.HOST_RUNTIME["cuda"] + 2 * GiB
     # Host holds the state and a third of the gradients: the rest waits on the GPU.
     hybrid = placement.plan(B18, STEP16K, cuda(139, state / GiB + 4 * n / 3 / GiB))
     assert hybrid.grad_mode == "stored" and 0 < hybrid.gpu_grad_units < len(build_units(B18))
@@ -106,7 +106,7 @@ def test_activations_go_to_host_only_beyond_what_the_gpu_holds():
     assert roomy.parked_layers < tight.parked_layers < 32
     act = 131072 * 4096 * 2  # one layer's boundary activation
     assert tight.host["boundary activations (page-locked)"] == tight.parked_layers * act
-    assert tight.gpu_peak <= placement._usable_gpu(cuda(60, 1000))
+    assert tight.gpu_peak <= footprint.usable_gpu(cuda(60, 1000))
 
 
 def test_gpu_state_auto_spends_free_memory_by_the_cost_model():
@@ -118,7 +118,7 @@ def test_gpu_state_auto_spends_free_memory_by_the_cost_model():
         auto = placement.plan(cfg, STEP16K, cuda(gpu, 1000))
         off = placement.plan(cfg, STEP16K, cuda(gpu, 1000), Choices(gpu_state="off"))
         assert auto.step_time_s < off.step_time_s and auto.resident_units > 0
-        assert auto.gpu_peak <= placement._usable_gpu(cuda(gpu, 1000))
+        assert auto.gpu_peak <= footprint.usable_gpu(cuda(gpu, 1000))
     whole = placement.plan(A, STEP16K, cuda(139, 1000))
     assert whole.resident_units == 30 and whole.keep_layers == 28
     assert whole.gpu["fp32 state of GPU-resident units"] == 12 * sum(u.numel for u in build_units(A))
@@ -126,9 +126,9 @@ def test_gpu_state_auto_spends_free_memory_by_the_cost_model():
 
 def test_the_gpu_cap_includes_the_cuda_context():
     capped = cuda(22, 1000, capped=True)
-    assert placement._usable_gpu(capped) < 22 * GiB - placement.CUDA_CONTEXT
+    assert footprint.usable_gpu(capped) < 22 * GiB - placement.CUDA_CONTEXT
     p = placement.plan(B8, STEP16K, capped)
-    assert p.gpu_peak <= placement._usable_gpu(capped)
+    assert p.gpu_peak <= footprint.usable_gpu(capped)
     frac = placement.allocator_fraction(capped, 80 * GiB)
     assert frac == pytest.approx((22 * GiB - placement.CUDA_CONTEXT) / (80 * GiB))
     assert placement.allocator_fraction(cuda(22, 1000), 80 * GiB) is None
@@ -136,7 +136,7 @@ def test_the_gpu_cap_includes_the_cuda_context():
 
 def test_loss_chunk_counts_sixteen_bytes_per_logit():
     p = placement.plan(B8, STEP16K, cuda(139, 1000))
-    assert p.loss_chunk_tokens * 128256 * placement.LOGIT_BYTES <= placement.LOSS_CHUNK_BUDGET["cuda"]
+    assert p.loss_chunk_tokens * 128256 * footprint.LOGIT_BYTES <= footprint.LOSS_CHUNK_BUDGET["cuda"]
     assert p.gpu.get("loss head", 0) == 0 or p.gpu["loss head"] >= p.loss_chunk_tokens * 128256 * 16
 
 

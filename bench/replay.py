@@ -1,0 +1,82 @@
+"""Replay recorded bench/memory.py runs through the current memory model.
+
+Each run recorded its plan, the layer memory the probe measured and the peak of allocated GPU
+memory in each phase of a step (forward sweep, loss head, backward sweep). This recomputes the
+model's prediction for each phase from the same inputs, so a change to placement.py can be
+checked against every measurement taken so far without a GPU:
+
+    python bench/replay.py bench/results/*_memory.json bench/results/*_x2.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from memory import MODELS  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+from megatrain.models.config import ModelConfig  # noqa: E402
+from megatrain.placement import Batch, Plan, phase_peaks  # noqa: E402
+from megatrain.probe import LayerMemory  # noqa: E402
+
+GiB = 2**30
+PLAN_FIELDS = (
+    "device", "grad_mode", "gpu_grad_units", "resident_units", "keep_layers", "parked_layers",
+    "loss_chunk_tokens", "prefetch", "staging_elems", "inflight_units",
+)  # fmt: skip
+
+
+def replay(record: dict) -> dict[str, tuple[int, int]]:
+    """phase -> (measured, predicted) peak bytes."""
+    run = record["run"]
+    h, L, heads, kv, ffn, V = MODELS[run["model"]]
+    seq = int(run.get("seq", 4096))
+    cfg = ModelConfig.from_hf(
+        LlamaConfig(
+            hidden_size=h,
+            num_hidden_layers=int(run.get("layers", L)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=ffn,
+            vocab_size=V,
+            max_position_embeddings=max(seq, 8192),
+        )
+    )
+    T = run["tokens"]
+    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
+    batch = Batch(mbs * seq, T // (mbs * seq), seq, 2, float(run.get("max_grad_norm", 1.0)) > 0, rows=mbs)
+    plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS})
+    predicted = phase_peaks(cfg, batch, plan, LayerMemory(**record["layer_mem"]))
+    return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items()}
+
+
+def main() -> None:
+    print(
+        "| file | run | plan | forward | head | backward | peak measured GiB | peak predicted GiB | error |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+        for r in runs:
+            if "phase_peaks" not in r:
+                continue
+            ph = replay(r)
+            p = r["plan"]
+            mode = f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']} k{p['keep_layers']} park{p['parked_layers']}"
+            cells = [f"{m / GiB:.2f} / {q / GiB:.2f}" for m, q in ph.values()]
+            meas, pred = max(m for m, _ in ph.values()), max(q for _, q in ph.values())
+            print(
+                f"| {os.path.basename(path)} | {r['name']} | {mode} | {' | '.join(cells)} | "
+                f"{meas / GiB:.2f} | {pred / GiB:.2f} | {100 * (pred / meas - 1):+.1f}% |"
+            )
+
+
+if __name__ == "__main__":
+    main()

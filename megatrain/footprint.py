@@ -1,0 +1,437 @@
+"""What a placement costs: the memory and time model behind placement.py.
+
+Given a model's shape, the largest step of a run and a `Plan` (where each class of bytes
+lives), it predicts the peak of allocated GPU memory by replaying one optimizer step phase by
+phase (`_phases`), the growth of the host resident set (`_host`), and the step time from measured
+rates (`_step_time`). Its constants were measured with bench/calibrate.py and bench/memory.py;
+bench/replay.py checks the model against every recorded measurement. It decides nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from .models.config import ModelConfig
+from .probe import LayerMemory
+
+GiB, MiB = 2**30, 2**20
+
+# --- measured constants (bench/calibrate.py, bench/memory.py; bf16, compiled layer, Hopper)
+# One decoder layer's activations when no device is there to measure them (probe.py measures them
+# before every CUDA run): bytes per token = cb * (a*hidden + b*ffn). An upper envelope of four
+# measured shapes (hidden 3072..12288): within 1-4% for wide layers, up to 1.5x for narrow ones.
+GRAPH_H, GRAPH_F = 14.4, 2.5
+BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
+FORWARD_H = 9.0  # peak above the input of a forward without autograd
+# The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient
+# (measured 16.3), and per token x hidden of a chunk: the norm in fp32 and its gradient.
+LOGIT_BYTES = 16
+HEAD_TOKEN_H = 24
+LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the weight's is formed
+LOSS_CHUNK_BUDGET = {"cuda": 4 * GiB, "cpu": 1 * GiB}
+LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
+# Host memory of the runtime beside the model state, above the resident set before the model is
+# built (CUDA libraries, kernels, pinned pools; measured 0.84 GiB), and the GPU memory outside the
+# allocator (the CUDA context).
+HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
+CUDA_CONTEXT = 600 * MiB
+GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
+PREFETCH = 2  # units copied ahead of compute
+STAGING_CHUNK = 32 * 2**20  # elements per device->host gradient chunk
+STAGING_SLOTS = 2
+INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, two_pass)
+
+# --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
+# bench/README.md). The plan only compares choices with them and projects step times.
+GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
+PCIE_BYTES_S = 45e9
+# The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
+# (it shares host memory bandwidth with the copies and cores with the launching thread), and even
+# "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
+ADAM_PARAMS_S = 3e9  # where it is not measured
+ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
+OPT_INTERFERENCE = 0.25
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the run may use. Sizes are budgets in bytes (None: unknown, not checked)."""
+
+    device: str  # "cuda" or "cpu"
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+    gpu_capped: bool = False
+    """gpu_bytes is a user cap that includes the CUDA context (not a measured free size)."""
+    gpu_flops: float | None = None
+    pcie_bytes_s: float = PCIE_BYTES_S
+    adam_params_s: float = ADAM_PARAMS_S
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The largest optimizer step of the run: rows padded to max_length are an upper bound."""
+
+    micro_batch_tokens: int
+    micro_batches: int
+    seq_len: int
+    compute_bytes: int
+    clip: bool
+    masked: bool = False
+    """An explicit attention mask (packing, sliding window): quadratic in seq_len."""
+    rows: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_tokens * self.micro_batches
+
+
+@dataclass
+class Plan:
+    """Every placement decision of a run, and the memory and time it predicts."""
+
+    device: str
+    grad_mode: str  # stored | two_pass | immediate
+    gpu_grad_units: int  # stored: leading units whose gradients wait on the GPU (the rest: host)
+    resident_units: int  # leading units whose fp32 state lives on the GPU
+    keep_layers: int  # trailing layers whose graphs are kept from the forward sweep
+    parked_layers: int  # leading layers whose boundary activations wait in host memory
+    loss_chunk_tokens: int
+    prefetch: int = PREFETCH
+    staging_elems: int = STAGING_CHUNK
+    inflight_units: int = INFLIGHT_UNITS
+    gpu_peak: int = 0
+    """Predicted peak of allocated GPU memory (torch.cuda.max_memory_allocated)."""
+    gpu: dict[str, int] = field(default_factory=dict)
+    """The tensors alive at that peak, by kind."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Host memory by kind; its sum is the predicted growth of the resident set."""
+    pinned: int = 0
+    step_time_s: float = 0.0
+    """Cost-model estimate of one optimizer step (comparisons and projections, not a promise)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "host_total": self.host_total}
+
+
+# ---------------------------------------------------------------------------- model shape
+@dataclass(frozen=True)
+class Shape:
+    """What the memory model needs of a model: units in forward order (numel incl. padding)."""
+
+    units: tuple[int, ...]  # embed, layers..., head
+    largest_param: tuple[int, ...]  # per unit
+    hidden: int
+    ffn: int
+    q_dim: int
+    vocab: int
+    layers: int
+    tied: bool
+    layer_mem: LayerMemory
+
+    @property
+    def layer(self) -> int:
+        return self.units[1] if self.layers else 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.units)
+
+
+def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
+    """A conservative estimate of one layer's activation memory (see GRAPH_H)."""
+    h, f, cb = cfg.hidden_size, cfg.intermediate_size, compute_bytes
+    return LayerMemory(cb * (GRAPH_H * h + GRAPH_F * f), cb * BACKWARD_H * h, 0.0, cb * FORWARD_H * h)
+
+
+def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
+    from .state import build_units  # meta-device templates: shapes only
+
+    units = build_units(cfg)
+    return Shape(
+        units=tuple(u.numel for u in units),
+        largest_param=tuple(max(p.numel for p in u.params) for u in units),
+        hidden=cfg.hidden_size,
+        ffn=cfg.intermediate_size,
+        q_dim=cfg.num_attention_heads * cfg.head_dim,
+        vocab=cfg.vocab_size,
+        layers=cfg.num_hidden_layers,
+        tied=cfg.tie_word_embeddings,
+        layer_mem=layer_mem,
+    )
+
+
+def _mask_bytes(b: Batch, cb: int) -> int:
+    """An explicit [rows, 1, S, S] boolean mask and the additive copy the kernel makes of it."""
+    return b.rows * b.seq_len * b.seq_len * (1 + cb) if b.masked else 0
+
+
+def loss_chunk(s: Shape, b: Batch, m: Machine, given: int | None) -> int:
+    """Tokens per loss-head chunk: as many as LOSS_CHUNK_BUDGET (or 4% of a small GPU) holds;
+    fewer, larger chunks launch fewer kernels."""
+    if given:
+        return given
+    budget = LOSS_CHUNK_BUDGET[m.device]
+    if m.device == "cuda" and m.gpu_bytes is not None:
+        budget = min(budget, int(LOSS_CHUNK_SHARE * m.gpu_bytes))
+    return max(256, min(b.micro_batch_tokens, budget // (LOGIT_BYTES * s.vocab)))
+
+
+# ---------------------------------------------------------------------------- GPU memory model
+def _schedule(s: Shape, plan: Plan) -> list[list[int]]:
+    """The engine's fetch orders in one step (unit j+1 is layer j), one list per `begin`: forward
+    and backward in one for the stored and two-pass first sweeps, apart in immediate mode (whose
+    backward sweep runs in `step`)."""
+    forward = list(range(len(s.units))) + ([0] if s.tied else [])  # a tied head borrows the embedding
+    backward = list(range(s.layers - plan.keep_layers, 0, -1))
+    return [forward, backward] if plan.grad_mode == "immediate" else [forward + backward]
+
+
+def _windows(s: Shape, plan: Plan, cb: int) -> list[tuple[int, int]]:
+    """For each fetch of a step, in order: the weight buffers alive while that unit computes (it
+    and the `prefetch` units copied ahead, in compute dtype), and the fp32 landing buffer of the
+    unit being copied then (converted on the device; resident units need none). The landing
+    buffer lives only while that copy is issued, before the unit's own work allocates anything."""
+    out = []
+    for order in _schedule(s, plan):
+        for i in range(len(order)):
+            win = order[i : i + plan.prefetch + 1]
+            newest = win[-1]
+            stage = 4 * s.units[newest] if cb != 4 and newest >= plan.resident_units else 0
+            out.append((cb * sum(s.units[u] for u in win), stage))
+    return out
+
+
+@dataclass
+class _Phase:
+    """GPU memory at one point of a step: `rest` is alive throughout, `work` while the unit
+    computes, `landing` while the next copy is issued (before the work starts)."""
+
+    name: str
+    window: tuple[int, int]
+    rest: dict[str, int]
+    work: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.rest.values()) + self.window[0] + max(self.window[1], sum(self.work.values()))
+
+    def parts(self) -> dict[str, int]:
+        if self.window[1] > sum(self.work.values()):
+            return {**self.rest, "weight buffers": self.window[0] + self.window[1]}
+        return {**self.rest, "weight buffers": self.window[0], **self.work}
+
+
+def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
+    """Replay one optimizer step: the GPU memory alive at each point (forward at each layer, the
+    loss head, backward at each layer, the embedding), by kind."""
+    cb, L, h, lm = b.compute_bytes, s.layers, s.hidden, s.layer_mem
+    T, Tm = b.tokens, b.micro_batch_tokens
+    act = T * h * cb  # one layer's boundary activations, all micro-batches
+    R, k, p = plan.resident_units, plan.keep_layers, plan.parked_layers
+    stored, two_pass = plan.grad_mode == "stored", plan.grad_mode == "two_pass"
+    n = len(s.units)
+    win = _windows(s, plan, cb)
+    # Gradients held on the GPU until the optimizer step: resident units' always, and in stored
+    # mode the leading units' the plan keeps there. suffix[u]: their bytes over units >= u.
+    on_gpu = [u < R or (stored and u < plan.gpu_grad_units) for u in range(n)]
+    suffix, suffix_streamed = [0] * (n + 1), [0] * (n + 1)
+    for u in range(n - 1, -1, -1):
+        suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
+        suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
+    resident = {"fp32 state of GPU-resident units": 12 * sum(s.units[:R])}  # in every phase
+    kept_graph = lm.graph(T) + act + cb * s.layer  # a kept layer's graphs, outputs and weights
+    mask = _mask_bytes(b, cb)
+
+    def acts_before(j: int) -> int:
+        """Boundary activations on the GPU for layers < j: p .. L-k-1 (parked ones lead; kept
+        layers hold theirs inside their graphs)."""
+        return act * max(0, min(j, L - k) - p)
+
+    head_grad = 4 * s.units[-1] + (4 * s.units[0] if s.tied else 0)
+
+    def inflight(u: int) -> int:
+        """immediate, two_pass: gradients of the units stepped just before unit u (backward
+        order: head, last layer, ..., embedding) that the host optimizer has not taken yet."""
+        return sum(4 * s.units[v] for v in range(u + 1, min(n, u + 1 + plan.inflight_units)))
+
+    phases: list[_Phase] = []
+    # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
+    # the host optimizer, which runs in forward order behind this sweep, has taken them.
+    for j in range(L):
+        kept = j >= L - k
+        rest = {
+            "boundary activations": acts_before(j) + Tm * h * cb,
+            "kept graphs": kept_graph * max(0, j - (L - k)),
+            "gradients": suffix_streamed[j + 2] if stored else 0,
+        }
+        work = {"layer forward": (lm.graph(Tm) if kept else lm.forward(Tm)) + mask}
+        phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
+    # The head: every boundary activation and kept graph alive, the loss chunk on top.
+    head = L + 1
+    rest = {"boundary activations": acts_before(L), "kept graphs": kept_graph * k}
+    work = {
+        # a chunk's logits and their gradients, or later the LM head weight's gradient of the chunk
+        # beside the logits' gradient in compute dtype (wins for wide layers); the last hidden states
+        # and their gradient
+        "loss head": max(
+            plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H),
+            plan.loss_chunk_tokens * s.vocab * LOGIT_GRAD_BYTES + cb * s.vocab * h,
+        )
+        + 2 * T * h * cb,
+        "gradients": head_grad,
+    }
+    phases.append(_Phase("head", win[head], {**resident, **rest}, work))
+    # Backward sweep at layer j (from the last): activations of layers <= j (all of them during a
+    # norm-only first pass), the activation gradients of all micro-batches, the gradients held
+    # before it; the layer's recomputed graph, its output, the backward's working set, its fp32
+    # gradient and its parameter gradients in compute dtype.
+    back = {u: head + 1 + int(s.tied) + i for i, u in enumerate(range(L - k, 0, -1))}
+    for j in range(L - 1, -1, -1):
+        u = j + 1
+        kept = j >= L - k
+        if stored:
+            held = suffix[u + 1] + (0 if on_gpu[u + 1] else 4 * s.units[u + 1])  # + one on its way out
+        elif two_pass:  # the first pass holds the head's gradient; the second streams
+            held = max(head_grad, inflight(u))
+        else:
+            held = inflight(u)
+        rest = {
+            "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
+            + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
+            "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
+            "activation gradients": T * h * cb,
+            "gradients": held,
+        }
+        work = {
+            "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb) + lm.backward(Tm) + mask,
+            "unit gradient": (4 + cb) * s.units[u],
+        }
+        phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
+    # The embedding's gradient: a scatter-add of the last activation gradient, in fp32.
+    rest = {
+        "activation gradients": T * h * cb,
+        "gradients": suffix[0] if stored else inflight(0),
+    }
+    work = {"embedding backward": Tm * h * 4 + (0 if on_gpu[0] else 4 * s.units[0])}
+    phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work))
+    return phases
+
+
+def _gpu_peak(s: Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
+    """The most GPU memory alive at once in one step, with its parts."""
+    worst = max(_phases(s, b, plan), key=lambda ph: ph.total)
+    return worst.total, {name: v for name, v in worst.parts().items() if v}
+
+
+def phase_peaks(
+    cfg: ModelConfig, batch: Batch, plan: Plan, layer_mem: LayerMemory | None = None
+) -> dict[str, int]:
+    """The predicted GPU peak of each phase of a step (forward, head, backward), for comparing the
+    memory model with the allocator's counters phase by phase."""
+    s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
+    out: dict[str, int] = {}
+    for ph in _phases(s, batch, plan):
+        out[ph.name] = max(out.get(ph.name, 0), ph.total)
+    return out
+
+
+# ---------------------------------------------------------------------------- host memory model
+def _host(s: Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
+    """Host memory by kind, and how much of it is page-locked."""
+    cb, T, h = b.compute_bytes, b.tokens, s.hidden
+    host = {"fp32 weights + AdamW moments": 12 * s.total}
+    if plan.device == "cpu":
+        if plan.grad_mode == "stored":
+            host["fp32 gradients"] = 4 * s.total
+        else:
+            host["fp32 gradients in flight"] = 4 * (2 * max(s.units))
+        host["boundary activations"] = T * h * cb * s.layers
+        host["layer working set"] = s.layer_mem.graph(b.micro_batch_tokens) + s.layer_mem.backward(
+            b.micro_batch_tokens
+        )
+        host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
+        host["runtime"] = HOST_RUNTIME["cpu"]
+        return host, 0
+    pinned = 4 * s.total  # the master weights, registered in place
+    first_spilled = max(plan.gpu_grad_units, plan.resident_units)
+    spilled = sum(s.units[first_spilled:]) if plan.grad_mode == "stored" else 0
+    if spilled > 0:
+        host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
+        pinned += 4 * spilled
+    if plan.parked_layers:
+        host["boundary activations (page-locked)"] = plan.parked_layers * _parked_layer_bytes(b, h)
+        pinned += host["boundary activations (page-locked)"]
+    host["gradient staging (page-locked)"] = STAGING_SLOTS * plan.staging_elems * 4
+    pinned += host["gradient staging (page-locked)"]
+    host["runtime"] = HOST_RUNTIME["cuda"]
+    return host, pinned
+
+
+def _parked_layer_bytes(b: Batch, hidden: int) -> int:
+    """One layer's boundary activations in the host buffer (each micro-batch 512-byte aligned)."""
+    per_mb = b.micro_batch_tokens * hidden * b.compute_bytes
+    return b.micro_batches * (-(-per_mb // 512) * 512)
+
+
+# ---------------------------------------------------------------------------- cost model
+def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
+    """Seconds per optimizer step: GPU compute or PCIe, whichever binds, plus the part of the
+    CPU optimizer that the overlap does not hide."""
+    F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
+    T, L = b.tokens, s.layers
+    attn = 2 * T * b.seq_len * s.q_dim  # causal QK^T and PV of one layer's forward
+    layer_fwd = 2 * s.layer * T + attn
+    head = 6 * s.vocab * s.hidden * T
+    recompute = L - plan.keep_layers
+    passes = 2 if plan.grad_mode == "two_pass" else 1
+    flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
+    gpu = flops / F
+    if m.device == "cpu":
+        return gpu + s.total / m.adam_params_s
+    streamed = sum(s.units[plan.resident_units :])
+    act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
+    h2d = 4 * streamed * (1 + passes) + act_bytes * passes
+    d2h = 4 * streamed + act_bytes
+    pcie = max(h2d, d2h) / m.pcie_bytes_s
+    optimizer = streamed / m.adam_params_s
+    if plan.grad_mode == "stored":
+        on_gpu = sum(s.units[plan.resident_units : plan.gpu_grad_units])
+        optimizer = max(optimizer, 4 * on_gpu / m.pcie_bytes_s)
+        window = L * layer_fwd / F  # the next forward sweep
+    else:
+        window = 3 * L * layer_fwd / F  # the backward sweep that lands the gradients
+    return max(gpu, pcie) + max(0.0, optimizer - window) + OPT_INTERFERENCE * min(optimizer, window)
+
+
+def usable_gpu(m: Machine) -> int | None:
+    if m.gpu_bytes is None:
+        return None
+    ctx = CUDA_CONTEXT if m.gpu_capped else 0
+    return int((m.gpu_bytes - ctx) * (1 - GPU_RESERVE))
+
+
+def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
+    plan = replace(plan)
+    if plan.device == "cuda":
+        plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
+    plan.host, plan.pinned = _host(s, b, plan)
+    plan.step_time_s = _step_time(s, b, plan, m)
+    return plan
+
+
+def fits(plan: Plan, m: Machine) -> bool:
+    gpu = usable_gpu(m)
+    if plan.device == "cuda" and gpu is not None and plan.gpu_peak > gpu:
+        return False
+    return m.host_bytes is None or plan.host_total <= m.host_bytes
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / 1024:.1f} KiB"
