@@ -68,18 +68,11 @@ def parse(spec: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- worker
-def worker(run: dict) -> dict:
-    import torch
+def shape_of(run: dict):
+    """(ModelConfig, sequence length, sequences per micro-batch, micro-batches per step) of a run."""
     from transformers import LlamaConfig
 
-    from megatrain.batch import MicroBatch
-    from megatrain.config import parse_size
-    from megatrain.memory import MemoryRecord
     from megatrain.models.config import ModelConfig
-    from megatrain.optim import AdamWConfig
-    from megatrain.placement import Batch, Choices, phase_peaks
-    from megatrain.probe import layer_memory_for
-    from megatrain.runtime import build_model, make_plan
 
     h, L, heads, kv, ffn, V = MODELS[run["model"]]
     seq = int(run.get("seq", 4096))
@@ -97,7 +90,22 @@ def worker(run: dict) -> dict:
     )
     T = run["tokens"]
     mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
-    accum = T // (mbs * seq)
+    return cfg, seq, mbs, T // (mbs * seq)
+
+
+def worker(run: dict) -> dict:
+    import torch
+
+    from megatrain.batch import MicroBatch
+    from megatrain.config import parse_size
+    from megatrain.memory import MemoryRecord
+    from megatrain.optim import AdamWConfig
+    from megatrain.placement import Batch, Choices, phase_peaks
+    from megatrain.probe import layer_memory_for
+    from megatrain.runtime import build_model, make_plan
+
+    cfg, seq, mbs, accum = shape_of(run)
+    T, V = run["tokens"], cfg.vocab_size
     clip = float(run.get("max_grad_norm", 1.0))
     size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
     t0 = time.perf_counter()

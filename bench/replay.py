@@ -18,10 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from memory import MODELS  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+from memory import shape_of  # noqa: E402
 
-from megatrain.models.config import ModelConfig  # noqa: E402
 from megatrain.placement import Batch, Plan, phase_peaks  # noqa: E402
 from megatrain.probe import LayerMemory  # noqa: E402
 
@@ -35,22 +33,8 @@ PLAN_FIELDS = (
 def replay(record: dict) -> dict[str, tuple[int, int]]:
     """phase -> (measured, predicted) peak bytes."""
     run = record["run"]
-    h, L, heads, kv, ffn, V = MODELS[run["model"]]
-    seq = int(run.get("seq", 4096))
-    cfg = ModelConfig.from_hf(
-        LlamaConfig(
-            hidden_size=h,
-            num_hidden_layers=int(run.get("layers", L)),
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            intermediate_size=ffn,
-            vocab_size=V,
-            max_position_embeddings=max(seq, 8192),
-        )
-    )
-    T = run["tokens"]
-    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
-    batch = Batch(mbs * seq, T // (mbs * seq), seq, 2, float(run.get("max_grad_norm", 1.0)) > 0, rows=mbs)
+    cfg, seq, mbs, accum = shape_of(run)
+    batch = Batch(mbs * seq, accum, seq, 2, float(run.get("max_grad_norm", 1.0)) > 0, rows=mbs)
     plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS})
     predicted = phase_peaks(cfg, batch, plan, LayerMemory(**record["layer_mem"]))
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items()}

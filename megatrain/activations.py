@@ -41,9 +41,14 @@ class HostActivations:
         """Bytes one layer's parked inputs take in its slot."""
         return sum(-(-t * hidden * itemsize // _ALIGN) * _ALIGN for t in tokens_per_micro_batch)
 
+    @staticmethod
+    def slot_bytes(layer_bytes: int) -> int:
+        """A layer's slot: page-aligned, so the buffer can be page-locked in pieces at slots."""
+        return -(-layer_bytes // PAGE) * PAGE
+
     def begin(self, layer_bytes: int, layers: int) -> None:
         """Start a step that parks up to `layer_bytes` for each of `layers` layers."""
-        stride = -(-layer_bytes // PAGE) * PAGE
+        stride = self.slot_bytes(layer_bytes)
         if self.buf is None or stride > self.stride or stride * layers > self.buf.numel():
             self.close()
             self.stride = stride

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from .activations import HostActivations
 from .models.config import ModelConfig
 from .probe import LayerMemory
 
@@ -373,9 +374,9 @@ def _host(s: Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
 
 
 def _parked_layer_bytes(b: Batch, hidden: int) -> int:
-    """One layer's boundary activations in the host buffer (each micro-batch 512-byte aligned)."""
-    per_mb = b.micro_batch_tokens * hidden * b.compute_bytes
-    return b.micro_batches * (-(-per_mb // 512) * 512)
+    """One layer's slot in the host buffer of parked activations."""
+    tokens = [b.micro_batch_tokens] * b.micro_batches
+    return HostActivations.slot_bytes(HostActivations.layer_bytes(tokens, hidden, b.compute_bytes))
 
 
 # ---------------------------------------------------------------------------- cost model

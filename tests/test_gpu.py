@@ -64,7 +64,7 @@ def _plan(mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0) -> Plan:
     return Plan("cuda", mode, gpu_grads, resident, keep, parked, loss_chunk_tokens=100)
 
 
-def _train(cfg, plan, overlap, max_norm=0.5, staging=None):
+def _build(cfg, plan, overlap=True, staging=None):
     m = build_model(
         cfg,
         seed=3,
@@ -75,9 +75,14 @@ def _train(cfg, plan, overlap, max_norm=0.5, staging=None):
         plan=plan,
         compile=False,  # the schedule is under test; compiled layers are in the last tests
     )
-    if staging:  # many chunks per unit: exercise the chunked pipeline
+    if staging:  # many chunks per unit: exercise the chunked pipeline (and a slow optimizer)
         m.transport.chunk_elems = staging
         m.transport.staging = [torch.empty(staging, pin_memory=True) for _ in range(2)]
+    return m
+
+
+def _train(cfg, plan, overlap, max_norm=0.5, staging=None):
+    m = _build(cfg, plan, overlap, staging)
     losses, norms = _steps(m, max_norm=max_norm)
     out = (losses, norms, m.state.master.clone(), m.state.exp_avg_sq.clone())
     moved = m.engine.host_acts.bytes_moved if m.engine.host_acts is not None else 0
@@ -138,15 +143,7 @@ def test_page_locking_in_pieces(monkeypatch):
     cfg = _cfg("llama")
     (ref, _) = _train(cfg, _plan(gpu_grads=0), overlap=True)
     monkeypatch.setattr(hostmem, "MAX_REGISTRATION", 2**20)
-    m = build_model(
-        cfg,
-        seed=3,
-        device="cuda",
-        compute_dtype="bfloat16",
-        adamw=ADAMW,
-        plan=_plan(gpu_grads=0),
-        compile=False,
-    )
+    m = _build(cfg, _plan(gpu_grads=0))
     assert all(len(r.ptrs) >= 3 for r in m.transport._registrations)
     losses, norms = _steps(m)
     diff = (ref[2] - m.state.master).abs()
@@ -210,19 +207,8 @@ def test_eval_after_an_async_step_sees_the_updated_weights(case):
     evaluation = [MicroBatch(ids, ids) for ids in (torch.randint(0, 512, (2, 96), generator=g),) * 2]
     results = []
     for overlap, evaluate in ((False, True), (True, True), (True, False)):
-        m = build_model(
-            cfg,
-            seed=3,
-            device="cuda",
-            compute_dtype="bfloat16",
-            adamw=ADAMW,
-            overlap=overlap,
-            plan=plan,
-            compile=False,
-        )
-        if overlap:  # a slow, many-chunk optimizer: a fetch that did not wait would read old weights
-            m.transport.chunk_elems = 10_000
-            m.transport.staging = [torch.empty(10_000, pin_memory=True) for _ in range(2)]
+        # overlapped: a slow, many-chunk optimizer; a fetch that did not wait would read old weights
+        m = _build(cfg, plan, overlap, staging=10_000 if overlap else None)
         evals, step = [], m.engine.step
 
         def step_then_eval(lr, coef, m=m, evals=evals, step=step, evaluate=evaluate):
