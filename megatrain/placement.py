@@ -239,6 +239,8 @@ def gpu_available(device) -> int | None:
 def measure(device, max_gpu_memory: int | None = None, max_host_memory: int | None = None) -> Machine:
     """The budgets of a run on `device` (a torch.device or "cpu"/"cuda[:N]"): the caps where the
     user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s)."""
+    import torch
+
     from .probe import adam_rate
 
     kind = str(device).split(":")[0]
@@ -246,7 +248,9 @@ def measure(device, max_gpu_memory: int | None = None, max_host_memory: int | No
     if kind == "cuda":
         gpu = max_gpu_memory if max_gpu_memory is not None else gpu_available(device)
     host = max_host_memory if max_host_memory is not None else host_available()
-    adam = ADAM_IN_STEP * adam_rate() if kind == "cuda" else ADAM_PARAMS_S
+    # This host's rate only where the run will happen (not when planning from a login node).
+    on_target = kind == "cuda" and torch.cuda.is_available()
+    adam = ADAM_IN_STEP * adam_rate() if on_target else ADAM_PARAMS_S
     return Machine(kind, gpu, host, gpu_capped=max_gpu_memory is not None, adam_params_s=adam)
 
 
