@@ -29,6 +29,22 @@ from megatrain.models.config import ModelConfig
 from megatrain.trainer import train
 
 
+class _FileProxy:
+    """An open file whose `write` a test replaces (a kill, a full disk); the rest passes through."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 def snapshot(d: Path) -> dict[str, bytes]:
     """Every file under `d` with its bytes: what must stay exactly as it was."""
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
@@ -200,23 +216,11 @@ def test_metrics_trim_on_resume_is_atomic(tmp_path, monkeypatch):
     (out / "metrics.jsonl").write_text(text)
     real_open = builtins.open
 
-    class DiesHalfway:
-        def __init__(self, f):
-            self.f = f
-
+    class DiesHalfway(_FileProxy):
         def write(self, data):
             self.f.write(data[: len(data) // 2])
             self.f.flush()
             raise KeyboardInterrupt  # the kill
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
 
     def dying_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
@@ -271,25 +275,13 @@ class FullDisk:
         real_open = builtins.open
         disk = self
 
-        class Filling:
-            def __init__(self, f):
-                self.f = f
-
+        class Filling(_FileProxy):
             def write(self, data):
                 n = len(memoryview(data).cast("B")) if not isinstance(data, str) else len(data)
                 if n > disk.left:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 disk.left -= n
                 return self.f.write(data)
-
-            def __getattr__(self, name):
-                return getattr(self.f, name)
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                self.f.close()
 
         def filling_open(file, mode="r", *args, **kwargs):
             f = real_open(file, mode, *args, **kwargs)
