@@ -43,6 +43,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def signal_after_step(monkeypatch, n: int, signum: int = signal.SIGTERM):
+    """Make `Engine.step` send this process `signum` once the optimizer has taken step `n`;
+    returns the original method."""
+    orig = Engine.step
+
+    def step_then_signal(self, lr, coef):
+        out = orig(self, lr, coef)
+        if self.state.step == n:
+            os.kill(os.getpid(), signum)
+        return out
+
+    monkeypatch.setattr(Engine, "step", step_then_signal)
+    return orig
+
+
 def make_run(tmp_path: Path, vocab: int = 97, n: int = 48, **model_kw) -> dict:
     """A random-init model config and a tokens JSONL in tmp_path; returns base TrainConfig kwargs."""
     tiny_config("llama", vocab_size=vocab, **model_kw).save_pretrained(tmp_path / "model")
@@ -116,14 +131,7 @@ def test_exact_resume_after_sigterm_matches_uninterrupted_run(tmp_path, monkeypa
 
     # Run B: SIGTERM arrives during step 3; the step finishes, checkpoint-3 is saved, and
     # the run stops with exit code 143.
-    orig_step = Engine.step
-
-    def step_then_signal(self, lr, coef):
-        orig_step(self, lr, coef)
-        if self.state.step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(Engine, "step", step_then_signal)
+    orig_step = signal_after_step(monkeypatch, 3)
     b = tmp_path / "b"
     with pytest.raises(TrainingInterrupted, match="received SIGTERM, saved checkpoint-3; resume with") as e:
         train(TrainConfig(**base, output_dir=str(b), max_steps=7, save_steps=2))

@@ -5,15 +5,13 @@ checkpoint (pruning, final/, resume) and the readers of metrics.jsonl. CPU, tiny
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import tiny_config, tiny_hf_model
-from test_checkpoint import assert_bitwise, make_run, metrics, one_thread, tensors  # noqa: F401 (fixture)
+from test_checkpoint import assert_bitwise, make_run, metrics, one_thread, signal_after_step, tensors  # noqa: F401 (fixture)
 
 from megatrain.batch import IGNORE_INDEX, MicroBatch
 from megatrain.checkpoint import TRAINER_STATE, TrainerState, list_checkpoints, prune_checkpoints
@@ -384,14 +382,7 @@ def test_load_best_model_at_end_keeps_and_exports_the_best(tmp_path, scripted_ev
     # Interrupted after step 5 and resumed: the best (step 4) is remembered across the resume,
     # so step 6's better-than-nothing 2.0 does not displace it.
     b = tmp_path / "b"
-    real_step = Engine.step
-
-    def step_then_signal(self, lr, coef):
-        real_step(self, lr, coef)
-        if self.state.step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(Engine, "step", step_then_signal)
+    real_step = signal_after_step(monkeypatch, 5)
     with pytest.raises(TrainingInterrupted):
         train(TrainConfig(**run, output_dir=str(b)))
     monkeypatch.setattr(Engine, "step", real_step)

@@ -9,19 +9,17 @@ import io
 import json
 import os
 import shutil
-import signal
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import tiny_tokenizer
-from test_checkpoint import load_fully, make_run, metrics, one_thread, tensors  # noqa: F401 (fixture)
+from test_checkpoint import load_fully, make_run, metrics, one_thread, signal_after_step, tensors  # noqa: F401 (fixture)
 from test_cli import run_cli, write_yaml
 
 from megatrain.checkpoint import list_checkpoints, open_checkpoint
 from megatrain.config import TrainConfig
-from megatrain.engine import Engine
 from megatrain.errors import CheckpointError, ConfigError
 from megatrain.guard import TrainingInterrupted
 from megatrain.metrics import MetricsLogger
@@ -365,14 +363,7 @@ def test_save_strategy_steps_epoch_and_no(tmp_path, monkeypatch):
         assert (out / "final" / "model.safetensors").is_file()
 
     # save_strategy=no still saves a (complete) checkpoint when a signal stops the run.
-    orig_step = Engine.step
-
-    def step_then_signal(self, lr, coef):
-        orig_step(self, lr, coef)
-        if self.state.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(Engine, "step", step_then_signal)
+    signal_after_step(monkeypatch, 2)
     out = tmp_path / "stopped"
     with pytest.raises(TrainingInterrupted, match="saved checkpoint-2"):
         train(TrainConfig(**base, output_dir=str(out), max_steps=4, save_strategy="no", save_only_model=True))
