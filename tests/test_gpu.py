@@ -9,6 +9,8 @@ an evaluation right after an asynchronous optimizer step must see the updated we
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import tiny_config
@@ -225,3 +227,31 @@ def test_eval_after_an_async_step_sees_the_updated_weights(case):
     assert len(e0) == 4 and e0 == e1, (e0, e1)
     assert l0 == l1 == l2 and n0 == n1 == n2
     assert torch.equal(w0, w1) and torch.equal(w1, w2)
+
+
+def test_gradients_are_freed_once_stepped():
+    """Gradients held on the GPU until the clip are released by the optimizer worker as their
+    units are stepped: after the step's updates, the GPU holds no gradient (a released job must
+    not stay referenced until the next step hands over its own)."""
+    cfg = _cfg("llama")
+    m = _build(cfg, _plan(gpu_grads=UNITS), staging=10_000)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 512, (2, 128), generator=g)
+    m.engine.eval_loss([MicroBatch(ids, ids)])  # the weight buffers exist from here on
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    grad_bytes = sum(u.numel for u in m.state.units) * 4
+    m.engine.forward_backward([MicroBatch(ids, ids)])
+    held = torch.cuda.memory_allocated() - base
+    assert held >= grad_bytes, (held, grad_bytes)
+    _, coef = m.engine.clip_grad_norm(0.5)
+    m.engine.step(1e-3, coef)
+    m.transport.wait_updates()
+    deadline = time.monotonic() + 5  # the worker drops its last references just after the update
+    while torch.cuda.memory_allocated() - base > grad_bytes // 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = torch.cuda.memory_allocated() - base
+    m.close()
+    assert left < grad_bytes // 4, (
+        f"{left / 2**20:.1f} MiB still held after the step, gradients {grad_bytes / 2**20:.1f} MiB"
+    )
