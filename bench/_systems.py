@@ -116,6 +116,7 @@ def step_stats(times: list[float], warmup: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------- megatrain
 def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.batch import MicroBatch
+    from megatrain.config import parse_size
     from megatrain.models.config import ModelConfig
     from megatrain.optim import AdamWConfig, chunk_ranges
     from megatrain.placement import Choices
@@ -137,6 +138,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         seq_len=spec["seq"],
         grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"],
         choices=Choices(gpu_state=gpu_state),
+        max_host_memory=parse_size(spec["max_host_memory"]) if spec.get("max_host_memory") else None,
     )
     res.update(plan=plan.to_json())
     model = build_model(

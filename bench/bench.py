@@ -41,6 +41,9 @@ MODELS: dict[str, dict[str, int]] = {
     "A": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256),
     # 8.03 B, Llama-3.1-8B's shape
     "B": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256),
+    # Qwen2.5-14B's and Qwen2.5-32B's shapes (without the q/k/v biases: 0.01% of the parameters)
+    "Q14": dict(hidden=5120, layers=48, heads=40, kv=8, ffn=13824, vocab=152064),
+    "Q32": dict(hidden=5120, layers=64, heads=40, kv=8, ffn=27648, vocab=152064),
     "tiny": dict(hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=512),
 }
 
@@ -74,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per system run")
     ap.add_argument(
         "--deadline", type=float, default=560.0, help="seconds for the whole invocation; 0 = none"
+    )
+    ap.add_argument(
+        "--max-host-memory",
+        default=None,
+        help="megatrain's host budget, e.g. 480GiB (hosts whose MemTotal grows as memory is used)",
     )
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--tag", default=None)
@@ -351,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": a.steps,
                 "warmup": a.warmup,
                 "smoke": a.smoke,
+                "max_host_memory": a.max_host_memory,
             }
             raw = run_worker(spec, timeout, out / rec["log"])
             counted = raw.pop("params", None)

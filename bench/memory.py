@@ -32,6 +32,8 @@ MODELS = {  # hidden, layers, heads, kv, ffn, vocab
     "B": (4096, 32, 32, 8, 14336, 128256),
     "B18": (6144, 44, 48, 8, 16384, 128256),
     "B20": (6144, 48, 48, 8, 16384, 128256),
+    "Q14": (5120, 48, 40, 8, 13824, 152064),  # Qwen2.5-14B's shape without q/k/v biases
+    "Q32": (5120, 64, 40, 8, 27648, 152064),  # Qwen2.5-32B's
     "X120": (12288, 4, 96, 8, 28672, 128256),  # a 120B-class layer shape, a few layers
     "tiny": (256, 4, 8, 2, 640, 512),
 }
@@ -56,6 +58,11 @@ RUNS = {
     "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
     "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "X120-16k": "X120:16384:gpu_state=off",
+    # one GPU of a four-GPU host (512 GiB, whose MemTotal grows as memory is used)
+    "x4-Q32-64k": "Q32:65536:max_host_memory=480GiB,steps=4",
+    "x4-Q14-64k": "Q14:65536:max_host_memory=480GiB",
+    "x4-Q14-64k-off": "Q14:65536:gpu_state=off,max_host_memory=480GiB",
+    "x4-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=480GiB,steps=4",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
 }
 
