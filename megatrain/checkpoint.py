@@ -339,11 +339,16 @@ class Checkpoint:
             if k in self.train_config and self.train_config[k] != current.get(k)
         ]
 
-    def restore(self, state: HostState, batcher) -> TrainerState:
+    def restore(self, state: HostState, batcher, write_state: bool = True) -> TrainerState:
         """Load the AdamW moments into `state` (whose master weights were loaded from this
         checkpoint's model.safetensors by build_model), the data position into `batcher` and
-        the random generators. Returns the trainer state to continue from."""
-        for which in ("exp_avg", "exp_avg_sq"):
+        the random generators. Returns the trainer state to continue from. `write_state=False`:
+        another process fills the shared state (distributed.py).
+
+        The data position counts optimizer steps and every rank restores the same generator
+        states (the first rank's, which it saved), so a checkpoint resumes exactly in a
+        data-parallel world of any size with the same global batch."""
+        for which in ("exp_avg", "exp_avg_sq") if write_state else ():
             for unit in state.units:
                 flat = state.flat(unit, which)
                 for p in unit.params:

@@ -25,9 +25,11 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-def chunk_ranges(unit: Unit, max_elems: int) -> list[tuple[int, int]]:
-    """Split a unit's flat range into pieces of at most `max_elems` elements."""
-    return [(a, min(a + max_elems, unit.numel)) for a in range(0, unit.numel, max_elems)]
+def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """Split a unit's flat range (or its elements `span` = [lo, hi)) into pieces of at most
+    `max_elems` elements."""
+    lo, hi = span or (0, unit.numel)
+    return [(a, min(a + max_elems, hi)) for a in range(lo, hi, max_elems)]
 
 
 def adamw_range(
@@ -76,10 +78,14 @@ def adamw_range(
 
 
 class HostAdamW:
-    """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range."""
+    """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range.
 
-    def __init__(self, state: HostState, cfg: AdamWConfig):
+    `span(unit)` is the part of each unit this process steps: all of it alone, its own slice
+    when the ranks of a data-parallel world share the state (distributed.py)."""
+
+    def __init__(self, state: HostState, cfg: AdamWConfig, span=None):
         self.state, self.cfg = state, cfg
+        self.span = span or (lambda unit: (0, unit.numel))
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""

@@ -1,0 +1,61 @@
+"""`megatrain train CONFIG nproc_per_node=N`: start N training processes on this machine.
+
+The processes are started and watched by torch.distributed's own launcher (what `torchrun
+--standalone --nproc-per-node N -m megatrain train CONFIG` runs): a rendezvous on a free local
+port, RANK / LOCAL_RANK / WORLD_SIZE for each process, and when one process fails, the others are
+stopped (SIGTERM, then SIGKILL) and the failure is reported here as one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .errors import MegatrainError
+
+
+class LaunchError(MegatrainError):
+    """A training process of a data-parallel world failed."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def launch(config: str, overrides: list[str], nproc: int) -> int:
+    """Run `megatrain train config overrides` in `nproc` processes; 0 when all succeed, else
+    raises LaunchError naming the first process that failed (its exit code is the launcher's)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # The optimizer of each process gets its share of the cores (torchrun would say 1).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # Its INFO/WARNING lines (rendezvous, "Sending process ... closing signal") are not the user's.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    args = get_args_parser().parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--monitor-interval=0.5",
+            "--no-python",
+            sys.executable,
+            "-m",
+            "megatrain",
+            "train",
+            config,
+            *overrides,
+        ]
+    )
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode < 0:
+            what, code = f"was killed by {failure.signal_name()}", 128 - failure.exitcode
+        else:
+            what, code = f"exited with code {failure.exitcode}", failure.exitcode
+        raise LaunchError(
+            f"rank {rank} of {nproc} (pid {failure.pid}) {what}; the other ranks were stopped", code
+        ) from None
+    return 0
