@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,13 +130,16 @@ def build_model(
     compile: bool | None = None,
     machine: Machine | None = None,
     collective: Collective | None = None,
+    after_load: Callable[[HostState], None] | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
     sequence per step under `choices`). `overlap=False` selects the serial reference schedule on
     CUDA; `compile` compiles the decoder layer with torch.compile (default: on CUDA only);
     `machine` carries a user's max_gpu_memory, which caps the CUDA allocator. In a data-parallel
-    world (`collective`) the machine's ranks share one host state, filled by one of them."""
+    world (`collective`) the machine's ranks share one host state, filled by one of them.
+    `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
+    transport copies any of it to the device."""
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
@@ -155,6 +159,8 @@ def build_model(
             load_hf_weights(state, weights, cfg, progress=progress)
         else:
             init_random(state, cfg, seed, progress=progress)
+        if after_load is not None:
+            after_load(state)
     collective.barrier()  # the weights are in place before any rank reads them
     opt = HostAdamW(state, adamw or AdamWConfig(), span=collective.span)
     if compile is None:

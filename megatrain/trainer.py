@@ -146,6 +146,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         machine=machine,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
         collective=world,
+        after_load=resume.load_moments if resume else None,
     )
     engine = model.engine
     out = outputs.path
@@ -153,8 +154,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     notes = outputs.take_over() if main else []  # creates output_dir; a previous run's metrics kept aside
     if main:
         memory.write(out)
-    ts = resume.restore(model.state, batcher, write_state=world.holds_state) if resume else None
-    world.barrier()  # the restored moments are in the shared state before any rank steps
+    ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
     log = (

@@ -173,3 +173,42 @@ def test_cuda_world_without_nccl_is_one_line(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     with pytest.raises(ConfigError, match="needs NCCL"):
         ProcessGroup(torch.device("cuda", 0), timeout_s=10)
+
+
+# ---------------------------------------------------------------------------- on GPUs
+@pytest.mark.gpu
+def test_resume_with_device_resident_state_is_exact(tmp_path):
+    """The units whose fp32 state the plan keeps on the GPU get the checkpoint's moments too
+    (they were copied to the GPU before the moments were loaded)."""
+    base = make_run(tmp_path)
+    base.update(device="cuda", compute_dtype="float32", torch_compile=False, max_steps=4)
+    train(TrainConfig(**base, output_dir=str(tmp_path / "a")))
+    b = tmp_path / "b"
+    train(TrainConfig(**dict(base, max_steps=2), output_dir=str(b)))
+    train(TrainConfig(**base, output_dir=str(b), resume_from_checkpoint=True))
+    assert json.loads((b / "plan.json").read_text())["plan"]["resident_units"] > 0  # the case at issue
+    assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in metrics(tmp_path / "a")]
+    got, want = tensors(b / "final"), tensors(tmp_path / "a" / "final")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("gpu_state", ["auto", "off"])
+def test_two_gpus_equal_one_with_the_same_global_batch(tmp_path, gpu_state):
+    """NCCL, the streaming transport on page-locked shared state, each rank stepping its slice
+    (on the GPU for resident units, on the host otherwise)."""
+    base = make_run(tmp_path)
+    base.update(device="cuda", compute_dtype="float32", torch_compile=False, gpu_state=gpu_state)
+    base.update(max_steps=STEPS, save_steps=1, gradient_accumulation_steps=4)
+    train(TrainConfig(**base, output_dir=str(tmp_path / "one")))
+    proc = launch(
+        write_yaml(tmp_path / "run.yaml", base),
+        "gradient_accumulation_steps=2",
+        f"output_dir={tmp_path / 'two'}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_same_run(metrics(tmp_path / "two"), metrics(tmp_path / "one"), list(range(1, STEPS + 1)))
+    assert_close_weights(
+        tensors(tmp_path / "two" / "checkpoint-3"), tensors(tmp_path / "one" / "checkpoint-3")
+    )
