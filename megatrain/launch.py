@@ -4,13 +4,21 @@ The processes are started and watched by torch.distributed's own launcher (what 
 --standalone --nproc-per-node N -m megatrain train CONFIG` runs): a rendezvous on a free local
 port, RANK / LOCAL_RANK / WORLD_SIZE for each process, and when one process fails, the others are
 stopped (SIGTERM, then SIGKILL) and the failure is reported here as one line.
+
+Signals: the training processes run in sessions of their own (the launcher starts them so),
+out of reach of the terminal. SIGTERM or SIGINT (Ctrl-C) sent to this process is passed on to
+every one of them, so they behave as one process does: the first makes them finish their step,
+save a checkpoint together and exit 143 / 130, a second aborts them at once (guard.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+from pathlib import Path
 
 from .errors import MegatrainError
 
@@ -38,6 +46,7 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
             "--standalone",
             f"--nproc-per-node={nproc}",
             "--monitor-interval=0.5",
+            "--signals-to-handle=SIGHUP,SIGQUIT",  # SIGTERM, SIGINT: below
             "--no-python",
             sys.executable,
             "-m",
@@ -47,10 +56,13 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
             *overrides,
         ]
     )
+    previous = {s: signal.signal(s, _pass_on) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        if failure.exitcode in (130, 143):  # stopped by a signal, checkpoint saved: rank 0 said so
+            return failure.exitcode
         if failure.exitcode < 0:
             what, code = f"was killed by {failure.signal_name()}", 128 - failure.exitcode
         else:
@@ -58,4 +70,26 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
         raise LaunchError(
             f"rank {rank} of {nproc} (pid {failure.pid}) {what}; the other ranks were stopped", code
         ) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
+
+
+def _pass_on(signum: int, frame) -> None:
+    """Send `signum` to the training processes."""
+    for pid in children(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            os.kill(pid, signum)
+
+
+def children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (the training processes of a launcher)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                out.append(int(p.name))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return out

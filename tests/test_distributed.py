@@ -20,6 +20,7 @@ from megatrain.config import TrainConfig
 from megatrain.distributed import SHM_DIR, ProcessGroup, slices
 from megatrain.errors import ConfigError
 from megatrain.hostmem import shared_buffer
+from megatrain.launch import children
 from megatrain.trainer import train
 
 STEPS = 3
@@ -107,24 +108,13 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs):
     assert_close_weights(tensors(b / "checkpoint-3"), tensors(one / "checkpoint-3"))
 
 
-def _children(pid: int) -> dict[int, dict[str, str]]:
-    """pid -> environment of the processes whose parent is `pid`."""
-    out = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
-                continue
-            env = (p / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        out[int(p.name)] = dict(e.decode().split("=", 1) for e in env if b"=" in e)
-    return out
+def rank_of(pid: int) -> str | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in env if b"=" in e).get("RANK")
 
 
-def test_a_killed_rank_stops_the_run_with_one_line(runs, tmp_path):
-    _, base, _, _, _ = runs
+def start_endless(base: dict, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """Two processes training for ever (no saves), once the first step is logged."""
     out = tmp_path / "out"
     cfg_path = write_yaml(tmp_path / "run.yaml", dict(base, max_steps=100_000, save_steps=0))
     proc = subprocess.Popen(
@@ -138,13 +128,29 @@ def test_a_killed_rank_stops_the_run_with_one_line(runs, tmp_path):
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.2)
-    (victim,) = [pid for pid, env in _children(proc.pid).items() if env.get("RANK") == "1"]
+    return proc, out
+
+
+def test_a_killed_rank_stops_the_run_with_one_line(runs, tmp_path):
+    proc, _ = start_endless(runs[1], tmp_path)
+    (victim,) = [pid for pid in children(proc.pid) if rank_of(pid) == "1"]
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=90)
     assert time.monotonic() - t0 < 60
     assert proc.returncode == 128 + signal.SIGKILL
     assert f"megatrain: error: rank 1 of 2 (pid {victim}) was killed by SIGKILL" in err
+    assert "Traceback" not in err
+
+
+def test_sigterm_to_the_launcher_saves_one_checkpoint_and_exits_143(runs, tmp_path):
+    proc, out = start_endless(runs[1], tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 143, err
+    last = metrics(out)[-1]["step"]
+    assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{last}"]
+    assert err.count(f"megatrain: received SIGTERM, saved checkpoint-{last}") == 1, err
     assert "Traceback" not in err
 
 
