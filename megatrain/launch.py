@@ -39,8 +39,11 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
 
     # The optimizer of each process gets its share of the cores (torchrun would say 1).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Its INFO/WARNING lines (rendezvous, "Sending process ... closing signal") are not the user's.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # Its log lines (rendezvous, "closing signal", a failure's table) are not the user's: a
+    # failure is one line below. Each of its modules' loggers has a level of its own.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = get_args_parser().parse_args(
         [
             "--standalone",
