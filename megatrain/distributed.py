@@ -10,7 +10,9 @@ and the trainer talk to the other ranks only through a `Collective`:
   rank, and every rank takes the same decisions (clip, skip a non-finite step, stop on signal);
 * the fp32 master weights and AdamW moments exist once per machine, in shared host memory
   (hostmem.shared_buffer); each rank applies AdamW to its own slice of every unit (`span`) and
-  the ranks meet at a barrier (`settle`) before anyone fetches updated weights again.
+  a unit's update is complete when every rank has applied its slice (`updated`, a barrier per
+  unit met by the ranks' optimizer threads): a fetch waits for that unit alone, so the next
+  forward sweep overlaps the optimizer as it does in one process.
 
 `Single` is the world of one process: every method is the identity, so a one-process run is
 unchanged. `ProcessGroup` is a torch.distributed process group: NCCL between GPUs, gloo on the
@@ -31,7 +33,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -40,6 +42,7 @@ from .hostmem import PAGE, shared_buffer
 from .state import HostState, Unit
 
 SHM_DIR = Path("/dev/shm")
+T = TypeVar("T")
 
 
 class Collective(Protocol):
@@ -76,14 +79,17 @@ class Collective(Protocol):
     def any(self, flag: bool) -> bool:
         """Whether `flag` is true on some rank (signals: every rank stops at the same step)."""
 
+    def first(self, obj: T) -> T:
+        """Rank 0's `obj` (picklable) on every rank: one decision for all, such as the plan."""
+
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this rank applies AdamW to."""
 
     def barrier(self) -> None: ...
 
-    def settle(self, wait_local: Callable[[], None]) -> None:
-        """Return once every rank's optimizer updates are in the shared host state;
-        `wait_local` waits for this rank's."""
+    def updated(self, unit: Unit) -> None:
+        """This rank has applied its part of `unit`'s update; returns once every rank has (the
+        units in the same order on every rank, from one thread: the optimizer's)."""
 
     def host_state(self, units: list[Unit]) -> HostState:
         """The machine's host state: shared by its ranks, allocated once."""
@@ -112,14 +118,17 @@ class Single:
     def any(self, flag: bool) -> bool:
         return flag
 
+    def first(self, obj: T) -> T:
+        return obj
+
     def span(self, unit: Unit) -> tuple[int, int]:
         return 0, unit.numel
 
     def barrier(self) -> None:
         pass
 
-    def settle(self, wait_local) -> None:
-        pass  # the transport orders each fetch after its own unit's update
+    def updated(self, unit: Unit) -> None:
+        pass
 
     def host_state(self, units: list[Unit]) -> HostState:
         return HostState(units)
@@ -164,6 +173,7 @@ class ProcessGroup:
         dist.init_process_group(backend, timeout=timeout, **kw)
         # Barriers and flags go through gloo on the CPU: no device sync, the same timeout.
         self.cpu = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+        self.updates = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: deque = deque()
 
     @property
@@ -201,15 +211,21 @@ class ProcessGroup:
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.cpu)
         return bool(t)
 
+    def first(self, obj: T) -> T:
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0, group=self.cpu)
+        return box[0]
+
     def span(self, unit: Unit) -> tuple[int, int]:
         return slices(unit.numel, self.world_size)[self.rank]
 
     def barrier(self) -> None:
         self.dist.barrier(group=self.cpu)
 
-    def settle(self, wait_local) -> None:
-        wait_local()
-        self.barrier()
+    def updated(self, unit: Unit) -> None:
+        # A group of its own: the optimizer's thread meets the other ranks' optimizer threads
+        # while the main threads go on with the next forward sweep and their own collectives.
+        self.dist.barrier(group=self.updates)
 
     def host_state(self, units: list[Unit]) -> HostState:
         """Local rank 0 creates the three buffers as files in /dev/shm, the other ranks map

@@ -90,7 +90,6 @@ class Engine:
         # The other ranks of a data-parallel world (distributed.py): label tokens counted and
         # gradients summed over all of them; a world of one changes nothing.
         self.collective = collective or Single()
-        self._stepped = False  # updates in flight that other ranks' fetches must wait for
         self.device, self.dtype = torch.device(device), compute_dtype
         self.units = state.units
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
@@ -297,7 +296,6 @@ class Engine:
         n_tokens = self.collective.sum_count(sum(mb.num_label_tokens for mb in micro_batches))
         if n_tokens == 0:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
-        self.settle()
         self._norms, self._pending = {}, None
         self.transport.discard()
         mode = self.plan.grad_mode
@@ -326,12 +324,6 @@ class Engine:
         else:
             self._pending = (saved, dh, prep, head_grads)
         return loss, n_tokens
-
-    def settle(self) -> None:
-        """Before fetching weights the last step updated: every rank's updates applied."""
-        if self._stepped:
-            self.collective.settle(self.transport.wait_updates)
-            self._stepped = False
 
     def _begin_parking(self, micro_batches: list[MicroBatch]) -> None:
         if self.host_acts is None:
@@ -365,7 +357,6 @@ class Engine:
         (a device scalar); otherwise None."""
         self.state.step += 1
         st = self.state.step
-        self._stepped = True
         if self.plan.grad_mode == "stored":
             self.transport.step(coef, lr, st)
             return None
@@ -416,7 +407,6 @@ class Engine:
             # Its boundary activations are still on the device, and the plan has no room for two.
             raise RuntimeError("eval_loss inside an optimizer step: call it after step() or skip_step()")
         n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
-        self.settle()
         self.transport.begin(self._forward_order())
         prep = [self._prepare(mb) for mb in micro_batches]
         h, _ = self._forward_sweep(prep, keep=False)
@@ -438,7 +428,6 @@ class Engine:
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Full fp32 logits of one micro-batch (for evaluation and parity tests)."""
-        self.settle()
         self.transport.begin(self._forward_order())
         prep = [self._prepare(micro_batch)]
         h, _ = self._forward_sweep(prep, keep=False)

@@ -96,7 +96,6 @@ class Evaluator:
         t0 = time.perf_counter()
         # In a data-parallel world rank r takes every r-th chunk; the sums meet at the end.
         world = engine.collective
-        engine.settle()  # every rank's updates of the last step are in place
         # Summed on the device in float64, so large eval sets neither drift nor sync per chunk.
         sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, label tokens, tokens
         mine = range(world.rank, self.batcher.steps_per_epoch, world.world_size)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import Collective, Single
 from .state import HostState, Unit
 
 
@@ -80,12 +81,23 @@ def adamw_range(
 class HostAdamW:
     """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range.
 
-    `span(unit)` is the part of each unit this process steps: all of it alone, its own slice
-    when the ranks of a data-parallel world share the state (distributed.py)."""
+    In a data-parallel world (`world`, distributed.py) the ranks of a machine share the state:
+    each steps its own part of every unit (`span`), and a unit's update is complete once every
+    rank has `published` it."""
 
-    def __init__(self, state: HostState, cfg: AdamWConfig, span=None):
+    def __init__(self, state: HostState, cfg: AdamWConfig, world: Collective | None = None):
         self.state, self.cfg = state, cfg
-        self.span = span or (lambda unit: (0, unit.numel))
+        self.world = world or Single()
+
+    def span(self, unit: Unit) -> tuple[int, int]:
+        """The elements [lo, hi) of `unit` this process steps."""
+        return self.world.span(unit)
+
+    def published(self, unit: Unit) -> None:
+        """This process is done with `unit` for this step (stepped or skipped its part); returns
+        once every rank is, so its weights may be read. Called for the units in the order they
+        were handed over, from one thread."""
+        self.world.updated(unit)
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""

@@ -147,6 +147,8 @@ def build_model(
         configure_allocator()
     if plan is None:
         plan, machine = make_plan(cfg, device, dtype, choices=choices, compile=compile)
+    # The ranks of a world run one schedule (their collectives must pair up): the first one's.
+    plan = collective.first(plan)
     if device.type == "cuda" and machine is not None:
         fraction = placement.allocator_fraction(
             machine, torch.cuda.get_device_properties(device).total_memory
@@ -162,7 +164,7 @@ def build_model(
         if after_load is not None:
             after_load(state)
     collective.barrier()  # the weights are in place before any rank reads them
-    opt = HostAdamW(state, adamw or AdamWConfig(), span=collective.span)
+    opt = HostAdamW(state, adamw or AdamWConfig(), world=collective)
     if compile is None:
         compile = device.type == "cuda"
     transport: Transport

@@ -101,11 +101,11 @@ class SerialTransport:
                 self.step_unit(unit, held.pop(unit.index), coef, lr, step)
 
     def step_unit(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
-        if skip is not None and bool(skip):
-            return
-        lo, hi = self.optimizer.span(unit)
-        g = _scaled(grad[lo:hi], coef).to("cpu")
-        self.optimizer.step_range(unit, lo, hi, g, lr, step)
+        if skip is None or not bool(skip):
+            lo, hi = self.optimizer.span(unit)
+            g = _scaled(grad[lo:hi], coef).to("cpu")
+            self.optimizer.step_range(unit, lo, hi, g, lr, step)
+        self.optimizer.published(unit)
 
     def discard(self) -> None:
         self.held = {}
@@ -302,6 +302,7 @@ class StreamingTransport:
                 if bool(skip.to("cpu")):
                     if release:
                         self._inflight.release()
+                    self.optimizer.published(unit)
                     self._ready[unit.index].set()
                     continue
             if isinstance(g, torch.Tensor):
@@ -319,6 +320,7 @@ class StreamingTransport:
                     gh = _scaled(slot[a - span[0] : b - span[0]], coef_host)
                     self.optimizer.step_range(unit, a, b, gh, lr, step)
             del g
+            self.optimizer.published(unit)  # every rank's part of it is in the shared state
             self._ready[unit.index].set()
 
     def _apply_from_device(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int) -> None:

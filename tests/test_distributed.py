@@ -63,6 +63,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
     base = make_run(tmp)
     base.update(max_steps=STEPS, save_steps=1, gradient_accumulation_steps=4)
+    base.update(eval_dataset=base["dataset"], eval_steps=STEPS)  # evaluated once, at the end
     torch.set_num_threads(1)
     train(TrainConfig(**base, output_dir=str(tmp / "one")))
     cfg_path = write_yaml(tmp / "run.yaml", base)
@@ -75,9 +76,13 @@ def runs(tmp_path_factory):
 def test_two_processes_equal_one_with_the_same_global_batch(runs):
     tmp, _, _, proc, shm_before = runs
     one, two = tmp / "one", tmp / "two"
-    assert max(r["grad_norm"] for r in metrics(one)) > 1.0  # clipping was active
+    assert max(r.get("grad_norm", 0) for r in metrics(one)) > 1.0  # clipping was active
     assert_same_run(metrics(two), metrics(one), list(range(1, STEPS + 1)))
     assert_close_weights(tensors(two / "final"), tensors(one / "final"))
+    # The ranks split the eval set between them; the loss is over all of it.
+    (got,), (want,) = ([r for r in metrics(d) if "eval_loss" in r] for d in (two, one))
+    assert got["eval_label_tokens"] == want["eval_label_tokens"]
+    assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5, abs=0)
     # The checkpoints hold the same moments: the two ranks' slices made one whole state.
     assert_close_weights(tensors(two / "checkpoint-3"), tensors(one / "checkpoint-3"))
     assert "data parallel over 2 processes" in proc.stdout
