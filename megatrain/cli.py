@@ -78,12 +78,14 @@ def _size(text: str) -> int:
 
 def _train(args) -> int:
     from .config import TrainConfig
-    from .distributed import in_world
+    from .distributed import check_devices, in_world
 
     cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before any launch
     if cfg.nproc_per_node > 1 and not in_world():
         from .launch import launch
+        from .runtime import resolve_device
 
+        check_devices(resolve_device(cfg.device), cfg.nproc_per_node)
         return launch(args.config, args.overrides, cfg.nproc_per_node)
     from .trainer import train
 
@@ -225,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatrain: error: {where}: {e.strerror}", file=sys.stderr)
         return 2
     except Exception as e:
-        if not _lost_peer(e):
+        lost = _lost_peer(e)
+        if lost is None:
             raise
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = (str(lost).strip().splitlines() or [type(lost).__name__])[0][:300]
         print(
             f"megatrain: error: rank {rank}: another rank stopped or did not answer ({first})",
             file=sys.stderr,
@@ -235,12 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _lost_peer(e: Exception) -> bool:
-    """A collective failed in a data-parallel world: a rank died, or a timeout passed."""
+def _lost_peer(e: BaseException | None) -> BaseException | None:
+    """The failed collective behind `e` (the optimizer thread's, too) in a data-parallel world: a
+    rank died, or a timeout passed. None for any other error."""
     dist = sys.modules.get("torch.distributed")
     if "WORLD_SIZE" not in os.environ or dist is None:
-        return False
-    return isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "nccl" in str(e).lower()
+        return None
+    while e is not None:
+        if isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
+            return e
+        e = e.__cause__
+    return None
 
 
 if __name__ == "__main__":

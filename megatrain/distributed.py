@@ -269,15 +269,24 @@ def in_world() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def world_device(device: torch.device) -> torch.device:
-    """Each rank's GPU: cuda:LOCAL_RANK (a `device: cuda:N` naming one GPU is refused)."""
+def check_devices(device: torch.device, nproc: int) -> None:
+    """Refuse a world of `nproc` processes per machine that `device` cannot give a GPU each."""
     if device.type != "cuda":
-        return device
+        return
     if device.index is not None:
         raise ConfigError(f"device: {device} names one GPU; with several processes each uses cuda:LOCAL_RANK")
+    if nproc > torch.cuda.device_count():
+        raise ConfigError(
+            f"nproc_per_node: {nproc} processes, but this machine has {torch.cuda.device_count()} GPUs"
+        )
+
+
+def world_device(device: torch.device) -> torch.device:
+    """Each rank's GPU: cuda:LOCAL_RANK."""
+    check_devices(device, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+    if device.type != "cuda":
+        return device
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if local >= torch.cuda.device_count():
-        raise ConfigError(f"LOCAL_RANK {local}: this machine has {torch.cuda.device_count()} GPUs")
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 

@@ -17,7 +17,7 @@ import torch
 from test_checkpoint import make_run, metrics, subprocess_env, tensors, write_yaml
 
 from megatrain.config import TrainConfig
-from megatrain.distributed import SHM_DIR, ProcessGroup, slices
+from megatrain.distributed import SHM_DIR, ProcessGroup, check_devices, slices
 from megatrain.errors import ConfigError
 from megatrain.hostmem import shared_buffer
 from megatrain.launch import children
@@ -223,3 +223,12 @@ def test_two_gpus_equal_one_with_the_same_global_batch(tmp_path, gpu_state):
     assert_close_weights(
         tensors(tmp_path / "two" / "checkpoint-3"), tensors(tmp_path / "one" / "checkpoint-3")
     )
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="nproc_per_node: 3 processes, but this machine has 2 GPUs"):
+        check_devices(torch.device("cuda"), 3)
+    with pytest.raises(ConfigError, match="device: cuda:1 names one GPU"):
+        check_devices(torch.device("cuda", 1), 2)
+    check_devices(torch.device("cpu"), 8)  # gloo: any number of processes
