@@ -117,6 +117,7 @@ def step_stats(times: list[float], warmup: int) -> dict[str, Any]:
 def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.batch import MicroBatch
     from megatrain.config import parse_size
+    from megatrain.distributed import start
     from megatrain.models.config import ModelConfig
     from megatrain.optim import AdamWConfig, chunk_ranges
     from megatrain.placement import Choices
@@ -126,6 +127,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
     if not cuda and not spec["smoke"]:
         raise BenchError("CUDA not available")
     dev, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    # Under torchrun (bench/multigpu.py): data parallel, each rank a share of the step's micro-batches.
+    world, dev = start(torch.device(dev), timeout_s=900)
     mcfg = ModelConfig.from_hf(llama_config(spec))
     t0 = time.perf_counter()
     # The placement `megatrain train` would choose for this step shape on this machine.
@@ -136,7 +139,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         getattr(torch, dtype),
         batch_size=spec["mbs"],
         seq_len=spec["seq"],
-        grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"],
+        grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"] // world.world_size,
         choices=Choices(gpu_state=gpu_state),
         max_host_memory=parse_size(spec["max_host_memory"]) if spec.get("max_host_memory") else None,
     )
@@ -149,6 +152,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0),
         plan=plan,
         machine=machine,
+        collective=world,
     )
     eng, tr, state = model.engine, model.transport, model.state
     res.update(params=state.num_params, init_s=time.perf_counter() - t0, compute_dtype=dtype)
@@ -162,7 +166,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     for _ in range(2):
         t = time.perf_counter()
         for u in state.units:
-            for a, b in chunk_ranges(u, chunk):
+            for a, b in chunk_ranges(u, chunk, model.optimizer.span(u)):  # this rank's share
                 model.optimizer.step_range(u, a, b, zero[: b - a], LR, 1)
         opt_times.append(time.perf_counter() - t)
     del zero
@@ -174,7 +178,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
 
     def batches() -> list:
         out = []
-        for _ in range(T // S // mbs):
+        for _ in range(T // S // mbs // world.world_size):
             ids = torch.randint(0, mcfg.vocab_size, (mbs, S), generator=gen)
             out.append(MicroBatch(ids.pin_memory() if cuda else ids, ids))
         return out
@@ -283,7 +287,7 @@ def run_deepspeed(spec: dict, res: Result) -> None:
     deepspeed.init_distributed()
     cfg = llama_config(spec, torch_dtype="bfloat16")
     mbs, S = spec["mbs"], spec["seq"]
-    gas = spec["tokens_per_step"] // S // mbs
+    gas = spec["tokens_per_step"] // S // mbs // int(os.environ["WORLD_SIZE"])  # per GPU
     ds = {
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": gas,
@@ -411,7 +415,10 @@ def main() -> None:
         pass
     import transformers
 
-    res = Result(spec["result_path"], error=None, versions={"torch": torch.__version__})
+    # Under torchrun every rank runs this; the first one's record is the result.
+    rank = int(os.environ.get("RANK", "0"))
+    path = spec["result_path"] if rank == 0 else f"{spec['result_path']}.rank{rank}"
+    res = Result(path, error=None, versions={"torch": torch.__version__})
     res.data["versions"]["transformers"] = transformers.__version__
     try:
         if torch.cuda.is_available():

@@ -240,9 +240,12 @@ def run_worker(spec: dict[str, Any], timeout: float, log_path: Path) -> dict[str
     base = peak = mem_used_bytes()
     t0 = time.monotonic()
     timed_out = False
+    cmd = [sys.executable, str(WORKER), str(work / "spec.json")]
+    if spec.get("nproc", 1) > 1:  # data parallel: every rank a worker, started by torchrun
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['nproc']}"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(work / "spec.json")],
+            cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

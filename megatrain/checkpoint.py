@@ -339,10 +339,10 @@ class Checkpoint:
             if k in self.train_config and self.train_config[k] != current.get(k)
         ]
 
-    def restore(self, state: HostState, batcher) -> TrainerState:
-        """Load the AdamW moments into `state` (whose master weights were loaded from this
-        checkpoint's model.safetensors by build_model), the data position into `batcher` and
-        the random generators. Returns the trainer state to continue from."""
+    def load_moments(self, state: HostState) -> None:
+        """Load the AdamW moments into `state`, whose master weights build_model loaded from
+        this checkpoint's model.safetensors; build_model calls it before the transport copies
+        any state to the device (the units the plan keeps there)."""
         for which in ("exp_avg", "exp_avg_sq"):
             for unit in state.units:
                 flat = state.flat(unit, which)
@@ -350,6 +350,15 @@ class Checkpoint:
                     flat[p.offset : p.offset + p.numel].view(p.shape).copy_(
                         self.optimizer.get(f"{which}.{p.key}")
                     )
+
+    def restore(self, state: HostState, batcher) -> TrainerState:
+        """The rest of what a resume restores, in every process: the optimizer step count, the
+        data position into `batcher` and the random generators. Returns the trainer state to
+        continue from.
+
+        The data position counts optimizer steps and every rank restores the same generator
+        states (the first rank's, which it saved), so a checkpoint resumes exactly in a
+        data-parallel world of any size with the same global batch."""
         self.optimizer.close()
         ts = self.trainer_state
         state.step = ts.optimizer_step

@@ -78,9 +78,18 @@ def _size(text: str) -> int:
 
 def _train(args) -> int:
     from .config import TrainConfig
+    from .distributed import check_devices, in_world
+
+    cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before any launch
+    if cfg.nproc_per_node > 1 and not in_world():
+        from .launch import launch
+        from .runtime import resolve_device
+
+        check_devices(resolve_device(cfg.device), cfg.nproc_per_node)
+        return launch(args.config, args.overrides, cfg.nproc_per_node)
     from .trainer import train
 
-    train(TrainConfig.load(args.config, args.overrides))
+    train(cfg)
     return 0
 
 
@@ -192,14 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # before torch starts
     args = build_parser().parse_args(argv)
+    # In a data-parallel world every rank meets the same errors: the first one reports them.
+    rank = int(os.environ.get("RANK", "0"))
+    say = (lambda text: print(text, file=sys.stderr)) if rank == 0 else (lambda text: None)
     try:
         return args.func(args)
     except TrainingInterrupted as e:
-        print(f"megatrain: {e}", file=sys.stderr)
+        say(f"megatrain: {e}")
         return e.exit_code
     except MegatrainError as e:
         text = " ".join(str(e).split())  # one line, whatever a library put in the message
-        print(f"megatrain: error: {text}", file=sys.stderr)
+        print(f"megatrain: error: {'' if rank == 0 else f'rank {rank}: '}{text}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except Aborted as e:
         print(f"megatrain: {e}", file=sys.stderr)
@@ -214,6 +226,29 @@ def main(argv: list[str] | None = None) -> int:
         where = f"cannot write {e.filename}" if e.filename else "cannot write"
         print(f"megatrain: error: {where}: {e.strerror}", file=sys.stderr)
         return 2
+    except Exception as e:
+        lost = _lost_peer(e)
+        if lost is None:
+            raise
+        first = (str(lost).strip().splitlines() or [type(lost).__name__])[0][:300]
+        print(
+            f"megatrain: error: rank {rank}: another rank stopped or did not answer ({first})",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _lost_peer(e: BaseException | None) -> BaseException | None:
+    """The failed collective behind `e` (the optimizer thread's, too) in a data-parallel world: a
+    rank died, or a timeout passed. None for any other error."""
+    dist = sys.modules.get("torch.distributed")
+    if "WORLD_SIZE" not in os.environ or dist is None:
+        return None
+    while e is not None:
+        if isinstance(e, dist.DistError) or "gloo" in str(e).lower() or "nccl" in str(e).lower():
+            return e
+        e = e.__cause__
+    return None
 
 
 if __name__ == "__main__":

@@ -165,6 +165,12 @@ class TrainConfig:
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start)."""
     max_host_memory: str | int | None = None
     """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start)."""
+    nproc_per_node: int = 1
+    """Data parallel over this many processes (GPUs), started by `megatrain train` itself, one
+    copy of the host state for all; the global batch is per_device_train_batch_size x
+    gradient_accumulation_steps x processes. Under torchrun the world is torchrun's."""
+    ddp_timeout: int = 1800
+    """Seconds a rank waits for the others at a collective before stopping with an error."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -186,6 +192,8 @@ class TrainConfig:
             "per_device_train_batch_size",
             "gradient_accumulation_steps",
             "logging_steps",
+            "nproc_per_node",
+            "ddp_timeout",
         ):
             if getattr(self, k) < 1:
                 bad(k, "must be >= 1")

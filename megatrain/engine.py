@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from .batch import IGNORE_INDEX, MicroBatch
+from .distributed import Collective, Single
 from .models.config import ModelConfig
 from .models.decoder import DecoderLayer, Head, attention_mask, rope_cos_sin, rope_inv_freq
 from .placement import Plan
@@ -83,8 +84,12 @@ class Engine:
         compute_dtype: torch.dtype,
         plan: Plan,
         compile: bool = False,
+        collective: Collective | None = None,
     ):
         self.cfg, self.state, self.transport, self.plan = cfg, state, transport, plan
+        # The other ranks of a data-parallel world (distributed.py): label tokens counted and
+        # gradients summed over all of them; a world of one changes nothing.
+        self.collective = collective or Single()
         self.device, self.dtype = torch.device(device), compute_dtype
         self.units = state.units
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
@@ -268,7 +273,7 @@ class Engine:
                 _accumulate(g, unit, names, grads[1:])
                 del x, y, grads
             del params, leaves
-            finish(unit, g)
+            self.collective.reduce_then(unit, g, finish)  # summed over ranks, then finished
             del g
         # Embedding: scatter-add of the input gradient; no weights needed.
         g = torch.zeros(self.embed_unit.numel, device=self.device) if embed_grad is None else embed_grad
@@ -280,13 +285,15 @@ class Engine:
                 view.index_add_(0, p.ids.reshape(-1), d.reshape(-1, d.shape[-1]).to(torch.float32))
         finally:
             torch.use_deterministic_algorithms(det)
-        finish(self.embed_unit, g)
+        self.collective.reduce_then(self.embed_unit, g, finish)
+        self.collective.flush()
 
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
         """Loss of (sum of token losses over all micro-batches) / (number of label tokens), and
         that number; the gradients or their norm as the plan's gradient mode says."""
-        n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
+        # Every rank normalises by the label tokens of the whole step, on all ranks.
+        n_tokens = self.collective.sum_count(sum(mb.num_label_tokens for mb in micro_batches))
         if n_tokens == 0:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
         self._norms, self._pending = {}, None
@@ -302,6 +309,8 @@ class Engine:
         loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
         del h
         head = self.head_unit
+        self.collective.sum_(loss)
+        self.collective.sum_(head_grads[head.index])  # the tied embedding's share: with its unit
         self._norm(head, head_grads[head.index])
         embed_part = head_grads.get(self.embed_unit.index)  # tied: the LM head's share
         if mode == "stored":

@@ -94,17 +94,23 @@ class Evaluator:
         """The eval loss of the model as it is after `step` steps, as a metrics record with
         Hugging Face names. `progress(total)` makes a tqdm-like bar over the eval chunks."""
         t0 = time.perf_counter()
+        # In a data-parallel world rank r takes every r-th chunk; the sums meet at the end.
+        world = engine.collective
         # Summed on the device in float64, so large eval sets neither drift nor sync per chunk.
-        total = torch.zeros((), dtype=torch.float64, device=engine.device)
-        n_label = n_tokens = 0
-        with progress(self.batcher.steps_per_epoch) as bar:
-            for micro_batches in self.batcher.epoch_steps():
+        sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, label tokens, tokens
+        mine = range(world.rank, self.batcher.steps_per_epoch, world.world_size)
+        with progress(len(mine)) as bar:
+            for i, micro_batches in enumerate(self.batcher.epoch_steps()):
+                if i % world.world_size != world.rank:
+                    continue
                 loss_sum, n = engine.eval_loss(micro_batches)
-                total += loss_sum.double()
-                n_label += n
-                n_tokens += sum(mb.num_tokens for mb in micro_batches)
+                sums[0] += loss_sum.double()
+                sums[1] += n
+                sums[2] += sum(mb.num_tokens for mb in micro_batches)
                 bar.update(1)
-        loss = total.item() / n_label  # the one host sync
+        total, n_label, n_tokens = world.sum_(sums).tolist()  # the one host sync
+        n_label, n_tokens = int(n_label), int(n_tokens)
+        loss = total / n_label
         dt = time.perf_counter() - t0
         record = {
             "step": step,

@@ -19,7 +19,9 @@ Two facts shape this module:
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,24 @@ def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     mem = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)
     t = torch.frombuffer(mem, dtype=torch.uint8, count=numel * dtype.itemsize).view(dtype)
     t._megatrain_mmap = mem  # the tensor keeps its mapping alive
+    return t
+
+
+def shared_buffer(path: Path, numel: int, create: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A page-aligned host tensor mapped from the file `path` (on a tmpfs such as /dev/shm),
+    shared with every process that maps the same file: `create` makes it, zero-filled and
+    sparse (pages cost memory on first write, as with `host_buffer`); the others open it."""
+    nbytes = -(-max(1, numel * dtype.itemsize) // PAGE) * PAGE
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        mem = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+    t = torch.frombuffer(mem, dtype=torch.uint8, count=numel * dtype.itemsize).view(dtype)
+    t._megatrain_mmap = mem
     return t
 
 

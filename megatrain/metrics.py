@@ -190,3 +190,25 @@ def _duration(seconds: float) -> str:
     if s >= 3600:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class SilentLogger:
+    """MetricsLogger's interface for the ranks of a data-parallel world other than the first:
+    one rank writes metrics and shows progress, the others stay quiet."""
+
+    interactive = False
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def log_eval(self, record: dict) -> None:
+        pass
+
+    def progress(self, total: int, desc: str = "eval"):
+        return tqdm(total=total, disable=True)
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import Collective, Single
 from .state import HostState, Unit
 
 
@@ -25,9 +26,11 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-def chunk_ranges(unit: Unit, max_elems: int) -> list[tuple[int, int]]:
-    """Split a unit's flat range into pieces of at most `max_elems` elements."""
-    return [(a, min(a + max_elems, unit.numel)) for a in range(0, unit.numel, max_elems)]
+def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """Split a unit's flat range (or its elements `span` = [lo, hi)) into pieces of at most
+    `max_elems` elements."""
+    lo, hi = span or (0, unit.numel)
+    return [(a, min(a + max_elems, hi)) for a in range(lo, hi, max_elems)]
 
 
 def adamw_range(
@@ -76,10 +79,25 @@ def adamw_range(
 
 
 class HostAdamW:
-    """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range."""
+    """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range.
 
-    def __init__(self, state: HostState, cfg: AdamWConfig):
+    In a data-parallel world (`world`, distributed.py) the ranks of a machine share the state:
+    each steps its own part of every unit (`span`), and a unit's update is complete once every
+    rank has `published` it."""
+
+    def __init__(self, state: HostState, cfg: AdamWConfig, world: Collective | None = None):
         self.state, self.cfg = state, cfg
+        self.world = world or Single()
+
+    def span(self, unit: Unit) -> tuple[int, int]:
+        """The elements [lo, hi) of `unit` this process steps."""
+        return self.world.span(unit)
+
+    def published(self, unit: Unit) -> None:
+        """This process is done with `unit` for this step (stepped or skipped its part); returns
+        once every rank is, so its weights may be read. Called for the units in the order they
+        were handed over, from one thread."""
+        self.world.updated(unit)
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""

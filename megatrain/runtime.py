@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import CUDA_ALLOC_CONF, placement
+from .distributed import Collective, Single
 from .engine import Engine
 from .errors import ConfigError
 from .models.config import ModelConfig
@@ -127,36 +129,51 @@ def build_model(
     choices: Choices | None = None,
     compile: bool | None = None,
     machine: Machine | None = None,
+    collective: Collective | None = None,
+    after_load: Callable[[HostState], None] | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
     sequence per step under `choices`). `overlap=False` selects the serial reference schedule on
     CUDA; `compile` compiles the decoder layer with torch.compile (default: on CUDA only);
-    `machine` carries a user's max_gpu_memory, which caps the CUDA allocator."""
+    `machine` carries a user's max_gpu_memory, which caps the CUDA allocator. In a data-parallel
+    world (`collective`) the machine's ranks share one host state, filled by one of them.
+    `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
+    transport copies any of it to the device."""
+    collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
     if device.type == "cuda":
         configure_allocator()
     if plan is None:
         plan, machine = make_plan(cfg, device, dtype, choices=choices, compile=compile)
+    # The ranks of a world run one schedule (their collectives must pair up): the first one's.
+    plan = collective.first(plan)
     if device.type == "cuda" and machine is not None:
         fraction = placement.allocator_fraction(
             machine, torch.cuda.get_device_properties(device).total_memory
         )
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
-    state = HostState(build_units(cfg))
-    if weights is not None:
-        load_hf_weights(state, weights, cfg, progress=progress)
-    else:
-        init_random(state, cfg, seed, progress=progress)
-    opt = HostAdamW(state, adamw or AdamWConfig())
+    state = collective.host_state(build_units(cfg))
+    if collective.holds_state:
+        if weights is not None:
+            load_hf_weights(state, weights, cfg, progress=progress)
+        else:
+            init_random(state, cfg, seed, progress=progress)
+        if after_load is not None:
+            after_load(state)
+    collective.barrier()  # the weights are in place before any rank reads them
+    opt = HostAdamW(state, adamw or AdamWConfig(), world=collective)
     if compile is None:
         compile = device.type == "cuda"
     transport: Transport
     if device.type == "cuda":
-        transport = StreamingTransport(state, opt, device, dtype, plan, overlap=overlap)
+        # The machine's cores are shared by its ranks' optimizers; one each stays free for the
+        # thread that launches kernels.
+        threads = max(1, (os.cpu_count() or 2) // collective.local_world_size - 1)
+        transport = StreamingTransport(state, opt, device, dtype, plan, overlap=overlap, threads=threads)
     else:
         transport = SerialTransport(state, opt, device, dtype)
-    engine = Engine(cfg, state, transport, device, dtype, plan, compile=compile)
+    engine = Engine(cfg, state, transport, device, dtype, plan, compile=compile, collective=collective)
     return TrainableModel(cfg, state, engine, transport, opt, plan)

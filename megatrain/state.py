@@ -102,13 +102,15 @@ def unit_views(flat: torch.Tensor, unit: Unit) -> dict[str, torch.Tensor]:
 class HostState:
     """fp32 master weights and AdamW moments of every unit, each one host allocation."""
 
-    def __init__(self, units: list[Unit], with_optimizer: bool = True):
+    def __init__(self, units: list[Unit], with_optimizer: bool = True, alloc=host_buffer):
+        """`alloc(numel)` makes each buffer (master, exp_avg, exp_avg_sq, in that order): by
+        default private memory; the ranks of a machine share theirs (distributed.py)."""
         self.units = units
         self.numel = units[-1].start + units[-1].numel
         # Fresh zero pages, page-aligned: nothing is touched until a unit is written.
-        self.master = host_buffer(self.numel)
-        self.exp_avg = host_buffer(self.numel) if with_optimizer else None
-        self.exp_avg_sq = host_buffer(self.numel) if with_optimizer else None
+        self.master = alloc(self.numel)
+        self.exp_avg = alloc(self.numel) if with_optimizer else None
+        self.exp_avg_sq = alloc(self.numel) if with_optimizer else None
         self.step = 0  # optimizer steps taken
 
     def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:

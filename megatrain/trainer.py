@@ -19,6 +19,7 @@ import torch
 from .checkpoint import (
     HISTORY,
     TrainerState,
+    checkpoint_dir,
     open_checkpoint,
     prune_checkpoints,
     resume_path,
@@ -27,11 +28,12 @@ from .checkpoint import (
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
+from .distributed import Collective, start
 from .errors import ConfigError
 from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .memory import MemoryRecord
-from .metrics import MetricsLogger, show_progress
+from .metrics import MetricsLogger, SilentLogger, show_progress
 from .models.config import ModelConfig
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
@@ -44,7 +46,7 @@ from .weights import save_hf_checkpoint
 # fmt: off
 RESUME_SENSITIVE = (
     "dataset", "dataset_format", "max_length", "packing", "shuffle", "seed", "per_device_train_batch_size",
-    "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
+    "total_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "max_steps", "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
 )
 # fmt: on
@@ -61,18 +63,28 @@ def train(cfg: TrainConfig) -> Path:
 
     Raises MegatrainError subclasses for bad inputs (before anything is written),
     guard.TrainingInterrupted after a signal (its checkpoint saved) and guard.DivergedError
-    when steps keep producing non-finite losses.
+    when steps keep producing non-finite losses. Started by torchrun (or launch.py), this
+    process is one rank of a data-parallel world (distributed.py).
     """
     cfg.require_dataset()
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
+    world, device = start(resolve_device(cfg.device), cfg.ddp_timeout)
+    try:
+        return _train(cfg, world, device)
+    finally:
+        world.close()
+
+
+def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
+    main = world.is_main  # writes the outputs and shows progress
 
     # Everything that can be wrong with the inputs is checked before anything is written.
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
     check_outputs(cfg)
     ckpt_path = resume_path(cfg)
-    resume = open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm)) if ckpt_path else None
+    progress = show_progress(cfg.disable_tqdm) and main
+    resume = open_checkpoint(ckpt_path, model_cfg, progress) if ckpt_path else None
     outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     tok_path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
     # A model directory without tokenizer files is fine for pre-tokenised data.
@@ -88,6 +100,7 @@ def train(cfg: TrainConfig) -> Path:
         packing=cfg.packing,
         shuffle=cfg.shuffle,
         seed=cfg.seed,
+        ranks=world.world_size,
         pad_id=pad_token_id(
             tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None)
         ),
@@ -111,7 +124,7 @@ def train(cfg: TrainConfig) -> Path:
         warmup_steps=warmup,
         total_steps=total_steps,
     )
-    for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
+    for warning in run_warnings(cfg, model_cfg, total_steps, warmup) if main else ():
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
@@ -128,23 +141,38 @@ def train(cfg: TrainConfig) -> Path:
         adamw=AdamWConfig(
             cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
         ),
-        progress=show_progress(cfg.disable_tqdm),
+        progress=progress,
         plan=plan,
         machine=machine,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
+        collective=world,
+        after_load=resume.load_moments if resume else None,
     )
     engine = model.engine
     out = outputs.path
-    notes = outputs.take_over()  # creates output_dir; a previous run's metrics are kept aside
-    memory.write(out)
+    # Every rank has checked the inputs (build_model met them all at a barrier): now one writes.
+    notes = outputs.take_over() if main else []  # creates output_dir; a previous run's metrics kept aside
+    if main:
+        memory.write(out)
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
-    log = MetricsLogger(out, total_steps, start, cfg.logging_steps, cfg.report_to, cfg.disable_tqdm)
+    log = (
+        MetricsLogger(out, total_steps, start, cfg.logging_steps, cfg.report_to, cfg.disable_tqdm)
+        if main
+        else SilentLogger()
+    )
+    # What a resume compares: the global batch, however many processes shared it.
+    run_config = {
+        **cfg.to_dict(),
+        "total_train_batch_size": batcher.batch_size * batcher.micro_per_step,
+        "world_size": world.world_size,
+    }
     nonfinite = NonFiniteGuard(cfg.max_consecutive_nonfinite, ts.nonfinite_streak if ts else 0, log.message)
     log.message(
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
         f"({str(engine.dtype).removeprefix('torch.')}), {len(samples)} samples, {total_steps} steps"
+        + (f", data parallel over {world.world_size} processes" if world.world_size > 1 else "")
     )
     for note in notes:
         log.message(note)
@@ -155,7 +183,7 @@ def train(cfg: TrainConfig) -> Path:
         if not resume.verified:
             log.message(f"megatrain: warning: {resume.path} has no checksums (saved by an older megatrain)")
         evaluator.restore(ts, log.message)
-        changed = resume.changed_settings(cfg.to_dict(), RESUME_SENSITIVE)
+        changed = resume.changed_settings(run_config, RESUME_SENSITIVE)
         if changed:
             log.message("megatrain: warning: settings changed since the checkpoint: " + "; ".join(changed))
 
@@ -169,7 +197,11 @@ def train(cfg: TrainConfig) -> Path:
         """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit
         (never the best)."""
         model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
+        world.barrier()  # every rank's part of the shared state is
         evaluator.checkpointed(step)  # is this checkpoint the best so far?
+        if not main:
+            world.barrier()  # no rank steps the state while it is written
+            return checkpoint_dir(out, step)
         trainer_state = TrainerState(
             global_step=step,
             epoch=batcher.epoch,
@@ -188,12 +220,13 @@ def train(cfg: TrainConfig) -> Path:
             trainer_state,
             model.state,
             model_cfg,
-            cfg.to_dict(),
+            run_config,
             tokenizer=tokenizer,
             generation_from=cfg.model_name_or_path,
             max_shard_bytes=parse_size(cfg.max_shard_size),
             progress=log.interactive,
         )
+        world.barrier()
         prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
         log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
         return path
@@ -205,7 +238,7 @@ def train(cfg: TrainConfig) -> Path:
                 evaluate(0)  # eval_on_start: a baseline before the first step
             t_last = time.perf_counter()
             for step in range(start, total_steps):
-                micro_batches = batcher.next_step()
+                micro_batches = batcher.next_step(world.rank)
                 loss, n_label = engine.forward_backward(micro_batches)
                 grad_norm, coef = engine.clip_grad_norm(cfg.max_grad_norm)  # None: known after the step
                 loss = loss.item()  # the one host sync of the step
@@ -225,7 +258,7 @@ def train(cfg: TrainConfig) -> Path:
 
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
-                tokens = sum(mb.num_tokens for mb in micro_batches)
+                tokens = world.sum_count(sum(mb.num_tokens for mb in micro_batches))
                 record = {
                     "step": step + 1,
                     "loss": loss if finite else None,  # JSON has no NaN
@@ -247,7 +280,8 @@ def train(cfg: TrainConfig) -> Path:
                     t_last = time.perf_counter()  # evaluation is not step time
                 memory.measure(step + 1)  # the peaks so far, evaluation's included
 
-                stopping = stop.requested  # read once: a signal during the save is acted on below
+                # Read once (a signal during the save is acted on below), and by every rank alike.
+                stopping = world.any(stop.requested)
                 if stopping or saves.due(step + 1):
                     # A signal's checkpoint is always complete: it exists to be resumed.
                     last = save(step + 1, cfg.save_only_model and not stopping)
@@ -255,13 +289,15 @@ def train(cfg: TrainConfig) -> Path:
                 if stopping:
                     raise stop.interrupted(last)
             # The last step is saved (to train further) unless save_strategy=no; a signal always saves.
-            if (saves.at_end or stop.requested) and (
-                last is None or last.name != f"checkpoint-{total_steps}"
-            ):
-                last = save(total_steps, cfg.save_only_model and not stop.requested)
-            if stop.requested:
+            stopping = world.any(stop.requested)
+            if (saves.at_end or stopping) and (last is None or last.name != f"checkpoint-{total_steps}"):
+                last = save(total_steps, cfg.save_only_model and not stopping)
+            if stopping:
                 raise stop.interrupted(last)
         model.transport.synchronize()
+        world.barrier()
+        if not main:
+            return out / "final"  # written by the first rank, from the shared state
         if note := evaluator.load_best(model.state, model_cfg, log.interactive):  # load_best_model_at_end
             log.message(note)
         final = save_hf_checkpoint(
@@ -278,6 +314,7 @@ def train(cfg: TrainConfig) -> Path:
         log.message(memory.summary())
         return final
     finally:
-        memory.write(out)
+        if main:
+            memory.write(out)
         log.close()
         model.close()

@@ -101,10 +101,11 @@ class SerialTransport:
                 self.step_unit(unit, held.pop(unit.index), coef, lr, step)
 
     def step_unit(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
-        if skip is not None and bool(skip):
-            return
-        g = _scaled(grad, coef).to("cpu")
-        self.optimizer.step_range(unit, 0, unit.numel, g, lr, step)
+        if skip is None or not bool(skip):
+            lo, hi = self.optimizer.span(unit)
+            g = _scaled(grad[lo:hi], coef).to("cpu")
+            self.optimizer.step_range(unit, lo, hi, g, lr, step)
+        self.optimizer.published(unit)
 
     def discard(self) -> None:
         self.held = {}
@@ -130,6 +131,7 @@ class StreamingTransport:
         dtype: torch.dtype,
         plan: Plan,
         overlap: bool = True,
+        threads: int | None = None,
     ):
         self.state, self.optimizer, self.plan = state, optimizer, plan
         self.device, self.dtype = torch.device(device), dtype
@@ -141,17 +143,19 @@ class StreamingTransport:
         # Page-lock the master weights in place (5x faster than allocating pinned memory, and no
         # second copy); copies from pageable memory would run 7x slower.
         self._registrations = [Registration(state.master, state.boundaries)]
-        # Gradients the plan keeps in host memory until the clip: one page-locked buffer.
+        # Gradients the plan keeps in host memory until the clip: one page-locked buffer, holding
+        # the part of each unit this process steps (`optimizer.span`).
         self._host_slots: dict[int, torch.Tensor] = {}
         first_host = max(plan.gpu_grad_units, plan.resident_units)
         if plan.grad_mode == "stored" and first_host < len(units):
-            spilled = units[first_host:]
-            buf = host_buffer(sum(u.numel for u in spilled))
-            off = 0
-            for u in spilled:
-                self._host_slots[u.index] = buf[off : off + u.numel]
-                off += u.numel
-            self._registrations.append(Registration(buf, [u.start - spilled[0].start for u in spilled]))
+            spans = [(u, *optimizer.span(u)) for u in units[first_host:]]
+            buf = host_buffer(sum(hi - lo for _, lo, hi in spans))
+            off, cuts = 0, []
+            for u, lo, hi in spans:
+                self._host_slots[u.index] = buf[off : off + hi - lo]
+                cuts.append(off)
+                off += hi - lo
+            self._registrations.append(Registration(buf, cuts))
         self.chunk_elems = min(plan.staging_elems, max(u.numel for u in units))
         self.staging = [torch.empty(self.chunk_elems, pin_memory=True) for _ in range(2)]
         self._ready = {u.index: threading.Event() for u in units}
@@ -164,7 +168,7 @@ class StreamingTransport:
         self._make_resident(units[: plan.resident_units])
         # One core stays free for the thread that launches kernels; the optimizer's OpenMP
         # threads would otherwise preempt it and starve the GPU.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._worker = None
@@ -228,14 +232,15 @@ class StreamingTransport:
             self._held[unit.index] = grad
             return
         # To host memory now, during the backward sweep; the GPU buffer is free after the copy.
+        lo, hi = self.optimizer.span(unit)
         self.d2h.wait_stream(self.compute)
         with torch.cuda.stream(self.d2h):
-            slot.copy_(grad, non_blocking=True)
+            slot.copy_(grad[lo:hi], non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self.d2h)
         if self.overlap:
             grad.record_stream(self.d2h)
-        self.d2h_bytes += unit.numel * 4
+        self.d2h_bytes += (hi - lo) * 4
         self._held[unit.index] = (slot, landed)
 
     def step(self, coef, lr: float, step: int) -> None:
@@ -297,6 +302,7 @@ class StreamingTransport:
                 if bool(skip.to("cpu")):
                     if release:
                         self._inflight.release()
+                    self.optimizer.published(unit)
                     self._ready[unit.index].set()
                     continue
             if isinstance(g, torch.Tensor):
@@ -309,17 +315,21 @@ class StreamingTransport:
                 if coef is not None and coef_host is None:
                     done.synchronize()  # the clip coefficient is computed on the compute stream
                     coef_host = coef.to("cpu")
-                for a, b in chunk_ranges(unit, self.chunk_elems):
-                    gh = _scaled(slot[a:b], coef_host)
+                span = self.optimizer.span(unit)
+                for a, b in chunk_ranges(unit, self.chunk_elems, span):
+                    gh = _scaled(slot[a - span[0] : b - span[0]], coef_host)
                     self.optimizer.step_range(unit, a, b, gh, lr, step)
             del g
+            self.optimizer.published(unit)  # every rank's part of it is in the shared state
             self._ready[unit.index].set()
 
     def _apply_from_device(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int) -> None:
         """Copy a gradient out in chunks through the two pinned buffers, each chunk's AdamW
         overlapping the next chunk's copy."""
-        ranges = chunk_ranges(unit, self.chunk_elems)
+        ranges = chunk_ranges(unit, self.chunk_elems, self.optimizer.span(unit))
         events: dict[int, torch.cuda.Event] = {}
+        if not ranges:
+            return
 
         def issue(i: int) -> None:
             a, b = ranges[i]
@@ -375,8 +385,9 @@ class StreamingTransport:
         self.wait_updates()
         for i, tensors in self.resident.items():
             unit = self.state.units[i]
+            lo, hi = self.optimizer.span(unit)  # every rank's copy is whole; each writes its part
             for which, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
-                self.state.flat(unit, which).copy_(t, non_blocking=True)
+                self.state.flat(unit, which)[lo:hi].copy_(t[lo:hi], non_blocking=True)
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------- device-resident units

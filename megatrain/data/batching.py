@@ -14,6 +14,11 @@ padding. Packing once keeps steps_per_epoch fixed, which the LR schedule and res
 The order of an epoch is a pure function of (seed, epoch), so a resume only needs the epoch
 and the position in it. shuffle=False follows the file order exactly (no bucketing).
 
+In a data-parallel world of `ranks` processes an optimizer step is `grad_accum * ranks`
+micro-batches, the same ones in the same order as one process with `grad_accum * ranks` would
+take; rank r takes the r-th block of `grad_accum` of them. The position is counted in optimizer
+steps, so a checkpoint resumes exactly in a world of any size with the same global batch.
+
 Evaluation uses the same Batcher with shuffle=False and drop_last=False: every sample, in file
 order, the last micro-batch and step possibly short (`epoch_steps`).
 """
@@ -52,13 +57,16 @@ class Batcher:
         seed: int = 42,
         pad_id: int = 0,
         drop_last: bool = True,
+        ranks: int = 1,
     ):
-        if batch_size < 1 or grad_accum < 1 or max_length < 1:
-            raise ValueError("batch_size, grad_accum and max_length must be >= 1")
+        if batch_size < 1 or grad_accum < 1 or max_length < 1 or ranks < 1:
+            raise ValueError("batch_size, grad_accum, max_length and ranks must be >= 1")
         if not samples:
             raise DataError("no samples to train on")
         self.samples = samples
         self.batch_size, self.grad_accum, self.max_length = batch_size, grad_accum, max_length
+        self.ranks = ranks
+        self.micro_per_step = grad_accum * ranks  # micro-batches of one optimizer step, all ranks
         self.packing, self.shuffle, self.seed, self.pad_id = packing, shuffle, seed, pad_id
         # Over-long samples are truncated here too, so any caller gets rows <= max_length.
         self._lengths = [min(len(s.input_ids), max_length) for s in samples]
@@ -70,7 +78,7 @@ class Batcher:
             self._rows = pack_rows(order, self._lengths, max_length, OPEN_ROWS if shuffle else 1)
         units = len(self._rows) if packing else len(samples)
         self.drop_last = drop_last
-        per_step = batch_size * grad_accum
+        per_step = batch_size * self.micro_per_step
         self.steps_per_epoch = units // per_step if drop_last else -(-units // per_step)
         if self.steps_per_epoch == 0:
             raise DataError(self._too_small(units))
@@ -78,7 +86,7 @@ class Batcher:
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, micro-batches of units)
 
     def _too_small(self, units: int) -> str:
-        need = self.batch_size * self.grad_accum
+        need = self.batch_size * self.micro_per_step
         tokens = sum(self._lengths)
         have = f"{len(self.samples)} samples ({tokens} tokens)"
         if self.packing:
@@ -86,7 +94,8 @@ class Batcher:
         return (
             f"dataset too small: {have}, but one optimizer step needs {need} "
             f"{'rows' if self.packing else 'samples'} (per_device_train_batch_size {self.batch_size} "
-            f"x gradient_accumulation_steps {self.grad_accum})"
+            f"x gradient_accumulation_steps {self.grad_accum}"
+            + (f" x {self.ranks} processes)" if self.ranks > 1 else ")")
         )
 
     # ------------------------------------------------------------------ iteration
@@ -95,13 +104,13 @@ class Batcher:
         """Epochs done, fractional."""
         return self._epoch + self._position / self.steps_per_epoch
 
-    def next_step(self) -> list[MicroBatch]:
-        """The micro-batches of the next optimizer step."""
+    def next_step(self, rank: int = 0) -> list[MicroBatch]:
+        """The micro-batches of the next optimizer step (rank `rank`'s share of them)."""
         if self._position >= self.steps_per_epoch:
             self._epoch, self._position = self._epoch + 1, 0
         plan = self._epoch_plan(self._epoch)
-        ga = self.grad_accum
-        step = plan[self._position * ga : (self._position + 1) * ga]
+        first = self._position * self.micro_per_step + rank * self.grad_accum
+        step = plan[first : first + self.grad_accum]
         self._position += 1
         return [self._build(mb) for mb in step]
 
@@ -112,7 +121,7 @@ class Batcher:
 
     def _make_plan(self, epoch: int) -> list[list[int]]:
         """The micro-batches (lists of sample or row indices) of one epoch."""
-        bs, n_micro = self.batch_size, self.steps_per_epoch * self.grad_accum
+        bs, n_micro = self.batch_size, self.steps_per_epoch * self.micro_per_step
         units = len(self._rows) if self._rows is not None else len(self.samples)
         if not self.drop_last:
             n_micro = -(-units // bs)
