@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 BLOCK = 128  # FlexAttention's default block size: the tables' granularity
-BLOCK_TABLE_BYTES = 16  # int32 kv/q indices of partial and full blocks, per pair of blocks
+BLOCK_TABLE_BYTES = 16  # int32 kv/q counts and indices of partial and full blocks
 
 Mask = BlockMask | torch.Tensor | None
 
@@ -45,7 +45,7 @@ def mask_bytes(rows: int, seq_len: int, flex: bool) -> int:
     if not flex:
         return rows * seq_len * seq_len
     n = -(-seq_len // BLOCK)
-    return rows * n * n * BLOCK_TABLE_BYTES
+    return rows * n * (n + 1) * BLOCK_TABLE_BYTES
 
 
 def mask_rule(document_ids: torch.Tensor | None, window: int | None):
