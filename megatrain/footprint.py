@@ -170,7 +170,7 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
 
 def _masks(b: Batch, flex: bool) -> int:
     """The attention masks of a step's micro-batches, alive from its start to its end."""
-    return b.micro_batches * mask_bytes(b.rows, b.seq_len, flex) if b.masked else 0
+    return b.micro_batches * mask_bytes(b.rows, b.seq_len, flex, b.compute_bytes) if b.masked else 0
 
 
 def loss_chunk(s: Shape, b: Batch, m: Machine, given: int | None) -> int:

@@ -48,8 +48,8 @@ def build_samples(cfg, tokenizer, vocab_size: int | None = None, key: str = "dat
 
     Samples longer than `cfg.max_length` are split into windows, truncated or refused with a
     DataError naming file:line, as `cfg.truncation` says (`split_windows`); plain text with
-    packing is always split, so pretraining data loses nothing. Samples left with no label tokens are skipped
-    with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
+    packing is always split, so pretraining data loses nothing. Samples left with no label
+    tokens are skipped with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
     the pre-tokenised `tokens` format. Every token id, read or produced by the tokenizer, must
     be below `vocab_size` (the model's embedding rows; default: the tokenizer's size).
     """

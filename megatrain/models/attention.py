@@ -39,11 +39,11 @@ def uses_mask(packing: bool, sliding_window: int | None, seq_len: int) -> bool:
     return packing or effective_window(sliding_window, seq_len) is not None
 
 
-def mask_bytes(rows: int, seq_len: int, flex: bool) -> int:
+def mask_bytes(rows: int, seq_len: int, flex: bool, compute_bytes: int = 4) -> int:
     """Bytes of one micro-batch's mask: the BlockMask tables (`flex`; the rule's document ids
-    aside) or the dense boolean mask."""
+    aside), or the dense boolean mask and the additive copy SDPA makes of it."""
     if not flex:
-        return rows * seq_len * seq_len
+        return rows * seq_len * seq_len * (1 + compute_bytes)
     n = -(-seq_len // BLOCK)
     return rows * n * (n + 1) * BLOCK_TABLE_BYTES
 
