@@ -30,6 +30,7 @@ BOOLEAN_CHOICES = {
     "eval_strategy": {False: "no"},
 }
 SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
+SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 
@@ -51,13 +52,17 @@ class TrainConfig:
     dataset_info: str | None = None
     """Path of a LlamaFactory-style dataset_info.json registry."""
     max_length: int = 2048
-    """Tokens per sequence; longer samples are truncated (or split, for plain text)."""
+    """Tokens per sequence; longer samples are truncated, split or refused (see truncation)."""
     packing: bool = False
     """Concatenate samples into full sequences without cross-document attention."""
     train_on_prompt: bool = False
     """Also take the loss on system/user turns of chat data."""
-    truncation: bool = True
-    """Truncate samples longer than max_length (false: refuse them with an error)."""
+    truncation: bool | str = True
+    """Samples longer than max_length: true keeps their first max_length tokens, false refuses
+    them (an error naming file:line), split trains on all of them in consecutive windows of
+    max_length tokens that overlap by one, so every token but a sample's first is a target once
+    (chat prompts stay masked; each window is a sample of its own). Plain text with packing is
+    always split."""
     shuffle: bool = True
     """Shuffle samples each epoch (seeded); false keeps file order exactly."""
     # --- schedule
@@ -220,6 +225,10 @@ class TrainConfig:
             bad("warmup_steps", "must be >= 0")
         if not 0.0 <= self.warmup_ratio < 1.0:
             bad("warmup_ratio", "must be in [0, 1)")
+        if isinstance(self.truncation, str) and self.truncation != SPLIT:
+            bad("truncation", "must be true (cut), false (refuse) or split (windows)")
+        if self.truncation == SPLIT and self.max_length < 2:
+            bad("max_length", "must be >= 2 with truncation: split (a window holds a token and its target)")
         if self.dataset_format not in DATASET_FORMATS:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
         if self.report_to not in ("none", "tensorboard"):

@@ -29,8 +29,9 @@ from torch.func import functional_call
 
 from .batch import IGNORE_INDEX, MicroBatch
 from .distributed import Collective, Single
+from .models.attention import Mask, attention_mask
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, Head, attention_mask, rope_cos_sin, rope_inv_freq
+from .models.decoder import DecoderLayer, Head, rope_cos_sin, rope_inv_freq
 from .placement import Plan
 from .state import HostState, Unit, unit_views
 from .transport import Transport
@@ -41,7 +42,7 @@ class _Prepared:
     ids: torch.Tensor  # [B, S] on device
     targets: torch.Tensor  # [B*S] shifted labels on device
     rope: tuple[torch.Tensor, torch.Tensor]
-    mask: torch.Tensor | None
+    mask: Mask  # built once per micro-batch, shared by every layer and the backward recompute
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Engine:
         with torch.device("meta"):
             self.layer = DecoderLayer(cfg)
             self.head = Head(cfg)
+        # Packed documents and sliding windows: FlexAttention's block masks on CUDA, dense masks on
+        # the CPU (models/attention.py says why).
+        self.flex_masks = self.device.type == "cuda"
         self._layer_call = self._call_layer
         if compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
@@ -141,7 +145,7 @@ class Engine:
             ids=ids,
             targets=mb.shifted_labels.to(dev, non_blocking=True).reshape(-1),
             rope=rope_cos_sin(self.inv_freq, self.rope_scale, pos, self.dtype),
-            mask=attention_mask(doc, S, self.cfg.sliding_window, dev),
+            mask=attention_mask(doc, S, self.cfg.sliding_window, dev, flex=self.flex_masks),
         )
 
     def _norm(self, unit: Unit, g: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from .activations import HostActivations
+from .models.attention import mask_bytes
 from .models.config import ModelConfig
 from .probe import LayerMemory
 
@@ -78,7 +79,8 @@ class Batch:
     compute_bytes: int
     clip: bool
     masked: bool = False
-    """An explicit attention mask (packing, sliding window): quadratic in seq_len."""
+    """Rows need attention masks (packing, a sliding window shorter than seq_len): FlexAttention's
+    block tables, (seq_len / 128)^2 entries per row, all micro-batches' alive through the step."""
     rows: int = 1
 
     @property
@@ -166,9 +168,9 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
     )
 
 
-def _mask_bytes(b: Batch, cb: int) -> int:
-    """An explicit [rows, 1, S, S] boolean mask and the additive copy the kernel makes of it."""
-    return b.rows * b.seq_len * b.seq_len * (1 + cb) if b.masked else 0
+def _masks(b: Batch, flex: bool) -> int:
+    """The attention masks of a step's micro-batches, alive from its start to its end."""
+    return b.micro_batches * mask_bytes(b.rows, b.seq_len, flex, b.compute_bytes) if b.masked else 0
 
 
 def loss_chunk(s: Shape, b: Batch, m: Machine, given: int | None) -> int:
@@ -244,9 +246,11 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     for u in range(n - 1, -1, -1):
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
         suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
-    resident = {"fp32 state of GPU-resident units": 12 * sum(s.units[:R])}  # in every phase
+    resident = {  # in every phase
+        "fp32 state of GPU-resident units": 12 * sum(s.units[:R]),
+        "attention masks": _masks(b, flex=True),
+    }
     kept_graph = lm.graph(T) + act + cb * s.layer  # a kept layer's graphs, outputs and weights
-    mask = _mask_bytes(b, cb)
 
     def acts_before(j: int) -> int:
         """Boundary activations on the GPU for layers < j: p .. L-k-1 (parked ones lead; kept
@@ -270,7 +274,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "kept graphs": kept_graph * max(0, j - (L - k)),
             "gradients": suffix_streamed[j + 2] if stored else 0,
         }
-        work = {"layer forward": (lm.graph(Tm) if kept else lm.forward(Tm)) + mask}
+        work = {"layer forward": (lm.graph(Tm) if kept else lm.forward(Tm))}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
     head = L + 1
@@ -309,7 +313,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "gradients": held,
         }
         work = {
-            "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb) + lm.backward(Tm) + mask,
+            "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb) + lm.backward(Tm),
             "unit gradient": (4 + cb) * s.units[u],
         }
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
@@ -356,6 +360,8 @@ def _host(s: Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
             b.micro_batch_tokens
         )
         host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
+        if b.masked:
+            host["attention masks"] = _masks(b, flex=False)
         host["runtime"] = HOST_RUNTIME["cpu"]
         return host, 0
     pinned = 4 * s.total  # the master weights, registered in place

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .errors import MegatrainError
+from .models.attention import uses_mask
 from .models.config import ModelConfig
 from .placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .placement import plan as make_placement
@@ -33,7 +34,7 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> B
         seq_len=k["max_length"],
         compute_bytes=compute_bytes,
         clip=cfg.max_grad_norm > 0,
-        masked=bool(cfg.packing) or model_cfg.sliding_window is not None,
+        masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, k["max_length"]),
         rows=k["per_device_train_batch_size"],
     )
 
@@ -157,7 +158,8 @@ def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
 
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
     tokens = cfg.per_device_train_batch_size * cfg.max_length
-    return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, tokens)
+    masked = uses_mask(bool(cfg.packing), model_cfg.sliding_window, cfg.max_length)
+    return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, tokens, masked)
 
 
 def preflight(model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=print) -> tuple[Plan, Machine]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
+from .models.attention import attention_mask
 from .models.config import ModelConfig
 from .models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
 
@@ -51,9 +52,11 @@ class LayerMemory:
 
 
 def probe_layer_memory(
-    cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int
+    cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int, masked: bool = False
 ) -> LayerMemory:
-    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure."""
+    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure; `masked`:
+    through the attention a run with packed rows or a sliding window uses (a one-document
+    block mask, the model's window)."""
     device = torch.device(device)
     with torch.device("meta"):
         layer = DecoderLayer(cfg)
@@ -63,8 +66,8 @@ def probe_layer_memory(
     inv, scale = rope_inv_freq(cfg)
     inv = inv.to(device)
 
-    def call(p, x, cos, sin):
-        return functional_call(layer, p, (x, (cos, sin), None))
+    def call(p, x, cos, sin, mask):
+        return functional_call(layer, p, (x, (cos, sin), mask))
 
     fn = torch.compile(call) if compile else call
     sizes = sorted({max(128, tokens // 4), max(128, tokens)})
@@ -73,12 +76,14 @@ def probe_layer_memory(
         pos = torch.arange(t, device=device)[None]
         cos, sin = rope_cos_sin(inv, scale, pos, dtype)
         x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=dtype)
+        one_doc = torch.zeros(1, t, dtype=torch.int64, device=device)
+        mask = attention_mask(one_doc, t, cfg.sliding_window, device, flex=True) if masked else None
         for _ in range(2):  # the first compiles; the second is measured
             t0 = time.perf_counter()
-            rows.append((t, *_measure(fn, leaves, params, x, cos, sin, pgrads, device)))
+            rows.append((t, *_measure(fn, leaves, params, x, (cos, sin, mask), pgrads, device)))
             elapsed = time.perf_counter() - t0
         rows.pop(-2)
-        del x
+        del x, mask
     torch.cuda.empty_cache()
     (t1, g1, b1, f1), (t2, g2, b2, f2) = rows[0], rows[-1]
     n = sum(t.numel() for t in params.values())
@@ -94,14 +99,14 @@ def probe_layer_memory(
     )
 
 
-def _measure(fn, leaves, params, x, cos, sin, pgrads, device) -> tuple[int, int, int]:
+def _measure(fn, leaves, params, x, extra, pgrads, device) -> tuple[int, int, int]:
     """(graph bytes, backward peak above the graph less parameter gradients, forward peak)."""
     out_bytes = x.numel() * x.element_size()
     xr = x.detach().requires_grad_()
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     with torch.enable_grad():
-        y = fn(leaves, xr, cos, sin)
+        y = fn(leaves, xr, *extra)
     graph = torch.cuda.memory_allocated(device) - base - out_bytes
     dy = torch.randn_like(y)
     torch.cuda.synchronize(device)
@@ -115,7 +120,7 @@ def _measure(fn, leaves, params, x, cos, sin, pgrads, device) -> tuple[int, int,
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with torch.no_grad():
-        y = fn(params, x, cos, sin)
+        y = fn(params, x, *extra)
     torch.cuda.synchronize(device)
     forward = torch.cuda.max_memory_allocated(device) - before - out_bytes
     del y
@@ -123,14 +128,21 @@ def _measure(fn, leaves, params, x, cos, sin, pgrads, device) -> tuple[int, int,
 
 
 def layer_memory_for(
-    cfg: ModelConfig, device, dtype: torch.dtype, compile: bool | None, micro_batch_tokens: int
+    cfg: ModelConfig,
+    device,
+    dtype: torch.dtype,
+    compile: bool | None,
+    micro_batch_tokens: int,
+    masked: bool = False,
 ) -> LayerMemory | None:
     """The probe for a run on `device` (None off CUDA, where the plan's formula is used);
-    `compile` as the engine will run the layer (None: on, the CUDA default)."""
+    `compile` as the engine will run the layer (None: on, the CUDA default); `masked` as
+    `attention.uses_mask` says for the run's rows."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
     compile = True if compile is None else compile
-    return probe_layer_memory(cfg, device, dtype, compile, min(micro_batch_tokens, PROBE_TOKENS))
+    tokens = min(micro_batch_tokens, PROBE_TOKENS)
+    return probe_layer_memory(cfg, device, dtype, compile, tokens, masked)
 
 
 def adam_rate(numel: int = 32 * 2**20) -> float:

@@ -102,7 +102,7 @@ def make_plan(
     if torch.device(device).type == "cuda":
         configure_allocator()
     machine = placement.measure(device, max_gpu_memory, max_host_memory)
-    layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len)
+    layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked)
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,
         micro_batches=grad_accum,

@@ -76,3 +76,23 @@ def test_yaml_merge_keys_may_override(tmp_path):
     p = _config_file(tmp_path, "<<: {seed: 5, max_steps: 3}\nseed: 7\n")
     cfg = TrainConfig.load(p)
     assert (cfg.seed, cfg.max_steps) == (7, 3)
+
+
+def test_truncation_true_false_or_split():
+    """truncation keeps its booleans and takes `split`; anything else is one line naming it."""
+
+    def load(*overrides):
+        return TrainConfig.load(None, ["model_config=unused", *overrides])
+
+    assert load().truncation is True
+    assert load("truncation=false").truncation is False
+    assert load("truncation=split").truncation == "split"
+    with pytest.raises(
+        ConfigError,
+        match=r"^truncation: must be true \(cut\), false \(refuse\) or split \(windows\) \(got 'windows'\)$",
+    ):
+        load("truncation=windows")
+    with pytest.raises(ConfigError, match=r"^truncation: expected bool or str, got 3$"):
+        load("truncation=3")
+    with pytest.raises(ConfigError, match=r"^max_length: must be >= 2 with truncation: split .*\(got 1\)$"):
+        load("truncation=split", "max_length=1")

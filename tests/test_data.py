@@ -13,6 +13,7 @@ from helpers import tiny_hf_model, tiny_tokenizer
 from megatrain.batch import MicroBatch
 from megatrain.config import TrainConfig
 from megatrain.data import Batcher, Sample, build_samples, load_tokenizer, pack_rows
+from megatrain.data.samples import split_windows
 from megatrain.errors import DataError
 from megatrain.models.config import ModelConfig
 from megatrain.runtime import build_model
@@ -257,10 +258,12 @@ def test_truncation_split_and_skipping(tmp_path, tok, caplog):
     assert n > 40
     (cut,) = build_samples(cfg_for(f, max_length=16), tok)
     assert cut.input_ids == whole.input_ids[:16]
-    # With packing, plain text is split into max_length pieces instead (a 1-token rest is dropped).
+    # With packing, plain text is split into windows instead, as truncation: split does.
     pieces = build_samples(cfg_for(f, max_length=16, packing=True), tok)
-    assert [len(p.input_ids) for p in pieces] == [16] * (n // 16) + ([n % 16] if n % 16 > 1 else [])
-    assert sum((p.input_ids for p in pieces), []) == whole.input_ids[: sum(len(p.input_ids) for p in pieces)]
+    split = build_samples(cfg_for(f, max_length=16, truncation="split"), tok)
+    assert len(pieces) > 2 and [(p.input_ids, p.labels) for p in pieces] == [
+        (p.input_ids, p.labels) for p in split
+    ]
 
     # The prompt alone fills max_length for the first conversation: skipped with a warning.
     long_prompt = [{"role": "user", "content": long_text}, {"role": "assistant", "content": "Yes."}]
@@ -272,6 +275,54 @@ def test_truncation_split_and_skipping(tmp_path, tok, caplog):
         f"skipped 1 samples with no label tokens (all prompt, or cut by max_length 40; first: {g}:1)"
         in caplog.text
     )
+
+
+def _targets(samples: list[Sample], starts: list[int]) -> list[tuple[int, int]]:
+    """(position in the whole sample, label) of every target of windows starting at `starts`."""
+    return [
+        (a + t, lab)
+        for a, w in zip(starts, samples)
+        for t, lab in enumerate(w.labels)
+        if t > 0 and lab != -100
+    ]
+
+
+@pytest.mark.parametrize("m", [12, 16, 30])  # 12: the last window ends exactly at the sample's end
+def test_split_windows_make_every_target_once(tmp_path, tok, m):
+    """truncation: split: windows of max_length tokens overlapping by one; every token but the
+    first is a target exactly once, with its own label, the first of a continuation included."""
+    text = " ".join(["the house is old and the water is big"] * 12)
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": text}])
+    (whole,) = build_samples(cfg_for(f, max_length=10_000), tok)
+    n = len(whole.input_ids)
+    windows = build_samples(cfg_for(f, max_length=m, truncation="split"), tok)
+    starts = [k * (m - 1) for k in range(len(windows))]
+    assert n > 3 * m and all(len(w.input_ids) <= m for w in windows)
+    assert [w.input_ids for w in windows] == [whole.input_ids[a : a + m] for a in starts]
+    assert starts[-1] + len(windows[-1].input_ids) == n  # the last window ends the sample
+    assert _targets(windows, starts) == [(t, whole.input_ids[t]) for t in range(1, n)]
+    # Packed, each window is a document: packing masks its first label, which is context only.
+    rows = Batcher(windows, batch_size=1, grad_accum=1, max_length=m, packing=True, shuffle=False)
+    labelled = sum(mb.num_label_tokens for step in rows.epoch_steps() for mb in step)
+    assert labelled == n - 1
+
+
+def test_split_windows_keep_chat_prompts_masked(tmp_path, tok):
+    """A conversation split mid-way: the targets are exactly the whole conversation's (assistant
+    turns), each once; prompt tokens stay unlabelled in every window."""
+    f = write_jsonl(tmp_path / "m.jsonl", [{"messages": CONV}])
+    (whole,) = build_samples(cfg_for(f, max_length=10_000), tok)
+    m = 12
+    every = split_windows(whole, m)
+    starts = [k * (m - 1) for k in range(len(every))]
+    assert len(every) > 4
+    assert _targets(every, starts) == [
+        (t, lab) for t, lab in enumerate(whole.labels) if t > 0 and lab != -100
+    ]
+    # build_samples gives the same windows, less those holding only prompt tokens (no target).
+    windows = build_samples(cfg_for(f, max_length=m, truncation="split"), tok)
+    assert [w.input_ids for w in windows] == [w.input_ids for w in every if w.has_labels]
+    assert len(windows) < len(every)
 
 
 def test_load_tokenizer_directory_and_file(tmp_path, tok):

@@ -7,9 +7,8 @@ lengths do not drift over the epoch.
 
 With packing, samples are laid into rows of exactly max_length tokens once, up front (first
 fit over a few open rows, in a seeded shuffled order), and each epoch shuffles the rows. A
-document is never split across rows (samples are at most max_length long; plain text longer
-than that was already split into max_length pieces by build_samples); a row's unused tail is
-padding. Packing once keeps steps_per_epoch fixed, which the LR schedule and resume rely on.
+document is never split across rows (samples are at most max_length long; longer ones were
+already truncated or split into windows by build_samples); a row's unused tail is padding. Packing once keeps steps_per_epoch fixed, which the LR schedule and resume rely on.
 
 The order of an epoch is a pure function of (seed, epoch), so a resume only needs the epoch
 and the position in it. shuffle=False follows the file order exactly (no bucketing).

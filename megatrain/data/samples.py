@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from ..batch import IGNORE_INDEX
+from ..config import SPLIT
 from ..errors import ConfigError, DataError
 from ..metrics import show_progress
 from .chat import encode_chats, require_chat_template
@@ -45,10 +46,10 @@ def build_samples(cfg, tokenizer, vocab_size: int | None = None, key: str = "dat
     """Read, validate and tokenise every file of `cfg.dataset` (or of the key named, e.g.
     eval_dataset: the same formats and chat handling), in order.
 
-    Samples longer than `cfg.max_length` are truncated (cfg.truncation) or refused with a
-    DataError naming file:line. Plain text with packing is instead split into max_length
-    pieces, so pretraining data loses nothing. Samples left with no label tokens are skipped
-    with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
+    Samples longer than `cfg.max_length` are split into windows, truncated or refused with a
+    DataError naming file:line, as `cfg.truncation` says (`split_windows`); plain text with
+    packing is always split, so pretraining data loses nothing. Samples left with no label
+    tokens are skipped with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
     the pre-tokenised `tokens` format. Every token id, read or produced by the tokenizer, must
     be below `vocab_size` (the model's embedding rows; default: the tokenizer's size).
     """
@@ -162,19 +163,36 @@ def _encode_plain_pc(tokenizer, items: list[tuple[str, PromptCompletion]]) -> En
 
 
 def _fit(sample: Sample, fmt: str, cfg) -> list[Sample]:
-    """A sample within max_length: as is, truncated, split (text with packing) or refused."""
+    """A sample within max_length: as is, split into windows (truncation: split, and plain text
+    with packing), truncated, or refused."""
     n, m = len(sample.input_ids), cfg.max_length
     if n <= m:
         return [sample]
-    if fmt == "text" and cfg.packing:
-        # A one-token remainder has nothing to predict; drop it rather than warn about it.
-        return [
-            Sample(sample.input_ids[i : i + m], sample.labels[i : i + m], sample.source)
-            for i in range(0, n, m)
-            if n - i > 1
-        ]
+    if cfg.truncation == SPLIT or (fmt == "text" and cfg.packing):
+        return split_windows(sample, m)
     if not cfg.truncation:
         raise DataError(
-            f"{sample.source}: sample has {n} tokens, more than max_length {m} (set truncation: true to cut it)"
+            f"{sample.source}: sample has {n} tokens, more than max_length {m} "
+            "(set truncation: true to cut it, or split to train on all of it in windows)"
         )
     return [Sample(sample.input_ids[:m], sample.labels[:m], sample.source)]
+
+
+def split_windows(sample: Sample, max_length: int) -> list[Sample]:
+    """Consecutive windows of at most `max_length` tokens that overlap by one token, so every
+    token but the sample's first is a target in exactly one window.
+
+    A token is predicted from the one before it, so the first token of a window can never be
+    its target: each window after the first starts with the previous window's last token, as
+    context only (label -100; it was a target, or masked, in the window before), and its next
+    token, a real next-token target within the same document, keeps its label. Masked labels
+    (chat prompts) stay masked. Each window is its own sample: positions restart at 0 and, packed,
+    it attends to no other window.
+    """
+    ids, labels, m = sample.input_ids, sample.labels, max_length
+    if m < 2:
+        return []  # no window can hold a target
+    out = [Sample(ids[:m], labels[:m], sample.source)]
+    for a in range(m - 1, len(ids) - 1, m - 1):
+        out.append(Sample(ids[a : a + m], [IGNORE_INDEX] + labels[a + 1 : a + m], sample.source))
+    return out

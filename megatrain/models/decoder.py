@@ -4,7 +4,8 @@ These modules are *templates*: the engine builds each one once, on the meta devi
 weights to it for every visit with `torch.func.functional_call`. Nothing here owns state.
 
 The four families differ only by flags of `ModelConfig`: q/k/v bias (Qwen2, Llama with
-`attention_bias`), q/k RMSNorm (Qwen3), and Mistral's sliding window.
+`attention_bias`), q/k RMSNorm (Qwen3), and Mistral's sliding window (attention.py applies it,
+with packed documents' masks).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import Mask, attend
 from .config import ModelConfig
 
 
@@ -48,7 +50,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Mask) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
@@ -59,14 +61,7 @@ class Attention(nn.Module):
         cos, sin = rope  # [B, 1, S, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if mask is None:
-            # Plain causal attention: the fused flash kernel on CUDA, which reads grouped K/V as is.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        else:
-            # Packed documents or a sliding window: an explicit mask, K/V heads repeated.
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -93,7 +88,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, mask: Mask = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -142,25 +137,3 @@ def rope_cos_sin(inv_freq: torch.Tensor, scale: float, position_ids: torch.Tenso
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
-
-
-def attention_mask(
-    document_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device
-) -> torch.Tensor | None:
-    """Boolean [B|1, 1, S, S] mask (True = attend) or None for plain causal attention.
-
-    Packed sequences (`document_ids`) never attend across documents; Mistral's sliding window
-    limits how far back a token looks.
-    """
-    window = sliding_window if sliding_window and sliding_window < seq_len else None
-    if document_ids is None and window is None:
-        return None
-    i = torch.arange(seq_len, device=device)
-    mask = i[:, None] >= i[None, :]
-    if window is not None:
-        mask = mask & (i[:, None] - i[None, :] < window)
-    mask = mask[None, None]
-    if document_ids is not None:
-        same = document_ids[:, :, None] == document_ids[:, None, :]
-        mask = mask & same[:, None]
-    return mask

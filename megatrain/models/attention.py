@@ -1,0 +1,133 @@
+"""Causal self-attention for plain, packed and sliding-window batches: one rule, three kernels.
+
+The rule: a token attends to itself and earlier tokens of the same document (packed rows carry
+`document_ids`), at most `sliding_window - 1` positions back (Mistral). How it is applied:
+* no documents, no window shorter than the row: SDPA's `is_causal` (the flash kernel on CUDA);
+* otherwise, on CUDA: FlexAttention with a `BlockMask`, compiled. Its tables are per 128x128
+  block of the score matrix, built here from each block's first/last position and document ids
+  (rows x (S/128)^2 entries, never S x S), so a 512k-token row costs memory linear in S in the
+  kernel and ~16 bytes per block pair in the tables;
+* otherwise (the CPU, which FlexAttention cannot differentiate on): SDPA with the rule
+  materialised as a dense boolean [B, 1, S, S] mask. CPU runs are small; this is also the
+  plain reference the GPU tests compare FlexAttention against.
+
+The mask of a micro-batch is built once (`attention_mask`) and shared by every layer and by the
+backward recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+
+BLOCK = 128  # FlexAttention's default block size: the tables' granularity
+BLOCK_TABLE_BYTES = 16  # int32 kv/q counts and indices of partial and full blocks
+
+Mask = BlockMask | torch.Tensor | None
+
+
+def effective_window(sliding_window: int | None, seq_len: int) -> int | None:
+    """The window that limits a row of `seq_len` tokens (None: it reaches the row's start)."""
+    return sliding_window if sliding_window and sliding_window < seq_len else None
+
+
+def uses_mask(packing: bool, sliding_window: int | None, seq_len: int) -> bool:
+    """Whether rows of `seq_len` tokens need a mask (FlexAttention on CUDA) rather than plain causal."""
+    return packing or effective_window(sliding_window, seq_len) is not None
+
+
+def mask_bytes(rows: int, seq_len: int, flex: bool, compute_bytes: int = 4) -> int:
+    """Bytes of one micro-batch's mask: the BlockMask tables (`flex`; the rule's document ids
+    aside), or the dense boolean mask and the additive copy SDPA makes of it."""
+    if not flex:
+        return rows * seq_len * seq_len * (1 + compute_bytes)
+    n = -(-seq_len // BLOCK)
+    return rows * n * (n + 1) * BLOCK_TABLE_BYTES
+
+
+def mask_rule(document_ids: torch.Tensor | None, window: int | None):
+    """The rule as a FlexAttention mask_mod: (batch, head, q, kv) -> attend?"""
+
+    def rule(b, h, q, kv):
+        keep = q >= kv
+        if window is not None:
+            keep = keep & (q - kv < window)
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q] == document_ids[b, kv])
+        return keep
+
+    return rule
+
+
+def attention_mask(
+    document_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device, flex: bool
+) -> Mask:
+    """The mask of one micro-batch: None (plain causal), a BlockMask (`flex`) or a dense boolean
+    [B|1, 1, S, S] tensor (True = attend). `document_ids` [B, S] must be on `device`."""
+    window = effective_window(sliding_window, seq_len)
+    if document_ids is None and window is None:
+        return None
+    rule = mask_rule(document_ids, window)
+    rows = 1 if document_ids is None else document_ids.shape[0]
+    if not flex:
+        return create_mask(rule, rows, 1, seq_len, seq_len, device)
+    return _block_mask(rule, document_ids, seq_len, window, torch.device(device))
+
+
+def _block_mask(rule, document_ids, seq_len: int, window: int | None, device) -> BlockMask:
+    """Classify each (q block, kv block) pair from block bounds alone: *empty* when no pair of
+    tokens in it may attend, *full* when every pair may (the kernel then skips the rule), else
+    *partial*. Both tests are exact bounds, so the classification is safe for any ids."""
+    n = -(-seq_len // BLOCK)
+    first = torch.arange(n, device=device) * BLOCK
+    last = torch.clamp(first + BLOCK, max=seq_len) - 1
+    q0, q1, k0, k1 = first[:, None], last[:, None], first[None], last[None]
+    some = k0 <= q1  # causal: the earliest key is not after the latest query
+    every = k1 <= q0
+    if window is not None:
+        some = some & (q0 - k1 < window)
+        every = every & (q1 - k0 < window)
+    whole = last - first + 1 == BLOCK  # a block cut by the row's end is never full, as in torch
+    every = every & whole[:, None] & whole[None]
+    some, every = some[None], every[None]
+    if document_ids is not None:
+        pad = n * BLOCK - seq_len
+        d = torch.cat([document_ids, document_ids[:, -1:].expand(-1, pad)], 1).view(-1, n, BLOCK)
+        lo, hi = d.amin(-1), d.amax(-1)
+        some = some & (lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= hi[:, :, None])
+        single = lo == hi
+        every = every & single[:, :, None] & single[:, None] & (lo[:, :, None] == lo[:, None])
+    partial = some & ~every
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial), *_ordered(every), BLOCK_SIZE=BLOCK, mask_mod=rule, seq_lengths=(seq_len, seq_len)
+    )
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, n, n] bool -> per query block, the number of its kv blocks and their indices first."""
+    num = blocks.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None].contiguous(), idx[:, None].contiguous()
+
+
+@functools.cache
+def _compiled_flex():
+    # Compiled once per process: eager FlexAttention materialises the whole score matrix.
+    return torch.compile(flex_attention)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v under the causal rule and `mask`; q [B, H, S, d], k and v
+    [B, H_kv, S, d] (grouped-query heads are read as they are, never repeated)."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, BlockMask):
+        # Inside a compiled layer the compiler traces FlexAttention itself; a nested compiled
+        # function there is refused.
+        fn = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex()
+        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
