@@ -92,7 +92,7 @@ class Engine:
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
         with torch.device("meta"):
-            self.layer = DecoderLayer(cfg)
+            self.layer = DecoderLayer(cfg, plan.mlp_tile_tokens)
             self.head = Head(cfg)
         self._layer_call = self._call_layer
         if compile:
