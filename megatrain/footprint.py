@@ -300,7 +300,9 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "gradients": held,
         }
         work = {
-            "layer backward": (0 if kept else lm.graph(Tm, tile) + Tm * h * cb) + lm.backward(Tm, tile) + mask,
+            "layer backward": (0 if kept else lm.graph(Tm, tile) + Tm * h * cb)
+            + lm.backward(Tm, tile)
+            + mask,
             "unit gradient": (4 + cb) * s.units[u],
         }
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))

@@ -92,7 +92,9 @@ TILED = [
 ]
 
 
-@pytest.mark.parametrize("family,tied,overrides", TILED, ids=["llama", "llama-mlp-bias", "qwen2-tied", "mistral"])
+@pytest.mark.parametrize(
+    "family,tied,overrides", TILED, ids=["llama", "llama-mlp-bias", "qwen2-tied", "mistral"]
+)
 def test_tiled_mlp_matches_transformers(family, tied, overrides, tmp_path, monkeypatch):
     """The MLP over tiles of 7 tokens (not dividing the 40 of a micro-batch): logits and every
     gradient as transformers computes them, in the kept layer's graph and in the recomputed ones."""
@@ -205,7 +207,9 @@ def test_optimizer_steps_match_plain_pytorch_loop(family, tied, mode, tile, tmp_
     cfg = ModelConfig.from_json(tmp_path / "hf")
     clip = mode != "immediate"
     choices = Choices(
-        gradient_placement="two_pass" if mode == "two_pass" else "auto", loss_chunk_tokens=9, mlp_tile_tokens=tile
+        gradient_placement="two_pass" if mode == "two_pass" else "auto",
+        loss_chunk_tokens=9,
+        mlp_tile_tokens=tile,
     )
     plan, _ = make_plan(cfg, "cpu", torch.float32, clip=clip, choices=choices)
     assert plan.grad_mode == mode and plan.mlp_tile_tokens == tile

@@ -137,7 +137,9 @@ class MLP(nn.Module):
         """Tokens per MLP tile (0: untiled); the plan's `mlp_tile_tokens`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [w for lin in (self.gate_proj, self.up_proj, self.down_proj) for w in (lin.weight, lin.bias)]
+        weights = [
+            w for lin in (self.gate_proj, self.up_proj, self.down_proj) for w in (lin.weight, lin.bias)
+        ]
         if self.tile_tokens and x.numel() // x.shape[-1] > self.tile_tokens:
             return tiled_mlp(x, self.tile_tokens, *weights)
         return mlp(x, *weights)
