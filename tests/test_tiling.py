@@ -182,3 +182,34 @@ def test_longest_context_is_accepted_and_three_percent_more_is_refused(tmp_path,
     assert "\n" not in str(e.value) and str(e.value).startswith("no placement fits: ")
     rc, stdout, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "over.yaml", dict(run, max_length=over)))
     assert rc == 1 and "does not fit" in stdout
+
+
+def test_longctx_bench_dry_run_prints_each_runs_plan(capsys):
+    """bench/longctx.py --dry-run plans every named run on the CPU: a row per run with the plan's
+    tokens/s, model TFLOP/s (attention counted: at 512k it is most of the work) and peaks, and
+    nothing measured."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import longctx
+
+    longctx.main(["--dry-run", "--runs", "B128k,B256k,B512k,tiny"])
+    out = capsys.readouterr().out
+    head = longctx.HEADER.splitlines()[0]
+    assert head in out
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    rows = {}
+    for line in out.splitlines():
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+        if line.startswith("| ") and cells["run"] in longctx.RUNS:
+            rows[cells["run"]] = cells
+    assert set(rows) == {"B128k", "B256k", "B512k", "tiny"}
+    for r in rows.values():
+        measured = ("tokens/s", "model TFLOP/s", "GPU peak GiB", "host peak GiB")
+        assert all(r[k] == "-" for k in measured), r  # nothing measured
+        assert float(r["plan tokens/s"].replace(",", "")) > 0 and float(r["GPU peak plan GiB"]) <= 139, r
+    b512 = rows["B512k"]
+    assert float(b512["host peak plan GiB"]) <= 240 and not b512["plan"].endswith("park0")
+    weights_only = 6 * 8.03e9 * float(b512["plan tokens/s"].replace(",", "")) / 1e12
+    assert float(b512["plan TFLOP/s"]) > 5 * weights_only  # causal attention counted
