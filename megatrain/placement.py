@@ -233,9 +233,14 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
     gpu = usable_gpu(m)
     parts = []
     if p.device == "cuda" and gpu is not None and p.gpu_peak > gpu:
+        tiled = (
+            f" and MLP tiles of {p.mlp_tile_tokens:,} tokens"
+            if 0 < p.mlp_tile_tokens < b.micro_batch_tokens
+            else ""
+        )
         parts.append(
             f"GPU memory: one layer's working set at {b.micro_batch_tokens:,} tokens per micro-batch needs "
-            f"~{fmt_bytes(p.gpu_peak)} with every activation in host memory, {fmt_bytes(gpu)} usable"
+            f"~{fmt_bytes(p.gpu_peak)} with every activation in host memory{tiled}, {fmt_bytes(gpu)} usable"
         )
     if m.host_bytes is not None and p.host_total > m.host_bytes:
         parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(m.host_bytes)} usable")

@@ -126,11 +126,11 @@ def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: i
     if found is None:
         return "longest context: none (not one token per sequence fits)"
     n, p = found
-    how = [
-        f"MLP tiles of {p.mlp_tile_tokens:,} tokens" if 0 < p.mlp_tile_tokens < n else "MLP untiled",
-        f"{p.parked_layers} of {model_cfg.num_hidden_layers} layers' boundary activations in host memory",
-        f"gradients {p.grad_mode}",
-    ]
+    how = [f"MLP tiles of {p.mlp_tile_tokens:,} tokens" if 0 < p.mlp_tile_tokens < n else "MLP untiled"]
+    if p.device == "cuda":
+        layers = model_cfg.num_hidden_layers
+        how.append(f"{p.parked_layers} of {layers} layers' boundary activations in host memory")
+    how.append(f"gradients {p.grad_mode}")
     if p.device == "cuda":
         how.append(f"GPU peak ~{fmt_bytes(p.gpu_peak)}")
     how.append(f"host ~{fmt_bytes(p.host_total)}")
