@@ -235,17 +235,19 @@ def test_tiled_mlp_compiled_tracks_the_untiled_layer():
     cfg = _cfg("llama")
     runs = []
     for tile in (0, 100):
+        plan = _plan(tile=tile)
         m = build_model(
-            cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, plan=_plan(tile=tile)
+            cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, plan=plan, compile=True
         )
         assert m.engine.layer.mlp.tile_tokens == tile
+        w_init = m.state.master.clone()
         losses, norms = _steps(m)
-        runs.append((losses, norms, m.state.master.clone()))
+        runs.append((losses, norms, m.state.master - w_init))
         m.close()
-    (l0, n0, w0), (l1, n1, w1) = runs
-    assert l1 == pytest.approx(l0, rel=1e-2) and n1 == pytest.approx(n0, rel=3e-2)
-    diff = (w1 - w0).abs()
-    assert diff.max() < 4 * ADAMW.lr, f"max {diff.max():.3g} mean {diff.mean():.3g}"
+    (l0, n0, d0), (l1, n1, d1) = runs
+    assert l1 == pytest.approx(l0, rel=1e-2) and n1 == pytest.approx(n0, rel=3e-2), (l0, l1, n0, n1)
+    cos = torch.nn.functional.cosine_similarity(d0, d1, dim=0)
+    assert cos > 0.99, f"update directions differ: cosine {cos:.4f}"
 
 
 def test_tiled_layer_memory_is_what_the_probe_predicts():
