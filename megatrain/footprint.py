@@ -299,10 +299,9 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "activation gradients": T * h * cb,
             "gradients": held,
         }
+        recomputed = 0 if kept else lm.graph(Tm, tile) + Tm * h * cb  # its graph and output
         work = {
-            "layer backward": (0 if kept else lm.graph(Tm, tile) + Tm * h * cb)
-            + lm.backward(Tm, tile)
-            + mask,
+            "layer backward": recomputed + lm.backward(Tm, tile) + mask,
             "unit gradient": (4 + cb) * s.units[u],
         }
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))

@@ -107,7 +107,8 @@ def plan(
 
     def fastest(tile: int) -> Plan | None:
         best: Plan | None = None
-        for parked in parked_options[_fewest_parked(parked_options, room(tile)) :]:
+        start = _fewest_parked(parked_options, partial(gpu_room, tile=tile))
+        for parked in parked_options[start:]:
             options = list(_gradient_options(s, batch, c, m, parked, partial(candidate, tile=tile)))
             for p in options:
                 if fits(p, m) and (best is None or p.step_time_s < best.step_time_s * 0.999):
@@ -118,14 +119,10 @@ def plan(
                 break  # nor does it make room in host memory
         return best
 
-    def room(tile: int):
-        """Whether, with `parked` layers' activations parked and no gradient held, the GPU has room."""
-
-        def fits_gpu(parked: int) -> bool:
-            least = candidate("stored" if batch.clip else "immediate", 0, parked, tile)
-            return fits(replace(least, host={}), m)
-
-        return fits_gpu
+    def gpu_room(parked: int, tile: int) -> bool:
+        """The GPU holds the working set with `parked` layers' activations parked, no gradient held."""
+        least = candidate("stored" if batch.clip else "immediate", 0, parked, tile)
+        return fits(replace(least, host={}), m)
 
     # Untiled where it fits, else the largest MLP tile that does (tiling costs a recompute of the
     # MLP, less than the second sweep of a two-pass step).
@@ -171,7 +168,7 @@ def _tile_options(s: Shape, b: Batch, c: Choices) -> list[int]:
     out = [0]
     if s.layer_mem.tiled_graph_per_token is None or b.micro_batch_tokens <= MIN_MLP_TILE:
         return out  # the tiled layer was not measured, or a tile would be the whole micro-batch
-    tile = 1 << (b.micro_batch_tokens - 1).bit_length() - 1  # the largest power of two below
+    tile = 1 << ((b.micro_batch_tokens - 1).bit_length() - 1)  # the largest power of two below
     while tile >= MIN_MLP_TILE:
         out.append(tile)
         tile //= 2
