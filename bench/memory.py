@@ -100,6 +100,20 @@ def shape_of(run: dict):
     return cfg, seq, mbs, T // (mbs * seq)
 
 
+def choices_of(run: dict):
+    """The placement choices a run spec sets (gpu_state, gradient_placement, offload_activations,
+    mlp_tile_tokens); the rest the plan decides."""
+    from megatrain.placement import Choices
+
+    offload = {"true": True, "false": False}.get(str(run.get("offload_activations")).lower())
+    return Choices(
+        gpu_state=run.get("gpu_state", "auto"),
+        gradient_placement=run.get("gradient_placement", "auto"),
+        offload_activations=offload,
+        mlp_tile_tokens=int(run["mlp_tile_tokens"]) if "mlp_tile_tokens" in run else None,
+    )
+
+
 def worker(run: dict) -> dict:
     import torch
 
@@ -107,7 +121,7 @@ def worker(run: dict) -> dict:
     from megatrain.config import parse_size
     from megatrain.memory import MemoryRecord
     from megatrain.optim import AdamWConfig
-    from megatrain.placement import Batch, Choices, phase_peaks
+    from megatrain.placement import Batch, phase_peaks
     from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, make_plan
 
@@ -124,10 +138,7 @@ def worker(run: dict) -> dict:
         seq_len=seq,
         grad_accum=accum,
         clip=clip > 0,
-        choices=Choices(
-            gpu_state=run.get("gpu_state", "auto"),
-            gradient_placement=run.get("gradient_placement", "auto"),
-        ),
+        choices=choices_of(run),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
     )
@@ -287,13 +298,22 @@ def row(r: dict) -> str:
     if r.get("error"):
         return f"| {r['name']} | {r['run']['spec']} | error: {r['error']} |"
     p, pr, me = r["plan"], r["predicted"], r["measured"]
-    mode = f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']} k{p['keep_layers']} park{p['parked_layers']}"
     return (
-        f"| {r['name']} | {r['params'] / 1e9:.2f}B | {r['run']['tokens']:,} | {mode} | "
+        f"| {r['name']} | {r['params'] / 1e9:.2f}B | {r['run']['tokens']:,} | {plan_str(p)} | "
         f"{_gib(pr.get('gpu_peak_allocated'))} | {_gib(me.get('gpu_peak_allocated'))} | "
         f"{_err(me.get('gpu_peak_allocated'), pr.get('gpu_peak_allocated'))} | "
         f"{_gib(pr['host_peak_rss'])} | {_gib(me.get('host_peak_rss'))} | {_err(me.get('host_peak_rss'), pr['host_peak_rss'])} | "
         f"{r['tokens_per_s']:,.0f} | {p['step_time_s'] and r['run']['tokens'] / p['step_time_s']:,.0f} | {r['init_s']:.0f} |"
+    )
+
+
+def plan_str(p: dict) -> str:
+    """A plan's choices in a table cell: gradient mode, units whose gradients / state are on the
+    GPU, kept graphs, parked layers, MLP tile (only where tiled)."""
+    tile = f" tile{p['mlp_tile_tokens']}" if p.get("mlp_tile_tokens") else ""
+    return (
+        f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']} k{p['keep_layers']} "
+        f"park{p['parked_layers']}{tile}"
     )
 
 

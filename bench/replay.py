@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from memory import shape_of  # noqa: E402
+from memory import plan_str, shape_of  # noqa: E402
 
 from megatrain.placement import Batch, Plan, phase_peaks  # noqa: E402
 from megatrain.probe import LayerMemory  # noqa: E402
@@ -26,7 +26,7 @@ from megatrain.probe import LayerMemory  # noqa: E402
 GiB = 2**30
 PLAN_FIELDS = (
     "device", "grad_mode", "gpu_grad_units", "resident_units", "keep_layers", "parked_layers",
-    "loss_chunk_tokens", "prefetch", "staging_elems", "inflight_units",
+    "loss_chunk_tokens", "mlp_tile_tokens", "prefetch", "staging_elems", "inflight_units",
 )  # fmt: skip
 
 
@@ -35,7 +35,7 @@ def replay(record: dict) -> dict[str, tuple[int, int]]:
     run = record["run"]
     cfg, seq, mbs, accum = shape_of(run)
     batch = Batch(mbs * seq, accum, seq, 2, float(run.get("max_grad_norm", 1.0)) > 0, rows=mbs)
-    plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS})
+    plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS if k in record["plan"]})
     predicted = phase_peaks(cfg, batch, plan, LayerMemory(**record["layer_mem"]))
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items()}
 
@@ -52,8 +52,7 @@ def main() -> None:
             if "phase_peaks" not in r:
                 continue
             ph = replay(r)
-            p = r["plan"]
-            mode = f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']} k{p['keep_layers']} park{p['parked_layers']}"
+            mode = plan_str(r["plan"])
             cells = [f"{m / GiB:.2f} / {q / GiB:.2f}" for m, q in ph.values()]
             meas, pred = max(m for m, _ in ph.values()), max(q for _, q in ph.values())
             print(

@@ -153,6 +153,7 @@ def _plan(args) -> int:
             "largest that fit, the other settings as configured: "
             + ", ".join(f"{k}={v}" for k, v in lim.items())
         )
+    print(plan.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     return 0 if result.fits else 1
 
 

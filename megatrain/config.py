@@ -158,6 +158,10 @@ class TrainConfig:
     offload_activations: bool | None = None
     """Layer-boundary activations in host memory: true (all), false (none), or None (auto: on the
     GPU as far as it holds them, the leading layers' beyond that in host memory)."""
+    mlp_tile_tokens: int | None = None
+    """Tokens per tile of the decoder layer's MLP, computed over the sequence a tile at a time so
+    its intermediates never exist for the whole sequence: 0 never tiles; default (None): the plan
+    tiles only where one layer's untiled working set does not fit, as large as fits."""
     gpu_state: str = "auto"
     """auto: GPU memory the streaming leaves free holds the leading layers' fp32 state (stepped
     there), the last layers' graphs and gradients, where the plan says it pays; off: the GPU
@@ -252,6 +256,8 @@ class TrainConfig:
             bad("max_consecutive_nonfinite", "must be >= 1")
         if isinstance(self.resume_from_checkpoint, str) and not self.resume_from_checkpoint.strip():
             bad("resume_from_checkpoint", "must be true, false or a checkpoint directory")
+        if self.mlp_tile_tokens is not None and self.mlp_tile_tokens < 0:
+            bad("mlp_tile_tokens", "must be a number of tokens >= 0 (0: never tile)")
         if self.gpu_state not in ("auto", "off"):
             bad("gpu_state", "must be auto or off")
         if self.gradient_placement not in ("auto", "gpu", "host", "two_pass"):

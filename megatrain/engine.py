@@ -98,7 +98,7 @@ class Engine:
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
         with torch.device("meta"):
-            self.layer = DecoderLayer(cfg)
+            self.layer = DecoderLayer(cfg, plan.mlp_tile_tokens)
             self.head = Head(cfg)
         # Packed documents and sliding windows: FlexAttention's block masks on CUDA, dense masks on
         # the CPU (models/attention.py says why).

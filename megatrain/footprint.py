@@ -14,17 +14,12 @@ from dataclasses import asdict, dataclass, field, replace
 from .activations import HostActivations
 from .models.attention import mask_bytes
 from .models.config import ModelConfig
-from .probe import LayerMemory
+from .probe import LayerMemory, formula_layer_memory
 
 GiB, MiB = 2**30, 2**20
 
-# --- measured constants (bench/calibrate.py, bench/memory.py; bf16, compiled layer, Hopper)
-# One decoder layer's activations when no device is there to measure them (probe.py measures them
-# before every CUDA run): bytes per token = cb * (a*hidden + b*ffn). An upper envelope of four
-# measured shapes (hidden 3072..12288): within 1-4% for wide layers, up to 1.5x for narrow ones.
-GRAPH_H, GRAPH_F = 14.4, 2.5
-BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
-FORWARD_H = 9.0  # peak above the input of a forward without autograd
+# --- measured constants (bench/calibrate.py, bench/memory.py; bf16, compiled layer, Hopper); one
+# layer's activations are probe.py's (measured, or its formula)
 # The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient
 # (measured 16.3), and per token x hidden of a chunk: the norm in fp32 and its gradient.
 LOGIT_BYTES = 16
@@ -99,6 +94,7 @@ class Plan:
     keep_layers: int  # trailing layers whose graphs are kept from the forward sweep
     parked_layers: int  # leading layers whose boundary activations wait in host memory
     loss_chunk_tokens: int
+    mlp_tile_tokens: int = 0  # tokens per MLP tile in the decoder layer (0: untiled)
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
@@ -143,12 +139,6 @@ class Shape:
     @property
     def total(self) -> int:
         return sum(self.units)
-
-
-def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
-    """A conservative estimate of one layer's activation memory (see GRAPH_H)."""
-    h, f, cb = cfg.hidden_size, cfg.intermediate_size, compute_bytes
-    return LayerMemory(cb * (GRAPH_H * h + GRAPH_F * f), cb * BACKWARD_H * h, 0.0, cb * FORWARD_H * h)
 
 
 def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
@@ -250,7 +240,8 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         "fp32 state of GPU-resident units": 12 * sum(s.units[:R]),
         "attention masks": _masks(b, flex=True),
     }
-    kept_graph = lm.graph(T) + act + cb * s.layer  # a kept layer's graphs, outputs and weights
+    tile = plan.mlp_tile_tokens
+    kept_graph = lm.graph(Tm, tile) * b.micro_batches + act + cb * s.layer  # graphs, outputs, weights
 
     def acts_before(j: int) -> int:
         """Boundary activations on the GPU for layers < j: p .. L-k-1 (parked ones lead; kept
@@ -274,7 +265,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "kept graphs": kept_graph * max(0, j - (L - k)),
             "gradients": suffix_streamed[j + 2] if stored else 0,
         }
-        work = {"layer forward": (lm.graph(Tm) if kept else lm.forward(Tm))}
+        work = {"layer forward": lm.graph(Tm, tile) if kept else lm.forward(Tm, tile)}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
     head = L + 1
@@ -312,8 +303,9 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "activation gradients": T * h * cb,
             "gradients": held,
         }
+        recomputed = 0 if kept else lm.graph(Tm, tile) + Tm * h * cb  # its graph and output
         work = {
-            "layer backward": (0 if kept else lm.graph(Tm) + Tm * h * cb) + lm.backward(Tm),
+            "layer backward": recomputed + lm.backward(Tm, tile),
             "unit gradient": (4 + cb) * s.units[u],
         }
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
@@ -356,9 +348,8 @@ def _host(s: Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
         else:
             host["fp32 gradients in flight"] = 4 * (2 * max(s.units))
         host["boundary activations"] = T * h * cb * s.layers
-        host["layer working set"] = s.layer_mem.graph(b.micro_batch_tokens) + s.layer_mem.backward(
-            b.micro_batch_tokens
-        )
+        Tm, tile = b.micro_batch_tokens, plan.mlp_tile_tokens
+        host["layer working set"] = s.layer_mem.graph(Tm, tile) + s.layer_mem.backward(Tm, tile)
         host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
         if b.masked:
             host["attention masks"] = _masks(b, flex=False)
@@ -397,6 +388,8 @@ def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     recompute = L - plan.keep_layers
     passes = 2 if plan.grad_mode == "two_pass" else 1
     flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
+    if s.layer_mem.tiles(b.micro_batch_tokens, plan.mlp_tile_tokens):
+        flops += passes * L * 2 * 3 * s.hidden * s.ffn * T  # each backward recomputes the MLP's tiles
     gpu = flops / F
     if m.device == "cpu":
         return gpu + s.total / m.adam_params_s

@@ -16,6 +16,9 @@ From the model's shape, the batch shape and the memory the run may use (measured
   stepped on the GPU, and **kept graphs**: the trailing layers' autograd graphs from the forward
   sweep, not recomputed. What GPU memory is left goes to whichever of the two the cost model says
   saves more time per byte.
+* **MLP tiles**: where one layer's working set does not fit otherwise (long context), the
+  decoder layer's MLP runs over tiles of the sequence, as large as fit, so its intermediates
+  (3 x tokens x ffn) exist for one tile at a time; each backward recomputes them once more.
 * the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
 
 The engine and the transport receive the `Plan` and carry it out; they keep no rules of their
@@ -28,6 +31,7 @@ What each choice costs (memory at its peak, host bytes, step time) comes from fo
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from .errors import MegatrainError
@@ -42,16 +46,18 @@ from .footprint import (
     evaluate,
     fits,
     fmt_bytes,
-    formula_layer_memory,
     loss_chunk,
     model_shape,
     phase_peaks,
     usable_gpu,
 )
 from .models.config import ModelConfig
-from .probe import LayerMemory
+from .probe import LayerMemory, formula_layer_memory
 
 __all__ = ["Batch", "Choices", "Machine", "Plan", "PlanError", "fmt_bytes", "phase_peaks", "plan"]
+
+
+MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units idle
 
 
 class PlanError(MegatrainError):
@@ -68,6 +74,7 @@ class Choices:
     keep_layers: int | None = None
     resident_units: int | None = None
     loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None  # 0: never tile
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -87,25 +94,49 @@ def plan(
     resident = min(c.resident_units or 0, len(s.units))
     chunk = loss_chunk(s, batch, m, c.loss_chunk_tokens)
 
-    def candidate(mode: str, gpu_grad_units: int, parked: int) -> Plan:
-        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk)
-        return evaluate(s, batch, p, m)
-
     if m.device == "cpu":
         parked_options: list[int] | range = [0]
     elif c.offload_activations is not None:
         parked_options = [L - keep] if c.offload_activations else [0]
     else:
         parked_options = range(L - keep + 1)
-    best: Plan | None = None
-    for parked in parked_options:
-        for p in _gradient_options(s, batch, c, m, parked, candidate):
-            if fits(p, m) and (best is None or p.step_time_s < best.step_time_s * 0.999):
-                best = p
+
+    def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
+        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile)
+        return evaluate(s, batch, p, m)
+
+    def fastest(tile: int) -> Plan | None:
+        best: Plan | None = None
+        start = _fewest_parked(parked_options, partial(gpu_room, tile=tile))
+        for parked in parked_options[start:]:
+            options = list(_gradient_options(s, batch, c, m, parked, partial(candidate, tile=tile)))
+            for p in options:
+                if fits(p, m) and (best is None or p.step_time_s < best.step_time_s * 0.999):
+                    best = p
+            if best is not None and best.grad_mode != "two_pass":
+                break  # parking more activations only adds PCIe traffic
+            if m.host_bytes is not None and all(p.host_total > m.host_bytes for p in options):
+                break  # nor does it make room in host memory
+        return best
+
+    def gpu_room(parked: int, tile: int) -> bool:
+        """The GPU holds the working set with `parked` layers' activations parked, no gradient held."""
+        least = candidate("stored" if batch.clip else "immediate", 0, parked, tile)
+        return fits(replace(least, host={}), m)
+
+    # Untiled where it fits, else the largest MLP tile that does (tiling costs a recompute of the
+    # MLP, less than the second sweep of a two-pass step).
+    tiles = _tile_options(s, batch, c)
+    best = None
+    for tile in tiles:
+        p = fastest(tile)
+        if p is not None and (best is None or p.step_time_s < best.step_time_s * 0.999):
+            best = p
         if best is not None and best.grad_mode != "two_pass":
-            break  # parking more activations only adds PCIe traffic
+            break
     if best is None:
-        worst = candidate("two_pass" if batch.clip else "immediate", resident, parked_options[-1])
+        mode = "two_pass" if batch.clip else "immediate"
+        worst = candidate(mode, resident, parked_options[-1], tiles[-1])
         raise PlanError(_too_big(worst, m, batch))
     auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
     if m.device == "cuda" and auto:
@@ -115,6 +146,33 @@ def plan(
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
     return best
+
+
+def _fewest_parked(options: list[int] | range, fits_gpu) -> int:
+    """Index of the first of `options` (parked layers, ascending) whose GPU memory fits, by
+    bisection (the GPU peak falls as layers are parked); len(options) when none does."""
+    lo, hi = 0, len(options)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits_gpu(options[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _tile_options(s: Shape, b: Batch, c: Choices) -> list[int]:
+    """MLP tile sizes worth trying, best first: untiled, then halving down to MIN_MLP_TILE."""
+    if c.mlp_tile_tokens is not None:
+        return [c.mlp_tile_tokens]
+    out = [0]
+    if s.layer_mem.tiled_graph_per_token is None or b.micro_batch_tokens <= MIN_MLP_TILE:
+        return out  # the tiled layer was not measured, or a tile would be the whole micro-batch
+    tile = 1 << ((b.micro_batch_tokens - 1).bit_length() - 1)  # the largest power of two below
+    while tile >= MIN_MLP_TILE:
+        out.append(tile)
+        tile //= 2
+    return out
 
 
 def _gradient_options(s: Shape, b: Batch, c: Choices, m: Machine, parked: int, candidate):
@@ -172,9 +230,14 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
     gpu = usable_gpu(m)
     parts = []
     if p.device == "cuda" and gpu is not None and p.gpu_peak > gpu:
+        tiled = (
+            f" and MLP tiles of {p.mlp_tile_tokens:,} tokens"
+            if 0 < p.mlp_tile_tokens < b.micro_batch_tokens
+            else ""
+        )
         parts.append(
             f"GPU memory: one layer's working set at {b.micro_batch_tokens:,} tokens per micro-batch needs "
-            f"~{fmt_bytes(p.gpu_peak)} with every activation in host memory, {fmt_bytes(gpu)} usable"
+            f"~{fmt_bytes(p.gpu_peak)} with every activation in host memory{tiled}, {fmt_bytes(gpu)} usable"
         )
     if m.host_bytes is not None and p.host_total > m.host_bytes:
         parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(m.host_bytes)} usable")
@@ -204,6 +267,11 @@ def _note(p: Plan, s: Shape, b: Batch) -> Plan:
         )
     else:
         notes.append("gradients: no clipping, each unit stepped as its gradient lands")
+    if s.layer_mem.tiles(b.micro_batch_tokens, p.mlp_tile_tokens):
+        notes.append(
+            f"MLP tiled over the sequence, {p.mlp_tile_tokens:,} tokens per tile: one tile's intermediates "
+            "at a time, recomputed in each backward"
+        )
     if p.parked_layers:
         notes.append(f"boundary activations: {p.parked_layers} of {s.layers} layers in host memory")
     if p.resident_units:

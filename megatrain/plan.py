@@ -3,7 +3,8 @@ makes the same plan and refuses a run that no placement fits, naming the setting
 
 The decisions and the memory model are placement.py's; this module turns a training config into
 its inputs (the largest step: rows padded to max_length), reports the result, and searches the
-batch settings for the largest that fit (`limits`).
+batch settings for the largest that fit (`limits`) and the longest sequence a step of one
+sequence may have (`longest_context`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def choices_of(cfg) -> Choices:
         gpu_state=cfg.gpu_state,
         gradient_placement=cfg.gradient_placement,
         offload_activations=cfg.offload_activations,
+        mlp_tile_tokens=cfg.mlp_tile_tokens,
     )
 
 
@@ -78,10 +80,7 @@ def check(
     `layer_mem`: the layer's activation memory as probe.py measured it (None: the formula)."""
     machine = _less_data(machine, data)
 
-    def attempt(**knobs: int) -> Plan:
-        batch = batch_of(cfg, model_cfg, compute_bytes, **knobs)
-        return make_placement(model_cfg, batch, machine, choices_of(cfg), layer_mem)
-
+    attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
     try:
         return Check(attempt(), machine, None)
     except PlanError as e:
@@ -103,22 +102,58 @@ def limits(
 ) -> dict[str, int | None]:
     """The largest value of each batch knob (the others as configured) that a placement fits
     (searched up to 2**24)."""
+    attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
+    out = {}
+    for name in KNOBS:
+        out[name] = _largest(lambda v, name=name: _fits(attempt, **{name: v}), getattr(cfg, name))
+    return out
+
+
+def longest_context(
+    model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None
+) -> tuple[int, Plan] | None:
+    """The most tokens one sequence may have (one sequence per optimizer step, the other settings
+    as configured) that a placement fits, with that placement; None when not even one token fits.
+    MLP tiles and parked activations count as the plan would choose them."""
+    attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
+    one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    n = _largest(lambda v: _fits(attempt, max_length=v, **one), cfg.max_length)
+    return None if n is None else (n, attempt(max_length=n, **one))
+
+
+def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None) -> str:
+    """`megatrain plan`'s answer to "how long may a sequence be on this machine"."""
+    found = longest_context(model_cfg, cfg, machine, compute_bytes, layer_mem)
+    if found is None:
+        return "longest context: none (not one token per sequence fits)"
+    n, p = found
+    how = [f"MLP tiles of {p.mlp_tile_tokens:,} tokens" if 0 < p.mlp_tile_tokens < n else "MLP untiled"]
+    if p.device == "cuda":
+        layers = model_cfg.num_hidden_layers
+        how.append(f"{p.parked_layers} of {layers} layers' boundary activations in host memory")
+    how.append(f"gradients {p.grad_mode}")
+    if p.device == "cuda":
+        how.append(f"GPU peak ~{fmt_bytes(p.gpu_peak)}")
+    how.append(f"host ~{fmt_bytes(p.host_total)}")
+    return f"longest context: {n:,} tokens per sequence (one sequence per step; {', '.join(how)})"
+
+
+def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem):
+    """The placement of `cfg` with some batch knobs changed (PlanError when none fits)."""
 
     def attempt(**knobs: int) -> Plan:
         batch = batch_of(cfg, model_cfg, compute_bytes, **knobs)
         return make_placement(model_cfg, batch, machine, choices_of(cfg), layer_mem)
 
-    out = {}
-    for name in KNOBS:
+    return attempt
 
-        def fits(v: int, name: str = name) -> bool:
-            return _fits(attempt, **{name: v})
 
-        hi = max(1, getattr(cfg, name))
-        while hi < 2**24 and fits(2 * hi):
-            hi *= 2
-        out[name] = _largest_fitting(fits, 2 * hi)
-    return out
+def _largest(fits, start: int) -> int | None:
+    """Largest v with fits(v), doubling from `start` (up to 2**24), then bisecting."""
+    hi = max(1, start)
+    while hi < 2**24 and fits(2 * hi):
+        hi *= 2
+    return _largest_fitting(fits, 2 * hi)
 
 
 def _less_data(machine: Machine, data: int) -> Machine:

@@ -4,10 +4,11 @@ How much memory one layer's autograd graph holds per token is not a simple funct
 layer's shape once `torch.compile` decides which intermediates to save and which to recompute
 (measured on Hopper: 27 bytes per token x hidden for a 3072-wide layer, 42 for a 6144-wide one).
 So before a CUDA run is planned, the layer the engine will run (same template, dtype and
-compilation) is run on random data at two token counts, and the allocator's counters give the
-bytes per token of its graph and the peak while it is differentiated. placement.py turns these
-into the plan; without a device (`megatrain plan` on a login node) it uses a conservative
-formula instead. The probe decides nothing.
+compilation) is run on random data at two token counts, untiled and with its MLP tiled over the
+sequence, and the allocator's counters give the bytes per token of its graph and the peak while
+it is differentiated. placement.py turns these into the plan; without a device (`megatrain plan`
+on a login node) `formula_layer_memory` gives a conservative estimate instead. The probe
+decides nothing.
 """
 
 from __future__ import annotations
@@ -23,11 +24,23 @@ from .models.config import ModelConfig
 from .models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
+PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
+
+# One decoder layer's activations when no device is there to measure them: bytes per token =
+# cb * (a*hidden + b*ffn), bf16, compiled layer, Hopper (bench/calibrate.py). An upper envelope of
+# four measured shapes (hidden 3072..12288): within 1-4% for wide layers, up to 1.5x for narrow ones.
+GRAPH_H, GRAPH_F = 14.4, 2.5  # the ffn term: the MLP's saved intermediates
+BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
+FORWARD_H = 9.0  # peak above the input of a forward without autograd
+# One tile of the tiled MLP, per tile token x ffn (estimates, not measured): gate, up, their
+# product's inputs and, in the backward, their gradients; a forward holds gate, up and the product.
+TILE_BACKWARD_F, TILE_FORWARD_F = 8.0, 3.0
 
 
 @dataclass(frozen=True)
 class LayerMemory:
-    """Bytes of one decoder layer's activations, as linear functions of its tokens."""
+    """Bytes of one decoder layer's activations, as linear functions of its tokens (and, with the
+    MLP tiled, of the tile's tokens)."""
 
     graph_per_token: float
     """Saved tensors of a forward with autograd (its output excluded)."""
@@ -40,27 +53,106 @@ class LayerMemory:
     """Peak above the input of a forward without autograd (its output excluded)."""
     flops_per_s: float | None = None
     """The rate the layer's forward + backward ran at (matmul and attention FLOPs / s)."""
+    tiled_graph_per_token: float | None = None
+    """The same three per-token rates with the MLP tiled (None: not known, the plan never tiles)."""
+    tiled_backward_per_token: float = 0.0
+    tiled_forward_per_token: float = 0.0
+    tile_backward_per_token: float = 0.0
+    """Tiled: bytes per token of one tile while it is recomputed and differentiated ..."""
+    tile_forward_per_token: float = 0.0
+    """... and while it is computed without autograd."""
+    tile_fixed: float = 0.0
+    """Tiled: the fp32 sums of the MLP's weight gradients and one tile's weight gradients."""
 
-    def graph(self, tokens: int) -> int:
-        return int(self.graph_per_token * tokens)
+    def tiles(self, tokens: int, tile: int) -> bool:
+        """Whether a layer with MLP tiles of `tile` tokens tiles a micro-batch of `tokens`."""
+        return bool(tile) and tokens > tile and self.tiled_graph_per_token is not None
 
-    def backward(self, tokens: int) -> int:
+    def graph(self, tokens: int, tile: int = 0) -> int:
+        rate = self.tiled_graph_per_token if self.tiles(tokens, tile) else self.graph_per_token
+        return int(rate * tokens)
+
+    def backward(self, tokens: int, tile: int = 0) -> int:
+        if self.tiles(tokens, tile):
+            per_tile = self.tile_backward_per_token * tile + self.tile_fixed
+            return max(0, int(self.backward_fixed + self.tiled_backward_per_token * tokens + per_tile))
         return max(0, int(self.backward_fixed + self.backward_per_token * tokens))
 
-    def forward(self, tokens: int) -> int:
+    def forward(self, tokens: int, tile: int = 0) -> int:
+        if self.tiles(tokens, tile):
+            return int(self.tiled_forward_per_token * tokens + self.tile_forward_per_token * tile)
         return int(self.forward_per_token * tokens)
+
+
+def mlp_sums_bytes(cfg: ModelConfig, compute_bytes: int) -> int:
+    """The tiled MLP's fp32 weight-gradient sums beside one tile's gradients in compute dtype."""
+    return (4 + compute_bytes) * 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
+    """A conservative estimate of one layer's activation memory (see GRAPH_H)."""
+    h, f, cb = cfg.hidden_size, cfg.intermediate_size, compute_bytes
+    return LayerMemory(
+        cb * (GRAPH_H * h + GRAPH_F * f),
+        cb * BACKWARD_H * h,
+        0.0,
+        cb * FORWARD_H * h,
+        tiled_graph_per_token=cb * GRAPH_H * h,
+        tiled_backward_per_token=cb * BACKWARD_H * h,
+        tiled_forward_per_token=cb * FORWARD_H * h,
+        tile_backward_per_token=cb * TILE_BACKWARD_F * f,
+        tile_forward_per_token=cb * TILE_FORWARD_F * f,
+        tile_fixed=mlp_sums_bytes(cfg, cb),
+    )
 
 
 def probe_layer_memory(
     cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int, masked: bool = False
 ) -> LayerMemory:
-    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure; `masked`:
-    through the attention a run with packed rows or a sliding window uses (a one-document
-    block mask, the model's window)."""
+    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure, untiled and
+    with MLP tiles of a quarter of the smaller count; `masked`: through the attention a run with
+    packed rows or a sliding window uses (a one-document block mask, the model's window)."""
     device = torch.device(device)
     with torch.device("meta"):
-        layer = DecoderLayer(cfg)
-    params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
+        shapes = DecoderLayer(cfg)
+    params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in shapes.named_parameters()}
+    sizes = sorted({max(128, tokens // 4), max(128, tokens)})
+    tile = max(32, sizes[0] // PROBE_TILES)
+    (t1, g1, b1, f1), (t2, g2, b2, f2), elapsed = _probe(
+        cfg, params, device, dtype, compile, sizes, 0, masked
+    )
+    n = sum(t.numel() for t in params.values())
+    q = cfg.num_attention_heads * cfg.head_dim
+    flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
+    slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2
+    fixed = b2 - slope * t2
+    (_, tg1, tb1, tf1), (_, tg2, tb2, tf2), _ = _probe(
+        cfg, params, device, dtype, compile, sizes, tile, masked
+    )
+    t_slope = (tb2 - tb1) / (t2 - t1) if t2 > t1 else tb2 / t2
+    tf_slope = (tf2 - tf1) / (t2 - t1) if t2 > t1 else tf2 / t2
+    sums = mlp_sums_bytes(cfg, dtype.itemsize)
+    return LayerMemory(
+        graph_per_token=max(g1 / t1, g2 / t2),
+        backward_per_token=slope,
+        backward_fixed=fixed,
+        forward_per_token=max(f1 / t1, f2 / t2),
+        flops_per_s=flops / elapsed,
+        tiled_graph_per_token=max(tg1 / t1, tg2 / t2),
+        tiled_backward_per_token=t_slope,
+        tiled_forward_per_token=tf_slope,
+        # what the tiled runs' intercepts add to the untiled one's, per tile token
+        tile_backward_per_token=max(0.0, (tb2 - t_slope * t2 - fixed - sums) / tile),
+        tile_forward_per_token=max(0.0, (tf2 - tf_slope * t2) / tile),
+        tile_fixed=sums,
+    )
+
+
+def _probe(cfg, params, device, dtype, compile: bool, sizes: list[int], tile: int, masked: bool):
+    """Measure the layer with MLP tiles of `tile` tokens (0: untiled) at each of `sizes` tokens:
+    one row per size, and the seconds of the last measurement."""
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg, mlp_tile_tokens=tile)
     leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
     inv, scale = rope_inv_freq(cfg)
@@ -70,7 +162,6 @@ def probe_layer_memory(
         return functional_call(layer, p, (x, (cos, sin), mask))
 
     fn = torch.compile(call) if compile else call
-    sizes = sorted({max(128, tokens // 4), max(128, tokens)})
     rows = []
     for t in sizes:
         pos = torch.arange(t, device=device)[None]
@@ -85,18 +176,7 @@ def probe_layer_memory(
         rows.pop(-2)
         del x, mask
     torch.cuda.empty_cache()
-    (t1, g1, b1, f1), (t2, g2, b2, f2) = rows[0], rows[-1]
-    n = sum(t.numel() for t in params.values())
-    q = cfg.num_attention_heads * cfg.head_dim
-    flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
-    slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2
-    return LayerMemory(
-        graph_per_token=max(g1 / t1, g2 / t2),
-        backward_per_token=slope,
-        backward_fixed=b2 - slope * t2,
-        forward_per_token=max(f1 / t1, f2 / t2),
-        flops_per_s=flops / elapsed,
-    )
+    return rows[0], rows[-1], elapsed
 
 
 def _measure(fn, leaves, params, x, extra, pgrads, device) -> tuple[int, int, int]:

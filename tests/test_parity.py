@@ -81,7 +81,37 @@ def _hf_loss_sum(model, mb):
 def test_logits_and_grads_match_transformers(family, tied, overrides, tmp_path):
     hf = tiny_hf_model(family, tied, **overrides)
     # Loss chunks that do not divide the batch; the last layer's graph kept, the others recomputed.
-    mt = _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=1))
+    _check_parity(hf, _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=1)))
+
+
+TILED = [
+    ("llama", False, {}),
+    ("llama", True, {"mlp_bias": True}),  # biases on gate, up and down
+    ("qwen2", True, {}),
+    ("mistral", False, {}),
+]
+
+
+@pytest.mark.parametrize(
+    "family,tied,overrides", TILED, ids=["llama", "llama-mlp-bias", "qwen2-tied", "mistral"]
+)
+def test_tiled_mlp_matches_transformers(family, tied, overrides, tmp_path, monkeypatch):
+    """The MLP over tiles of 7 tokens (not dividing the 40 of a micro-batch): logits and every
+    gradient as transformers computes them, in the kept layer's graph and in the recomputed ones."""
+    from megatrain.models import decoder
+
+    tiles = []
+    apply = decoder._TiledMLP.apply
+    monkeypatch.setattr(decoder._TiledMLP, "apply", lambda x, t, *w: tiles.append(t) or apply(x, t, *w))
+    hf = tiny_hf_model(family, tied, **overrides)
+    mt = _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=1, mlp_tile_tokens=7))
+    assert mt.plan.mlp_tile_tokens == 7
+    _check_parity(hf, mt)
+    assert tiles and set(tiles) == {7}
+
+
+def _check_parity(hf, mt) -> None:
+    """Logits of one micro-batch, then the loss and every gradient of two, against transformers."""
     mbs = [_batch(hf.config.vocab_size, seed=s) for s in (1, 2)]
 
     ref_logits = hf(input_ids=mbs[0].input_ids).logits
@@ -153,18 +183,22 @@ def test_lr_schedules_match_transformers(schedule, warmup):
 # Every way the plan can serve the clip: gradients held until the norm is known (stored), a
 # norm-only backward then a stepping one (two_pass), and no clipping, each unit stepped as its
 # gradient lands (immediate).
+# The MLP tiled (5 tokens a tile) in each mode too.
 MODES = [
-    ("llama", False, "stored"),
-    ("qwen2", True, "stored"),
-    ("llama", False, "two_pass"),
-    ("qwen2", True, "two_pass"),
-    ("llama", False, "immediate"),
-    ("qwen3", True, "immediate"),
+    ("llama", False, "stored", 0),
+    ("qwen2", True, "stored", 0),
+    ("qwen2", True, "stored", 5),
+    ("llama", False, "two_pass", 0),
+    ("qwen2", True, "two_pass", 0),
+    ("llama", False, "two_pass", 5),
+    ("llama", False, "immediate", 0),
+    ("qwen3", True, "immediate", 0),
+    ("qwen3", True, "immediate", 5),
 ]
 
 
-@pytest.mark.parametrize("family,tied,mode", MODES)
-def test_optimizer_steps_match_plain_pytorch_loop(family, tied, mode, tmp_path):
+@pytest.mark.parametrize("family,tied,mode,tile", MODES)
+def test_optimizer_steps_match_plain_pytorch_loop(family, tied, mode, tile, tmp_path):
     """Three steps, 3 micro-batches each, clipping active (but in immediate mode), weight decay,
     warmup + cosine: losses, gradient norms and final weights equal a plain PyTorch loop."""
     hf = tiny_hf_model(family, tied)
@@ -172,9 +206,13 @@ def test_optimizer_steps_match_plain_pytorch_loop(family, tied, mode, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     cfg = ModelConfig.from_json(tmp_path / "hf")
     clip = mode != "immediate"
-    choices = Choices(gradient_placement="two_pass" if mode == "two_pass" else "auto", loss_chunk_tokens=9)
+    choices = Choices(
+        gradient_placement="two_pass" if mode == "two_pass" else "auto",
+        loss_chunk_tokens=9,
+        mlp_tile_tokens=tile,
+    )
     plan, _ = make_plan(cfg, "cpu", torch.float32, clip=clip, choices=choices)
-    assert plan.grad_mode == mode
+    assert plan.grad_mode == mode and plan.mlp_tile_tokens == tile
     mt = build_model(cfg, weights=tmp_path / "hf", device="cpu", adamw=adamw, plan=plan)
     opt = torch.optim.AdamW(
         _decay_groups(hf, adamw.weight_decay), lr=adamw.lr, betas=adamw.betas, eps=adamw.eps, fused=True

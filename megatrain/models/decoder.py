@@ -65,26 +65,89 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
+def mlp(x: torch.Tensor, gate_w, gate_b, up_w, up_b, down_w, down_b) -> torch.Tensor:
+    """The gated MLP of every family: down(silu(gate(x)) * up(x))."""
+    return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """`mlp` over `tile` tokens at a time: the forward saves only its input (and the weights it was
+    given), the backward recomputes one tile at a time and sums the weight gradients in fp32, so
+    the intermediates (3 x tokens x ffn) exist for one tile only. Only the summation order of the
+    weight gradients differs from the untiled MLP; in bf16 the fp32 sum is rounded once, as the
+    untiled matmul's fp32 accumulator is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tile: int, *weights):
+        ctx.tile = tile
+        ctx.save_for_backward(x, *weights)
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.new_empty(flat.shape[0], weights[4].shape[0])
+        for a in range(0, flat.shape[0], tile):
+            out[a : a + tile] = mlp(flat[a : a + tile], *weights)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        need_x, *need_w = ctx.needs_input_grad[:1] + ctx.needs_input_grad[2:]
+        need_w = [n and w is not None for n, w in zip(need_w, weights)]
+        leaves = [None if w is None else w.detach().requires_grad_(n) for w, n in zip(weights, need_w)]
+        sums = [  # at least fp32, whatever the compute dtype
+            torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32)) if n else None
+            for w, n in zip(weights, need_w)
+        ]
+        flat, dflat = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
+        dx = torch.empty_like(flat) if need_x else None
+        wanted = [leaf for leaf, n in zip(leaves, need_w) if n]
+        for a in range(0, flat.shape[0], ctx.tile):
+            xt = flat[a : a + ctx.tile].detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                yt = mlp(xt, *leaves)
+            grads = list(torch.autograd.grad(yt, ([xt] if need_x else []) + wanted, dflat[a : a + ctx.tile]))
+            if need_x:
+                dx[a : a + ctx.tile] = grads.pop(0)
+            if grads:
+                torch._foreach_add_([s for s in sums if s is not None], grads)
+            del yt, grads
+        dw = [None if s is None else s.to(w.dtype) for s, w in zip(sums, weights)]
+        return (None if dx is None else dx.view_as(x)), None, *dw
+
+
+@torch.compiler.disable
+def tiled_mlp(x: torch.Tensor, tile: int, *weights) -> torch.Tensor:
+    """`_TiledMLP`, run eagerly inside a compiled layer: the compiler traces the layer around it
+    (norms, attention, residual adds) and leaves the tile loop and its nested backward alone."""
+    return _TiledMLP.apply(x, tile, *weights)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tile_tokens: int = 0):
         super().__init__()
         h, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(h, f, bias=b)
         self.up_proj = nn.Linear(h, f, bias=b)
         self.down_proj = nn.Linear(f, h, bias=b)
+        self.tile_tokens = tile_tokens
+        """Tokens per MLP tile (0: untiled); the plan's `mlp_tile_tokens`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        weights = [
+            w for lin in (self.gate_proj, self.up_proj, self.down_proj) for w in (lin.weight, lin.bias)
+        ]
+        if self.tile_tokens and x.numel() // x.shape[-1] > self.tile_tokens:
+            return tiled_mlp(x, self.tile_tokens, *weights)
+        return mlp(x, *weights)
 
 
 class DecoderLayer(nn.Module):
     """One transformer block; parameter names are those under `model.layers.{i}.`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp_tile_tokens: int = 0):
         super().__init__()
         # Declared in transformers' order, so parameters iterate in the checkpoint's order.
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, mlp_tile_tokens)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,0 +1,215 @@
+"""The tiled MLP and long context: a layer whose MLP runs over sequence tiles holds one tile's
+intermediates at a time and gives the untiled layer's numbers (eager, compiled, bf16); the plan
+tiles only where the untiled layer does not fit, and `megatrain plan` names the longest context
+that the training preflight accepts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import tiny_config
+from test_checkpoint import write_yaml
+from test_cli import run_cli
+from test_placement import B8, cuda
+from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatrain import placement
+from megatrain.models.config import ModelConfig
+from megatrain.models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
+from megatrain.placement import Batch, Choices, PlanError
+
+GiB = 2**30
+CFG = ModelConfig.from_hf(tiny_config("llama", hidden_size=64, intermediate_size=112, mlp_bias=True))
+FFN = 112  # no other dimension of the layer or the batch has this size
+TOKENS = 2 * 256  # two sequences of 256
+
+
+def _inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = DecoderLayer(CFG)
+    params = {n: (torch.randn(p.shape, generator=g) * 0.1).to(dtype) for n, p in shapes.named_parameters()}
+    x = torch.randn(2, 256, CFG.hidden_size, generator=g).to(dtype)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    inv, scale = rope_inv_freq(CFG)
+    cos, sin = rope_cos_sin(inv, scale, torch.arange(256).expand(2, 256), dtype)
+    return params, x, dy, (cos, sin)
+
+
+def _grads(tile: int, dtype=torch.float32, call=None):
+    """As the engine's backward sweep: the layer recomputed from its input with its parameters as
+    leaves, differentiated with torch.autograd.grad. Returns (output, [dx, *parameter grads])."""
+    params, x, dy, rope = _inputs(dtype)
+    with torch.device("meta"):
+        layer = DecoderLayer(CFG, mlp_tile_tokens=tile)
+    leaves = {n: p.requires_grad_() for n, p in params.items()}
+    x.requires_grad_()
+
+    def layer_call(p, x, cos, sin):
+        return functional_call(layer, p, (x, (cos, sin), None))
+
+    y = (call(layer_call) if call else layer_call)(leaves, x, *rope)
+    return y.detach(), torch.autograd.grad(y, [x, *leaves.values()], dy)
+
+
+def _ffn_sized(t: torch.Tensor) -> int:
+    """Elements of a tokens x ffn tensor (an MLP intermediate, whole or a tile's), else 0."""
+    return t.numel() if t.dim() >= 2 and t.shape[-1] == FFN and t.shape[0] != CFG.hidden_size else 0
+
+
+class _LargestFfnTensor(TorchDispatchMode):
+    """The most elements of any tensor an op produces whose last dimension is the FFN width."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, _ffn_sized(t))
+        return out
+
+
+def test_tiled_layer_holds_one_tiles_intermediates_and_gives_the_untiled_numbers():
+    """Forward and backward with tiles of 48 tokens: no tensor of tokens x ffn is ever made or saved,
+    only one tile's; output and every gradient equal the untiled layer's within fp32 rounding."""
+    results = {}
+    for tile in (0, 48):
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(_ffn_sized(t))
+            return t
+
+        with _LargestFfnTensor() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results[tile] = _grads(tile)
+        results[tile] += (mode.largest, max(saved))
+    (y0, g0, largest0, saved0), (y1, g1, largest1, saved1) = results[0], results[48]
+    assert largest0 >= TOKENS * FFN and saved0 >= TOKENS * FFN  # untiled: the whole sequence's
+    assert largest1 <= 48 * FFN and saved1 <= 48 * FFN  # tiled: one tile's (saved while recomputed)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
+    assert len(g1) == len(g0) == 1 + len(list(DecoderLayer(CFG).parameters()))
+    for a, b in zip(g1, g0):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_layer_under_torch_compile():
+    """Compiled (the engine compiles its layer call on CUDA): the tile loop runs eagerly inside the
+    compiled layer and the gradients are the eager untiled layer's. (`aot_eager` traces what
+    inductor would; inductor itself runs in the GPU tests.)"""
+    torch._dynamo.reset()
+    _, ref = _grads(0)
+    _, got = _grads(48, call=lambda fn: torch.compile(fn, backend="aot_eager"))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_bf16_weight_gradients_sum_in_fp32():
+    """In bf16 the tiled weight gradients are as close to the fp32 ones as the untiled layer's
+    (each tile's product summed in fp32, rounded once), not one rounding per tile worse."""
+    _, ref = _grads(0, torch.float32)
+    err = {}
+    for tile in (0, 4):  # 128 tiles: summed in bf16, the error would be 1.9x the untiled one
+        _, g = _grads(tile, torch.bfloat16)
+        err[tile] = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(g[1:], ref[1:]))
+    assert err[4] < 1.5 * err[0] + 1e-3, err
+
+
+# ---------------------------------------------------------------------------- the plan
+SHORT = Batch(micro_batch_tokens=16384, micro_batches=1, seq_len=16384, compute_bytes=2, clip=True)
+LONG = Batch(micro_batch_tokens=327680, micro_batches=1, seq_len=327680, compute_bytes=2, clip=True)
+
+
+def test_plan_tiles_only_where_the_untiled_layer_does_not_fit():
+    short = placement.plan(B8, SHORT, cuda(139, 256))
+    assert short.mlp_tile_tokens == 0 and not any("MLP tiled" in n for n in short.notes)
+    machine = cuda(80, 256)
+    with pytest.raises(PlanError, match="GPU memory: one layer's working set"):
+        placement.plan(B8, LONG, machine, Choices(mlp_tile_tokens=0))
+    tiled = placement.plan(B8, LONG, machine)
+    t = tiled.mlp_tile_tokens
+    assert t >= placement.MIN_MLP_TILE and t & (t - 1) == 0 and t < LONG.micro_batch_tokens
+    assert tiled.gpu_peak <= placement.usable_gpu(machine)
+    assert any(f"MLP tiled over the sequence, {t:,} tokens per tile" in n for n in tiled.notes)
+    # the largest tile that fits: twice as large does not
+    with pytest.raises(PlanError):
+        placement.plan(B8, LONG, machine, Choices(mlp_tile_tokens=2 * t))
+
+
+def test_tiling_costs_the_mlp_recompute_in_the_time_model():
+    forced, plain = (
+        placement.plan(B8, SHORT, cuda(139, 256), Choices(mlp_tile_tokens=tile)) for tile in (1024, 0)
+    )
+    assert forced.mlp_tile_tokens == 1024 and forced.step_time_s > plain.step_time_s
+
+
+def test_longest_context_is_accepted_and_three_percent_more_is_refused(tmp_path, capsys):
+    """`megatrain plan` for the 8B shape on a 141 GB GPU and a 256 GiB host names the longest
+    context (MLP tiled, activations parked); the training preflight accepts that length and
+    refuses 3% more with one line."""
+    from megatrain import plan
+    from megatrain.config import TrainConfig
+
+    tiny_config(
+        "llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
+    ).save_pretrained(tmp_path / "model")  # fmt: skip
+    run = dict(
+        model_config=str(tmp_path / "model"),
+        device="cuda",
+        max_gpu_memory="141GB",
+        max_host_memory="256GiB",
+        max_length=65536,
+        output_dir=str(tmp_path / "out"),
+    )
+    rc, stdout, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "run.yaml", run))
+    assert rc == 0, stdout
+    line = next(x for x in stdout.splitlines() if x.startswith("longest context: "))
+    n = int(re.match(r"longest context: ([\d,]+) tokens per sequence", line)[1].replace(",", ""))
+    assert n > 256 * 1024 and "MLP tiles of" in line and "boundary activations in host memory" in line
+    mcfg = ModelConfig.from_json(tmp_path / "model")
+    p, _ = plan.preflight(mcfg, TrainConfig(**dict(run, max_length=n)), "cuda", 2)
+    assert p.mlp_tile_tokens > 0
+    over = int(n * 1.03)
+    with pytest.raises(plan.InsufficientMemory) as e:
+        plan.preflight(mcfg, TrainConfig(**dict(run, max_length=over)), "cuda", 2)
+    assert "\n" not in str(e.value) and str(e.value).startswith("no placement fits: ")
+    rc, stdout, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "over.yaml", dict(run, max_length=over)))
+    assert rc == 1 and "does not fit" in stdout
+
+
+def test_longctx_bench_dry_run_prints_each_runs_plan(capsys):
+    """bench/longctx.py --dry-run plans every named run on the CPU: a row per run with the plan's
+    tokens/s, model TFLOP/s (attention counted: at 512k it is most of the work) and peaks, and
+    nothing measured."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import longctx
+
+    longctx.main(["--dry-run", "--runs", "B128k,B256k,B512k,tiny"])
+    out = capsys.readouterr().out
+    head = longctx.HEADER.splitlines()[0]
+    assert head in out
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    rows = {}
+    for line in out.splitlines():
+        cells = dict(zip(columns, (c.strip() for c in line.strip("|").split("|"))))
+        if line.startswith("| ") and cells["run"] in longctx.RUNS:
+            rows[cells["run"]] = cells
+    assert set(rows) == {"B128k", "B256k", "B512k", "tiny"}
+    for r in rows.values():
+        measured = ("tokens/s", "model TFLOP/s", "GPU peak GiB", "host peak GiB")
+        assert all(r[k] == "-" for k in measured), r  # nothing measured
+        assert float(r["plan tokens/s"].replace(",", "")) > 0 and float(r["GPU peak plan GiB"]) <= 139, r
+    b512 = rows["B512k"]
+    assert float(b512["host peak plan GiB"]) <= 240 and not b512["plan"].endswith("park0")
+    weights_only = 6 * 8.03e9 * float(b512["plan tokens/s"].replace(",", "")) / 1e12
+    assert float(b512["plan TFLOP/s"]) > 5 * weights_only  # causal attention counted
