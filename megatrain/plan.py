@@ -33,7 +33,7 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> B
         seq_len=k["max_length"],
         compute_bytes=compute_bytes,
         clip=cfg.max_grad_norm > 0,
-        masked=bool(cfg.packing) or model_cfg.sliding_window is not None,
+        masked=bool(cfg.packing) or model_cfg.needs_mask,
         rows=k["per_device_train_batch_size"],
     )
 

@@ -19,7 +19,7 @@ import torch
 from torch.func import functional_call
 
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
+from .models.family import family_of
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 
@@ -53,29 +53,30 @@ class LayerMemory:
 def probe_layer_memory(
     cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int
 ) -> LayerMemory:
-    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure."""
+    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure: the
+    family's template of a full-attention layer where there is one (the largest working set)."""
     device = torch.device(device)
-    with torch.device("meta"):
-        layer = DecoderLayer(cfg)
+    family = family_of(cfg)
+    windows = cfg.windows
+    i = windows.index(None) if None in windows else 0
+    layer, kind = family.layer(cfg, i), family.layer_kind(cfg, i)
+    inputs_of = family.inputs(cfg, device)
     params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
     leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
-    inv, scale = rope_inv_freq(cfg)
-    inv = inv.to(device)
 
-    def call(p, x, cos, sin):
-        return functional_call(layer, p, (x, (cos, sin), None))
+    def call(p, x, inputs):
+        return functional_call(layer, p, (x,), inputs)
 
-    fn = torch.compile(call) if compile else call
+    fn = torch.compile(call) if compile and family.compile else call
     sizes = sorted({max(128, tokens // 4), max(128, tokens)})
     rows = []
     for t in sizes:
-        pos = torch.arange(t, device=device)[None]
-        cos, sin = rope_cos_sin(inv, scale, pos, dtype)
+        inputs = inputs_of(torch.arange(t, device=device)[None], None, t, dtype)[kind]
         x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=dtype)
         for _ in range(2):  # the first compiles; the second is measured
             t0 = time.perf_counter()
-            rows.append((t, *_measure(fn, leaves, params, x, cos, sin, pgrads, device)))
+            rows.append((t, *_measure(fn, leaves, params, x, inputs, pgrads, device)))
             elapsed = time.perf_counter() - t0
         rows.pop(-2)
         del x
@@ -94,14 +95,14 @@ def probe_layer_memory(
     )
 
 
-def _measure(fn, leaves, params, x, cos, sin, pgrads, device) -> tuple[int, int, int]:
+def _measure(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, int]:
     """(graph bytes, backward peak above the graph less parameter gradients, forward peak)."""
     out_bytes = x.numel() * x.element_size()
     xr = x.detach().requires_grad_()
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     with torch.enable_grad():
-        y = fn(leaves, xr, cos, sin)
+        y = fn(leaves, xr, inputs)
     graph = torch.cuda.memory_allocated(device) - base - out_bytes
     dy = torch.randn_like(y)
     torch.cuda.synchronize(device)
@@ -115,7 +116,7 @@ def _measure(fn, leaves, params, x, cos, sin, pgrads, device) -> tuple[int, int,
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with torch.no_grad():
-        y = fn(params, x, cos, sin)
+        y = fn(params, x, inputs)
     torch.cuda.synchronize(device)
     forward = torch.cuda.max_memory_allocated(device) - before - out_bytes
     del y

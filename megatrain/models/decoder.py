@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .family import Family, meta
 
 
 class RMSNorm(nn.Module):
@@ -101,6 +102,9 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     """Parameter names are those under `model.`."""
 
+    weight_name = "embed_tokens.weight"
+    scale = 1.0
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -113,11 +117,16 @@ class Head(nn.Module):
     """Final norm and LM head. Names: `norm.weight` lives under `model.`, `lm_head.weight` at top
     level; a tied model has no `lm_head` here and borrows the embedding's weight."""
 
+    lm_weight_name = "lm_head.weight"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), lm_weight)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -164,3 +173,37 @@ def attention_mask(
         same = document_ids[:, :, None] == document_ids[:, None, :]
         mask = mask & same[:, None]
     return mask
+
+
+def _inputs(cfg: ModelConfig, device: torch.device):
+    inv_freq, scale = rope_inv_freq(cfg)
+    inv_freq = inv_freq.to(device)
+
+    def inputs(position_ids, document_ids, seq_len, dtype):
+        rope = rope_cos_sin(inv_freq, scale, position_ids, dtype)
+        mask = attention_mask(document_ids, seq_len, cfg.sliding_window, position_ids.device)
+        return {"layer": {"rope": rope, "mask": mask}}
+
+    return inputs
+
+
+def _key(cfg: ModelConfig, kind: str, layer: int, name: str) -> str:
+    if kind == "layer":
+        return f"model.layers.{layer}.{name}"
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+# One block, every layer alike: Llama, Mistral, Qwen2, Qwen3 (config.FAMILIES).
+BLOCKS = {
+    "llama": Family(
+        name="llama",
+        path="fast",
+        embedding=lambda cfg: meta(lambda: Embedding(cfg)),
+        layer=lambda cfg, i: meta(lambda: DecoderLayer(cfg)),
+        layer_key=lambda cfg, i: "layer",
+        layer_kind=lambda cfg, i: "layer",
+        inputs=_inputs,
+        head=lambda cfg: meta(lambda: Head(cfg)),
+        param_key=_key,
+    )
+}
