@@ -281,11 +281,14 @@ class Engine:
         g = torch.zeros(self.embed_unit.numel, device=self.device) if embed_grad is None else embed_grad
         view = unit_views(g, self.embed_unit)[self.embed.weight_name]
         scale = self.embed.scale  # the embedding's forward multiplies the looked-up rows by it
+        pad = self.embed.padding_idx
         det = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)  # sort-based, reproducible on CUDA
         try:
             for d, p in zip(dh, prep):
                 d = d.reshape(-1, d.shape[-1])
+                if pad is not None:  # nn.Embedding(padding_idx=...) gives its row no gradient
+                    d = d.masked_fill((p.ids.reshape(-1) == pad)[:, None], 0)
                 if scale != 1.0:
                     d = d * torch.tensor(scale, dtype=d.dtype, device=d.device)
                 view.index_add_(0, p.ids.reshape(-1), d.to(torch.float32))

@@ -104,6 +104,7 @@ class Embedding(nn.Module):
 
     weight_name = "embed_tokens.weight"
     scale = 1.0
+    padding_idx = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -154,15 +155,16 @@ def rope_cos_sin(inv_freq: torch.Tensor, scale: float, position_ids: torch.Tenso
 
 
 def attention_mask(
-    document_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device
+    document_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device, always=False
 ) -> torch.Tensor | None:
-    """Boolean [B|1, 1, S, S] mask (True = attend) or None for plain causal attention.
+    """Boolean [B|1, 1, S, S] mask (True = attend) or None for plain causal attention (unless
+    `always`: for attention that takes no causal flag).
 
-    Packed sequences (`document_ids`) never attend across documents; Mistral's sliding window
-    limits how far back a token looks.
+    Packed sequences (`document_ids`) never attend across documents; a sliding window limits how
+    far back a token looks (token i sees j when i - j < window, as transformers has it).
     """
     window = sliding_window if sliding_window and sliding_window < seq_len else None
-    if document_ids is None and window is None:
+    if document_ids is None and window is None and not always:
         return None
     i = torch.arange(seq_len, device=device)
     mask = i[:, None] >= i[None, :]

@@ -9,7 +9,8 @@ and bound to a unit's weights for each use with `torch.func.functional_call`:
   two plain attributes: `weight_name` (the name of its token table among its parameters) and
   `scale` (the constant `forward` multiplies the looked-up rows by, 1.0 for most families,
   sqrt(hidden) for Gemma), so the backward sweep scatter-adds `scale * dh` into the table's
-  gradient without fetching any weights.
+  gradient without fetching any weights; and `padding_idx` (a row that gets no gradient, as
+  `nn.Embedding(padding_idx=...)` has it, or None).
 * `layer(cfg, i)`: layer i's block; `forward(x, **inputs)` returns the next hidden state. Layers
   whose `layer_key` is equal share one template (and one compiled graph); `layer_kind(cfg, i)`
   names the entry of the per-micro-batch inputs it takes (e.g. global vs sliding-window
