@@ -33,6 +33,7 @@ from .guard import NonFiniteGuard, SignalGuard
 from .memory import MemoryRecord
 from .metrics import MetricsLogger, show_progress
 from .models.config import ModelConfig
+from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
 from .plan import preflight
@@ -115,7 +116,8 @@ def train(cfg: TrainConfig) -> Path:
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
-    memory = MemoryRecord(plan, machine)
+    runs_on = describe(model_cfg)
+    memory = MemoryRecord(plan, machine, {"model_type": model_cfg.model_type, "path": runs_on})
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
     outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
 
@@ -146,6 +148,7 @@ def train(cfg: TrainConfig) -> Path:
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
         f"({str(engine.dtype).removeprefix('torch.')}), {len(samples)} samples, {total_steps} steps"
     )
+    log.message(f"megatrain: {model_cfg.model_type} runs on the {runs_on}")
     for note in notes:
         log.message(note)
     for note in plan.notes:

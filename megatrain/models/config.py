@@ -103,7 +103,12 @@ class ModelConfig:
         without Qwen's optional sliding window), else the generic path (which refuses, naming the
         reason, what cannot train as a decoder)."""
         mt = hf.model_type
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
+        fast = mt in FAMILIES and not getattr(hf, "use_sliding_window", False) and act in ("silu", "swish")
+        if not fast:
+            from .hf import generic_attention
+
+            impl = generic_attention(hf)  # refuses, naming why, what cannot train as a decoder
         common = dict(
             model_type=mt,
             vocab_size=hf.vocab_size,
@@ -112,24 +117,20 @@ class ModelConfig:
             num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            hidden_act=getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", "") or "",
+            hidden_act=act,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             hf_config=hf,
         )
-        fast = (
-            mt in FAMILIES
-            and not getattr(hf, "use_sliding_window", False)
-            and common["hidden_act"] in ("silu", "swish")
-        )
         if not fast:
-            from .hf import generic_attention
-
             flags = dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
             eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-6
-            impl = generic_attention(hf)
-            return cls(**common, **flags, rms_norm_eps=eps, path="generic", attn_implementation=impl)
+            cfg = cls(**common, **flags, rms_norm_eps=eps, path="generic", attn_implementation=impl)
+            from .hf import skeleton
+
+            skeleton(cfg)  # builds transformers' model on the meta device, refusing what cannot run
+            return cfg
         fam = FAMILIES[mt]
         attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(

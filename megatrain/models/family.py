@@ -72,6 +72,15 @@ def family_of(cfg: ModelConfig) -> Family:
     return BLOCKS[cfg.block]
 
 
+def describe(cfg: ModelConfig) -> str:
+    """Which path a model runs on, for the log, `megatrain plan` and plan.json."""
+    if cfg.path == "generic":
+        from .hf import layer_class
+
+        return f"generic path (transformers' {layer_class(cfg)}, {cfg.attn_implementation} attention)"
+    return f"fast block ({cfg.block})"
+
+
 def meta(build: Callable[[], nn.Module]) -> nn.Module:
     """A template: built on the meta device, in eval mode (no dropout: a layer's recompute in the
     backward sweep must give the same output as its forward)."""

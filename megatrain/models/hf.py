@@ -91,42 +91,44 @@ def _saved_names(cfg: ModelConfig, model: nn.Module):
         c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
     ]
     if any(not isinstance(c, WeightRenaming) for c in convs):
-        raise ConfigError(f"model_type {cfg.model_type!r}: its checkpoint layout differs from its modules")
+        raise ConfigError(
+            f"model_type {cfg.model_type!r}: its checkpoint tensors are split or fused on loading "
+            "(not one tensor per parameter)"
+        )
     renamings = [c.reverse_transform() for c in convs[::-1]]
     return lambda name: apply_renamings(name, renamings) if renamings else name
 
 
 def _parts(model: nn.Module) -> dict[str, str]:
     """Attribute names of the embedding, the layer list, the final norm (in the base model) and
-    the LM head (in the causal LM)."""
+    the LM head (in the causal LM); "" where there is not exactly one."""
     base = model.base_model
     children = dict(base.named_children())
-    embed = next(n for n, m in children.items() if m is model.get_input_embeddings())
+    embeds = [n for n, m in children.items() if m is model.get_input_embeddings()]
     n_layers = model.config.num_hidden_layers
     layers = [n for n, m in children.items() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
-    norms = [
-        n for n, m in children.items() if n != embed and n not in layers and any(True for _ in m.parameters())
-    ]
-    lm = next((n for n, m in model.named_children() if m is model.get_output_embeddings()), None)
-    return {
-        "embed": embed,
-        "layers": layers[0] if len(layers) == 1 else "",
-        "norm": norms[0] if len(norms) == 1 else "",
-        "lm": lm or "",
-    }
+    rest = [n for n, m in children.items() if n not in embeds + layers and any(True for _ in m.parameters())]
+    lm = [n for n, m in model.named_children() if m is model.get_output_embeddings()]
+    one = lambda names: names[0] if len(names) == 1 else ""  # noqa: E731
+    return {"embed": one(embeds), "layers": one(layers), "norm": one(rest), "lm": one(lm), "rest": rest}
 
 
 def _check_parts(cfg: ModelConfig, model: nn.Module) -> None:
     """Refuse, by name, a model whose parameters are not embedding, layers, norm and LM head."""
     p, mt = _parts(model), cfg.model_type
-    if not p["layers"] or not p["lm"] or not p["norm"]:
-        missing = [k for k in ("layers", "norm", "lm") if not p[k]]
-        raise ConfigError(f"model_type {mt!r}: cannot find its {', '.join(missing)} (generic path)")
+    if len(p["rest"]) > 1:
+        raise ConfigError(
+            f"model_type {mt!r}: modules with parameters besides token embedding, decoder layers and "
+            f"final norm ({', '.join(p['rest'])}) are not supported"
+        )
+    missing = [what for k, what in _PART_NAMES.items() if not p[k]]
+    if missing:
+        raise ConfigError(f"model_type {mt!r}: no single {' / '.join(missing)} found")
     prefix = model.base_model_prefix
     known = (f"{prefix}.{p['embed']}.", f"{prefix}.{p['layers']}.", f"{prefix}.{p['norm']}.", f"{p['lm']}.")
     extra = [n for n, _ in model.named_parameters() if not n.startswith(known)]
     if extra:
-        raise ConfigError(f"model_type {mt!r}: parameters outside the decoder layers ({extra[0]}, ...)")
+        raise ConfigError(f"model_type {mt!r}: parameters outside the decoder ({extra[0]}, ...)")
     emb, lm = model.get_input_embeddings(), model.get_output_embeddings()
     if type(emb).forward not in (nn.Embedding.forward, *_scaled_forwards(emb)):
         raise ConfigError(f"model_type {mt!r}: its token embedding ({type(emb).__name__}) is not supported")
@@ -137,6 +139,14 @@ def _check_parts(cfg: ModelConfig, model: nn.Module) -> None:
         )
     if tied and getattr(lm, "bias", None) is not None:
         raise ConfigError(f"model_type {mt!r}: a tied LM head with a bias is not supported")
+
+
+_PART_NAMES = {
+    "embed": "token embedding",
+    "layers": "decoder layer list",
+    "norm": "final norm",
+    "lm": "LM head",
+}
 
 
 def _scaled_forwards(emb: nn.Module) -> tuple:
@@ -210,6 +220,12 @@ def _embedding(cfg: ModelConfig) -> nn.Module:
     for name in EMBED_MULTIPLIERS:
         mult *= float(getattr(cfg.hf_config, name, None) or 1.0)
     return HFEmbedding(_parts(model)["embed"], model.get_input_embeddings(), mult)
+
+
+def layer_class(cfg: ModelConfig) -> str:
+    """The class name of the transformers decoder layer the generic path runs."""
+    model = skeleton(cfg)
+    return type(getattr(model.base_model, _parts(model)["layers"])[0]).__name__
 
 
 def _layer(cfg: ModelConfig, i: int) -> nn.Module:

@@ -1,0 +1,81 @@
+"""Decoder families beyond the parity tests' logits and gradients: which path each runs on, what is
+refused (and why, in one line), checkpoints in and out with Hugging Face names, random
+initialisation, and the memory plan's layer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from helpers import FAMILY_OVERRIDES, tiny_config, tiny_hf_model
+
+from megatrain.batch import MicroBatch
+from megatrain.errors import ConfigError
+from megatrain.models.config import ModelConfig
+from megatrain.models.family import describe
+from megatrain.runtime import build_model
+from megatrain.weights import save_hf_checkpoint
+
+FAST = {"llama": "fast block (llama)", "qwen3": "fast block (llama)"}
+GENERIC = {f: "generic path" for f in FAMILY_OVERRIDES}
+
+
+@pytest.mark.parametrize("family,path", [*FAST.items(), *GENERIC.items()])
+def test_each_family_says_which_path_it_takes(family, path):
+    assert describe(ModelConfig.from_hf(tiny_config(family))).startswith(path)
+
+
+@pytest.mark.parametrize(
+    "raw,why",
+    [
+        ({"model_type": "t5"}, "encoder-decoder"),
+        ({"model_type": "llava"}, "composite (multimodal)"),
+        ({"model_type": "vit"}, "no causal language model"),
+        ({"model_type": "gpt2"}, "(wpe, ln_f) are not supported"),  # learned positions
+        ({"model_type": "no-such-model"}, "not a model transformers knows"),
+    ],
+)
+def test_what_cannot_train_is_refused_in_one_line(raw, why, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(tmp_path / "config.json")) and why in msg, msg
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILY_OVERRIDES])
+def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
+    """Weights in from a Hugging Face directory, one optimizer step (so the export is not the
+    input), out with Hugging Face names: transformers loads the export and computes the logits
+    megatrain computes."""
+    hf = tiny_hf_model(family, attn_implementation="same")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_json(tmp_path / "hf")
+    mt = build_model(cfg, weights=tmp_path / "hf", device="cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mt.engine.forward_backward([MicroBatch(ids, ids.clone())])
+    mt.engine.step(1e-2, None)
+    save_hf_checkpoint(mt.state, cfg, tmp_path / "out", dtype=torch.float32, progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation=cfg.attn_implementation or "eager"
+    ).eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        ref = back(input_ids=ids).logits
+    torch.testing.assert_close(mt.engine.logits(MicroBatch(ids, ids)), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref, hf(input_ids=ids).logits)  # the step changed the model
+
+
+def test_generic_random_init_follows_transformers_rules():
+    """A model trained from a config gets transformers' initialisation: Gemma's norms are
+    zero-centred (weight 0 means scale 1), linear weights N(0, initializer_range)."""
+    cfg = ModelConfig.from_hf(tiny_config("gemma2", initializer_range=0.05))
+    mt = build_model(cfg, seed=3, device="cpu")
+    params = dict(mt.state.named_parameters())
+    assert torch.equal(params["model.layers.0.input_layernorm.weight"], torch.zeros(cfg.hidden_size))
+    q = params["model.layers.1.self_attn.q_proj.weight"]
+    assert 0.045 < q.std().item() < 0.055
+    again = dict(build_model(cfg, seed=3, device="cpu").state.named_parameters())
+    assert all(torch.equal(params[k], again[k]) for k in params)  # the seed alone decides
