@@ -34,6 +34,8 @@ CASES = [
     ("llama", True, {}),
     ("llama", False, LLAMA3_ROPE),
     ("llama", False, {"attention_bias": True}),  # bias on q, k, v and o
+    ("llama", False, {"pad_token_id": 0}),  # the padding row gets no gradient (every batch has 0s)
+    ("qwen3", False, {"attention_bias": True}),  # bias on q, k, v and o, as for Llama
     ("mistral", False, {}),
     ("qwen2", False, {}),
     ("qwen2", True, {}),
@@ -47,12 +49,14 @@ CASE_IDS = [
     "llama-tied",
     "llama3-rope",
     "llama-attention-bias",
+    "llama-pad-row",
+    "qwen3-attention-bias",
     "mistral",
     "qwen2",
     "qwen2-tied",
     "qwen3",
     "qwen3-tied",
-    *[f"{f}{'-tied' if tied else ''}" for f, tied, _ in CASES[9:]],
+    *[f"{f}{'-tied' if tied else ''}" for f, tied, _ in CASES[11:]],
 ]
 
 

@@ -11,11 +11,12 @@ from ..errors import ConfigError
 
 # Model types with a fast block (`block`: its name in decoder.BLOCKS); the flags say how the
 # families sharing a block differ. Every other decoder transformers knows runs on the generic path.
+# None: the bias follows `attention_bias`.
 FAMILIES = {
-    "llama": dict(block="llama", qkv_bias=None, qk_norm=False),  # bias from `attention_bias`
-    "mistral": dict(block="llama", qkv_bias=False, qk_norm=False),
-    "qwen2": dict(block="llama", qkv_bias=True, qk_norm=False),
-    "qwen3": dict(block="llama", qkv_bias=None, qk_norm=True),
+    "llama": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=False),
+    "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False),
+    "qwen2": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
+    "qwen3": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=True),
 }
 
 
@@ -38,7 +39,7 @@ class ModelConfig:
     qkv_bias: bool
     """Bias on q/k/v projections (Qwen2; Llama with `attention_bias`)."""
     o_bias: bool
-    """Bias on o_proj (Llama with `attention_bias` only)."""
+    """Bias on o_proj (Llama and Qwen3 with `attention_bias`)."""
     mlp_bias: bool
     qk_norm: bool
     """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
@@ -137,7 +138,7 @@ class ModelConfig:
             **common,
             rms_norm_eps=hf.rms_norm_eps,
             qkv_bias=attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
-            o_bias=attention_bias and mt == "llama",
+            o_bias=attention_bias if fam["o_bias"] is None else fam["o_bias"],
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=fam["qk_norm"],
             sliding_window=getattr(hf, "sliding_window", None) if mt == "mistral" else None,

@@ -104,11 +104,12 @@ class Embedding(nn.Module):
 
     weight_name = "embed_tokens.weight"
     scale = 1.0
-    padding_idx = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # transformers builds nn.Embedding(padding_idx=pad_token_id): that row gets no gradient.
+        self.padding_idx = getattr(cfg.hf_config, "pad_token_id", None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
