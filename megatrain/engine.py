@@ -290,7 +290,7 @@ class Engine:
                 if pad is not None:  # nn.Embedding(padding_idx=...) gives its row no gradient
                     d = d.masked_fill((p.ids.reshape(-1) == pad)[:, None], 0)
                 if scale != 1.0:
-                    d = d * torch.tensor(scale, dtype=d.dtype, device=d.device)
+                    d = d * torch.tensor(scale, device=d.device).to(d.dtype)  # rounded as the forward's
                 view.index_add_(0, p.ids.reshape(-1), d.to(torch.float32))
         finally:
             torch.use_deterministic_algorithms(det)

@@ -143,9 +143,11 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
     zeros for biases, ones for norms. Each unit draws from its own generator seeded from `seed`
     and its index, so units fill in parallel threads and the result depends on the seed alone.
-    Models on the generic path are initialised by transformers' own rules (Gemma's norms are
-    zero-centred, for one), a unit at a time."""
-    if cfg.path == "generic":
+    Other families are initialised by transformers' own rules (Gemma's norms are zero-centred,
+    for one), a unit at a time."""
+    from .models.family import family_of
+
+    if family_of(cfg).hf_init:
         return _init_as_transformers(state, cfg, seed, progress)
     std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
 

@@ -61,14 +61,16 @@ def tiny_config(family: str = "llama", tied: bool = False, **overrides):
 
 
 def tiny_hf_model(family="llama", tied=False, seed=0, attn_implementation="eager", **overrides):
-    """A tiny random transformers model (`attn_implementation="same"`: the attention the generic
-    path runs it with, so a comparison measures megatrain, not two attention kernels)."""
+    """A tiny random transformers model. `attn_implementation="same"`: the kernel megatrain runs,
+    so a comparison measures megatrain, not two attention kernels (SDPA, or eager where
+    transformers has no SDPA for the family, as for Gemma 2's soft-capped scores)."""
     torch.manual_seed(seed)
     cfg = tiny_config(family, tied, **overrides)
     if attn_implementation == "same":
-        from megatrain.models.config import ModelConfig
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        attn_implementation = ModelConfig.from_hf(cfg).attn_implementation or "eager"
+        sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", False)
+        attn_implementation = "sdpa" if sdpa else "eager"
     cfg._attn_implementation = attn_implementation
     model = transformers.AutoModelForCausalLM.from_config(
         cfg, attn_implementation=attn_implementation

@@ -18,11 +18,11 @@ from megatrain.models.family import describe
 from megatrain.runtime import build_model
 from megatrain.weights import save_hf_checkpoint
 
-FAST = {"llama": "fast block (llama)", "qwen3": "fast block (llama)"}
-GENERIC = {f: "generic path" for f in FAMILY_OVERRIDES}
+FAST = {"llama": "llama", "qwen3": "llama", "gemma2": "gemma", "gemma3_text": "gemma"}
+PATHS = {f: f"fast block ({FAST[f]})" if f in FAST else "generic path" for f in ["llama", *FAMILY_OVERRIDES]}
 
 
-@pytest.mark.parametrize("family,path", [*FAST.items(), *GENERIC.items()])
+@pytest.mark.parametrize("family,path", PATHS.items())
 def test_each_family_says_which_path_it_takes(family, path):
     assert describe(ModelConfig.from_hf(tiny_config(family))).startswith(path)
 
@@ -34,6 +34,7 @@ def test_each_family_says_which_path_it_takes(family, path):
         ({"model_type": "llava"}, "composite (multimodal)"),
         ({"model_type": "vit"}, "no causal language model"),
         ({"model_type": "gpt2"}, "(wpe, ln_f) are not supported"),  # learned positions
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "not a causal decoder"),
         ({"model_type": "no-such-model"}, "not a model transformers knows"),
     ],
 )
@@ -59,7 +60,7 @@ def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
     mt.engine.step(1e-2, None)
     save_hf_checkpoint(mt.state, cfg, tmp_path / "out", dtype=torch.float32, progress=False)
     back = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation=cfg.attn_implementation or "eager"
+        tmp_path / "out", attn_implementation=hf.config._attn_implementation
     ).eval()
     assert type(back) is type(hf)
     with torch.no_grad():
@@ -68,13 +69,14 @@ def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
     assert not torch.allclose(ref, hf(input_ids=ids).logits)  # the step changed the model
 
 
-def test_generic_random_init_follows_transformers_rules():
+@pytest.mark.parametrize("family,norm", [("gemma2", 0.0), ("olmo2", 1.0)])
+def test_random_init_follows_transformers_rules(family, norm):
     """A model trained from a config gets transformers' initialisation: Gemma's norms are
     zero-centred (weight 0 means scale 1), linear weights N(0, initializer_range)."""
-    cfg = ModelConfig.from_hf(tiny_config("gemma2", initializer_range=0.05))
+    cfg = ModelConfig.from_hf(tiny_config(family, initializer_range=0.05))
     mt = build_model(cfg, seed=3, device="cpu")
     params = dict(mt.state.named_parameters())
-    assert torch.equal(params["model.layers.0.input_layernorm.weight"], torch.zeros(cfg.hidden_size))
+    assert torch.equal(params["model.layers.0.post_attention_layernorm.weight"], torch.full((64,), norm))
     q = params["model.layers.1.self_attn.q_proj.weight"]
     assert 0.045 < q.std().item() < 0.055
     again = dict(build_model(cfg, seed=3, device="cpu").state.named_parameters())

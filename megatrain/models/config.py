@@ -17,6 +17,8 @@ FAMILIES = {
     "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False),
     "qwen2": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen3": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=True),
+    "gemma2": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=False),
+    "gemma3_text": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=True),
 }
 
 
@@ -65,8 +67,6 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.path == "fast" and self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
 
     @property
     def block(self) -> str:
@@ -84,14 +84,14 @@ class ModelConfig:
     def windows(self) -> list[int | None]:
         """Each layer's sliding attention window (None: full causal attention)."""
         hf = self.hf_config
+        types = getattr(hf, "layer_types", None)
+        if types is not None:  # Gemma 2/3, Qwen2/3: per layer
+            return [hf.sliding_window if t == "sliding_attention" else None for t in types]
         if self.path == "fast":
             return [self.sliding_window] * self.num_hidden_layers
-        types = getattr(hf, "layer_types", None)
-        if types is None:  # Mistral-style: one window for every layer, if any
-            window = getattr(hf, "sliding_window", None)
-            window = window if getattr(hf, "use_sliding_window", True) else None
-            return [window] * self.num_hidden_layers
-        return [hf.sliding_window if t == "sliding_attention" else None for t in types]
+        # Mistral-style: one window for every layer, if any
+        window = getattr(hf, "sliding_window", None)
+        return [window if getattr(hf, "use_sliding_window", True) else None] * self.num_hidden_layers
 
     @property
     def needs_mask(self) -> bool:
@@ -105,7 +105,9 @@ class ModelConfig:
         reason, what cannot train as a decoder)."""
         mt = hf.model_type
         act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
-        fast = mt in FAMILIES and not getattr(hf, "use_sliding_window", False) and act in ("silu", "swish")
+        fast = mt in FAMILIES and not any(
+            getattr(hf, k, False) for k in ("use_sliding_window", "use_bidirectional_attention")
+        )
         if not fast:
             from .hf import generic_attention
 

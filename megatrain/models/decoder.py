@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from .config import ModelConfig
 from .family import Family, meta
@@ -36,7 +37,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention with rotary embeddings. Families that differ only in the scores
+    say so through parameters: `norm` builds the q/k norms (with `cfg.qk_norm`), `scale`
+    replaces 1/sqrt(head_dim), `softcap` caps the scores at +-softcap with tanh (Gemma 2)."""
+
+    def __init__(self, cfg: ModelConfig, norm=None, scale: float | None = None, softcap: float | None = None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -45,30 +50,54 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            norm = norm or (lambda dim: RMSNorm(dim, cfg.rms_norm_eps))
+            self.q_norm, self.k_norm = norm(d), norm(d)
         self.qk_norm = cfg.qk_norm
+        self.scale, self.softcap = scale, softcap
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, S, heads, head_dim]."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope  # [B, 1, S, head_dim]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if mask is None:
+        if self.softcap is not None:
+            y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
+        elif mask is None:
             # Plain causal attention: the fused flash kernel on CUDA, which reads grouped K/V as is.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_kv != self.n_heads
+            )
         else:
             # Packed documents or a sliding window: an explicit mask, K/V heads repeated.
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+
+
+def softcapped_attention(q, k, v, mask, scale: float | None, cap: float) -> torch.Tensor:
+    """Attention with scores capped at +-cap by tanh, as transformers' eager attention computes it
+    (no fused kernel takes a cap): scores, cap, mask, fp32 softmax. q [B, H, S, D], k/v grouped."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = torch.tanh(s / cap) * cap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class MLP(nn.Module):
@@ -79,8 +108,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, f, bias=b)
         self.down_proj = nn.Linear(f, h, bias=b)
 
+        self.act = ACT2FN[cfg.hidden_act]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -131,10 +162,13 @@ class Head(nn.Module):
         return F.linear(self.norm(x), lm_weight)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, exactly as transformers computes them."""
+def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, exactly as transformers computes them (for the
+    layers of `layer_type` where they differ by layer type, as in Gemma 3)."""
     hf = cfg.hf_config
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    by_type = layer_type is not None and isinstance(params.get(layer_type), dict)
+    params = params[layer_type] if by_type else params
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -143,7 +177,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    kw = {"layer_type": layer_type} if by_type else {}
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **kw)
     return inv.float(), float(scale)
 
 
@@ -208,5 +243,6 @@ BLOCKS = {
         inputs=_inputs,
         head=lambda cfg: meta(lambda: Head(cfg)),
         param_key=_key,
+        hf_init=False,  # the same rule, kept so that seeded runs reproduce
     )
 }

@@ -59,6 +59,9 @@ class Family:
     param_key: Callable[[ModelConfig, str, int, str], str]
     compile: bool = True
     """Whether the layer may be compiled with torch.compile (one graph per layer key)."""
+    hf_init: bool = True
+    """Random initialisation by transformers' `_init_weights` of the model type, applied to the
+    templates (Gemma's norms start at 0); False: N(0, initializer_range), norms 1, biases 0."""
 
 
 def family_of(cfg: ModelConfig) -> Family:
@@ -68,8 +71,9 @@ def family_of(cfg: ModelConfig) -> Family:
 
         return GENERIC
     from .decoder import BLOCKS
+    from .gemma import GEMMA
 
-    return BLOCKS[cfg.block]
+    return {**BLOCKS, "gemma": GEMMA}[cfg.block]
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -46,6 +46,8 @@ def generic_attention(hf) -> str:
         raise ConfigError(
             f"model_type {mt!r} is a composite (multimodal) model ({names}); train its text model"
         )
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ConfigError(f"model_type {mt!r}: use_bidirectional_attention=true is not a causal decoder")
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]
     except KeyError:
