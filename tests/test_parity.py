@@ -36,6 +36,12 @@ CASES = [
     ("llama", False, {"attention_bias": True}),  # bias on q, k, v and o
     ("llama", False, {"pad_token_id": 0}),  # the padding row gets no gradient (every batch has 0s)
     ("qwen3", False, {"attention_bias": True}),  # bias on q, k, v and o, as for Llama
+    ("phi3", False, {"partial_rotary_factor": 0.5, "sliding_window": 8}),  # Phi-4-mini's rotary
+    (
+        "llama",
+        False,
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 12},
+    ),
     ("mistral", False, {}),
     ("qwen2", False, {}),
     ("qwen2", True, {}),
@@ -51,12 +57,14 @@ CASE_IDS = [
     "llama-attention-bias",
     "llama-pad-row",
     "qwen3-attention-bias",
+    "phi3-partial-rotary-window",
+    "llama-dynamic-rope",  # frequencies that change with the length: transformers' rotary module
     "mistral",
     "qwen2",
     "qwen2-tied",
     "qwen3",
     "qwen3-tied",
-    *[f"{f}{'-tied' if tied else ''}" for f, tied, _ in CASES[11:]],
+    *[f"{f}{'-tied' if tied else ''}" for f, tied, _ in CASES[13:]],
 ]
 
 

@@ -11,15 +11,33 @@ from ..errors import ConfigError
 
 # Model types with a fast block (`block`: its name in decoder.BLOCKS); the flags say how the
 # families sharing a block differ. Every other decoder transformers knows runs on the generic path.
-# None: the bias follows `attention_bias`.
+# None: the bias follows `attention_bias`; `window`: one sliding window for every layer.
 FAMILIES = {
     "llama": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=False),
-    "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False),
+    "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
     "qwen2": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen3": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=True),
+    "phi3": dict(block="phi3", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
     "gemma2": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=False),
     "gemma3_text": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=True),
 }
+
+
+# RoPE whose frequencies change with the sequence length: transformers' own rotary module
+# (the generic path) updates them as it goes.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _rope_type(hf) -> str:
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3)
+        types = {_rope_type_of(v) for v in params.values()}
+        return next((t for t in types if t in DYNAMIC_ROPE), "default")
+    return _rope_type_of(params)
+
+
+def _rope_type_of(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default"))
 
 
 @dataclass
@@ -105,8 +123,10 @@ class ModelConfig:
         reason, what cannot train as a decoder)."""
         mt = hf.model_type
         act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
-        fast = mt in FAMILIES and not any(
-            getattr(hf, k, False) for k in ("use_sliding_window", "use_bidirectional_attention")
+        fast = (
+            mt in FAMILIES
+            and not any(getattr(hf, k, False) for k in ("use_sliding_window", "use_bidirectional_attention"))
+            and _rope_type(hf) not in DYNAMIC_ROPE
         )
         if not fast:
             from .hf import generic_attention
@@ -143,7 +163,7 @@ class ModelConfig:
             o_bias=attention_bias if fam["o_bias"] is None else fam["o_bias"],
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             qk_norm=fam["qk_norm"],
-            sliding_window=getattr(hf, "sliding_window", None) if mt == "mistral" else None,
+            sliding_window=getattr(hf, "sliding_window", None) if fam.get("window") else None,
         )
 
     @classmethod

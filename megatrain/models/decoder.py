@@ -36,6 +36,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, S, head_dim] by cos/sin [B, 1, S, r]: its first r dimensions (all of them
+    but with a partial rotary factor, as in Phi-4-mini)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr = x[..., :r]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, x[..., r:]), dim=-1)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings. Families that differ only in the scores
     say so through parameters: `norm` builds the q/k norms (with `cfg.qk_norm`), `scale`
@@ -69,9 +79,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope  # [B, 1, S, head_dim]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.softcap is not None:
             y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         elif mask is None:
@@ -172,7 +180,7 @@ def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torc
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        d = cfg.head_dim
+        d = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
         inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -72,8 +72,9 @@ def family_of(cfg: ModelConfig) -> Family:
         return GENERIC
     from .decoder import BLOCKS
     from .gemma import GEMMA
+    from .phi3 import PHI3
 
-    return {**BLOCKS, "gemma": GEMMA}[cfg.block]
+    return {**BLOCKS, "gemma": GEMMA, "phi3": PHI3}[cfg.block]
 
 
 def describe(cfg: ModelConfig) -> str:
