@@ -19,6 +19,7 @@ from megatrain.runtime import build_model
 from megatrain.weights import save_hf_checkpoint
 
 FAST = {"llama": "llama", "qwen3": "llama", "gemma2": "gemma", "gemma3_text": "gemma", "phi3": "phi3"}
+FAST |= {"olmo2": "olmo2", "cohere": "cohere"}
 PATHS = {f: f"fast block ({FAST[f]})" if f in FAST else "generic path" for f in ["llama", *FAMILY_OVERRIDES]}
 
 

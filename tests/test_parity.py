@@ -37,6 +37,7 @@ CASES = [
     ("llama", False, {"pad_token_id": 0}),  # the padding row gets no gradient (every batch has 0s)
     ("qwen3", False, {"attention_bias": True}),  # bias on q, k, v and o, as for Llama
     ("phi3", False, {"partial_rotary_factor": 0.5, "sliding_window": 8}),  # Phi-4-mini's rotary
+    ("cohere", True, {"use_qk_norm": True}),  # per-head q/k LayerNorms
     (
         "llama",
         False,
@@ -58,13 +59,14 @@ CASE_IDS = [
     "llama-pad-row",
     "qwen3-attention-bias",
     "phi3-partial-rotary-window",
+    "cohere-qk-norm",
     "llama-dynamic-rope",  # frequencies that change with the length: transformers' rotary module
     "mistral",
     "qwen2",
     "qwen2-tied",
     "qwen3",
     "qwen3-tied",
-    *[f"{f}{'-tied' if tied else ''}" for f, tied, _ in CASES[13:]],
+    *[f"{f}{'-tied' if tied else ''}" for f, tied, _ in CASES[14:]],
 ]
 
 

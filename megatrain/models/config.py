@@ -11,13 +11,16 @@ from ..errors import ConfigError
 
 # Model types with a fast block (`block`: its name in decoder.BLOCKS); the flags say how the
 # families sharing a block differ. Every other decoder transformers knows runs on the generic path.
-# None: the bias follows `attention_bias`; `window`: one sliding window for every layer.
+# None: the bias follows `attention_bias`, the q/k norm `use_qk_norm`; `eps`: the config key of
+# the norms' epsilon (default rms_norm_eps); `window`: one sliding window for every layer.
 FAMILIES = {
     "llama": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=False),
     "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
     "qwen2": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen3": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=True),
     "phi3": dict(block="phi3", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
+    "olmo2": dict(block="olmo2", qkv_bias=None, o_bias=None, qk_norm=False),
+    "cohere": dict(block="cohere", qkv_bias=None, o_bias=None, qk_norm=None, eps="layer_norm_eps"),
     "gemma2": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=False),
     "gemma3_text": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=True),
 }
@@ -55,6 +58,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
+    """Epsilon of the block's norms (RMSNorm, or Cohere's LayerNorm: its `layer_norm_eps`)."""
     tie_word_embeddings: bool
     qkv_bias: bool
     """Bias on q/k/v projections (Qwen2; Llama with `attention_bias`)."""
@@ -158,11 +162,11 @@ class ModelConfig:
         attention_bias = bool(getattr(hf, "attention_bias", False))
         return cls(
             **common,
-            rms_norm_eps=hf.rms_norm_eps,
+            rms_norm_eps=getattr(hf, fam.get("eps", "rms_norm_eps")),
             qkv_bias=attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
             o_bias=attention_bias if fam["o_bias"] is None else fam["o_bias"],
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=fam["qk_norm"],
+            qk_norm=bool(getattr(hf, "use_qk_norm", False)) if fam["qk_norm"] is None else fam["qk_norm"],
             sliding_window=getattr(hf, "sliding_window", None) if fam.get("window") else None,
         )
 

@@ -73,13 +73,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
         return q, k, v
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, H, S, D] with the rotary embedding applied."""
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
         B, S, _ = x.shape
         q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = self.rotate(q, k, rope)
         if self.softcap is not None:
             y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         elif mask is None:

@@ -70,11 +70,13 @@ def family_of(cfg: ModelConfig) -> Family:
         from .hf import GENERIC
 
         return GENERIC
+    from .cohere import COHERE
     from .decoder import BLOCKS
     from .gemma import GEMMA
+    from .olmo2 import OLMO2
     from .phi3 import PHI3
 
-    return {**BLOCKS, "gemma": GEMMA, "phi3": PHI3}[cfg.block]
+    return {**BLOCKS, "gemma": GEMMA, "phi3": PHI3, "olmo2": OLMO2, "cohere": COHERE}[cfg.block]
 
 
 def describe(cfg: ModelConfig) -> str:
