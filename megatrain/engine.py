@@ -91,7 +91,6 @@ class Engine:
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
         family, t = family_of(cfg), templates(cfg)
-        self.path = family.path
         self.embed, self.head, self.layers = t["embed"], t["head"], t["layers"]
         self.layer_keys = t["keys"]
         self.layer_kinds = [family.layer_kind(cfg, i) for i in range(cfg.num_hidden_layers)]

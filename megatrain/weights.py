@@ -172,7 +172,7 @@ def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progres
     from .models.family import templates
     from .models.hf import skeleton
 
-    init, t = skeleton(cfg)._init_weights, templates(cfg)
+    init, t = skeleton(cfg).model._init_weights, templates(cfg)
     for unit in tqdm(state.units, desc="initialising weights", disable=not progress, unit="unit"):
         k = unit.kind
         template = t["layers"][t["keys"][unit.index - 1]] if k == "layer" else t[k]

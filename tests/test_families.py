@@ -82,3 +82,19 @@ def test_random_init_follows_transformers_rules(family, norm):
     assert 0.045 < q.std().item() < 0.055
     again = dict(build_model(cfg, seed=3, device="cpu").state.named_parameters())
     assert all(torch.equal(params[k], again[k]) for k in params)  # the seed alone decides
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILY_OVERRIDES])
+def test_parameter_count_and_plan_come_from_the_family(family):
+    """The parameter count (disk checks, the plan, the log) is the template's, equal to
+    transformers' for every family; the plan without a device is made for that layer and says
+    which path the model takes."""
+    from megatrain.placement import Batch, Machine, plan
+
+    hf = tiny_hf_model(family)
+    cfg = ModelConfig.from_hf(hf.config)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+    batch = Batch(micro_batch_tokens=64, micro_batches=1, seq_len=32, compute_bytes=4, clip=True, rows=2)
+    p = plan(cfg, batch, Machine(device="cpu", gpu_bytes=None, host_bytes=2**34), None)
+    # the host holds fp32 weights and two moments, 12 bytes per parameter and padding
+    assert p.host_total >= 12 * cfg.num_params

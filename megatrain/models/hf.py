@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,21 @@ from .family import Family
 # Config attributes a transformers model's forward multiplies the token embeddings by (Granite).
 EMBED_MULTIPLIERS = ("embedding_multiplier",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_SKELETONS: dict[int, tuple[object, nn.Module]] = {}
+_CACHE = 8  # skeletons kept (by config object): a run builds every template from one
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """transformers' model of a config, on the meta device, and where its parts are."""
+
+    model: nn.Module
+    parts: dict
+    """Attribute names: `embed`, `layers`, `norm` (in the base model), `lm` (in the causal LM)."""
+    saved_name: Callable[[str], str]
+    """Module parameter name -> the checkpoint key transformers saves it under."""
+
+
+_SKELETONS: dict[int, tuple[object, Skeleton]] = {}
 
 
 def generic_attention(hf) -> str:
@@ -58,9 +74,9 @@ def generic_attention(hf) -> str:
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def skeleton(cfg: ModelConfig) -> nn.Module:
+def skeleton(cfg: ModelConfig) -> Skeleton:
     """The transformers model of `cfg`, parameters on the meta device, buffers computed on the
-    host; built once per config."""
+    host; built once per config object. Refuses, by name, what the generic path cannot run."""
     hit = _SKELETONS.get(id(cfg.hf_config))
     if hit is not None and hit[0] is cfg.hf_config:
         return hit[1]
@@ -77,9 +93,11 @@ def skeleton(cfg: ModelConfig) -> nn.Module:
         if metas:
             model._init_weights(mod)
     _check_parts(cfg, model)
-    model._megatrain_saved_name = _saved_names(cfg, model)
-    _SKELETONS[id(cfg.hf_config)] = (cfg.hf_config, model)
-    return model
+    sk = Skeleton(model, _parts(model), _saved_names(cfg, model))
+    while len(_SKELETONS) >= _CACHE:
+        _SKELETONS.pop(next(iter(_SKELETONS)))
+    _SKELETONS[id(cfg.hf_config)] = (cfg.hf_config, sk)
+    return sk
 
 
 def _saved_names(cfg: ModelConfig, model: nn.Module):
@@ -217,28 +235,32 @@ def _post_logits(hf, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding(cfg: ModelConfig) -> nn.Module:
-    model = skeleton(cfg)
+    sk = skeleton(cfg)
     mult = 1.0
     for name in EMBED_MULTIPLIERS:
         mult *= float(getattr(cfg.hf_config, name, None) or 1.0)
-    return HFEmbedding(_parts(model)["embed"], model.get_input_embeddings(), mult)
+    return HFEmbedding(sk.parts["embed"], sk.model.get_input_embeddings(), mult)
 
 
 def layer_class(cfg: ModelConfig) -> str:
     """The class name of the transformers decoder layer the generic path runs."""
-    model = skeleton(cfg)
-    return type(getattr(model.base_model, _parts(model)["layers"])[0]).__name__
+    return type(_layers(cfg)[0]).__name__
+
+
+def _layers(cfg: ModelConfig) -> nn.ModuleList:
+    sk = skeleton(cfg)
+    return getattr(sk.model.base_model, sk.parts["layers"])
 
 
 def _layer(cfg: ModelConfig, i: int) -> nn.Module:
-    model = skeleton(cfg)
-    return HFLayer(getattr(model.base_model, _parts(model)["layers"])[i])
+    return HFLayer(_layers(cfg)[i])
 
 
 def _head(cfg: ModelConfig) -> nn.Module:
-    model, p = skeleton(cfg), _parts(skeleton(cfg))
-    lm = None if cfg.tie_word_embeddings else model.get_output_embeddings()
-    return HFHead(cfg, p["norm"], getattr(model.base_model, p["norm"]), p["lm"], lm)
+    sk = skeleton(cfg)
+    lm = None if cfg.tie_word_embeddings else sk.model.get_output_embeddings()
+    norm = sk.parts["norm"]
+    return HFHead(cfg, norm, getattr(sk.model.base_model, norm), sk.parts["lm"], lm)
 
 
 def _kind(cfg: ModelConfig, i: int) -> str:
@@ -249,7 +271,7 @@ def _kind(cfg: ModelConfig, i: int) -> str:
 
 
 def _inputs(cfg: ModelConfig, device: torch.device):
-    base = skeleton(cfg).base_model
+    base = skeleton(cfg).model.base_model
     rotary = getattr(base, "rotary_emb", None)
     rotary = copy.deepcopy(rotary).to(device) if rotary is not None else None
     by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
@@ -276,13 +298,13 @@ def _inputs(cfg: ModelConfig, device: torch.device):
 
 
 def _key(cfg: ModelConfig, kind: str, layer: int, name: str) -> str:
-    model = skeleton(cfg)
-    p, prefix = _parts(model), model.base_model_prefix
+    sk = skeleton(cfg)
+    p, prefix = sk.parts, sk.model.base_model_prefix
     if kind == "layer":
         name = f"{prefix}.{p['layers']}.{layer}.{name.removeprefix('block.')}"
     elif not name.startswith(f"{p['lm']}."):
         name = f"{prefix}.{name}"
-    return model._megatrain_saved_name(name)
+    return sk.saved_name(name)
 
 
 GENERIC = Family(
