@@ -180,8 +180,8 @@ MODES = [
     ("qwen2", True, "two_pass"),
     ("llama", False, "immediate"),
     ("qwen3", True, "immediate"),
+    # one per fast block, and the generic path (Granite, StableLM) in two modes
     ("gemma2", True, "stored"),
-    ("gemma3_text", False, "two_pass"),
     ("phi3", False, "stored"),
     ("olmo2", False, "immediate"),
     ("cohere", True, "stored"),
@@ -189,7 +189,6 @@ MODES = [
     # (not GPT-NeoX: the key bias of its unrotated head dimensions has a zero gradient, whose
     # rounding noise AdamW normalises into steps of full size)
     ("stablelm", False, "two_pass"),
-    ("starcoder2", True, "stored"),
 ]
 
 
