@@ -29,9 +29,9 @@ from torch.func import functional_call
 
 from .batch import IGNORE_INDEX, MicroBatch
 from .distributed import Collective, Single
-from .models.attention import Mask, attention_mask
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, Head, rope_cos_sin, rope_inv_freq
+from .models.decoder import set_mlp_tiles
+from .models.family import family_of, templates
 from .placement import Plan
 from .state import HostState, Unit, unit_views
 from .transport import Transport
@@ -41,8 +41,7 @@ from .transport import Transport
 class _Prepared:
     ids: torch.Tensor  # [B, S] on device
     targets: torch.Tensor  # [B*S] shifted labels on device
-    rope: tuple[torch.Tensor, torch.Tensor]
-    mask: Mask  # built once per micro-batch, shared by every layer and the backward recompute
+    inputs: dict[str, dict]  # layer kind -> keyword inputs of its layers (rotary tables, mask)
 
 
 @dataclass
@@ -97,18 +96,20 @@ class Engine:
         self.layer_units = self.units[1:-1]
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
-        with torch.device("meta"):
-            self.layer = DecoderLayer(cfg, plan.mlp_tile_tokens)
-            self.head = Head(cfg)
+        family, t = family_of(cfg), templates(cfg)
+        self.embed, self.head, self.layers = t["embed"], t["head"], t["layers"]
+        for layer in self.layers.values():
+            set_mlp_tiles(layer, plan.mlp_tile_tokens)
+        self.layer_keys = t["keys"]
+        self.layer_kinds = [family.layer_kind(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.inputs = family.inputs(cfg, self.device)
         # Packed documents and sliding windows: FlexAttention's block masks on CUDA, dense masks on
         # the CPU (models/attention.py says why).
         self.flex_masks = self.device.type == "cuda"
         self._layer_call = self._call_layer
-        if compile:
+        if compile and family.compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
             self._layer_call = torch.compile(self._call_layer)
-        self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
-        self.inv_freq = self.inv_freq.to(self.device)
         self.keep_layers = plan.keep_layers
         self.loss_chunk_tokens = plan.loss_chunk_tokens
         self.host_acts = None
@@ -120,8 +121,12 @@ class Engine:
         self._pending = None  # two_pass, immediate: what `step` needs to run the backward sweep
         self._head_grads: dict[int, torch.Tensor] = {}
 
-    def _call_layer(self, params, x, cos, sin, mask):
-        return functional_call(self.layer, params, (x, (cos, sin), mask))
+    def _call_layer(self, layer, params, x, inputs):
+        return functional_call(layer, params, (x,), inputs)
+
+    def _run(self, j: int, params, x, p: _Prepared) -> torch.Tensor:
+        """Layer j on one micro-batch."""
+        return self._layer_call(self.layers[self.layer_keys[j]], params, x, p.inputs[self.layer_kinds[j]])
 
     # ------------------------------------------------------------------ schedule
     def _forward_order(self) -> list[Unit]:
@@ -144,8 +149,7 @@ class Engine:
         return _Prepared(
             ids=ids,
             targets=mb.shifted_labels.to(dev, non_blocking=True).reshape(-1),
-            rope=rope_cos_sin(self.inv_freq, self.rope_scale, pos, self.dtype),
-            mask=attention_mask(doc, S, self.cfg.sliding_window, dev, flex=self.flex_masks),
+            inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks),
         )
 
     def _norm(self, unit: Unit, g: torch.Tensor) -> None:
@@ -157,10 +161,9 @@ class Engine:
     # ------------------------------------------------------------------ sweeps
     def _forward_sweep(self, prep: list[_Prepared], keep: bool):
         t = self.transport
-        w = t.fetch(self.embed_unit)
-        emb = unit_views(w, self.embed_unit)["embed_tokens.weight"]
-        h = [F.embedding(p.ids, emb) for p in prep]
-        del w, emb
+        w = unit_views(t.fetch(self.embed_unit), self.embed_unit)
+        h = [functional_call(self.embed, w, (p.ids,)) for p in prep]
+        del w
         saved: list[list | _Graph] = []
         first_kept = len(self.layer_units) - (self.keep_layers if keep else 0)
         for j, unit in enumerate(self.layer_units):
@@ -170,21 +173,28 @@ class Engine:
                     park = j < self.plan.parked_layers and self.host_acts is not None
                     saved.append([self.host_acts.park(x, j) for x in h] if park else h)
                 with torch.no_grad():
-                    h = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(h, prep)]
+                    h = [self._run(j, params, x, p) for x, p in zip(h, prep)]
             else:
                 params = _bind(unit, t.fetch(unit), grad=True)
                 xs = [x.detach().requires_grad_() for x in h]
                 with torch.enable_grad():
-                    ys = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(xs, prep)]
+                    ys = [self._run(j, params, x, p) for x, p in zip(xs, prep)]
                 saved.append(_Graph(params, xs, ys))
                 h = [y.detach() for y in ys]
             del params
         return h, saved
 
-    def _lm_weight(self, head_params: dict[str, torch.Tensor]):
+    def _head_params(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The head's own parameters (norm, any bias) and the LM weight: its own, or the
+        embedding's table in a tied model."""
+        params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)
         if self.cfg.tie_word_embeddings:
-            return unit_views(self.transport.fetch(self.embed_unit), self.embed_unit)["embed_tokens.weight"]
-        return head_params["lm_head.weight"]
+            embed = unit_views(self.transport.fetch(self.embed_unit), self.embed_unit)
+            return params, embed[self.embed.weight_name]
+        return params, params.pop(self.head.lm_weight_name)
+
+    def _logits(self, params, x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.head, params, (x, W)).float()
 
     def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int):
         """Loss (sum over tokens / n_tokens) and its gradient w.r.t. each micro-batch's last hidden
@@ -193,17 +203,17 @@ class Engine:
         gradients (and, tied, the LM head's share of the embedding's) are kept for the unit's
         finish. Returns the loss and the list of gradients."""
         head = self.head_unit
-        params = _bind(head, self.transport.fetch(head), grad=False)
-        W = self._lm_weight(params).detach()
-        norm_w = params["norm.weight"].detach()
+        params, W = self._head_params()
+        names = list(params)
         g_head = torch.zeros(head.numel, device=self.device)
-        g_norm = unit_views(g_head, head)["norm.weight"]
+        g_views = unit_views(g_head, head)
+        g_own = [g_views[n] for n in names]
         grads = {head.index: g_head}
         if self.cfg.tie_word_embeddings:
             grads[self.embed_unit.index] = torch.zeros(self.embed_unit.numel, device=self.device)
-            g_W = unit_views(grads[self.embed_unit.index], self.embed_unit)["embed_tokens.weight"]
+            g_W = unit_views(grads[self.embed_unit.index], self.embed_unit)[self.embed.weight_name]
         else:
-            g_W = unit_views(g_head, head)["lm_head.weight"]
+            g_W = g_views[self.head.lm_weight_name]
         loss = torch.zeros((), device=self.device)
         dh = []
         C = self.loss_chunk_tokens
@@ -212,22 +222,20 @@ class Engine:
             dx = torch.empty_like(flat)
             for a in range(0, flat.shape[0], C):
                 xc = flat[a : a + C].detach().requires_grad_()
-                nw, Wl = norm_w.requires_grad_(), W.requires_grad_()
+                own = {n: v.detach().requires_grad_() for n, v in params.items()}
+                Wl = W.detach().requires_grad_()
                 with torch.enable_grad():
-                    hn = functional_call(self.head.norm, {"weight": nw}, (xc,))
-                    logits = F.linear(hn, Wl).float()
+                    logits = self._logits(own, xc, Wl)
                     l_sum = F.cross_entropy(
                         logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
                     )
-                    gx, gnw, gW = torch.autograd.grad(l_sum / n_tokens, (xc, nw, Wl))
+                    gx, *g, gW = torch.autograd.grad(l_sum / n_tokens, (xc, *own.values(), Wl))
                 dx[a : a + C] = gx
-                g_norm.add_(gnw)
+                torch._foreach_add_(g_own, g)
                 g_W.add_(gW)
                 loss += l_sum.detach()
-                del hn, logits, gx, gnw, gW
+                del own, logits, gx, g, gW
             dh.append(dx.view(x.shape))
-        norm_w.requires_grad_(False)
-        W.requires_grad_(False)
         return loss / n_tokens, dh, grads
 
     def _fetch_parked(self, s):
@@ -271,7 +279,7 @@ class Engine:
                     if consume:
                         s[m] = None  # the boundary activation is not needed again
                     with torch.enable_grad():
-                        y = self._layer_call(params, x, *p.rope, p.mask)
+                        y = self._run(unit.index - 1, params, x, p)
                 grads = torch.autograd.grad(y, [x, *leaves], dh[m])
                 dh[m] = grads[0]
                 _accumulate(g, unit, names, grads[1:])
@@ -281,12 +289,19 @@ class Engine:
             del g
         # Embedding: scatter-add of the input gradient; no weights needed.
         g = torch.zeros(self.embed_unit.numel, device=self.device) if embed_grad is None else embed_grad
-        view = unit_views(g, self.embed_unit)["embed_tokens.weight"]
+        view = unit_views(g, self.embed_unit)[self.embed.weight_name]
+        scale = self.embed.scale  # the embedding's forward multiplies the looked-up rows by it
+        pad = self.embed.padding_idx
         det = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)  # sort-based, reproducible on CUDA
         try:
             for d, p in zip(dh, prep):
-                view.index_add_(0, p.ids.reshape(-1), d.reshape(-1, d.shape[-1]).to(torch.float32))
+                d = d.reshape(-1, d.shape[-1])
+                if pad is not None:  # nn.Embedding(padding_idx=...) gives its row no gradient
+                    d = d.masked_fill((p.ids.reshape(-1) == pad)[:, None], 0)
+                if scale != 1.0:
+                    d = d * torch.tensor(scale, device=d.device).to(d.dtype)  # rounded as the forward's
+                view.index_add_(0, p.ids.reshape(-1), d.to(torch.float32))
         finally:
             torch.use_deterministic_algorithms(det)
         self.collective.reduce_then(self.embed_unit, g, finish)
@@ -414,19 +429,17 @@ class Engine:
         self.transport.begin(self._forward_order())
         prep = [self._prepare(mb) for mb in micro_batches]
         h, _ = self._forward_sweep(prep, keep=False)
-        params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)
-        W, norm_w = self._lm_weight(params), params["norm.weight"]
+        params, W = self._head_params()
         loss = torch.zeros((), device=self.device)
         C = self.loss_chunk_tokens
         for x, p in zip(h, prep):
             flat = x.reshape(-1, x.shape[-1])
             for a in range(0, flat.shape[0], C):
-                hn = functional_call(self.head.norm, {"weight": norm_w}, (flat[a : a + C],))
-                logits = F.linear(hn, W).float()
+                logits = self._logits(params, flat[a : a + C], W)
                 loss += F.cross_entropy(
                     logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
                 )
-                del hn, logits
+                del logits
         return loss, n_tokens
 
     @torch.no_grad()
@@ -435,7 +448,5 @@ class Engine:
         self.transport.begin(self._forward_order())
         prep = [self._prepare(micro_batch)]
         h, _ = self._forward_sweep(prep, keep=False)
-        params = _bind(self.head_unit, self.transport.fetch(self.head_unit), grad=False)
-        W = self._lm_weight(params)
-        hn = functional_call(self.head.norm, {"weight": params["norm.weight"]}, (h[0],))
-        return F.linear(hn, W).float()
+        params, W = self._head_params()
+        return self._logits(params, h[0], W)

@@ -33,8 +33,8 @@ def _status_bytes(field: str) -> int | None:
 class MemoryRecord:
     """The plan of a run, the resident set before it allocated anything, and the peaks measured."""
 
-    def __init__(self, plan: Plan, machine: Machine):
-        self.plan, self.machine = plan, machine
+    def __init__(self, plan: Plan, machine: Machine, model: dict | None = None):
+        self.plan, self.machine, self.model = plan, machine, model or {}
         self.baseline = _status_bytes("VmRSS") or 0
         self.measured: dict[str, int | None] = {}
 
@@ -58,6 +58,7 @@ class MemoryRecord:
     def write(self, output_dir: Path) -> None:
         """plan.json, written atomically."""
         record = {
+            "model": self.model,
             "plan": self.plan.to_json(),
             "machine": asdict(self.machine),
             "host_rss_before": self.baseline,

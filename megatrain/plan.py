@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from .errors import MegatrainError
 from .models.attention import uses_mask
 from .models.config import ModelConfig
+from .models.family import describe
 from .placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .placement import plan as make_placement
 
@@ -35,7 +36,8 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> B
         seq_len=k["max_length"],
         compute_bytes=compute_bytes,
         clip=cfg.max_grad_norm > 0,
-        masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, k["max_length"]),
+        masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, k["max_length"])
+        or model_cfg.needs_mask,
         rows=k["per_device_train_batch_size"],
     )
 
@@ -244,6 +246,7 @@ def report(
     lines = [
         f"model: {model_cfg.model_type}, {_count(model_cfg.num_params)} parameters ({model_cfg.num_params:,}), "
         f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, vocab {model_cfg.vocab_size}",
+        f"runs on: {describe(model_cfg)}",
         f"device: {device_name}, {dtype_name} compute",
         f"tokens: {cfg.per_device_train_batch_size} x {cfg.max_length} per micro-batch, "
         f"x {cfg.gradient_accumulation_steps} accumulation = {b.tokens:,} per optimizer step "

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from .models.attention import attention_mask
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
+from .models.decoder import set_mlp_tiles
+from .models.family import family_of
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
@@ -110,16 +110,19 @@ def probe_layer_memory(
     cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int, masked: bool = False
 ) -> LayerMemory:
     """Run one layer at `tokens` and a quarter of it (one sequence each) and measure, untiled and
-    with MLP tiles of a quarter of the smaller count; `masked`: through the attention a run with
+    with MLP tiles of a quarter of the smaller count: the family's template of a full-attention
+    layer where there is one (the largest working set); `masked`: through the attention a run with
     packed rows or a sliding window uses (a one-document block mask, the model's window)."""
     device = torch.device(device)
-    with torch.device("meta"):
-        shapes = DecoderLayer(cfg)
-    params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in shapes.named_parameters()}
+    family = family_of(cfg)
+    windows = cfg.windows
+    i = windows.index(None) if None in windows else 0
+    layer = family.layer(cfg, i)
+    params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
     sizes = sorted({max(128, tokens // 4), max(128, tokens)})
     tile = max(32, sizes[0] // PROBE_TILES)
     (t1, g1, b1, f1), (t2, g2, b2, f2), elapsed = _probe(
-        cfg, params, device, dtype, compile, sizes, 0, masked
+        cfg, i, params, device, dtype, compile, sizes, 0, masked
     )
     n = sum(t.numel() for t in params.values())
     q = cfg.num_attention_heads * cfg.head_dim
@@ -127,7 +130,7 @@ def probe_layer_memory(
     slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2
     fixed = b2 - slope * t2
     (_, tg1, tb1, tf1), (_, tg2, tb2, tf2), _ = _probe(
-        cfg, params, device, dtype, compile, sizes, tile, masked
+        cfg, i, params, device, dtype, compile, sizes, tile, masked
     )
     t_slope = (tb2 - tb1) / (t2 - t1) if t2 > t1 else tb2 / t2
     tf_slope = (tf2 - tf1) / (t2 - t1) if t2 > t1 else tf2 / t2
@@ -148,45 +151,43 @@ def probe_layer_memory(
     )
 
 
-def _probe(cfg, params, device, dtype, compile: bool, sizes: list[int], tile: int, masked: bool):
-    """Measure the layer with MLP tiles of `tile` tokens (0: untiled) at each of `sizes` tokens:
-    one row per size, and the seconds of the last measurement."""
-    with torch.device("meta"):
-        layer = DecoderLayer(cfg, mlp_tile_tokens=tile)
+def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], tile: int, masked: bool):
+    """Measure layer `i`'s template with MLP tiles of `tile` tokens (0: untiled) at each of
+    `sizes` tokens: one row per size, and the seconds of the last measurement."""
+    family = family_of(cfg)
+    layer, kind = family.layer(cfg, i), family.layer_kind(cfg, i)
+    set_mlp_tiles(layer, tile)
+    inputs_of = family.inputs(cfg, device)
     leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
-    inv, scale = rope_inv_freq(cfg)
-    inv = inv.to(device)
 
-    def call(p, x, cos, sin, mask):
-        return functional_call(layer, p, (x, (cos, sin), mask))
+    def call(p, x, inputs):
+        return functional_call(layer, p, (x,), inputs)
 
-    fn = torch.compile(call) if compile else call
+    fn = torch.compile(call) if compile and family.compile else call
     rows = []
     for t in sizes:
-        pos = torch.arange(t, device=device)[None]
-        cos, sin = rope_cos_sin(inv, scale, pos, dtype)
+        one_doc = torch.zeros(1, t, dtype=torch.int64, device=device) if masked else None
+        inputs = inputs_of(torch.arange(t, device=device)[None], one_doc, t, dtype, True)[kind]
         x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=dtype)
-        one_doc = torch.zeros(1, t, dtype=torch.int64, device=device)
-        mask = attention_mask(one_doc, t, cfg.sliding_window, device, flex=True) if masked else None
         for _ in range(2):  # the first compiles; the second is measured
             t0 = time.perf_counter()
-            rows.append((t, *_measure(fn, leaves, params, x, (cos, sin, mask), pgrads, device)))
+            rows.append((t, *_measure(fn, leaves, params, x, inputs, pgrads, device)))
             elapsed = time.perf_counter() - t0
         rows.pop(-2)
-        del x, mask
+        del x, inputs
     torch.cuda.empty_cache()
     return rows[0], rows[-1], elapsed
 
 
-def _measure(fn, leaves, params, x, extra, pgrads, device) -> tuple[int, int, int]:
+def _measure(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, int]:
     """(graph bytes, backward peak above the graph less parameter gradients, forward peak)."""
     out_bytes = x.numel() * x.element_size()
     xr = x.detach().requires_grad_()
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     with torch.enable_grad():
-        y = fn(leaves, xr, *extra)
+        y = fn(leaves, xr, inputs)
     graph = torch.cuda.memory_allocated(device) - base - out_bytes
     dy = torch.randn_like(y)
     torch.cuda.synchronize(device)
@@ -200,7 +201,7 @@ def _measure(fn, leaves, params, x, extra, pgrads, device) -> tuple[int, int, in
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with torch.no_grad():
-        y = fn(params, x, *extra)
+        y = fn(params, x, inputs)
     torch.cuda.synchronize(device)
     forward = torch.cuda.max_memory_allocated(device) - before - out_bytes
     del y

@@ -19,7 +19,7 @@ import torch
 
 from .hostmem import PAGE, host_buffer
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, Embedding, Head
+from .models.family import family_of, templates
 
 ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
 # Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit
@@ -62,30 +62,18 @@ class Unit:
     """Start of this unit inside `HostState.master`."""
 
 
-def _template(cfg: ModelConfig, kind: str) -> torch.nn.Module:
-    with torch.device("meta"):
-        return {"embed": Embedding, "layer": DecoderLayer, "head": Head}[kind](cfg)
-
-
-def _key(kind: str, layer: int, name: str) -> str:
-    if kind == "layer":
-        return f"model.layers.{layer}.{name}"
-    if name.startswith("lm_head."):
-        return name
-    return f"model.{name}"
-
-
 def build_units(cfg: ModelConfig) -> list[Unit]:
-    """The units of a model in forward order, laid out back to back."""
-    plan = [("embed", "embed", 0)]
-    plan += [(f"layers.{i}", "layer", i) for i in range(cfg.num_hidden_layers)]
-    plan += [("head", "head", 0)]
-    templates = {k: _template(cfg, k) for k in ("embed", "layer", "head")}
+    """The units of a model in forward order, laid out back to back; parameters in the family's
+    template order, named by its checkpoint keys."""
+    fam, t = family_of(cfg), templates(cfg)
+    plan = [("embed", "embed", 0, t["embed"])]
+    plan += [(f"layers.{i}", "layer", i, t["layers"][k]) for i, k in enumerate(t["keys"])]
+    plan += [("head", "head", 0, t["head"])]
     units, start = [], 0
-    for index, (name, kind, layer) in enumerate(plan):
+    for index, (name, kind, layer, template) in enumerate(plan):
         specs, off = [], 0
-        for pname, p in templates[kind].named_parameters():
-            key = _key(kind, layer, pname)
+        for pname, p in template.named_parameters():
+            key = fam.param_key(cfg, kind, layer, pname)
             specs.append(ParamSpec(pname, key, tuple(p.shape), off, not _NO_DECAY.search(key)))
             off += -(-p.numel() // ALIGN) * ALIGN
         off = -(-off // UNIT_ALIGN) * UNIT_ALIGN

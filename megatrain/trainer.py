@@ -35,6 +35,7 @@ from .guard import NonFiniteGuard, SignalGuard
 from .memory import MemoryRecord
 from .metrics import MetricsLogger, SilentLogger, show_progress
 from .models.config import ModelConfig
+from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
 from .plan import preflight
@@ -128,7 +129,8 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
-    memory = MemoryRecord(plan, machine)
+    runs_on = describe(model_cfg)
+    memory = MemoryRecord(plan, machine, {"model_type": model_cfg.model_type, "path": runs_on})
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
     outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
 
@@ -174,6 +176,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         f"({str(engine.dtype).removeprefix('torch.')}), {len(samples)} samples, {total_steps} steps"
         + (f", data parallel over {world.world_size} processes" if world.world_size > 1 else "")
     )
+    log.message(f"megatrain: {model_cfg.model_type} runs on the {runs_on}")
     for note in notes:
         log.message(note)
     for note in plan.notes:

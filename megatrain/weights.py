@@ -142,7 +142,13 @@ def _per_unit(fn, units, desc: str, progress: bool) -> None:
 def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = False) -> None:
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
     zeros for biases, ones for norms. Each unit draws from its own generator seeded from `seed`
-    and its index, so units fill in parallel threads and the result depends on the seed alone."""
+    and its index, so units fill in parallel threads and the result depends on the seed alone.
+    Other families are initialised by transformers' own rules (Gemma's norms are zero-centred,
+    for one), a unit at a time."""
+    from .models.family import family_of
+
+    if family_of(cfg).hf_init:
+        return _init_as_transformers(state, cfg, seed, progress)
     std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
 
     def fill(unit) -> None:
@@ -160,6 +166,26 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
     _per_unit(fill, state.units, "initialising weights", progress)
 
 
+def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progress: bool) -> None:
+    """Each unit's template materialised on the host and initialised by the model's own
+    `_init_weights` (it draws from the global generator: units in turn, each seeded)."""
+    from .models.family import templates
+    from .models.hf import skeleton
+
+    init, t = skeleton(cfg).model._init_weights, templates(cfg)
+    for unit in tqdm(state.units, desc="initialising weights", disable=not progress, unit="unit"):
+        k = unit.kind
+        template = t["layers"][t["keys"][unit.index - 1]] if k == "layer" else t[k]
+        module = copy.deepcopy(template).to_empty(device="cpu")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 100_003 + unit.index)
+            for sub in module.modules():
+                init(sub)
+        views, params = state.params(unit), dict(module.named_parameters())
+        for p in unit.params:
+            views[p.name].copy_(params[p.name])
+
+
 def read_generation_config(model_dir: str | Path | None) -> bytes | None:
     """generation_config.json of a model directory (its EOS ids and sampling defaults), if any."""
     path = Path(model_dir) / "generation_config.json" if model_dir else None
@@ -174,7 +200,7 @@ def write_model_config(
     derived from the model config. When `tokenizer` has a chat template, the token that ends its
     assistant turns joins the EOS ids, so `generate()` stops where a chat model ends its answer."""
     hf = copy.deepcopy(cfg.hf_config)
-    hf.architectures = [type_to_arch(cfg.model_type)]
+    hf.architectures = [causal_lm_class(cfg)]
     if isinstance(inspect.getattr_static(type(hf), "torch_dtype", None), property):
         hf.dtype = dtype  # transformers 5.x; `torch_dtype` is a deprecated alias there
     else:
@@ -319,10 +345,8 @@ def export_model(
     return out_dir, verified
 
 
-def type_to_arch(model_type: str) -> str:
-    return {
-        "llama": "LlamaForCausalLM",
-        "mistral": "MistralForCausalLM",
-        "qwen2": "Qwen2ForCausalLM",
-        "qwen3": "Qwen3ForCausalLM",
-    }[model_type]
+def causal_lm_class(cfg: ModelConfig) -> str:
+    """The transformers class that loads an exported model (config.json's `architectures`)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg.hf_config)].__name__

@@ -14,6 +14,23 @@ FAMILY_CONFIGS = {
     "qwen2": lambda **kw: transformers.Qwen2Config(**kw),
     "qwen3": lambda **kw: transformers.Qwen3Config(**kw),
 }
+# Families built by model_type, with what makes their tiny versions exercise their differences:
+# short sliding windows, alternating layer kinds, logit and embedding scales far from 1.
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=3.0)
+FAMILY_OVERRIDES = {
+    "gemma2": dict(GEMMA, attn_logit_softcapping=2.0),
+    "gemma3_text": dict(GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "phi3": dict(pad_token_id=0),  # a padding row: nn.Embedding gives it no gradient
+    "olmo2": {},
+    "cohere": dict(logit_scale=0.5, use_qk_norm=False),
+    "granite": dict(
+        embedding_multiplier=2.0, logits_scaling=3.0, residual_multiplier=0.5, attention_multiplier=0.3
+    ),
+    "starcoder2": dict(sliding_window=8),
+    "gpt_neox": {},
+    "phi": {},
+    "stablelm": {},
+}
 
 
 def tiny_config(family: str = "llama", tied: bool = False, **overrides):
@@ -33,22 +50,47 @@ def tiny_config(family: str = "llama", tied: bool = False, **overrides):
         kw["head_dim"] = 24  # Qwen3 decouples head_dim from hidden/heads
     if family == "mistral":
         kw["sliding_window"] = 8  # short enough to matter in tests
+    kw.update(FAMILY_OVERRIDES.get(family, {}))
     kw.update(overrides)
-    cfg = FAMILY_CONFIGS[family](**kw)
+    if family in FAMILY_CONFIGS:
+        cfg = FAMILY_CONFIGS[family](**kw)
+    else:
+        cfg = transformers.AutoConfig.for_model(family, **kw)
     cfg._attn_implementation = "eager"
     return cfg
 
 
-def tiny_hf_model(family="llama", tied=False, seed=0, **overrides):
+def tiny_hf_model(family="llama", tied=False, seed=0, attn_implementation="eager", **overrides):
+    """A tiny random transformers model. `attn_implementation="same"`: the kernel megatrain runs,
+    so a comparison measures megatrain, not two attention kernels (SDPA, or eager where
+    transformers has no SDPA for the family, as for Gemma 2's soft-capped scores)."""
     torch.manual_seed(seed)
     cfg = tiny_config(family, tied, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+    if attn_implementation == "same":
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", False)
+        attn_implementation = "sdpa" if sdpa else "eager"
+    cfg._attn_implementation = attn_implementation
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=attn_implementation
+    ).float()
     # Random norms and biases too, so their gradients are checked against something nontrivial.
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
     return model.eval()
+
+
+def saved_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """A transformers model's parameters under the keys `save_pretrained` writes them with
+    (GPT-NeoX's `lm_head` is `embed_out` in its checkpoints)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(model, dict(model.named_parameters()))
+    assert all(isinstance(p, torch.nn.Parameter) for p in out.values())
+    return out
 
 
 # --------------------------------------------------------------------------- tiny tokenizers

@@ -194,7 +194,10 @@ def _bad_inputs(tmp_path: Path) -> dict:
 
 BAD = [
     (["model_config=null", "model_name_or_path={tmp}/missing"], "{tmp}/missing"),
-    (["model_config={tmp}/gpt2"], "model_type 'gpt2' is not supported"),
+    (
+        ["model_config={tmp}/gpt2"],
+        "{tmp}/gpt2/config.json: model_type 'gpt2': modules with parameters besides",
+    ),
     (["lerning_rate=1e-4"], "unknown config key 'lerning_rate'; did you mean 'learning_rate'?"),
     (["learning_rate=fast"], "learning_rate: expected float, got 'fast'"),
     (["max_steps=0"], "max_steps: must be > 0"),
@@ -256,7 +259,10 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path, capsys, overrides, message
     [
         (["train", "{tmp}/none.yaml"], "{tmp}/none.yaml: config file does not exist"),
         (["export", "{tmp}/nockpt", "{tmp}/x"], "{tmp}/nockpt: checkpoint directory does not exist"),
-        (["export", "{tmp}/gpt2", "{tmp}/x"], "model_type 'gpt2' is not supported"),
+        (
+            ["export", "{tmp}/gpt2", "{tmp}/x"],
+            "{tmp}/gpt2/config.json: model_type 'gpt2': modules with parameters besides",
+        ),
         (["export", "{tmp}/model", "{tmp}/x"], "no model.safetensors or model.safetensors.index.json"),
         (["export", "{tmp}/a", "{tmp}/b", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (["export", "{tmp}/a", "{tmp}/b", "--max-shard-size", "lots"], "'lots': expected bytes or a size"),

@@ -63,12 +63,18 @@ def mask_rule(document_ids: torch.Tensor | None, window: int | None):
 
 
 def attention_mask(
-    document_ids: torch.Tensor | None, seq_len: int, sliding_window: int | None, device, flex: bool
+    document_ids: torch.Tensor | None,
+    seq_len: int,
+    sliding_window: int | None,
+    device,
+    flex: bool,
+    always: bool = False,
 ) -> Mask:
-    """The mask of one micro-batch: None (plain causal), a BlockMask (`flex`) or a dense boolean
-    [B|1, 1, S, S] tensor (True = attend). `document_ids` [B, S] must be on `device`."""
+    """The mask of one micro-batch: None (plain causal, unless `always`: for attention that takes
+    no causal flag), a BlockMask (`flex`) or a dense boolean [B|1, 1, S, S] tensor (True =
+    attend). `document_ids` [B, S] must be on `device`."""
     window = effective_window(sliding_window, seq_len)
-    if document_ids is None and window is None:
+    if document_ids is None and window is None and not always:
         return None
     rule = mask_rule(document_ids, window)
     rows = 1 if document_ids is None else document_ids.shape[0]
@@ -119,15 +125,50 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v under the causal rule and `mask`; q [B, H, S, d], k and v
-    [B, H_kv, S, d] (grouped-query heads are read as they are, never repeated)."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v under the causal rule and `mask`; q [B, H, S, d], k and v
+    [B, H_kv, S, d] (grouped-query heads are read as they are, never repeated). `scale` replaces
+    1/sqrt(d); `softcap` caps the scores at +-softcap with tanh first (Gemma 2)."""
     gqa = k.shape[1] != q.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, BlockMask):
         # Inside a compiled layer the compiler traces FlexAttention itself; a nested compiled
         # function there is refused.
         fn = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex()
-        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return fn(q, k, v, score_mod=_capped(softcap), block_mask=mask, scale=scale, enable_gqa=gqa)
+    if softcap is not None:
+        return softcapped_attention(q, k, v, mask, scale, softcap)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _capped(cap: float | None):
+    """FlexAttention's score_mod for tanh soft-capping (None: scores as they are)."""
+    if cap is None:
+        return None
+
+    def score_mod(score, b, h, q, kv):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
+def softcapped_attention(q, k, v, mask, scale: float | None, cap: float) -> torch.Tensor:
+    """Attention with scores capped at +-cap by tanh, as transformers' eager attention computes it
+    (no fused kernel takes a cap): scores, cap, mask, fp32 softmax. q [B, H, S, D], k/v grouped;
+    quadratic in memory (the CUDA path with a BlockMask does not materialise the scores)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = torch.tanh(s / cap) * cap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

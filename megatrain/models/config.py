@@ -9,21 +9,47 @@ from typing import Any
 
 from ..errors import ConfigError
 
-# Families that share the pre-norm decoder block in `decoder.py`; the flags say how they differ.
+# Model types with a fast block (`block`: its name in decoder.BLOCKS); the flags say how the
+# families sharing a block differ. Every other decoder transformers knows runs on the generic path.
+# None: the bias follows `attention_bias`, the q/k norm `use_qk_norm`; `eps`: the config key of
+# the norms' epsilon (default rms_norm_eps); `window`: one sliding window for every layer.
 FAMILIES = {
-    "llama": dict(qkv_bias=None, qk_norm=False),  # bias from `attention_bias`
-    "mistral": dict(qkv_bias=False, qk_norm=False),
-    "qwen2": dict(qkv_bias=True, qk_norm=False),
-    "qwen3": dict(qkv_bias=None, qk_norm=True),
+    "llama": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=False),
+    "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
+    "qwen2": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
+    "qwen3": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=True),
+    "phi3": dict(block="phi3", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
+    "olmo2": dict(block="olmo2", qkv_bias=None, o_bias=None, qk_norm=False),
+    "cohere": dict(block="cohere", qkv_bias=None, o_bias=None, qk_norm=None, eps="layer_norm_eps"),
+    "gemma2": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=False),
+    "gemma3_text": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=True),
 }
+
+
+# RoPE whose frequencies change with the sequence length: transformers' own rotary module
+# (the generic path) updates them as it goes.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _rope_type(hf) -> str:
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma 3)
+        types = {_rope_type_of(v) for v in params.values()}
+        return next((t for t in types if t in DYNAMIC_ROPE), "default")
+    return _rope_type_of(params)
+
+
+def _rope_type_of(params: dict) -> str:
+    return params.get("rope_type", params.get("type", "default"))
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder-only model (Llama, Mistral, Qwen2, Qwen3)."""
+    """Shape and numerics of a decoder-only model: a fast block's flags (FAMILIES), or a model
+    that runs on the generic path through transformers' own modules (`path`)."""
 
     model_type: str
-    """Hugging Face `model_type` (one of FAMILIES)."""
+    """Hugging Face `model_type`."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,11 +58,12 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
+    """Epsilon of the block's norms (RMSNorm, or Cohere's LayerNorm: its `layer_norm_eps`)."""
     tie_word_embeddings: bool
     qkv_bias: bool
     """Bias on q/k/v projections (Qwen2; Llama with `attention_bias`)."""
     o_bias: bool
-    """Bias on o_proj (Llama with `attention_bias` only)."""
+    """Bias on o_proj (Llama and Qwen3 with `attention_bias`)."""
     mlp_bias: bool
     qk_norm: bool
     """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
@@ -44,68 +71,103 @@ class ModelConfig:
     sliding_window: int | None = None
     """Mistral's local attention window; None means full causal attention."""
     max_position_embeddings: int = 4096
+    path: str = "fast"
+    """`fast` (a block of FAMILIES) or `generic` (transformers' own layer modules, `hf.py`)."""
+    attn_implementation: str | None = None
+    """The generic path's attention: `sdpa` where transformers supports it for the family, else
+    `eager` (both exact)."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config object (kept for RoPE variants and for export)."""
 
     def __post_init__(self):
-        if self.model_type not in FAMILIES:
+        if self.path == "fast" and self.model_type not in FAMILIES:
             raise ConfigError(
-                f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+                f"model_type {self.model_type!r} has no fast block (fast: {', '.join(FAMILIES)})"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    @property
+    def block(self) -> str:
+        """The fast block that runs this model (decoder.BLOCKS)."""
+        return FAMILIES[self.model_type]["block"]
 
     @property
     def num_params(self) -> int:
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        q = self.num_attention_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        if self.o_bias:
-            attn += h
-        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        layer = attn + mlp + norms
-        emb = self.vocab_size * h
-        return emb * (1 if self.tie_word_embeddings else 2) + h + self.num_hidden_layers * layer
+        """Parameters of the model, counted on its templates (whatever the family)."""
+        from .family import count_params
+
+        return count_params(self)
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding attention window (None: full causal attention)."""
+        hf = self.hf_config
+        types = getattr(hf, "layer_types", None)
+        if types is not None:  # Gemma 2/3, Qwen2/3: per layer
+            return [hf.sliding_window if t == "sliding_attention" else None for t in types]
+        if self.path == "fast":
+            return [self.sliding_window] * self.num_hidden_layers
+        # Mistral-style: one window for every layer, if any
+        window = getattr(hf, "sliding_window", None)
+        return [window if getattr(hf, "use_sliding_window", True) else None] * self.num_hidden_layers
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether attention takes an explicit mask even for unpacked rows (for the memory plan)."""
+        return any(self.windows) or self.attn_implementation == "eager"
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
-        """Build from a transformers `PretrainedConfig`."""
+        """Build from a transformers `PretrainedConfig`: a fast block where one fits (FAMILIES,
+        without Qwen's optional sliding window), else the generic path (which refuses, naming the
+        reason, what cannot train as a decoder)."""
         mt = hf.model_type
-        if mt not in FAMILIES:
-            raise ConfigError(f"model_type {mt!r} is not supported (supported: {', '.join(FAMILIES)})")
-        if getattr(hf, "use_sliding_window", False):
-            raise ConfigError(f"{mt}: use_sliding_window=true is not supported")
-        fam = FAMILIES[mt]
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        qkv_bias = attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"]
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        return cls(
+        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
+        fast = (
+            mt in FAMILIES
+            and not any(getattr(hf, k, False) for k in ("use_sliding_window", "use_bidirectional_attention"))
+            and _rope_type(hf) not in DYNAMIC_ROPE
+        )
+        if not fast:
+            from .hf import generic_attention
+
+            impl = generic_attention(hf)  # refuses, naming why, what cannot train as a decoder
+        common = dict(
             model_type=mt,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            intermediate_size=getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size,
             num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=attention_bias and mt == "llama",
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=fam["qk_norm"],
-            hidden_act=hf.hidden_act,
-            sliding_window=getattr(hf, "sliding_window", None) if mt == "mistral" else None,
+            hidden_act=act,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
             hf_config=hf,
+        )
+        if not fast:
+            flags = dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+            eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-6
+            cfg = cls(**common, **flags, rms_norm_eps=eps, path="generic", attn_implementation=impl)
+            from .hf import skeleton
+
+            skeleton(cfg)  # builds transformers' model on the meta device, refusing what cannot run
+            return cfg
+        fam = FAMILIES[mt]
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return cls(
+            **common,
+            rms_norm_eps=getattr(hf, fam.get("eps", "rms_norm_eps")),
+            qkv_bias=attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
+            o_bias=attention_bias if fam["o_bias"] is None else fam["o_bias"],
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=bool(getattr(hf, "use_qk_norm", False)) if fam["qk_norm"] is None else fam["qk_norm"],
+            sliding_window=getattr(hf, "sliding_window", None) if fam.get("window") else None,
         )
 
     @classmethod
@@ -121,14 +183,15 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         mt = raw.get("model_type")
-        if mt not in FAMILIES:
-            raise ConfigError(
-                f"{path}: model_type {mt!r} is not supported (supported: {', '.join(FAMILIES)})"
-            )
-        from transformers import AutoConfig
+        from transformers import CONFIG_MAPPING, AutoConfig
 
+        if mt not in CONFIG_MAPPING:
+            raise ConfigError(f"{path}: model_type {mt!r} is not a model transformers knows")
         try:
             hf = AutoConfig.for_model(**raw)
         except Exception as e:  # transformers validates rope parameters and friends
             raise ConfigError(f"{path}: {e}") from None
-        return cls.from_hf(hf)
+        try:
+            return cls.from_hf(hf)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None

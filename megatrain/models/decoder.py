@@ -4,8 +4,7 @@ These modules are *templates*: the engine builds each one once, on the meta devi
 weights to it for every visit with `torch.func.functional_call`. Nothing here owns state.
 
 The four families differ only by flags of `ModelConfig`: q/k/v bias (Qwen2, Llama with
-`attention_bias`), q/k RMSNorm (Qwen3), and Mistral's sliding window (attention.py applies it,
-with packed documents' masks).
+`attention_bias`), q/k RMSNorm (Qwen3), and Mistral's sliding window.
 """
 
 from __future__ import annotations
@@ -13,9 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
-from .attention import Mask, attend
+from .attention import Mask, attend, attention_mask
 from .config import ModelConfig
+from .family import Family, meta
 
 
 class RMSNorm(nn.Module):
@@ -36,8 +37,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, S, head_dim] by cos/sin [B, 1, S, r]: its first r dimensions (all of them
+    but with a partial rotary factor, as in Phi-4-mini)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    xr = x[..., :r]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, x[..., r:]), dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention with rotary embeddings. Families that differ only in the scores
+    say so through parameters: `norm` builds the q/k norms (with `cfg.qk_norm`), `scale`
+    replaces 1/sqrt(head_dim), `softcap` caps the scores at +-softcap with tanh (Gemma 2)."""
+
+    def __init__(self, cfg: ModelConfig, norm=None, scale: float | None = None, softcap: float | None = None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -46,28 +61,37 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+            norm = norm or (lambda dim: RMSNorm(dim, cfg.rms_norm_eps))
+            self.q_norm, self.k_norm = norm(d), norm(d)
         self.qk_norm = cfg.qk_norm
+        self.scale, self.softcap = scale, softcap
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Mask) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, S, heads, head_dim]."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
+        return q, k, v
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, H, S, D] with the rotary embedding applied."""
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Mask) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v = self.project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope  # [B, 1, S, head_dim]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        y = attend(q, k, v, mask)
+        q, k = self.rotate(q, k, rope)
+        y = attend(q, k, v, mask, self.scale, self.softcap)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
-def mlp(x: torch.Tensor, gate_w, gate_b, up_w, up_b, down_w, down_b) -> torch.Tensor:
-    """The gated MLP of every family: down(silu(gate(x)) * up(x))."""
-    return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+def mlp(x: torch.Tensor, act, gate_w, gate_b, up_w, up_b, down_w, down_b) -> torch.Tensor:
+    """The gated MLP of every family: down(act(gate(x)) * up(x))."""
+    return F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -78,19 +102,19 @@ class _TiledMLP(torch.autograd.Function):
     untiled matmul's fp32 accumulator is."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tile: int, *weights):
-        ctx.tile = tile
+    def forward(ctx, x: torch.Tensor, tile: int, act, *weights):
+        ctx.tile, ctx.act = tile, act
         ctx.save_for_backward(x, *weights)
         flat = x.reshape(-1, x.shape[-1])
         out = flat.new_empty(flat.shape[0], weights[4].shape[0])
         for a in range(0, flat.shape[0], tile):
-            out[a : a + tile] = mlp(flat[a : a + tile], *weights)
+            out[a : a + tile] = mlp(flat[a : a + tile], act, *weights)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        need_x, *need_w = ctx.needs_input_grad[:1] + ctx.needs_input_grad[2:]
+        need_x, *need_w = ctx.needs_input_grad[:1] + ctx.needs_input_grad[3:]
         need_w = [n and w is not None for n, w in zip(need_w, weights)]
         leaves = [None if w is None else w.detach().requires_grad_(n) for w, n in zip(weights, need_w)]
         sums = [  # at least fp32, whatever the compute dtype
@@ -103,7 +127,7 @@ class _TiledMLP(torch.autograd.Function):
         for a in range(0, flat.shape[0], ctx.tile):
             xt = flat[a : a + ctx.tile].detach().requires_grad_(need_x)
             with torch.enable_grad():
-                yt = mlp(xt, *leaves)
+                yt = mlp(xt, ctx.act, *leaves)
             grads = list(torch.autograd.grad(yt, ([xt] if need_x else []) + wanted, dflat[a : a + ctx.tile]))
             if need_x:
                 dx[a : a + ctx.tile] = grads.pop(0)
@@ -111,14 +135,14 @@ class _TiledMLP(torch.autograd.Function):
                 torch._foreach_add_([s for s in sums if s is not None], grads)
             del yt, grads
         dw = [None if s is None else s.to(w.dtype) for s, w in zip(sums, weights)]
-        return (None if dx is None else dx.view_as(x)), None, *dw
+        return (None if dx is None else dx.view_as(x)), None, None, *dw
 
 
 @torch.compiler.disable
-def tiled_mlp(x: torch.Tensor, tile: int, *weights) -> torch.Tensor:
+def tiled_mlp(x: torch.Tensor, tile: int, act, *weights) -> torch.Tensor:
     """`_TiledMLP`, run eagerly inside a compiled layer: the compiler traces the layer around it
     (norms, attention, residual adds) and leaves the tile loop and its nested backward alone."""
-    return _TiledMLP.apply(x, tile, *weights)
+    return _TiledMLP.apply(x, tile, act, *weights)
 
 
 class MLP(nn.Module):
@@ -128,16 +152,24 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=b)
         self.up_proj = nn.Linear(h, f, bias=b)
         self.down_proj = nn.Linear(f, h, bias=b)
+        self.act = ACT2FN[cfg.hidden_act]
         self.tile_tokens = tile_tokens
-        """Tokens per MLP tile (0: untiled); the plan's `mlp_tile_tokens`."""
+        """Tokens per MLP tile (0: untiled); the plan's `mlp_tile_tokens` (`set_mlp_tiles`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = [
             w for lin in (self.gate_proj, self.up_proj, self.down_proj) for w in (lin.weight, lin.bias)
         ]
         if self.tile_tokens and x.numel() // x.shape[-1] > self.tile_tokens:
-            return tiled_mlp(x, self.tile_tokens, *weights)
-        return mlp(x, *weights)
+            return tiled_mlp(x, self.tile_tokens, self.act, *weights)
+        return mlp(x, self.act, *weights)
+
+
+def set_mlp_tiles(template: nn.Module, tile_tokens: int) -> None:
+    """Run every gated MLP of a layer template over `tile_tokens` tokens at a time (0: untiled)."""
+    for m in template.modules():
+        if isinstance(m, MLP):
+            m.tile_tokens = tile_tokens
 
 
 class DecoderLayer(nn.Module):
@@ -159,9 +191,14 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     """Parameter names are those under `model.`."""
 
+    weight_name = "embed_tokens.weight"
+    scale = 1.0
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # transformers builds nn.Embedding(padding_idx=pad_token_id): that row gets no gradient.
+        self.padding_idx = getattr(cfg.hf_config, "pad_token_id", None)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -171,26 +208,35 @@ class Head(nn.Module):
     """Final norm and LM head. Names: `norm.weight` lives under `model.`, `lm_head.weight` at top
     level; a tied model has no `lm_head` here and borrows the embedding's weight."""
 
+    lm_weight_name = "lm_head.weight"
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def forward(self, x: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), lm_weight)
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling, exactly as transformers computes them."""
+
+def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, exactly as transformers computes them (for the
+    layers of `layer_type` where they differ by layer type, as in Gemma 3)."""
     hf = cfg.hf_config
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    by_type = layer_type is not None and isinstance(params.get(layer_type), dict)
+    params = params[layer_type] if by_type else params
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        d = cfg.head_dim
+        d = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
         inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    kw = {"layer_type": layer_type} if by_type else {}
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **kw)
     return inv.float(), float(scale)
 
 
@@ -200,3 +246,38 @@ def rope_cos_sin(inv_freq: torch.Tensor, scale: float, position_ids: torch.Tenso
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def _inputs(cfg: ModelConfig, device: torch.device):
+    inv_freq, scale = rope_inv_freq(cfg)
+    inv_freq = inv_freq.to(device)
+
+    def inputs(position_ids, document_ids, seq_len, dtype, flex):
+        rope = rope_cos_sin(inv_freq, scale, position_ids, dtype)
+        mask = attention_mask(document_ids, seq_len, cfg.sliding_window, position_ids.device, flex)
+        return {"layer": {"rope": rope, "mask": mask}}
+
+    return inputs
+
+
+def _key(cfg: ModelConfig, kind: str, layer: int, name: str) -> str:
+    if kind == "layer":
+        return f"model.layers.{layer}.{name}"
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+# One block, every layer alike: Llama, Mistral, Qwen2, Qwen3 (config.FAMILIES).
+BLOCKS = {
+    "llama": Family(
+        name="llama",
+        path="fast",
+        embedding=lambda cfg: meta(lambda: Embedding(cfg)),
+        layer=lambda cfg, i: meta(lambda: DecoderLayer(cfg)),
+        layer_key=lambda cfg, i: "layer",
+        layer_kind=lambda cfg, i: "layer",
+        inputs=_inputs,
+        head=lambda cfg: meta(lambda: Head(cfg)),
+        param_key=_key,
+        hf_init=False,  # the same rule, kept so that seeded runs reproduce
+    )
+}

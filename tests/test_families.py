@@ -1,0 +1,122 @@
+"""Decoder families beyond the parity tests' logits and gradients: which path each runs on, what is
+refused (and why, in one line), checkpoints in and out with Hugging Face names, random
+initialisation, and the memory plan's layer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from helpers import FAMILY_OVERRIDES, tiny_config, tiny_hf_model
+
+from megatrain.batch import MicroBatch
+from megatrain.errors import ConfigError
+from megatrain.models.config import ModelConfig
+from megatrain.models.family import describe
+from megatrain.runtime import build_model
+from megatrain.weights import save_hf_checkpoint
+
+FAST = {"llama": "llama", "qwen3": "llama", "gemma2": "gemma", "gemma3_text": "gemma", "phi3": "phi3"}
+FAST |= {"olmo2": "olmo2", "cohere": "cohere"}
+PATHS = {f: f"fast block ({FAST[f]})" if f in FAST else "generic path" for f in ["llama", *FAMILY_OVERRIDES]}
+
+
+@pytest.mark.parametrize("family,path", PATHS.items())
+def test_each_family_says_which_path_it_takes(family, path):
+    assert describe(ModelConfig.from_hf(tiny_config(family))).startswith(path)
+
+
+@pytest.mark.parametrize(
+    "raw,why",
+    [
+        ({"model_type": "t5"}, "encoder-decoder"),
+        ({"model_type": "llava"}, "composite (multimodal)"),
+        ({"model_type": "vit"}, "no causal language model"),
+        ({"model_type": "gpt2"}, "(wpe, ln_f) are not supported"),  # learned positions
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "not a causal decoder"),
+        ({"model_type": "no-such-model"}, "not a model transformers knows"),
+    ],
+)
+def test_what_cannot_train_is_refused_in_one_line(raw, why, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_json(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(tmp_path / "config.json")) and why in msg, msg
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILY_OVERRIDES])
+def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
+    """Weights in from a Hugging Face directory, one optimizer step (so the export is not the
+    input), out with Hugging Face names: transformers loads the export and computes the logits
+    megatrain computes."""
+    hf = tiny_hf_model(family, attn_implementation="same")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_json(tmp_path / "hf")
+    mt = build_model(cfg, weights=tmp_path / "hf", device="cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mt.engine.forward_backward([MicroBatch(ids, ids.clone())])
+    mt.engine.step(1e-2, None)
+    save_hf_checkpoint(mt.state, cfg, tmp_path / "out", dtype=torch.float32, progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation=hf.config._attn_implementation
+    ).eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        ref = back(input_ids=ids).logits
+    torch.testing.assert_close(mt.engine.logits(MicroBatch(ids, ids)), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref, hf(input_ids=ids).logits)  # the step changed the model
+
+
+@pytest.mark.parametrize("family,norm", [("gemma2", 0.0), ("olmo2", 1.0)])
+def test_random_init_follows_transformers_rules(family, norm):
+    """A model trained from a config gets transformers' initialisation: Gemma's norms are
+    zero-centred (weight 0 means scale 1), linear weights N(0, initializer_range)."""
+    cfg = ModelConfig.from_hf(tiny_config(family, initializer_range=0.05))
+    mt = build_model(cfg, seed=3, device="cpu")
+    params = dict(mt.state.named_parameters())
+    assert torch.equal(params["model.layers.0.post_attention_layernorm.weight"], torch.full((64,), norm))
+    q = params["model.layers.1.self_attn.q_proj.weight"]
+    assert 0.045 < q.std().item() < 0.055
+    again = dict(build_model(cfg, seed=3, device="cpu").state.named_parameters())
+    assert all(torch.equal(params[k], again[k]) for k in params)  # the seed alone decides
+
+
+@pytest.mark.parametrize("family", ["llama", *FAMILY_OVERRIDES])
+def test_parameter_count_and_plan_come_from_the_family(family):
+    """The parameter count (disk checks, the plan, the log) is the template's, equal to
+    transformers' for every family; the plan without a device is made for that layer and says
+    which path the model takes."""
+    from megatrain.placement import Batch, Machine, plan
+
+    hf = tiny_hf_model(family)
+    cfg = ModelConfig.from_hf(hf.config)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+    batch = Batch(micro_batch_tokens=64, micro_batches=1, seq_len=32, compute_bytes=4, clip=True, rows=2)
+    p = plan(cfg, batch, Machine(device="cpu", gpu_bytes=None, host_bytes=2**34), None)
+    # the host holds fp32 weights and two moments, 12 bytes per parameter and padding
+    assert p.host_total >= 12 * cfg.num_params
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere", "granite", "starcoder2"]
+)
+def test_packed_documents_match_each_document_alone(family, tmp_path):
+    """A row packing two documents gives each one the logits transformers gives it alone:
+    attention never crosses documents, positions restart, sliding windows (8 tokens here) count
+    within a document."""
+    hf = tiny_hf_model(family, attn_implementation="same")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_json(tmp_path / "hf")
+    mt = build_model(cfg, weights=tmp_path / "hf", device="cpu")
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(1, cfg.vocab_size, (n,), generator=g) for n in (11, 9)]
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    doc = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    got = mt.engine.logits(MicroBatch(ids, ids.clone(), position_ids=pos, document_ids=doc))[0]
+    with torch.no_grad():
+        ref = torch.cat([hf(input_ids=d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
