@@ -137,21 +137,7 @@ def run_one(name: str, run: dict, timeout: float) -> dict:
 
 
 def write(results: list[dict], args, stamp: str) -> None:
-    import torch
-
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "cpus": os.cpu_count(),
-        "command": "python bench/longctx.py " + " ".join(sys.argv[1:]),
-    }
-    base = os.path.join(args.out, f"{stamp}_{args.tag}")
-    with open(base + ".json", "w") as f:
-        json.dump({**meta, "runs": results}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(f"# {args.tag}: long context, plan vs measured\n\n")
-        f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n")
-        f.write(table(results) + "\n")
+    memory.write(results, args, stamp, "longctx.py", "long context, plan vs measured", table)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -327,20 +327,23 @@ def table(results) -> str:
     return HEADER + "\n" + "\n".join(row(r) for r in results)
 
 
-def write(results, args, stamp) -> None:
+def write(
+    results, args, stamp, script: str = "memory.py", title: str = "plan vs measured", table=table
+) -> None:
+    """`{stamp}_{tag}.json` and `.md` in args.out: date, device, the exact command, the runs."""
     import torch
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "cpus": os.cpu_count(),
-        "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
+        "command": f"python bench/{script} " + " ".join(sys.argv[1:]),
     }
     base = os.path.join(args.out, f"{stamp}_{args.tag}")
     with open(base + ".json", "w") as f:
         json.dump({**meta, "runs": results}, f, indent=1)
     with open(base + ".md", "w") as f:
-        f.write(f"# {args.tag}: plan vs measured\n\n")
+        f.write(f"# {args.tag}: {title}\n\n")
         f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n")
         f.write(table(results) + "\n")
 
