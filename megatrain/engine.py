@@ -29,8 +29,10 @@ from torch.func import functional_call
 
 from .batch import IGNORE_INDEX, MicroBatch
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, Head, attention_mask, rope_cos_sin, rope_inv_freq
+from .models.decoder import Head, attention_mask, rope_cos_sin, rope_inv_freq
+from .models.moe import layer_class
 from .placement import Plan
+from .routing import RouterBalance
 from .state import HostState, Unit, unit_views
 from .transport import Transport
 
@@ -92,8 +94,10 @@ class Engine:
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
         with torch.device("meta"):
-            self.layer = DecoderLayer(cfg)
+            self.layer = layer_class(cfg)(cfg)
             self.head = Head(cfg)
+        # Mixture of experts: router statistics and the auxiliary loss (routing.py).
+        self.routing = RouterBalance(cfg.moe, len(self.layer_units), self.device) if cfg.moe else None
         self._layer_call = self._call_layer
         if compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
@@ -113,6 +117,20 @@ class Engine:
 
     def _call_layer(self, params, x, cos, sin, mask):
         return functional_call(self.layer, params, (x, (cos, sin), mask))
+
+    def _hidden(self, j: int, m: int, out, record: bool) -> torch.Tensor:
+        """A layer's output hidden state; an MoE layer's router statistics recorded first."""
+        if self.routing is None:
+            return out
+        if record:
+            self.routing.record(j, m, out[1])
+        return out[0]
+
+    def _grad_targets(self, m: int, out, dh: torch.Tensor):
+        """What to differentiate in a layer's output, and with which gradients."""
+        if self.routing is None:
+            return [out], [dh]
+        return self.routing.grad_targets(m, out, dh)
 
     # ------------------------------------------------------------------ schedule
     def _forward_order(self) -> list[Unit]:
@@ -161,14 +179,17 @@ class Engine:
                     park = j < self.plan.parked_layers and self.host_acts is not None
                     saved.append([self.host_acts.park(x, j) for x in h] if park else h)
                 with torch.no_grad():
-                    h = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(h, prep)]
+                    h = [
+                        self._hidden(j, m, self._layer_call(params, x, *p.rope, p.mask), keep)
+                        for m, (x, p) in enumerate(zip(h, prep))
+                    ]
             else:
                 params = _bind(unit, t.fetch(unit), grad=True)
                 xs = [x.detach().requires_grad_() for x in h]
                 with torch.enable_grad():
                     ys = [self._layer_call(params, x, *p.rope, p.mask) for x, p in zip(xs, prep)]
                 saved.append(_Graph(params, xs, ys))
-                h = [y.detach() for y in ys]
+                h = [self._hidden(j, m, y, keep).detach() for m, y in enumerate(ys)]
             del params
         return h, saved
 
@@ -263,7 +284,9 @@ class Engine:
                         s[m] = None  # the boundary activation is not needed again
                     with torch.enable_grad():
                         y = self._layer_call(params, x, *p.rope, p.mask)
-                grads = torch.autograd.grad(y, [x, *leaves], dh[m])
+                outs, gouts = self._grad_targets(m, y, dh[m])
+                grads = torch.autograd.grad(outs, [x, *leaves], gouts)
+                del outs, gouts
                 dh[m] = grads[0]
                 _accumulate(g, unit, names, grads[1:])
                 del x, y, grads
@@ -277,6 +300,8 @@ class Engine:
         torch.use_deterministic_algorithms(True, warn_only=True)  # sort-based, reproducible on CUDA
         try:
             for d, p in zip(dh, prep):
+                if self.cfg.pad_token_id is not None:  # nn.Embedding(padding_idx): no gradient there
+                    d = d.masked_fill((p.ids == self.cfg.pad_token_id)[..., None], 0)
                 view.index_add_(0, p.ids.reshape(-1), d.reshape(-1, d.shape[-1]).to(torch.float32))
         finally:
             torch.use_deterministic_algorithms(det)
@@ -285,7 +310,9 @@ class Engine:
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
         """Loss of (sum of token losses over all micro-batches) / (number of label tokens), and
-        that number; the gradients or their norm as the plan's gradient mode says."""
+        that number; the gradients or their norm as the plan's gradient mode says. An MoE model
+        with `output_router_logits` adds `router_aux_loss_coef` times each micro-batch's
+        load-balancing loss (routing.py)."""
         n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
         if n_tokens == 0:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
@@ -297,10 +324,14 @@ class Engine:
             order += self._backward_order()
         self.transport.begin(order)
         self._begin_parking(micro_batches)
+        if self.routing is not None:
+            self.routing.begin([mb.num_tokens for mb in micro_batches])
         prep = [self._prepare(mb) for mb in micro_batches]
         h, saved = self._forward_sweep(prep, keep=True)
         loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
         del h
+        if self.routing is not None:  # known now: every layer's routing was counted
+            loss = loss + self.routing.loss()
         head = self.head_unit
         self._norm(head, head_grads[head.index])
         embed_part = head_grads.get(self.embed_unit.index)  # tied: the LM head's share
@@ -367,6 +398,10 @@ class Engine:
         self.transport.begin(self._backward_order())
         self._backward_sweep(saved, dh, prep, land, head_grads.pop(self.embed_unit.index, None))
         return self._total_norm() if immediate else None
+
+    def router_metrics(self) -> dict[str, float]:
+        """The last step's aux loss and expert load (MoE models; empty for dense ones)."""
+        return {} if self.routing is None else self.routing.metrics()
 
     def skip_step(self) -> None:
         """Drop this step's gradients: weights and AdamW moments stay as they were."""

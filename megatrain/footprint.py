@@ -133,6 +133,8 @@ class Shape:
     layers: int
     tied: bool
     layer_mem: LayerMemory
+    inactive: int = 0
+    """Parameters of a layer that a token does not pass through (the experts it is not routed to)."""
 
     @property
     def layer(self) -> int:
@@ -144,8 +146,9 @@ class Shape:
 
 
 def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
-    """A conservative estimate of one layer's activation memory (see GRAPH_H)."""
-    h, f, cb = cfg.hidden_size, cfg.intermediate_size, compute_bytes
+    """A conservative estimate of one layer's activation memory (see GRAPH_H). An MoE layer
+    counts as an MLP as wide as the experts a token passes through (`MoESpec.token_ffn`)."""
+    h, f, cb = cfg.hidden_size, _ffn(cfg), compute_bytes
     return LayerMemory(cb * (GRAPH_H * h + GRAPH_F * f), cb * BACKWARD_H * h, 0.0, cb * FORWARD_H * h)
 
 
@@ -157,13 +160,18 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
         units=tuple(u.numel for u in units),
         largest_param=tuple(max(p.numel for p in u.params) for u in units),
         hidden=cfg.hidden_size,
-        ffn=cfg.intermediate_size,
+        ffn=_ffn(cfg),
         q_dim=cfg.num_attention_heads * cfg.head_dim,
         vocab=cfg.vocab_size,
         layers=cfg.num_hidden_layers,
         tied=cfg.tie_word_embeddings,
         layer_mem=layer_mem,
+        inactive=cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0,
     )
+
+
+def _ffn(cfg: ModelConfig) -> int:
+    return cfg.moe.token_ffn if cfg.moe else cfg.intermediate_size
 
 
 def _mask_bytes(b: Batch, cb: int) -> int:
@@ -386,7 +394,7 @@ def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
     T, L = b.tokens, s.layers
     attn = 2 * T * b.seq_len * s.q_dim  # causal QK^T and PV of one layer's forward
-    layer_fwd = 2 * s.layer * T + attn
+    layer_fwd = 2 * (s.layer - s.inactive) * T + attn
     head = 6 * s.vocab * s.hidden * T
     recompute = L - plan.keep_layers
     passes = 2 if plan.grad_mode == "two_pass" else 1

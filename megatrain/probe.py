@@ -19,7 +19,8 @@ import torch
 from torch.func import functional_call
 
 from .models.config import ModelConfig
-from .models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
+from .models.decoder import rope_cos_sin, rope_inv_freq
+from .models.moe import layer_class
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 
@@ -56,7 +57,7 @@ def probe_layer_memory(
     """Run one layer at `tokens` and a quarter of it (one sequence each) and measure."""
     device = torch.device(device)
     with torch.device("meta"):
-        layer = DecoderLayer(cfg)
+        layer = layer_class(cfg)(cfg)  # an MoE layer as it runs: router, grouped experts
     params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
     leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
@@ -64,7 +65,8 @@ def probe_layer_memory(
     inv = inv.to(device)
 
     def call(p, x, cos, sin):
-        return functional_call(layer, p, (x, (cos, sin), None))
+        out = functional_call(layer, p, (x, (cos, sin), None))
+        return out[0] if cfg.moe else out  # the hidden state, not the router statistics
 
     fn = torch.compile(call) if compile else call
     sizes = sorted({max(128, tokens // 4), max(128, tokens)})
@@ -82,6 +84,7 @@ def probe_layer_memory(
     torch.cuda.empty_cache()
     (t1, g1, b1, f1), (t2, g2, b2, f2) = rows[0], rows[-1]
     n = sum(t.numel() for t in params.values())
+    n -= cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0  # what a token passes through
     q = cfg.num_attention_heads * cfg.head_dim
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2

@@ -34,6 +34,7 @@ CASES = [
     ("llama", True, {}),
     ("llama", False, LLAMA3_ROPE),
     ("llama", False, {"attention_bias": True}),  # bias on q, k, v and o
+    ("llama", False, {"pad_token_id": 5}),  # the embedding's padding_idx row gets no gradient
     ("mistral", False, {}),
     ("qwen2", False, {}),
     ("qwen2", True, {}),
@@ -45,6 +46,7 @@ CASE_IDS = [
     "llama-tied",
     "llama3-rope",
     "llama-attention-bias",
+    "llama-pad-token",
     "mistral",
     "qwen2",
     "qwen2-tied",

@@ -9,18 +9,94 @@ from typing import Any
 
 from ..errors import ConfigError
 
-# Families that share the pre-norm decoder block in `decoder.py`; the flags say how they differ.
+# Families that share the pre-norm attention of `decoder.py`; the flags say how they differ. The
+# mixture-of-experts families (`moe.py`) replace the MLP with an expert block (`MoESpec`).
 FAMILIES = {
     "llama": dict(qkv_bias=None, qk_norm=False),  # bias from `attention_bias`
     "mistral": dict(qkv_bias=False, qk_norm=False),
     "qwen2": dict(qkv_bias=True, qk_norm=False),
     "qwen3": dict(qkv_bias=None, qk_norm=True),
+    "mixtral": dict(qkv_bias=False, qk_norm=False),
+    "qwen2_moe": dict(qkv_bias=True, qk_norm=False),
+    "qwen3_moe": dict(qkv_bias=None, qk_norm=True),
+    "olmoe": dict(qkv_bias=None, qk_norm="full"),  # q/k RMSNorm over all heads at once
 }
+# Sliding-window attention: Mistral's and Mixtral's `sliding_window` (Qwen's needs use_sliding_window).
+_SLIDING = ("mistral", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The expert layer of an MoE family, read from its Hugging Face config."""
+
+    num_experts: int
+    top_k: int
+    """`num_experts_per_tok`."""
+    expert_size: int
+    """Each expert's intermediate size (`moe_intermediate_size`, Mixtral/OLMoE `intermediate_size`)."""
+    norm_topk_prob: bool
+    """Renormalise the top-k probabilities to sum to one (always for Mixtral)."""
+    shared_expert_size: int = 0
+    """Qwen2-MoE's always-on expert, scaled by a sigmoid gate; 0 for none."""
+    fp32_scores: bool = False
+    """Mixtral keeps the routing weights in fp32 when it scales the experts' outputs."""
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    """Whether the loss includes `router_aux_loss_coef * aux_loss`, as in transformers."""
+
+    @property
+    def token_ffn(self) -> int:
+        """The MLP width a token passes through: its top-k experts and the shared expert."""
+        return self.top_k * self.expert_size + self.shared_expert_size
+
+    def inactive_params(self, hidden: int) -> int:
+        """Parameters of a layer's experts that one token is not routed to."""
+        return (self.num_experts - self.top_k) * 3 * hidden * self.expert_size
+
+    def layer_params(self, hidden: int) -> int:
+        """Parameters of one layer's expert block: router, experts, shared expert and its gate."""
+        n = self.num_experts * (3 * hidden * self.expert_size + hidden)
+        if self.shared_expert_size:
+            n += 3 * hidden * self.shared_expert_size + hidden
+        return n
+
+
+def _get(hf, name, default=None):
+    v = getattr(hf, name, None)
+    return default if v is None else v
+
+
+def moe_spec(hf) -> MoESpec | None:
+    """The MoE part of a transformers config, or None for a dense family. Refuses what the
+    templates do not implement, naming the key."""
+    mt = hf.model_type
+    if mt not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return None
+    if _get(hf, "router_jitter_noise", 0.0):
+        raise ConfigError(f"{mt}: router_jitter_noise > 0 is not supported")
+    if _get(hf, "clip_qkv") is not None:
+        raise ConfigError(f"{mt}: clip_qkv is not supported")
+    if _get(hf, "decoder_sparse_step", 1) != 1 or _get(hf, "mlp_only_layers", []):
+        raise ConfigError(
+            f"{mt}: dense layers among MoE ones (decoder_sparse_step, mlp_only_layers) are not supported"
+        )
+    mixtral = mt == "mixtral"
+    return MoESpec(
+        num_experts=hf.num_local_experts if mixtral else hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        expert_size=hf.intermediate_size if mt in ("mixtral", "olmoe") else hf.moe_intermediate_size,
+        norm_topk_prob=True if mixtral else bool(hf.norm_topk_prob),
+        shared_expert_size=hf.shared_expert_intermediate_size if mt == "qwen2_moe" else 0,
+        fp32_scores=mixtral,
+        router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", 0.0)),
+        output_router_logits=bool(_get(hf, "output_router_logits", False)),
+    )
 
 
 @dataclass
 class ModelConfig:
-    """Shape and numerics of a decoder-only model (Llama, Mistral, Qwen2, Qwen3)."""
+    """Shape and numerics of a decoder-only model (Llama, Mistral, Qwen2, Qwen3 and the MoE
+    families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
 
     model_type: str
     """Hugging Face `model_type` (one of FAMILIES)."""
@@ -39,11 +115,17 @@ class ModelConfig:
     """Bias on o_proj (Llama with `attention_bias` only)."""
     mlp_bias: bool
     qk_norm: bool
-    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    """RMSNorm on q and k before RoPE: over head_dim (Qwen3), or over all heads (OLMoE)."""
+    qk_norm_full: bool = False
+    """The q/k RMSNorm spans all heads, before the split into heads (OLMoE)."""
     hidden_act: str = "silu"
     sliding_window: int | None = None
     """Mistral's local attention window; None means full causal attention."""
     max_position_embeddings: int = 4096
+    pad_token_id: int | None = None
+    """transformers' embedding `padding_idx`: that row gets no gradient from the input side."""
+    moe: MoESpec | None = None
+    """The expert layer of a mixture-of-experts family; None for a dense MLP."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config object (kept for RoPE variants and for export)."""
 
@@ -69,8 +151,12 @@ class ModelConfig:
             attn += q + 2 * kv
         if self.o_bias:
             attn += h
-        mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        if self.moe is not None:
+            mlp = self.moe.layer_params(h)
+        else:
+            mlp = 3 * h * self.intermediate_size + (2 * self.intermediate_size + h if self.mlp_bias else 0)
+        qk = q + kv if self.qk_norm_full else 2 * self.head_dim
+        norms = 2 * h + (qk if self.qk_norm else 0)
         layer = attn + mlp + norms
         emb = self.vocab_size * h
         return emb * (1 if self.tie_word_embeddings else 2) + h + self.num_hidden_layers * layer
@@ -99,12 +185,15 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            o_bias=attention_bias and mt == "llama",
+            o_bias=attention_bias and mt in ("llama", "olmoe"),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=fam["qk_norm"],
+            qk_norm=bool(fam["qk_norm"]),
+            qk_norm_full=fam["qk_norm"] == "full",
             hidden_act=hf.hidden_act,
-            sliding_window=getattr(hf, "sliding_window", None) if mt == "mistral" else None,
+            sliding_window=getattr(hf, "sliding_window", None) if mt in _SLIDING else None,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
+            pad_token_id=getattr(hf, "pad_token_id", None),
+            moe=moe_spec(hf),
             hf_config=hf,
         )
 

@@ -4,7 +4,8 @@ These modules are *templates*: the engine builds each one once, on the meta devi
 weights to it for every visit with `torch.func.functional_call`. Nothing here owns state.
 
 The four families differ only by flags of `ModelConfig`: q/k/v bias (Qwen2, Llama with
-`attention_bias`), q/k RMSNorm (Qwen3), and Mistral's sliding window.
+`attention_bias`), q/k RMSNorm (Qwen3; over all heads for OLMoE), and Mistral's sliding window.
+The mixture-of-experts families reuse `Attention` with an expert block as MLP (`moe.py`).
 """
 
 from __future__ import annotations
@@ -44,16 +45,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+            full = cfg.qk_norm_full  # OLMoE: one norm over all heads, before the split
+            self.q_norm = RMSNorm(self.n_heads * d if full else d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.n_kv * d if full else d, cfg.rms_norm_eps)
+        self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope  # [B, 1, S, head_dim]
