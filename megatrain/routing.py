@@ -80,8 +80,5 @@ class RouterBalance:
         if not self.rows:
             return {}
         load = self.layer_counts / self.layer_counts.sum(1, keepdim=True) * self.spec.num_experts
-        return {
-            "aux_loss": torch.stack(self.aux_losses()).mean().item(),
-            "expert_load_max": load.max().item(),
-            "expert_load_min": load.min().item(),
-        }
+        values = torch.stack([torch.stack(self.aux_losses()).mean(), load.max(), load.min()]).tolist()
+        return dict(zip(("aux_loss", "expert_load_max", "expert_load_min"), values))  # one host sync

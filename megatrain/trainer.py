@@ -209,6 +209,7 @@ def train(cfg: TrainConfig) -> Path:
                 loss, n_label = engine.forward_backward(micro_batches)
                 grad_norm, coef = engine.clip_grad_norm(cfg.max_grad_norm)  # None: known after the step
                 loss = loss.item()  # the one host sync of the step
+                router = engine.router_metrics()  # MoE: aux loss and expert load (known with the loss)
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total_steps)
                 if grad_norm is None and math.isfinite(loss):
                     # No clipping: the backward sweep runs in `step`, each unit stepped as it lands
@@ -236,6 +237,7 @@ def train(cfg: TrainConfig) -> Path:
                     "tokens_per_s": tokens / dt,
                     "step_time_s": dt,
                     "epoch": batcher.epoch,
+                    **router,
                 }
                 if not finite:
                     record["skipped"] = True

@@ -73,3 +73,153 @@ def test_logits_aux_loss_and_grads_match_transformers(family, tmp_path):
     for k, g in grads.items():
         assert g.abs().sum() > 0, k
         torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# Each family once, the three ways the plan serves the clip spread over them.
+STEP_CASES = [
+    ("mixtral", "stored"),
+    ("qwen2_moe", "two_pass"),
+    ("qwen3_moe", "immediate"),
+    ("olmoe", "stored"),
+]
+
+
+@pytest.mark.parametrize("family,mode", STEP_CASES)
+def test_optimizer_steps_match_plain_accumulation_loop(family, mode, tmp_path):
+    """Three steps of 3 micro-batches with the aux loss on, clipping (but in immediate mode),
+    weight decay: losses, gradient norms and final weights equal a plain loop over transformers'
+    model with torch.optim.AdamW."""
+    from test_parity import _decay_groups
+
+    from megatrain.optim import AdamWConfig, lr_at
+    from megatrain.runtime import make_plan
+
+    hf = tiny_hf_model(family)
+    adamw = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_json(tmp_path / "hf")
+    clip = mode != "immediate"
+    choices = Choices(gradient_placement="two_pass" if mode == "two_pass" else "auto", loss_chunk_tokens=9)
+    plan, _ = make_plan(cfg, "cpu", torch.float32, clip=clip, choices=choices)
+    assert plan.grad_mode == mode
+    mt = build_model(cfg, weights=tmp_path / "hf", device="cpu", adamw=adamw, plan=plan)
+    opt = torch.optim.AdamW(
+        _decay_groups(hf, adamw.weight_decay), lr=adamw.lr, betas=adamw.betas, eps=adamw.eps
+    )
+    max_norm, clipped = (0.5 if clip else 0.0), 0
+    for step in range(3):
+        mbs = [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m) for m in range(3)]
+        lr = lr_at(step, adamw.lr, "cosine", warmup_steps=1, total_steps=3)
+        ref_loss, _ = _hf_step_loss(hf, mbs)
+        ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), max_norm if clip else float("inf"))
+        for gr in opt.param_groups:
+            gr["lr"] = lr
+        opt.step()
+        opt.zero_grad()
+        loss, _ = mt.engine.forward_backward(mbs)
+        norm, coef = mt.engine.clip_grad_norm(max_norm)
+        measured = mt.engine.step(lr, coef)
+        norm = norm if clip else measured
+        assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+        assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
+        clipped += ref_norm.item() > max_norm
+    assert clipped >= 2 or not clip, "the test should exercise clipping"
+    final = dict(mt.state.named_parameters())
+    for k, p in hf.named_parameters():
+        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    metrics = mt.engine.router_metrics()
+    assert metrics["expert_load_max"] > 1.0 > metrics["expert_load_min"] >= 0.0
+    assert metrics["aux_loss"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_keys_load_and_export_round_trip(family, tmp_path):
+    """megatrain reads the per-expert tensors transformers' save_pretrained writes (the Hub's
+    names), and its export loads back into transformers with identical logits."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.weights import save_hf_checkpoint
+
+    hf = tiny_hf_model(family)
+    mt = _megatrain(hf, tmp_path)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        source = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert any(".experts.3." in k for k in source)  # per-expert tensors, as on the Hub
+    out = save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "export", dtype=torch.float32, progress=False)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(source)
+        for k, t in source.items():
+            assert torch.equal(f.get_tensor(k), t), k
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    ids = _batch(hf.config.vocab_size).input_ids
+    torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_training_run_logs_router_metrics_and_resumes_exactly(tmp_path):
+    """A CLI-style run of an OLMoE from random initialisation: metrics.jsonl carries the aux loss
+    and the expert load, and a resume from the step-2 checkpoint (per-expert tensors, per-parameter
+    moments) ends bit for bit where the uninterrupted run does."""
+    import json
+    import random
+
+    from test_checkpoint import assert_bitwise, metrics, tensors
+
+    from megatrain.config import TrainConfig
+    from megatrain.trainer import train
+
+    tiny_hf_model("olmoe").config.save_pretrained(tmp_path / "model")
+    rng = random.Random(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(32):
+            f.write(json.dumps({"input_ids": [rng.randrange(97) for _ in range(rng.randint(6, 30))]}) + "\n")
+    base = dict(
+        model_config=str(tmp_path / "model"),
+        dataset=str(tmp_path / "data.jsonl"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_length=32,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",  # the same learning rates in the 2-step and the 4-step run
+        save_dtype="float32",
+        disable_tqdm=True,
+        max_steps=4,
+        save_steps=2,
+    )
+    ref = train(TrainConfig(**base, output_dir=str(tmp_path / "a")))
+    records = metrics(tmp_path / "a")
+    assert all(r["aux_loss"] > 0 and r["expert_load_max"] >= 1.0 >= r["expert_load_min"] for r in records)
+    b = tmp_path / "b"
+    train(TrainConfig(**{**base, "max_steps": 2}, output_dir=str(b)))
+    final = train(TrainConfig(**base, output_dir=str(b), resume_from_checkpoint=str(b / "checkpoint-2")))
+    assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in records]
+    assert_bitwise(tensors(final), tensors(ref))
+    assert any(".experts.7." in k for k in tensors(final))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameters_decay_groups_and_count_are_transformers(family):
+    """Parameter names and shapes, the Trainer's weight-decay groups, and the parameter count the
+    plan uses (experts included) are transformers'."""
+    from test_parity import _hf_decay_names
+
+    from megatrain.state import build_units
+
+    hf = tiny_hf_model(family)
+    cfg = ModelConfig.from_hf(hf.config)
+    specs = [p for u in build_units(cfg) for p in u.params]
+    assert {p.key: p.shape for p in specs} == {k: tuple(v.shape) for k, v in hf.named_parameters()}
+    assert {p.key for p in specs if p.decay} == _hf_decay_names(hf)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+def test_unsupported_moe_settings_are_refused_by_name():
+    from megatrain.errors import ConfigError
+
+    for family, bad, key in [
+        ("qwen2_moe", dict(mlp_only_layers=[0]), "mlp_only_layers"),
+        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+        ("olmoe", dict(clip_qkv=8.0), "clip_qkv"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            ModelConfig.from_hf(tiny_hf_model(family, **bad).config)
