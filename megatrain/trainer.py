@@ -69,7 +69,9 @@ def train(cfg: TrainConfig) -> Path:
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
 
     # Everything that can be wrong with the inputs is checked before anything is written.
-    model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
+    model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
+        cfg.output_router_logits, cfg.router_aux_loss_coef
+    )
     check_outputs(cfg)
     ckpt_path = resume_path(cfg)
     resume = open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm)) if ckpt_path else None

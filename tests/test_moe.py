@@ -223,3 +223,24 @@ def test_unsupported_moe_settings_are_refused_by_name():
     ]:
         with pytest.raises(ConfigError, match=key):
             ModelConfig.from_hf(tiny_hf_model(family, **bad).config)
+
+
+def test_router_loss_keys_override_the_model_config(tmp_path):
+    """`output_router_logits` / `router_aux_loss_coef` in the training config turn the aux loss on
+    and weigh it as transformers' config keys do, and are saved in the model's config; a dense
+    model refuses them by name."""
+    from megatrain.errors import ConfigError
+
+    hf = tiny_hf_model("qwen3_moe", output_router_logits=False)
+    mt = _megatrain(hf, tmp_path)
+    mbs = [_batch(hf.config.vocab_size)]
+    plain, _ = mt.engine.forward_backward(mbs)
+    cfg = mt.cfg.with_router(True, 0.25)
+    assert cfg.hf_config.output_router_logits and cfg.hf_config.router_aux_loss_coef == 0.25
+    assert not mt.cfg.hf_config.output_router_logits  # the original is left as it was
+    with_aux = build_model(cfg, weights=tmp_path / "hf", device="cpu").engine
+    loss, _ = with_aux.forward_backward(mbs)
+    aux = with_aux.routing.aux_losses()[0]
+    assert loss.item() == pytest.approx(plain.item() + 0.25 * aux.item(), rel=1e-6)
+    with pytest.raises(ConfigError, match="output_router_logits: llama is not a mixture-of-experts"):
+        ModelConfig.from_hf(tiny_hf_model("llama").config).with_router(True, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +162,22 @@ class ModelConfig:
         layer = attn + mlp + norms
         emb = self.vocab_size * h
         return emb * (1 if self.tie_word_embeddings else 2) + h + self.num_hidden_layers * layer
+
+    def with_router(
+        self, output_router_logits: bool | None, router_aux_loss_coef: float | None
+    ) -> ModelConfig:
+        """This MoE model with transformers' router-loss keys set (None: as its config.json has
+        them), in the config it saves too, as `model.config.x = ...` does in transformers."""
+        given = dict(output_router_logits=output_router_logits, router_aux_loss_coef=router_aux_loss_coef)
+        given = {k: v for k, v in given.items() if v is not None}
+        if not given:
+            return self
+        if self.moe is None:
+            raise ConfigError(f"{', '.join(given)}: {self.model_type} is not a mixture-of-experts model")
+        hf = copy.deepcopy(self.hf_config)
+        for k, v in given.items():
+            setattr(hf, k, v)
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, **given), hf_config=hf)
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
