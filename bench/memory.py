@@ -25,6 +25,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _shapes import MOE_SHAPES, moe_config  # noqa: E402
+
 from megatrain import CUDA_ALLOC_CONF  # noqa: E402
 
 MODELS = {  # hidden, layers, heads, kv, ffn, vocab
@@ -57,6 +60,12 @@ RUNS = {
     "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "X120-16k": "X120:16384:gpu_state=off",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
+    # mixture of experts (bench/_shapes.py): OLMoE-1B-7B at 64k tokens, a 15.6 B Qwen3-MoE
+    "olmoe-64k-auto": "olmoe-1b-7b:65536:gpu_state=auto",
+    "olmoe-64k-off": "olmoe-1b-7b:65536:gpu_state=off",
+    "qwen3moe15b-16k-auto": "qwen3-moe-15b:16384:gpu_state=auto",
+    "qwen3moe15b-64k-off": "qwen3-moe-15b:65536:gpu_state=off",
+    "moe-tiny": "moe-tiny:1024:gpu_state=auto,seq=256,steps=3",
 }
 
 
@@ -74,8 +83,12 @@ def shape_of(run: dict):
 
     from megatrain.models.config import ModelConfig
 
-    h, L, heads, kv, ffn, V = MODELS[run["model"]]
     seq = int(run.get("seq", 4096))
+    T = run["tokens"]
+    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
+    if run["model"] in MOE_SHAPES:
+        return ModelConfig.from_hf(moe_config(MOE_SHAPES[run["model"]], seq)), seq, mbs, T // (mbs * seq)
+    h, L, heads, kv, ffn, V = MODELS[run["model"]]
     cfg = ModelConfig.from_hf(
         LlamaConfig(
             hidden_size=h,
@@ -88,8 +101,6 @@ def shape_of(run: dict):
             rope_theta=500000.0,
         )
     )
-    T = run["tokens"]
-    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
     return cfg, seq, mbs, T // (mbs * seq)
 
 
