@@ -195,6 +195,18 @@ def test_training_run_logs_router_metrics_and_resumes_exactly(tmp_path):
     assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in records]
     assert_bitwise(tensors(final), tensors(ref))
     assert any(".experts.7." in k for k in tensors(final))
+    # `megatrain export` of a checkpoint: the per-expert tensors transformers loads
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.weights import export_model
+
+    out, _ = export_model(b / "checkpoint-4", tmp_path / "export", dtype=torch.float32, progress=False)
+    assert_bitwise(tensors(out), tensors(final))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(
+        model.model.layers[1].mlp.experts.down_proj[7],
+        tensors(final)["model.layers.1.mlp.experts.7.down_proj.weight"],
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
