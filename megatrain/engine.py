@@ -324,8 +324,9 @@ class Engine:
             order += self._backward_order()
         self.transport.begin(order)
         self._begin_parking(micro_batches)
-        if self.routing is not None:
-            self.routing.begin([mb.num_tokens for mb in micro_batches])
+        if self.routing is not None:  # padding is left out of the aux loss
+            masks = [mb.attention_mask for mb in micro_batches]
+            self.routing.begin([None if a is None else a.to(self.device).reshape(-1).float() for a in masks])
         prep = [self._prepare(mb) for mb in micro_batches]
         h, saved = self._forward_sweep(prep, keep=True)
         loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)

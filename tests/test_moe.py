@@ -17,12 +17,17 @@ from megatrain.runtime import build_model
 FAMILIES = list(MOE_CONFIGS)
 
 
-def _batch(vocab, B=2, S=20, seed=1):
+def _batch(vocab, B=2, S=20, seed=1, pad=0):
+    """Random rows; with `pad`, the first row's last `pad` tokens are right padding."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (B, S), generator=g)
     labels = ids.clone()
     labels[:, :3] = -100
-    return MicroBatch(ids, labels)
+    if not pad:
+        return MicroBatch(ids, labels)
+    mask = torch.ones_like(ids)
+    ids[0, S - pad :], labels[0, S - pad :], mask[0, S - pad :] = 0, -100, 0
+    return MicroBatch(ids, labels, attention_mask=mask)
 
 
 def _megatrain(hf, tmp_path, **kw):
@@ -37,7 +42,7 @@ def _hf_step_loss(hf, mbs):
     n = sum(mb.num_label_tokens for mb in mbs)
     total, auxes = 0.0, []
     for mb in mbs:
-        out = hf(input_ids=mb.input_ids, output_router_logits=True)
+        out = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask, output_router_logits=True)
         logits = out.logits.float()
         ce = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
@@ -56,7 +61,8 @@ def _hf_step_loss(hf, mbs):
 def test_logits_aux_loss_and_grads_match_transformers(family, tmp_path):
     hf = tiny_hf_model(family)
     mt = _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=1))
-    mbs = [_batch(hf.config.vocab_size, seed=s) for s in (1, 2)]
+    # the second micro-batch right-padded: padding is left out of the aux loss, as transformers does
+    mbs = [_batch(hf.config.vocab_size, seed=1), _batch(hf.config.vocab_size, seed=2, pad=6)]
     torch.testing.assert_close(
         mt.engine.logits(mbs[0]), hf(input_ids=mbs[0].input_ids).logits, rtol=1e-5, atol=1e-5
     )
@@ -108,7 +114,7 @@ def test_optimizer_steps_match_plain_accumulation_loop(family, mode, tmp_path):
     )
     max_norm, clipped = (0.5 if clip else 0.0), 0
     for step in range(3):
-        mbs = [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m) for m in range(3)]
+        mbs = [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m, pad=m) for m in range(3)]
         lr = lr_at(step, adamw.lr, "cosine", warmup_steps=1, total_steps=3)
         ref_loss, _ = _hf_step_loss(hf, mbs)
         ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), max_norm if clip else float("inf"))
@@ -256,3 +262,20 @@ def test_router_loss_keys_override_the_model_config(tmp_path):
     assert loss.item() == pytest.approx(plain.item() + 0.25 * aux.item(), rel=1e-6)
     with pytest.raises(ConfigError, match="output_router_logits: llama is not a mixture-of-experts"):
         ModelConfig.from_hf(tiny_hf_model("llama").config).with_router(True, None)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_batches_mark_padding_as_transformers_attention_mask(packing):
+    """Right-padded rows (and packed rows' padded tails) carry transformers' attention_mask; a
+    micro-batch without padding carries none."""
+    from megatrain.data import Batcher
+    from megatrain.data.samples import Sample
+
+    samples = [Sample(list(range(1, n + 1)), list(range(1, n + 1)), f"x:{n}") for n in (5, 8, 3, 8)]
+    b = Batcher(samples, batch_size=2, grad_accum=2, max_length=8, packing=packing, shuffle=False, pad_id=0)
+    for mb in b.next_step():
+        real = (mb.input_ids != 0).long()  # the samples' ids are all > 0, the pad id is 0
+        if bool(real.all()):
+            assert mb.attention_mask is None
+        else:
+            assert torch.equal(mb.attention_mask, real)

@@ -9,8 +9,8 @@ through the experts as two grouped matrix products (`F.grouped_mm`), sorted by e
 loop over experts and no host synchronisation.
 
 A block returns, beside its output, what the auxiliary load-balancing loss needs from the layer:
-how many tokens each expert was given (top-k assignments) and the sum of router probabilities
-per expert (differentiable). `routing.py` turns those into transformers' `aux_loss`.
+each token's top-k experts and its router probabilities (differentiable). `routing.py` turns
+those into transformers' `aux_loss`.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor):
-        """Output [B, S, H] and the router's (counts [E], summed probabilities [E])."""
+        """Output [B, S, H] and the router's choice: each token's experts [T, k] and its
+        probabilities over all experts [T, E] (fp32)."""
         spec, shape = self.spec, x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
@@ -124,7 +125,7 @@ class SparseMoeBlock(nn.Module):
         y = self.experts(flat, idx, scores, counts).view(shape)
         if spec.shared_expert_size:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y, (counts, probs.sum(0))
+        return y, (idx, probs)
 
 
 class MoeDecoderLayer(nn.Module):
