@@ -24,6 +24,7 @@ GiB, MiB = 2**30, 2**20
 GRAPH_H, GRAPH_F = 14.4, 2.5
 BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
 FORWARD_H = 9.0  # peak above the input of a forward without autograd
+MOE_ROWS = 3  # not measured: an MoE layer's [tokens x top-k, hidden] tensors kept for backward, rounded up
 # The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient
 # (measured 16.3), and per token x hidden of a chunk: the norm in fp32 and its gradient.
 LOGIT_BYTES = 16
@@ -147,9 +148,11 @@ class Shape:
 
 def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
     """A conservative estimate of one layer's activation memory (see GRAPH_H). An MoE layer
-    counts as an MLP as wide as the experts a token passes through (`MoESpec.token_ffn`)."""
+    counts as an MLP as wide as the experts a token passes through (`MoESpec.token_ffn`), plus
+    MOE_ROWS hidden-sized rows per routed copy of a token (gathered input, weighted output)."""
     h, f, cb = cfg.hidden_size, _ffn(cfg), compute_bytes
-    return LayerMemory(cb * (GRAPH_H * h + GRAPH_F * f), cb * BACKWARD_H * h, 0.0, cb * FORWARD_H * h)
+    rows = MOE_ROWS * cfg.moe.top_k * h if cfg.moe else 0
+    return LayerMemory(cb * (GRAPH_H * h + GRAPH_F * f + rows), cb * BACKWARD_H * h, 0.0, cb * FORWARD_H * h)
 
 
 def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:

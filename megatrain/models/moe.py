@@ -82,15 +82,19 @@ class Experts(nn.Module):
         """x [T, H]; idx, scores [T, k]: each token's experts and routing weights; counts [E]."""
         T, k = idx.shape
         order = idx.reshape(-1).argsort(stable=True)  # assignments grouped by expert
-        # Gathers by a permutation only: their gradients scatter to distinct rows, deterministic.
-        xs = x[:, None].expand(T, k, x.shape[-1]).reshape(T * k, -1)[order]
+        # Each assignment's token row, gathered from a broadcast view (no [T*k, H] copy of it):
+        # the gradient scatters to distinct (token, slot) places and sums over the slots, so it
+        # is deterministic on CUDA, unlike an index_add over tokens.
+        xs = x[:, None].expand(T, k, x.shape[-1])[order // k, order % k]
         offs = counts.cumsum(0).to(torch.int32)
         gate, up = _grouped_linear(xs, self.gate_up_proj, offs).chunk(2, dim=-1)
         y = _grouped_linear(F.silu(gate) * up, self.down_proj, offs)
         y = (y * scores.reshape(-1)[order, None]).to(x.dtype)
-        # Back to token order; each token's k outputs summed (for k = 2 the same sum, bit for bit,
-        # as transformers' per-expert accumulation).
-        return y[order.argsort()].view(T, k, -1).sum(1)
+        # Back to token order (the inverse permutation, by a scatter rather than a second sort);
+        # each token's k outputs summed (for k = 2 the same sum, bit for bit, as transformers'
+        # per-expert accumulation).
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=order.device))
+        return y[inverse].view(T, k, -1).sum(1)
 
 
 class SparseMoeBlock(nn.Module):
