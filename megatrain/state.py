@@ -53,7 +53,7 @@ class ParamSpec:
     offset: int
     """Start inside the unit's flat range."""
     decay: bool
-    pieces: tuple[Piece, ...] = ()
+    pieces: tuple[Piece, ...]
     """The checkpoint tensors it is made of: itself, or one per expert (and gate/up half)."""
 
     @property
@@ -115,6 +115,14 @@ def unit_views(flat: torch.Tensor, unit: Unit) -> dict[str, torch.Tensor]:
     return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params}
 
 
+def piece_views(flat: torch.Tensor, unit: Unit):
+    """(checkpoint key, view) of every checkpoint tensor of a unit (`flat` holds that unit alone)."""
+    for p in unit.params:
+        for c in p.pieces:
+            start = p.offset + c.offset
+            yield c.key, flat[start : start + math.prod(c.shape)].view(c.shape)
+
+
 class HostState:
     """fp32 master weights and AdamW moments of every unit, each one host allocation."""
 
@@ -149,11 +157,7 @@ class HostState:
     def checkpoint_tensors(self):
         """(checkpoint key, fp32 master view) for every tensor of a Hugging Face checkpoint."""
         for u in self.units:
-            flat = self.flat(u)
-            for p in u.params:
-                for c in p.pieces:
-                    start = p.offset + c.offset
-                    yield c.key, flat[start : start + math.prod(c.shape)].view(c.shape)
+            yield from piece_views(self.flat(u), u)
 
     @property
     def num_params(self) -> int:

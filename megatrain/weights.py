@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from . import manifest
 from .errors import CheckpointError, ConfigError, OutputError
 from .models.config import ModelConfig
-from .state import HostState, build_units, checkpoint_entries
+from .state import HostState, build_units, checkpoint_entries, piece_views
 from .writing import AtomicDir
 
 INDEX = "model.safetensors.index.json"
@@ -116,11 +116,8 @@ def load_hf_weights(state: HostState, model_dir: str | Path, cfg: ModelConfig, p
         reader.check(key, shape)
 
     def load(unit) -> None:
-        flat = state.flat(unit)
-        for p in unit.params:
-            for c in p.pieces:  # a parameter, or one expert's block of a fused one
-                start = p.offset + c.offset
-                flat[start : start + math.prod(c.shape)].view(c.shape).copy_(reader.get(c.key))
+        for key, view in piece_views(state.flat(unit), unit):  # a parameter, or one expert's block
+            view.copy_(reader.get(key))
 
     try:
         _per_unit(load, state.units, "loading weights", progress)
