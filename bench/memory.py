@@ -60,11 +60,12 @@ RUNS = {
     "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "X120-16k": "X120:16384:gpu_state=off",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
-    # mixture of experts (bench/_shapes.py): OLMoE-1B-7B at 64k tokens, a 15.6 B Qwen3-MoE
+    # mixture of experts (bench/_shapes.py): OLMoE-1B-7B (6.9 B) at 64k tokens; a 15.6 B Qwen3-MoE
+    # needs 187 GB of host state, so one GPU of a two-GPU machine (256 GiB host)
     "olmoe-64k-auto": "olmoe-1b-7b:65536:gpu_state=auto",
     "olmoe-64k-off": "olmoe-1b-7b:65536:gpu_state=off",
-    "qwen3moe15b-16k-auto": "qwen3-moe-15b:16384:gpu_state=auto",
-    "qwen3moe15b-64k-off": "qwen3-moe-15b:65536:gpu_state=off",
+    "x2-qwen3moe15b-16k-off": "qwen3-moe-15b:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
+    "x2-qwen3moe15b-64k-auto": "qwen3-moe-15b:65536:gpu_state=auto,max_host_memory=240GiB,steps=4",
     "moe-tiny": "moe-tiny:1024:gpu_state=auto,seq=256,steps=3",
 }
 
