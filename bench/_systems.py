@@ -72,11 +72,15 @@ def vm_hwm_bytes() -> int | None:
     return None
 
 
-def llama_config(spec: dict, **extra: Any):
-    """The one model config every system trains (random init, so rope_theta only fixes numerics)."""
+def model_config(spec: dict, **extra: Any):
+    """The one model config every system trains (random init, so rope_theta only fixes numerics):
+    a Llama, or an MoE shape of bench/_shapes.py."""
+    from _shapes import is_moe, moe_config
     from transformers import LlamaConfig
 
     m = spec["shape"]
+    if is_moe(m):
+        return moe_config(m, spec["seq"], **extra)
     cfg = LlamaConfig(
         hidden_size=m["hidden"],
         num_hidden_layers=m["layers"],
@@ -129,7 +133,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     dev, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     # Under torchrun (bench/multigpu.py): data parallel, each rank a share of the step's micro-batches.
     world, dev = start(torch.device(dev), timeout_s=900)
-    mcfg = ModelConfig.from_hf(llama_config(spec))
+    mcfg = ModelConfig.from_hf(model_config(spec))
     t0 = time.perf_counter()
     # The placement `megatrain train` would choose for this step shape on this machine.
     gpu_state = "off" if spec["system"] == "megatrain-host" else "auto"
@@ -276,7 +280,7 @@ def run_deepspeed(spec: dict, res: Result) -> None:
     """Mirrors /work/shared/reference-probes/ds_baseline.py, plus gradient accumulation."""
     require_cuda()
     import deepspeed
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     res.data.setdefault("versions", {})["deepspeed"] = deepspeed.__version__
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -285,7 +289,7 @@ def run_deepspeed(spec: dict, res: Result) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     deepspeed.init_distributed()
-    cfg = llama_config(spec, torch_dtype="bfloat16")
+    cfg = model_config(spec, torch_dtype="bfloat16")
     mbs, S = spec["mbs"], spec["seq"]
     gas = spec["tokens_per_step"] // S // mbs // int(os.environ["WORLD_SIZE"])  # per GPU
     ds = {
@@ -310,7 +314,7 @@ def run_deepspeed(spec: dict, res: Result) -> None:
     }
     t0 = time.perf_counter()
     with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.bfloat16):
-        model = LlamaForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     nparam = sum(p.ds_numel for p in model.parameters())
@@ -341,14 +345,14 @@ def run_deepspeed(spec: dict, res: Result) -> None:
 def run_resident(spec: dict, res: Result) -> None:
     """Mirrors /work/shared/reference-probes/resident.py, plus gradient accumulation."""
     require_cuda()
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = llama_config(spec)
+    cfg = model_config(spec)
     mbs, S = spec["mbs"], spec["seq"]
     gas = spec["tokens_per_step"] // S // mbs
     t0 = time.perf_counter()
     with torch.device(DEVICE):
-        model = LlamaForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     n = sum(p.numel() for p in model.parameters())

@@ -29,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402  (a sibling module; bench/ is not a package)
+from _shapes import MOE_SHAPES, inactive_params, is_moe  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -45,6 +46,8 @@ MODELS: dict[str, dict[str, int]] = {
     "Q14": dict(hidden=5120, layers=48, heads=40, kv=8, ffn=13824, vocab=152064),
     "Q32": dict(hidden=5120, layers=64, heads=40, kv=8, ffn=27648, vocab=152064),
     "tiny": dict(hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=512),
+    # mixture of experts (bench/_shapes.py): OLMoE-1B-7B, a 15.6 B Qwen3-MoE, a tiny one
+    **MOE_SHAPES,
 }
 
 
@@ -93,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in (smoke if a.smoke else normal).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    a.shape = {k: getattr(a, k) if getattr(a, k) is not None else MODELS[a.model][k] for k in SHAPE_KEYS}
+    a.shape = {**MODELS[a.model], **{k: getattr(a, k) for k in SHAPE_KEYS if getattr(a, k) is not None}}
     a.custom = any(getattr(a, k) is not None for k in SHAPE_KEYS)
     a.tokens = parse_tokens(a.tokens_per_step)
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -118,14 +121,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------ accounting
-def param_counts(m: dict[str, int]) -> dict[str, int]:
-    """Parameters of an untied Llama of this shape (no biases), as megatrain counts them."""
-    h, d = m["hidden"], m["hidden"] // m["heads"]
+def param_counts(m: dict) -> dict[str, int]:
+    """Parameters of an untied Llama of this shape (no biases), as megatrain counts them; of an
+    MoE shape (router, experts, q/k norms), with `params_nonembedding` those a token passes through."""
+    h, d = m["hidden"], m.get("head_dim") or m["hidden"] // m["heads"]
     attn = h * m["heads"] * d * 2 + 2 * h * m["kv"] * d
-    layer = attn + 3 * h * m["ffn"] + 2 * h
+    if is_moe(m):
+        norms = (m["heads"] + m["kv"]) * d if m["family"] == "olmoe" else 2 * d
+        layer = attn + m["experts"] * (3 * h * m["ffn"] + h) + 2 * h + norms
+    else:
+        layer = attn + 3 * h * m["ffn"] + 2 * h
     embed = lm_head = m["vocab"] * h
     nonemb = m["layers"] * layer + h  # decoder layers + final norm
-    return {"params": embed + lm_head + nonemb, "params_nonembedding": nonemb, "lm_head": lm_head}
+    return {
+        "params": embed + lm_head + nonemb,
+        "params_nonembedding": nonemb - inactive_params(m),
+        "lm_head": lm_head,
+    }
 
 
 def hw_flops(m: dict[str, int], seq: int, tokens: int, kept: int = 0) -> float:
@@ -133,7 +145,8 @@ def hw_flops(m: dict[str, int], seq: int, tokens: int, kept: int = 0) -> float:
     is recomputed: layers 2NT forward + 2NT recompute + 4NT backward; attention (causal) A
     forward, A recompute, 2A backward; LM head 2 forward + 4 backward per token, never recomputed."""
     pc = param_counts(m)
-    attn_fwd = 4 * seq * seq * m["hidden"] * m["layers"] * 0.5 * (tokens // seq)
+    q_dim = m["heads"] * (m.get("head_dim") or m["hidden"] // m["heads"])
+    attn_fwd = 4 * seq * seq * q_dim * m["layers"] * 0.5 * (tokens // seq)
     fwd = 2 * pc["params_nonembedding"] * tokens + attn_fwd  # one forward pass of all layers
     recompute = fwd * (m["layers"] - kept) / m["layers"]
     return 3 * fwd + recompute + 6 * pc["lm_head"] * tokens
@@ -152,7 +165,8 @@ def derive(rec: dict[str, Any], shape: dict[str, int]) -> None:
     ok = rec.get("error") is None and step
     T = rec["tokens_per_step"]
     rec["tokens_per_s"] = T / step if ok else None
-    rec["model_tflops"] = 6 * rec["params"] * T / step / 1e12 if ok else None
+    active = rec["params"] - inactive_params(shape)  # MoE: the experts a token passes through
+    rec["model_tflops"] = 6 * active * T / step / 1e12 if ok else None
     kept = rec.get("keep_layers") or 0  # megatrain's kept layer graphs skip their recompute
     rec["hw_tflops"] = hw_flops(shape, rec["seq_len"], T, kept) / step / 1e12 if ok else None
     for d in ("h2d", "d2h"):

@@ -25,6 +25,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _shapes import MOE_SHAPES, moe_config  # noqa: E402
+
 from megatrain import CUDA_ALLOC_CONF  # noqa: E402
 
 MODELS = {  # hidden, layers, heads, kv, ffn, vocab
@@ -64,6 +67,13 @@ RUNS = {
     "x4-Q14-64k-off": "Q14:65536:gpu_state=off,max_host_memory=480GiB",
     "x4-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=480GiB,steps=4",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
+    # mixture of experts (bench/_shapes.py): OLMoE-1B-7B (6.9 B) at 64k tokens; a 15.6 B Qwen3-MoE
+    # needs 187 GB of host state, so one GPU of a two-GPU machine (256 GiB host)
+    "olmoe-64k-auto": "olmoe-1b-7b:65536:gpu_state=auto",
+    "olmoe-64k-off": "olmoe-1b-7b:65536:gpu_state=off",
+    "x2-qwen3moe15b-16k-off": "qwen3-moe-15b:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
+    "x2-qwen3moe15b-64k-auto": "qwen3-moe-15b:65536:gpu_state=auto,max_host_memory=240GiB,steps=4",
+    "moe-tiny": "moe-tiny:1024:gpu_state=auto,seq=256,steps=3",
 }
 
 
@@ -81,8 +91,12 @@ def shape_of(run: dict):
 
     from megatrain.models.config import ModelConfig
 
-    h, L, heads, kv, ffn, V = MODELS[run["model"]]
     seq = int(run.get("seq", 4096))
+    T = run["tokens"]
+    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
+    if run["model"] in MOE_SHAPES:
+        return ModelConfig.from_hf(moe_config(MOE_SHAPES[run["model"]], seq)), seq, mbs, T // (mbs * seq)
+    h, L, heads, kv, ffn, V = MODELS[run["model"]]
     cfg = ModelConfig.from_hf(
         LlamaConfig(
             hidden_size=h,
@@ -95,8 +109,6 @@ def shape_of(run: dict):
             rope_theta=500000.0,
         )
     )
-    T = run["tokens"]
-    mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
     return cfg, seq, mbs, T // (mbs * seq)
 
 

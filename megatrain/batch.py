@@ -23,6 +23,10 @@ class MicroBatch:
     labels: torch.Tensor  # [B, S] int64
     position_ids: torch.Tensor | None = None  # [B, S] int64; default arange(S)
     document_ids: torch.Tensor | None = None  # [B, S] int64; packing only
+    attention_mask: torch.Tensor | None = None
+    """[B, S] 1 for real tokens, 0 for padding, as transformers' `attention_mask`; None: no
+    padding. Attention needs none (pads only ever follow real tokens, which never see them);
+    the MoE load-balancing loss leaves padding out, as transformers does given this mask."""
 
     def __post_init__(self):
         if self.input_ids.shape != self.labels.shape:

@@ -56,7 +56,7 @@ import torch
 from . import manifest
 from .errors import CheckpointError, ConfigError
 from .models.config import ModelConfig
-from .state import HostState, build_units
+from .state import HostState, build_units, checkpoint_entries
 from .weights import TensorReader, checkpoint_files, read_generation_config, write_model_config
 from .writing import AtomicDir
 
@@ -270,7 +270,7 @@ def save_checkpoint(
     directory of that name is replaced only if it is a megatrain checkpoint. The host state
     must be current: call `transport.synchronize()` first."""
     final = checkpoint_dir(output_dir, trainer_state.global_step)
-    params = dict(state.named_parameters())
+    params = dict(state.checkpoint_tensors())
     moments = {} if trainer_state.weights_only else _moments(state)
     nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
     why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
@@ -399,9 +399,10 @@ def open_checkpoint(path: str | Path, model_cfg: ModelConfig, progress: bool = F
                 f"trained has {getattr(model_cfg, f.name)!r} (a checkpoint of a different model?)"
             )
     # build_units uses meta-device templates: shapes only, nothing is allocated.
-    expected = [(p.key, p.shape) for u in build_units(model_cfg) for p in u.params]
+    units = build_units(model_cfg)
+    expected = [(p.key, p.shape) for u in units for p in u.params]  # the moments: per parameter
     weights = TensorReader(checkpoint_files(path, "model"), path / "model.safetensors")
-    for key, shape in expected:
+    for key, shape in checkpoint_entries(units):
         weights.check(key, shape, "F32")
     weights.close()
     optimizer = TensorReader(checkpoint_files(path, "optimizer"), path / "optimizer.safetensors")

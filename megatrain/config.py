@@ -129,6 +129,12 @@ class TrainConfig:
     preflight_check: bool = True
     """Refuse a run that the memory estimate (`megatrain plan`) or the free disk space says cannot
     fit (false: warn)."""
+    # --- mixture of experts: the model config's keys, as transformers names them
+    output_router_logits: bool | None = None
+    """MoE models: add router_aux_loss_coef x the load-balancing loss to the loss (default: the
+    model's config.json, false on the Hub's)."""
+    router_aux_loss_coef: float | None = None
+    """MoE models: weight of the load-balancing loss (default: the model's config.json)."""
     # --- evaluation
     eval_dataset: str | list[str] | None = None
     """Held-out data in any form `dataset` takes (same format, chat handling and packing)."""
@@ -219,6 +225,8 @@ class TrainConfig:
                 bad(k, "must be in [0, 1)")
         if self.adam_epsilon <= 0:
             bad("adam_epsilon", "must be > 0")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            bad("router_aux_loss_coef", "must be >= 0")
         if self.max_grad_norm < 0:
             bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
         if self.lr_scheduler_type not in SCHEDULES:

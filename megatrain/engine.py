@@ -106,6 +106,9 @@ class Engine:
         # Packed documents and sliding windows: FlexAttention's block masks on CUDA, dense masks on
         # the CPU (models/attention.py says why).
         self.flex_masks = self.device.type == "cuda"
+        # Families whose layers also return statistics for an auxiliary loss (mixture of experts:
+        # routing.py) declare its keeper; None: a layer returns its hidden state alone.
+        self.aux = family.aux(cfg, len(self.layer_units), self.device) if family.aux else None
         self._layer_call = self._call_layer
         if compile and family.compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
@@ -127,6 +130,20 @@ class Engine:
     def _run(self, j: int, params, x, p: _Prepared) -> torch.Tensor:
         """Layer j on one micro-batch."""
         return self._layer_call(self.layers[self.layer_keys[j]], params, x, p.inputs[self.layer_kinds[j]])
+
+    def _hidden(self, j: int, m: int, out, record: bool) -> torch.Tensor:
+        """A layer's output hidden state; with an auxiliary loss, its statistics recorded first."""
+        if self.aux is None:
+            return out
+        if record:
+            self.aux.record(j, m, out[1])
+        return out[0]
+
+    def _grad_targets(self, m: int, out, dh: torch.Tensor):
+        """What to differentiate in a layer's output, and with which gradients."""
+        if self.aux is None:
+            return [out], [dh]
+        return self.aux.grad_targets(m, out, dh)
 
     # ------------------------------------------------------------------ schedule
     def _forward_order(self) -> list[Unit]:
@@ -173,14 +190,17 @@ class Engine:
                     park = j < self.plan.parked_layers and self.host_acts is not None
                     saved.append([self.host_acts.park(x, j) for x in h] if park else h)
                 with torch.no_grad():
-                    h = [self._run(j, params, x, p) for x, p in zip(h, prep)]
+                    h = [
+                        self._hidden(j, m, self._run(j, params, x, p), keep)
+                        for m, (x, p) in enumerate(zip(h, prep))
+                    ]
             else:
                 params = _bind(unit, t.fetch(unit), grad=True)
                 xs = [x.detach().requires_grad_() for x in h]
                 with torch.enable_grad():
                     ys = [self._run(j, params, x, p) for x, p in zip(xs, prep)]
                 saved.append(_Graph(params, xs, ys))
-                h = [y.detach() for y in ys]
+                h = [self._hidden(j, m, y, keep).detach() for m, y in enumerate(ys)]
             del params
         return h, saved
 
@@ -280,7 +300,9 @@ class Engine:
                         s[m] = None  # the boundary activation is not needed again
                     with torch.enable_grad():
                         y = self._run(unit.index - 1, params, x, p)
-                grads = torch.autograd.grad(y, [x, *leaves], dh[m])
+                outs, gouts = self._grad_targets(m, y, dh[m])
+                grads = torch.autograd.grad(outs, [x, *leaves], gouts)
+                del outs, gouts
                 dh[m] = grads[0]
                 _accumulate(g, unit, names, grads[1:])
                 del x, y, grads
@@ -310,7 +332,9 @@ class Engine:
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
         """Loss of (sum of token losses over all micro-batches) / (number of label tokens), and
-        that number; the gradients or their norm as the plan's gradient mode says."""
+        that number; the gradients or their norm as the plan's gradient mode says. A family with
+        an auxiliary loss (mixture of experts: `router_aux_loss_coef` times each micro-batch's
+        load-balancing loss, routing.py) adds it to the loss."""
         # Every rank normalises by the label tokens of the whole step, on all ranks.
         n_tokens = self.collective.sum_count(sum(mb.num_label_tokens for mb in micro_batches))
         if n_tokens == 0:
@@ -323,10 +347,15 @@ class Engine:
             order += self._backward_order()
         self.transport.begin(order)
         self._begin_parking(micro_batches)
+        if self.aux is not None:  # padding is left out of the aux loss
+            masks = [mb.attention_mask for mb in micro_batches]
+            self.aux.begin([None if a is None else a.to(self.device).reshape(-1).float() for a in masks])
         prep = [self._prepare(mb) for mb in micro_batches]
         h, saved = self._forward_sweep(prep, keep=True)
         loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
         del h
+        if self.aux is not None:  # known now: every layer's routing was counted
+            loss = loss + self.aux.loss()
         head = self.head_unit
         self.collective.sum_(loss)
         self.collective.sum_(head_grads[head.index])  # the tied embedding's share: with its unit
@@ -395,6 +424,10 @@ class Engine:
         self.transport.begin(self._backward_order())
         self._backward_sweep(saved, dh, prep, land, head_grads.pop(self.embed_unit.index, None))
         return self._total_norm() if immediate else None
+
+    def aux_metrics(self) -> dict[str, float]:
+        """The last step's auxiliary-loss metrics (MoE: aux loss, expert load); empty without one."""
+        return {} if self.aux is None else self.aux.metrics()
 
     def skip_step(self) -> None:
         """Drop this step's gradients: weights and AdamW moments stay as they were."""

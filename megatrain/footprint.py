@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from .activations import HostActivations
 from .models.attention import mask_bytes
 from .models.config import ModelConfig
-from .probe import LayerMemory, formula_layer_memory
+from .probe import LayerMemory, formula_layer_memory, token_ffn
 
 GiB, MiB = 2**30, 2**20
 
@@ -131,6 +131,8 @@ class Shape:
     layers: int
     tied: bool
     layer_mem: LayerMemory
+    inactive: int = 0
+    """Parameters of a layer that a token does not pass through (the experts it is not routed to)."""
 
     @property
     def layer(self) -> int:
@@ -149,12 +151,13 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
         units=tuple(u.numel for u in units),
         largest_param=tuple(max(p.numel for p in u.params) for u in units),
         hidden=cfg.hidden_size,
-        ffn=cfg.intermediate_size,
+        ffn=token_ffn(cfg),
         q_dim=cfg.num_attention_heads * cfg.head_dim,
         vocab=cfg.vocab_size,
         layers=cfg.num_hidden_layers,
         tied=cfg.tie_word_embeddings,
         layer_mem=layer_mem,
+        inactive=cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0,
     )
 
 
@@ -383,7 +386,7 @@ def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
     T, L = b.tokens, s.layers
     attn = 2 * T * b.seq_len * s.q_dim  # causal QK^T and PV of one layer's forward
-    layer_fwd = 2 * s.layer * T + attn
+    layer_fwd = 2 * (s.layer - s.inactive) * T + attn
     head = 6 * s.vocab * s.hidden * T
     recompute = L - plan.keep_layers
     passes = 2 if plan.grad_mode == "two_pass" else 1

@@ -106,7 +106,15 @@ class MetricsLogger:
                 flush=True,
             )
         if self.tb is not None:
-            for k in ("loss", "grad_norm", "lr", "tokens_per_s"):
+            for k in (
+                "loss",
+                "grad_norm",
+                "lr",
+                "tokens_per_s",
+                "aux_loss",
+                "expert_load_max",
+                "expert_load_min",
+            ):
                 if isinstance(record.get(k), (int, float)):
                     self.tb.add_scalar(f"train/{k}", record[k], step)
 

@@ -32,6 +32,7 @@ PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
 GRAPH_H, GRAPH_F = 14.4, 2.5  # the ffn term: the MLP's saved intermediates
 BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
 FORWARD_H = 9.0  # peak above the input of a forward without autograd
+MOE_ROWS = 3  # not measured: an MoE layer's [tokens x top-k, hidden] tensors kept for backward, rounded up
 # One tile of the tiled MLP, per tile token x ffn (estimates, not measured): gate, up, their
 # product's inputs and, in the backward, their gradients; a forward holds gate, up and the product.
 TILE_BACKWARD_F, TILE_FORWARD_F = 8.0, 3.0
@@ -89,15 +90,25 @@ def mlp_sums_bytes(cfg: ModelConfig, compute_bytes: int) -> int:
     return (4 + compute_bytes) * 3 * cfg.hidden_size * cfg.intermediate_size
 
 
+def token_ffn(cfg: ModelConfig) -> int:
+    """The MLP width a token passes through: the dense MLP's, or its experts' and shared expert's."""
+    return cfg.moe.token_ffn if cfg.moe else cfg.intermediate_size
+
+
 def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
-    """A conservative estimate of one layer's activation memory (see GRAPH_H)."""
-    h, f, cb = cfg.hidden_size, cfg.intermediate_size, compute_bytes
+    """A conservative estimate of one layer's activation memory (see GRAPH_H). An MoE layer
+    counts as an MLP as wide as the experts a token passes through (`token_ffn`), plus MOE_ROWS
+    hidden-sized rows per routed copy of a token (gathered input, weighted output); its experts
+    are not tiled (only a shared expert is), so its tiled graph is counted as the untiled one."""
+    h, f, cb = cfg.hidden_size, token_ffn(cfg), compute_bytes
+    rows = MOE_ROWS * cfg.moe.top_k * h if cfg.moe else 0
+    graph = cb * (GRAPH_H * h + GRAPH_F * f + rows)
     return LayerMemory(
-        cb * (GRAPH_H * h + GRAPH_F * f),
+        graph,
         cb * BACKWARD_H * h,
         0.0,
         cb * FORWARD_H * h,
-        tiled_graph_per_token=cb * GRAPH_H * h,
+        tiled_graph_per_token=graph if cfg.moe else cb * GRAPH_H * h,
         tiled_backward_per_token=cb * BACKWARD_H * h,
         tiled_forward_per_token=cb * FORWARD_H * h,
         tile_backward_per_token=cb * TILE_BACKWARD_F * f,
@@ -125,6 +136,7 @@ def probe_layer_memory(
         cfg, i, params, device, dtype, compile, sizes, 0, masked
     )
     n = sum(t.numel() for t in params.values())
+    n -= cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0  # what a token passes through
     q = cfg.num_attention_heads * cfg.head_dim
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2
@@ -162,7 +174,8 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
 
     def call(p, x, inputs):
-        return functional_call(layer, p, (x,), inputs)
+        out = functional_call(layer, p, (x,), inputs)
+        return out[0] if family.aux else out  # the hidden state, not the auxiliary-loss statistics
 
     fn = torch.compile(call) if compile and family.compile else call
     rows = []

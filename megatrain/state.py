@@ -19,7 +19,7 @@ import torch
 
 from .hostmem import PAGE, host_buffer
 from .models.config import ModelConfig
-from .models.family import family_of, templates
+from .models.family import checkpoint_pieces, family_of, templates
 
 ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
 # Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit
@@ -32,15 +32,28 @@ _NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A tensor of the checkpoint: a contiguous block of a parameter."""
+
+    key: str
+    offset: int
+    """Start inside the parameter (elements)."""
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ParamSpec:
     name: str
     """Name inside the unit's template module, e.g. `self_attn.q_proj.weight`."""
     key: str
-    """Checkpoint key, e.g. `model.layers.3.self_attn.q_proj.weight`."""
+    """The parameter's name in transformers' model, e.g. `model.layers.3.self_attn.q_proj.weight`;
+    the checkpoint key too, but for the fused expert tensors of MoE families."""
     shape: tuple[int, ...]
     offset: int
     """Start inside the unit's flat range."""
     decay: bool
+    pieces: tuple[Piece, ...]
+    """The checkpoint tensors it is made of: itself, or one per expert (and gate/up half)."""
 
     @property
     def numel(self) -> int:
@@ -73,8 +86,9 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
     for index, (name, kind, layer, template) in enumerate(plan):
         specs, off = [], 0
         for pname, p in template.named_parameters():
-            key = fam.param_key(cfg, kind, layer, pname)
-            specs.append(ParamSpec(pname, key, tuple(p.shape), off, not _NO_DECAY.search(key)))
+            key, shape = fam.param_key(cfg, kind, layer, pname), tuple(p.shape)
+            pieces = tuple(Piece(*x) for x in checkpoint_pieces(fam, cfg, kind, layer, pname, shape))
+            specs.append(ParamSpec(pname, key, shape, off, not _NO_DECAY.search(key), pieces))
             off += -(-p.numel() // ALIGN) * ALIGN
         off = -(-off // UNIT_ALIGN) * UNIT_ALIGN
         units.append(Unit(name, kind, index, tuple(specs), off, start))
@@ -85,6 +99,14 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
 def unit_views(flat: torch.Tensor, unit: Unit) -> dict[str, torch.Tensor]:
     """Parameter-shaped views of a unit's flat range (`flat` holds that unit alone)."""
     return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params}
+
+
+def piece_views(flat: torch.Tensor, unit: Unit):
+    """(checkpoint key, view) of every checkpoint tensor of a unit (`flat` holds that unit alone)."""
+    for p in unit.params:
+        for c in p.pieces:
+            start = p.offset + c.offset
+            yield c.key, flat[start : start + math.prod(c.shape)].view(c.shape)
 
 
 class HostState:
@@ -114,12 +136,22 @@ class HostState:
         return unit_views(self.flat(unit), unit)
 
     def named_parameters(self):
-        """(checkpoint key, fp32 master view) for every parameter, in forward order."""
+        """(transformers' parameter name, fp32 master view) for every parameter, in forward order."""
         for u in self.units:
             views = self.params(u)
             for p in u.params:
                 yield p.key, views[p.name]
 
+    def checkpoint_tensors(self):
+        """(checkpoint key, fp32 master view) for every tensor of a Hugging Face checkpoint."""
+        for u in self.units:
+            yield from piece_views(self.flat(u), u)
+
     @property
     def num_params(self) -> int:
         return sum(p.numel for u in self.units for p in u.params)
+
+
+def checkpoint_entries(units: list[Unit]) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor of a Hugging Face checkpoint of these units."""
+    return [(c.key, c.shape) for u in units for p in u.params for c in p.pieces]

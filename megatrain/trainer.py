@@ -81,7 +81,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     main = world.is_main  # writes the outputs and shows progress
 
     # Everything that can be wrong with the inputs is checked before anything is written.
-    model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
+    model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
+        cfg.output_router_logits, cfg.router_aux_loss_coef
+    )
     check_outputs(cfg)
     ckpt_path = resume_path(cfg)
     progress = show_progress(cfg.disable_tqdm) and main
@@ -245,6 +247,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                 loss, n_label = engine.forward_backward(micro_batches)
                 grad_norm, coef = engine.clip_grad_norm(cfg.max_grad_norm)  # None: known after the step
                 loss = loss.item()  # the one host sync of the step
+                router = engine.aux_metrics()  # MoE: aux loss and expert load (known with the loss)
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total_steps)
                 if grad_norm is None and math.isfinite(loss):
                     # No clipping: the backward sweep runs in `step`, each unit stepped as it lands
@@ -272,6 +275,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                     "tokens_per_s": tokens / dt,
                     "step_time_s": dt,
                     "epoch": batcher.epoch,
+                    **router,
                 }
                 if not finite:
                     record["skipped"] = True

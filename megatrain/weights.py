@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from . import manifest
 from .errors import CheckpointError, ConfigError, OutputError
 from .models.config import ModelConfig
-from .state import HostState, build_units
+from .state import HostState, build_units, checkpoint_entries, piece_views
 from .writing import AtomicDir
 
 INDEX = "model.safetensors.index.json"
@@ -112,14 +112,12 @@ def load_hf_weights(state: HostState, model_dir: str | Path, cfg: ModelConfig, p
     """Fill `state.master` from a Hugging Face safetensors checkpoint, units in parallel threads
     (reading, and converting to fp32, release the GIL)."""
     reader = TensorReader(checkpoint_files(model_dir), model_dir)
-    for unit in state.units:  # every tensor present with its shape before anything is read
-        for p in unit.params:
-            reader.check(p.key, p.shape)
+    for key, shape in checkpoint_entries(state.units):  # all present, right shapes, before reading
+        reader.check(key, shape)
 
     def load(unit) -> None:
-        views = state.params(unit)
-        for p in unit.params:
-            views[p.name].copy_(reader.get(p.key))
+        for key, view in piece_views(state.flat(unit), unit):  # a parameter, or one expert's block
+            view.copy_(reader.get(key))
 
     try:
         _per_unit(load, state.units, "loading weights", progress)
@@ -246,7 +244,7 @@ def save_hf_checkpoint(
     generation_config.json, tokenizer files, the manifest) atomically: either the whole
     directory appears or nothing changes. An existing `out_dir` is replaced only if it is a
     model directory megatrain wrote. Call `transport.synchronize()` first on CUDA."""
-    params = dict(state.named_parameters())
+    params = dict(state.checkpoint_tensors())
     entries = [(k, tuple(v.shape)) for k, v in params.items()]
     nbytes = state.num_params * dtype.itemsize
     with AtomicDir(out_dir, manifest.MODEL, nbytes=nbytes, progress=progress) as d:
@@ -326,7 +324,7 @@ def export_model(
         tokenizer = None  # e.g. a slow-only tokenizer: its files are still copied as they are
     reader = TensorReader(files, src)  # opens (maps) every file now
     try:
-        entries = [(p.key, p.shape) for u in build_units(cfg) for p in u.params]
+        entries = checkpoint_entries(build_units(cfg))
         for key, shape in entries:
             reader.check(key, shape)
         verified = manifest.verify(src, only=used, progress=progress)

@@ -13,6 +13,10 @@ FAMILY_CONFIGS = {
     "mistral": lambda **kw: transformers.MistralConfig(**kw),
     "qwen2": lambda **kw: transformers.Qwen2Config(**kw),
     "qwen3": lambda **kw: transformers.Qwen3Config(**kw),
+    "mixtral": lambda **kw: transformers.MixtralConfig(**kw),
+    "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(**kw),
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(**kw),
+    "olmoe": lambda **kw: transformers.OlmoeConfig(**kw),
 }
 # Families built by model_type, with what makes their tiny versions exercise their differences:
 # short sliding windows, alternating layer kinds, logit and embedding scales far from 1.
@@ -31,6 +35,15 @@ FAMILY_OVERRIDES = {
     "phi": {},
     "stablelm": {},
 }
+# Mixture-of-experts shapes: 8 experts (Mixtral 4), top-2, small experts; Qwen2-MoE's shared
+# expert. The aux loss is on, with a coefficient large enough to move the gradients.
+MOE_CONFIGS = {
+    "mixtral": dict(num_local_experts=4, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=40),
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+    "olmoe": dict(num_experts=8, intermediate_size=32),
+}
+MOE_COMMON = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
 
 
 def tiny_config(family: str = "llama", tied: bool = False, **overrides):
@@ -48,9 +61,11 @@ def tiny_config(family: str = "llama", tied: bool = False, **overrides):
     )
     if family == "qwen3":
         kw["head_dim"] = 24  # Qwen3 decouples head_dim from hidden/heads
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         kw["sliding_window"] = 8  # short enough to matter in tests
     kw.update(FAMILY_OVERRIDES.get(family, {}))
+    if family in MOE_CONFIGS:
+        kw.update(num_hidden_layers=2, **MOE_COMMON, **MOE_CONFIGS[family])
     kw.update(overrides)
     if family in FAMILY_CONFIGS:
         cfg = FAMILY_CONFIGS[family](**kw)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_config
 from test_checkpoint import make_run, metrics, subprocess_env, tensors, write_yaml
 
 from megatrain.config import TrainConfig
@@ -111,6 +112,27 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs):
     assert "settings changed" not in proc.stdout  # the global batch is the same
     assert_same_run(metrics(b), metrics(one), [2, 3])
     assert_close_weights(tensors(b / "checkpoint-3"), tensors(one / "checkpoint-3"))
+
+
+def test_moe_aux_loss_two_processes_equal_one(tmp_path):
+    """An OLMoE with the load-balancing loss on: each micro-batch's aux loss uses its own router
+    counts, so two processes with half the micro-batches each give one process's losses (aux terms
+    included), gradient norms and weights."""
+    base = make_run(tmp_path, n=16)
+    tiny_config("olmoe").save_pretrained(tmp_path / "model")  # aux loss on, coefficient 0.5
+    base.update(max_steps=2, gradient_accumulation_steps=4)
+    torch.set_num_threads(1)
+    train(TrainConfig(**base, output_dir=str(tmp_path / "one")))
+    proc = launch(
+        write_yaml(tmp_path / "run.yaml", base),
+        "gradient_accumulation_steps=2",
+        f"output_dir={tmp_path / 'two'}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert all(r["aux_loss"] > 0 for r in one if "loss" in r)
+    assert_same_run(two, one, [1, 2])
+    assert_close_weights(tensors(tmp_path / "two" / "final"), tensors(tmp_path / "one" / "final"))
 
 
 def rank_of(pid: int) -> str | None:

@@ -152,17 +152,18 @@ class Batcher:
         if self._rows is not None:
             return self._build_packed([self._rows[u] for u in units])
         width = max(self._lengths[i] for i in units)
-        ids, labels = [], []
+        ids, labels, real = [], [], []
         for i in units:
             s, n = self.samples[i], self._lengths[i]
             ids.append(s.input_ids[:n] + [self.pad_id] * (width - n))
             labels.append(s.labels[:n] + [IGNORE_INDEX] * (width - n))
+            real.append([1] * n + [0] * (width - n))
         # Right padding with causal attention: real tokens never see pads, and the default
-        # arange positions are exact, so no position_ids or attention mask are needed.
-        return MicroBatch(_tensor(ids), _tensor(labels))
+        # arange positions are exact, so attention needs no position_ids or mask.
+        return MicroBatch(_tensor(ids), _tensor(labels), attention_mask=_padding_mask(real))
 
     def _build_packed(self, rows: list[list[int]]) -> MicroBatch:
-        ids, labels, pos, docs = [], [], [], []
+        ids, labels, pos, docs, real = [], [], [], [], []
         for row in rows:
             r_ids, r_lab, r_pos, r_doc = [], [], [], []
             for d, i in enumerate(row):
@@ -174,6 +175,7 @@ class Batcher:
                 r_pos += range(n)
                 r_doc += [d] * n
             pad = self.max_length - len(r_ids)
+            real.append([1] * len(r_ids) + [0] * pad)
             r_ids += [self.pad_id] * pad
             r_lab += [IGNORE_INDEX] * pad
             r_pos += range(pad)
@@ -183,7 +185,11 @@ class Batcher:
             pos.append(r_pos)
             docs.append(r_doc)
         return MicroBatch(
-            _tensor(ids), _tensor(labels), position_ids=_tensor(pos), document_ids=_tensor(docs)
+            _tensor(ids),
+            _tensor(labels),
+            position_ids=_tensor(pos),
+            document_ids=_tensor(docs),
+            attention_mask=_padding_mask(real),
         )
 
     # ------------------------------------------------------------------ resume
@@ -242,3 +248,8 @@ def pack_rows(order: list[int], lengths: list[int], max_length: int, open_rows: 
 
 def _tensor(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def _padding_mask(real: list[list[int]]) -> torch.Tensor | None:
+    """transformers' attention_mask of right-padded rows, or None where nothing is padding."""
+    return None if all(all(r) for r in real) else _tensor(real)

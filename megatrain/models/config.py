@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,8 @@ from ..errors import ConfigError
 # families sharing a block differ. Every other decoder transformers knows runs on the generic path.
 # None: the bias follows `attention_bias`, the q/k norm `use_qk_norm`; `eps`: the config key of
 # the norms' epsilon (default rms_norm_eps); `window`: one sliding window for every layer.
+# The mixture-of-experts families (block `moe`, `moe.py`) replace the MLP with an expert block
+# (`MoESpec`); `qk_norm="full"`: one q/k RMSNorm over all heads, before the split (OLMoE).
 FAMILIES = {
     "llama": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=False),
     "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
@@ -23,7 +27,79 @@ FAMILIES = {
     "cohere": dict(block="cohere", qkv_bias=None, o_bias=None, qk_norm=None, eps="layer_norm_eps"),
     "gemma2": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=False),
     "gemma3_text": dict(block="gemma", qkv_bias=None, o_bias=None, qk_norm=True),
+    "mixtral": dict(block="moe", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
+    "qwen2_moe": dict(block="moe", qkv_bias=True, o_bias=False, qk_norm=False),
+    "qwen3_moe": dict(block="moe", qkv_bias=None, o_bias=None, qk_norm=True),
+    "olmoe": dict(block="moe", qkv_bias=None, o_bias=None, qk_norm="full"),
 }
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The expert layer of an MoE family, read from its Hugging Face config."""
+
+    num_experts: int
+    top_k: int
+    """`num_experts_per_tok`."""
+    expert_size: int
+    """Each expert's intermediate size (`moe_intermediate_size`, Mixtral/OLMoE `intermediate_size`)."""
+    norm_topk_prob: bool
+    """Renormalise the top-k probabilities to sum to one (always for Mixtral)."""
+    shared_expert_size: int = 0
+    """Qwen2-MoE's always-on expert, scaled by a sigmoid gate; 0 for none."""
+    fp32_scores: bool = False
+    """Mixtral keeps the routing weights in fp32 when it scales the experts' outputs."""
+    router_aux_loss_coef: float = 0.0
+    output_router_logits: bool = False
+    """Whether the loss includes `router_aux_loss_coef * aux_loss`, as in transformers."""
+
+    @property
+    def token_ffn(self) -> int:
+        """The MLP width a token passes through: its top-k experts and the shared expert."""
+        return self.top_k * self.expert_size + self.shared_expert_size
+
+    def inactive_params(self, hidden: int) -> int:
+        """Parameters of a layer's experts that one token is not routed to."""
+        return (self.num_experts - self.top_k) * 3 * hidden * self.expert_size
+
+    def layer_params(self, hidden: int) -> int:
+        """Parameters of one layer's expert block: router, experts, shared expert and its gate."""
+        n = self.num_experts * (3 * hidden * self.expert_size + hidden)
+        if self.shared_expert_size:
+            n += 3 * hidden * self.shared_expert_size + hidden
+        return n
+
+
+def _get(hf, name, default=None):
+    v = getattr(hf, name, None)
+    return default if v is None else v
+
+
+def moe_spec(hf) -> MoESpec | None:
+    """The MoE part of a transformers config, or None for a dense family. Refuses what the
+    templates do not implement, naming the key."""
+    mt = hf.model_type
+    if FAMILIES.get(mt, {}).get("block") != "moe":
+        return None
+    if _get(hf, "router_jitter_noise", 0.0):
+        raise ConfigError(f"{mt}: router_jitter_noise > 0 is not supported")
+    if _get(hf, "clip_qkv") is not None:
+        raise ConfigError(f"{mt}: clip_qkv is not supported")
+    if _get(hf, "decoder_sparse_step", 1) != 1 or _get(hf, "mlp_only_layers", []):
+        raise ConfigError(
+            f"{mt}: dense layers among MoE ones (decoder_sparse_step, mlp_only_layers) are not supported"
+        )
+    mixtral = mt == "mixtral"
+    return MoESpec(
+        num_experts=hf.num_local_experts if mixtral else hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        expert_size=hf.intermediate_size if mt in ("mixtral", "olmoe") else hf.moe_intermediate_size,
+        norm_topk_prob=True if mixtral else bool(hf.norm_topk_prob),
+        shared_expert_size=hf.shared_expert_intermediate_size if mt == "qwen2_moe" else 0,
+        fp32_scores=mixtral,
+        router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", 0.0)),
+        output_router_logits=bool(_get(hf, "output_router_logits", False)),
+    )
 
 
 # RoPE whose frequencies change with the sequence length: transformers' own rotary module
@@ -66,7 +142,9 @@ class ModelConfig:
     """Bias on o_proj (Llama and Qwen3 with `attention_bias`)."""
     mlp_bias: bool
     qk_norm: bool
-    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    """RMSNorm on q and k before RoPE: over head_dim (Qwen3), or over all heads (OLMoE)."""
+    qk_norm_full: bool = False
+    """The q/k RMSNorm spans all heads, before the split into heads (OLMoE)."""
     hidden_act: str = "silu"
     sliding_window: int | None = None
     """Mistral's local attention window; None means full causal attention."""
@@ -76,6 +154,8 @@ class ModelConfig:
     attn_implementation: str | None = None
     """The generic path's attention: `sdpa` where transformers supports it for the family, else
     `eager` (both exact)."""
+    moe: MoESpec | None = None
+    """The expert layer of a mixture-of-experts family; None for a dense MLP."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config object (kept for RoPE variants and for export)."""
 
@@ -119,6 +199,22 @@ class ModelConfig:
     def needs_mask(self) -> bool:
         """Whether attention takes an explicit mask even for unpacked rows (for the memory plan)."""
         return any(self.windows) or self.attn_implementation == "eager"
+
+    def with_router(
+        self, output_router_logits: bool | None, router_aux_loss_coef: float | None
+    ) -> ModelConfig:
+        """This MoE model with transformers' router-loss keys set (None: as its config.json has
+        them), in the config it saves too, as `model.config.x = ...` does in transformers."""
+        given = dict(output_router_logits=output_router_logits, router_aux_loss_coef=router_aux_loss_coef)
+        given = {k: v for k, v in given.items() if v is not None}
+        if not given:
+            return self
+        if self.moe is None:
+            raise ConfigError(f"{', '.join(given)}: {self.model_type} is not a mixture-of-experts model")
+        hf = copy.deepcopy(self.hf_config)
+        for k, v in given.items():
+            setattr(hf, k, v)
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, **given), hf_config=hf)
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
@@ -166,8 +262,12 @@ class ModelConfig:
             qkv_bias=attention_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
             o_bias=attention_bias if fam["o_bias"] is None else fam["o_bias"],
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=bool(getattr(hf, "use_qk_norm", False)) if fam["qk_norm"] is None else fam["qk_norm"],
+            qk_norm=bool(getattr(hf, "use_qk_norm", False))
+            if fam["qk_norm"] is None
+            else bool(fam["qk_norm"]),
+            qk_norm_full=fam["qk_norm"] == "full",
             sliding_window=getattr(hf, "sliding_window", None) if fam.get("window") else None,
+            moe=moe_spec(hf),
         )
 
     @classmethod

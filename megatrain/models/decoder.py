@@ -4,7 +4,8 @@ These modules are *templates*: the engine builds each one once, on the meta devi
 weights to it for every visit with `torch.func.functional_call`. Nothing here owns state.
 
 The four families differ only by flags of `ModelConfig`: q/k/v bias (Qwen2, Llama with
-`attention_bias`), q/k RMSNorm (Qwen3), and Mistral's sliding window.
+`attention_bias`), q/k RMSNorm (Qwen3; over all heads for OLMoE), and Mistral's sliding window.
+The mixture-of-experts families reuse `Attention` with an expert block as MLP (`moe.py`).
 """
 
 from __future__ import annotations
@@ -62,15 +63,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
         if cfg.qk_norm:
             norm = norm or (lambda dim: RMSNorm(dim, cfg.rms_norm_eps))
-            self.q_norm, self.k_norm = norm(d), norm(d)
-        self.qk_norm = cfg.qk_norm
+            full = cfg.qk_norm_full  # OLMoE: one norm over all heads, before the split
+            self.q_norm = norm(self.n_heads * d if full else d)
+            self.k_norm = norm(self.n_kv * d if full else d)
+        self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
         self.scale, self.softcap = scale, softcap
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, S, heads, head_dim]."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.n_kv, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(B, S, self.n_kv, self.head_dim)
         return q, k, v
 
@@ -81,7 +87,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Mask) -> torch.Tensor:
         B, S, _ = x.shape
         q, k, v = self.project(x)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rotate(q, k, rope)

@@ -25,6 +25,15 @@ and bound to a unit's weights for each use with `torch.func.functional_call`:
   when it is untied. The engine runs it a chunk of tokens at a time.
 * `param_key(cfg, kind, layer, name)`: the Hugging Face checkpoint key of a template parameter
   (`kind` is `embed`, `layer` or `head`), so loading and export need no other mapping.
+* `pieces(cfg, kind, layer, name, shape)` (optional): where a checkpoint stores one parameter as
+  several tensors (an MoE layer's fused experts, one tensor per expert on disk), the list of
+  (checkpoint key, element offset inside the parameter, shape); None: the parameter is one tensor
+  under its `param_key` (`checkpoint_pieces`).
+* `aux(cfg, num_layers, device)` (optional): the one hook for an auxiliary loss that spans layers
+  (MoE load balancing, `routing.RouterBalance`). With it a layer returns (hidden state,
+  statistics); the object records each layer's statistics in the forward sweep (`begin`,
+  `record`), gives the step's extra loss (`loss`), the gradients it sends into a recomputed
+  layer (`grad_targets`) and its metrics (`metrics`). None: a layer returns its hidden state.
 
 `path` says how a family runs: `fast` (megatrain's own blocks in `decoder.py`) or `generic`
 (transformers' own modules, `hf.py`): slower, exact for any decoder transformers implements.
@@ -58,6 +67,10 @@ class Family:
     inputs: Callable[[ModelConfig, torch.device], Inputs]
     head: Callable[[ModelConfig], nn.Module]
     param_key: Callable[[ModelConfig, str, int, str], str]
+    pieces: Callable[[ModelConfig, str, int, str, tuple[int, ...]], list] | None = None
+    """Checkpoint tensors of a parameter stored in several (see the module docstring)."""
+    aux: Callable[[ModelConfig, int, torch.device], Any] | None = None
+    """The keeper of an auxiliary loss over all layers (see the module docstring)."""
     compile: bool = True
     """Whether the layer may be compiled with torch.compile (one graph per layer key)."""
     hf_init: bool = True
@@ -74,10 +87,21 @@ def family_of(cfg: ModelConfig) -> Family:
     from .cohere import COHERE
     from .decoder import BLOCKS
     from .gemma import GEMMA
+    from .moe import MOE
     from .olmo2 import OLMO2
     from .phi3 import PHI3
 
-    return {**BLOCKS, "gemma": GEMMA, "phi3": PHI3, "olmo2": OLMO2, "cohere": COHERE}[cfg.block]
+    fams = {**BLOCKS, "gemma": GEMMA, "phi3": PHI3, "olmo2": OLMO2, "cohere": COHERE, "moe": MOE}
+    return fams[cfg.block]
+
+
+def checkpoint_pieces(
+    fam: Family, cfg: ModelConfig, kind: str, layer: int, name: str, shape: tuple[int, ...]
+):
+    """(checkpoint key, element offset, shape) of each checkpoint tensor parameter `name` is made of."""
+    if fam.pieces is not None:
+        return fam.pieces(cfg, kind, layer, name, shape)
+    return [(fam.param_key(cfg, kind, layer, name), 0, shape)]
 
 
 def describe(cfg: ModelConfig) -> str:

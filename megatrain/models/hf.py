@@ -10,7 +10,9 @@ the attention mask of their kind (full or sliding window), boolean for `sdpa`, a
 
 What happens outside the layers in a transformers model's `forward` is not read from its code:
 the known extras are data here (EMBED_MULTIPLIERS, the head's logit rules in `_post_logits`).
-Anything with parameters beyond embedding, layers, final norm and LM head is refused by name.
+Anything with parameters beyond embedding, layers, final norm and LM head is refused by name, and
+so are mixture-of-experts models: those with a fast block (`moe.py`) run there, the others (e.g.
+gpt-oss, DeepSeek-V3) have none.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .attention import attention_mask
-from .config import ModelConfig
+from .config import FAMILIES, ModelConfig
 from .family import Family
 
 # Config attributes a transformers model's forward multiplies the token embeddings by (Granite).
@@ -62,6 +64,8 @@ def generic_attention(hf) -> str:
         raise ConfigError(
             f"model_type {mt!r} is a composite (multimodal) model ({names}); train its text model"
         )
+    if getattr(hf, "output_router_logits", None) is not None:  # every MoE config transformers has
+        raise ConfigError(_no_moe(mt))
     if getattr(hf, "use_bidirectional_attention", False):
         raise ConfigError(f"model_type {mt!r}: use_bidirectional_attention=true is not a causal decoder")
     try:
@@ -72,6 +76,17 @@ def generic_attention(hf) -> str:
     if types:
         raise ConfigError(f"model_type {mt!r}: layer types {sorted(types)} are not supported")
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def _no_moe(mt: str) -> str:
+    """Why a mixture-of-experts model cannot run on the generic path: transformers fuses or
+    splits its expert tensors on loading, and its router's load-balancing loss spans layers."""
+    fast = [t for t, f in FAMILIES.items() if f["block"] == "moe"]
+    if mt in fast:
+        return f"model_type {mt!r}: this configuration (sliding window or dynamic RoPE) has no fast MoE block"
+    return (
+        f"model_type {mt!r} is a mixture-of-experts model without a fast block (fast MoE: {', '.join(fast)})"
+    )
 
 
 def skeleton(cfg: ModelConfig) -> Skeleton:

@@ -1,0 +1,59 @@
+"""Mixture-of-experts shapes for bench.py and memory.py, and their transformers configs.
+
+`ffn` is each expert's intermediate size; `experts` routed experts, `topk` per token. The two
+real shapes: OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924's config.json) and a ~15B Qwen3-MoE (Qwen3-30B-A3B's
+layer, 24 layers instead of 48).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    # 6.9 B parameters, 1.3 B active per token
+    "olmoe-1b-7b": dict(family="olmoe", hidden=2048, layers=16, heads=16, kv=16, ffn=1024, vocab=50304, experts=64, topk=8),
+    # 15.6 B parameters, 1.9 B active per token
+    "qwen3-moe-15b": dict(
+        family="qwen3_moe", hidden=2048, layers=24, heads=32, kv=4, head_dim=128, ffn=768, vocab=151936, experts=128, topk=8
+    ),
+    "moe-tiny": dict(family="olmoe", hidden=128, layers=2, heads=4, kv=2, ffn=64, vocab=512, experts=8, topk=2),
+}  # fmt: skip
+
+
+def is_moe(shape: dict[str, Any]) -> bool:
+    return "experts" in shape
+
+
+def moe_config(shape: dict[str, Any], seq: int, **extra: Any):
+    """The transformers config of an MoE shape (random init), trained with the aux loss on, as
+    OLMoE and Qwen-MoE were: every system computes the router's load-balancing loss."""
+    import transformers
+
+    common = dict(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        vocab_size=shape["vocab"],
+        num_experts=shape["experts"],
+        num_experts_per_tok=shape["topk"],
+        output_router_logits=True,
+        max_position_embeddings=max(seq, 4096),
+        tie_word_embeddings=False,
+        **extra,
+    )
+    if shape["family"] == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=shape["ffn"], **common)
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            moe_intermediate_size=shape["ffn"], head_dim=shape["head_dim"], norm_topk_prob=True, **common
+        )
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def inactive_params(shape: dict[str, Any]) -> int:
+    """Expert parameters a token does not pass through (0 for a dense shape)."""
+    if not is_moe(shape):
+        return 0
+    return shape["layers"] * (shape["experts"] - shape["topk"]) * 3 * shape["hidden"] * shape["ffn"]
