@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
-from .batch import IGNORE_INDEX, MicroBatch
+from . import losshead
+from .batch import MicroBatch
 from .distributed import Collective, Single
 from .models.config import ModelConfig
 from .models.decoder import set_mlp_tiles
@@ -213,50 +213,26 @@ class Engine:
             return params, embed[self.embed.weight_name]
         return params, params.pop(self.head.lm_weight_name)
 
-    def _logits(self, params, x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.head, params, (x, W)).float()
-
     def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int):
         """Loss (sum over tokens / n_tokens) and its gradient w.r.t. each micro-batch's last hidden
-        state, a chunk of tokens at a time through norm, LM head and cross-entropy, so neither the
-        full logits nor the normalised states of a whole micro-batch ever exist. The head's fp32
-        gradients (and, tied, the LM head's share of the embedding's) are kept for the unit's
-        finish. Returns the loss and the list of gradients."""
+        state, through the chunked loss head (losshead.py). The head's fp32 gradients (and, tied,
+        the LM head's share of the embedding's) are kept for the unit's finish. Returns the loss,
+        the list of gradients and the units' gradient buffers."""
         head = self.head_unit
         params, W = self._head_params()
-        names = list(params)
         g_head = torch.zeros(head.numel, device=self.device)
         g_views = unit_views(g_head, head)
-        g_own = [g_views[n] for n in names]
         grads = {head.index: g_head}
         if self.cfg.tie_word_embeddings:
             grads[self.embed_unit.index] = torch.zeros(self.embed_unit.numel, device=self.device)
             g_W = unit_views(grads[self.embed_unit.index], self.embed_unit)[self.embed.weight_name]
         else:
             g_W = g_views[self.head.lm_weight_name]
-        loss = torch.zeros((), device=self.device)
-        dh = []
-        C = self.loss_chunk_tokens
-        for x, p in zip(h, prep):
-            flat = x.reshape(-1, x.shape[-1])
-            dx = torch.empty_like(flat)
-            for a in range(0, flat.shape[0], C):
-                xc = flat[a : a + C].detach().requires_grad_()
-                own = {n: v.detach().requires_grad_() for n, v in params.items()}
-                Wl = W.detach().requires_grad_()
-                with torch.enable_grad():
-                    logits = self._logits(own, xc, Wl)
-                    l_sum = F.cross_entropy(
-                        logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
-                    )
-                    gx, *g, gW = torch.autograd.grad(l_sum / n_tokens, (xc, *own.values(), Wl))
-                dx[a : a + C] = gx
-                torch._foreach_add_(g_own, g)
-                g_W.add_(gW)
-                loss += l_sum.detach()
-                del own, logits, gx, g, gW
-            dh.append(dx.view(x.shape))
-        return loss / n_tokens, dh, grads
+        targets = [p.targets for p in prep]
+        loss, dh = losshead.loss_and_grads(
+            self.head, params, W, h, targets, self.loss_chunk_tokens, n_tokens, g_views, g_W
+        )
+        return loss, dh, grads
 
     def _fetch_parked(self, s):
         """Start bringing a layer's parked inputs back (resident inputs and kept graphs need nothing)."""
@@ -449,9 +425,8 @@ class Engine:
         label tokens, forward only: no gradients, nothing for the optimizer, no random numbers.
         Called between optimizer steps (after `step` or `skip_step`), when no gradient is held.
 
-        All micro-batches pass each layer in one visit. The head runs as `_head_loss_backward`
-        does (norm, LM head and cross-entropy a chunk of tokens at a time, summed in the same
-        order), so the sum is the training loss's numerator bit for bit. On CUDA the previous
+        All micro-batches pass each layer in one visit. The head runs the chunks training runs
+        (losshead.py), so the sum is the training loss's numerator bit for bit. On CUDA the previous
         step's optimizer may still run on the worker thread: each fetch waits for its unit's
         update (resident units are stepped on the compute stream, ahead of this sweep).
         """
@@ -463,17 +438,8 @@ class Engine:
         prep = [self._prepare(mb) for mb in micro_batches]
         h, _ = self._forward_sweep(prep, keep=False)
         params, W = self._head_params()
-        loss = torch.zeros((), device=self.device)
-        C = self.loss_chunk_tokens
-        for x, p in zip(h, prep):
-            flat = x.reshape(-1, x.shape[-1])
-            for a in range(0, flat.shape[0], C):
-                logits = self._logits(params, flat[a : a + C], W)
-                loss += F.cross_entropy(
-                    logits, p.targets[a : a + C], ignore_index=IGNORE_INDEX, reduction="sum"
-                )
-                del logits
-        return loss, n_tokens
+        targets = [p.targets for p in prep]
+        return losshead.loss_sum(self.head, params, W, h, targets, self.loss_chunk_tokens), n_tokens
 
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
@@ -482,4 +448,4 @@ class Engine:
         prep = [self._prepare(micro_batch)]
         h, _ = self._forward_sweep(prep, keep=False)
         params, W = self._head_params()
-        return self._logits(params, h[0], W)
+        return losshead.logits(self.head, params, h[0], W)
