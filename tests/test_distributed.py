@@ -56,6 +56,17 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def one_and_two(tmp: Path, base: dict) -> subprocess.CompletedProcess:
+    """`base` (4 micro-batches a step) trained by one process into tmp/one, then by two with 2
+    micro-batches each (the same global batch) into tmp/two; the two-process launch's result."""
+    train(TrainConfig(**base, output_dir=str(tmp / "one")))
+    proc = launch(
+        write_yaml(tmp / "run.yaml", base), "gradient_accumulation_steps=2", f"output_dir={tmp / 'two'}"
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process with gradient_accumulation_steps 4, and two with 2 each (the same global
@@ -66,12 +77,9 @@ def runs(tmp_path_factory):
     base.update(max_steps=STEPS, save_steps=1, gradient_accumulation_steps=4)
     base.update(eval_dataset=base["dataset"], eval_steps=STEPS)  # evaluated once, at the end
     torch.set_num_threads(1)
-    train(TrainConfig(**base, output_dir=str(tmp / "one")))
-    cfg_path = write_yaml(tmp / "run.yaml", base)
     shm_before = set(os.listdir(SHM_DIR))
-    proc = launch(cfg_path, "gradient_accumulation_steps=2", f"output_dir={tmp / 'two'}")
-    assert proc.returncode == 0, proc.stderr
-    return tmp, base, cfg_path, proc, shm_before
+    proc = one_and_two(tmp, base)
+    return tmp, base, tmp / "run.yaml", proc, shm_before
 
 
 def test_two_processes_equal_one_with_the_same_global_batch(runs):
@@ -122,13 +130,7 @@ def test_moe_aux_loss_two_processes_equal_one(tmp_path):
     tiny_config("olmoe").save_pretrained(tmp_path / "model")  # aux loss on, coefficient 0.5
     base.update(max_steps=2, gradient_accumulation_steps=4)
     torch.set_num_threads(1)
-    train(TrainConfig(**base, output_dir=str(tmp_path / "one")))
-    proc = launch(
-        write_yaml(tmp_path / "run.yaml", base),
-        "gradient_accumulation_steps=2",
-        f"output_dir={tmp_path / 'two'}",
-    )
-    assert proc.returncode == 0, proc.stderr
+    one_and_two(tmp_path, base)
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert all(r["aux_loss"] > 0 for r in one if "loss" in r)
     assert_same_run(two, one, [1, 2])
@@ -234,13 +236,7 @@ def test_two_gpus_equal_one_with_the_same_global_batch(tmp_path, gpu_state):
     base = make_run(tmp_path)
     base.update(device="cuda", compute_dtype="float32", torch_compile=False, gpu_state=gpu_state)
     base.update(max_steps=STEPS, save_steps=1, gradient_accumulation_steps=4)
-    train(TrainConfig(**base, output_dir=str(tmp_path / "one")))
-    proc = launch(
-        write_yaml(tmp_path / "run.yaml", base),
-        "gradient_accumulation_steps=2",
-        f"output_dir={tmp_path / 'two'}",
-    )
-    assert proc.returncode == 0, proc.stderr
+    one_and_two(tmp_path, base)
     assert_same_run(metrics(tmp_path / "two"), metrics(tmp_path / "one"), list(range(1, STEPS + 1)))
     assert_close_weights(
         tensors(tmp_path / "two" / "checkpoint-3"), tensors(tmp_path / "one" / "checkpoint-3")

@@ -95,9 +95,9 @@ def test_optimizer_steps_match_plain_accumulation_loop(family, mode, tmp_path):
     """Three steps of 3 micro-batches with the aux loss on, clipping (but in immediate mode),
     weight decay: losses, gradient norms and final weights equal a plain loop over transformers'
     model with torch.optim.AdamW."""
-    from test_parity import _decay_groups
+    from test_parity import _decay_groups, steps_against_plain_loop
 
-    from megatrain.optim import AdamWConfig, lr_at
+    from megatrain.optim import AdamWConfig
     from megatrain.runtime import make_plan
 
     hf = tiny_hf_model(family)
@@ -112,25 +112,13 @@ def test_optimizer_steps_match_plain_accumulation_loop(family, mode, tmp_path):
     opt = torch.optim.AdamW(
         _decay_groups(hf, adamw.weight_decay), lr=adamw.lr, betas=adamw.betas, eps=adamw.eps
     )
-    max_norm, clipped = (0.5 if clip else 0.0), 0
-    for step in range(3):
-        mbs = [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m, pad=m) for m in range(3)]
-        lr = lr_at(step, adamw.lr, "cosine", warmup_steps=1, total_steps=3)
-        ref_loss, _ = _hf_step_loss(hf, mbs)
-        ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), max_norm if clip else float("inf"))
-        for gr in opt.param_groups:
-            gr["lr"] = lr
-        opt.step()
-        opt.zero_grad()
-        loss, _ = mt.engine.forward_backward(mbs)
-        norm, coef = mt.engine.clip_grad_norm(max_norm)
-        measured = mt.engine.step(lr, coef)
-        norm = norm if clip else measured
-        assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
-        assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-5)
-        clipped += ref_norm.item() > max_norm
-    assert clipped >= 2 or not clip, "the test should exercise clipping"
-    final = dict(mt.state.named_parameters())
+
+    def batches(step):
+        return [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m, pad=m) for m in range(3)]
+
+    final = steps_against_plain_loop(
+        hf, mt, opt, adamw.lr, clip, batches, lambda hf, mbs: _hf_step_loss(hf, mbs)[0]
+    )
     for k, p in hf.named_parameters():
         torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     metrics = mt.engine.aux_metrics()

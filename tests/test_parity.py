@@ -246,20 +246,38 @@ def test_optimizer_steps_match_plain_pytorch_loop(family, tied, mode, tile, tmp_
     opt = torch.optim.AdamW(
         _decay_groups(hf, adamw.weight_decay), lr=adamw.lr, betas=adamw.betas, eps=adamw.eps, fused=True
     )
-    steps, max_norm = 3, (0.5 if clip else 0.0)
-    clipped = 0
-    for step in range(steps):
-        mbs = [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m) for m in range(3)]
-        lr = lr_at(step, adamw.lr, "cosine", warmup_steps=1, total_steps=steps)
-        # reference
+
+    def reference_loss(hf, mbs):
         n = sum(mb.num_label_tokens for mb in mbs)
-        ref_loss = sum(_backward(hf, mb, n) for mb in mbs)
+        return sum(_backward(hf, mb, n) for mb in mbs)
+
+    def batches(step):
+        return [_batch(hf.config.vocab_size, B=2, S=12 + 4 * m, seed=10 * step + m) for m in range(3)]
+
+    final = steps_against_plain_loop(hf, mt, opt, adamw.lr, clip, batches, reference_loss)
+    for k, p in saved_parameters(hf).items():
+        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    # and the step changed the weights at all
+    first = next(k for k in final if ".layers.0." in k and k.endswith("weight") and "norm" not in k)
+    assert not torch.equal(final[first], saved_parameters(tiny_hf_model(family, tied))[first])
+
+
+def steps_against_plain_loop(hf, mt, opt, lr0: float, clip: bool, batches, reference_loss, steps: int = 3):
+    """`steps` optimizer steps of megatrain (`mt`) and of a plain loop over the transformers model
+    `hf` with `opt` (torch AdamW), warmup + cosine, clipping at 0.5 unless `clip` is off:
+    `batches(step)` gives a step's micro-batches, `reference_loss(hf, mbs)` runs the reference's
+    backward and returns its loss. Losses and gradient norms must agree at every step; returns
+    megatrain's final parameters by checkpoint key."""
+    max_norm, clipped = (0.5 if clip else 0.0), 0
+    for step in range(steps):
+        mbs = batches(step)
+        lr = lr_at(step, lr0, "cosine", warmup_steps=1, total_steps=steps)
+        ref_loss = reference_loss(hf, mbs)
         ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), max_norm if clip else math.inf)
         for gr in opt.param_groups:
             gr["lr"] = lr
         opt.step()
         opt.zero_grad()
-        # megatrain
         loss, _ = mt.engine.forward_backward(mbs)
         norm, coef = mt.engine.clip_grad_norm(max_norm)
         measured = mt.engine.step(lr, coef)
@@ -269,12 +287,7 @@ def test_optimizer_steps_match_plain_pytorch_loop(family, tied, mode, tile, tmp_
         clipped += ref_norm.item() > max_norm
     if clip:
         assert clipped >= 2, "the test should exercise clipping"
-    final = dict(mt.state.named_parameters())
-    for k, p in saved_parameters(hf).items():
-        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
-    # and the step changed the weights at all
-    first = next(k for k in final if ".layers.0." in k and k.endswith("weight") and "norm" not in k)
-    assert not torch.equal(final[first], saved_parameters(tiny_hf_model(family, tied))[first])
+    return dict(mt.state.named_parameters())
 
 
 def _backward(model, mb, n):
