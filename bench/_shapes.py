@@ -40,6 +40,7 @@ def moe_config(shape: dict[str, Any], seq: int, **extra: Any):
         output_router_logits=True,
         max_position_embeddings=max(seq, 4096),
         tie_word_embeddings=False,
+        pad_token_id=None,  # random tokens, no padding (and ZeRO-3's partitioned init has no pad row)
         **extra,
     )
     if shape["family"] == "olmoe":

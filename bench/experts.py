@@ -9,6 +9,10 @@ grouping (uneven groups, the sort and gathers) is visible.
     python bench/experts.py                        # on a GPU: the shapes below, 16k tokens
     python bench/experts.py --tokens 4096,16384 --shapes olmoe-1b-7b
     python bench/experts.py --dry-run              # anywhere: tiny shapes on the CPU, checked
+
+Ratios are dense ms / ms: "block" is the whole expert block eager (sort, gathers, weighting),
+"compiled" the block as the engine runs it (inside the compiled layer), "matmuls" the two grouped
+matmuls alone on rows already sorted by expert.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory  # noqa: E402  (a sibling module: its result writer)
 from _shapes import MOE_SHAPES  # noqa: E402
 
-from megatrain.models.moe import Experts  # noqa: E402
+from megatrain.models.moe import Experts, _grouped_linear  # noqa: E402
 
 
 def _routing(T: int, E: int, k: int, device):
@@ -49,8 +54,10 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def measure(shape: dict, T: int, device, dtype, reps: int) -> dict:
-    """Forward + backward seconds and TFLOP/s of the grouped experts and of the equal dense MLP."""
+def measure(shape: dict, T: int, device, dtype, reps: int, compile: bool = True) -> dict:
+    """Forward + backward seconds and TFLOP/s of the expert block (eager, and compiled as the
+    engine runs it), of its two grouped matmuls alone (rows already sorted by expert), and of one
+    dense SwiGLU MLP of the same FLOPs."""
     H, Fe, E, k = shape["hidden"], shape["ffn"], shape["experts"], shape["topk"]
     with torch.device(device):
         experts = Experts(E, H, Fe).to(dtype)
@@ -62,21 +69,42 @@ def measure(shape: dict, T: int, device, dtype, reps: int) -> dict:
     w1 = torch.randn(2 * Fe, H, device=device, dtype=dtype, requires_grad=True)
     w2 = torch.randn(H, Fe, device=device, dtype=dtype, requires_grad=True)
     xd = torch.randn(T * k, H, device=device, dtype=dtype, requires_grad=True)
+    offs = counts.cumsum(0).to(torch.int32)
 
-    def grouped():
-        y = experts(x, idx, scores, counts)
+    def block(fn):
+        def run():
+            y = fn(x, idx, scores, counts)
+            y.backward(torch.ones_like(y))
+
+        return run
+
+    def swiglu(xs, up, down):
+        g, u = up(xs).chunk(2, dim=-1)
+        y = down(F.silu(g) * u)
         y.backward(torch.ones_like(y))
+
+    def matmuls():
+        swiglu(
+            xd,
+            lambda a: _grouped_linear(a, experts.gate_up_proj, offs),
+            lambda a: _grouped_linear(a, experts.down_proj, offs),
+        )
 
     def dense():
-        g, u = F.linear(xd, w1).chunk(2, dim=-1)
-        y = F.linear(F.silu(g) * u, w2)
-        y.backward(torch.ones_like(y))
+        swiglu(xd, lambda a: F.linear(a, w1), lambda a: F.linear(a, w2))
 
     flops = 3 * 2 * T * k * 3 * H * Fe  # forward 2 x rows x params, backward twice that
-    t_g, t_d = _time(grouped, reps), _time(dense, reps)
-    return dict(
-        grouped_s=t_g, dense_s=t_d, grouped_tflops=flops / t_g / 1e12, dense_tflops=flops / t_d / 1e12
-    )
+    cases = {"block": block(experts), "matmuls": matmuls, "dense": dense}
+    if compile:
+        cases["compiled"] = block(torch.compile(experts))
+    out = {}
+    for name, fn in cases.items():
+        t = _time(fn, reps)
+        out[f"{name}_ms"], out[f"{name}_tflops"] = t * 1e3, flops / t / 1e12
+    for name in ("block", "matmuls", "compiled"):
+        if f"{name}_ms" in out:
+            out[f"{name}_ratio"] = out["dense_ms"] / out[f"{name}_ms"]
+    return out
 
 
 def check_exact(shape: dict, T: int) -> float:
@@ -102,27 +130,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="16384", help="tokens per call, comma list")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, checked against a loop")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--tag", default="experts")
     a = ap.parse_args(argv)
     if a.dry_run:
         err = check_exact(MOE_SHAPES["moe-tiny"], 64)
         print(f"grouped experts vs loop over experts (CPU fp32): max difference {err:.2e}")
-        r = measure(MOE_SHAPES["moe-tiny"], 64, "cpu", torch.float32, reps=2)
-        print(
-            f"moe-tiny, 64 tokens (CPU): grouped {r['grouped_s'] * 1e3:.2f} ms, dense {r['dense_s'] * 1e3:.2f} ms"
-        )
+        r = measure(MOE_SHAPES["moe-tiny"], 64, "cpu", torch.float32, reps=2, compile=False)
+        print(f"moe-tiny, 64 tokens (CPU): {r}")
         return 0 if err < 1e-4 else 1
     if not torch.cuda.is_available():
         ap.error("needs CUDA (use --dry-run to check the script on a CPU)")
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, forward + backward")
-    print("shape            tokens  grouped ms  dense ms  grouped TFLOP/s  dense TFLOP/s  ratio")
+    results = []
     for name in a.shapes.split(","):
         for T in (int(t) for t in a.tokens.split(",")):
             r = measure(MOE_SHAPES[name], T, "cuda", torch.bfloat16, a.reps)
-            print(
-                f"{name:15s} {T:7d} {r['grouped_s'] * 1e3:11.2f} {r['dense_s'] * 1e3:9.2f} "
-                f"{r['grouped_tflops']:16.1f} {r['dense_tflops']:14.1f} {r['grouped_tflops'] / r['dense_tflops']:6.2f}"
-            )
+            results.append({"shape": name, "tokens": T, **r})
+            print(table(results[-1:]).splitlines()[-1])
+    memory.write(results, a, time.strftime("%Y-%m-%d_%H%M"), "experts.py", TITLE, table)
     return 0
+
+
+TITLE = "expert block (bf16, forward + backward) against a dense MLP of equal FLOPs"
+
+
+def table(results: list[dict]) -> str:
+    head = "| shape | tokens | block ms | compiled ms | matmuls ms | dense ms | dense TFLOP/s | block | compiled | matmuls |"
+    rows = [head, "|" + "---|" * 10]
+    for r in results:
+        rows.append(
+            f"| {r['shape']} | {r['tokens']:,} | {r['block_ms']:.2f} | {r.get('compiled_ms', 0):.2f} | "
+            f"{r['matmuls_ms']:.2f} | {r['dense_ms']:.2f} | {r['dense_tflops']:.0f} | {r['block_ratio']:.2f} | "
+            f"{r.get('compiled_ratio', 0):.2f} | {r['matmuls_ratio']:.2f} |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

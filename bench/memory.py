@@ -67,6 +67,11 @@ RUNS = {
     "x4-Q14-64k-off": "Q14:65536:gpu_state=off,max_host_memory=480GiB",
     "x4-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=480GiB,steps=4",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
+    # 64k tokens per micro-batch: sixteen 4k rows (flash kernel) against one row of sixteen packed
+    # 4k documents (FlexAttention block mask)
+    "A64k-rows4k": "A:65536:seq=4096,mbs=16",
+    "A64k-packed4k": "A:65536:seq=65536,mbs=1,doc=4096",
+    "tiny-packed": "tiny:1024:gpu_state=auto,seq=1024,mbs=1,doc=256,steps=3",
     # mixture of experts (bench/_shapes.py): OLMoE-1B-7B (6.9 B) at 64k tokens; a 15.6 B Qwen3-MoE
     # needs 187 GB of host state, so one GPU of a two-GPU machine (256 GiB host)
     "olmoe-64k-auto": "olmoe-1b-7b:65536:gpu_state=auto",
@@ -126,6 +131,25 @@ def choices_of(run: dict):
     )
 
 
+def _packed(ids, doc: int):
+    """Rows of `doc`-token documents packed end to end, as `packing: true` makes them: positions
+    restart per document and no loss crosses a boundary."""
+    import torch
+
+    from megatrain.batch import MicroBatch
+
+    at = torch.arange(ids.shape[1])
+    labels = ids.clone()
+    labels[:, at % doc == 0] = -100
+    rows = ids.shape[0]
+    return MicroBatch(
+        ids.pin_memory(),
+        labels,
+        position_ids=(at % doc).expand(rows, -1).contiguous(),
+        document_ids=(at // doc).expand(rows, -1).contiguous(),
+    )
+
+
 def worker(run: dict) -> dict:
     import torch
 
@@ -139,6 +163,7 @@ def worker(run: dict) -> dict:
 
     cfg, seq, mbs, accum = shape_of(run)
     T, V = run["tokens"], cfg.vocab_size
+    doc = int(run.get("doc", 0))  # packed rows of `doc`-token documents (0: plain rows)
     clip = float(run.get("max_grad_norm", 1.0))
     size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
     t0 = time.perf_counter()
@@ -150,13 +175,14 @@ def worker(run: dict) -> dict:
         seq_len=seq,
         grad_accum=accum,
         clip=clip > 0,
+        masked=doc > 0,
         choices=choices_of(run),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
     )
     record = MemoryRecord(plan, machine)
-    batch = Batch(mbs * seq, accum, seq, 2, clip > 0, rows=mbs)
-    layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq)
+    batch = Batch(mbs * seq, accum, seq, 2, clip > 0, masked=doc > 0, rows=mbs)
+    layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq, masked=doc > 0)
     out = {
         "plan": plan.to_json(),
         "machine": machine.__dict__,
@@ -182,7 +208,7 @@ def worker(run: dict) -> dict:
         mb = []
         for _ in range(accum):
             ids = torch.randint(0, V, (mbs, seq), generator=gen)
-            mb.append(MicroBatch(ids.pin_memory(), ids))
+            mb.append(_packed(ids, doc) if doc else MicroBatch(ids.pin_memory(), ids))
         loss, _ = model.engine.forward_backward(mb)
         norm, coef = model.engine.clip_grad_norm(clip)
         lv = loss.item()

@@ -40,6 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=7, help="timed steps incl. warm-up")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--systems", default="megatrain,deepspeed")
+    ap.add_argument(
+        "--runs",
+        default=None,
+        help="system:GPUs pairs instead of every system on every count, e.g. megatrain:1,deepspeed:2",
+    )
+    ap.add_argument(
+        "--max-host-memory",
+        default=None,
+        help="megatrain's host budget per machine, e.g. 240GiB (hosts whose MemTotal grows as memory is used)",
+    )
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per run")
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--dry-run", action="store_true", help="tiny model, CPU allowed (no DeepSpeed)")
@@ -50,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.gpus = [int(g) for g in a.gpus.split(",")]
     a.tokens = parse_tokens(a.tokens_per_step)[0]
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    if a.runs:
+        try:
+            a.runs = [(s, int(g)) for s, g in (r.split(":") for r in a.runs.split(","))]
+        except ValueError:
+            ap.error(f"--runs: expected system:GPUs pairs, got {a.runs!r}")
+        a.systems, a.gpus = sorted({s for s, _ in a.runs}), sorted({g for _, g in a.runs})
+    else:
+        a.runs = [(s, g) for g in a.gpus for s in a.systems]
     if bad := [s for s in a.systems if s not in SYSTEMS]:
         ap.error(f"--systems: unknown {bad} (choose from {', '.join(SYSTEMS)})")
     for g in a.gpus:
@@ -127,43 +145,43 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"# {meta['command']}\n# {meta['device']}\n# outputs {out / stem}.*", flush=True)
     records: list[dict[str, Any]] = []
-    for gpus in a.gpus:
-        for system in a.systems:
-            rec: dict[str, Any] = {
-                "system": system,
-                "gpus": gpus,
-                **pc,
-                "seq_len": a.seq,
-                "tokens_per_step": a.tokens,
-                "mbs": a.mbs,
-                "date": meta["date"],
-                "command": meta["command"],
-                "log": f"{logs.name}/{system}_{gpus}gpu.log",
-                "error": None,
-            }
-            spec = {
-                "system": system,
-                "shape": shape,
-                "seq": a.seq,
-                "tokens_per_step": a.tokens,
-                "mbs": a.mbs,
-                "steps": a.steps,
-                "warmup": a.warmup,
-                "smoke": a.dry_run,
-                "nproc": gpus,
-            }
-            print(f"{system} on {gpus} GPU(s) ...", flush=True)
-            t0 = time.monotonic()
-            raw = run_worker(spec, a.timeout, out / rec["log"])
-            raw.pop("params", None)
-            rec.update(raw)
-            derive(rec, shape)
-            records.append(rec)
-            add_ratios(records)
-            status = rec["error"] or f"{rec['tokens_per_s']:,.0f} tokens/s"
-            print(f"    {status} ({time.monotonic() - t0:.0f} s)", flush=True)
-            _report.write_json(records, meta, out / f"{stem}.json")
-            write_md(records, meta, out / f"{stem}.md")
+    for system, gpus in a.runs:
+        rec: dict[str, Any] = {
+            "system": system,
+            "gpus": gpus,
+            **pc,
+            "seq_len": a.seq,
+            "tokens_per_step": a.tokens,
+            "mbs": a.mbs,
+            "date": meta["date"],
+            "command": meta["command"],
+            "log": f"{logs.name}/{system}_{gpus}gpu.log",
+            "error": None,
+        }
+        spec = {
+            "system": system,
+            "shape": shape,
+            "seq": a.seq,
+            "tokens_per_step": a.tokens,
+            "mbs": a.mbs,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "smoke": a.dry_run,
+            "nproc": gpus,
+            "max_host_memory": a.max_host_memory,
+        }
+        print(f"{system} on {gpus} GPU(s) ...", flush=True)
+        t0 = time.monotonic()
+        raw = run_worker(spec, a.timeout, out / rec["log"])
+        raw.pop("params", None)
+        rec.update(raw)
+        derive(rec, shape)
+        records.append(rec)
+        add_ratios(records)
+        status = rec["error"] or f"{rec['tokens_per_s']:,.0f} tokens/s"
+        print(f"    {status} ({time.monotonic() - t0:.0f} s)", flush=True)
+        _report.write_json(records, meta, out / f"{stem}.json")
+        write_md(records, meta, out / f"{stem}.md")
     print((out / f"{stem}.md").read_text())
     return 0
 

@@ -20,7 +20,7 @@ import torch
 from torch.func import functional_call
 
 from .models.config import ModelConfig
-from .models.decoder import set_mlp_tiles
+from .models.decoder import set_mlp_tiles, tiled_backward_phases
 from .models.family import family_of
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
@@ -55,15 +55,27 @@ class LayerMemory:
     flops_per_s: float | None = None
     """The rate the layer's forward + backward ran at (matmul and attention FLOPs / s)."""
     tiled_graph_per_token: float | None = None
-    """The same three per-token rates with the MLP tiled (None: not known, the plan never tiles)."""
+    """The same rates with the MLP tiled (None: not known, the plan never tiles). The backward of
+    a tiled layer has two phases whose peaks are measured apart: the MLP's tile loop (the fp32
+    weight-gradient sums, one tile's intermediates, the layer's incoming and outgoing gradients)
+    and the rest of the layer (attention above all); its peak is the larger of the two."""
     tiled_backward_per_token: float = 0.0
+    tiled_backward_fixed: float = 0.0
+    tiled_backward_proportional: float = 0.0
+    """The rest of the tiled layer's backward: the larger of fixed + per_token * tokens (the line
+    through both probe sizes) and proportional * tokens (through the larger one): its peak moves
+    from fixed costs at few tokens to the attention's gradients at many, so the line through
+    small counts alone would under-count long sequences."""
     tiled_forward_per_token: float = 0.0
+    mlp_backward_per_token: float = 0.0
+    """The MLP's tile loop: tile_fixed + mlp_backward_per_token * tokens ..."""
     tile_backward_per_token: float = 0.0
-    """Tiled: bytes per token of one tile while it is recomputed and differentiated ..."""
+    """... + tile_backward_per_token * tile."""
     tile_forward_per_token: float = 0.0
-    """... and while it is computed without autograd."""
+    """A forward without autograd, per tile token beyond tiled_forward_per_token * tokens."""
     tile_fixed: float = 0.0
-    """Tiled: the fp32 sums of the MLP's weight gradients and one tile's weight gradients."""
+    """The loop's bytes that grow with neither: the fp32 sums of the MLP's weight gradients and
+    one tile's weight gradients (at least)."""
 
     def tiles(self, tokens: int, tile: int) -> bool:
         """Whether a layer with MLP tiles of `tile` tokens tiles a micro-batch of `tokens`."""
@@ -75,9 +87,18 @@ class LayerMemory:
 
     def backward(self, tokens: int, tile: int = 0) -> int:
         if self.tiles(tokens, tile):
-            per_tile = self.tile_backward_per_token * tile + self.tile_fixed
-            return max(0, int(self.backward_fixed + self.tiled_backward_per_token * tokens + per_tile))
+            return max(0, self.tile_loop(tokens, tile), self.tiled_rest(tokens))
         return max(0, int(self.backward_fixed + self.backward_per_token * tokens))
+
+    def tile_loop(self, tokens: int, tile: int) -> int:
+        """The tiled layer's backward while its MLP's tile loop runs."""
+        per_tile = self.tile_backward_per_token * tile
+        return int(self.tile_fixed + self.mlp_backward_per_token * tokens + per_tile)
+
+    def tiled_rest(self, tokens: int) -> int:
+        """The tiled layer's backward outside the tile loop (parameter gradients excluded)."""
+        line = self.tiled_backward_fixed + self.tiled_backward_per_token * tokens
+        return int(max(line, self.tiled_backward_proportional * tokens))
 
     def forward(self, tokens: int, tile: int = 0) -> int:
         if self.tiles(tokens, tile):
@@ -111,6 +132,7 @@ def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
         tiled_graph_per_token=graph if cfg.moe else cb * GRAPH_H * h,
         tiled_backward_per_token=cb * BACKWARD_H * h,
         tiled_forward_per_token=cb * FORWARD_H * h,
+        mlp_backward_per_token=cb * BACKWARD_H * h,  # the loop's phase also counted in full
         tile_backward_per_token=cb * TILE_BACKWARD_F * f,
         tile_forward_per_token=cb * TILE_FORWARD_F * f,
         tile_fixed=mlp_sums_bytes(cfg, cb),
@@ -132,35 +154,51 @@ def probe_layer_memory(
     params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
     sizes = sorted({max(128, tokens // 4), max(128, tokens)})
     tile = max(32, sizes[0] // PROBE_TILES)
-    (t1, g1, b1, f1), (t2, g2, b2, f2), elapsed = _probe(
+    (t1, g1, b1, f1, _), (t2, g2, b2, f2, _), elapsed = _probe(
         cfg, i, params, device, dtype, compile, sizes, 0, masked
     )
     n = sum(t.numel() for t in params.values())
     n -= cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0  # what a token passes through
     q = cfg.num_attention_heads * cfg.head_dim
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
-    slope = (b2 - b1) / (t2 - t1) if t2 > t1 else b2 / t2
-    fixed = b2 - slope * t2
-    (_, tg1, tb1, tf1), (_, tg2, tb2, tf2), _ = _probe(
+    slope, fixed = _line((t1, b1), (t2, b2))
+    (_, tg1, tb1, tf1, tl1), (_, tg2, tb2, tf2, tl2), _ = _probe(
         cfg, i, params, device, dtype, compile, sizes, tile, masked
     )
-    t_slope = (tb2 - tb1) / (t2 - t1) if t2 > t1 else tb2 / t2
-    tf_slope = (tf2 - tf1) / (t2 - t1) if t2 > t1 else tf2 / t2
+    # a third run at the larger count with tiles four times as long separates tiles from tokens
+    (_, _, _, tf3, tl3), _, _ = _probe(cfg, i, params, device, dtype, compile, [t2], 4 * tile, masked)
     sums = mlp_sums_bytes(cfg, dtype.itemsize)
+    tiled = dict(tiled_graph_per_token=max(tg1 / t1, tg2 / t2))
+    t_slope, t_fixed = _line((t1, tb1), (t2, tb2))
+    tf_slope, _ = _line((t1, tf1), (t2, tf2))
+    tiled.update(tiled_backward_per_token=t_slope, tiled_backward_fixed=t_fixed)
+    tiled.update(tiled_backward_proportional=tb2 / t2, tiled_forward_per_token=tf_slope)
+    tile_fwd = (tf2 - tf_slope * t2) / tile
+    if tl3 is not None:
+        tile_fwd = max(tile_fwd, (tf3 - tf2) / (3 * tile))
+    tiled.update(tile_forward_per_token=max(0.0, tile_fwd))
+    if tl2 is not None:  # the MLP's tile loop ran: its phase in tokens and tile tokens
+        l_slope, l_fixed = _line((t1, tl1), (t2, tl2))
+        # the longer tiles tile only a count above them (not so at the smallest probe sizes)
+        per_tile = (tl3 - tl2) / (3 * tile) if tl3 is not None else (l_fixed - sums) / tile
+        per_tile = max(0.0, per_tile)
+        fixed_loop = max(sums, tl2 - l_slope * t2 - per_tile * tile)
+        tiled.update(mlp_backward_per_token=l_slope, tile_backward_per_token=per_tile, tile_fixed=fixed_loop)
     return LayerMemory(
         graph_per_token=max(g1 / t1, g2 / t2),
         backward_per_token=slope,
         backward_fixed=fixed,
         forward_per_token=max(f1 / t1, f2 / t2),
         flops_per_s=flops / elapsed,
-        tiled_graph_per_token=max(tg1 / t1, tg2 / t2),
-        tiled_backward_per_token=t_slope,
-        tiled_forward_per_token=tf_slope,
-        # what the tiled runs' intercepts add to the untiled one's, per tile token
-        tile_backward_per_token=max(0.0, (tb2 - t_slope * t2 - fixed - sums) / tile),
-        tile_forward_per_token=max(0.0, (tf2 - tf_slope * t2) / tile),
-        tile_fixed=sums,
+        **tiled,
     )
+
+
+def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    """(slope, intercept) through two (tokens, bytes) points (through the origin if one)."""
+    (x1, y1), (x2, y2) = a, b
+    slope = (y2 - y1) / (x2 - x1) if x2 > x1 else y2 / x2
+    return slope, y2 - slope * x2
 
 
 def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], tile: int, masked: bool):
@@ -185,7 +223,7 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
         x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=dtype)
         for _ in range(2):  # the first compiles; the second is measured
             t0 = time.perf_counter()
-            rows.append((t, *_measure(fn, leaves, params, x, inputs, pgrads, device)))
+            rows.append((t, *measure_layer(fn, leaves, params, x, inputs, pgrads, device)))
             elapsed = time.perf_counter() - t0
         rows.pop(-2)
         del x, inputs
@@ -193,8 +231,9 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
     return rows[0], rows[-1], elapsed
 
 
-def _measure(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, int]:
-    """(graph bytes, backward peak above the graph less parameter gradients, forward peak)."""
+def measure_layer(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, int, int | None]:
+    """(graph bytes, backward peak above the graph less parameter gradients outside the MLP's
+    tile loop, forward peak, the tile loop's peak above the graph or None if the MLP is untiled)."""
     out_bytes = x.numel() * x.element_size()
     xr = x.detach().requires_grad_()
     torch.cuda.synchronize(device)
@@ -206,9 +245,19 @@ def _measure(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, i
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    grads = torch.autograd.grad(y, [xr, *leaves.values()], dy)
-    torch.cuda.synchronize(device)
-    backward = torch.cuda.max_memory_allocated(device) - before - pgrads
+    peaks = []
+
+    def phase(_where: str) -> None:  # the peak up to here, then a fresh count
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    with tiled_backward_phases(phase):
+        grads = torch.autograd.grad(y, [xr, *leaves.values()], dy)
+    phase("done")
+    # peaks: before the first tile loop, each loop, between and after them
+    loop = max(peaks[1::2]) - before if len(peaks) > 1 else None
+    backward = max(peaks[0::2]) - before - pgrads
     del grads, y, dy, xr
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -218,7 +267,7 @@ def _measure(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, i
     torch.cuda.synchronize(device)
     forward = torch.cuda.max_memory_allocated(device) - before - out_bytes
     del y
-    return graph, backward, forward
+    return graph, backward, forward, loop
 
 
 def layer_memory_for(

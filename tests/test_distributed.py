@@ -212,9 +212,16 @@ def test_cuda_world_without_nccl_is_one_line(monkeypatch):
 
 # ---------------------------------------------------------------------------- on GPUs
 @pytest.mark.gpu
-def test_resume_with_device_resident_state_is_exact(tmp_path):
+def test_resume_with_device_resident_state_is_exact(tmp_path, monkeypatch):
     """The units whose fp32 state the plan keeps on the GPU get the checkpoint's moments too
-    (they were copied to the GPU before the moments were loaded)."""
+    (they were copied to the GPU before the moments were loaded). Three units are made resident
+    whatever the cost model would choose for so small a model."""
+    from dataclasses import replace
+
+    from megatrain import plan as plan_module
+
+    choices_of = plan_module.choices_of
+    monkeypatch.setattr(plan_module, "choices_of", lambda cfg: replace(choices_of(cfg), resident_units=3))
     base = make_run(tmp_path)
     base.update(device="cuda", compute_dtype="float32", torch_compile=False, max_steps=4)
     train(TrainConfig(**base, output_dir=str(tmp_path / "a")))

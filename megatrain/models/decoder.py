@@ -10,6 +10,9 @@ The mixture-of-experts families reuse `Attention` with an expert block as MLP (`
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +103,20 @@ def mlp(x: torch.Tensor, act, gate_w, gate_b, up_w, up_b, down_w, down_b) -> tor
     return F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
 
 
+_backward_hooks: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def tiled_backward_phases(hook: Callable[[str], None]) -> Iterator[None]:
+    """Within this block `hook("start")` and `hook("end")` run around every tiled MLP's backward,
+    so that the probe can measure the memory of that phase apart from the rest of the layer's."""
+    _backward_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _backward_hooks.remove(hook)
+
+
 class _TiledMLP(torch.autograd.Function):
     """`mlp` over `tile` tokens at a time: the forward saves only its input (and the weights it was
     given), the backward recomputes one tile at a time and sums the weight gradients in fp32, so
@@ -119,6 +136,8 @@ class _TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
+        for hook in _backward_hooks:
+            hook("start")
         x, *weights = ctx.saved_tensors
         need_x, *need_w = ctx.needs_input_grad[:1] + ctx.needs_input_grad[3:]
         need_w = [n and w is not None for n, w in zip(need_w, weights)]
@@ -141,6 +160,8 @@ class _TiledMLP(torch.autograd.Function):
                 torch._foreach_add_([s for s in sums if s is not None], grads)
             del yt, grads
         dw = [None if s is None else s.to(w.dtype) for s, w in zip(sums, weights)]
+        for hook in _backward_hooks:
+            hook("end")
         return (None if dx is None else dx.view_as(x)), None, None, *dw
 
 
