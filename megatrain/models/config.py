@@ -134,6 +134,22 @@ def _rope_type_of(params: dict) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
+def _check_quantization(hf) -> None:
+    """Refuse a quantised checkpoint whose tensors are not decoded on loading: only MXFP4 ones are
+    (`mxfp4.py`, gpt-oss as published); others would load their raw integers as weights."""
+    from ..mxfp4 import QUANT_METHOD
+
+    quant = getattr(hf, "quantization_config", None)
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method != QUANT_METHOD:
+        raise ConfigError(
+            f"quantization_config: {method} checkpoints are not supported (full-precision weights train "
+            f"here; of quantised ones only {QUANT_METHOD} is decoded on loading)"
+        )
+
+
 @dataclass
 class ModelConfig:
     """Shape and numerics of a decoder-only model: a fast block's flags (FAMILIES), or a model
@@ -237,6 +253,7 @@ class ModelConfig:
         without Qwen's optional sliding window), else the generic path (which refuses, naming the
         reason, what cannot train as a decoder)."""
         mt = hf.model_type
+        _check_quantization(hf)
         act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
         fast = (
             mt in FAMILIES
