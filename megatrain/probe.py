@@ -120,7 +120,9 @@ def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
     """A conservative estimate of one layer's activation memory (see GRAPH_H). An MoE layer
     counts as an MLP as wide as the experts a token passes through (`token_ffn`), plus MOE_ROWS
     hidden-sized rows per routed copy of a token (gathered input, weighted output); its experts
-    are not tiled (only a shared expert is), so its tiled graph is counted as the untiled one."""
+    are not tiled (only a shared expert is), so its tiled graph is counted as the untiled one.
+    gpt-oss's clamped SwiGLU counts as a SwiGLU: compiled, its pointwise chain between the two
+    grouped products fuses, keeping gate_up and the product as SwiGLU does (not measured)."""
     h, f, cb = cfg.hidden_size, token_ffn(cfg), compute_bytes
     rows = MOE_ROWS * cfg.moe.top_k * h if cfg.moe else 0
     graph = cb * (GRAPH_H * h + GRAPH_F * f + rows)

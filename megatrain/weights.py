@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from . import manifest
+from . import manifest, mxfp4
 from .errors import CheckpointError, ConfigError, OutputError
 from .models.config import ModelConfig
 from .state import HostState, build_units, checkpoint_entries, piece_views
@@ -69,23 +69,36 @@ def _open_safetensors(path: Path):
 class TensorReader:
     """Reads tensors by key from a set of safetensors files, all opened (memory-mapped) at
     construction: the files stay readable even if their directory is deleted afterwards, and
-    several threads may read at once."""
+    several threads may read at once. MXFP4 pairs (`{key}_blocks`, `{key}_scales`, gpt-oss as
+    published) read as the full-precision tensor `key` (mxfp4.py)."""
 
     def __init__(self, files: dict[str, Path], where: str | Path):
         self.files, self.where = files, where  # `where` names the checkpoint in errors
         self._handles = {path: _open_safetensors(path) for path in set(files.values())}
+        self.quantized = mxfp4.quantized_keys(files)
 
     def _handle(self, key: str):
         return self._handles[self.files[key]]
 
+    def file(self, key: str) -> Path:
+        """The file holding `key` (its blocks, for an MXFP4 pair)."""
+        return self.files[self.quantized[key][0] if key in self.quantized else key]
+
     def shape(self, key: str) -> tuple[int, ...]:
+        if key in self.quantized:
+            return mxfp4.decoded_shape(self.shape(self.quantized[key][0]))
         return tuple(self._handle(key).get_slice(key).get_shape())
 
     def dtype(self, key: str) -> str:
-        """The safetensors dtype name, e.g. F32 or BF16."""
+        """The safetensors dtype name, e.g. F32 or BF16 (MXFP4 for a quantized pair)."""
+        if key in self.quantized:
+            return "MXFP4"
         return self._handle(key).get_slice(key).get_dtype()
 
     def get(self, key: str) -> torch.Tensor:
+        if key in self.quantized:  # decoded in bf16: exact, and half the memory of fp32
+            blocks, scales = (self.get(k) for k in self.quantized[key])
+            return mxfp4.decode(blocks, scales, torch.bfloat16)
         try:
             return self._handle(key).get_tensor(key)
         except CheckpointError:
@@ -93,16 +106,25 @@ class TensorReader:
         except Exception as e:
             raise CheckpointError(f"{self.files[key]}: cannot read {key} ({e})") from None
 
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Copy tensor `key` into `out` (converting its dtype); an MXFP4 pair is decoded in place
+        one expert at a time."""
+        if key in self.quantized:
+            blocks, scales = (self.get(k) for k in self.quantized[key])
+            mxfp4.decode_into(blocks, scales, out)
+        else:
+            out.copy_(self.get(key))
+
     def check(self, key: str, shape: tuple[int, ...], dtype: str | None = None) -> None:
         """Raise a CheckpointError naming the file unless `key` exists with this shape (and dtype)."""
-        if key not in self.files:
+        if key not in self.files and key not in self.quantized:
             raise CheckpointError(f"{self.where}: tensor {key} is missing")
         if self.shape(key) != shape:
             raise CheckpointError(
-                f"{self.files[key]}: {key} has shape {self.shape(key)}, config.json implies {shape}"
+                f"{self.file(key)}: {key} has shape {self.shape(key)}, config.json implies {shape}"
             )
         if dtype is not None and self.dtype(key) != dtype:
-            raise CheckpointError(f"{self.files[key]}: {key} is {self.dtype(key)}, expected {dtype}")
+            raise CheckpointError(f"{self.file(key)}: {key} is {self.dtype(key)}, expected {dtype}")
 
     def close(self) -> None:
         self._handles.clear()
@@ -117,7 +139,7 @@ def load_hf_weights(state: HostState, model_dir: str | Path, cfg: ModelConfig, p
 
     def load(unit) -> None:
         for key, view in piece_views(state.flat(unit), unit):  # a parameter, or one expert's block
-            view.copy_(reader.get(key))
+            reader.read_into(key, view)
 
     try:
         _per_unit(load, state.units, "loading weights", progress)
@@ -199,6 +221,8 @@ def write_model_config(
     assistant turns joins the EOS ids, so `generate()` stops where a chat model ends its answer."""
     hf = copy.deepcopy(cfg.hf_config)
     hf.architectures = [causal_lm_class(cfg)]
+    if getattr(hf, "quantization_config", None) is not None:
+        del hf.quantization_config  # weights are written in full precision (an MXFP4 source decoded)
     if isinstance(inspect.getattr_static(type(hf), "torch_dtype", None), property):
         hf.dtype = dtype  # transformers 5.x; `torch_dtype` is a deprecated alias there
     else:

@@ -37,11 +37,24 @@ FAMILY_OVERRIDES = {
 }
 # Mixture-of-experts shapes: 8 experts (Mixtral 4), top-2, small experts; Qwen2-MoE's shared
 # expert. The aux loss is on, with a coefficient large enough to move the gradients.
+# gpt-oss: a sliding layer (window 8) and a full one, YaRN over an original context of 32, and
+# a SwiGLU limit low enough that the clamps cut some of the tiny model's activations.
+GPT_OSS_ROPE = dict(
+    rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False, rope_theta=150000.0
+)
 MOE_CONFIGS = {
     "mixtral": dict(num_local_experts=4, intermediate_size=48),
     "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=40),
     "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
     "olmoe": dict(num_experts=8, intermediate_size=32),
+    "gpt_oss": dict(
+        num_local_experts=8,
+        intermediate_size=32,
+        head_dim=16,
+        sliding_window=8,
+        swiglu_limit=1.0,
+        rope_parameters=dict(GPT_OSS_ROPE, original_max_position_embeddings=32),
+    ),
 }
 MOE_COMMON = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
 

@@ -19,7 +19,7 @@ from megatrain.runtime import build_model
 from megatrain.weights import save_hf_checkpoint
 
 FAST = {"llama": "llama", "qwen3": "llama", "gemma2": "gemma", "gemma3_text": "gemma", "phi3": "phi3"}
-FAST |= {"olmo2": "olmo2", "cohere": "cohere"} | {f: "moe" for f in MOE_CONFIGS}
+FAST |= {"olmo2": "olmo2", "cohere": "cohere"} | {f: "moe" for f in MOE_CONFIGS} | {"gpt_oss": "gpt_oss"}
 PATHS = {
     f: f"fast block ({FAST[f]})" if f in FAST else "generic path"
     for f in ["llama", *FAMILY_OVERRIDES, *MOE_CONFIGS]
@@ -41,7 +41,6 @@ def test_each_family_says_which_path_it_takes(family, path):
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "not a causal decoder"),
         ({"model_type": "no-such-model"}, "not a model transformers knows"),
         # mixture of experts without a fast block: the generic path does not run them
-        ({"model_type": "gpt_oss"}, "'gpt_oss' is a mixture-of-experts model without a fast block"),
         ({"model_type": "deepseek_v3"}, "'deepseek_v3' is a mixture-of-experts model without a fast block"),
         ({"model_type": "qwen2_moe", "use_sliding_window": True}, "has no fast MoE block"),
     ],

@@ -87,6 +87,7 @@ STEP_CASES = [
     ("qwen2_moe", "two_pass"),
     ("qwen3_moe", "immediate"),
     ("olmoe", "stored"),
+    ("gpt_oss", "two_pass"),
 ]
 
 
@@ -128,8 +129,9 @@ def test_optimizer_steps_match_plain_accumulation_loop(family, mode, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_checkpoint_keys_load_and_export_round_trip(family, tmp_path):
-    """megatrain reads the per-expert tensors transformers' save_pretrained writes (the Hub's
-    names), and its export loads back into transformers with identical logits."""
+    """megatrain reads the tensors transformers' save_pretrained writes (the Hub's names: one per
+    expert, but gpt-oss's fused ones), and its export loads back into transformers with
+    identical logits."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -139,7 +141,8 @@ def test_checkpoint_keys_load_and_export_round_trip(family, tmp_path):
     mt = _megatrain(hf, tmp_path)
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         source = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    assert any(".experts.3." in k for k in source)  # per-expert tensors, as on the Hub
+    # per-expert tensors, as on the Hub; gpt-oss's files hold each fused tensor whole
+    assert any(".experts.3." in k for k in source) == (family != "gpt_oss")
     out = save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "export", dtype=torch.float32, progress=False)
     with safe_open(out / "model.safetensors", "pt") as f:
         assert set(f.keys()) == set(source)
@@ -217,6 +220,20 @@ def test_parameters_decay_groups_and_count_are_transformers(family):
     assert {p.key: p.shape for p in specs} == {k: tuple(v.shape) for k, v in hf.named_parameters()}
     assert {p.key for p in specs if p.decay} == _hf_decay_names(hf)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parameter_counts_are_the_templates(family):
+    """The counts the plan's step time and FLOP rate use: a layer's expert block (router, experts
+    and their biases, shared expert) and the parameters a token is not routed to."""
+    from megatrain.models.family import templates
+
+    cfg = ModelConfig.from_hf(tiny_hf_model(family).config)
+    spec, h = cfg.moe, cfg.hidden_size
+    mlp = templates(cfg)["layers"]["layer"].mlp
+    assert spec.layer_params(h) == sum(p.numel() for p in mlp.parameters())
+    experts = sum(p.numel() for p in mlp.experts.parameters())
+    assert spec.inactive_params(h) * spec.num_experts == experts * (spec.num_experts - spec.top_k)
 
 
 def test_unsupported_moe_settings_are_refused_by_name():

@@ -1,6 +1,7 @@
 """Mixture-of-experts on CUDA (`pytest -m gpu`; skipped elsewhere): the grouped-matmul experts in
 bf16 under every schedule equal the serial one bitwise, track the fp32 CPU reference, compile,
-and the fp32 CUDA path (experts one after another) matches the CPU."""
+and the fp32 CUDA path (experts one after another) matches the CPU. gpt-oss's attention sinks
+through FlexAttention's log-sum-exp equal the explicit scores."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from helpers import tiny_config
 from test_gpu import ADAMW, _build, _plan, _steps
 
+from megatrain.models.attention import attend, attention_mask, eager_attention
 from megatrain.models.config import ModelConfig
 from megatrain.runtime import build_model
 
@@ -16,9 +18,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(family="olmoe"):
-    experts = (
-        dict(num_local_experts=8) if family == "mixtral" else dict(num_experts=8, moe_intermediate_size=128)
-    )
+    experts = {
+        "mixtral": dict(num_local_experts=8),
+        "gpt_oss": dict(num_local_experts=8, head_dim=32, sliding_window=64, swiglu_limit=7.0),
+    }.get(family, dict(num_experts=8, moe_intermediate_size=128))
     hf = tiny_config(
         family,
         vocab_size=512,
@@ -48,6 +51,7 @@ def _run(cfg, plan, overlap, max_norm=0.5):
         ("qwen2_moe", _plan(gpu_grads=0, keep=1), 0.5),
         ("mixtral", _plan("two_pass", 0), 0.5),
         ("qwen3_moe", _plan("immediate", 0), 0.0),
+        ("gpt_oss", _plan(gpu_grads=3, keep=1), 0.5),
     ],
 )
 def test_moe_placements_equal_the_serial_schedule_bitwise(family, plan, max_norm):
@@ -81,3 +85,46 @@ def test_fp32_cuda_experts_match_cpu():
     l_gpu, _ = _steps(gpu, n_steps=2)
     assert l_ref == pytest.approx(l_gpu, rel=1e-4)
     gpu.close()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window,packed", [(None, False), (100, False), (None, True), (100, True)])
+def test_sinks_through_flex_attention_equal_the_explicit_scores(dtype, tol, window, packed):
+    """gpt-oss's sinks on CUDA: compiled FlexAttention, its output rescaled by sigmoid(lse - sink),
+    against the explicit scores with a sink column (transformers' eager attention): output and the
+    gradients of q, k, v and the sinks, over 1024-token rows (plain, windowed, packed)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, Hkv, S, D = 2, 8, 2, 1024, 64
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype).requires_grad_()
+
+    q, k, v, sinks = rand(B, H, S, D), rand(B, Hkv, S, D), rand(B, Hkv, S, D), rand(H, scale=2.0)
+    doc = torch.cat([torch.zeros(B, 300), torch.ones(B, 500), torch.full((B, 224), 2)], 1).long().cuda()
+    doc = doc if packed else None
+    block = attention_mask(doc, S, window, "cuda", flex=True, always=True)
+    dense = attention_mask(doc, S, window, "cuda", flex=False, always=True)
+    got = attend(q, k, v, block, sinks=sinks)
+    ref = eager_attention(q, k, v, dense, None, sinks=sinks)
+    dy = torch.randn_like(ref)
+    g_got = torch.autograd.grad(got, [q, k, v, sinks], dy)
+    g_ref = torch.autograd.grad(ref, [q, k, v, sinks], dy)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (got, *g_got), (ref, *g_ref)):
+        d = (a.float() - b.float()).abs()
+        scale = b.float().abs().max()
+        assert d.max() <= tol * scale, f"{name}: max {d.max():.3g} mean {d.mean():.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_gpt_oss_on_cuda_tracks_fp32_cpu(compile):
+    """The whole gpt-oss block on CUDA (sinks through FlexAttention, biased grouped experts): fp32
+    losses equal the CPU's to 1e-4, bf16 (compiled or not) within 2e-2."""
+    cfg = _cfg("gpt_oss")
+    ref = build_model(cfg, seed=5, device="cpu", compute_dtype="float32", adamw=ADAMW)
+    l_ref, _ = _steps(ref, n_steps=2)
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 2e-2)):
+        gpu = build_model(cfg, seed=5, device="cuda", compute_dtype=dtype, adamw=ADAMW, compile=compile)
+        l_gpu, _ = _steps(gpu, n_steps=2)
+        assert l_gpu == pytest.approx(l_ref, rel=tol), (dtype, l_ref, l_gpu)
+        assert gpu.engine.aux_metrics()["aux_loss"] > 0
+        gpu.close()

@@ -13,6 +13,12 @@ The rule: a token attends to itself and earlier tokens of the same document (pac
 
 The mask of a micro-batch is built once (`attention_mask`) and shared by every layer and by the
 backward recompute.
+
+Two score variants have no SDPA kernel: Gemma 2's tanh soft-capping and gpt-oss's attention
+sinks (a learned logit per head joined to every query's softmax denominator, attending to
+nothing). On CUDA both stay on FlexAttention (a score_mod; the sinks from the log-sum-exp it
+returns), so those families take a block mask even for plain rows; elsewhere the scores are
+explicit, as transformers' eager attention computes them (`eager_attention`).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask, flex_attention
 
 BLOCK = 128  # FlexAttention's default block size: the tables' granularity
 BLOCK_TABLE_BYTES = 16  # int32 kv/q counts and indices of partial and full blocks
@@ -132,18 +138,24 @@ def attend(
     mask: Mask,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v under the causal rule and `mask`; q [B, H, S, d], k and v
     [B, H_kv, S, d] (grouped-query heads are read as they are, never repeated). `scale` replaces
-    1/sqrt(d); `softcap` caps the scores at +-softcap with tanh first (Gemma 2)."""
+    1/sqrt(d); `softcap` caps the scores at +-softcap with tanh first (Gemma 2); `sinks` [H] are
+    extra logits in each head's softmax denominator (gpt-oss)."""
     gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, BlockMask):
         # Inside a compiled layer the compiler traces FlexAttention itself; a nested compiled
         # function there is refused.
         fn = flex_attention if torch.compiler.is_compiling() or q.device.type != "cuda" else _compiled_flex()
-        return fn(q, k, v, score_mod=_capped(softcap), block_mask=mask, scale=scale, enable_gqa=gqa)
-    if softcap is not None:
-        return softcapped_attention(q, k, v, mask, scale, softcap)
+        kw = dict(score_mod=_capped(softcap), block_mask=mask, scale=scale, enable_gqa=gqa)
+        if sinks is None:
+            return fn(q, k, v, **kw)
+        out, aux = fn(q, k, v, **kw, return_aux=AuxRequest(lse=True))
+        return sink_rescale(out, aux.lse, sinks)
+    if softcap is not None or sinks is not None:
+        return eager_attention(q, k, v, mask, scale, softcap, sinks)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
@@ -160,15 +172,32 @@ def _capped(cap: float | None):
     return score_mod
 
 
-def softcapped_attention(q, k, v, mask, scale: float | None, cap: float) -> torch.Tensor:
-    """Attention with scores capped at +-cap by tanh, as transformers' eager attention computes it
-    (no fused kernel takes a cap): scores, cap, mask, fp32 softmax. q [B, H, S, D], k/v grouped;
-    quadratic in memory (the CUDA path with a BlockMask does not materialise the scores)."""
+def sink_rescale(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output `out` [B, H, S, d] of a softmax whose log-sum-exp is `lse` [B, H, S] (fp32),
+    rescaled as if each head's sink logit had joined the denominator:
+    exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink). Differentiable in all three (the
+    sinks' gradient flows through the log-sum-exp)."""
+    keep = torch.sigmoid(lse - sinks.float()[:, None])
+    return (out * keep[..., None]).to(out.dtype)
+
+
+def eager_attention(
+    q, k, v, mask, scale: float | None, cap: float | None = None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention with explicit scores, as transformers' eager attention computes them: scores,
+    tanh cap (Gemma 2), mask, a sink column per head (gpt-oss: in the softmax, then dropped),
+    fp32 softmax. q [B, H, S, D], k/v grouped; quadratic in memory (CUDA takes FlexAttention)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    s = torch.tanh(s / cap) * cap
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~mask, torch.finfo(s.dtype).min)
-    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+    p = F.softmax(s, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.matmul(p.to(q.dtype), v)

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 # the norms' epsilon (default rms_norm_eps); `window`: one sliding window for every layer.
 # The mixture-of-experts families (block `moe`, `moe.py`) replace the MLP with an expert block
 # (`MoESpec`); `qk_norm="full"`: one q/k RMSNorm over all heads, before the split (OLMoE).
+# gpt-oss has a block of its own (`gpt_oss.py`): attention sinks, biased experts, clamped SwiGLU.
 FAMILIES = {
     "llama": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=False),
     "mistral": dict(block="llama", qkv_bias=False, o_bias=False, qk_norm=False, window=True),
@@ -31,7 +32,10 @@ FAMILIES = {
     "qwen2_moe": dict(block="moe", qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen3_moe": dict(block="moe", qkv_bias=None, o_bias=None, qk_norm=True),
     "olmoe": dict(block="moe", qkv_bias=None, o_bias=None, qk_norm="full"),
+    "gpt_oss": dict(block="gpt_oss", qkv_bias=None, o_bias=None, qk_norm=False),
 }
+MOE_BLOCKS = ("moe", "gpt_oss")
+"""The blocks whose MLP is a mixture of experts (their configs have a `MoESpec`)."""
 
 
 @dataclass(frozen=True)
@@ -52,19 +56,27 @@ class MoESpec:
     router_aux_loss_coef: float = 0.0
     output_router_logits: bool = False
     """Whether the loss includes `router_aux_loss_coef * aux_loss`, as in transformers."""
+    expert_bias: bool = False
+    """Biases on the router and on each expert's projections (gpt-oss)."""
 
     @property
     def token_ffn(self) -> int:
         """The MLP width a token passes through: its top-k experts and the shared expert."""
         return self.top_k * self.expert_size + self.shared_expert_size
 
+    def expert_params(self, hidden: int) -> int:
+        """Parameters of one expert (its gate, up and down projections, and their biases)."""
+        bias = 2 * self.expert_size + hidden if self.expert_bias else 0
+        return 3 * hidden * self.expert_size + bias
+
     def inactive_params(self, hidden: int) -> int:
         """Parameters of a layer's experts that one token is not routed to."""
-        return (self.num_experts - self.top_k) * 3 * hidden * self.expert_size
+        return (self.num_experts - self.top_k) * self.expert_params(hidden)
 
     def layer_params(self, hidden: int) -> int:
         """Parameters of one layer's expert block: router, experts, shared expert and its gate."""
-        n = self.num_experts * (3 * hidden * self.expert_size + hidden)
+        router = self.num_experts * (hidden + self.expert_bias)
+        n = self.num_experts * self.expert_params(hidden) + router
         if self.shared_expert_size:
             n += 3 * hidden * self.shared_expert_size + hidden
         return n
@@ -79,7 +91,7 @@ def moe_spec(hf) -> MoESpec | None:
     """The MoE part of a transformers config, or None for a dense family. Refuses what the
     templates do not implement, naming the key."""
     mt = hf.model_type
-    if FAMILIES.get(mt, {}).get("block") != "moe":
+    if FAMILIES.get(mt, {}).get("block") not in MOE_BLOCKS:
         return None
     if _get(hf, "router_jitter_noise", 0.0):
         raise ConfigError(f"{mt}: router_jitter_noise > 0 is not supported")
@@ -89,16 +101,19 @@ def moe_spec(hf) -> MoESpec | None:
         raise ConfigError(
             f"{mt}: dense layers among MoE ones (decoder_sparse_step, mlp_only_layers) are not supported"
         )
-    mixtral = mt == "mixtral"
+    mixtral, gpt_oss = mt == "mixtral", mt == "gpt_oss"
+    dense_size = mt in ("mixtral", "olmoe", "gpt_oss")  # the experts' size is `intermediate_size`
     return MoESpec(
-        num_experts=hf.num_local_experts if mixtral else hf.num_experts,
+        num_experts=hf.num_local_experts if mixtral or gpt_oss else hf.num_experts,
         top_k=hf.num_experts_per_tok,
-        expert_size=hf.intermediate_size if mt in ("mixtral", "olmoe") else hf.moe_intermediate_size,
-        norm_topk_prob=True if mixtral else bool(hf.norm_topk_prob),
+        expert_size=hf.intermediate_size if dense_size else hf.moe_intermediate_size,
+        # gpt-oss: a softmax over the top-k logits, the top-k probabilities renormalised
+        norm_topk_prob=True if mixtral or gpt_oss else bool(hf.norm_topk_prob),
         shared_expert_size=hf.shared_expert_intermediate_size if mt == "qwen2_moe" else 0,
         fp32_scores=mixtral,
         router_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", 0.0)),
         output_router_logits=bool(_get(hf, "output_router_logits", False)),
+        expert_bias=gpt_oss,
     )
 
 
@@ -117,6 +132,22 @@ def _rope_type(hf) -> str:
 
 def _rope_type_of(params: dict) -> str:
     return params.get("rope_type", params.get("type", "default"))
+
+
+def _check_quantization(hf) -> None:
+    """Refuse a quantised checkpoint whose tensors are not decoded on loading: only MXFP4 ones are
+    (`mxfp4.py`, gpt-oss as published); others would load their raw integers as weights."""
+    from ..mxfp4 import QUANT_METHOD
+
+    quant = getattr(hf, "quantization_config", None)
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method != QUANT_METHOD:
+        raise ConfigError(
+            f"quantization_config: {method} checkpoints are not supported (full-precision weights train "
+            f"here; of quantised ones only {QUANT_METHOD} is decoded on loading)"
+        )
 
 
 @dataclass
@@ -187,7 +218,7 @@ class ModelConfig:
         """Each layer's sliding attention window (None: full causal attention)."""
         hf = self.hf_config
         types = getattr(hf, "layer_types", None)
-        if types is not None:  # Gemma 2/3, Qwen2/3: per layer
+        if types is not None:  # Gemma 2/3, gpt-oss, Qwen2/3: per layer
             return [hf.sliding_window if t == "sliding_attention" else None for t in types]
         if self.path == "fast":
             return [self.sliding_window] * self.num_hidden_layers
@@ -222,6 +253,7 @@ class ModelConfig:
         without Qwen's optional sliding window), else the generic path (which refuses, naming the
         reason, what cannot train as a decoder)."""
         mt = hf.model_type
+        _check_quantization(hf)
         act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
         fast = (
             mt in FAMILIES

@@ -5,7 +5,8 @@ weights to it for every visit with `torch.func.functional_call`. Nothing here ow
 
 The four families differ only by flags of `ModelConfig`: q/k/v bias (Qwen2, Llama with
 `attention_bias`), q/k RMSNorm (Qwen3; over all heads for OLMoE), and Mistral's sliding window.
-The mixture-of-experts families reuse `Attention` with an expert block as MLP (`moe.py`).
+The mixture-of-experts families reuse `Attention` with an expert block as MLP (`moe.py`; gpt-oss,
+with attention sinks, in `gpt_oss.py`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings. Families that differ only in the scores
     say so through parameters: `norm` builds the q/k norms (with `cfg.qk_norm`), `scale`
-    replaces 1/sqrt(head_dim), `softcap` caps the scores at +-softcap with tanh (Gemma 2)."""
+    replaces 1/sqrt(head_dim), `softcap` caps the scores at +-softcap with tanh (Gemma 2),
+    `sinks` adds a learned logit per head to the softmax denominator (gpt-oss's `sinks`)."""
 
-    def __init__(self, cfg: ModelConfig, norm=None, scale: float | None = None, softcap: float | None = None):
+    has_sinks = False  # also for subclasses that build their own projections (Phi-3)
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        norm=None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+    ):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -71,6 +82,8 @@ class Attention(nn.Module):
             self.k_norm = norm(self.n_kv * d if full else d)
         self.qk_norm, self.qk_norm_full = cfg.qk_norm, cfg.qk_norm_full
         self.scale, self.softcap = scale, softcap
+        if sinks:
+            self.has_sinks, self.sinks = True, nn.Parameter(torch.empty(self.n_heads))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B, S, heads, head_dim]."""
@@ -94,7 +107,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rotate(q, k, rope)
-        y = attend(q, k, v, mask, self.scale, self.softcap)
+        y = attend(q, k, v, mask, self.scale, self.softcap, self.sinks if self.has_sinks else None)
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -273,6 +286,37 @@ def rope_cos_sin(inv_freq: torch.Tensor, scale: float, position_ids: torch.Tenso
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * scale, emb.sin() * scale
     return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def layer_type(cfg: ModelConfig, i: int) -> str:
+    """Layer i's kind in families that alternate attention by `layer_types` (`sliding_attention`,
+    `full_attention`)."""
+    return cfg.hf_config.layer_types[i]
+
+
+def layer_type_inputs(cfg: ModelConfig, device: torch.device, always_mask: bool = False):
+    """The per-micro-batch inputs of families that alternate sliding-window and full attention
+    (`layer_types`): each kind's rotary tables (Gemma 3's local layers have their own base) and
+    mask. `always_mask`: the scores have no fused kernel but FlexAttention's (Gemma 2's soft cap,
+    gpt-oss's sinks), so on CUDA even plain rows take a block mask and no score matrix exists."""
+    windows = {layer_type(cfg, i): w for i, w in enumerate(cfg.windows)}
+    ropes = {}
+    for kind in windows:
+        inv, scale = rope_inv_freq(cfg, kind)
+        ropes[kind] = (inv.to(device), scale)
+
+    def inputs(position_ids, document_ids, seq_len, dtype, flex):
+        return {
+            kind: {
+                "rope": rope_cos_sin(*ropes[kind], position_ids, dtype),
+                "mask": attention_mask(
+                    document_ids, seq_len, window, position_ids.device, flex, always=always_mask and flex
+                ),
+            }
+            for kind, window in windows.items()
+        }
+
+    return inputs
 
 
 def _inputs(cfg: ModelConfig, device: torch.device):

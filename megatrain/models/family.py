@@ -87,11 +87,20 @@ def family_of(cfg: ModelConfig) -> Family:
     from .cohere import COHERE
     from .decoder import BLOCKS
     from .gemma import GEMMA
+    from .gpt_oss import GPT_OSS
     from .moe import MOE
     from .olmo2 import OLMO2
     from .phi3 import PHI3
 
-    fams = {**BLOCKS, "gemma": GEMMA, "phi3": PHI3, "olmo2": OLMO2, "cohere": COHERE, "moe": MOE}
+    fams = {
+        **BLOCKS,
+        "gemma": GEMMA,
+        "phi3": PHI3,
+        "olmo2": OLMO2,
+        "cohere": COHERE,
+        "moe": MOE,
+        "gpt_oss": GPT_OSS,
+    }
     return fams[cfg.block]
 
 

@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attention_mask
 from .config import ModelConfig
-from .decoder import MLP, Attention, Embedding, rope_cos_sin, rope_inv_freq
+from .decoder import MLP, Attention, Embedding, layer_type, layer_type_inputs
 from .family import Family, meta
 
 
@@ -81,33 +80,10 @@ class GemmaHead(nn.Module):
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 
-def _kind(cfg: ModelConfig, i: int) -> str:
-    return cfg.hf_config.layer_types[i]
-
-
 def _inputs(cfg: ModelConfig, device: torch.device):
-    windows = {_kind(cfg, i): w for i, w in enumerate(cfg.windows)}
-    ropes = {}
-    for kind in windows:
-        inv, scale = rope_inv_freq(cfg, kind)
-        ropes[kind] = (inv.to(device), scale)
-
-    # Soft-capped scores (Gemma 2) have no fused causal kernel but FlexAttention's: on CUDA even
-    # plain rows take a block mask, so no score matrix is materialised.
+    # Soft-capped scores (Gemma 2) have no fused causal kernel but FlexAttention's.
     capped = getattr(cfg.hf_config, "attn_logit_softcapping", None) is not None
-
-    def inputs(position_ids, document_ids, seq_len, dtype, flex):
-        return {
-            kind: {
-                "rope": rope_cos_sin(*ropes[kind], position_ids, dtype),
-                "mask": attention_mask(
-                    document_ids, seq_len, window, position_ids.device, flex, always=capped and flex
-                ),
-            }
-            for kind, window in windows.items()
-        }
-
-    return inputs
+    return layer_type_inputs(cfg, device, always_mask=capped)
 
 
 def _key(cfg: ModelConfig, kind: str, layer: int, name: str) -> str:
@@ -122,7 +98,7 @@ GEMMA = Family(
     embedding=lambda cfg: meta(lambda: GemmaEmbedding(cfg)),
     layer=lambda cfg, i: meta(lambda: GemmaLayer(cfg)),
     layer_key=lambda cfg, i: "layer",  # global and local layers differ only in their inputs
-    layer_kind=_kind,
+    layer_kind=layer_type,
     inputs=_inputs,
     head=lambda cfg: meta(lambda: GemmaHead(cfg)),
     param_key=_key,

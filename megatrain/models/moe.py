@@ -6,7 +6,7 @@ parameter names are transformers' own (`mlp.gate.weight`, `mlp.experts.gate_up_p
 `mlp.experts.down_proj` [E, H, F]); checkpoints hold one tensor per expert instead, under names
 that `EXPERT_KEYS` maps (as data), each a contiguous block of the fused tensor. Routed tokens go
 through the experts as two grouped matrix products (`F.grouped_mm`), sorted by expert, with no
-loop over experts and no host synchronisation.
+loop over experts and no host synchronisation (`route`, shared with gpt-oss's experts).
 
 A block returns, beside its output, what the auxiliary load-balancing loss needs from the layer:
 each token's top-k experts and its router probabilities (differentiable). `routing.py` turns
@@ -63,19 +63,46 @@ def checkpoint_pieces(cfg, kind: str, layer: int, name: str, shape: tuple[int, .
     ]
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of `x` sorted by expert ([N, in]) through their expert's `w` ([E, out, in]); `offs`
-    are the groups' cumulative ends (int32). One grouped matmul on the CPU and on CUDA in bf16;
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` sorted by expert ([N, in]) times their expert's `w` ([E, in, out]); `offs` are
+    the groups' cumulative ends (int32). One grouped matmul on the CPU and on CUDA in bf16;
     CUDA's grouped kernels take no fp32, so there (only) the experts run one after another."""
     if x.device.type != "cuda" or x.dtype == torch.bfloat16:
-        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return F.grouped_mm(x, w, offs=offs)
     ends = offs.tolist()  # a host sync: fp32 on CUDA is a debugging setting
     starts = [0, *ends[:-1]]
-    return torch.cat([x[a:b] @ w[e].T for e, (a, b) in enumerate(zip(starts, ends))])
+    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, ends))])
+
+
+def expert_counts(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] of the router's choice `idx` [T, k]."""
+    flat = idx.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def route(x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor, experts):
+    """Each token of `x` [T, H] through its top-k experts (`idx`, `scores` [T, k]; `counts` [E]),
+    weighted and summed: the assignments sorted by expert, as rows, go through
+    `experts(rows, offs, expert_of_row)` (grouped products, `offs` the groups' int32 ends)."""
+    T, k = idx.shape
+    order = idx.reshape(-1).argsort(stable=True)  # assignments grouped by expert
+    # Each assignment's token row, gathered from a broadcast view (no [T*k, H] copy of it): the
+    # gradient scatters to distinct (token, slot) places and sums over the slots, so it is
+    # deterministic on CUDA, unlike an index_add over tokens.
+    xs = x[:, None].expand(T, k, x.shape[-1])[order // k, order % k]
+    offs = counts.cumsum(0).to(torch.int32)
+    y = experts(xs, offs, idx.reshape(-1)[order])
+    y = (y * scores.reshape(-1)[order, None]).to(x.dtype)
+    # Back to token order (the inverse permutation, by a scatter rather than a second sort); each
+    # token's k outputs summed (for k = 2 the same sum, bit for bit, as transformers' per-expert
+    # accumulation).
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=order.device))
+    return y[inverse].view(T, k, -1).sum(1)
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as fused 3-D weights (transformers' layout)."""
+    """E SwiGLU experts as fused 3-D weights (transformers' layout, [E, out, in])."""
 
     def __init__(self, num_experts: int, hidden: int, size: int):
         super().__init__()
@@ -84,21 +111,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor):
         """x [T, H]; idx, scores [T, k]: each token's experts and routing weights; counts [E]."""
-        T, k = idx.shape
-        order = idx.reshape(-1).argsort(stable=True)  # assignments grouped by expert
-        # Each assignment's token row, gathered from a broadcast view (no [T*k, H] copy of it):
-        # the gradient scatters to distinct (token, slot) places and sums over the slots, so it
-        # is deterministic on CUDA, unlike an index_add over tokens.
-        xs = x[:, None].expand(T, k, x.shape[-1])[order // k, order % k]
-        offs = counts.cumsum(0).to(torch.int32)
-        gate, up = _grouped_linear(xs, self.gate_up_proj, offs).chunk(2, dim=-1)
-        y = _grouped_linear(F.silu(gate) * up, self.down_proj, offs)
-        y = (y * scores.reshape(-1)[order, None]).to(x.dtype)
-        # Back to token order (the inverse permutation, by a scatter rather than a second sort);
-        # each token's k outputs summed (for k = 2 the same sum, bit for bit, as transformers'
-        # per-expert accumulation).
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=order.device))
-        return y[inverse].view(T, k, -1).sum(1)
+        return route(x, idx, scores, counts, self.mlp)
+
+    def mlp(self, xs: torch.Tensor, offs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`offs` the groups' ends) through their expert's SwiGLU."""
+        gate, up = grouped_linear(xs, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs)
 
 
 class SparseMoeBlock(nn.Module):
@@ -127,10 +145,7 @@ class SparseMoeBlock(nn.Module):
             scores = scores / scores.sum(dim=-1, keepdim=True)
         if not spec.fp32_scores:
             scores = scores.to(logits.dtype)
-        flat_idx = idx.reshape(-1)
-        counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=x.device)
-        counts = counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
-        y = self.experts(flat, idx, scores, counts).view(shape)
+        y = self.experts(flat, idx, scores, expert_counts(idx, spec.num_experts)).view(shape)
         if spec.shared_expert_size:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y, (idx, probs)
@@ -152,7 +167,8 @@ class MoeDecoderLayer(nn.Module):
         return x + y, router
 
 
-def _router_balance(cfg, num_layers: int, device: torch.device):
+def router_balance(cfg, num_layers: int, device: torch.device):
+    """The keeper of transformers' load-balancing loss over a model's layers (`Family.aux`)."""
     from ..routing import RouterBalance  # the engine's side of the aux loss
 
     return RouterBalance(cfg.moe, num_layers, device)
@@ -166,5 +182,5 @@ MOE = dataclasses.replace(
     name="moe",
     layer=lambda cfg, i: meta(lambda: MoeDecoderLayer(cfg)),
     pieces=checkpoint_pieces,
-    aux=_router_balance,
+    aux=router_balance,
 )
