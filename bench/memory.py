@@ -176,12 +176,13 @@ def worker(run: dict) -> dict:
         grad_accum=accum,
         clip=clip > 0,
         masked=doc > 0,
+        attention_span=doc or None,  # documents of equal length: sum(len^2) / sum(len) = doc
         choices=choices_of(run),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
     )
     record = MemoryRecord(plan, machine)
-    batch = Batch(mbs * seq, accum, seq, 2, clip > 0, masked=doc > 0, rows=mbs)
+    batch = Batch(mbs * seq, accum, seq, 2, clip > 0, masked=doc > 0, rows=mbs, attention_span=doc or None)
     layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq, masked=doc > 0)
     out = {
         "plan": plan.to_json(),

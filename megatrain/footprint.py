@@ -77,6 +77,9 @@ class Batch:
     """Rows need attention masks (packing, a sliding window shorter than seq_len): FlexAttention's
     block tables, (seq_len / 128)^2 entries per row, all micro-batches' alive through the step."""
     rows: int = 1
+    attention_span: float | None = None
+    """Keys a token's attention covers, on average, times two (the causal mean): sum(len^2) /
+    sum(len) over packed documents; None: the whole row (rows of one document each)."""
 
     @property
     def tokens(self) -> int:
@@ -385,7 +388,7 @@ def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     CPU optimizer that the overlap does not hide."""
     F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
     T, L = b.tokens, s.layers
-    attn = 2 * T * b.seq_len * s.q_dim  # causal QK^T and PV of one layer's forward
+    attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
     layer_fwd = 2 * (s.layer - s.inactive) * T + attn
     head = 6 * s.vocab * s.hidden * T
     recompute = L - plan.keep_layers

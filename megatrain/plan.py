@@ -27,8 +27,11 @@ class InsufficientMemory(MegatrainError):
     """No placement of the run fits the memory it may use."""
 
 
-def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> Batch:
-    """The largest optimizer step of a training config (knobs override its batch settings)."""
+def batch_of(
+    cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: float | None = None, **knobs: int
+) -> Batch:
+    """The largest optimizer step of a training config (knobs override its batch settings);
+    `attention_span` as the data gives it (`Batcher.attention_span`), None: whole rows."""
     k = {name: knobs.get(name, getattr(cfg, name)) for name in KNOBS}
     return Batch(
         micro_batch_tokens=k["per_device_train_batch_size"] * k["max_length"],
@@ -39,6 +42,7 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> B
         masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, k["max_length"])
         or model_cfg.needs_mask,
         rows=k["per_device_train_batch_size"],
+        attention_span=attention_span,
     )
 
 
@@ -76,13 +80,19 @@ class Check:
 
 
 def check(
-    model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, data: int = 0, layer_mem=None
+    model_cfg: ModelConfig,
+    cfg,
+    machine: Machine,
+    compute_bytes: int,
+    data: int = 0,
+    layer_mem=None,
+    attention_span: float | None = None,
 ) -> Check:
     """Plan the run; when nothing fits, name the largest value of each batch knob that would.
     `layer_mem`: the layer's activation memory as probe.py measured it (None: the formula)."""
     machine = _less_data(machine, data)
 
-    attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
+    attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem, attention_span)
     try:
         return Check(attempt(), machine, None)
     except PlanError as e:
@@ -140,11 +150,11 @@ def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: i
     return f"longest context: {n:,} tokens per sequence (one sequence per step; {', '.join(how)})"
 
 
-def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem):
+def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem, span=None):
     """The placement of `cfg` with some batch knobs changed (PlanError when none fits)."""
 
     def attempt(**knobs: int) -> Plan:
-        batch = batch_of(cfg, model_cfg, compute_bytes, **knobs)
+        batch = batch_of(cfg, model_cfg, compute_bytes, span, **knobs)
         return make_placement(model_cfg, batch, machine, choices_of(cfg), layer_mem)
 
     return attempt
@@ -199,12 +209,15 @@ def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
     return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, tokens, masked)
 
 
-def preflight(model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=print) -> tuple[Plan, Machine]:
+def preflight(
+    model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=print, attention_span: float | None = None
+) -> tuple[Plan, Machine]:
     """The plan `train` runs under. Raises InsufficientMemory with a one-line message when no
-    placement fits; with preflight_check=false it warns and plans as if memory were unlimited."""
+    placement fits; with preflight_check=false it warns and plans as if memory were unlimited.
+    `attention_span`: the training data's (`Batcher.attention_span`)."""
     machine = machine_of(cfg, device)
     layer_mem = layer_memory(model_cfg, cfg, device, compute_bytes)
-    result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem)
+    result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem, attention_span=attention_span)
     if result.fits:
         return result.plan, machine
     msg = result.problem + " (see `megatrain plan`; preflight_check=false runs anyway)"
@@ -212,7 +225,7 @@ def preflight(model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=prin
         raise InsufficientMemory(msg)
     warn(f"megatrain: warning: {msg}")
     unlimited = Machine(machine.device)
-    batch = batch_of(cfg, model_cfg, compute_bytes)
+    batch = batch_of(cfg, model_cfg, compute_bytes, attention_span)
     choices = replace(choices_of(cfg), gpu_state="off")
     return make_placement(model_cfg, batch, unlimited, choices, layer_mem), unlimited
 

@@ -91,6 +91,7 @@ def make_plan(
     grad_accum: int = 1,
     clip: bool = True,
     masked: bool = False,
+    attention_span: float | None = None,
     choices: Choices | None = None,
     max_gpu_memory: int | None = None,
     max_host_memory: int | None = None,
@@ -111,6 +112,7 @@ def make_plan(
         clip=clip,
         masked=masked,
         rows=batch_size,
+        attention_span=attention_span,
     )
     return placement.plan(cfg, batch, machine, choices or Choices(), layer_mem), machine
 

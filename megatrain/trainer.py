@@ -130,7 +130,8 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup) if main else ():
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
-    plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize)
+    span = batcher.attention_span  # the cost of attention over packed documents
+    plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize, attention_span=span)
     runs_on = describe(model_cfg)
     memory = MemoryRecord(plan, machine, {"model_type": model_cfg.model_type, "path": runs_on})
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)

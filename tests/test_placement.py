@@ -272,3 +272,21 @@ def test_two_pass_trains_like_stored(tmp_path):
     assert set(w0) == set(w1)
     for k, v in w0.items():
         torch.testing.assert_close(w1[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_documents_cost_attention_over_their_own_length():
+    """The cost model charges packed rows attention over their documents, not the whole row: a
+    64k row of 4k documents is planned as faster than one 64k document, and the span the trainer
+    hands the plan is sum(len^2) / sum(len) over the documents it packed."""
+    from megatrain.data.batching import Batcher
+    from megatrain.data.samples import Sample
+
+    A = llama(3072, 28, 24, 8, 8192)
+    row = dict(micro_batch_tokens=65536, micro_batches=1, seq_len=65536, compute_bytes=2, clip=True)
+    whole = placement.plan(A, Batch(**row, masked=True), cuda(139, 1000))
+    packed = placement.plan(A, Batch(**row, masked=True, attention_span=4096), cuda(139, 1000))
+    assert packed.step_time_s < 0.6 * whole.step_time_s
+    docs = [Sample([1] * n, [1] * n, f"d:{i}") for i, n in enumerate((1000, 3000, 3000, 1000))]
+    batcher = Batcher(docs, batch_size=1, grad_accum=1, max_length=4096, packing=True)
+    assert batcher.attention_span == pytest.approx((2 * 1000**2 + 2 * 3000**2) / 8000)
+    assert Batcher(docs, batch_size=1, grad_accum=1, max_length=4096).attention_span is None

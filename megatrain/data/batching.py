@@ -84,6 +84,14 @@ class Batcher:
         self._epoch, self._position = 0, 0
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, micro-batches of units)
 
+    @property
+    def attention_span(self) -> float | None:
+        """With packing, the keys a token's attention covers on average, times two (the causal
+        mean): sum(len^2) / sum(len) over the documents; None without packing (whole rows)."""
+        if not self.packing:
+            return None
+        return sum(n * n for n in self._lengths) / max(1, sum(self._lengths))
+
     def _too_small(self, units: int) -> str:
         need = self.batch_size * self.micro_per_step
         tokens = sum(self._lengths)
