@@ -170,7 +170,8 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
     layer, kind = family.layer(cfg, i), family.layer_kind(cfg, i)
     set_mlp_tiles(layer, tile)
     inputs_of = family.inputs(cfg, device)
-    leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
+    frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}  # ParamSpec.train
+    leaves = {n: t.detach().requires_grad_(n not in frozen) for n, t in params.items()}
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
 
     def call(p, x, inputs):
@@ -206,7 +207,7 @@ def _measure(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, int, i
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    grads = torch.autograd.grad(y, [xr, *leaves.values()], dy)
+    grads = torch.autograd.grad(y, [xr, *(v for v in leaves.values() if v.requires_grad)], dy)
     torch.cuda.synchronize(device)
     backward = torch.cuda.max_memory_allocated(device) - before - pgrads
     del grads, y, dy, xr

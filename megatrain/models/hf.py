@@ -11,8 +11,8 @@ the attention mask of their kind (full or sliding window), boolean for `sdpa`, a
 What happens outside the layers in a transformers model's `forward` is not read from its code:
 the known extras are data here (EMBED_MULTIPLIERS, the head's logit rules in `_post_logits`).
 Anything with parameters beyond embedding, layers, final norm and LM head is refused by name, and
-so are mixture-of-experts models: those with a fast block (`moe.py`) run there, the others (e.g.
-gpt-oss, DeepSeek-V3) have none.
+so are mixture-of-experts models: those with a fast block (`moe.py`, `deepseek.py`) run there, the
+others (e.g. gpt-oss) have none.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .attention import attention_mask
-from .config import FAMILIES, ModelConfig
+from .config import FAMILIES, MOE_BLOCKS, ModelConfig
 from .family import Family
 
 # Config attributes a transformers model's forward multiplies the token embeddings by (Granite).
@@ -81,7 +81,7 @@ def generic_attention(hf) -> str:
 def _no_moe(mt: str) -> str:
     """Why a mixture-of-experts model cannot run on the generic path: transformers fuses or
     splits its expert tensors on loading, and its router's load-balancing loss spans layers."""
-    fast = [t for t, f in FAMILIES.items() if f["block"] == "moe"]
+    fast = [t for t, f in FAMILIES.items() if f["block"] in MOE_BLOCKS]
     if mt in fast:
         return f"model_type {mt!r}: this configuration (sliding window or dynamic RoPE) has no fast MoE block"
     return (
