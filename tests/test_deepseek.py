@@ -125,6 +125,50 @@ def test_checkpoint_keys_load_and_export_round_trip(tmp_path):
     torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_parameters_decay_groups_count_and_plan(tmp_path):
+    """Parameter names and shapes, the Trainer's weight-decay groups and the parameter count are
+    transformers' (the correction bias a frozen tensor beside them); the plan counts the model at
+    its expert layers' cost, not its dense first layer's."""
+    from test_parity import _hf_decay_names
+
+    from megatrain.footprint import model_shape
+    from megatrain.placement import Batch, Machine, plan
+    from megatrain.probe import formula_layer_memory, probed_layer
+    from megatrain.state import build_units
+
+    hf = tiny_hf_model("v3")
+    cfg = ModelConfig.from_hf(hf.config)
+    specs = [p for u in build_units(cfg) for p in u.params]
+    assert {p.key: p.shape for p in specs if p.train} == {k: tuple(v.shape) for k, v in hf.named_parameters()}
+    assert {p.key for p in specs if not p.train} == {k for k, _ in hf.named_buffers() if "correction" in k}
+    assert {p.key for p in specs if p.decay and p.train} == _hf_decay_names(hf)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+    # the probe measures an expert layer; the formula's layer is no cheaper than an all-expert model's
+    assert probed_layer(cfg) == 1
+    dense = ModelConfig.from_hf(tiny_hf_model("v3", first_k_dense_replace=0).config)
+    lm = formula_layer_memory(cfg, 2)
+    assert model_shape(cfg, lm).layer == model_shape(dense, lm).layer
+    batch = Batch(micro_batch_tokens=64, micro_batches=1, seq_len=32, compute_bytes=4, clip=True, rows=2)
+    machine = Machine(device="cpu", gpu_bytes=None, host_bytes=2**34)
+
+    def compute_s(c):  # the step time less the CPU optimizer's share (the dense model has more parameters)
+        return plan(c, batch, machine, None).step_time_s - model_shape(c, lm).total / machine.adam_params_s
+
+    assert compute_s(cfg) == pytest.approx(compute_s(dense), rel=1e-9)
+
+
+def test_latent_attention_width_in_the_memory_formula():
+    """Latent attention's per-head tensors (queries and keys wider than the hidden size in
+    DeepSeek-V3) enlarge the formula's layer; dense layers first make its MLP at least theirs."""
+    from megatrain.probe import formula_layer_memory, token_ffn
+
+    cfg = ModelConfig.from_hf(tiny_hf_model("v3").config)
+    plain = ModelConfig.from_hf(tiny_hf_model("qwen3_moe").config)
+    per_token = formula_layer_memory(cfg, 2).graph_per_token
+    assert per_token > formula_layer_memory(plain, 2).graph_per_token
+    assert token_ffn(cfg) == max(cfg.intermediate_size, 2 * 32 + 32)
+
+
 def test_padded_values_for_the_flash_kernel_change_nothing():
     """On CUDA unmasked rows pad v to the qk width for SDPA's flash kernel: outputs and gradients
     equal the unpadded attention's (checked here with the CPU's kernel)."""
@@ -187,7 +231,7 @@ def test_cli_plan_train_resume_export_of_a_kimi_k2_config(tmp_path, capsys):
         and f"model: deepseek_v3, 0.2M parameters ({n:,})" in out
         and "runs on: fast block (deepseek)" in out
     )
-    assert "GPU memory at its peak" in out and "\nfits\n" in out
+    assert "GPU memory at its peak" in out and "\nfits\n" in out and "longest context:" in out
 
     a, b = tmp_path / "a", tmp_path / "b"
     assert run_cli(capsys, "train", yaml, f"output_dir={a}")[0] == 0
