@@ -125,6 +125,32 @@ def test_checkpoint_keys_load_and_export_round_trip(tmp_path):
     torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_bfloat16_export_keeps_the_correction_bias_in_fp32(tmp_path):
+    """transformers keeps the router's correction bias in fp32 in a bf16 model
+    (`_keep_in_fp32_modules_strict`), so its bf16 files hold it in fp32: megatrain's bf16 export
+    does too (the other tensors in bf16), and transformers reads it back unrounded."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.weights import save_hf_checkpoint
+
+    hf = tiny_hf_model("v3")
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias += 1 / 3  # not a bf16 number
+    mt = _megatrain(hf, tmp_path)
+    out = save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "export", dtype=torch.bfloat16, progress=False)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    assert {k for k, d in dtypes.items() if d == "F32"} == {BIAS, BIAS.replace("layers.1", "layers.2")}
+    assert set(dtypes.values()) == {"F32", "BF16"}
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor(BIAS), bias)
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert back.model.layers[1].mlp.experts.down_proj.dtype == torch.bfloat16
+    assert torch.equal(back.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+
+
 def test_parameters_decay_groups_count_and_plan(tmp_path):
     """Parameter names and shapes, the Trainer's weight-decay groups and the parameter count are
     transformers' (the correction bias a frozen tensor beside them); the plan counts the model at
