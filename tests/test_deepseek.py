@@ -280,6 +280,54 @@ def test_cli_plan_train_resume_export_of_a_kimi_k2_config(tmp_path, capsys):
     assert torch.equal(model.model.layers[2].mlp.experts.down_proj[7], final[expert])
 
 
+# The shapes of DeepSeek-V3's, DeepSeek-R1's and Kimi-K2's chat templates (system prompt first,
+# the end of an assistant turn; R1's generation prompt opens a <think> block, so rendering a
+# conversation's prefix is not a prefix of the whole).
+_DS_TURNS = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{% endif %}{% endfor %}"
+)
+_DS_SYSTEM = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% endif %}{% endfor %}"
+CHAT_TEMPLATES = {
+    "deepseek_v3": (
+        _DS_SYSTEM + _DS_TURNS + "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}",
+        "<｜end▁of▁sentence｜>",
+    ),
+    "deepseek_r1": (
+        _DS_SYSTEM + _DS_TURNS + "{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}",
+        "<｜end▁of▁sentence｜>",
+    ),
+    "kimi_k2": (
+        "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+        "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}",
+        "<|im_end|>",
+    ),
+}
+
+
+@pytest.mark.parametrize("style", CHAT_TEMPLATES)
+def test_chat_templates_supervise_each_answer_and_its_end_of_turn(style, tmp_path):
+    """Chat data rendered with these templates: the loss is on each assistant answer and the token
+    that ends it (the EOS for DeepSeek), and exports stop generating at that token."""
+    from helpers import tiny_tokenizer
+    from test_data import ASSISTANT, CONV, cfg_for, supervised_spans, write_jsonl
+
+    from megatrain.data import build_samples
+    from megatrain.data.chat import end_of_turn_id
+
+    template, eot = CHAT_TEMPLATES[style]
+    tok = tiny_tokenizer(None)
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+    specials += ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.bos_token, tok.eos_token = specials[:2]
+    tok.chat_template = template
+    (sample,) = build_samples(cfg_for(write_jsonl(tmp_path / "m.jsonl", [{"messages": CONV}])), tok)
+    assert supervised_spans(tok, sample) == [c + eot for c in ASSISTANT]
+    assert end_of_turn_id(tok) == tok.convert_tokens_to_ids(eot)
+
+
 @pytest.mark.parametrize(
     "overrides,key",
     [

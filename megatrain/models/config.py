@@ -382,7 +382,7 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         mt = raw.get("model_type")
-        if mt in MODEL_TYPE_ALIASES:  # transformers' own class; the custom code's name goes
+        if mt in MODEL_TYPE_ALIASES:  # read as the model transformers implements, without its auto_map
             raw = {k: v for k, v in raw.items() if k != "auto_map"} | {"model_type": MODEL_TYPE_ALIASES[mt]}
             mt = raw["model_type"]
         from transformers import CONFIG_MAPPING, AutoConfig

@@ -87,7 +87,7 @@ def router_of(hf) -> Router:
 def moe_spec(hf) -> MoESpec:
     """The expert layers of a DeepSeek config (config.moe_spec), its router checked."""
     mt = hf.model_type
-    router_of(hf)
+    rule = router_of(hf)
     if getattr(hf, "output_router_logits", False):
         raise ConfigError(f"output_router_logits: {NO_BALANCE_LOSS.format(mt=mt)}")
     if hf.hidden_act != "silu":
@@ -96,7 +96,7 @@ def moe_spec(hf) -> MoESpec:
         num_experts=hf.n_routed_experts,
         top_k=hf.num_experts_per_tok,
         expert_size=hf.moe_intermediate_size,
-        norm_topk_prob=bool(hf.norm_topk_prob),
+        norm_topk_prob=rule.norm_topk_prob,
         shared_expert_size=hf.n_shared_experts * hf.moe_intermediate_size,
         fp32_scores=True,  # the router's weights stay fp32 when they scale the experts' outputs
         dense_layers=min(hf.first_k_dense_replace or 0, hf.num_hidden_layers),
