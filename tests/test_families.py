@@ -49,6 +49,11 @@ def test_each_family_says_which_path_it_takes(family, path):
             "no fast MoE block",
         ),
         ({"model_type": "qwen2_moe", "use_sliding_window": True}, "has no fast MoE block"),
+        # fp8 blocks with their scales beside them would load as if they were the weights
+        (
+            {"model_type": "llama", "quantization_config": {"quant_method": "fp8"}},
+            "quantized checkpoint (fp8)",
+        ),
     ],
 )
 def test_what_cannot_train_is_refused_in_one_line(raw, why, tmp_path):
