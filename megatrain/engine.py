@@ -55,8 +55,8 @@ class _Graph:
 
 def _bind(unit: Unit, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
     views = unit_views(flat, unit)
-    if grad:
-        views = {k: v.detach().requires_grad_() for k, v in views.items()}
+    if grad:  # frozen tensors (ParamSpec.train) take no gradient
+        views = {p.name: views[p.name].detach().requires_grad_(p.train) for p in unit.params}
     return views
 
 
@@ -263,7 +263,7 @@ class Engine:
             s = self._wait_parked(fetched.pop(k))
             kept = isinstance(s, _Graph)
             params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
-            names = list(params)
+            names = [n for n, v in params.items() if v.requires_grad]
             leaves = [params[n] for n in names]
             g = torch.zeros(unit.numel, device=self.device)
             for m, p in enumerate(prep):
@@ -416,7 +416,7 @@ class Engine:
         out = {}
         for u in self.units:
             views = unit_views(self.transport.held[u.index], u)
-            out.update({p.key: views[p.name] for p in u.params})
+            out.update({p.key: views[p.name] for p in u.params if p.train})
         return out
 
     @torch.no_grad()

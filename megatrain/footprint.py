@@ -139,7 +139,8 @@ class Shape:
 
     @property
     def layer(self) -> int:
-        return self.units[1] if self.layers else 0
+        """The largest layer unit (DeepSeek's expert layers, not its dense first ones)."""
+        return max(self.units[1:-1]) if self.layers else 0
 
     @property
     def total(self) -> int:
@@ -155,7 +156,7 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
         largest_param=tuple(max(p.numel for p in u.params) for u in units),
         hidden=cfg.hidden_size,
         ffn=token_ffn(cfg),
-        q_dim=cfg.num_attention_heads * cfg.head_dim,
+        q_dim=cfg.attention_width,
         vocab=cfg.vocab_size,
         layers=cfg.num_hidden_layers,
         tied=cfg.tie_word_embeddings,

@@ -52,7 +52,7 @@ def adamw_range(
     groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
     for spec in unit.params:
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-        if a < b:
+        if a < b and spec.train:  # frozen tensors are not stepped
             groups[spec.decay].append((a, b))
     for decay, spans in groups.items():
         if not spans:

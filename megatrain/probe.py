@@ -21,7 +21,7 @@ from torch.func import functional_call
 
 from .models.config import ModelConfig
 from .models.decoder import set_mlp_tiles, tiled_backward_phases
-from .models.family import family_of
+from .models.family import family_of, templates
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
@@ -33,6 +33,9 @@ GRAPH_H, GRAPH_F = 14.4, 2.5  # the ffn term: the MLP's saved intermediates
 BACKWARD_H = 5.4  # peak above the graph while differentiating (parameter gradients aside)
 FORWARD_H = 9.0  # peak above the input of a forward without autograd
 MOE_ROWS = 3  # not measured: an MoE layer's [tokens x top-k, hidden] tensors kept for backward, rounded up
+# Not measured: latent attention (DeepSeek) keeps per head q and k at the qk width, v, the output
+# and o_proj's input at the v width, kv_b_proj's output and the rotated query part; all counted
+# on top of the GRAPH_H, BACKWARD_H and FORWARD_H terms, which already cover a Llama attention.
 # One tile of the tiled MLP, per tile token x ffn (estimates, not measured): gate, up, their
 # product's inputs and, in the backward, their gradients; a forward holds gate, up and the product.
 TILE_BACKWARD_F, TILE_FORWARD_F = 8.0, 3.0
@@ -112,8 +115,24 @@ def mlp_sums_bytes(cfg: ModelConfig, compute_bytes: int) -> int:
 
 
 def token_ffn(cfg: ModelConfig) -> int:
-    """The MLP width a token passes through: the dense MLP's, or its experts' and shared expert's."""
-    return cfg.moe.token_ffn if cfg.moe else cfg.intermediate_size
+    """The MLP width a token passes through: the dense MLP's, or its experts' and shared expert's
+    (the wider of the two where dense layers come first, as in DeepSeek)."""
+    if cfg.moe is None:
+        return cfg.intermediate_size
+    if cfg.moe.dense_layers:
+        return max(cfg.moe.token_ffn, cfg.intermediate_size)
+    return cfg.moe.token_ffn
+
+
+def latent_attention_width(cfg: ModelConfig) -> int:
+    """Per token, the elements latent attention keeps beyond a Llama attention (the note under
+    MOE_ROWS); 0 for other attention."""
+    m = cfg.mla
+    if m is None:
+        return 0
+    heads = cfg.num_attention_heads * (2 * m.qk_head_dim + 3 * m.v_head_dim + m.qk_rope_head_dim)
+    heads += cfg.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)  # kv_b_proj's output
+    return heads + 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
 
 
 def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
@@ -122,19 +141,21 @@ def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
     hidden-sized rows per routed copy of a token (gathered input, weighted output); its experts
     are not tiled (only a shared expert is), so its tiled graph is counted as the untiled one.
     gpt-oss's clamped SwiGLU counts as a SwiGLU: compiled, its pointwise chain between the two
-    grouped products fuses, keeping gate_up and the product as SwiGLU does (not measured)."""
+    grouped products fuses, keeping gate_up and the product as SwiGLU does (not measured). Latent
+    attention adds its wider tensors to the graph and both peaks (`latent_attention_width`)."""
     h, f, cb = cfg.hidden_size, token_ffn(cfg), compute_bytes
     rows = MOE_ROWS * cfg.moe.top_k * h if cfg.moe else 0
-    graph = cb * (GRAPH_H * h + GRAPH_F * f + rows)
+    attn = latent_attention_width(cfg)
+    graph = cb * (GRAPH_H * h + GRAPH_F * f + rows + attn)
     return LayerMemory(
         graph,
-        cb * BACKWARD_H * h,
+        cb * (BACKWARD_H * h + attn),
         0.0,
-        cb * FORWARD_H * h,
-        tiled_graph_per_token=graph if cfg.moe else cb * GRAPH_H * h,
-        tiled_backward_per_token=cb * BACKWARD_H * h,
-        tiled_forward_per_token=cb * FORWARD_H * h,
-        mlp_backward_per_token=cb * BACKWARD_H * h,  # the loop's phase also counted in full
+        cb * (FORWARD_H * h + attn),
+        tiled_graph_per_token=graph if cfg.moe else cb * (GRAPH_H * h + attn),
+        tiled_backward_per_token=cb * (BACKWARD_H * h + attn),
+        tiled_forward_per_token=cb * (FORWARD_H * h + attn),
+        mlp_backward_per_token=cb * (BACKWARD_H * h + attn),  # the loop's phase also counted in full
         tile_backward_per_token=cb * TILE_BACKWARD_F * f,
         tile_forward_per_token=cb * TILE_FORWARD_F * f,
         tile_fixed=mlp_sums_bytes(cfg, cb),
@@ -145,13 +166,13 @@ def probe_layer_memory(
     cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int, masked: bool = False
 ) -> LayerMemory:
     """Run one layer at `tokens` and a quarter of it (one sequence each) and measure, untiled and
-    with MLP tiles of a quarter of the smaller count: the family's template of a full-attention
-    layer where there is one (the largest working set); `masked`: through the attention a run with
-    packed rows or a sliding window uses (a one-document block mask, the model's window)."""
+    with MLP tiles of a quarter of the smaller count: the family's template of the largest
+    full-attention layer where there is one (the largest working set: DeepSeek's expert layers,
+    not its dense first ones); `masked`: through the attention a run with packed rows or a
+    sliding window uses (a one-document block mask, the model's window)."""
     device = torch.device(device)
     family = family_of(cfg)
-    windows = cfg.windows
-    i = windows.index(None) if None in windows else 0
+    i = probed_layer(cfg)
     layer = family.layer(cfg, i)
     params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
     sizes = sorted({max(128, tokens // 4), max(128, tokens)})
@@ -161,7 +182,7 @@ def probe_layer_memory(
     )
     n = sum(t.numel() for t in params.values())
     n -= cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0  # what a token passes through
-    q = cfg.num_attention_heads * cfg.head_dim
+    q = cfg.attention_width
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope, fixed = _line((t1, b1), (t2, b2))
     (_, tg1, tb1, tf1, tl1), (_, tg2, tb2, tf2, tl2), _ = _probe(
@@ -203,6 +224,16 @@ def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]
     return slope, y2 - slope * x2
 
 
+def probed_layer(cfg: ModelConfig) -> int:
+    """The layer the probe measures: the one with the most parameters among the full-attention
+    layers (all layers where every one has a window); the first of them on a tie."""
+    t = templates(cfg)
+    windows = cfg.windows
+    full = [j for j, w in enumerate(windows) if w is None] or list(range(len(windows)))
+    size = {k: sum(p.numel() for p in m.parameters()) for k, m in t["layers"].items()}
+    return max(full, key=lambda j: size[t["keys"][j]])
+
+
 def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], tile: int, masked: bool):
     """Measure layer `i`'s template with MLP tiles of `tile` tokens (0: untiled) at each of
     `sizes` tokens: one row per size, and the seconds of the last measurement."""
@@ -210,7 +241,8 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
     layer, kind = family.layer(cfg, i), family.layer_kind(cfg, i)
     set_mlp_tiles(layer, tile)
     inputs_of = family.inputs(cfg, device)
-    leaves = {n: t.detach().requires_grad_() for n, t in params.items()}
+    frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}  # ParamSpec.train
+    leaves = {n: t.detach().requires_grad_(n not in frozen) for n, t in params.items()}
     pgrads = sum(t.numel() * t.element_size() for t in params.values())
 
     def call(p, x, inputs):
@@ -255,7 +287,7 @@ def measure_layer(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, i
         torch.cuda.reset_peak_memory_stats(device)
 
     with tiled_backward_phases(phase):
-        grads = torch.autograd.grad(y, [xr, *leaves.values()], dy)
+        grads = torch.autograd.grad(y, [xr, *(v for v in leaves.values() if v.requires_grad)], dy)
     phase("done")
     # peaks: before the first tile loop, each loop, between and after them
     loop = max(peaks[1::2]) - before if len(peaks) > 1 else None

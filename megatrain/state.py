@@ -54,6 +54,10 @@ class ParamSpec:
     decay: bool
     pieces: tuple[Piece, ...]
     """The checkpoint tensors it is made of: itself, or one per expert (and gate/up half)."""
+    train: bool = True
+    """False: a tensor of the checkpoint that no loss trains (DeepSeek-V3's router correction
+    bias, a buffer in transformers): loaded, fetched and saved with its unit, never
+    differentiated or stepped."""
 
     @property
     def numel(self) -> int:
@@ -88,7 +92,8 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
         for pname, p in template.named_parameters():
             key, shape = fam.param_key(cfg, kind, layer, pname), tuple(p.shape)
             pieces = tuple(Piece(*x) for x in checkpoint_pieces(fam, cfg, kind, layer, pname, shape))
-            specs.append(ParamSpec(pname, key, shape, off, not _NO_DECAY.search(key), pieces))
+            decay = not _NO_DECAY.search(key)
+            specs.append(ParamSpec(pname, key, shape, off, decay, pieces, train=p.requires_grad))
             off += -(-p.numel() // ALIGN) * ALIGN
         off = -(-off // UNIT_ALIGN) * UNIT_ALIGN
         units.append(Unit(name, kind, index, tuple(specs), off, start))

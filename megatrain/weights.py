@@ -17,6 +17,7 @@ import inspect
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -272,7 +273,7 @@ def save_hf_checkpoint(
     entries = [(k, tuple(v.shape)) for k, v in params.items()]
     nbytes = state.num_params * dtype.itemsize
     with AtomicDir(out_dir, manifest.MODEL, nbytes=nbytes, progress=progress) as d:
-        d.write_tensors("model", entries, dtype, params.__getitem__, max_shard_bytes)
+        d.write_tensors("model", entries, tensor_dtypes(cfg, dtype), params.__getitem__, max_shard_bytes)
         write_model_config(d.path, cfg, dtype, read_generation_config(generation_from), tokenizer)
         if tokenizer is not None:
             tokenizer.save_pretrained(d.path)
@@ -357,7 +358,7 @@ def export_model(
             raise CheckpointError(f"{src}: deleted or replaced while it was being exported; export it again")
         nbytes = sum(math.prod(shape) for _, shape in entries) * dtype.itemsize
         with AtomicDir(out_dir, manifest.MODEL, may_replace, why_not, nbytes, progress) as d:
-            d.write_tensors("model", entries, dtype, reader.get, max_shard_bytes)
+            d.write_tensors("model", entries, tensor_dtypes(cfg, dtype), reader.get, max_shard_bytes)
             write_model_config(d.path, cfg, dtype, small.pop("generation_config.json", None), tokenizer)
             for name, data in small.items():
                 (d.path / name).write_bytes(data)
@@ -365,6 +366,23 @@ def export_model(
     finally:
         reader.close()
     return out_dir, verified
+
+
+def tensor_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[str], torch.dtype]:
+    """The dtype each tensor of a model directory is written in: `dtype`, but fp32 for what
+    transformers keeps in fp32 in a model of that dtype (`_keep_in_fp32_modules_strict` in bf16 and
+    fp16, `_keep_in_fp32_modules` in fp16: DeepSeek-V3's router correction bias), so an export
+    holds what `save_pretrained` of such a model writes. The names are matched as transformers
+    matches them (a search, `*` for anything)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg.hf_config)]
+    keep = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or []) if dtype != torch.float32 else []
+    keep += list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else []
+    if not keep:
+        return lambda key: dtype
+    fp32 = re.compile("|".join(k.replace("*", ".*") for k in keep))
+    return lambda key: torch.float32 if fp32.search(key) else dtype
 
 
 def causal_lm_class(cfg: ModelConfig) -> str:

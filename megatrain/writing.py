@@ -45,6 +45,13 @@ CHUNK = 64 << 20  # bytes per write: the progress bar moves, and a stop request 
 MAX_WRITERS = 8
 
 Entries = list[tuple[str, tuple[int, ...]]]
+DType = torch.dtype | Callable[[str], torch.dtype]
+"""One dtype for every tensor, or each key's."""
+
+
+def dtype_of(dtype: DType) -> Callable[[str], torch.dtype]:
+    """The dtype of each key."""
+    return dtype if callable(dtype) else lambda key: dtype
 
 
 def free_bytes(path: Path) -> int:
@@ -62,25 +69,26 @@ class Shard:
 
     name: str
     entries: Entries
-    dtype: torch.dtype
+    dtype: Callable[[str], torch.dtype]
+    """Each key's dtype in the file."""
     get: Callable[[str], torch.Tensor]
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(shape) for _, shape in self.entries) * self.dtype.itemsize
+        return sum(math.prod(shape) * self.dtype(key).itemsize for key, shape in self.entries)
 
 
 def plan_shards(
-    prefix: str, entries: Entries, dtype: torch.dtype, get, max_shard_bytes: int
+    prefix: str, entries: Entries, dtype: DType, get, max_shard_bytes: int
 ) -> tuple[list[Shard], dict | None]:
     """`{prefix}.safetensors`, or shards `{prefix}-0000i-of-0000N.safetensors` and the index
     `{prefix}.safetensors.index.json` transformers writes when the tensors exceed
     `max_shard_bytes` (a tensor larger than that gets a shard of its own). Returns the shards
     and the index (None for a single file)."""
     groups: list[Entries] = [[]]
-    size = 0
+    size, dtype = 0, dtype_of(dtype)
     for key, shape in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype(key).itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -111,8 +119,12 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
     header: dict = {"__metadata__": {"format": "pt"}}
     off = 0
     for key, shape in shard.entries:
-        n = math.prod(shape) * shard.dtype.itemsize
-        header[key] = {"dtype": ST_DTYPES[shard.dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        n = math.prod(shape) * shard.dtype(key).itemsize
+        header[key] = {
+            "dtype": ST_DTYPES[shard.dtype(key)],
+            "shape": list(shape),
+            "data_offsets": [off, off + n],
+        }
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
@@ -124,7 +136,7 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
             for key, shape in shard.entries:
                 if stop.is_set():
                     raise _Stopped
-                t = shard.get(key).to(shard.dtype).contiguous()
+                t = shard.get(key).to(shard.dtype(key)).contiguous()
                 if tuple(t.shape) != tuple(shape):
                     raise ValueError(f"{key}: shape {tuple(t.shape)}, announced {shape}")
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -213,10 +225,10 @@ class AtomicDir:
         )
 
     def write_tensors(
-        self, prefix: str, entries: Entries, dtype: torch.dtype, get, max_shard_bytes: int
+        self, prefix: str, entries: Entries, dtype: DType, get, max_shard_bytes: int
     ) -> list[str]:
-        """Write `entries` as (sharded) safetensors, several files at a time; `get(key)` may be
-        called from several threads at once. Returns the file names."""
+        """Write `entries` as (sharded) safetensors in `dtype` (one, or each key's), several files
+        at a time; `get(key)` may be called from several threads at once. Returns the file names."""
         shards, index = plan_shards(prefix, entries, dtype, get, max_shard_bytes)
         stop = threading.Event()
         desc = f"saving {self.out_dir.name}/{prefix}"

@@ -57,6 +57,58 @@ MOE_CONFIGS = {
     ),
 }
 MOE_COMMON = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
+# DeepSeek-V2/V3 shapes (latent attention: qk head 24 = 16 + 8 rotary, v head 12; 8 experts of
+# 32, top-2, a dense first layer), by case: q through its low-rank path or q_proj, experts chosen
+# among the best of several groups or all, YaRN (its attention factor and softmax mscale not 1),
+# interleaved rotary pairs or halves, V2's softmax routers.
+DEEPSEEK_COMMON = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    rms_norm_eps=1e-2,  # not the latent norms' fixed 1e-6
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.5,
+}
+DEEPSEEK_CONFIGS = {
+    "v3": (
+        "deepseek_v3",
+        dict(q_lora_rank=16, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters=YARN),
+    ),
+    "v3-q-proj-halves": (
+        "deepseek_v3",
+        dict(
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            rope_interleave=False,
+            norm_topk_prob=False,
+            attention_bias=True,
+        ),
+    ),
+    "v2-lite": (
+        "deepseek_v2",
+        dict(q_lora_rank=None, topk_method="greedy", n_shared_experts=2, routed_scaling_factor=1.5),
+    ),
+    "v2-groups": (
+        "deepseek_v2",
+        dict(
+            q_lora_rank=16, topk_method="group_limited_greedy", n_group=4, topk_group=2, norm_topk_prob=True
+        ),
+    ),
+}
 
 
 def tiny_config(family: str = "llama", tied: bool = False, **overrides):
@@ -79,6 +131,9 @@ def tiny_config(family: str = "llama", tied: bool = False, **overrides):
     kw.update(FAMILY_OVERRIDES.get(family, {}))
     if family in MOE_CONFIGS:
         kw.update(num_hidden_layers=2, **MOE_COMMON, **MOE_CONFIGS[family])
+    if family in DEEPSEEK_CONFIGS:
+        family, extra = DEEPSEEK_CONFIGS[family]
+        kw.update(**DEEPSEEK_COMMON, **extra)
     kw.update(overrides)
     if family in FAMILY_CONFIGS:
         cfg = FAMILY_CONFIGS[family](**kw)
@@ -108,6 +163,9 @@ def tiny_hf_model(family="llama", tied=False, seed=0, attn_implementation="eager
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.normal_(1.0 if "norm" in n else 0.0, 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3: it changes which experts are chosen
+                b.normal_(0.0, 0.5)
     return model.eval()
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import FAMILY_OVERRIDES, MOE_CONFIGS, tiny_config, tiny_hf_model
+from helpers import DEEPSEEK_CONFIGS, FAMILY_OVERRIDES, MOE_CONFIGS, tiny_config, tiny_hf_model
 
 from megatrain.batch import MicroBatch
 from megatrain.errors import ConfigError
@@ -20,9 +20,10 @@ from megatrain.weights import save_hf_checkpoint
 
 FAST = {"llama": "llama", "qwen3": "llama", "gemma2": "gemma", "gemma3_text": "gemma", "phi3": "phi3"}
 FAST |= {"olmo2": "olmo2", "cohere": "cohere"} | {f: "moe" for f in MOE_CONFIGS} | {"gpt_oss": "gpt_oss"}
+FAST |= {f: "deepseek" for f in DEEPSEEK_CONFIGS}
 PATHS = {
     f: f"fast block ({FAST[f]})" if f in FAST else "generic path"
-    for f in ["llama", *FAMILY_OVERRIDES, *MOE_CONFIGS]
+    for f in ["llama", *FAMILY_OVERRIDES, *MOE_CONFIGS, *DEEPSEEK_CONFIGS]
 }
 
 
@@ -41,8 +42,17 @@ def test_each_family_says_which_path_it_takes(family, path):
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "not a causal decoder"),
         ({"model_type": "no-such-model"}, "not a model transformers knows"),
         # mixture of experts without a fast block: the generic path does not run them
-        ({"model_type": "deepseek_v3"}, "'deepseek_v3' is a mixture-of-experts model without a fast block"),
+        ({"model_type": "deepseek_v32"}, "'deepseek_v32' is a mixture-of-experts model without a fast block"),
+        (
+            {"model_type": "deepseek_v3", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            "no fast MoE block",
+        ),
         ({"model_type": "qwen2_moe", "use_sliding_window": True}, "has no fast MoE block"),
+        # fp8 blocks with their scales beside them would load as if they were the weights
+        (
+            {"model_type": "llama", "quantization_config": {"quant_method": "fp8"}},
+            "fp8 checkpoints are not supported",
+        ),
     ],
 )
 def test_what_cannot_train_is_refused_in_one_line(raw, why, tmp_path):

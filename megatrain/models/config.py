@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,19 @@ FAMILIES = {
     "qwen3_moe": dict(block="moe", qkv_bias=None, o_bias=None, qk_norm=True),
     "olmoe": dict(block="moe", qkv_bias=None, o_bias=None, qk_norm="full"),
     "gpt_oss": dict(block="gpt_oss", qkv_bias=None, o_bias=None, qk_norm=False),
+    # Latent attention and routed experts, dense MLPs in the first layers (`deepseek.py`); Kimi-K2
+    # is a DeepSeek-V3 (MODEL_TYPE_ALIASES).
+    "deepseek_v2": dict(block="deepseek", qkv_bias=None, o_bias=None, qk_norm=False),
+    "deepseek_v3": dict(block="deepseek", qkv_bias=None, o_bias=None, qk_norm=False),
 }
-MOE_BLOCKS = ("moe", "gpt_oss")
-"""The blocks whose MLP is a mixture of experts (their configs have a `MoESpec`)."""
+MOE_BLOCKS = ("moe", "gpt_oss", "deepseek")
+"""The blocks whose MLP is a mixture of experts (their configs have a `MoESpec`; their model types
+refuse the generic path, hf.py)."""
+# Why the router-loss keys are refused where transformers adds no auxiliary loss.
+NO_BALANCE_LOSS = "transformers' {mt} has no auxiliary load-balancing loss to add"
+# config.json model types that transformers implements under another name (their custom code is
+# that model's): Kimi-K2 ships DeepSeek-V3's code under its own name.
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,10 @@ class MoESpec:
     """Whether the loss includes `router_aux_loss_coef * aux_loss`, as in transformers."""
     expert_bias: bool = False
     """Biases on the router and on each expert's projections (gpt-oss)."""
+    dense_layers: int = 0
+    """Leading layers whose MLP is dense, not experts (DeepSeek's `first_k_dense_replace`)."""
+    balance_loss: bool = True
+    """Whether transformers has a load-balancing loss for the family (DeepSeek has none)."""
 
     @property
     def token_ffn(self) -> int:
@@ -82,6 +97,64 @@ class MoESpec:
         return n
 
 
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3), read from its Hugging Face config: queries
+    through an optional low-rank path, each head's key and value expanded from one compressed
+    latent, and a rotary part per head whose key is shared by all heads."""
+
+    q_lora_rank: int | None
+    """Rank of the query's low-rank path (None: one q_proj)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    """Rotary dimensions pair as (0, 1), (2, 3), ... (DeepSeek's weights), not as two halves."""
+    rope_fp32: bool
+    """The rotation runs in fp32 whatever the compute dtype (DeepSeek-V2's complex product)."""
+    softmax_scale: float
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim) squared (transformers'
+    `yarn_apply_mscale`)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def mla_spec(hf) -> MLASpec | None:
+    """The latent attention of a DeepSeek config, or None for other families."""
+    mt = hf.model_type
+    if FAMILIES.get(mt, {}).get("block") != "deepseek":
+        return None
+    if hf.num_key_value_heads != hf.num_attention_heads:
+        raise ConfigError(
+            f"{mt}: num_key_value_heads ({hf.num_key_value_heads}) must equal num_attention_heads "
+            f"({hf.num_attention_heads}): latent attention expands a key and value for every head"
+        )
+    qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    scale = qk**-0.5
+    rope = getattr(hf, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim", 0):
+        m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        scale = scale * m * m
+    v2 = mt == "deepseek_v2"
+    return MLASpec(
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        rope_interleave=True if v2 else bool(hf.rope_interleave),
+        rope_fp32=v2,
+        softmax_scale=scale,
+    )
+
+
 def _get(hf, name, default=None):
     v = getattr(hf, name, None)
     return default if v is None else v
@@ -91,7 +164,12 @@ def moe_spec(hf) -> MoESpec | None:
     """The MoE part of a transformers config, or None for a dense family. Refuses what the
     templates do not implement, naming the key."""
     mt = hf.model_type
-    if FAMILIES.get(mt, {}).get("block") not in MOE_BLOCKS:
+    block = FAMILIES.get(mt, {}).get("block")
+    if block == "deepseek":
+        from .deepseek import moe_spec as deepseek_moe  # its router's rules live with its block
+
+        return deepseek_moe(hf)
+    if block not in MOE_BLOCKS:
         return None
     if _get(hf, "router_jitter_noise", 0.0):
         raise ConfigError(f"{mt}: router_jitter_noise > 0 is not supported")
@@ -187,6 +265,8 @@ class ModelConfig:
     `eager` (both exact)."""
     moe: MoESpec | None = None
     """The expert layer of a mixture-of-experts family; None for a dense MLP."""
+    mla: MLASpec | None = None
+    """DeepSeek's latent attention (q/kv low-rank paths, qk and v head dims); None otherwise."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config object (kept for RoPE variants and for export)."""
 
@@ -227,6 +307,14 @@ class ModelConfig:
         return [window if getattr(hf, "use_sliding_window", True) else None] * self.num_hidden_layers
 
     @property
+    def attention_width(self) -> int:
+        """Heads x the head width of the attention's q.k and p.v products (for FLOP counts): the
+        mean of the two in latent attention, whose values are narrower."""
+        if self.mla is not None:
+            return self.num_attention_heads * (self.mla.qk_head_dim + self.mla.v_head_dim) // 2
+        return self.num_attention_heads * self.head_dim
+
+    @property
     def needs_mask(self) -> bool:
         """Whether attention takes an explicit mask even for unpacked rows (for the memory plan)."""
         return any(self.windows) or self.attn_implementation == "eager"
@@ -242,6 +330,8 @@ class ModelConfig:
             return self
         if self.moe is None:
             raise ConfigError(f"{', '.join(given)}: {self.model_type} is not a mixture-of-experts model")
+        if not self.moe.balance_loss and (output_router_logits or router_aux_loss_coef is not None):
+            raise ConfigError(f"{', '.join(given)}: {NO_BALANCE_LOSS.format(mt=self.model_type)}")
         hf = copy.deepcopy(self.hf_config)
         for k, v in given.items():
             setattr(hf, k, v)
@@ -300,6 +390,7 @@ class ModelConfig:
             qk_norm_full=fam["qk_norm"] == "full",
             sliding_window=getattr(hf, "sliding_window", None) if fam.get("window") else None,
             moe=moe_spec(hf),
+            mla=mla_spec(hf),
         )
 
     @classmethod
@@ -315,6 +406,9 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         mt = raw.get("model_type")
+        if mt in MODEL_TYPE_ALIASES:  # read as the model transformers implements, without its auto_map
+            raw = {k: v for k, v in raw.items() if k != "auto_map"} | {"model_type": MODEL_TYPE_ALIASES[mt]}
+            mt = raw["model_type"]
         from transformers import CONFIG_MAPPING, AutoConfig
 
         if mt not in CONFIG_MAPPING:

@@ -86,6 +86,7 @@ def family_of(cfg: ModelConfig) -> Family:
         return GENERIC
     from .cohere import COHERE
     from .decoder import BLOCKS
+    from .deepseek import DEEPSEEK
     from .gemma import GEMMA
     from .gpt_oss import GPT_OSS
     from .moe import MOE
@@ -100,6 +101,7 @@ def family_of(cfg: ModelConfig) -> Family:
         "cohere": COHERE,
         "moe": MOE,
         "gpt_oss": GPT_OSS,
+        "deepseek": DEEPSEEK,
     }
     return fams[cfg.block]
 
@@ -141,7 +143,8 @@ def templates(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Parameters of the model, from its templates (tied tables counted once)."""
+    """Parameters of the model, from its templates (tied tables counted once; frozen tensors,
+    buffers in transformers, are not parameters)."""
     t = templates(cfg)
-    layers = sum(sum(p.numel() for p in t["layers"][k].parameters()) for k in t["keys"])
-    return layers + sum(p.numel() for m in (t["embed"], t["head"]) for p in m.parameters())
+    n = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+    return sum(n(t["layers"][k]) for k in t["keys"]) + n(t["embed"]) + n(t["head"])

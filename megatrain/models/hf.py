@@ -11,8 +11,8 @@ the attention mask of their kind (full or sliding window), boolean for `sdpa`, a
 What happens outside the layers in a transformers model's `forward` is not read from its code:
 the known extras are data here (EMBED_MULTIPLIERS, the head's logit rules in `_post_logits`).
 Anything with parameters beyond embedding, layers, final norm and LM head is refused by name, and
-so are mixture-of-experts models: those with a fast block (`moe.py`, `gpt_oss.py`) run there, the
-others (e.g. DeepSeek-V3) have none.
+so are mixture-of-experts models: those with a fast block (`moe.py`, `gpt_oss.py`, `deepseek.py`)
+run there, the others have none.
 """
 
 from __future__ import annotations
