@@ -16,6 +16,15 @@ MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-moe-15b": dict(
         family="qwen3_moe", hidden=2048, layers=24, heads=32, kv=4, head_dim=128, ffn=768, vocab=151936, experts=128, topk=8
     ),
+    # openai/gpt-oss-20b's config.json (20.9 B): sinks, alternating 128-token windows, 32 biased experts
+    "gpt-oss-20b": dict(
+        family="gpt_oss", hidden=2880, layers=24, heads=64, kv=8, head_dim=64, ffn=2880, vocab=201088, experts=32, topk=4
+    ),
+    # deepseek-ai/DeepSeek-V2-Lite's config.json (15.7 B): latent attention, 2 shared experts, dense first layer
+    "deepseek-v2-lite": dict(
+        family="deepseek_v2", hidden=2048, layers=27, heads=16, kv=16, head_dim=192, ffn=1408, vocab=102400,
+        experts=64, topk=6,
+    ),
     "moe-tiny": dict(family="olmoe", hidden=128, layers=2, heads=4, kv=2, ffn=64, vocab=512, experts=8, topk=2),
 }  # fmt: skip
 
@@ -45,6 +54,23 @@ def moe_config(shape: dict[str, Any], seq: int, **extra: Any):
     )
     if shape["family"] == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=shape["ffn"], **common)
+    elif shape["family"] == "gpt_oss":
+        common["num_local_experts"] = common.pop("num_experts")
+        cfg = transformers.GptOssConfig(intermediate_size=shape["ffn"], head_dim=shape["head_dim"], **common)
+    elif shape["family"] == "deepseek_v2":
+        common.update(output_router_logits=False)  # transformers has no aux loss for DeepSeek
+        common.update(n_routed_experts=common.pop("num_experts"), n_shared_experts=2, first_k_dense_replace=1)
+        cfg = transformers.DeepseekV2Config(
+            moe_intermediate_size=shape["ffn"],
+            intermediate_size=10944,  # the dense first layer's
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            topk_method="greedy",
+            **common,
+        )
     else:
         cfg = transformers.Qwen3MoeConfig(
             moe_intermediate_size=shape["ffn"], head_dim=shape["head_dim"], norm_topk_prob=True, **common
@@ -53,8 +79,16 @@ def moe_config(shape: dict[str, Any], seq: int, **extra: Any):
     return cfg
 
 
+def model_config(shape: dict[str, Any]):
+    """megatrain's config of an MoE shape: its parameter counts are the model's own."""
+    from megatrain.models.config import ModelConfig
+
+    return ModelConfig.from_hf(moe_config(shape, 4096))
+
+
 def inactive_params(shape: dict[str, Any]) -> int:
     """Expert parameters a token does not pass through (0 for a dense shape)."""
     if not is_moe(shape):
         return 0
-    return shape["layers"] * (shape["experts"] - shape["topk"]) * 3 * shape["hidden"] * shape["ffn"]
+    cfg = model_config(shape)
+    return (shape["layers"] - cfg.moe.dense_layers) * cfg.moe.inactive_params(cfg.hidden_size)

@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402  (a sibling module; bench/ is not a package)
 from _shapes import MOE_SHAPES, inactive_params, is_moe  # noqa: E402
+from _shapes import model_config as shape_config  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -125,14 +126,12 @@ def param_counts(m: dict) -> dict[str, int]:
     """Parameters of an untied Llama of this shape (no biases), as megatrain counts them; of an
     MoE shape (router, experts, q/k norms), with `params_nonembedding` those a token passes through."""
     h, d = m["hidden"], m.get("head_dim") or m["hidden"] // m["heads"]
-    attn = h * m["heads"] * d * 2 + 2 * h * m["kv"] * d
-    if is_moe(m):
-        norms = (m["heads"] + m["kv"]) * d if m["family"] == "olmoe" else 2 * d
-        layer = attn + m["experts"] * (3 * h * m["ffn"] + h) + 2 * h + norms
-    else:
-        layer = attn + 3 * h * m["ffn"] + 2 * h
     embed = lm_head = m["vocab"] * h
-    nonemb = m["layers"] * layer + h  # decoder layers + final norm
+    if is_moe(m):  # counted on megatrain's templates of the shape (tested against transformers)
+        nonemb = shape_config(m).num_params - embed - lm_head
+    else:
+        attn = h * m["heads"] * d * 2 + 2 * h * m["kv"] * d
+        nonemb = m["layers"] * (attn + 3 * h * m["ffn"] + 2 * h) + h  # decoder layers + final norm
     return {
         "params": embed + lm_head + nonemb,
         "params_nonembedding": nonemb - inactive_params(m),

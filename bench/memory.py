@@ -78,6 +78,10 @@ RUNS = {
     "olmoe-64k-off": "olmoe-1b-7b:65536:gpu_state=off",
     "x2-qwen3moe15b-16k-off": "qwen3-moe-15b:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "x2-qwen3moe15b-64k-auto": "qwen3-moe-15b:65536:gpu_state=auto,max_host_memory=240GiB,steps=4",
+    # DeepSeek-V2-Lite (15.7 B, 188 GB of host state): one GPU of a two-GPU machine; gpt-oss-20b
+    # (20.9 B, 251 GB) needs more than a 256 GiB host
+    "x2-dsv2lite-16k-off": "deepseek-v2-lite:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
+    "x4-gptoss20b-16k": "gpt-oss-20b:16384:max_host_memory=480GiB,steps=4",
     "moe-tiny": "moe-tiny:1024:gpu_state=auto,seq=256,steps=3",
 }
 
