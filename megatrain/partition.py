@@ -48,7 +48,6 @@ from .state import HostState, checkpoint_entries, tensor_entries
 from .weights import save_hf_checkpoint
 from .writing import AtomicDir, free_bytes, plan_shards, write_safetensors
 
-PREFIXES = ("model", "optimizer")
 # What each file holds: (buffer of the host state, key prefix, tensors per checkpoint piece or parameter).
 CONTENTS = {
     "model": [("master", "", "piece")],
@@ -130,7 +129,7 @@ class _Parts:
 
     def __init__(self, world: Collective, state: HostState, weights_only: bool, max_shard_bytes: int):
         self.world, self.state = world, state
-        self.prefixes = PREFIXES[:1] if weights_only else PREFIXES
+        self.prefixes = ["model"] if weights_only else list(CONTENTS)
         self.max_shard_bytes = max_shard_bytes
         self.phase = "naming"  # -> writing -> written, or failed (every rank knows why)
 

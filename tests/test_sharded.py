@@ -6,6 +6,7 @@ world sizes exactly."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ from megatrain import plan as planning
 from megatrain.checkpoint import open_checkpoint
 from megatrain.config import TrainConfig
 from megatrain.distributed import start, world_layout
-from megatrain.errors import CheckpointError, ConfigError
+from megatrain.errors import CheckpointError, ConfigError, OutputError
 from megatrain.layout import Layout, piece_len
 from megatrain.models.config import ModelConfig
+from megatrain.partition import check_shared
 from megatrain.placement import Machine
 from megatrain.state import HostState, build_units
 from megatrain.trainer import train
@@ -141,6 +143,30 @@ def test_a_missing_segment_is_refused_by_name(ref, parts, tmp_path):
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"segment.*model\.layers\.1\.mlp\.up_proj\.weight"):
         open_checkpoint(bad, ModelConfig.from_json(bad))
+
+
+class SecondMachine:
+    """Rank 1 of a world of two machines, whose `output_dir` is another file system: it sees its
+    own plan.json, not the one rank 0 wrote."""
+
+    rank, is_main, holds_state = 1, False, True
+    layout = Layout(2, 2, sharded=True)
+
+    def __init__(self, crc_of_rank_0: int):
+        self.want = crc_of_rank_0
+
+    def first(self, obj):
+        return self.want
+
+    def each(self, obj):
+        return [self.want, obj]
+
+
+def test_an_output_dir_the_machines_do_not_share_is_one_line(tmp_path):
+    (tmp_path / "plan.json").write_text("{}")  # this machine's own file of that name
+    with pytest.raises(OutputError, match="rank 1 does not see it as rank 0 wrote it;.*share"):
+        check_shared(SecondMachine(crc_of_rank_0=12345), tmp_path / "plan.json")
+    check_shared(SecondMachine(zlib.crc32(b"{}")), tmp_path / "plan.json")  # the same file: fine
 
 
 # ---------------------------------------------------------------------------- the layout
