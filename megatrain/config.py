@@ -181,9 +181,10 @@ class TrainConfig:
     max_host_memory: str | int | None = None
     """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start)."""
     nproc_per_node: int = 1
-    """Data parallel over this many processes (GPUs), started by `megatrain train` itself, one
-    copy of the host state for all; the global batch is per_device_train_batch_size x
-    gradient_accumulation_steps x processes. Under torchrun the world is torchrun's."""
+    """Data parallel over this many processes (GPUs) per machine, started by `megatrain train`
+    itself, one copy of the host state for all of a machine's; the global batch is
+    per_device_train_batch_size x gradient_accumulation_steps x processes. Under torchrun the
+    world is torchrun's."""
     nnodes: int | None = None
     """Machines of a data-parallel world, each running nproc_per_node processes and holding in
     host memory only its processes' part of the fp32 state (the state partitioned, the traffic
