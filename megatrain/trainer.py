@@ -31,7 +31,6 @@ from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
 from .partition import check_shared, save_checkpoint, save_model
-from .placement import fmt_bytes
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
 
@@ -175,12 +174,6 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         + (f", data parallel over {world.world_size} processes" if world.world_size > 1 else "")
     )
     log.message(f"megatrain: {model_cfg.model_type} runs on the {runs_on}")
-    if world.layout.sharded:
-        log.message(
-            f"megatrain: sharded traffic: each process copies 1/{world.world_size} of every unit to its device "
-            f"and steps 1/{world.world_size}; host state {' + '.join(fmt_bytes(b) for b in memory.state_bytes)} "
-            f"on {world.layout.machines} machine(s)"
-        )
     for note in notes:
         log.message(note)
     for note in plan.notes:
