@@ -132,7 +132,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
         raise BenchError("CUDA not available")
     dev, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
     # Under torchrun (bench/multigpu.py): data parallel, each rank a share of the step's micro-batches.
-    world, dev = start(torch.device(dev), timeout_s=900)
+    # The data-parallel design under test (bench/multigpu.py --designs; layout.py).
+    world, dev = start(torch.device(dev), 900, spec.get("ddp_traffic", "auto"), spec.get("nnodes"))
     mcfg = ModelConfig.from_hf(model_config(spec))
     t0 = time.perf_counter()
     # The placement `megatrain train` would choose for this step shape on this machine.
@@ -146,6 +147,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"] // world.world_size,
         choices=Choices(gpu_state=gpu_state),
         max_host_memory=parse_size(spec["max_host_memory"]) if spec.get("max_host_memory") else None,
+        world=world.layout,
     )
     res.update(plan=plan.to_json())
     model = build_model(

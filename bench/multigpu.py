@@ -6,8 +6,15 @@ timeout); with N > 1 the worker is started by torchrun, one rank per GPU, and ra
 Host memory is the machine's (MemTotal - MemAvailable, sampled), so memory the ranks share is
 counted once: megatrain's should stay ~12 bytes per parameter whatever N.
 
+megatrain's data-parallel designs (`--designs`, layout.py) run side by side on N > 1 GPUs:
+`plain` (whole units copied to every GPU, gradients all-reduced), `sharded` (each GPU copies 1/N
+of every unit and the GPUs all-gather the rest, gradients reduce-scattered) and `partitioned`
+(sharded, with every GPU a simulated machine holding only its part of the host state: the
+several-machine path on one machine). On one GPU they are the same run, made once.
+
     python bench/multigpu.py                    # 8B shape, 64k tokens/step, 1 vs 2 GPUs
     python bench/multigpu.py --gpus 1,2,4 --systems megatrain
+    python bench/multigpu.py --systems megatrain --designs plain,sharded,partitioned
     python bench/multigpu.py --dry-run          # tiny model on the CPU (gloo): checks the plumbing
 """
 
@@ -28,6 +35,8 @@ import _report  # noqa: E402  (siblings; bench/ is not a package)
 from bench import BENCH, MODELS, derive, gpu_name, meminfo, param_counts, parse_tokens, run_worker  # noqa: E402
 
 SYSTEMS = ("megatrain", "deepspeed")
+# megatrain's data-parallel designs: (ddp_traffic, simulated machines: one per GPU or None).
+DESIGNS = {"plain": ("plain", False), "sharded": ("sharded", False), "partitioned": ("sharded", True)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=7, help="timed steps incl. warm-up")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--systems", default="megatrain,deepspeed")
+    ap.add_argument("--designs", default="plain", help=f"megatrain's, on N > 1 GPUs: {', '.join(DESIGNS)}")
     ap.add_argument(
         "--runs",
         default=None,
@@ -70,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.runs = [(s, g) for g in a.gpus for s in a.systems]
     if bad := [s for s in a.systems if s not in SYSTEMS]:
         ap.error(f"--systems: unknown {bad} (choose from {', '.join(SYSTEMS)})")
+    a.designs = [d.strip() for d in a.designs.split(",") if d.strip()]
+    if bad := [d for d in a.designs if d not in DESIGNS]:
+        ap.error(f"--designs: unknown {bad} (choose from {', '.join(DESIGNS)})")
     for g in a.gpus:
         if g < 1 or a.tokens % (a.seq * a.mbs * g):
             ap.error(
@@ -82,12 +95,13 @@ def write_md(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) ->
     def f(v, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    head = "| system | GPUs | step s | tokens/s | x 1 GPU | vs DeepSpeed | host used GiB | bytes/param | peak RSS GiB | GPU peak GiB | error |"
+    head = "| system | design | GPUs | step s | tokens/s | x 1 GPU | vs plain | vs DeepSpeed | host used GiB | bytes/param | peak RSS GiB | GPU peak GiB | error |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         rows.append(
-            f"| {r['system']} | {r['gpus']} | {f(r.get('step_s'), '.3f')} | {f(r.get('tokens_per_s'), ',.0f')} | "
-            f"{f(r.get('scaling'), '.2f')} | {f(r.get('vs_deepspeed'), '.2f')} | {f(r.get('host_sys_peak_gib'), '.1f')} | "
+            f"| {r['system']} | {r.get('design') or '-'} | {r['gpus']} | {f(r.get('step_s'), '.3f')} | "
+            f"{f(r.get('tokens_per_s'), ',.0f')} | {f(r.get('scaling'), '.2f')} | {f(r.get('vs_plain'), '.2f')} | "
+            f"{f(r.get('vs_deepspeed'), '.2f')} | {f(r.get('host_sys_peak_gib'), '.1f')} | "
             f"{f(r.get('host_bytes_per_param'), '.1f')} | {f(r.get('host_peak_rss_gib'), '.1f')} | "
             f"{f(r.get('gpu_peak_gib'), '.1f')} | {(r.get('error') or '')[:70]} |"
         )
@@ -105,6 +119,8 @@ def write_md(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) ->
         "host used: the machine's MemTotal - MemAvailable at its peak, above what it was before the run",
         "(shared memory counted once); bytes/param: that over the parameter count. Peak RSS: the largest",
         "process's (it counts the shared pages it touched, so ranks' RSS overlap). GPU peak: rank 0.",
+        "design: megatrain's data-parallel design (plain, sharded, partitioned: one GPU is the same run for all);",
+        "vs plain: tokens/s over the plain design's on as many GPUs.",
         "",
     ]
     path.write_text("\n".join(text))
@@ -114,11 +130,27 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
     for r in records:
         one = next((x for x in records if x["system"] == r["system"] and x["gpus"] == 1), None)
         ds = next((x for x in records if x["system"] == "deepspeed" and x["gpus"] == r["gpus"]), None)
+        plain = next(
+            (x for x in records if x.get("design") == "plain" and x["gpus"] == r["gpus"] and x is not r), None
+        )
         ok = r.get("tokens_per_s")
         r["scaling"] = ok / one["tokens_per_s"] if ok and one and one.get("tokens_per_s") else None
         r["vs_deepspeed"] = ok / ds["tokens_per_s"] if ok and ds and ds.get("tokens_per_s") else None
+        r["vs_plain"] = ok / plain["tokens_per_s"] if ok and plain and plain.get("tokens_per_s") else None
         used = r.get("host_sys_peak_bytes")
         r["host_bytes_per_param"] = used / r["params"] if used else None
+
+
+def runs(systems: list[str], designs: list[str], gpus: int) -> list[tuple[str, str | None]]:
+    """(system, design) of each run on `gpus` GPUs: megatrain once per design on several GPUs,
+    once (plain) on one, where the designs are the same run; other systems have none."""
+    out = []
+    for system in systems:
+        if system != "megatrain":
+            out.append((system, None))
+        else:
+            out += [(system, d) for d in (designs if gpus > 1 else designs[:1])]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,43 +177,49 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"# {meta['command']}\n# {meta['device']}\n# outputs {out / stem}.*", flush=True)
     records: list[dict[str, Any]] = []
-    for system, gpus in a.runs:
-        rec: dict[str, Any] = {
-            "system": system,
-            "gpus": gpus,
-            **pc,
-            "seq_len": a.seq,
-            "tokens_per_step": a.tokens,
-            "mbs": a.mbs,
-            "date": meta["date"],
-            "command": meta["command"],
-            "log": f"{logs.name}/{system}_{gpus}gpu.log",
-            "error": None,
-        }
-        spec = {
-            "system": system,
-            "shape": shape,
-            "seq": a.seq,
-            "tokens_per_step": a.tokens,
-            "mbs": a.mbs,
-            "steps": a.steps,
-            "warmup": a.warmup,
-            "smoke": a.dry_run,
-            "nproc": gpus,
-            "max_host_memory": a.max_host_memory,
-        }
-        print(f"{system} on {gpus} GPU(s) ...", flush=True)
-        t0 = time.monotonic()
-        raw = run_worker(spec, a.timeout, out / rec["log"])
-        raw.pop("params", None)
-        rec.update(raw)
-        derive(rec, shape)
-        records.append(rec)
-        add_ratios(records)
-        status = rec["error"] or f"{rec['tokens_per_s']:,.0f} tokens/s"
-        print(f"    {status} ({time.monotonic() - t0:.0f} s)", flush=True)
-        _report.write_json(records, meta, out / f"{stem}.json")
-        write_md(records, meta, out / f"{stem}.md")
+    for system_, gpus in a.runs:
+        for system, design in runs([system_], a.designs, gpus):
+            name = system if design is None else f"{system}-{design}"
+            rec: dict[str, Any] = {
+                "system": system,
+                "design": design,
+                "gpus": gpus,
+                **pc,
+                "seq_len": a.seq,
+                "tokens_per_step": a.tokens,
+                "mbs": a.mbs,
+                "date": meta["date"],
+                "command": meta["command"],
+                "log": f"{logs.name}/{name}_{gpus}gpu.log",
+                "error": None,
+            }
+            spec = {
+                "system": system,
+                "shape": shape,
+                "seq": a.seq,
+                "tokens_per_step": a.tokens,
+                "mbs": a.mbs,
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "smoke": a.dry_run,
+                "nproc": gpus,
+                "max_host_memory": a.max_host_memory,
+            }
+            if design is not None:
+                traffic, machines = DESIGNS[design]
+                spec.update(ddp_traffic=traffic, nnodes=gpus if machines else None)
+            print(f"{name} on {gpus} GPU(s) ...", flush=True)
+            t0 = time.monotonic()
+            raw = run_worker(spec, a.timeout, out / rec["log"])
+            raw.pop("params", None)
+            rec.update(raw)
+            derive(rec, shape)
+            records.append(rec)
+            add_ratios(records)
+            status = rec["error"] or f"{rec['tokens_per_s']:,.0f} tokens/s"
+            print(f"    {status} ({time.monotonic() - t0:.0f} s)", flush=True)
+            _report.write_json(records, meta, out / f"{stem}.json")
+            write_md(records, meta, out / f"{stem}.md")
     print((out / f"{stem}.md").read_text())
     return 0
 

@@ -46,7 +46,7 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,9 @@ import torch
 from . import manifest
 from .errors import CheckpointError, ConfigError
 from .models.config import ModelConfig
-from .state import HostState, build_units, checkpoint_entries
-from .weights import TensorReader, checkpoint_files, read_generation_config, write_model_config
+from .reader import TensorReader, checkpoint_files
+from .state import HostState, build_units, checkpoint_entries, tensor_entries
+from .weights import read_generation_config, write_model_config
 from .writing import AtomicDir
 
 FORMAT = 1
@@ -264,21 +265,26 @@ def save_checkpoint(
     generation_from: str | Path | None = None,
     max_shard_bytes: int = 5 * 10**9,
     progress: bool = False,
+    write_tensors: Callable[[AtomicDir], None] | None = None,
 ) -> Path:
     """Write `output_dir/checkpoint-{global_step}` atomically (see the module docstring) and
     return it; `trainer_state.weights_only` leaves the optimizer and RNG state out. An existing
     directory of that name is replaced only if it is a megatrain checkpoint. The host state
-    must be current: call `transport.synchronize()` first."""
+    must be current: call `transport.synchronize()` first. `write_tensors(d)` writes the weights
+    and moments in place of the whole state's (a state partitioned over machines: partition.py)."""
     final = checkpoint_dir(output_dir, trainer_state.global_step)
-    params = dict(state.checkpoint_tensors())
-    moments = {} if trainer_state.weights_only else _moments(state)
     nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
     why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
     with AtomicDir(final, manifest.CHECKPOINT, _is_checkpoint, why_not, nbytes, progress) as d:
-        for prefix, tensors in (("model", params), ("optimizer", moments)):
-            if tensors:
-                entries = [(k, tuple(v.shape)) for k, v in tensors.items()]
-                d.write_tensors(prefix, entries, torch.float32, tensors.__getitem__, max_shard_bytes)
+        if write_tensors is not None:
+            write_tensors(d)
+        else:
+            params = dict(state.checkpoint_tensors())
+            moments = {} if trainer_state.weights_only else _moments(state)
+            for prefix, tensors in (("model", params), ("optimizer", moments)):
+                if tensors:
+                    entries = [(k, tuple(v.shape)) for k, v in tensors.items()]
+                    d.write_tensors(prefix, entries, torch.float32, tensors.__getitem__, max_shard_bytes)
         write_model_config(
             d.path, model_cfg, torch.float32, read_generation_config(generation_from), tokenizer
         )
@@ -340,16 +346,15 @@ class Checkpoint:
         ]
 
     def load_moments(self, state: HostState) -> None:
-        """Load the AdamW moments into `state`, whose master weights build_model loaded from
-        this checkpoint's model.safetensors; build_model calls it before the transport copies
-        any state to the device (the units the plan keeps there)."""
+        """Load the AdamW moments into `state` (the part of the model it holds), whose master
+        weights build_model loaded from this checkpoint's model.safetensors; build_model calls it
+        before the transport copies any state to the device (the units the plan keeps there)."""
         for which in ("exp_avg", "exp_avg_sq"):
             for unit in state.units:
-                flat = state.flat(unit, which)
-                for p in unit.params:
-                    flat[p.offset : p.offset + p.numel].view(p.shape).copy_(
-                        self.optimizer.get(f"{which}.{p.key}")
-                    )
+                entries = [
+                    (f"{which}.{k}", start, shape) for k, start, shape in tensor_entries(unit, "param")
+                ]
+                state.load(unit, which, entries, self.optimizer.get_range)
 
     def restore(self, state: HostState, batcher) -> TrainerState:
         """The rest of what a resume restores, in every process: the optimizer step count, the

@@ -81,12 +81,13 @@ def _train(args) -> int:
     from .distributed import check_devices, in_world
 
     cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before any launch
-    if cfg.nproc_per_node > 1 and not in_world():
+    nproc = cfg.world().ranks  # nnodes > 1: simulated machines, all on this one
+    if nproc > 1 and not in_world():
         from .launch import launch
         from .runtime import resolve_device
 
-        check_devices(resolve_device(cfg.device), cfg.nproc_per_node)
-        return launch(args.config, args.overrides, cfg.nproc_per_node)
+        check_devices(resolve_device(cfg.device), nproc)
+        return launch(args.config, args.overrides, nproc)
     from .trainer import train
 
     train(cfg)

@@ -181,9 +181,21 @@ class TrainConfig:
     max_host_memory: str | int | None = None
     """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start)."""
     nproc_per_node: int = 1
-    """Data parallel over this many processes (GPUs), started by `megatrain train` itself, one
-    copy of the host state for all; the global batch is per_device_train_batch_size x
-    gradient_accumulation_steps x processes. Under torchrun the world is torchrun's."""
+    """Data parallel over this many processes (GPUs) per machine, started by `megatrain train`
+    itself, one copy of the host state for all of a machine's; the global batch is
+    per_device_train_batch_size x gradient_accumulation_steps x processes. Under torchrun the
+    world is torchrun's."""
+    nnodes: int | None = None
+    """Machines of a data-parallel world, each running nproc_per_node processes and holding in
+    host memory only its processes' part of the fp32 state (the state partitioned, the traffic
+    sharded). Default: torchrun's machines, else 1. A larger number simulates machines: with
+    `megatrain train` on one machine, nnodes x nproc_per_node processes as nnodes machines (under
+    torchrun, a multiple of its machines). `megatrain plan` plans one machine's part."""
+    ddp_traffic: str = "auto"
+    """plain: every process copies whole units to its GPU and gradients are all-reduced; sharded:
+    each copies 1/N of every unit and the N processes all-gather the rest on their GPUs,
+    gradients are reduce-scattered (each receives its 1/N); auto: plain on one machine, sharded
+    when the state is partitioned over machines (plain cannot be)."""
     ddp_timeout: int = 1800
     """Seconds a rank waits for the others at a collective before stopping with an error."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -278,6 +290,17 @@ class TrainConfig:
                     bad(k, str(e))
         if self.compute_dtype not in ("auto", "bfloat16", "float32"):
             bad("compute_dtype", "must be auto, bfloat16 or float32")
+        if self.nnodes is not None and self.nnodes < 1:
+            bad("nnodes", "must be >= 1")
+        self.world()  # a ddp_traffic that the machines cannot have is refused now
+
+    def world(self):
+        """The data-parallel world these settings describe: nnodes machines (1 unless set) of
+        nproc_per_node processes (layout.Layout; under torchrun the world is torchrun's)."""
+        from .layout import resolve
+
+        machines = self.nnodes or 1
+        return resolve(self.ddp_traffic, self.nproc_per_node * machines, machines)
 
     def require_dataset(self) -> None:
         """Training needs data (planning does not)."""

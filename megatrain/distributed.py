@@ -1,47 +1,36 @@
-"""Data parallel training over torch.distributed: the one place that knows about other ranks.
-
-Every rank runs the same engine on its share of each optimizer step's micro-batches. The engine
-and the trainer talk to the other ranks only through a `Collective`:
+"""Data parallel training over torch.distributed: what a training process needs from the other
+ranks of its world (the `Collective` protocol), the world of one process (`Single`), and
+starting a world. The engine, transports and trainer talk to other ranks only through it:
 
 * the step's label tokens are counted over all ranks before the backward sweep, so every rank's
   loss is normalised by the step's total (the loss of one process with the same global batch);
-* each unit's gradient is summed over all ranks (all-reduce) as soon as the backward sweep has
-  it, before its norm is taken: the clip norm is the global one, bit for bit the same on every
-  rank, and every rank takes the same decisions (clip, skip a non-finite step, stop on signal);
-* the fp32 master weights and AdamW moments exist once per machine, in shared host memory
-  (hostmem.shared_buffer); each rank applies AdamW to its own slice of every unit (`span`) and
-  a unit's update is complete when every rank has applied its slice (`updated`, a barrier per
-  unit met by the ranks' optimizer threads): a fetch waits for that unit alone, so the next
-  forward sweep overlaps the optimizer as it does in one process.
+* each unit's gradient is reduced over all ranks as soon as the backward sweep has it, before
+  its norm is taken: the clip norm is the global one, the same on every rank, and every rank
+  takes the same decisions (clip, skip a non-finite step, stop on signal);
+* the fp32 master weights and AdamW moments live in host memory shared by a machine's ranks
+  (hostmem.shared_buffer); each rank applies AdamW to its own span of every unit.
 
-`Single` is the world of one process: every method is the identity, so a one-process run is
-unchanged. `ProcessGroup` is a torch.distributed process group: NCCL between GPUs, gloo on the
-CPU. A world is started by torchrun (or `megatrain train ... nproc_per_node=N`, launch.py),
-which sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE.
+How units are cut between ranks and machines, and the two designs (plain: whole units copied
+and gradients all-reduced; sharded: spans copied and all-gathered on the device, gradients
+reduce-scattered, the state partitioned when the world spans machines), is layout.py's. The
+process groups themselves (NCCL between GPUs, gloo on the CPU) are processgroup.py's.
 
-Multi-machine training keeps this interface: the machines' shared states would each hold a
-partition of the units (`span` then names whole units) and fetches of another machine's units
-would arrive by broadcast; that mode is not implemented.
+A world is started by torchrun (or `megatrain train ... nproc_per_node=N`, launch.py), which
+sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import shutil
-import uuid
-from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol, TypeVar
 
 import torch
 
 from .errors import ConfigError
-from .hostmem import PAGE, shared_buffer
-from .state import HostState, Unit
+from .layout import Layout, resolve
+from .state import HostState, Unit, unit_views
 
-SHM_DIR = Path("/dev/shm")
 T = TypeVar("T")
 
 
@@ -52,6 +41,8 @@ class Collective(Protocol):
     world_size: int
     local_rank: int
     local_world_size: int
+    layout: Layout
+    """How units are cut between the ranks and machines (layout.py)."""
 
     @property
     def is_main(self) -> bool:
@@ -59,7 +50,8 @@ class Collective(Protocol):
 
     @property
     def holds_state(self) -> bool:
-        """This rank fills the machine's host state (weights, restored moments)."""
+        """This rank fills its machine's host state (weights, restored moments) and writes its
+        part of a partitioned checkpoint."""
 
     def sum_count(self, n: int) -> int:
         """`n` summed over all ranks."""
@@ -67,14 +59,35 @@ class Collective(Protocol):
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         """`t` summed over all ranks, in place; returns it."""
 
+    def span(self, unit: Unit) -> tuple[int, int]:
+        """The elements [lo, hi) of `unit` this rank applies AdamW to."""
+
+    def piece(self, unit: Unit) -> tuple[int, int]:
+        """The elements of `unit` this rank copies to its device and receives as gradient: the
+        whole unit (plain) or its span (sharded)."""
+
+    def padded(self, unit: Unit) -> int:
+        """Length of the unit's device buffers: gathered weights, gradients to reduce."""
+
+    def gather_(self, unit: Unit, buf: torch.Tensor) -> None:
+        """`buf` (`padded(unit)` long) holds this rank's piece in its place; fill in the other
+        ranks' pieces. Called for the units in the same order on every rank."""
+
+    def reduce(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` (`padded(unit)` long) summed over all ranks: this rank's piece of the sum."""
+
     def reduce_then(
         self, unit: Unit, grad: torch.Tensor, finish: Callable[[Unit, torch.Tensor], None]
     ) -> None:
-        """Sum `grad` over all ranks and then call `finish(unit, grad)`; finishes may be
-        deferred (the reduction overlapping the next unit's compute) until `flush`, in order."""
+        """`reduce`, then `finish(unit, piece)`; finishes may be deferred (the reduction
+        overlapping the next unit's compute) until `flush`, in order."""
 
     def flush(self) -> None:
         """Complete every deferred `reduce_then`."""
+
+    def norms(self, unit: Unit, grad: torch.Tensor) -> list[torch.Tensor]:
+        """Norms whose L2 norm is that of the unit's whole reduced gradient, of which `grad` is
+        this rank's piece; the same on every rank."""
 
     def any(self, flag: bool) -> bool:
         """Whether `flag` is true on some rank (signals: every rank stops at the same step)."""
@@ -82,25 +95,51 @@ class Collective(Protocol):
     def first(self, obj: T) -> T:
         """Rank 0's `obj` (picklable) on every rank: one decision for all, such as the plan."""
 
-    def span(self, unit: Unit) -> tuple[int, int]:
-        """The elements [lo, hi) of `unit` this rank applies AdamW to."""
+    def each(self, obj: T) -> list[T]:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
 
     def barrier(self) -> None: ...
 
     def updated(self, unit: Unit) -> None:
-        """This rank has applied its part of `unit`'s update; returns once every rank has (the
-        units in the same order on every rank, from one thread: the optimizer's)."""
+        """This rank has applied its part of `unit`'s update; returns once the weights a fetch of
+        `unit` reads are current (the units in the same order on every rank, from one thread:
+        the optimizer's)."""
 
     def host_state(self, units: list[Unit]) -> HostState:
-        """The machine's host state: shared by its ranks, allocated once."""
+        """The machine's host state (its part of it, when partitioned): shared by its ranks,
+        allocated once."""
 
     def close(self) -> None: ...
 
 
-class Single:
-    """The world of one process."""
+def param_norms(unit: Unit, grad: torch.Tensor) -> list[torch.Tensor]:
+    """Per-parameter norms of a unit's whole gradient (`Collective.norms` where every rank has
+    the whole gradient), taken on the compute stream while the buffer is hot."""
+    views = unit_views(grad, unit)
+    return torch._foreach_norm([views[p.name] for p in unit.params])
+
+
+class Cuts:
+    """`span`, `piece` and `padded` of a collective, from its layout and rank."""
+
+    rank: int
+    layout: Layout
+
+    def span(self, unit: Unit) -> tuple[int, int]:
+        return self.layout.span(unit.numel, self.rank)
+
+    def piece(self, unit: Unit) -> tuple[int, int]:
+        return self.layout.piece(unit.numel, self.rank)
+
+    def padded(self, unit: Unit) -> int:
+        return self.layout.padded(unit.numel)
+
+
+class Single(Cuts):
+    """The world of one process: every collective is the identity."""
 
     rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
+    layout = Layout()
     is_main = holds_state = True
 
     def sum_count(self, n: int) -> int:
@@ -109,11 +148,20 @@ class Single:
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def gather_(self, unit, buf) -> None:
+        pass
+
+    def reduce(self, unit, grad):
+        return grad
+
     def reduce_then(self, unit, grad, finish) -> None:
         finish(unit, grad)
 
     def flush(self) -> None:
         pass
+
+    def norms(self, unit, grad):
+        return param_norms(unit, grad)
 
     def any(self, flag: bool) -> bool:
         return flag
@@ -121,8 +169,8 @@ class Single:
     def first(self, obj: T) -> T:
         return obj
 
-    def span(self, unit: Unit) -> tuple[int, int]:
-        return 0, unit.numel
+    def each(self, obj: T) -> list[T]:
+        return [obj]
 
     def barrier(self) -> None:
         pass
@@ -137,136 +185,29 @@ class Single:
         pass
 
 
-def slices(numel: int, parts: int, align: int = PAGE // 4) -> list[tuple[int, int]]:
-    """[0, numel) cut into `parts` consecutive ranges as equal as `align` allows (each starts on
-    a page, so ranks never write the same page of the shared state)."""
-    step = -(-numel // (parts * align)) * align
-    return [(min(r * step, numel), min((r + 1) * step, numel)) for r in range(parts)]
-
-
-class ProcessGroup:
-    """A torch.distributed world (see the module docstring). Collectives time out after
-    `timeout_s`, so a rank that dies or hangs stops the others with an error, not a hang."""
-
-    def __init__(self, device: torch.device, timeout_s: float):
-        import torch.distributed as dist
-
-        self.dist = dist
-        env = os.environ
-        self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        self.local_rank = int(env.get("LOCAL_RANK", self.rank))
-        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", self.world_size))
-        if self.local_world_size != self.world_size:
-            raise ConfigError(
-                f"WORLD_SIZE {self.world_size} over several machines (LOCAL_WORLD_SIZE {self.local_world_size}): "
-                "multi-machine training is not supported yet"
-            )
-        self.device = device
-        if device.type == "cuda":
-            if not dist.is_nccl_available():
-                raise ConfigError("device: cuda with several processes needs NCCL, which this PyTorch lacks")
-            backend = "nccl"
-        else:
-            backend = "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timeout, **kw)
-        # Barriers and flags go through gloo on the CPU: no device sync, the same timeout.
-        self.cpu = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-        self.updates = dist.new_group(backend="gloo", timeout=timeout)
-        self._pending: deque = deque()
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def holds_state(self) -> bool:
-        return self.local_rank == 0
-
-    def sum_count(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
-        self.dist.all_reduce(t, group=self.cpu)
-        return int(t)
-
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        self.dist.all_reduce(t)
-        return t
-
-    def reduce_then(self, unit, grad, finish) -> None:
-        # Asynchronous: the next unit's recompute overlaps this reduction; one unit's gradient
-        # waits at a time.
-        work = self.dist.all_reduce(grad, async_op=True)
-        self.flush()
-        self._pending.append((work, unit, grad, finish))
-
-    def flush(self) -> None:
-        while self._pending:
-            work, unit, grad, finish = self._pending.popleft()
-            work.wait()
-            finish(unit, grad)
-
-    def any(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.cpu)
-        return bool(t)
-
-    def first(self, obj: T) -> T:
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0, group=self.cpu)
-        return box[0]
-
-    def span(self, unit: Unit) -> tuple[int, int]:
-        return slices(unit.numel, self.world_size)[self.rank]
-
-    def barrier(self) -> None:
-        self.dist.barrier(group=self.cpu)
-
-    def updated(self, unit: Unit) -> None:
-        # A group of its own: the optimizer's thread meets the other ranks' optimizer threads
-        # while the main threads go on with the next forward sweep and their own collectives.
-        self.dist.barrier(group=self.updates)
-
-    def host_state(self, units: list[Unit]) -> HostState:
-        """Local rank 0 creates the three buffers as files in /dev/shm, the other ranks map
-        them, and once all have, they are unlinked: the memory lives while a rank maps it and
-        nothing is left behind, whatever happens later."""
-        numel = units[-1].start + units[-1].numel
-        need = 3 * numel * 4
-        free = shutil.disk_usage(SHM_DIR).free if SHM_DIR.is_dir() else 0
-        if need > free:
-            raise ConfigError(
-                f"{SHM_DIR}: the shared host state needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free "
-                "(in a container: docker run --shm-size)"
-            )
-        names = [None]
-        if self.holds_state:
-            names = [f"megatrain-{uuid.uuid4().hex[:12]}"]
-        self.dist.broadcast_object_list(names, src=0, group=self.cpu)
-        paths = [SHM_DIR / f"{names[0]}-{kind}" for kind in ("master", "exp_avg", "exp_avg_sq")]
-        files = iter(paths)
-
-        def alloc(n: int) -> torch.Tensor:
-            return shared_buffer(next(files), n, create=self.holds_state)
-
-        state = HostState(units, alloc=alloc) if self.holds_state else None
-        self.barrier()
-        if state is None:
-            state = HostState(units, alloc=alloc)
-        self.barrier()
-        if self.holds_state:
-            for p in paths:
-                p.unlink(missing_ok=True)
-        return state
-
-    def close(self) -> None:
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
-
-
 def in_world() -> bool:
     """Started by torchrun (or launch.py) with more than one process."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def world_layout(traffic: str = "auto", nnodes: int | None = None) -> Layout:
+    """The layout of the world torchrun started (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE): its machines
+    are torchrun's, or `nnodes` machines simulated within them (each a share of a real one's
+    processes); ConfigError for a world that cannot be cut so."""
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % local:
+        raise ConfigError(
+            f"WORLD_SIZE {world} with LOCAL_WORLD_SIZE {local}: every machine must run the same number of processes"
+        )
+    real = world // local
+    machines = nnodes or real
+    if machines % real or world % machines:
+        raise ConfigError(
+            f"nnodes: {machines}, but the world is {world} processes on {real} machine(s), {local} on each: "
+            f"nnodes must be a multiple of {real} that divides {world}"
+        )
+    return resolve(traffic, world, machines)
 
 
 def check_devices(device: torch.device, nproc: int) -> None:
@@ -291,9 +232,21 @@ def world_device(device: torch.device) -> torch.device:
     return torch.device("cuda", local)
 
 
-def start(device: torch.device, timeout_s: float) -> tuple[Collective, torch.device]:
-    """The collective of this process and its device: `Single` outside a world."""
+def start(
+    device: torch.device, timeout_s: float, traffic: str = "auto", nnodes: int | None = None
+) -> tuple[Collective, torch.device]:
+    """The collective of this process and its device: `Single` outside a world. `traffic` and
+    `nnodes` are the ddp_traffic and nnodes keys (layout.py)."""
     if not in_world():
+        if (nnodes or 1) > 1:
+            raise ConfigError(
+                f"nnodes: {nnodes} machines need several processes: start them with `megatrain train` "
+                "(nnodes x nproc_per_node of them on this machine) or torchrun"
+            )
         return Single(), device
+    from .processgroup import ProcessGroup, ShardedGroup
+
+    layout = world_layout(traffic, nnodes)
     device = world_device(device)
-    return ProcessGroup(device, timeout_s), device
+    group = ShardedGroup if layout.sharded else ProcessGroup
+    return group(device, timeout_s, layout), device

@@ -169,11 +169,15 @@ class Engine:
             inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks),
         )
 
+    def _grad_buffer(self, unit: Unit) -> torch.Tensor:
+        """A unit's zeroed fp32 gradient buffer, as long as the collective reduces it (padded to
+        equal pieces where ranks receive only theirs)."""
+        return torch.zeros(self.collective.padded(unit), device=self.device)
+
     def _norm(self, unit: Unit, g: torch.Tensor) -> None:
-        """Per-parameter norms of a unit's complete gradient (for clipping), taken on the compute
-        stream while the buffer is hot."""
-        views = unit_views(g, unit)
-        self._norms[unit.index] = torch._foreach_norm([views[p.name] for p in unit.params])
+        """The norms of a unit's complete gradient (for clipping), of which `g` is this rank's
+        piece (the whole gradient in one process), taken while the buffer is hot."""
+        self._norms[unit.index] = self.collective.norms(unit, g)
 
     # ------------------------------------------------------------------ sweeps
     def _forward_sweep(self, prep: list[_Prepared], keep: bool):
@@ -220,11 +224,11 @@ class Engine:
         the list of gradients and the units' gradient buffers."""
         head = self.head_unit
         params, W = self._head_params()
-        g_head = torch.zeros(head.numel, device=self.device)
+        g_head = self._grad_buffer(head)
         g_views = unit_views(g_head, head)
         grads = {head.index: g_head}
         if self.cfg.tie_word_embeddings:
-            grads[self.embed_unit.index] = torch.zeros(self.embed_unit.numel, device=self.device)
+            grads[self.embed_unit.index] = self._grad_buffer(self.embed_unit)
             g_W = unit_views(grads[self.embed_unit.index], self.embed_unit)[self.embed.weight_name]
         else:
             g_W = g_views[self.head.lm_weight_name]
@@ -265,7 +269,7 @@ class Engine:
             params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
             names = [n for n, v in params.items() if v.requires_grad]
             leaves = [params[n] for n in names]
-            g = torch.zeros(unit.numel, device=self.device)
+            g = self._grad_buffer(unit)
             for m, p in enumerate(prep):
                 if kept:
                     x, y = s.xs[m], s.ys[m]
@@ -283,10 +287,10 @@ class Engine:
                 _accumulate(g, unit, names, grads[1:])
                 del x, y, grads
             del params, leaves
-            self.collective.reduce_then(unit, g, finish)  # summed over ranks, then finished
+            self.collective.reduce_then(unit, g, finish)  # reduced over ranks, then finished
             del g
         # Embedding: scatter-add of the input gradient; no weights needed.
-        g = torch.zeros(self.embed_unit.numel, device=self.device) if embed_grad is None else embed_grad
+        g = self._grad_buffer(self.embed_unit) if embed_grad is None else embed_grad
         view = unit_views(g, self.embed_unit)[self.embed.weight_name]
         scale = self.embed.scale  # the embedding's forward multiplies the looked-up rows by it
         pad = self.embed.padding_idx
@@ -334,7 +338,8 @@ class Engine:
             loss = loss + self.aux.loss()
         head = self.head_unit
         self.collective.sum_(loss)
-        self.collective.sum_(head_grads[head.index])  # the tied embedding's share: with its unit
+        # Reduced over ranks now (this rank's piece of it); the tied embedding's share with its unit.
+        head_grads[head.index] = self.collective.reduce(head, head_grads[head.index])
         self._norm(head, head_grads[head.index])
         embed_part = head_grads.get(self.embed_unit.index)  # tied: the LM head's share
         if mode == "stored":
@@ -400,6 +405,17 @@ class Engine:
         self.transport.begin(self._backward_order())
         self._backward_sweep(saved, dh, prep, land, head_grads.pop(self.embed_unit.index, None))
         return self._total_norm() if immediate else None
+
+    def keep_pace(self) -> None:
+        """What a rank with no evaluation chunk left does while the others evaluate one: the
+        weight fetches of a forward sweep, where fetches are collectives (sharded: every rank's
+        gathers must pair up); nothing otherwise."""
+        if not self.collective.layout.sharded:
+            return
+        order = self._forward_order()
+        self.transport.begin(order)
+        for unit in order:
+            self.transport.fetch(unit)
 
     def aux_metrics(self) -> dict[str, float]:
         """The last step's auxiliary-loss metrics (MoE: aux loss, expert load); empty without one."""

@@ -27,8 +27,9 @@ from .config import interval_steps
 from .data import Batcher, build_samples
 from .errors import CheckpointError
 from .models.config import ModelConfig
+from .reader import checkpoint_files
 from .state import HostState
-from .weights import checkpoint_files, load_hf_weights
+from .weights import load_hf_weights
 
 
 class Evaluator:
@@ -108,6 +109,8 @@ class Evaluator:
                 sums[1] += n
                 sums[2] += sum(mb.num_tokens for mb in micro_batches)
                 bar.update(1)
+        for _ in range(-(-self.batcher.steps_per_epoch // world.world_size) - len(mine)):
+            engine.keep_pace()  # the ranks' sweeps pair up (sharded: their weight gathers do)
         total, n_label, n_tokens = world.sum_(sums).tolist()  # the one host sync
         n_label, n_tokens = int(n_label), int(n_tokens)
         loss = total / n_label

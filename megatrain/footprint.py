@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from .activations import HostActivations
+from .layout import Layout
 from .models.attention import mask_bytes
 from .models.config import ModelConfig
 from .probe import LayerMemory, formula_layer_memory, token_ffn
@@ -62,6 +63,9 @@ class Machine:
     gpu_flops: float | None = None
     pcie_bytes_s: float = PCIE_BYTES_S
     adam_params_s: float = ADAM_PARAMS_S
+    world: Layout = Layout()
+    """The data-parallel world this machine belongs to: partitioned over several machines, its
+    host memory holds only its part of the state (layout.py); sharded, no state on the GPU."""
 
 
 @dataclass(frozen=True)
@@ -345,10 +349,13 @@ def phase_peaks(
 
 
 # ---------------------------------------------------------------------------- host memory model
-def _host(s: Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
-    """Host memory by kind, and how much of it is page-locked."""
+def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int], int]:
+    """Host memory of this machine by kind, and how much of it is page-locked. Its share of the
+    state (all of it, unless partitioned over machines) and of the gradients its ranks step; the
+    rest once, as for one process."""
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
-    host = {"fp32 weights + AdamW moments": 12 * s.total}
+    state = world.held(s.units)
+    host = {"fp32 weights + AdamW moments": 12 * state}
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -362,9 +369,9 @@ def _host(s: Shape, b: Batch, plan: Plan) -> tuple[dict[str, int], int]:
             host["attention masks"] = _masks(b, flex=False)
         host["runtime"] = HOST_RUNTIME["cpu"]
         return host, 0
-    pinned = 4 * s.total  # the master weights, registered in place
+    pinned = 4 * state  # the master weights, registered in place
     first_spilled = max(plan.gpu_grad_units, plan.resident_units)
-    spilled = sum(s.units[first_spilled:]) if plan.grad_mode == "stored" else 0
+    spilled = world.held(s.units[first_spilled:]) if plan.grad_mode == "stored" else 0
     if spilled > 0:
         host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
         pinned += 4 * spilled
@@ -426,7 +433,7 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     plan = replace(plan)
     if plan.device == "cuda":
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
-    plan.host, plan.pinned = _host(s, b, plan)
+    plan.host, plan.pinned = _host(s, b, plan, m.world)
     plan.step_time_s = _step_time(s, b, plan, m)
     return plan
 

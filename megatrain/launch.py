@@ -1,4 +1,5 @@
-"""`megatrain train CONFIG nproc_per_node=N`: start N training processes on this machine.
+"""`megatrain train CONFIG nproc_per_node=N`: start N training processes on this machine (N x M
+with `nnodes=M`, the processes of M simulated machines).
 
 The processes are started and watched by torch.distributed's own launcher (what `torchrun
 --standalone --nproc-per-node N -m megatrain train CONFIG` runs): a rendezvous on a free local

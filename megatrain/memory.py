@@ -37,6 +37,8 @@ class MemoryRecord:
         self.plan, self.machine, self.model = plan, machine, model or {}
         self.baseline = _status_bytes("VmRSS") or 0
         self.measured: dict[str, int | None] = {}
+        self.state_bytes: list[int] = []
+        """The host state each machine of the run holds (the whole on one machine)."""
 
     def measure(self, step: int) -> None:
         """Read the peaks so far (cheap: no device synchronisation)."""
@@ -64,6 +66,7 @@ class MemoryRecord:
             "host_rss_before": self.baseline,
             "predicted": self.predicted,
             "measured": self.measured,
+            "host_state_bytes_per_machine": self.state_bytes,
         }
         path = Path(output_dir) / PLAN_FILE
         tmp = path.with_name(f".{PLAN_FILE}.tmp-{os.getpid()}")

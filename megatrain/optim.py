@@ -45,10 +45,12 @@ def adamw_range(
     lr: float,
     step: int,
     found_inf: torch.Tensor | None = None,
+    base: int = 0,
 ) -> None:
-    """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the whole unit's flat state and
-    `g` exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag on
-    the same device) makes the kernel leave everything unchanged."""
+    """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the unit's flat state from
+    element `base` on (the whole unit, or a machine's part of it) and `g` exactly the range; host
+    or device tensors alike. A nonzero `found_inf` (a float flag on the same device) makes the
+    kernel leave everything unchanged."""
     groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
     for spec in unit.params:
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
@@ -57,7 +59,7 @@ def adamw_range(
     for decay, spans in groups.items():
         if not spans:
             continue
-        sl = [slice(a, b) for a, b in spans]
+        sl = [slice(a - base, b - base) for a, b in spans]
         gl = [slice(a - lo, b - lo) for a, b in spans]
         steps = [torch.tensor(float(step), device=p.device) for _ in spans]
         torch._fused_adamw_(
@@ -82,8 +84,8 @@ class HostAdamW:
     """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range.
 
     In a data-parallel world (`world`, distributed.py) the ranks of a machine share the state:
-    each steps its own part of every unit (`span`), and a unit's update is complete once every
-    rank has `published` it."""
+    each steps its own span of every unit, and a unit's update is complete once every rank has
+    `published` it."""
 
     def __init__(self, state: HostState, cfg: AdamWConfig, world: Collective | None = None):
         self.state, self.cfg = state, cfg
@@ -92,6 +94,15 @@ class HostAdamW:
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this process steps."""
         return self.world.span(unit)
+
+    def piece(self, unit: Unit) -> tuple[int, int]:
+        """The elements [lo, hi) of `unit` that a gradient handed to this process covers."""
+        return self.world.piece(unit)
+
+    def own(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """The elements of a handed-over gradient (covering `piece(unit)`) that this process steps."""
+        (lo, hi), (p0, _) = self.span(unit), self.piece(unit)
+        return grad[lo - p0 : hi - p0]
 
     def published(self, unit: Unit) -> None:
         """This process is done with `unit` for this step (stepped or skipped its part); returns
@@ -103,7 +114,7 @@ class HostAdamW:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""
         st = self.state
         p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
-        adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step)
+        adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=st.part(unit)[0])
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:

@@ -51,6 +51,7 @@ from .footprint import (
     phase_peaks,
     usable_gpu,
 )
+from .layout import Layout
 from .models.config import ModelConfig
 from .probe import LayerMemory, formula_layer_memory
 
@@ -141,7 +142,7 @@ def plan(
     auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
     if m.device == "cuda" and auto:
         best = _spend_free_gpu(s, batch, best, m)
-    best = _note(best, s, batch)
+    best = _note(best, s, batch, m)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
@@ -210,7 +211,7 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
     cur = base
     while True:
         options = []
-        if cur.resident_units < len(s.units):
+        if cur.resident_units < len(s.units) and not m.world.sharded:  # sharded: no state on the GPU
             r = cur.resident_units + 1
             options.append(replace(cur, resident_units=r))
         if cur.grad_mode != "two_pass" and cur.keep_layers < s.layers - cur.parked_layers:
@@ -244,9 +245,19 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
     return "no placement fits: " + "; ".join(parts or ["unknown"])
 
 
-def _note(p: Plan, s: Shape, b: Batch) -> Plan:
-    n = len(s.units)
+def _note(p: Plan, s: Shape, b: Batch, m: Machine) -> Plan:
+    n, w = len(s.units), m.world
     notes = []
+    if w.sharded:
+        notes.append(
+            f"data parallel, sharded: each of {w.ranks} processes copies 1/{w.ranks} of every unit to its "
+            f"device (the rest all-gathered there) and receives 1/{w.ranks} of its gradient (reduce-scatter)"
+        )
+    if w.partitioned:
+        notes.append(
+            f"host state partitioned over {w.machines} machines: this machine holds "
+            f"{fmt_bytes(12 * w.held(s.units))} of {fmt_bytes(12 * s.total)}"
+        )
     if p.grad_mode == "stored" and p.device == "cpu":
         notes.append("gradients: kept until the clip norm is known")
     elif p.grad_mode == "stored":
@@ -304,9 +315,12 @@ def gpu_available(device) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0])
 
 
-def measure(device, max_gpu_memory: int | None = None, max_host_memory: int | None = None) -> Machine:
+def measure(
+    device, max_gpu_memory: int | None = None, max_host_memory: int | None = None, world: Layout | None = None
+) -> Machine:
     """The budgets of a run on `device` (a torch.device or "cpu"/"cuda[:N]"): the caps where the
-    user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s)."""
+    user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s).
+    `world`: the data-parallel world the machine belongs to (layout.py; default one process)."""
     import torch
 
     from .probe import adam_rate
@@ -319,7 +333,8 @@ def measure(device, max_gpu_memory: int | None = None, max_host_memory: int | No
     # This host's rate only where the run will happen (not when planning from a login node).
     on_target = kind == "cuda" and torch.cuda.is_available()
     adam = ADAM_IN_STEP * adam_rate() if on_target else ADAM_PARAMS_S
-    return Machine(kind, gpu, host, gpu_capped=max_gpu_memory is not None, adam_params_s=adam)
+    capped = max_gpu_memory is not None
+    return Machine(kind, gpu, host, gpu_capped=capped, adam_params_s=adam, world=world or Layout())
 
 
 def allocator_fraction(machine: Machine, total_gpu_bytes: int) -> float | None:

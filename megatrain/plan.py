@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .errors import MegatrainError
+from .layout import Layout
 from .models.attention import uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
@@ -55,16 +56,17 @@ def choices_of(cfg) -> Choices:
     )
 
 
-def machine_of(cfg, device) -> Machine:
+def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     """The budgets of a training config on `device` (its max_gpu_memory / max_host_memory caps,
-    else what is free now)."""
+    else what is free now), one machine of `world` (default: the world the config describes,
+    nnodes x nproc_per_node processes)."""
     from .config import parse_size
     from .placement import measure
 
     def size(v):
         return None if v is None else parse_size(v)
 
-    return measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory))
+    return measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory), world or cfg.world())
 
 
 @dataclass
@@ -210,12 +212,19 @@ def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
 
 
 def preflight(
-    model_cfg: ModelConfig, cfg, device, compute_bytes: int, warn=print, attention_span: float | None = None
+    model_cfg: ModelConfig,
+    cfg,
+    device,
+    compute_bytes: int,
+    warn=print,
+    world: Layout | None = None,
+    attention_span: float | None = None,
 ) -> tuple[Plan, Machine]:
-    """The plan `train` runs under. Raises InsufficientMemory with a one-line message when no
-    placement fits; with preflight_check=false it warns and plans as if memory were unlimited.
-    `attention_span`: the training data's (`Batcher.attention_span`)."""
-    machine = machine_of(cfg, device)
+    """The plan `train` runs under, on one machine of `world` (its part of a partitioned state).
+    Raises InsufficientMemory with a one-line message when no placement fits; with
+    preflight_check=false it warns and plans as if memory were unlimited. `attention_span`: the
+    training data's (`Batcher.attention_span`)."""
+    machine = machine_of(cfg, device, world)
     layer_mem = layer_memory(model_cfg, cfg, device, compute_bytes)
     result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem, attention_span=attention_span)
     if result.fits:
@@ -224,7 +233,7 @@ def preflight(
     if cfg.preflight_check:
         raise InsufficientMemory(msg)
     warn(f"megatrain: warning: {msg}")
-    unlimited = Machine(machine.device)
+    unlimited = Machine(machine.device, world=machine.world)
     batch = batch_of(cfg, model_cfg, compute_bytes, attention_span)
     choices = replace(choices_of(cfg), gpu_state="off")
     return make_placement(model_cfg, batch, unlimited, choices, layer_mem), unlimited
@@ -279,8 +288,14 @@ def report(
             if cfg.max_host_memory is not None
             else " (MemAvailable: set max_host_memory to plan for another machine)"
         ),
-        "",
     ]
+    w = m.world
+    if w.ranks > 1:
+        lines.append(
+            f"world: {w.ranks} processes on {w.machines} machine(s), {'sharded' if w.sharded else 'plain'} traffic"
+            + (", host state partitioned (memory below: one machine's part)" if w.partitioned else "")
+        )
+    lines.append("")
     p = result.plan
     if p is None:
         lines.append("does not fit: " + result.problem)

@@ -13,6 +13,7 @@ from . import CUDA_ALLOC_CONF, placement
 from .distributed import Collective, Single
 from .engine import Engine
 from .errors import ConfigError
+from .layout import Layout
 from .models.config import ModelConfig
 from .optim import AdamWConfig, HostAdamW
 from .placement import Batch, Choices, Machine, Plan
@@ -96,13 +97,14 @@ def make_plan(
     max_gpu_memory: int | None = None,
     max_host_memory: int | None = None,
     compile: bool | None = None,
+    world: Layout | None = None,
 ) -> tuple[Plan, Machine]:
     """The placement of a run on this machine: placement.plan with measured budgets and, on
     CUDA, one layer's activation memory measured by running it (probe.py; `compile` as the
-    engine will run it, default on)."""
+    engine will run it, default on). `world`: the data-parallel world's layout (layout.py)."""
     if torch.device(device).type == "cuda":
         configure_allocator()
-    machine = placement.measure(device, max_gpu_memory, max_host_memory)
+    machine = placement.measure(device, max_gpu_memory, max_host_memory, world)
     layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked)
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,
@@ -139,7 +141,8 @@ def build_model(
     sequence per step under `choices`). `overlap=False` selects the serial reference schedule on
     CUDA; `compile` compiles the decoder layer with torch.compile (default: on CUDA only);
     `machine` carries a user's max_gpu_memory, which caps the CUDA allocator. In a data-parallel
-    world (`collective`) the machine's ranks share one host state, filled by one of them.
+    world (`collective`) the machine's ranks share one host state (the machine's part of it, when
+    partitioned over machines), filled by one of them.
     `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
     transport copies any of it to the device."""
     collective = collective or Single()
@@ -148,7 +151,9 @@ def build_model(
     if device.type == "cuda":
         configure_allocator()
     if plan is None:
-        plan, machine = make_plan(cfg, device, dtype, choices=choices, compile=compile)
+        plan, machine = make_plan(
+            cfg, device, dtype, choices=choices, compile=compile, world=collective.layout
+        )
     # The ranks of a world run one schedule (their collectives must pair up): the first one's.
     plan = collective.first(plan)
     if device.type == "cuda" and machine is not None:
@@ -174,8 +179,10 @@ def build_model(
         # The machine's cores are shared by its ranks' optimizers; one each stays free for the
         # thread that launches kernels.
         threads = max(1, (os.cpu_count() or 2) // collective.local_world_size - 1)
-        transport = StreamingTransport(state, opt, device, dtype, plan, overlap=overlap, threads=threads)
+        transport = StreamingTransport(
+            state, opt, device, dtype, plan, overlap=overlap, threads=threads, collective=collective
+        )
     else:
-        transport = SerialTransport(state, opt, device, dtype)
+        transport = SerialTransport(state, opt, device, dtype, collective=collective)
     engine = Engine(cfg, state, transport, device, dtype, plan, compile=compile, collective=collective)
     return TrainableModel(cfg, state, engine, transport, opt, plan)

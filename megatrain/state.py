@@ -7,12 +7,16 @@ are packed into one flat fp32 range of a single host allocation (`HostState.mast
 template's parameter order, each parameter's start aligned to 64 elements. The AdamW moments
 have the same layout, so a unit's state is three contiguous ranges and a checkpoint is three
 tensors per unit.
+
+In a world partitioned over several machines (layout.py) a machine's `HostState` holds only its
+*part* of each unit, a consecutive range of elements; the parts of all machines make the whole.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -115,29 +119,76 @@ def piece_views(flat: torch.Tensor, unit: Unit):
 
 
 class HostState:
-    """fp32 master weights and AdamW moments of every unit, each one host allocation."""
+    """fp32 master weights and AdamW moments of every unit (or of a part of each), each one host
+    allocation."""
 
-    def __init__(self, units: list[Unit], with_optimizer: bool = True, alloc=host_buffer):
+    def __init__(
+        self,
+        units: list[Unit],
+        with_optimizer: bool = True,
+        alloc=host_buffer,
+        parts: list[tuple[int, int]] | None = None,
+    ):
         """`alloc(numel)` makes each buffer (master, exp_avg, exp_avg_sq, in that order): by
-        default private memory; the ranks of a machine share theirs (distributed.py)."""
+        default private memory; the ranks of a machine share theirs (processgroup.py). `parts`:
+        the elements [lo, hi) of each unit held here (default: whole units)."""
         self.units = units
-        self.numel = units[-1].start + units[-1].numel
+        self.parts = parts or [(0, u.numel) for u in units]
+        self.whole = all(p == (0, u.numel) for p, u in zip(self.parts, units))
+        lengths = [hi - lo for lo, hi in self.parts]
+        self.starts = [sum(lengths[:i]) for i in range(len(units))]  # each part's place in a buffer
+        self.numel = sum(lengths)
         # Fresh zero pages, page-aligned: nothing is touched until a unit is written.
         self.master = alloc(self.numel)
         self.exp_avg = alloc(self.numel) if with_optimizer else None
         self.exp_avg_sq = alloc(self.numel) if with_optimizer else None
         self.step = 0  # optimizer steps taken
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the state takes (weights, and moments where there are)."""
+        buffers = 3 if self.exp_avg is not None else 1
+        return buffers * self.numel * self.master.element_size()
+
+    def part(self, unit: Unit) -> tuple[int, int]:
+        """The elements [lo, hi) of `unit` held here."""
+        return self.parts[unit.index]
+
     def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:
-        t = getattr(self, which)
-        return t[unit.start : unit.start + unit.numel]
+        """The unit's part held here (the whole unit in a whole state)."""
+        lo, hi = self.parts[unit.index]
+        start = self.starts[unit.index]
+        return getattr(self, which)[start : start + hi - lo]
+
+    def range(self, unit: Unit, lo: int, hi: int, which: str = "master") -> torch.Tensor:
+        """Elements [lo, hi) of `unit`, which must lie in its part held here."""
+        a, b = self.parts[unit.index]
+        if not a <= lo <= hi <= b:
+            raise ValueError(f"{unit.name}[{lo}:{hi}] is outside the part held here [{a}:{b}]")
+        return self.flat(unit, which)[lo - a : hi - a]
+
+    def load(self, unit: Unit, which: str, entries, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        """Fill the part of `unit` held here from tensors: `entries` are (key, start in the unit,
+        shape) as `tensor_entries` gives them, `read(key, a, b)` the elements [a, b) of the
+        tensor flattened. Tensors outside the part are not read."""
+        lo, hi = self.parts[unit.index]
+        flat = self.flat(unit, which)
+        for key, start, shape in entries:
+            a, b = max(lo, start), min(hi, start + math.prod(shape))
+            if a < b:
+                flat[a - lo : b - lo].copy_(read(key, a - start, b - start))
+
+    def _whole(self) -> None:
+        if not self.whole:
+            raise RuntimeError("this host state holds a part of the model (partitioned over machines)")
 
     @property
     def boundaries(self) -> list[int]:
         """Element offsets where units start: where host memory may be cut into pieces."""
-        return [u.start for u in self.units]
+        return list(self.starts)
 
     def params(self, unit: Unit) -> dict[str, torch.Tensor]:
+        self._whole()
         return unit_views(self.flat(unit), unit)
 
     def named_parameters(self):
@@ -149,12 +200,25 @@ class HostState:
 
     def checkpoint_tensors(self):
         """(checkpoint key, fp32 master view) for every tensor of a Hugging Face checkpoint."""
+        self._whole()
         for u in self.units:
             yield from piece_views(self.flat(u), u)
 
     @property
     def num_params(self) -> int:
         return sum(p.numel for u in self.units for p in u.params)
+
+
+def tensor_entries(unit: Unit, per: str = "piece") -> Iterable[tuple[str, int, tuple[int, ...]]]:
+    """(key, start in the unit's flat range, shape) of the unit's checkpoint tensors (`piece`: the
+    Hugging Face tensors, one per expert where a parameter is fused) or of its parameters
+    (`param`: the AdamW moments are keyed by parameter)."""
+    for p in unit.params:
+        if per == "param":
+            yield p.key, p.offset, p.shape
+        else:
+            for c in p.pieces:
+                yield c.key, p.offset + c.offset, c.shape
 
 
 def checkpoint_entries(units: list[Unit]) -> list[tuple[str, tuple[int, ...]]]:

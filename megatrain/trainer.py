@@ -16,15 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (
-    HISTORY,
-    TrainerState,
-    checkpoint_dir,
-    open_checkpoint,
-    prune_checkpoints,
-    resume_path,
-    save_checkpoint,
-)
+from .checkpoint import HISTORY, TrainerState, open_checkpoint, prune_checkpoints, resume_path
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
@@ -32,15 +24,15 @@ from .distributed import Collective, start
 from .errors import ConfigError
 from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
-from .memory import MemoryRecord
+from .memory import PLAN_FILE, MemoryRecord
 from .metrics import MetricsLogger, SilentLogger, show_progress
 from .models.config import ModelConfig
 from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
+from .partition import check_shared, save_checkpoint, save_model
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
-from .weights import save_hf_checkpoint
 
 # Settings whose change between a checkpoint and its resume makes the continuation differ from
 # an uninterrupted run; changing them is allowed, with a warning.
@@ -69,7 +61,7 @@ def train(cfg: TrainConfig) -> Path:
     """
     cfg.require_dataset()
     seed_everything(cfg.seed)
-    world, device = start(resolve_device(cfg.device), cfg.ddp_timeout)
+    world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
     try:
         return _train(cfg, world, device)
     finally:
@@ -131,7 +123,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     span = batcher.attention_span  # the cost of attention over packed documents
-    plan, machine = preflight(model_cfg, cfg, device, compute_dtype.itemsize, attention_span=span)
+    plan, machine = preflight(
+        model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
+    )
     runs_on = describe(model_cfg)
     memory = MemoryRecord(plan, machine, {"model_type": model_cfg.model_type, "path": runs_on})
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
@@ -157,8 +151,11 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     out = outputs.path
     # Every rank has checked the inputs (build_model met them all at a barrier): now one writes.
     notes = outputs.take_over() if main else []  # creates output_dir; a previous run's metrics kept aside
+    # What each machine holds of the host state (one part of it each, when partitioned).
+    memory.state_bytes = [b for b in world.each(model.state.nbytes if world.holds_state else None) if b]
     if main:
         memory.write(out)
+    check_shared(world, out / PLAN_FILE)  # a partitioned state's machines save into one output_dir
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
@@ -205,9 +202,6 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
         world.barrier()  # every rank's part of the shared state is
         evaluator.checkpointed(step)  # is this checkpoint the best so far?
-        if not main:
-            world.barrier()  # no rank steps the state while it is written
-            return checkpoint_dir(out, step)
         trainer_state = TrainerState(
             global_step=step,
             epoch=batcher.epoch,
@@ -221,7 +215,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             weights_only=weights_only,
             **evaluator.state(),
         )
+        # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
         path = save_checkpoint(
+            world,
             out,
             trainer_state,
             model.state,
@@ -232,9 +228,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             max_shard_bytes=parse_size(cfg.max_shard_size),
             progress=log.interactive,
         )
-        world.barrier()
-        prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
-        log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
+        if main:
+            prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
+            log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
         return path
 
     try:
@@ -304,11 +300,11 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                 raise stop.interrupted(last)
         model.transport.synchronize()
         world.barrier()
-        if not main:
-            return out / "final"  # written by the first rank, from the shared state
-        if note := evaluator.load_best(model.state, model_cfg, log.interactive):  # load_best_model_at_end
-            log.message(note)
-        final = save_hf_checkpoint(
+        # load_best_model_at_end: every machine's state (part) holds the best checkpoint's weights.
+        note = evaluator.load_best(model.state, model_cfg, log.interactive) if world.holds_state else None
+        world.barrier()
+        final = save_model(
+            world,
             model.state,
             model_cfg,
             out / "final",
@@ -318,6 +314,10 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             progress=log.interactive,
             generation_from=cfg.model_name_or_path,
         )
+        if not main:
+            return final
+        if note:
+            log.message(note)
         log.message(f"megatrain: saved {final}")
         log.message(memory.summary())
         return final

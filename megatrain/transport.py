@@ -23,6 +23,11 @@ plan says (placement.py). Two implementations of the `Transport` protocol:
 Every path computes the same arithmetic: the fp32 gradient times the clip coefficient (an fp32
 multiply, exact on either device), then the fused AdamW. `overlap=False` runs the streaming
 transport's copies and updates inline on the compute stream: the serial reference on CUDA.
+
+In a data-parallel world (distributed.py) a transport copies in the rank's *piece* of a unit and
+the collective gathers the rest on the device (the piece is the whole unit in the plain design);
+the gradient handed to `hold` / `step_unit` is the rank's piece of the reduced gradient, of which
+it steps its span (layout.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from .distributed import Collective, Single
 from .hostmem import Registration, host_buffer
 from .optim import HostAdamW, adamw_range, chunk_ranges
 from .placement import Plan
@@ -80,8 +86,16 @@ def _scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
 class SerialTransport:
     """The plain schedule (see the module docstring); the CPU's transport."""
 
-    def __init__(self, state: HostState, optimizer: HostAdamW, device, dtype: torch.dtype):
+    def __init__(
+        self,
+        state: HostState,
+        optimizer: HostAdamW,
+        device,
+        dtype: torch.dtype,
+        collective: Collective | None = None,
+    ):
         self.state, self.optimizer = state, optimizer
+        self.world = collective or Single()
         self.device, self.dtype = torch.device(device), dtype
         self.held: dict[int, torch.Tensor] = {}  # gradients waiting for `step`, inspectable
 
@@ -89,7 +103,14 @@ class SerialTransport:
         pass
 
     def fetch(self, unit: Unit) -> torch.Tensor:
-        return self.state.flat(unit).to(self.device, self.dtype)
+        lo, hi = self.world.piece(unit)
+        src, n = self.state.range(unit, lo, hi), self.world.padded(unit)
+        if hi - lo == n:  # the whole unit (on the CPU in fp32: the master itself, no copy)
+            return src.to(self.device, self.dtype)
+        buf = torch.empty(n, dtype=self.dtype, device=self.device)
+        buf[lo:hi].copy_(src)
+        self.world.gather_(unit, buf)
+        return buf[: unit.numel]
 
     def hold(self, unit: Unit, grad: torch.Tensor) -> None:
         self.held[unit.index] = grad
@@ -103,7 +124,7 @@ class SerialTransport:
     def step_unit(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
         if skip is None or not bool(skip):
             lo, hi = self.optimizer.span(unit)
-            g = _scaled(grad[lo:hi], coef).to("cpu")
+            g = _scaled(self.optimizer.own(unit, grad), coef).to("cpu")
             self.optimizer.step_range(unit, lo, hi, g, lr, step)
         self.optimizer.published(unit)
 
@@ -132,8 +153,12 @@ class StreamingTransport:
         plan: Plan,
         overlap: bool = True,
         threads: int | None = None,
+        collective: Collective | None = None,
     ):
         self.state, self.optimizer, self.plan = state, optimizer, plan
+        self.world = collective or Single()
+        if plan.resident_units and self.world.layout.sharded:
+            raise ValueError("sharded traffic keeps no fp32 state on the GPU (resident_units must be 0)")
         self.device, self.dtype = torch.device(device), dtype
         self.overlap, self.prefetch = overlap, (plan.prefetch if overlap else 0)
         self.compute = torch.cuda.current_stream(self.device)
@@ -196,22 +221,25 @@ class StreamingTransport:
             self._issued[k] = (buf, ev)
             return
         self._wait_ready(unit)
-        src = self.state.flat(unit)
+        lo, hi = self.world.piece(unit)  # the whole unit, or this rank's span of it (sharded)
+        src = self.state.range(unit, lo, hi)
         with torch.cuda.stream(self.h2d):
+            buf = torch.empty(self.world.padded(unit), dtype=self.dtype, device=self.device)
             if self.dtype == torch.float32:
-                buf = torch.empty(unit.numel, device=self.device)
-                buf.copy_(src, non_blocking=True)
+                buf[lo:hi].copy_(src, non_blocking=True)
             else:
-                stage = torch.empty(unit.numel, device=self.device)
+                stage = torch.empty(hi - lo, device=self.device)
                 stage.copy_(src, non_blocking=True)
-                buf = stage.to(self.dtype)
+                buf[lo:hi].copy_(stage)
                 del stage
+            if hi - lo < buf.numel():
+                self.world.gather_(unit, buf)  # the other ranks' pieces, on this stream's timeline
             ev = torch.cuda.Event()
             ev.record(self.h2d)
         if self.overlap:
             buf.record_stream(self.compute)
-        self.h2d_bytes += unit.numel * 4
-        self._issued[k] = (buf, ev)
+        self.h2d_bytes += (hi - lo) * 4
+        self._issued[k] = (buf[: unit.numel], ev)
 
     def fetch(self, unit: Unit) -> torch.Tensor:
         k = self._pos
@@ -235,7 +263,7 @@ class StreamingTransport:
         lo, hi = self.optimizer.span(unit)
         self.d2h.wait_stream(self.compute)
         with torch.cuda.stream(self.d2h):
-            slot.copy_(grad[lo:hi], non_blocking=True)
+            slot.copy_(self.optimizer.own(unit, grad), non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self.d2h)
         if self.overlap:
@@ -326,7 +354,9 @@ class StreamingTransport:
     def _apply_from_device(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int) -> None:
         """Copy a gradient out in chunks through the two pinned buffers, each chunk's AdamW
         overlapping the next chunk's copy."""
-        ranges = chunk_ranges(unit, self.chunk_elems, self.optimizer.span(unit))
+        span = self.optimizer.span(unit)
+        ranges = chunk_ranges(unit, self.chunk_elems, span)
+        own = self.optimizer.own(unit, grad)
         events: dict[int, torch.cuda.Event] = {}
         if not ranges:
             return
@@ -334,7 +364,7 @@ class StreamingTransport:
         def issue(i: int) -> None:
             a, b = ranges[i]
             with torch.cuda.stream(self.d2h):
-                g = _scaled(grad[a:b], coef)
+                g = _scaled(own[a - span[0] : b - span[0]], coef)
                 self.staging[i % 2][: b - a].copy_(g, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(self.d2h)

@@ -3,10 +3,12 @@ host master weights, and written back as sharded safetensors with an index.
 
 Reading never builds the model: each tensor is memory-mapped by safetensors, converted to fp32
 into its place in `HostState.master`, and dropped, so peak host memory is the state plus one
-tensor. Writing streams the same way (writing.AtomicDir.write_tensors): the header is computed
-from the shapes, then each tensor is converted and appended, so fp32 master weights are written
-straight from host memory and an export never holds a second copy of the model. Every directory
-is written atomically, with a checksum manifest (manifest.py).
+tensor (reader.py reads whole tensors and a partitioned checkpoint's segments alike; a state
+holding a part of the model reads only what falls in its part). Writing streams the same way
+(writing.AtomicDir.write_tensors): the header is computed from the shapes, then each tensor is
+converted and appended, so fp32 master weights are written straight from host memory and an
+export never holds a second copy of the model. Every directory is written atomically, with a
+checksum manifest (manifest.py).
 """
 
 from __future__ import annotations
@@ -23,124 +25,26 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from . import manifest, mxfp4
+from . import manifest
 from .errors import CheckpointError, ConfigError, OutputError
 from .models.config import ModelConfig
-from .state import HostState, build_units, checkpoint_entries, piece_views
+from .reader import INDEX, TensorReader, checkpoint_files
+from .state import HostState, build_units, checkpoint_entries, tensor_entries
 from .writing import AtomicDir
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-def checkpoint_files(model_dir: str | Path, prefix: str = "model") -> dict[str, Path]:
-    """Map every tensor key to the safetensors file holding it (`{prefix}.safetensors`, or the
-    shards named by `{prefix}.safetensors.index.json`)."""
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise CheckpointError(f"{d}: model directory does not exist")
-    index, single = d / f"{prefix}.safetensors.index.json", d / f"{prefix}.safetensors"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-            files = {k: d / f for k, f in wm.items()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from None
-        for f in set(files.values()):
-            if not f.is_file():
-                raise CheckpointError(f"{index}: names {f.name}, which does not exist")
-        return files
-    if single.is_file():
-        with _open_safetensors(single) as f:
-            return {k: single for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    raise CheckpointError(f"{d}: no {single.name} or {index.name} (only safetensors checkpoints are read)")
-
-
-def _open_safetensors(path: Path):
-    """safe_open, with a corrupt or truncated file reported as a CheckpointError naming it."""
-    try:
-        return safe_open(path, framework="pt")
-    except Exception as e:  # SafetensorError, OSError: the header does not match the file
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
-class TensorReader:
-    """Reads tensors by key from a set of safetensors files, all opened (memory-mapped) at
-    construction: the files stay readable even if their directory is deleted afterwards, and
-    several threads may read at once. MXFP4 pairs (`{key}_blocks`, `{key}_scales`, gpt-oss as
-    published) read as the full-precision tensor `key` (mxfp4.py)."""
-
-    def __init__(self, files: dict[str, Path], where: str | Path):
-        self.files, self.where = files, where  # `where` names the checkpoint in errors
-        self._handles = {path: _open_safetensors(path) for path in set(files.values())}
-        self.quantized = mxfp4.quantized_keys(files)
-
-    def _handle(self, key: str):
-        return self._handles[self.files[key]]
-
-    def file(self, key: str) -> Path:
-        """The file holding `key` (its blocks, for an MXFP4 pair)."""
-        return self.files[self.quantized[key][0] if key in self.quantized else key]
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        if key in self.quantized:
-            return mxfp4.decoded_shape(self.shape(self.quantized[key][0]))
-        return tuple(self._handle(key).get_slice(key).get_shape())
-
-    def dtype(self, key: str) -> str:
-        """The safetensors dtype name, e.g. F32 or BF16 (MXFP4 for a quantized pair)."""
-        if key in self.quantized:
-            return "MXFP4"
-        return self._handle(key).get_slice(key).get_dtype()
-
-    def get(self, key: str) -> torch.Tensor:
-        if key in self.quantized:  # decoded in bf16: exact, and half the memory of fp32
-            blocks, scales = (self.get(k) for k in self.quantized[key])
-            return mxfp4.decode(blocks, scales, torch.bfloat16)
-        try:
-            return self._handle(key).get_tensor(key)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"{self.files[key]}: cannot read {key} ({e})") from None
-
-    def read_into(self, key: str, out: torch.Tensor) -> None:
-        """Copy tensor `key` into `out` (converting its dtype); an MXFP4 pair is decoded in place
-        one expert at a time."""
-        if key in self.quantized:
-            blocks, scales = (self.get(k) for k in self.quantized[key])
-            mxfp4.decode_into(blocks, scales, out)
-        else:
-            out.copy_(self.get(key))
-
-    def check(self, key: str, shape: tuple[int, ...], dtype: str | None = None) -> None:
-        """Raise a CheckpointError naming the file unless `key` exists with this shape (and dtype)."""
-        if key not in self.files and key not in self.quantized:
-            raise CheckpointError(f"{self.where}: tensor {key} is missing")
-        if self.shape(key) != shape:
-            raise CheckpointError(
-                f"{self.file(key)}: {key} has shape {self.shape(key)}, config.json implies {shape}"
-            )
-        if dtype is not None and self.dtype(key) != dtype:
-            raise CheckpointError(f"{self.file(key)}: {key} is {self.dtype(key)}, expected {dtype}")
-
-    def close(self) -> None:
-        self._handles.clear()
 
 
 def load_hf_weights(state: HostState, model_dir: str | Path, cfg: ModelConfig, progress=True) -> None:
-    """Fill `state.master` from a Hugging Face safetensors checkpoint, units in parallel threads
-    (reading, and converting to fp32, release the GIL)."""
+    """Fill `state.master` (the part of the model it holds) from a Hugging Face safetensors
+    checkpoint or a partitioned checkpoint, units in parallel threads (reading, and converting to
+    fp32, release the GIL)."""
     reader = TensorReader(checkpoint_files(model_dir), model_dir)
     for key, shape in checkpoint_entries(state.units):  # all present, right shapes, before reading
         reader.check(key, shape)
 
-    def load(unit) -> None:
-        for key, view in piece_views(state.flat(unit), unit):  # a parameter, or one expert's block
-            reader.read_into(key, view)
+    def load(unit) -> None:  # each tensor a parameter, or one expert's block of one
+        state.load(unit, "master", tensor_entries(unit), reader.get_range)
 
     try:
         _per_unit(load, state.units, "loading weights", progress)
@@ -174,15 +78,26 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
 
     def fill(unit) -> None:
         gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
-        views = state.params(unit)
+        lo, hi = state.part(unit)
         for p in unit.params:
-            v = views[p.name]
+            inside = lo <= p.offset and p.offset + p.numel <= hi
+            # A parameter the state holds only in part is drawn whole, so every part holds the
+            # numbers the whole state would (and the generator moves on as far).
+            v = (
+                state.range(unit, p.offset, p.offset + p.numel).view(p.shape)
+                if inside
+                else torch.empty(p.shape)
+            )
             if "norm" in p.name:
                 v.fill_(1.0)
             elif p.name.endswith("bias"):
                 v.zero_()
             else:
                 v.normal_(0.0, std, generator=gen)
+            if not inside:
+                state.load(
+                    unit, "master", [(p.key, p.offset, p.shape)], lambda k, a, b, v=v: v.reshape(-1)[a:b]
+                )
 
     _per_unit(fill, state.units, "initialising weights", progress)
 
@@ -202,9 +117,14 @@ def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progres
             torch.manual_seed(seed * 100_003 + unit.index)
             for sub in module.modules():
                 init(sub)
-        views, params = state.params(unit), dict(module.named_parameters())
-        for p in unit.params:
-            views[p.name].copy_(params[p.name])
+        named = dict(module.named_parameters())
+        params = {p.key: named[p.name] for p in unit.params}
+        state.load(
+            unit,
+            "master",
+            tensor_entries(unit, "param"),
+            lambda k, a, b, params=params: params[k].reshape(-1)[a:b],
+        )
 
 
 def read_generation_config(model_dir: str | Path | None) -> bytes | None:
@@ -264,16 +184,18 @@ def save_hf_checkpoint(
     tokenizer=None,
     progress: bool = True,
     generation_from: str | Path | None = None,
+    read: Callable[[str], torch.Tensor] | None = None,
 ) -> Path:
     """Write a Hugging Face model directory (sharded safetensors + index, config.json,
     generation_config.json, tokenizer files, the manifest) atomically: either the whole
     directory appears or nothing changes. An existing `out_dir` is replaced only if it is a
-    model directory megatrain wrote. Call `transport.synchronize()` first on CUDA."""
-    params = dict(state.checkpoint_tensors())
-    entries = [(k, tuple(v.shape)) for k, v in params.items()]
+    model directory megatrain wrote. Call `transport.synchronize()` first on CUDA. The weights
+    are the state's, or `read(key)`'s where the state holds only a part of them."""
+    entries = checkpoint_entries(state.units)
+    get = read or dict(state.checkpoint_tensors()).__getitem__
     nbytes = state.num_params * dtype.itemsize
     with AtomicDir(out_dir, manifest.MODEL, nbytes=nbytes, progress=progress) as d:
-        d.write_tensors("model", entries, tensor_dtypes(cfg, dtype), params.__getitem__, max_shard_bytes)
+        d.write_tensors("model", entries, tensor_dtypes(cfg, dtype), get, max_shard_bytes)
         write_model_config(d.path, cfg, dtype, read_generation_config(generation_from), tokenizer)
         if tokenizer is not None:
             tokenizer.save_pretrained(d.path)

@@ -154,6 +154,44 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
     return len(head) + off, crc
 
 
+def write_safetensors(
+    directory: Path,
+    prefix: str,
+    entries: Entries,
+    dtype: DType,
+    get,
+    max_shard_bytes: int,
+    progress: bool = False,
+    desc: str = "saving",
+    index: bool = True,
+) -> dict[str, tuple[int, int]]:
+    """Write `entries` into `directory` as (sharded) safetensors in `dtype` (one, or each key's),
+    several files at a time, with the index when sharded (unless `index` is false); `get(key)` may
+    be called from several threads at once. Returns each file's (bytes, CRC-32)."""
+    shards, index_json = plan_shards(prefix, entries, dtype, get, max_shard_bytes)
+    stop = threading.Event()
+    written: dict[str, tuple[int, int]] = {}
+    with (
+        ByteProgress(sum(s.nbytes for s in shards), desc, progress) as bar,
+        ThreadPoolExecutor(max_workers=max(1, min(MAX_WRITERS, os.cpu_count() or 1, len(shards)))) as pool,
+    ):
+        futures = {pool.submit(_write_shard, directory / s.name, s, bar, stop): s.name for s in shards}
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+        except BaseException:
+            stop.set()  # the others finish their current chunk and stop
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        for future, name in futures.items():
+            written[name] = future.result()
+    if index and index_json is not None:
+        (directory / f"{prefix}.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
+    return written
+
+
 # ---------------------------------------------------------------------------- directories
 def _same_kind(kind: str) -> Callable[[Path], bool]:
     return lambda path: manifest.kind_of(path) == kind
@@ -225,34 +263,16 @@ class AtomicDir:
         )
 
     def write_tensors(
-        self, prefix: str, entries: Entries, dtype: DType, get, max_shard_bytes: int
+        self, prefix: str, entries: Entries, dtype: DType, get, max_shard_bytes: int, index: bool = True
     ) -> list[str]:
-        """Write `entries` as (sharded) safetensors in `dtype` (one, or each key's), several files
-        at a time; `get(key)` may be called from several threads at once. Returns the file names."""
-        shards, index = plan_shards(prefix, entries, dtype, get, max_shard_bytes)
-        stop = threading.Event()
+        """Write `entries` as (sharded) safetensors in `dtype` (one, or each key's), through
+        `write_safetensors`; returns the file names."""
         desc = f"saving {self.out_dir.name}/{prefix}"
-        with (
-            ByteProgress(sum(s.nbytes for s in shards), desc, self.progress) as bar,
-            ThreadPoolExecutor(
-                max_workers=max(1, min(MAX_WRITERS, os.cpu_count() or 1, len(shards)))
-            ) as pool,
-        ):
-            futures = {pool.submit(_write_shard, self.path / s.name, s, bar, stop): s.name for s in shards}
-            try:
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                failed = [f for f in done if f.exception() is not None]
-                if failed:
-                    raise failed[0].exception()
-            except BaseException:
-                stop.set()  # the others finish their current chunk and stop
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            for future, name in futures.items():
-                self.checksums[name] = future.result()
-        if index is not None:
-            (self.path / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return [s.name for s in shards]
+        written = write_safetensors(
+            self.path, prefix, entries, dtype, get, max_shard_bytes, self.progress, desc, index
+        )
+        self.checksums.update(written)
+        return list(written)
 
     def commit(self) -> Path:
         """Write the manifest, fsync everything and swap the directory into place."""
