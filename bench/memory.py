@@ -46,6 +46,11 @@ RUNS = {
     "A64k-off": "A:65536:gpu_state=off",
     "A16k-twopass": "A:16384:gpu_state=off,gradient_placement=two_pass",
     "A16k-noclip": "A:16384:gpu_state=off,max_grad_norm=0",
+    # all state in host memory, the first N of 30 units stepped on the GPU (bench/host-only.md)
+    "A16k-off-gpustep8": "A:16384:gpu_state=off,gpu_step_units=8",
+    "A16k-off-gpustep15": "A:16384:gpu_state=off,gpu_step_units=15",
+    "A16k-off-gpustep22": "A:16384:gpu_state=off,gpu_step_units=22",
+    "A16k-off-gpustep30": "A:16384:gpu_state=off,gpu_step_units=30",
     "A128k-park": "A:131072:gpu_state=off,seq=131072,mbs=1,max_gpu_memory=40GiB",
     "B16k-off": "B:16384:gpu_state=off",
     "B64k-auto": "B:65536:gpu_state=auto",
@@ -60,6 +65,7 @@ RUNS = {
     "x2-B18-16k-off": "B18:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
     "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
+    "x2-B16k-off-gpustep17": "B:16384:gpu_state=off,gpu_step_units=17,max_host_memory=240GiB,steps=4",
     "X120-16k": "X120:16384:gpu_state=off",
     # one GPU of a four-GPU host (512 GiB, whose MemTotal grows as memory is used)
     "x4-Q32-64k": "Q32:65536:max_host_memory=480GiB,steps=4",
@@ -123,7 +129,7 @@ def shape_of(run: dict):
 
 def choices_of(run: dict):
     """The placement choices a run spec sets (gpu_state, gradient_placement, offload_activations,
-    mlp_tile_tokens); the rest the plan decides."""
+    mlp_tile_tokens, gpu_step_units); the rest the plan decides."""
     from megatrain.placement import Choices
 
     offload = {"true": True, "false": False}.get(str(run.get("offload_activations")).lower())
@@ -132,6 +138,7 @@ def choices_of(run: dict):
         gradient_placement=run.get("gradient_placement", "auto"),
         offload_activations=offload,
         mlp_tile_tokens=int(run["mlp_tile_tokens"]) if "mlp_tile_tokens" in run else None,
+        gpu_step_units=int(run.get("gpu_step_units", 0)),
     )
 
 
@@ -232,6 +239,10 @@ def worker(run: dict) -> dict:
     record.measure(steps)
     record.measured["gpu_peak_allocated"] = max(phases.values())  # the phases reset the counter
     steady = times[2:] or times
+    tr = model.transport  # bytes over PCIe per step, each way (GPU-stepped units' state included)
+    for way in ("h2d", "d2h"):
+        moved = getattr(tr, f"{way}_bytes") + getattr(tr.stepper, f"{way}_bytes")
+        out[f"{way}_bytes_per_step"] = moved / steps
     out.update(
         step_times=times,
         step_s=sum(steady) / len(steady),
@@ -352,10 +363,12 @@ def row(r: dict) -> str:
 
 def plan_str(p: dict) -> str:
     """A plan's choices in a table cell: gradient mode, units whose gradients / state are on the
-    GPU, kept graphs, parked layers, MLP tile (only where tiled)."""
+    GPU, GPU-stepped units (only where there are), kept graphs, parked layers, MLP tile (only
+    where tiled)."""
     tile = f" tile{p['mlp_tile_tokens']}" if p.get("mlp_tile_tokens") else ""
+    stepped = f" s{p['gpu_stepped_units']}" if p.get("gpu_stepped_units") else ""
     return (
-        f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']} k{p['keep_layers']} "
+        f"{p['grad_mode']} g{p['gpu_grad_units']} r{p['resident_units']}{stepped} k{p['keep_layers']} "
         f"park{p['parked_layers']}{tile}"
     )
 

@@ -27,6 +27,7 @@ GiB = 2**30
 PLAN_FIELDS = (
     "device", "grad_mode", "gpu_grad_units", "resident_units", "keep_layers", "parked_layers",
     "loss_chunk_tokens", "mlp_tile_tokens", "prefetch", "staging_elems", "inflight_units",
+    "gpu_stepped_units",
 )  # fmt: skip
 
 

@@ -38,6 +38,10 @@ PREFETCH = 2  # units copied ahead of compute
 STAGING_CHUNK = 32 * 2**20  # elements per device->host gradient chunk
 STAGING_SLOTS = 2
 INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, two_pass)
+# GPU-stepped units' fp32 state (weights and two moments) passes through this many chunks of GPU
+# scratch, `staging_elems` elements each: one loading while the other is stepped and written back.
+STEP_SLOTS = 2
+STATE_BYTES = 12  # fp32 master weights and two AdamW moments, per parameter
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
@@ -102,6 +106,9 @@ class Plan:
     parked_layers: int  # leading layers whose boundary activations wait in host memory
     loss_chunk_tokens: int
     mlp_tile_tokens: int = 0  # tokens per MLP tile in the decoder layer (0: untiled)
+    gpu_stepped_units: int = 0
+    """Streamed units (state in host memory) stepped on the GPU: the first ones after the resident
+    units (`stepped`); the user's choice (`gpu_step_units`), never the planner's yet."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
@@ -119,6 +126,18 @@ class Plan:
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def stepped(self) -> range:
+        """The GPU-stepped units (forward order): the first `gpu_stepped_units` after the resident
+        ones, so the next forward sweep finds their updated weights on the GPU first."""
+        return range(self.resident_units, self.resident_units + self.gpu_stepped_units)
+
+    @property
+    def gpu_grad_lead(self) -> int:
+        """Stored mode: the leading units whose gradients wait on the GPU for the clip (resident
+        and GPU-stepped units' always, which the GPU steps there)."""
+        return max(self.gpu_grad_units, self.stepped.stop)
 
     def to_json(self) -> dict:
         return {**asdict(self), "host_total": self.host_total}
@@ -241,16 +260,24 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     n = len(s.units)
     win = _windows(s, plan, cb)
     # Gradients held on the GPU until the optimizer step: resident units' always, and in stored
-    # mode the leading units' the plan keeps there. suffix[u]: their bytes over units >= u.
-    on_gpu = [u < R or (stored and u < plan.gpu_grad_units) for u in range(n)]
+    # mode the leading units' the plan keeps there (GPU-stepped ones among them). suffix[u]: their
+    # bytes over units >= u.
+    on_gpu = [u < R or (stored and u < plan.gpu_grad_lead) for u in range(n)]
     suffix, suffix_streamed = [0] * (n + 1), [0] * (n + 1)
     for u in range(n - 1, -1, -1):
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
         suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
     resident = {  # in every phase
-        "fp32 state of GPU-resident units": 12 * sum(s.units[:R]),
+        "fp32 state of GPU-resident units": STATE_BYTES * sum(s.units[:R]),
+        "GPU-stepped state (scratch)": _step_scratch(s, plan),
         "attention masks": _masks(b, flex=True),
     }
+
+    def stepped_weights(u: int) -> int:
+        """GPU-stepped units >= u: their updated weights (compute dtype), kept from the optimizer
+        step until the next forward sweep fetches them."""
+        return cb * sum(s.units[v] for v in plan.stepped if v >= u)
+
     tile = plan.mlp_tile_tokens
     kept_graph = lm.graph(Tm, tile) * b.micro_batches + act + cb * s.layer  # graphs, outputs, weights
 
@@ -275,6 +302,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "boundary activations": acts_before(j) + Tm * h * cb,
             "kept graphs": kept_graph * max(0, j - (L - k)),
             "gradients": suffix_streamed[j + 2] if stored else 0,
+            "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch),  # beyond the fetch window
         }
         work = {"layer forward": lm.graph(Tm, tile) if kept else lm.forward(Tm, tile)}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
@@ -313,6 +341,8 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
             "activation gradients": T * h * cb,
             "gradients": held,
+            # immediate, two_pass: units stepped earlier in this sweep (stored: after it)
+            "GPU-stepped weights": 0 if stored else stepped_weights(u + 1),
         }
         recomputed = 0 if kept else lm.graph(Tm, tile) + Tm * h * cb  # its graph and output
         work = {
@@ -324,10 +354,20 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     rest = {
         "activation gradients": T * h * cb,
         "gradients": suffix[0] if stored else inflight(0),
+        "GPU-stepped weights": 0 if stored else stepped_weights(1),
     }
     work = {"embedding backward": Tm * h * 4 + (0 if on_gpu[0] else 4 * s.units[0])}
     phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work))
     return phases
+
+
+def _step_scratch(s: Shape, plan: Plan) -> int:
+    """GPU scratch for the state of GPU-stepped units, allocated for the whole run: STEP_SLOTS
+    chunks of `staging_elems` elements (or of the largest such unit, if smaller)."""
+    if not plan.gpu_stepped_units:
+        return 0
+    chunk = min(plan.staging_elems, max(s.units[u] for u in plan.stepped))
+    return STEP_SLOTS * STATE_BYTES * chunk
 
 
 def _gpu_peak(s: Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
@@ -355,7 +395,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     rest once, as for one process."""
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
-    host = {"fp32 weights + AdamW moments": 12 * state}
+    host = {"fp32 weights + AdamW moments": STATE_BYTES * state}
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -370,8 +410,8 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         host["runtime"] = HOST_RUNTIME["cpu"]
         return host, 0
     pinned = 4 * state  # the master weights, registered in place
-    first_spilled = max(plan.gpu_grad_units, plan.resident_units)
-    spilled = world.held(s.units[first_spilled:]) if plan.grad_mode == "stored" else 0
+    pinned += 8 * world.held(s.units[u] for u in plan.stepped)  # and GPU-stepped units' moments
+    spilled = world.held(s.units[plan.gpu_grad_lead :]) if plan.grad_mode == "stored" else 0
     if spilled > 0:
         host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
         pinned += 4 * spilled
@@ -392,8 +432,9 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
 
 # ---------------------------------------------------------------------------- cost model
 def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
-    """Seconds per optimizer step: GPU compute or PCIe, whichever binds, plus the part of the
-    CPU optimizer that the overlap does not hide."""
+    """Seconds per optimizer step: GPU compute plus its wait for the updates the overlap does not
+    hide, or PCIe traffic plus the link's wait for the CPU optimizer, whichever is longer (without
+    GPU-stepped units: compute or PCIe, whichever binds, plus the CPU optimizer's unhidden part)."""
     F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
     T, L = b.tokens, s.layers
     attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
@@ -407,19 +448,30 @@ def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     gpu = flops / F
     if m.device == "cpu":
         return gpu + s.total / m.adam_params_s
+    rate = m.pcie_bytes_s
     streamed = sum(s.units[plan.resident_units :])
+    gpu_stepped = sum(s.units[u] for u in plan.stepped)
     act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
-    h2d = 4 * streamed * (1 + passes) + act_bytes * passes
-    d2h = 4 * streamed + act_bytes
-    pcie = max(h2d, d2h) / m.pcie_bytes_s
-    optimizer = streamed / m.adam_params_s
+    # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
+    # and the next forward fetches its weights (4 B): STATE_BYTES - 4 more each way.
+    extra = (STATE_BYTES - 4) * gpu_stepped
+    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra
+    d2h = 4 * streamed + act_bytes + extra
+    pcie = max(h2d, d2h) / rate
+    cpu = (streamed - gpu_stepped) / m.adam_params_s
+    forward = L * layer_fwd / F  # the next forward sweep
     if plan.grad_mode == "stored":
-        on_gpu = sum(s.units[plan.resident_units : plan.gpu_grad_units])
-        optimizer = max(optimizer, 4 * on_gpu / m.pcie_bytes_s)
-        window = L * layer_fwd / F  # the next forward sweep
+        held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
+        cpu = max(cpu, 4 * held / rate)
+        window = forward
     else:
-        window = 3 * L * layer_fwd / F  # the backward sweep that lands the gradients
-    return max(gpu, pcie) + max(0.0, optimizer - window) + OPT_INTERFERENCE * min(optimizer, window)
+        window = 3 * forward  # the backward sweep that lands the gradients
+    # The GPU-stepped (leading) units are stepped last, and the next forward sweep needs them first:
+    # it hides their state's way in for its own length at most.
+    gpu_step = STATE_BYTES * gpu_stepped / rate
+    waits = max(0.0, cpu - window, gpu_step - forward)  # the GPU, for the last update it needs
+    idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
+    return max(gpu + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
 
 
 def usable_gpu(m: Machine) -> int | None:

@@ -33,6 +33,12 @@ def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None
     return [(a, min(a + max_elems, hi)) for a in range(lo, hi, max_elems)]
 
 
+def clip_scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+    """The gradient times the clip coefficient (None: not clipped), in place: an fp32 multiply,
+    the same on either device."""
+    return g if coef is None else g.mul_(coef.to(g.device))
+
+
 def adamw_range(
     unit: Unit,
     lo: int,
@@ -48,9 +54,9 @@ def adamw_range(
     base: int = 0,
 ) -> None:
     """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the unit's flat state from
-    element `base` on (the whole unit, or a machine's part of it) and `g` exactly the range; host
-    or device tensors alike. A nonzero `found_inf` (a float flag on the same device) makes the
-    kernel leave everything unchanged."""
+    element `base` on (the whole unit, a machine's part of it, or a chunk of it in a GPU scratch)
+    and `g` exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag
+    on the same device) makes the kernel leave everything unchanged."""
     groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
     for spec in unit.params:
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
@@ -61,7 +67,9 @@ def adamw_range(
             continue
         sl = [slice(a - base, b - base) for a, b in spans]
         gl = [slice(a - lo, b - lo) for a, b in spans]
-        steps = [torch.tensor(float(step), device=p.device) for _ in spans]
+        # A fill, not torch.tensor(..., device=...): a copy from host memory would synchronise
+        # the calling thread with the stream the update is queued on.
+        steps = [torch.full((), float(step), device=p.device) for _ in spans]
         torch._fused_adamw_(
             [p[s] for s in sl],
             [g[s] for s in gl],

@@ -21,6 +21,11 @@ From the model's shape, the batch shape and the memory the run may use (measured
   (3 x tokens x ffn) exist for one tile at a time; each backward recomputes them once more.
 * the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
 
+**GPU-stepped units** (`gpu_step_units`, the user's choice only until it is measured): the first
+streamed units after the resident ones are stepped on the GPU, their fp32 state copied in and
+back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the scratch,
+the weights they keep for the next forward sweep and the PCIe traffic.
+
 The engine and the transport receive the `Plan` and carry it out; they keep no rules of their
 own. `megatrain plan` prints the same plan, and a training run records it in `plan.json` beside
 the peaks it measured.
@@ -34,11 +39,12 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from .errors import MegatrainError
+from .errors import ConfigError, MegatrainError
 from .footprint import (
     ADAM_IN_STEP,
     ADAM_PARAMS_S,
     CUDA_CONTEXT,
+    STATE_BYTES,
     Batch,
     Machine,
     Plan,
@@ -76,6 +82,7 @@ class Choices:
     resident_units: int | None = None
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None  # 0: never tile
+    gpu_step_units: int = 0  # streamed units stepped on the GPU (never chosen by the plan)
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -89,10 +96,12 @@ def plan(
     """The placement of a run, or PlanError naming what does not fit (see the module docstring).
     `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula)."""
     c, m = choices or Choices(), machine
+    check_gpu_stepping(c.gpu_step_units, m.device)
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
     L = s.layers
     keep = min(c.keep_layers or 0, L)
     resident = min(c.resident_units or 0, len(s.units))
+    stepped = min(c.gpu_step_units, len(s.units) - resident)
     chunk = loss_chunk(s, batch, m, c.loss_chunk_tokens)
 
     if m.device == "cpu":
@@ -103,7 +112,7 @@ def plan(
         parked_options = range(L - keep + 1)
 
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
-        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile)
+        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped)
         return evaluate(s, batch, p, m)
 
     def fastest(tile: int) -> Plan | None:
@@ -147,6 +156,17 @@ def plan(
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
     return best
+
+
+def check_gpu_stepping(units: int, device: str, world_size: int = 1) -> None:
+    """ConfigError (one line) where `gpu_step_units` cannot be honoured: on the CPU, where every
+    unit is stepped there anyway, and in a data-parallel world (not built yet)."""
+    if units and world_size > 1:
+        raise ConfigError(
+            f"gpu_step_units: not supported with several processes yet ({world_size}; set it to 0)"
+        )
+    if units and device == "cpu":
+        raise ConfigError("gpu_step_units: steps units on a GPU, and this run is on the CPU (set it to 0)")
 
 
 def _fewest_parked(options: list[int] | range, fits_gpu) -> int:
@@ -211,9 +231,9 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
     cur = base
     while True:
         options = []
-        if cur.resident_units < len(s.units) and not m.world.sharded:  # sharded: no state on the GPU
-            r = cur.resident_units + 1
-            options.append(replace(cur, resident_units=r))
+        # sharded: no state on the GPU; the GPU-stepped units (the user's) move back one
+        if cur.stepped.stop < len(s.units) and not m.world.sharded:
+            options.append(replace(cur, resident_units=cur.resident_units + 1))
         if cur.grad_mode != "two_pass" and cur.keep_layers < s.layers - cur.parked_layers:
             options.append(replace(cur, keep_layers=cur.keep_layers + 1))
         scored = []
@@ -261,7 +281,7 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine) -> Plan:
     if p.grad_mode == "stored" and p.device == "cpu":
         notes.append("gradients: kept until the clip norm is known")
     elif p.grad_mode == "stored":
-        on_gpu = max(p.gpu_grad_units, p.resident_units)
+        on_gpu = p.gpu_grad_lead
         where = (
             "all on the GPU"
             if on_gpu == n
@@ -287,6 +307,11 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine) -> Plan:
         notes.append(f"boundary activations: {p.parked_layers} of {s.layers} layers in host memory")
     if p.resident_units:
         notes.append(f"GPU-resident state: {p.resident_units} leading units")
+    if p.gpu_stepped_units:
+        notes.append(
+            f"GPU-stepped: {p.gpu_stepped_units} leading streamed units (fp32 state {STATE_BYTES} B/param "
+            "host->device and back each step, fused CUDA AdamW; gradients wait on the GPU)"
+        )
     if p.keep_layers:
         notes.append(f"kept graphs: last {p.keep_layers} layers (not recomputed)")
     p.notes = notes

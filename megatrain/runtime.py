@@ -156,6 +156,7 @@ def build_model(
         )
     # The ranks of a world run one schedule (their collectives must pair up): the first one's.
     plan = collective.first(plan)
+    placement.check_gpu_stepping(plan.gpu_stepped_units, device.type, collective.world_size)
     if device.type == "cuda" and machine is not None:
         fraction = placement.allocator_fraction(
             machine, torch.cuda.get_device_properties(device).total_memory

@@ -18,7 +18,8 @@ plan says (placement.py). Two implementations of the `Transport` protocol:
   small pinned buffers; the main thread and the GPU go on at once, and a `fetch` waits only for
   the update of the unit it needs. The leading units' fp32 state may live on the GPU for good
   (`resident_units`), stepped there by the fused CUDA AdamW (DeepSpeed's "Twin-Flow"):
-  `synchronize` writes it back so checkpoints see one place.
+  `synchronize` writes it back so checkpoints see one place. The next units' state may instead
+  be streamed to the GPU for each step and back (`gpu_stepped_units`, gpustep.py).
 
 Every path computes the same arithmetic: the fp32 gradient times the clip coefficient (an fp32
 multiply, exact on either device), then the fused AdamW. `overlap=False` runs the streaming
@@ -40,8 +41,10 @@ from typing import Protocol
 import torch
 
 from .distributed import Collective, Single
+from .gpustep import GpuStepper
 from .hostmem import Registration, host_buffer
 from .optim import HostAdamW, adamw_range, chunk_ranges
+from .optim import clip_scaled as _scaled
 from .placement import Plan
 from .state import HostState, Unit
 
@@ -77,10 +80,6 @@ class Transport(Protocol):
         """`wait_updates`, and device-resident state copied back: host memory is current."""
 
     def close(self) -> None: ...
-
-
-def _scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
-    return g if coef is None else g.mul_(coef.to(g.device))
 
 
 class SerialTransport:
@@ -171,7 +170,7 @@ class StreamingTransport:
         # Gradients the plan keeps in host memory until the clip: one page-locked buffer, holding
         # the part of each unit this process steps (`optimizer.span`).
         self._host_slots: dict[int, torch.Tensor] = {}
-        first_host = max(plan.gpu_grad_units, plan.resident_units)
+        first_host = plan.gpu_grad_lead
         if plan.grad_mode == "stored" and first_host < len(units):
             spans = [(u, *optimizer.span(u)) for u in units[first_host:]]
             buf = host_buffer(sum(hi - lo for _, lo, hi in spans))
@@ -191,6 +190,10 @@ class StreamingTransport:
         self._inflight = threading.BoundedSemaphore(max(1, plan.inflight_units))
         self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._make_resident(units[: plan.resident_units])
+        stepped = [units[i] for i in plan.stepped]
+        self.stepper = GpuStepper(
+            state, optimizer.cfg, stepped, dtype, plan.staging_elems, self.compute, self.h2d, overlap
+        )
         # One core stays free for the thread that launches kernels; the optimizer's OpenMP
         # threads would otherwise preempt it and starve the GPU.
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
@@ -220,9 +223,14 @@ class StreamingTransport:
             ev.record(self.compute)
             self._issued[k] = (buf, ev)
             return
+        fresh = self.stepper.take(unit)
+        if fresh is not None:  # stepped on the GPU, in compute dtype already
+            self._issued[k] = fresh
+            return
         self._wait_ready(unit)
         lo, hi = self.world.piece(unit)  # the whole unit, or this rank's span of it (sharded)
         src = self.state.range(unit, lo, hi)
+        self.stepper.order_read(self.h2d, unit)
         with torch.cuda.stream(self.h2d):
             buf = torch.empty(self.world.padded(unit), dtype=self.dtype, device=self.device)
             if self.dtype == torch.float32:
@@ -274,7 +282,7 @@ class StreamingTransport:
     def step(self, coef, lr: float, step: int) -> None:
         self._check()
         held, self._held = self._held, {}
-        items = []
+        items, stepped = [], []
         for unit in self.state.units:
             if unit.index not in held:
                 continue
@@ -282,13 +290,17 @@ class StreamingTransport:
             if unit.index in self.resident:
                 self._step_resident(unit, g, coef, lr, step)
             else:
-                items.append((unit, g))
+                (stepped if unit.index in self.stepper else items).append((unit, g))
         self._submit(items, coef, lr, step)
+        self.stepper.step(stepped, coef, lr, step)
 
     def step_unit(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
         self._check()
         if unit.index in self.resident:
             self._step_resident(unit, grad, coef, lr, step, skip)
+            return
+        if unit.index in self.stepper:
+            self.stepper.step([(unit, grad)], coef, lr, step, skip)
             return
         if self.overlap:
             self._inflight.acquire()  # bounded GPU memory: wait while the worker is behind
@@ -409,6 +421,7 @@ class StreamingTransport:
     def wait_updates(self) -> None:
         for u in self.state.units:
             self._ready[u.index].wait()
+        self.stepper.wait()
         self._check()
 
     def synchronize(self) -> None:
@@ -440,3 +453,4 @@ class StreamingTransport:
             for r in self._registrations:
                 r.close()
             self._registrations = []
+            self.stepper.close()

@@ -1,10 +1,11 @@
 """CUDA schedule tests (`pytest -m gpu` on a GPU machine; skipped elsewhere).
 
 Every placement the plan can choose (gradients held on the GPU or in host memory or both, a
-two-pass step, immediate stepping without clipping; GPU-resident units, kept graphs, parked
-activations, memory page-locked in pieces) must give bitwise the same weights as the plain
-serial schedule; bf16 CUDA training must track the fp32 CPU reference within bf16 tolerance;
-an evaluation right after an asynchronous optimizer step must see the updated weights.
+two-pass step, immediate stepping without clipping; GPU-resident units, units stepped on the GPU
+from streamed state, kept graphs, parked activations, memory page-locked in pieces) must give
+bitwise the same weights as the plain serial schedule; bf16 CUDA training must track the fp32
+CPU reference within bf16 tolerance; an evaluation right after an asynchronous optimizer step
+must see the updated weights.
 FlexAttention (packed rows, sliding windows) must equal the dense-mask path and need memory far
 below S x S.
 """
@@ -12,6 +13,7 @@ below S x S.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -64,12 +66,16 @@ ADAMW = AdamWConfig(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
 UNITS = 6  # embed, 4 layers, head
 
 
-def _plan(mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0, tile=0) -> Plan:
-    return Plan("cuda", mode, gpu_grads, resident, keep, parked, loss_chunk_tokens=100, mlp_tile_tokens=tile)
+def _plan(mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0, tile=0, stepped=0) -> Plan:
+    return Plan(
+        "cuda", mode, gpu_grads, resident, keep, parked, 100, mlp_tile_tokens=tile, gpu_stepped_units=stepped
+    )
 
 
 def _build(cfg, plan, overlap=True, staging=None):
-    m = build_model(
+    if staging:  # many chunks per unit: exercise the chunked pipelines (and a slow optimizer)
+        plan = replace(plan, staging_elems=staging)
+    return build_model(
         cfg,
         seed=3,
         device="cuda",
@@ -79,10 +85,6 @@ def _build(cfg, plan, overlap=True, staging=None):
         plan=plan,
         compile=False,  # the schedule is under test; compiled layers are in the last tests
     )
-    if staging:  # many chunks per unit: exercise the chunked pipeline (and a slow optimizer)
-        m.transport.chunk_elems = staging
-        m.transport.staging = [torch.empty(staging, pin_memory=True) for _ in range(2)]
-    return m
 
 
 def _train(cfg, plan, overlap, max_norm=0.5, staging=None):
@@ -104,6 +106,9 @@ CASES = {
     "parked": ("qwen2", True, _plan(gpu_grads=0, parked=4)),
     # the MLP over tiles of 100 tokens (a micro-batch has 256), a kept graph among them
     "tiled": ("llama", False, _plan(gpu_grads=0, keep=1, parked=2, tile=100)),
+    # the embedding and two layers stepped on the GPU from streamed state (the tied head fetches
+    # the embedding again, after its update), the rest by the CPU from host gradients
+    "gpu-stepped": ("qwen3", True, _plan(gpu_grads=0, keep=1, stepped=3)),
 }
 
 
@@ -112,8 +117,9 @@ def test_every_placement_equals_the_serial_schedule_bitwise(case):
     family, tied, plan = CASES[case]
     cfg = _cfg(family, tied)
     # the plain reference: every gradient on the GPU, nothing kept or parked, the same MLP tiles
-    # (tiling changes the summation order of the MLP's weight gradients, placement does not)
-    ref = _plan(tile=plan.mlp_tile_tokens)
+    # (tiling changes the summation order of the MLP's weight gradients, placement does not) and
+    # the same units stepped by the CUDA AdamW (its rounding is not the CPU kernel's)
+    ref = _plan(tile=plan.mlp_tile_tokens, stepped=plan.gpu_stepped_units)
     (l0, n0, w0, v0), _ = _train(cfg, ref, overlap=False)
     (l1, n1, w1, v1), moved = _train(cfg, plan, overlap=True, staging=10_000)
     assert l0 == l1 and n0 == n1
@@ -144,6 +150,39 @@ def test_resident_units_overlapped_equal_serial():
         got, _ = _train(cfg, plan, overlap=True, max_norm=max_norm)
         assert ref[0] == got[0] and ref[1] == got[1]
         assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
+
+
+def test_gpu_stepped_units_equal_serial_and_resident_ones():
+    """The first units' state streamed to the GPU for each step and back, in many small chunks:
+    the overlapped schedule equals the serial one with the same units GPU-stepped, in each
+    gradient mode, and those equal the same units kept GPU-resident (one kernel, the same
+    numbers); their state crosses PCIe both ways once per step."""
+    cfg = _cfg("qwen2", True)
+    stepped = 3  # the embedding (fetched again by the tied head) and two layers
+    serial = {}
+    for plan, max_norm in (
+        (_plan(gpu_grads=0, stepped=stepped), 0.5),
+        (_plan("two_pass", 0, stepped=stepped), 0.5),
+        (_plan("immediate", 0, stepped=stepped), 0.0),
+    ):
+        ref, _ = _train(cfg, _plan(stepped=stepped), overlap=False, max_norm=max_norm)
+        serial.setdefault(max_norm, ref)
+        got, _ = _train(cfg, plan, overlap=True, max_norm=max_norm, staging=10_000)
+        assert ref[0] == got[0] and ref[1] == got[1], plan.grad_mode
+        diff = (ref[2] - got[2]).abs()
+        assert torch.equal(ref[2], got[2]), f"{plan.grad_mode}: max {diff.max():.3g} mean {diff.mean():.3g}"
+        assert torch.equal(ref[3], got[3]), plan.grad_mode
+    resident, _ = _train(cfg, _plan(resident=stepped), overlap=False)
+    streamed = serial[0.5]
+    diff = (resident[2] - streamed[2]).abs()
+    assert resident[0] == streamed[0], (resident[0], streamed[0])
+    assert torch.equal(resident[2], streamed[2]), f"max {diff.max():.3g} mean {diff.mean():.3g}"
+    assert torch.equal(resident[3], streamed[3])
+    m = _build(cfg, _plan(gpu_grads=0, stepped=stepped), staging=10_000)
+    _steps(m, n_steps=2)
+    state_bytes = 2 * 12 * sum(u.numel for u in m.state.units[:stepped])
+    assert m.transport.stepper.h2d_bytes == m.transport.stepper.d2h_bytes == state_bytes
+    m.close()
 
 
 def test_page_locking_in_pieces(monkeypatch):
@@ -199,6 +238,8 @@ EVAL_CASES = {
     # gradients held until the clip; kept graphs and GPU-resident units stepped on the device
     "stored": (_plan(gpu_grads=0), 0.5),
     "stored-resident-kept": (_plan(resident=2, keep=1), 0.5),
+    # the next sweep takes GPU-stepped units' weights from their step, the one after from host memory
+    "stored-gpu-stepped": (_plan(gpu_grads=0, stepped=2), 0.5),
     # steps whose backward sweep runs inside `step`: evaluation comes after it
     "two-pass": (_plan("two_pass", 0, resident=2), 0.5),
     "immediate": (_plan("immediate", 0), 0.0),

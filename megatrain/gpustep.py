@@ -1,0 +1,165 @@
+"""Streamed units stepped on the GPU: their optimizer state crosses PCIe instead of their gradients.
+
+With all state in host memory every unit is stepped by the CPU AdamW once the clip coefficient is
+known, and only the next forward sweep hides it, while PCIe is mostly idle. For the plan's
+GPU-stepped units (`Plan.stepped`: the first streamed units in forward order, which the next
+forward sweep needs first, and whose gradients the backward sweep produces last) the step runs on
+the GPU instead:
+
+* their gradients wait on the GPU for the clip (the plan counts them);
+* each unit's fp32 master weights and two AdamW moments are copied host->device a chunk at a time
+  into one of `STEP_SLOTS` scratch slots, stepped there by the fused CUDA AdamW with the clipped
+  gradient, and copied back; one slot loads while the other is stepped and written back. It is
+  the kernel GPU-resident units are stepped with, on the same numbers, so a unit stepped this way
+  ends bitwise where a resident one would (AdamW is elementwise: chunks change nothing);
+* on the way, the updated weights are cast to the compute dtype into a buffer that the unit's next
+  fetch takes as it is (`take`): the next forward sweep's weights of these units never cross PCIe.
+  Any later fetch reads host memory after the write-back (`order_read`).
+
+Loads queue on the transport's host->device stream, steps and write-backs on a stream of their
+own, so the CPU optimizer's gradient copies and the next forward sweep go on beside them; the
+order is kept by events and nothing blocks the calling thread. With `overlap=False` everything
+runs on the compute stream: the serial reference. Off CUDA (`compute=None`: tests; the plan
+refuses GPU stepping on the CPU) the same code runs in program order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .footprint import STEP_SLOTS
+from .hostmem import Registration
+from .optim import AdamWConfig, adamw_range, chunk_ranges, clip_scaled
+from .state import HostState, Unit
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _mark(stream) -> torch.cuda.Event | None:
+    """An event at the current end of `stream` (None off CUDA, where work runs in program order)."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def _wait(stream, ev) -> None:
+    if ev is not None:
+        stream.wait_event(ev)
+
+
+class GpuStepper:
+    """AdamW on the GPU for units whose state lives in host memory (see the module docstring).
+    Used from one thread, the one that launches the compute."""
+
+    def __init__(
+        self,
+        state: HostState,
+        cfg: AdamWConfig,
+        units: list[Unit],
+        dtype: torch.dtype,
+        chunk: int,
+        compute: torch.cuda.Stream | None = None,
+        load: torch.cuda.Stream | None = None,
+        overlap: bool = True,
+    ):
+        """`units`: consecutive units; `chunk`: elements per scratch slot; `compute`: the stream
+        that computes (None: the CPU); `load`: the transport's host->device stream."""
+        self.state, self.cfg, self.dtype = state, cfg, dtype
+        self.units = {u.index for u in units}
+        self.device = torch.device("cpu") if compute is None else compute.device
+        self.compute, self.load = compute, load
+        self.overlap = overlap and compute is not None
+        self.stream = torch.cuda.Stream(self.device) if self.overlap else compute
+        self.chunk = min(chunk, max((u.numel for u in units), default=0))
+        self.slots = [torch.empty(len(STATE), self.chunk, device=self.device) for _ in range(STEP_SLOTS)]
+        self._free: list[torch.cuda.Event | None] = [None] * STEP_SLOTS  # slot written back
+        self._next = 0  # the slot the next chunk loads into
+        self._fresh: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._written: dict[int, torch.cuda.Event | None] = {}  # a unit's last write-back
+        self._registrations = self._register(units)
+        self.h2d_bytes = self.d2h_bytes = 0  # accounting for benchmarks
+
+    def _register(self, units: list[Unit]) -> list[Registration]:
+        """Page-lock the moments of `units` (the transport locks all master weights): copies from
+        pageable memory would run 7x slower and block this thread."""
+        if not units or self.compute is None:
+            return []
+        lo, hi = units[0].start, units[-1].start + units[-1].numel
+        cuts = [u.start - lo for u in units]
+        return [Registration(getattr(self.state, w)[lo:hi], cuts) for w in STATE[1:]]
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.units
+
+    def step(self, items, coef: torch.Tensor | None, lr: float, step: int, skip=None) -> None:
+        """Queue AdamW for `items` ((unit, its complete fp32 gradient on the GPU), in forward
+        order), after what the compute stream has queued so far (the gradients, `coef`, `skip`)."""
+        if not items:
+            return
+        _wait(self.stream, _mark(self.compute))
+        for unit, grad in items:
+            if self.overlap:
+                grad.record_stream(self.stream)  # the caller drops it; this stream still reads it
+            self._step(unit, grad, coef, lr, step, skip)
+
+    def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip) -> None:
+        # Allocated on the compute stream, which uses and frees it, after the event the step stream
+        # waited for: nothing queued before can still touch this memory. Recorded on the step
+        # stream, so that memory is not reused before its writes are done, even where no fetch
+        # takes it (a schedule cut short).
+        fresh = torch.empty(unit.numel, dtype=self.dtype, device=self.device)
+        if self.overlap:
+            fresh.record_stream(self.stream)
+        ranges = chunk_ranges(unit, self.chunk)
+        for i, (a, b) in enumerate(ranges):
+            s, (p, m, v) = self._load(unit, a, b)
+            with torch.cuda.stream(self.stream):
+                g = clip_scaled(grad[a:b], coef)
+                adamw_range(unit, a, b, p, g, m, v, self.cfg, lr, step, skip, base=a)
+                fresh[a:b].copy_(p)  # the same rounding as a fetch's cast of the fp32 master
+                if i == len(ranges) - 1:
+                    self._fresh[unit.index] = (fresh, _mark(self.stream))
+                for which, t in zip(STATE, (p, m, v)):
+                    self.state.flat(unit, which)[a:b].copy_(t, non_blocking=True)
+                self._free[s] = _mark(self.stream)
+            self.d2h_bytes += len(STATE) * 4 * (b - a)
+        self._written[unit.index] = self._free[s]
+
+    def _load(self, unit: Unit, a: int, b: int) -> tuple[int, list[torch.Tensor]]:
+        """Queue the copy of elements [a, b) of the unit's state into the next slot; the step
+        stream waits for it. Returns the slot and its views (master, exp_avg, exp_avg_sq)."""
+        s = self._next
+        self._next = (s + 1) % STEP_SLOTS
+        views = [t[: b - a] for t in self.slots[s]]
+        with torch.cuda.stream(self.load):
+            _wait(self.load, self._free[s])  # the slot's previous chunk is back in host memory
+            _wait(self.load, self._written.get(unit.index))  # and the unit's previous update
+            for which, t in zip(STATE, views):
+                t.copy_(self.state.flat(unit, which)[a:b], non_blocking=True)
+            loaded = _mark(self.load)
+        _wait(self.stream, loaded)
+        self.h2d_bytes += len(STATE) * 4 * (b - a)
+        return s, views
+
+    def take(self, unit: Unit) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+        """The unit's weights as its last step left them, in compute dtype on the GPU, and the
+        event after which they are there; once (None: fetch it from host memory)."""
+        return self._fresh.pop(unit.index, None)
+
+    def order_read(self, stream: torch.cuda.Stream, unit: Unit) -> None:
+        """Make `stream` wait until the unit's last update is back in host memory."""
+        _wait(stream, self._written.get(unit.index))
+
+    def wait(self) -> None:
+        """Block until every update is back in host memory."""
+        for ev in self._written.values():
+            if ev is not None:
+                ev.synchronize()
+
+    def close(self) -> None:
+        """Unlock the moments (after the device is synchronised)."""
+        for r in self._registrations:
+            r.close()
+        self._registrations = []

@@ -1,0 +1,241 @@
+"""Units stepped on the GPU from state streamed out of host memory (`gpu_step_units`): what the
+plan predicts for them (memory, step time), the refusals, and the stepper's arithmetic and
+bookkeeping run in program order on the CPU. The CUDA schedule itself is tested in test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_config
+from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixture)
+from test_cli import run_cli
+from test_placement import STEP16K, cuda, llama
+
+from megatrain import footprint, placement
+from megatrain.config import TrainConfig
+from megatrain.distributed import Single
+from megatrain.errors import ConfigError
+from megatrain.gpustep import GpuStepper
+from megatrain.models.config import ModelConfig
+from megatrain.optim import AdamWConfig, HostAdamW, clip_scaled
+from megatrain.placement import Choices, Machine, Plan
+from megatrain.runtime import build_model
+from megatrain.state import HostState, build_units
+from megatrain.weights import init_random
+
+A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
+
+
+def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K) -> Plan:
+    """All state in host memory, the first `k` units GPU-stepped."""
+    return placement.plan(cfg, batch, machine or cuda(139, 1000), Choices(gpu_state="off", gpu_step_units=k))
+
+
+def _numel(cfg) -> list[int]:
+    return [u.numel for u in build_units(cfg)]
+
+
+# ---------------------------------------------------------------------------- plan and memory
+def test_the_plan_never_chooses_gpu_stepping_and_honours_the_users_count():
+    for choices in (Choices(), Choices(gpu_state="off")):
+        assert placement.plan(A, STEP16K, cuda(139, 1000), choices).gpu_stepped_units == 0
+    p = _off(A, 8)
+    assert p.gpu_stepped_units == 8 and list(p.stepped) == list(range(8))
+    assert any(n.startswith("GPU-stepped: 8 leading streamed units") for n in p.notes)
+    assert _off(A, 99).gpu_stepped_units == 30  # at most every unit
+    # after the resident units, which keep their place; where the plan spends free GPU memory on
+    # resident state, on the units before them
+    r = placement.plan(A, STEP16K, cuda(139, 1000), Choices(resident_units=25, gpu_step_units=10))
+    assert (r.resident_units, r.gpu_stepped_units, list(r.stepped)) == (25, 5, [25, 26, 27, 28, 29])
+    auto = placement.plan(A, STEP16K, cuda(139, 1000), Choices(gpu_step_units=4))
+    assert (auto.resident_units, auto.gpu_stepped_units) == (26, 4)
+
+
+def test_gpu_stepped_units_keep_their_gradients_on_the_gpu_not_in_host_memory():
+    """Their gradients wait on the GPU (page-locked host memory no longer holds them), their
+    moments are page-locked in place; host memory grows by nothing."""
+    n = _numel(A)
+    p0, p8 = _off(A, 0), _off(A, 8)
+    grads = "fp32 gradients waiting for the clip (page-locked)"
+    assert p0.host[grads] - p8.host[grads] == 4 * sum(n[:8])
+    assert p0.host_total - p8.host_total == 4 * sum(n[:8])
+    assert p8.pinned - p0.pinned == 8 * sum(n[:8]) - 4 * sum(n[:8])
+    assert p8.gpu_grad_lead == 8 and p0.gpu_grad_lead == 0
+    assert "the 8 leading units' on the GPU, the other 22 in host memory" in p8.notes[0]
+
+
+def test_gpu_peak_grows_by_the_scratch_the_held_gradients_and_the_kept_weights():
+    """Two chunks of scratch in every phase; at the end of the backward sweep every GPU-stepped
+    gradient waits for the clip; at the start of the next forward sweep the gradients not yet
+    stepped and the updated weights (compute dtype) of the units past the fetch window."""
+    n = _numel(A)
+    scratch = footprint.STEP_SLOTS * footprint.STATE_BYTES * footprint.STAGING_CHUNK  # layers are larger
+    p0, p8, pall = _off(A, 0), _off(A, 8), _off(A, 30)
+    assert p8.gpu["GPU-stepped state (scratch)"] == scratch
+    assert "GPU-stepped state (scratch)" not in p0.gpu
+    assert p8.gpu_peak >= p0.gpu_peak + scratch
+    peaks0 = footprint.phase_peaks(A, STEP16K, p0)
+    peaks = footprint.phase_peaks(A, STEP16K, pall)
+    assert peaks["backward"] >= 4 * sum(n) + scratch > peaks0["backward"]
+    first_fetch_window = 2 + p0.prefetch  # forward at layer 0: units 1 .. 1 + prefetch in its window
+    held = 4 * sum(n[2:]) + 2 * sum(n[first_fetch_window:])
+    assert peaks["forward"] >= held + scratch > peaks0["forward"]
+    assert pall.gpu_peak == max(peaks.values())
+
+
+def test_step_time_falls_while_the_cpu_optimizer_binds_and_rises_once_pcie_does():
+    """Model A at 16k tokens, all state in host memory: the CPU AdamW (3 G params/s) binds at
+    k=0; moving units to the GPU shortens the step until their state traffic (12 B/param each
+    way) makes PCIe bind. With a CPU optimizer fast enough to hide, GPU stepping gains nothing
+    (its interference with the sweep was under a millisecond) and costs PCIe traffic."""
+    times = [_off(A, k).step_time_s for k in range(31)]
+    best = min(range(31), key=times.__getitem__)
+    assert 8 < best < 30
+    assert all(times[k + 1] < times[k] for k in range(best))
+    assert all(times[k + 1] > times[k] for k in range(best + 1, 30))
+    assert times[best] < 0.8 * times[0]
+    fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e12)
+    base = _off(A, 0, fast_cpu).step_time_s
+    fast = [_off(A, k, fast_cpu).step_time_s for k in (1, 8, 15, 22, 30)]
+    assert min(fast) > base - 1e-3 and fast[-1] > fast[-2] > base + 0.1
+
+
+def test_gpu_stepping_costs_its_state_on_pcie():
+    """Each GPU-stepped parameter moves 8 bytes more each way (12 B of state where a streamed unit
+    moves a 4 B gradient out and 4 B of weights in for the next forward), which is all a step
+    costs where nothing else binds; where the GPU waits for the stepped state (the next forward
+    sweep hides only its own length of it), each further unit costs its 12 B/param at the PCIe
+    rate."""
+    n, rate = _numel(A), footprint.PCIE_BYTES_S
+    link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
+    t0 = _off(A, 0, link_only).step_time_s
+    for k in (4, 15, 30):
+        assert _off(A, k, link_only).step_time_s - t0 == pytest.approx(8 * sum(n[:k]) / rate, abs=1e-4)
+    fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e15)
+    t22, t30 = (_off(A, k, fast_cpu).step_time_s for k in (22, 30))
+    assert t30 - t22 == pytest.approx(12 * sum(n[22:30]) / rate, rel=1e-6)
+
+
+def test_gpu_stepping_in_every_gradient_mode_is_counted():
+    """Two-pass and immediate steps: units stepped during the backward sweep keep their updated
+    weights on the GPU from then on, so its last phase (the embedding's, the peak of this model:
+    tied, with a wide vocabulary and short rows) holds those of every other unit, beside the
+    scratch; the CPU optimizer still binds, so the step is shorter."""
+    cfg = ModelConfig.from_hf(
+        tiny_config(
+            "llama",
+            True,
+            hidden_size=2048,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            intermediate_size=5632,
+            vocab_size=262144,
+        )
+    )
+    n = _numel(cfg)
+    scratch = footprint.STEP_SLOTS * footprint.STATE_BYTES * footprint.STAGING_CHUNK
+    for mode, clip in (("two_pass", True), ("auto", False)):
+        batch = placement.Batch(1024, 1, 1024, 2, clip)
+        p0, p = (
+            placement.plan(cfg, batch, cuda(139, 1000), Choices("off", mode, gpu_step_units=k))
+            for k in (0, 10)
+        )
+        assert p.grad_mode == p0.grad_mode == ("two_pass" if mode == "two_pass" else "immediate")
+        assert p.gpu_stepped_units == 10 and p.resident_units == 0
+        peak0, peak = (footprint.phase_peaks(cfg, batch, q)["backward"] for q in (p0, p))
+        if p.grad_mode == "immediate":
+            assert peak - peak0 == scratch + 2 * sum(n[1:])
+        assert peak > peak0 + scratch
+        assert p.step_time_s < p0.step_time_s
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_gpu_step_units_is_validated_in_one_line():
+    with pytest.raises(
+        ConfigError, match=r"^gpu_step_units: must be a number of units >= 0 \(0: none\) \(got -1\)$"
+    ):
+        TrainConfig(model_config="m", gpu_step_units=-1)
+    with pytest.raises(ConfigError, match=r"^gpu_step_units: expected int, got 2.5$"):
+        TrainConfig.from_dict({"model_config": "m", "gpu_step_units": 2.5})
+
+
+def test_gpu_stepping_is_refused_on_the_cpu_and_in_a_data_parallel_world(tmp_path, capsys):
+    base = make_run(tmp_path)
+    path = write_yaml(tmp_path / "run.yaml", dict(base, device="cpu", output_dir=str(tmp_path / "out")))
+    for command in ("plan", "train"):
+        rc, stdout, err = run_cli(capsys, command, path, "gpu_step_units=2")
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1, stdout + err
+        assert lines[0] == (
+            "megatrain: error: gpu_step_units: steps units on a GPU, and this run is on the CPU (set it to 0)"
+        )
+    assert not (tmp_path / "out").exists()
+    # planned for a GPU elsewhere, it is shown
+    rc, stdout, _ = run_cli(capsys, "plan", path, "device=cuda", "max_gpu_memory=8GiB", "gpu_step_units=2")
+    assert rc == 0 and "plan: GPU-resident state: 3 leading units" in stdout  # the rest
+    assert "plan: GPU-stepped: 2 leading streamed units" in stdout
+    assert "GPU-stepped state (scratch)" in stdout
+
+    class TwoRanks(Single):
+        world_size = local_world_size = 2
+
+    cfg = ModelConfig.from_json(tmp_path / "model")
+    plan = Plan("cuda", "stored", 0, 0, 0, 0, 64, gpu_stepped_units=1)
+    with pytest.raises(ConfigError, match=r"^gpu_step_units: not supported with several processes yet \(2;"):
+        build_model(cfg, device="cpu", plan=plan, collective=TwoRanks())
+    with pytest.raises(
+        ConfigError, match=r"^gpu_step_units: steps units on a GPU, and this run is on the CPU"
+    ):
+        build_model(cfg, device="cpu", plan=plan)  # a plan made by hand is refused too
+
+
+# ---------------------------------------------------------------------------- the stepper
+def _state(cfg: ModelConfig, seed: int) -> HostState:
+    state = HostState(build_units(cfg))
+    init_random(state, cfg, seed)
+    g = torch.Generator().manual_seed(seed)
+    state.exp_avg.copy_(torch.randn(state.numel, generator=g) * 1e-3)
+    state.exp_avg_sq.copy_(torch.rand(state.numel, generator=g) * 1e-5)
+    return state
+
+
+def _copy(state: HostState) -> HostState:
+    out = HostState(state.units)
+    for w in ("master", "exp_avg", "exp_avg_sq"):
+        getattr(out, w).copy_(getattr(state, w))
+    return out
+
+
+def test_the_stepper_steps_in_chunks_exactly_as_the_host_optimizer_steps_whole_units():
+    """In program order (the CPU), the stepper's chunks of scratch (smaller than a parameter,
+    crossing parameter boundaries, two slots reused across units and steps) give bitwise the
+    host optimizer's update of each whole unit, clipped; other units are untouched; each unit's
+    next fetch gets its updated weights in compute dtype, once; a skipped update changes
+    nothing."""
+    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    state = _state(cfg, 0)
+    ref = _copy(state)
+    adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    units = state.units[:3]
+    stepper = GpuStepper(state, adamw, units, torch.bfloat16, chunk=1000)
+    host = HostAdamW(ref, adamw)
+    g = torch.Generator().manual_seed(1)
+    coef = torch.tensor(0.37)
+    for step in (1, 2):
+        grads = [torch.randn(u.numel, generator=g) for u in units]
+        stepper.step([(u, gr.clone()) for u, gr in zip(units, grads)], coef, 1e-2, step)
+        for u, gr in zip(units, grads):
+            host.step_range(u, 0, u.numel, clip_scaled(gr, coef), 1e-2, step)
+        for w in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(state, w), getattr(ref, w)), (step, w)
+        for u in units:
+            fresh, _ = stepper.take(u)
+            assert torch.equal(fresh, ref.flat(u).to(torch.bfloat16))
+            assert stepper.take(u) is None
+    assert stepper.take(state.units[3]) is None and 3 not in stepper and 2 in stepper
+    assert stepper.h2d_bytes == stepper.d2h_bytes == 2 * 12 * sum(u.numel for u in units)
+    before = state.master.clone()
+    stepper.step([(units[0], torch.randn(units[0].numel))], None, 1e-2, 3, skip=torch.tensor(True))
+    assert torch.equal(state.master, before)
+    assert torch.equal(stepper.take(units[0])[0], before[: units[0].numel].to(torch.bfloat16))
