@@ -58,9 +58,16 @@ def signal_after_step(monkeypatch, n: int, signum: int = signal.SIGTERM):
     return orig
 
 
-def make_run(tmp_path: Path, vocab: int = 97, n: int = 48, **model_kw) -> dict:
-    """A random-init model config and a tokens JSONL in tmp_path; returns base TrainConfig kwargs."""
-    tiny_config("llama", vocab_size=vocab, **model_kw).save_pretrained(tmp_path / "model")
+def make_run(tmp_path: Path, vocab: int = 97, n: int = 48, config=None, **model_kw) -> dict:
+    """A random-init model config (a tiny Llama, or `config`: a transformers config or a
+    config.json dict) and a tokens JSONL in tmp_path; returns base TrainConfig kwargs."""
+    if config is None:
+        config = tiny_config("llama", vocab_size=vocab, **model_kw)
+    if isinstance(config, dict):
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    else:
+        config.save_pretrained(tmp_path / "model")
     rng = random.Random(0)
     ids = min(vocab, 500)  # below any tokenizer's size a test adds
     with open(tmp_path / "data.jsonl", "w") as f:

@@ -217,38 +217,20 @@ def test_cli_plan_train_resume_export_of_a_kimi_k2_config(tmp_path, capsys):
     initialises it), a resume that ends where the uninterrupted run does, and `export`, for a
     Kimi-K2 config.json: DeepSeek-V3's architecture under its own model type and custom code,
     read as a DeepSeek-V3 and exported as one that transformers loads without that code."""
-    import random
 
-    from test_checkpoint import assert_bitwise, metrics, tensors, write_yaml
+    from test_checkpoint import assert_bitwise, make_run, metrics, tensors, write_yaml
     from test_cli import run_cli
     from transformers import AutoModelForCausalLM
 
     raw = tiny_hf_model("v3").config.to_dict()
-    (tmp_path / "model").mkdir()
     kimi = {
         **raw,
         "model_type": "kimi_k2",
         "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
     }
-    (tmp_path / "model" / "config.json").write_text(json.dumps(kimi))
-    rng = random.Random(0)
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for _ in range(24):
-            f.write(json.dumps({"input_ids": [rng.randrange(97) for _ in range(rng.randint(6, 30))]}) + "\n")
-    run = dict(
-        model_config=str(tmp_path / "model"),
-        dataset=str(tmp_path / "data.jsonl"),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_length=32,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",  # the same learning rates in the 2-step and the 4-step run
-        max_grad_norm=1.0,
-        save_dtype="float32",
-        disable_tqdm=True,
-        max_steps=4,
-        save_steps=2,
-    )
+    run = make_run(tmp_path, n=24, config=kimi)
+    # the same learning rates in the 2-step and the 4-step run
+    run.update(lr_scheduler_type="constant", warmup_steps=0, max_steps=4, save_steps=2)
     yaml = write_yaml(tmp_path / "run.yaml", run)
     n = ModelConfig.from_json(tmp_path / "model").num_params
     rc, out, _ = run_cli(capsys, "plan", yaml, "device=cuda", "max_gpu_memory=8GiB", "max_host_memory=8GiB")

@@ -157,32 +157,14 @@ def test_training_run_logs_router_metrics_and_resumes_exactly(tmp_path):
     """A CLI-style run of an OLMoE from random initialisation: metrics.jsonl carries the aux loss
     and the expert load, and a resume from the step-2 checkpoint (per-expert tensors, per-parameter
     moments) ends bit for bit where the uninterrupted run does."""
-    import json
-    import random
-
-    from test_checkpoint import assert_bitwise, metrics, tensors
+    from test_checkpoint import assert_bitwise, make_run, metrics, tensors
 
     from megatrain.config import TrainConfig
     from megatrain.trainer import train
 
-    tiny_hf_model("olmoe").config.save_pretrained(tmp_path / "model")
-    rng = random.Random(0)
-    with open(tmp_path / "data.jsonl", "w") as f:
-        for _ in range(32):
-            f.write(json.dumps({"input_ids": [rng.randrange(97) for _ in range(rng.randint(6, 30))]}) + "\n")
-    base = dict(
-        model_config=str(tmp_path / "model"),
-        dataset=str(tmp_path / "data.jsonl"),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_length=32,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",  # the same learning rates in the 2-step and the 4-step run
-        save_dtype="float32",
-        disable_tqdm=True,
-        max_steps=4,
-        save_steps=2,
-    )
+    base = make_run(tmp_path, n=32, config=tiny_hf_model("olmoe").config)
+    # the same learning rates in the 2-step and the 4-step run
+    base.update(lr_scheduler_type="constant", warmup_steps=0, max_steps=4, save_steps=2)
     ref = train(TrainConfig(**base, output_dir=str(tmp_path / "a")))
     records = metrics(tmp_path / "a")
     assert all(r["aux_loss"] > 0 and r["expert_load_max"] >= 1.0 >= r["expert_load_min"] for r in records)
