@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import DEEPSEEK_CONFIGS, tiny_hf_model
-from test_moe import _batch
+from test_moe import _batch, _megatrain, export_round_trip
 
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
@@ -20,12 +20,6 @@ from megatrain.runtime import build_model
 
 CASES = list(DEEPSEEK_CONFIGS)
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
-
-
-def _megatrain(hf, tmp_path, **kw):
-    hf.save_pretrained(tmp_path / "hf")
-    cfg = ModelConfig.from_json(tmp_path / "hf")
-    return build_model(cfg, weights=tmp_path / "hf", device="cpu", **kw)
 
 
 def _hf_step_loss(hf, mbs) -> float:
@@ -105,24 +99,8 @@ def test_checkpoint_keys_load_and_export_round_trip(tmp_path):
     """megatrain reads the per-expert tensors and the router correction bias transformers'
     save_pretrained writes (the Hub's names), and its export loads back into transformers with
     identical logits."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    from megatrain.weights import save_hf_checkpoint
-
-    hf = tiny_hf_model("v3")
-    mt = _megatrain(hf, tmp_path)
-    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
-        source = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    assert "model.layers.2.mlp.experts.7.gate_proj.weight" in source and BIAS in source
-    out = save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "export", dtype=torch.float32, progress=False)
-    with safe_open(out / "model.safetensors", "pt") as f:
-        assert set(f.keys()) == set(source)
-        for k, t in source.items():
-            assert torch.equal(f.get_tensor(k), t), k
-    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
-    ids = _batch(hf.config.vocab_size).input_ids
-    torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
+    keys = export_round_trip(tiny_hf_model("v3"), tmp_path)
+    assert "model.layers.2.mlp.experts.7.gate_proj.weight" in keys and BIAS in keys
 
 
 def test_bfloat16_export_keeps_the_correction_bias_in_fp32(tmp_path):

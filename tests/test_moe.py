@@ -36,6 +36,29 @@ def _megatrain(hf, tmp_path, **kw):
     return build_model(cfg, weights=tmp_path / "hf", device="cpu", **kw)
 
 
+def export_round_trip(hf, tmp_path) -> set[str]:
+    """Load transformers' save_pretrained files of `hf` into megatrain, export them back, and
+    assert every tensor and the logits of the reloaded model are transformers' exactly; returns
+    the saved keys for family-specific checks."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from megatrain.weights import save_hf_checkpoint
+
+    mt = _megatrain(hf, tmp_path)
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        source = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    out = save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "export", dtype=torch.float32, progress=False)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == set(source)
+        for k, t in source.items():
+            assert torch.equal(f.get_tensor(k), t), k
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    ids = _batch(hf.config.vocab_size).input_ids
+    torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
+    return set(source)
+
+
 def _hf_step_loss(hf, mbs):
     """A plain accumulation loop over transformers' model: each micro-batch's token loss over the
     step's label tokens, plus coef * its own aux loss (the Trainer's rule with num_items_in_batch)."""
@@ -132,25 +155,9 @@ def test_checkpoint_keys_load_and_export_round_trip(family, tmp_path):
     """megatrain reads the tensors transformers' save_pretrained writes (the Hub's names: one per
     expert, but gpt-oss's fused ones), and its export loads back into transformers with
     identical logits."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    from megatrain.weights import save_hf_checkpoint
-
-    hf = tiny_hf_model(family)
-    mt = _megatrain(hf, tmp_path)
-    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
-        source = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    keys = export_round_trip(tiny_hf_model(family), tmp_path)
     # per-expert tensors, as on the Hub; gpt-oss's files hold each fused tensor whole
-    assert any(".experts.3." in k for k in source) == (family != "gpt_oss")
-    out = save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "export", dtype=torch.float32, progress=False)
-    with safe_open(out / "model.safetensors", "pt") as f:
-        assert set(f.keys()) == set(source)
-        for k, t in source.items():
-            assert torch.equal(f.get_tensor(k), t), k
-    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
-    ids = _batch(hf.config.vocab_size).input_ids
-    torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=0, atol=0)
+    assert any(".experts.3." in k for k in keys) == (family != "gpt_oss")
 
 
 def test_training_run_logs_router_metrics_and_resumes_exactly(tmp_path):
