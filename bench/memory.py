@@ -16,6 +16,7 @@ Run specs are `NAME` from RUNS below, or `model:tokens:key=value,...` (e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -197,10 +198,11 @@ def worker(run: dict) -> dict:
     layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq, masked=doc > 0)
     out = {
         "plan": plan.to_json(),
-        "machine": machine.__dict__,
+        "machine": dataclasses.asdict(machine),
         "params": cfg.num_params,
         "plan_s": time.perf_counter() - t0,
     }
+    json.dumps(out)  # a record that cannot be written fails now, not after the run
     model = build_model(
         cfg,
         seed=0,

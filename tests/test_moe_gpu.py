@@ -21,9 +21,10 @@ def _cfg(family="olmoe"):
     experts = {
         "mixtral": dict(num_local_experts=8),
         "gpt_oss": dict(num_local_experts=8, head_dim=32, sliding_window=64, swiglu_limit=7.0),
+        "v3": dict(num_key_value_heads=8),  # DeepSeek: helpers' latent shapes, 8 experts of 32
+        "v2-lite": dict(num_key_value_heads=8),
     }.get(family, dict(num_experts=8, moe_intermediate_size=128))
-    hf = tiny_config(
-        family,
+    shape = dict(
         vocab_size=512,
         hidden_size=256,
         intermediate_size=128,
@@ -31,8 +32,8 @@ def _cfg(family="olmoe"):
         num_attention_heads=8,
         num_key_value_heads=2,
         initializer_range=0.05,
-        **experts,
     )
+    hf = tiny_config(family, **{**shape, **experts})
     return ModelConfig.from_hf(hf)
 
 
@@ -52,6 +53,9 @@ def _run(cfg, plan, overlap, max_norm=0.5):
         ("mixtral", _plan("two_pass", 0), 0.5),
         ("qwen3_moe", _plan("immediate", 0), 0.0),
         ("gpt_oss", _plan(gpu_grads=3, keep=1), 0.5),
+        ("mixtral", _plan(gpu_grads=3, keep=2), 0.5),  # windowed: FlexAttention in a kept graph
+        ("v3", _plan(gpu_grads=3, keep=1), 0.5),
+        ("v2-lite", _plan("two_pass", 0), 0.0),
     ],
 )
 def test_moe_placements_equal_the_serial_schedule_bitwise(family, plan, max_norm):
@@ -77,8 +81,9 @@ def test_bf16_grouped_experts_track_fp32_cpu(compile):
     gpu.close()
 
 
-def test_fp32_cuda_experts_match_cpu():
-    cfg = _cfg("olmoe")
+@pytest.mark.parametrize("family", ["olmoe", "v3", "v2-lite"])
+def test_fp32_cuda_experts_match_cpu(family):
+    cfg = _cfg(family)
     ref = build_model(cfg, seed=7, device="cpu", compute_dtype="float32", adamw=ADAMW)
     gpu = build_model(cfg, seed=7, device="cuda", compute_dtype="float32", adamw=ADAMW)
     l_ref, _ = _steps(ref, n_steps=2)

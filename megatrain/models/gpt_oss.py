@@ -29,6 +29,8 @@ from .decoder import BLOCKS, Attention, Head, RMSNorm, layer_type, layer_type_in
 from .family import meta
 from .moe import expert_counts, grouped_linear, route, router_balance
 
+SWIGLU_ALPHA = 1.702  # the published models' gate scale
+
 
 class GptOssRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,9 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(E, f, h))
         self.down_proj_bias = nn.Parameter(torch.empty(E, h))
-        self.alpha, self.limit = cfg.hf_config.swiglu_alpha, cfg.hf_config.swiglu_limit
+        # transformers before 5.2x has no `swiglu_alpha` key: its experts use this constant.
+        self.alpha = getattr(cfg.hf_config, "swiglu_alpha", SWIGLU_ALPHA)
+        self.limit = cfg.hf_config.swiglu_limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor):
         """x [T, H]; idx, scores [T, k]: each token's experts and routing weights; counts [E]."""
