@@ -52,6 +52,7 @@ RUNS = {
     "A16k-off-gpustep15": "A:16384:gpu_state=off,gpu_step_units=15",
     "A16k-off-gpustep22": "A:16384:gpu_state=off,gpu_step_units=22",
     "A16k-off-gpustep30": "A:16384:gpu_state=off,gpu_step_units=30",
+    "A16k-off-gpustepauto": "A:16384:gpu_state=off,gpu_step_units=auto",
     "A128k-park": "A:131072:gpu_state=off,seq=131072,mbs=1,max_gpu_memory=40GiB",
     "B16k-off": "B:16384:gpu_state=off",
     "B64k-auto": "B:65536:gpu_state=auto",
@@ -139,7 +140,7 @@ def choices_of(run: dict):
         gradient_placement=run.get("gradient_placement", "auto"),
         offload_activations=offload,
         mlp_tile_tokens=int(run["mlp_tile_tokens"]) if "mlp_tile_tokens" in run else None,
-        gpu_step_units=int(run.get("gpu_step_units", 0)),
+        gpu_step_units=None if run.get("gpu_step_units") == "auto" else int(run.get("gpu_step_units", 0)),
     )
 
 

@@ -176,11 +176,12 @@ class TrainConfig:
     gradient_placement: str = "auto"
     """Where gradients wait for the clip norm: auto (the plan decides), gpu, host, or two_pass (a
     norm-only backward, then one that steps each layer as it lands: no storage, more compute)."""
-    gpu_step_units: int = 0
+    gpu_step_units: int | str = 0
     """Units (embedding, layers, head, in forward order after any GPU-resident ones) whose fp32
     state, kept in host memory, is copied to the GPU, stepped there and copied back at each step,
-    beside the CPU optimizer stepping the rest; their gradients wait on the GPU. 0: none (the plan
-    does not choose this yet); CUDA, one process."""
+    beside the CPU optimizer stepping the rest; their gradients wait on the GPU. 0: none; auto:
+    as many as the plan's cost model says are fastest (none with several processes or on the
+    CPU); CUDA, one process."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start)."""
     max_host_memory: str | int | None = None
@@ -287,8 +288,8 @@ class TrainConfig:
             bad("gpu_state", "must be auto or off")
         if self.gradient_placement not in ("auto", "gpu", "host", "two_pass"):
             bad("gradient_placement", "must be auto, gpu, host or two_pass")
-        if self.gpu_step_units < 0:
-            bad("gpu_step_units", "must be a number of units >= 0 (0: none)")
+        if self.gpu_step_units != "auto" and (isinstance(self.gpu_step_units, str) or self.gpu_step_units < 0):
+            bad("gpu_step_units", "must be auto or a number of units >= 0 (0: none)")
         for k in ("max_gpu_memory", "max_host_memory"):
             if getattr(self, k) is not None:
                 try:

@@ -21,9 +21,9 @@ From the model's shape, the batch shape and the memory the run may use (measured
   (3 x tokens x ffn) exist for one tile at a time; each backward recomputes them once more.
 * the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
 
-**GPU-stepped units** (`gpu_step_units`, the user's choice only until it is measured): the first
-streamed units after the resident ones are stepped on the GPU, their fp32 state copied in and
-back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the scratch,
+**GPU-stepped units** (`gpu_step_units`: a count, or `auto` for the cost model's fastest): the
+first streamed units after the resident ones are stepped on the GPU, their fp32 state copied in
+and back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the scratch,
 the weights they keep for the next forward sweep and the PCIe traffic.
 
 The engine and the transport receive the `Plan` and carry it out; they keep no rules of their
@@ -65,6 +65,7 @@ __all__ = ["Batch", "Choices", "Machine", "Plan", "PlanError", "fmt_bytes", "pha
 
 
 MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units idle
+STEPPING_GAIN = 0.05  # the share of a step GPU stepping must save before the plan chooses it
 
 
 class PlanError(MegatrainError):
@@ -82,7 +83,7 @@ class Choices:
     resident_units: int | None = None
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None  # 0: never tile
-    gpu_step_units: int = 0  # streamed units stepped on the GPU (never chosen by the plan)
+    gpu_step_units: int | None = 0  # streamed units stepped on the GPU (None: the plan chooses)
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -96,12 +97,12 @@ def plan(
     """The placement of a run, or PlanError naming what does not fit (see the module docstring).
     `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula)."""
     c, m = choices or Choices(), machine
-    check_gpu_stepping(c.gpu_step_units, m.device)
+    check_gpu_stepping(c.gpu_step_units or 0, m.device)
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
     L = s.layers
     keep = min(c.keep_layers or 0, L)
     resident = min(c.resident_units or 0, len(s.units))
-    stepped = min(c.gpu_step_units, len(s.units) - resident)
+    stepped = min(c.gpu_step_units or 0, len(s.units) - resident)
     chunk = loss_chunk(s, batch, m, c.loss_chunk_tokens)
 
     if m.device == "cpu":
@@ -151,6 +152,8 @@ def plan(
     auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
     if m.device == "cuda" and auto:
         best = _spend_free_gpu(s, batch, best, m)
+    if c.gpu_step_units is None and m.device == "cuda" and m.world.ranks == 1:
+        best = _fastest_stepping(s, batch, best, m)
     best = _note(best, s, batch, m)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
@@ -245,6 +248,20 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
         if not scored:
             return cur
         cur = max(scored, key=lambda x: x[0])[1]
+
+
+def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
+    """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
+    says is fastest, among those whose memory fits (it grows with each unit); none unless that
+    saves STEPPING_GAIN of the step, the cost model's error on the runs it was checked against."""
+    best = base
+    for k in range(1, len(s.units) - base.resident_units + 1):
+        p = evaluate(s, b, replace(base, gpu_stepped_units=k), m)
+        if not fits(p, m):
+            break
+        if p.step_time_s < best.step_time_s:
+            best = p
+    return best if best.step_time_s < (1 - STEPPING_GAIN) * base.step_time_s else base
 
 
 def _too_big(p: Plan, m: Machine, b: Batch) -> str:

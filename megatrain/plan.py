@@ -53,7 +53,7 @@ def choices_of(cfg) -> Choices:
         gradient_placement=cfg.gradient_placement,
         offload_activations=cfg.offload_activations,
         mlp_tile_tokens=cfg.mlp_tile_tokens,
-        gpu_step_units=cfg.gpu_step_units,
+        gpu_step_units=None if cfg.gpu_step_units == "auto" else cfg.gpu_step_units,
     )
 
 

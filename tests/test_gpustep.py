@@ -4,6 +4,10 @@ bookkeeping run in program order on the CPU. The CUDA schedule itself is tested 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import tiny_config
@@ -16,9 +20,11 @@ from megatrain.config import TrainConfig
 from megatrain.distributed import Single
 from megatrain.errors import ConfigError
 from megatrain.gpustep import GpuStepper
+from megatrain.layout import Layout
 from megatrain.models.config import ModelConfig
 from megatrain.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.placement import Choices, Machine, Plan
+from megatrain.probe import LayerMemory
 from megatrain.runtime import build_model
 from megatrain.state import HostState, build_units
 from megatrain.weights import init_random
@@ -36,7 +42,7 @@ def _numel(cfg) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- plan and memory
-def test_the_plan_never_chooses_gpu_stepping_and_honours_the_users_count():
+def test_the_plan_steps_on_the_gpu_only_when_asked_and_honours_the_users_count():
     for choices in (Choices(), Choices(gpu_state="off")):
         assert placement.plan(A, STEP16K, cuda(139, 1000), choices).gpu_stepped_units == 0
     p = _off(A, 8)
@@ -48,7 +54,8 @@ def test_the_plan_never_chooses_gpu_stepping_and_honours_the_users_count():
     r = placement.plan(A, STEP16K, cuda(139, 1000), Choices(resident_units=25, gpu_step_units=10))
     assert (r.resident_units, r.gpu_stepped_units, list(r.stepped)) == (25, 5, [25, 26, 27, 28, 29])
     auto = placement.plan(A, STEP16K, cuda(139, 1000), Choices(gpu_step_units=4))
-    assert (auto.resident_units, auto.gpu_stepped_units) == (26, 4)
+    assert auto.gpu_stepped_units == 4 and list(auto.stepped) == list(range(auto.resident_units, auto.resident_units + 4))
+    assert auto.resident_units > 10
 
 
 def test_gpu_stepped_units_keep_their_gradients_on_the_gpu_not_in_host_memory():
@@ -150,14 +157,52 @@ def test_gpu_stepping_in_every_gradient_mode_is_counted():
         assert p.step_time_s < p0.step_time_s
 
 
+def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay():
+    """`gpu_step_units: auto` (None): the count among the user-count plans with the shortest
+    step, where the CPU optimizer binds; none where the CPU keeps up, where the count's memory does
+    not fit, or in a data-parallel world (not built there)."""
+    auto = Choices(gpu_state="off", gpu_step_units=None)
+    p = placement.plan(A, STEP16K, cuda(139, 1000), auto)
+    times = {k: _off(A, k).step_time_s for k in range(31)}
+    assert 0 < p.gpu_stepped_units < 30
+    assert p.step_time_s == pytest.approx(min(times.values())) and p.step_time_s < 0.9 * times[0]
+    fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e12)
+    assert placement.plan(A, STEP16K, fast_cpu, auto).gpu_stepped_units == 0
+    # Smaller GPUs: fewer units (their held gradients), then none (not even the scratch fits)
+    counts = [placement.plan(A, STEP16K, cuda(gib, 1000), auto).gpu_stepped_units for gib in (8, 9, 11)]
+    assert counts[0] == 0 < counts[1] < counts[2] <= p.gpu_stepped_units
+    two = Machine("cuda", 139 * 2**30, 1000 * 2**30, world=Layout(ranks=2))
+    assert placement.plan(A, STEP16K, two, auto).gpu_stepped_units == 0
+
+
+def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
+    """The committed H100 runs of model A at 16k tokens, all state in host memory, 0 to 30 units
+    stepped on the GPU: the cost model, given each run's measured layer and rates, predicts each
+    step time within 10% (and so ranks the counts as the measurement does, best first)."""
+    record = json.loads((Path(__file__).parents[1] / "bench/results/2026-11-23_0402_gpustep.json").read_text())
+    predicted, measured = {}, {}
+    for run in record["runs"]:
+        machine = {**run["machine"], "world": Layout(**run["machine"]["world"])}
+        plan = Plan(**{f.name: run["plan"][f.name] for f in dataclasses.fields(Plan) if f.init and f.name in run["plan"]})
+        shape = footprint.model_shape(A, LayerMemory(**run["layer_mem"]))
+        k = plan.gpu_stepped_units
+        predicted[k] = footprint.evaluate(shape, STEP16K, plan, Machine(**machine)).step_time_s
+        measured[k] = run["step_s"]
+        assert predicted[k] == pytest.approx(measured[k], rel=0.10), (k, predicted[k], measured[k])
+    assert min(predicted, key=predicted.get) == min(measured, key=measured.get) == 15
+
+
 # ---------------------------------------------------------------------------- refusals
 def test_gpu_step_units_is_validated_in_one_line():
-    with pytest.raises(
-        ConfigError, match=r"^gpu_step_units: must be a number of units >= 0 \(0: none\) \(got -1\)$"
-    ):
-        TrainConfig(model_config="m", gpu_step_units=-1)
-    with pytest.raises(ConfigError, match=r"^gpu_step_units: expected int, got 2.5$"):
+    for bad in (-1, "fast"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^gpu_step_units: must be auto or a number of units >= 0 \(0: none\) \(got {bad!r}\)$",
+        ):
+            TrainConfig(model_config="m", gpu_step_units=bad)
+    with pytest.raises(ConfigError, match=r"^gpu_step_units: expected int or str, got 2.5$"):
         TrainConfig.from_dict({"model_config": "m", "gpu_step_units": 2.5})
+    assert TrainConfig.from_dict({"model_config": "m", "gpu_step_units": "auto"}).gpu_step_units == "auto"
 
 
 def test_gpu_stepping_is_refused_on_the_cpu_and_in_a_data_parallel_world(tmp_path, capsys):
