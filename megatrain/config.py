@@ -288,7 +288,9 @@ class TrainConfig:
             bad("gpu_state", "must be auto or off")
         if self.gradient_placement not in ("auto", "gpu", "host", "two_pass"):
             bad("gradient_placement", "must be auto, gpu, host or two_pass")
-        if self.gpu_step_units != "auto" and (isinstance(self.gpu_step_units, str) or self.gpu_step_units < 0):
+        if self.gpu_step_units != "auto" and (
+            isinstance(self.gpu_step_units, str) or self.gpu_step_units < 0
+        ):
             bad("gpu_step_units", "must be auto or a number of units >= 0 (0: none)")
         for k in ("max_gpu_memory", "max_host_memory"):
             if getattr(self, k) is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from .errors import MegatrainError
 from .layout import Layout
-from .models.attention import uses_mask
+from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
 from .placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
@@ -32,8 +32,11 @@ def batch_of(
     cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: float | None = None, **knobs: int
 ) -> Batch:
     """The largest optimizer step of a training config (knobs override its batch settings);
-    `attention_span` as the data gives it (`Batcher.attention_span`), None: whole rows."""
+    `attention_span` as the packed data gives it (`attention.span`), None: whole rows (under the
+    model's windows)."""
     k = {name: knobs.get(name, getattr(cfg, name)) for name in KNOBS}
+    if attention_span is None:
+        attention_span = span([k["max_length"]], model_cfg.windows)
     return Batch(
         micro_batch_tokens=k["per_device_train_batch_size"] * k["max_length"],
         micro_batches=k["gradient_accumulation_steps"],

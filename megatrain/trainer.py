@@ -26,6 +26,7 @@ from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .memory import PLAN_FILE, MemoryRecord
 from .metrics import MetricsLogger, SilentLogger, show_progress
+from .models import attention
 from .models.config import ModelConfig
 from .models.family import describe
 from .optim import AdamWConfig, lr_at
@@ -122,7 +123,8 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup) if main else ():
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
-    span = batcher.attention_span  # the cost of attention over packed documents
+    docs = batcher.packed_lengths  # attention stays inside packed documents: its cost
+    span = attention.span(docs, model_cfg.windows) if docs else None
     plan, machine = preflight(
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )

@@ -54,7 +54,9 @@ def test_the_plan_steps_on_the_gpu_only_when_asked_and_honours_the_users_count()
     r = placement.plan(A, STEP16K, cuda(139, 1000), Choices(resident_units=25, gpu_step_units=10))
     assert (r.resident_units, r.gpu_stepped_units, list(r.stepped)) == (25, 5, [25, 26, 27, 28, 29])
     auto = placement.plan(A, STEP16K, cuda(139, 1000), Choices(gpu_step_units=4))
-    assert auto.gpu_stepped_units == 4 and list(auto.stepped) == list(range(auto.resident_units, auto.resident_units + 4))
+    assert auto.gpu_stepped_units == 4 and list(auto.stepped) == list(
+        range(auto.resident_units, auto.resident_units + 4)
+    )
     assert auto.resident_units > 10
 
 
@@ -179,11 +181,19 @@ def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
     """The committed H100 runs of model A at 16k tokens, all state in host memory, 0 to 30 units
     stepped on the GPU: the cost model, given each run's measured layer and rates, predicts each
     step time within 10% (and so ranks the counts as the measurement does, best first)."""
-    record = json.loads((Path(__file__).parents[1] / "bench/results/2026-11-23_0402_gpustep.json").read_text())
+    record = json.loads(
+        (Path(__file__).parents[1] / "bench/results/2026-11-23_0402_gpustep.json").read_text()
+    )
     predicted, measured = {}, {}
     for run in record["runs"]:
         machine = {**run["machine"], "world": Layout(**run["machine"]["world"])}
-        plan = Plan(**{f.name: run["plan"][f.name] for f in dataclasses.fields(Plan) if f.init and f.name in run["plan"]})
+        plan = Plan(
+            **{
+                f.name: run["plan"][f.name]
+                for f in dataclasses.fields(Plan)
+                if f.init and f.name in run["plan"]
+            }
+        )
         shape = footprint.model_shape(A, LayerMemory(**run["layer_mem"]))
         k = plan.gpu_stepped_units
         predicted[k] = footprint.evaluate(shape, STEP16K, plan, Machine(**machine)).step_time_s

@@ -13,9 +13,12 @@ from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixt
 from test_cli import run_cli
 
 from megatrain import footprint, placement
+from megatrain.config import TrainConfig
 from megatrain.hostmem import PAGE, host_buffer, pieces
+from megatrain.models.attention import span
 from megatrain.models.config import ModelConfig
 from megatrain.placement import Batch, Choices, Machine, PlanError
+from megatrain.plan import batch_of
 from megatrain.state import HostState, build_units
 
 GiB = 2**30
@@ -287,6 +290,28 @@ def test_packed_documents_cost_attention_over_their_own_length():
     packed = placement.plan(A, Batch(**row, masked=True, attention_span=4096), cuda(139, 1000))
     assert packed.step_time_s < 0.6 * whole.step_time_s
     docs = [Sample([1] * n, [1] * n, f"d:{i}") for i, n in enumerate((1000, 3000, 3000, 1000))]
-    batcher = Batcher(docs, batch_size=1, grad_accum=1, max_length=4096, packing=True)
-    assert batcher.attention_span == pytest.approx((2 * 1000**2 + 2 * 3000**2) / 8000)
-    assert Batcher(docs, batch_size=1, grad_accum=1, max_length=4096).attention_span is None
+    lengths = Batcher(docs, batch_size=1, grad_accum=1, max_length=4096, packing=True).packed_lengths
+    assert sorted(lengths) == [1000, 1000, 3000, 3000]
+    assert span(lengths, [None]) == pytest.approx((2 * 1000**2 + 2 * 3000**2) / 8000)
+    assert Batcher(docs, batch_size=1, grad_accum=1, max_length=4096).packed_lengths is None
+
+
+def test_sliding_windows_cost_attention_over_the_window():
+    """Under a window w < n a document of n tokens covers n*w - w^2/2 keys, not n^2/2: the span is
+    averaged over the layers' windows (alternating families), and a training config's batch of
+    windowed rows carries it, so the plan charges a 64k row of a 4k-window model less attention."""
+    w = 1024
+    assert span([4096], [None]) == 4096
+    assert span([4096], [w]) == pytest.approx((2 * 4096 * w - w * w) / 4096)
+    assert span([4096, 512], [w, None]) == pytest.approx(
+        ((2 * 4096 * w - w * w) + 512**2 + 4096**2 + 512**2) / (2 * 4608)
+    )
+    full, windowed = (
+        ModelConfig.from_hf(tiny_config("mistral", sliding_window=sw, max_position_embeddings=65536))
+        for sw in (None, 4096)
+    )
+    cfg = TrainConfig(model_config="m", max_length=65536, per_device_train_batch_size=1)
+    b_full, b_win = (batch_of(cfg, m, 2) for m in (full, windowed))
+    assert b_full.attention_span == 65536
+    assert b_win.attention_span == pytest.approx(2 * 4096 - 4096**2 / 65536)
+    assert batch_of(cfg, windowed, 2, attention_span=100.0).attention_span == 100.0  # the packed data's

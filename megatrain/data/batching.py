@@ -85,12 +85,10 @@ class Batcher:
         self._plan: tuple[int, list[list[int]]] | None = None  # (epoch, micro-batches of units)
 
     @property
-    def attention_span(self) -> float | None:
-        """With packing, the keys a token's attention covers on average, times two (the causal
-        mean): sum(len^2) / sum(len) over the documents; None without packing (whole rows)."""
-        if not self.packing:
-            return None
-        return sum(n * n for n in self._lengths) / max(1, sum(self._lengths))
+    def packed_lengths(self) -> list[int] | None:
+        """With packing, the lengths of the documents packed into rows (attention stays inside
+        each: the plan's cost of attention); None without packing (whole rows)."""
+        return list(self._lengths) if self.packing else None
 
     def _too_small(self, units: int) -> str:
         need = self.batch_size * self.micro_per_step

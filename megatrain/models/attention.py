@@ -24,6 +24,7 @@ explicit, as transformers' eager attention computes them (`eager_attention`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,14 @@ Mask = BlockMask | torch.Tensor | None
 def effective_window(sliding_window: int | None, seq_len: int) -> int | None:
     """The window that limits a row of `seq_len` tokens (None: it reaches the row's start)."""
     return sliding_window if sliding_window and sliding_window < seq_len else None
+
+
+def span(lengths: Sequence[int], windows: Sequence[int | None]) -> float:
+    """Keys a token's attention covers on average, times two (the causal mean: whole rows of S
+    tokens give S), over documents of `lengths` and averaged over the layers' `windows` (None:
+    unlimited). A document of n tokens under a window w < n covers n*w - w^2/2 keys, not n^2/2."""
+    twice = sum(n * n if w is None or n <= w else 2 * n * w - w * w for w in windows for n in lengths)
+    return twice / max(1, len(windows) * sum(lengths))
 
 
 def uses_mask(packing: bool, sliding_window: int | None, seq_len: int) -> bool:
