@@ -343,7 +343,8 @@ class Engine:
         self._norm(head, head_grads[head.index])
         embed_part = head_grads.get(self.embed_unit.index)  # tied: the LM head's share
         if mode == "stored":
-            self.transport.hold(head, head_grads[head.index])
+            # handed over, not kept: the transport frees it once it is in host memory
+            self.transport.hold(head, head_grads.pop(head.index))
             self._backward_sweep(saved, dh, prep, self._hold, embed_part)
         elif mode == "two_pass":
             dh_copy = [d.clone() for d in dh]

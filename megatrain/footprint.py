@@ -26,6 +26,12 @@ GiB, MiB = 2**30, 2**20
 LOGIT_BYTES = 16
 HEAD_TOKEN_H = 24
 LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the weight's is formed
+# The backward sweep's peak stood 3.9 and 7.3 GB above the model in the 8B runs at 128k and 256k
+# tokens (one row each, H200; phase peaks in bench/results/2026-11-23_*_longctx.json). 2.1 GB of
+# each was the LM head's gradient, which the engine kept through the sweep (no longer); the rest,
+# 3.4 and 4.8 bytes per token x hidden, is not attributed yet. Charged in every backward phase: at
+# 16k tokens of a 3072-wide model that is 0.25 GB.
+BACKWARD_TOKEN_H = 5
 LOSS_CHUNK_BUDGET = {"cuda": 4 * GiB, "cpu": 1 * GiB}
 LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
 # Host memory of the runtime beside the model state, above the resident set before the model is
@@ -339,7 +345,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "boundary activations": (acts_before(L) if two_pass else acts_before(j + 1))
             + (2 * act if j < p else 0),  # parked inputs brought back, this layer's and the next
             "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
-            "activation gradients": T * h * cb,
+            "activation gradients": T * h * cb + int(BACKWARD_TOKEN_H * T * h),
             "gradients": held,
             # immediate, two_pass: units stepped earlier in this sweep (stored: after it)
             "GPU-stepped weights": 0 if stored else stepped_weights(u + 1),

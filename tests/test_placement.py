@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 
 import pytest
 import torch
@@ -13,12 +14,15 @@ from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixt
 from test_cli import run_cli
 
 from megatrain import footprint, placement
+from megatrain.batch import MicroBatch
 from megatrain.config import TrainConfig
 from megatrain.hostmem import PAGE, host_buffer, pieces
 from megatrain.models.attention import span
 from megatrain.models.config import ModelConfig
+from megatrain.optim import AdamWConfig
 from megatrain.placement import Batch, Choices, Machine, PlanError
 from megatrain.plan import batch_of
+from megatrain.runtime import build_model
 from megatrain.state import HostState, build_units
 
 GiB = 2**30
@@ -315,3 +319,30 @@ def test_sliding_windows_cost_attention_over_the_window():
     assert b_full.attention_span == 65536
     assert b_win.attention_span == pytest.approx(2 * 4096 - 4096**2 / 65536)
     assert batch_of(cfg, windowed, 2, attention_span=100.0).attention_span == 100.0  # the packed data's
+
+
+def test_the_engine_keeps_no_gradient_it_has_handed_to_the_transport():
+    """Stored mode: each unit's fp32 gradient, the LM head's first, goes to the transport and the
+    engine keeps no reference to it, so a transport that moves it to host memory frees it. The
+    memory model counts the head's gradient only while it is on its way out; kept by the engine
+    it stood 1.6 GB above the plan through a 3.6B model's backward sweep (H100)."""
+    cfg = ModelConfig.from_hf(tiny_config("llama"))
+    plan = footprint.Plan("cpu", "stored", 0, 0, 0, 0, 64)
+    model = build_model(
+        cfg, seed=0, device="cpu", compute_dtype="float32", adamw=AdamWConfig(lr=1e-3), plan=plan
+    )
+    handed: list[weakref.ref] = []
+    alive_at_each_hold: list[list[bool]] = []
+    hold = model.transport.hold
+
+    def moving_hold(unit, g):  # as a streaming transport does: a copy elsewhere, the original freed
+        alive_at_each_hold.append([r() is not None for r in handed])
+        handed.append(weakref.ref(g))
+        hold(unit, g.clone())
+
+    model.transport.hold = moving_hold
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    model.engine.forward_backward([MicroBatch(ids, ids.clone())])
+    assert len(handed) == len(build_units(cfg))
+    assert alive_at_each_hold[1:] and not any(any(a) for a in alive_at_each_hold), alive_at_each_hold
+    model.close()
