@@ -68,6 +68,10 @@ RUNS = {
     "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
     "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "x2-B16k-off-gpustep17": "B:16384:gpu_state=off,gpu_step_units=17,max_host_memory=240GiB,steps=4",
+    "x2-B16k-off-gpustepauto": "B:16384:gpu_state=off,gpu_step_units=auto,max_host_memory=240GiB,steps=4",
+    # host-only at 64k tokens per step (the aim: 450 model TFLOP/s for 8B)
+    "x2-B64k-off": "B:65536:gpu_state=off,max_host_memory=240GiB,steps=4",
+    "x2-B64k-off-gpustepauto": "B:65536:gpu_state=off,gpu_step_units=auto,max_host_memory=240GiB,steps=4",
     "X120-16k": "X120:16384:gpu_state=off",
     # one GPU of a four-GPU host (512 GiB, whose MemTotal grows as memory is used)
     "x4-Q32-64k": "Q32:65536:max_host_memory=480GiB,steps=4",
