@@ -1,10 +1,11 @@
-"""What a placement costs: the memory and time model behind placement.py.
+"""What a placement costs: the memory model behind placement.py, and the step time.
 
 Given a model's shape, the largest step of a run and a `Plan` (where each class of bytes
 lives), it predicts the peak of allocated GPU memory by replaying one optimizer step phase by
-phase (`_phases`), the growth of the host resident set (`_host`), and the step time from measured
-rates (`_step_time`). Its constants were measured with bench/calibrate.py and bench/memory.py;
-bench/replay.py checks the model against every recorded measurement. It decides nothing.
+phase (`_phases`) and the growth of the host resident set (`_host`); `evaluate` adds the step
+time from costmodel.py, which owns the rates. Its constants were measured with
+bench/calibrate.py and bench/memory.py; bench/replay.py checks the memory model against every
+recorded measurement. It decides nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from .activations import HostActivations
+from .costmodel import ADAM_PARAMS_S, PCIE_BYTES_S, step_time
 from .layout import Layout
 from .models.attention import mask_bytes
 from .models.config import ModelConfig
 from .probe import LayerMemory, formula_layer_memory, token_ffn
+from .state import STATE_BYTES, build_units
 
 GiB, MiB = 2**30, 2**20
 
@@ -47,18 +50,6 @@ INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, t
 # GPU-stepped units' fp32 state (weights and two moments) passes through this many chunks of GPU
 # scratch, `staging_elems` elements each: one loading while the other is stepped and written back.
 STEP_SLOTS = 2
-STATE_BYTES = 12  # fp32 master weights and two AdamW moments, per parameter
-
-# --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
-# bench/README.md). The plan only compares choices with them and projects step times.
-GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
-PCIE_BYTES_S = 45e9
-# The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
-# (it shares host memory bandwidth with the copies and cores with the launching thread), and even
-# "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
-ADAM_PARAMS_S = 3e9  # where it is not measured
-ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
-OPT_INTERFERENCE = 0.25
 
 
 @dataclass(frozen=True)
@@ -177,9 +168,7 @@ class Shape:
 
 
 def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
-    from .state import build_units  # meta-device templates: shapes only
-
-    units = build_units(cfg)
+    units = build_units(cfg)  # meta-device templates: shapes only
     return Shape(
         units=tuple(u.numel for u in units),
         largest_param=tuple(max(p.numel for p in u.params) for u in units),
@@ -436,52 +425,6 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
     return HostActivations.slot_bytes(HostActivations.layer_bytes(tokens, hidden, b.compute_bytes))
 
 
-# ---------------------------------------------------------------------------- cost model
-def _step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
-    """Seconds per optimizer step: GPU compute plus its wait for the updates the overlap does not
-    hide, or PCIe traffic plus the link's wait for the CPU optimizer, whichever is longer (without
-    GPU-stepped units: compute or PCIe, whichever binds, plus the CPU optimizer's unhidden part)."""
-    F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
-    T, L = b.tokens, s.layers
-    attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
-    layer_fwd = 2 * (s.layer - s.inactive) * T + attn
-    head = 6 * s.vocab * s.hidden * T
-    recompute = L - plan.keep_layers
-    passes = 2 if plan.grad_mode == "two_pass" else 1
-    flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
-    if s.layer_mem.tiles(b.micro_batch_tokens, plan.mlp_tile_tokens):
-        flops += passes * L * 2 * 3 * s.hidden * s.ffn * T  # each backward recomputes the MLP's tiles
-    gpu = flops / F
-    if m.device == "cpu":
-        return gpu + s.total / m.adam_params_s
-    rate = m.pcie_bytes_s
-    streamed = sum(s.units[plan.resident_units :])
-    gpu_stepped = sum(s.units[u] for u in plan.stepped)
-    act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
-    # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
-    # and the next forward fetches its weights (4 B): STATE_BYTES - 4 more each way.
-    extra = (STATE_BYTES - 4) * gpu_stepped
-    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra
-    d2h = 4 * streamed + act_bytes + extra
-    pcie = max(h2d, d2h) / rate
-    cpu = (streamed - gpu_stepped) / m.adam_params_s
-    forward = L * layer_fwd / F  # the next forward sweep
-    if plan.grad_mode == "stored":
-        held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
-        cpu = max(cpu, 4 * held / rate)
-        window = forward
-    else:
-        window = 3 * forward  # the backward sweep that lands the gradients
-    # The GPU-stepped (leading) units are stepped last, and the next forward sweep needs them first.
-    # Measured (model A, 16k tokens, H100): the GPU waits for their state's whole way in and out;
-    # the sweep hides none of it (it shares the link with its own fetches): 30 such units took
-    # 1.85 s a step, where hiding a forward's length of it predicted 1.67 and this 1.88.
-    gpu_step = STATE_BYTES * gpu_stepped / rate
-    waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
-    idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
-    return max(gpu + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
-
-
 def usable_gpu(m: Machine) -> int | None:
     if m.gpu_bytes is None:
         return None
@@ -494,7 +437,7 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     if plan.device == "cuda":
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
-    plan.step_time_s = _step_time(s, b, plan, m)
+    plan.step_time_s = step_time(s, b, plan, m)
     return plan
 
 

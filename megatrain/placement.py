@@ -30,7 +30,8 @@ The engine and the transport receive the `Plan` and carry it out; they keep no r
 own. `megatrain plan` prints the same plan, and a training run records it in `plan.json` beside
 the peaks it measured.
 
-What each choice costs (memory at its peak, host bytes, step time) comes from footprint.py.
+What each choice costs comes from footprint.py (memory at its peak, host bytes) and
+costmodel.py (step time, which footprint's `evaluate` adds to each plan).
 """
 
 from __future__ import annotations
@@ -39,12 +40,10 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from .costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
 from .errors import ConfigError, MegatrainError
 from .footprint import (
-    ADAM_IN_STEP,
-    ADAM_PARAMS_S,
     CUDA_CONTEXT,
-    STATE_BYTES,
     Batch,
     Machine,
     Plan,
@@ -60,6 +59,7 @@ from .footprint import (
 from .layout import Layout
 from .models.config import ModelConfig
 from .probe import LayerMemory, formula_layer_memory
+from .state import STATE_BYTES
 
 __all__ = ["Batch", "Choices", "Machine", "Plan", "PlanError", "fmt_bytes", "phase_peaks", "plan"]
 

@@ -29,6 +29,7 @@ ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 
 # Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit
 # boundaries (hostmem.py).
 UNIT_ALIGN = PAGE // 4
+STATE_BYTES = 12  # fp32 master weights and two AdamW moments, per parameter
 
 # Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
 # normalisation weights.

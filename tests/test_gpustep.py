@@ -15,7 +15,7 @@ from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixt
 from test_cli import run_cli
 from test_placement import STEP16K, cuda, llama
 
-from megatrain import footprint, placement
+from megatrain import costmodel, footprint, placement
 from megatrain.config import TrainConfig
 from megatrain.distributed import Single
 from megatrain.errors import ConfigError
@@ -26,7 +26,7 @@ from megatrain.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.placement import Choices, Machine, Plan
 from megatrain.probe import LayerMemory
 from megatrain.runtime import build_model
-from megatrain.state import HostState, build_units
+from megatrain.state import STATE_BYTES, HostState, build_units
 from megatrain.weights import init_random
 
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
@@ -78,7 +78,7 @@ def test_gpu_peak_grows_by_the_scratch_the_held_gradients_and_the_kept_weights()
     gradient waits for the clip; at the start of the next forward sweep the gradients not yet
     stepped and the updated weights (compute dtype) of the units past the fetch window."""
     n = _numel(A)
-    scratch = footprint.STEP_SLOTS * footprint.STATE_BYTES * footprint.STAGING_CHUNK  # layers are larger
+    scratch = footprint.STEP_SLOTS * STATE_BYTES * footprint.STAGING_CHUNK  # layers are larger
     p0, p8, pall = _off(A, 0), _off(A, 8), _off(A, 30)
     assert p8.gpu["GPU-stepped state (scratch)"] == scratch
     assert "GPU-stepped state (scratch)" not in p0.gpu
@@ -115,7 +115,7 @@ def test_gpu_stepping_costs_its_state_on_pcie():
     costs where nothing else binds; where the GPU waits for the stepped state (the next forward
     sweep hides only its own length of it), each further unit costs its 12 B/param at the PCIe
     rate."""
-    n, rate = _numel(A), footprint.PCIE_BYTES_S
+    n, rate = _numel(A), costmodel.PCIE_BYTES_S
     link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
     t0 = _off(A, 0, link_only).step_time_s
     for k in (4, 15, 30):
@@ -143,7 +143,7 @@ def test_gpu_stepping_in_every_gradient_mode_is_counted():
         )
     )
     n = _numel(cfg)
-    scratch = footprint.STEP_SLOTS * footprint.STATE_BYTES * footprint.STAGING_CHUNK
+    scratch = footprint.STEP_SLOTS * STATE_BYTES * footprint.STAGING_CHUNK
     for mode, clip in (("two_pass", True), ("auto", False)):
         batch = placement.Batch(1024, 1, 1024, 2, clip)
         p0, p = (

@@ -1,0 +1,85 @@
+"""How long a placement's optimizer step takes: the step-time model behind the plan.
+
+`step_time` estimates the seconds of one optimizer step of a `Plan` from the model's shape, the
+step's tokens and the machine's rates. It counts the GPU's compute (each layer's forward and
+backward, the recompute of the layers whose graphs are not kept, the second backward sweep of a
+two-pass step, the MLP tiles recomputed in each backward, causal attention over the keys a token
+covers), the PCIe traffic (weights in, gradients out, parked activations, the fp32 state of
+GPU-stepped units both ways), the CPU AdamW and how much of it the overlap hides (the next
+forward sweep; in two-pass and immediate steps the backward sweep that lands the gradients), the
+GPU's wait for the GPU-stepped state, and the optimizer's interference with the sweep it hides
+behind. The plan only compares choices with it and projects step times: an estimate, not a
+promise. It decides nothing; footprint.py's `evaluate` calls it beside the memory model.
+
+The rates below were measured on H100/H200 with 16-core hosts (bench/README.md). Where the run
+happens, the plan uses the layer's rate measured on the device by probe.py
+(`LayerMemory.flops_per_s`) instead of GPU_FLOPS, and this host's AdamW rate
+(`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S; PCIE_BYTES_S is always the
+constant. bench/host-only.md has the model's terms for GPU-stepped units, and
+tests/test_gpustep.py checks it against the committed H100 runs of them (model A, 16k tokens).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .state import STATE_BYTES
+
+if TYPE_CHECKING:  # footprint.py imports this module: the types only, for annotations
+    from .footprint import Batch, Machine, Plan, Shape
+
+# --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
+# bench/README.md). The plan only compares choices with them and projects step times.
+GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
+PCIE_BYTES_S = 45e9
+# The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
+# (it shares host memory bandwidth with the copies and cores with the launching thread), and even
+# "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
+ADAM_PARAMS_S = 3e9  # where it is not measured
+ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
+OPT_INTERFERENCE = 0.25
+
+
+def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
+    """Seconds per optimizer step: GPU compute plus its wait for the updates the overlap does not
+    hide, or PCIe traffic plus the link's wait for the CPU optimizer, whichever is longer (without
+    GPU-stepped units: compute or PCIe, whichever binds, plus the CPU optimizer's unhidden part)."""
+    F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
+    T, L = b.tokens, s.layers
+    attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
+    layer_fwd = 2 * (s.layer - s.inactive) * T + attn
+    head = 6 * s.vocab * s.hidden * T
+    recompute = L - plan.keep_layers
+    passes = 2 if plan.grad_mode == "two_pass" else 1
+    flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
+    if s.layer_mem.tiles(b.micro_batch_tokens, plan.mlp_tile_tokens):
+        flops += passes * L * 2 * 3 * s.hidden * s.ffn * T  # each backward recomputes the MLP's tiles
+    gpu = flops / F
+    if m.device == "cpu":
+        return gpu + s.total / m.adam_params_s
+    rate = m.pcie_bytes_s
+    streamed = sum(s.units[plan.resident_units :])
+    gpu_stepped = sum(s.units[u] for u in plan.stepped)
+    act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
+    # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
+    # and the next forward fetches its weights (4 B): STATE_BYTES - 4 more each way.
+    extra = (STATE_BYTES - 4) * gpu_stepped
+    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra
+    d2h = 4 * streamed + act_bytes + extra
+    pcie = max(h2d, d2h) / rate
+    cpu = (streamed - gpu_stepped) / m.adam_params_s
+    forward = L * layer_fwd / F  # the next forward sweep
+    if plan.grad_mode == "stored":
+        held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
+        cpu = max(cpu, 4 * held / rate)
+        window = forward
+    else:
+        window = 3 * forward  # the backward sweep that lands the gradients
+    # The GPU-stepped (leading) units are stepped last, and the next forward sweep needs them first.
+    # Measured (model A, 16k tokens, H100): the GPU waits for their state's whole way in and out;
+    # the sweep hides none of it (it shares the link with its own fetches): 30 such units took
+    # 1.85 s a step, where hiding a forward's length of it predicted 1.67 and this 1.88.
+    gpu_step = STATE_BYTES * gpu_stepped / rate
+    waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
+    idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
+    return max(gpu + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
