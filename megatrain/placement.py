@@ -293,7 +293,7 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine) -> Plan:
     if w.partitioned:
         notes.append(
             f"host state partitioned over {w.machines} machines: this machine holds "
-            f"{fmt_bytes(12 * w.held(s.units))} of {fmt_bytes(12 * s.total)}"
+            f"{fmt_bytes(STATE_BYTES * w.held(s.units))} of {fmt_bytes(STATE_BYTES * s.total)}"
         )
     if p.grad_mode == "stored" and p.device == "cpu":
         notes.append("gradients: kept until the clip norm is known")
