@@ -39,6 +39,8 @@ MODELS = {  # hidden, layers, heads, kv, ffn, vocab
     "Q14": (5120, 48, 40, 8, 13824, 152064),  # Qwen2.5-14B's shape without q/k/v biases
     "Q32": (5120, 64, 40, 8, 27648, 152064),  # Qwen2.5-32B's
     "X120": (12288, 4, 96, 8, 28672, 128256),  # a 120B-class layer shape, a few layers
+    "X120-full": (12288, 86, 96, 8, 28672, 128256),  # the same layers, 122 B parameters in all
+    "L70": (8192, 80, 64, 8, 28672, 128256),  # Llama-3.1-70B's
     "tiny": (256, 4, 8, 2, 640, 512),
 }
 RUNS = {
