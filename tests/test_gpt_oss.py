@@ -276,3 +276,23 @@ def test_cli_trains_an_mxfp4_checkpoint_on_chats_and_exports_it(tmp_path, capsys
         torch.testing.assert_close(
             model(input_ids=ids).logits, mt.engine.logits(MicroBatch(ids, ids)), rtol=1e-5, atol=1e-5
         )
+
+
+def test_a_config_without_swiglu_alpha_uses_the_published_constant(monkeypatch):
+    """transformers releases whose GptOssConfig has no `swiglu_alpha` (their experts hard-code
+    1.702) build the block with that constant, the logits of a config that states it."""
+    hf = tiny_config("gpt_oss", num_local_experts=4, head_dim=16, sliding_window=8, swiglu_alpha=1.702)
+    ids = torch.randint(0, hf.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def logits():
+        model = build_model(ModelConfig.from_hf(hf), seed=0, device="cpu", compute_dtype="float32")
+        try:
+            return model.engine.logits(MicroBatch(ids, ids))
+        finally:
+            model.close()
+
+    stated = logits()
+    monkeypatch.delattr(type(hf), "swiglu_alpha", raising=False)
+    monkeypatch.delitem(vars(hf), "swiglu_alpha", raising=False)
+    assert not hasattr(hf, "swiglu_alpha")
+    torch.testing.assert_close(logits(), stated, rtol=0, atol=0)
