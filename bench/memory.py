@@ -46,6 +46,8 @@ MODELS = {  # hidden, layers, heads, kv, ffn, vocab
 RUNS = {
     "A16k-off": "A:16384:gpu_state=off",
     "A16k-auto": "A:16384:gpu_state=auto",
+    # the same model through the generic path (transformers' layer modules, not compiled)
+    "A16k-off-generic": "A:16384:gpu_state=off,generic=1",
     "A64k-off": "A:65536:gpu_state=off",
     "A16k-twopass": "A:16384:gpu_state=off,gradient_placement=two_pass",
     "A16k-noclip": "A:16384:gpu_state=off,max_grad_norm=0",
@@ -109,8 +111,10 @@ def parse(spec: str) -> dict:
 
 # ---------------------------------------------------------------------------- worker
 def shape_of(run: dict):
-    """(ModelConfig, sequence length, sequences per micro-batch, micro-batches per step) of a run."""
-    from transformers import LlamaConfig
+    """(ModelConfig, sequence length, sequences per micro-batch, micro-batches per step) of a run.
+    `generic=1`: the same Llama computed by the generic path (transformers' own layer modules), as
+    Granite with every multiplier neutral (Llama's arithmetic under a family without a fast block)."""
+    from transformers import GraniteConfig, LlamaConfig
 
     from megatrain.models.config import ModelConfig
 
@@ -120,19 +124,22 @@ def shape_of(run: dict):
     if run["model"] in MOE_SHAPES:
         return ModelConfig.from_hf(moe_config(MOE_SHAPES[run["model"]], seq)), seq, mbs, T // (mbs * seq)
     h, L, heads, kv, ffn, V = MODELS[run["model"]]
-    cfg = ModelConfig.from_hf(
-        LlamaConfig(
-            hidden_size=h,
-            num_hidden_layers=int(run.get("layers", L)),
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            intermediate_size=ffn,
-            vocab_size=V,
-            max_position_embeddings=max(seq, 8192),
-            rope_theta=500000.0,
-        )
+    shape = dict(
+        hidden_size=h,
+        num_hidden_layers=int(run.get("layers", L)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+        vocab_size=V,
+        max_position_embeddings=max(seq, 8192),
+        rope_theta=500000.0,
     )
-    return cfg, seq, mbs, T // (mbs * seq)
+    if run.get("generic"):
+        neutral = dict(embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0)
+        hf = GraniteConfig(**shape, **neutral, attention_multiplier=(h // heads) ** -0.5)
+    else:
+        hf = LlamaConfig(**shape)
+    return ModelConfig.from_hf(hf), seq, mbs, T // (mbs * seq)
 
 
 def choices_of(run: dict):
