@@ -15,6 +15,14 @@ the backward; the engine's recompute is not counted). tokens/s and TFLOP/s are o
     CUDA_VISIBLE_DEVICES=0 python bench/longctx.py --runs B512k     # one GPU of a 2-GPU host
     python bench/longctx.py --dry-run                                # the plans, on any machine
 
+A step at 512k tokens takes about ten minutes and at 1M about thirty, longer than a command may
+run on a lent machine. `--detach DIR` starts each run as its own session writing into DIR and
+returns at once; `--collect DIR` (any later command on the same machine) reports each run as
+running, failed or done, and writes the results table once every run has finished:
+
+    CUDA_VISIBLE_DEVICES=0 python bench/longctx.py --runs B512k --detach /tmp/longctx
+    python bench/longctx.py --collect /tmp/longctx --out bench/results
+
 `--dry-run` plans every run without a GPU (one layer's memory from the formula, not measured),
 for a GPU with DRY_GPU free and DRY_HOST available host memory unless the run caps them.
 """
@@ -136,6 +144,60 @@ def run_one(name: str, run: dict, timeout: float) -> dict:
         return {"error": f"timeout after {timeout:.0f} s"}
 
 
+def _worker(run: dict) -> list[str]:
+    return [sys.executable, os.path.join(BENCH, "memory.py"), "--worker", json.dumps(run)]
+
+
+def detach(names: list[str], folder: str, command: str) -> None:
+    """Start each run as a process of its own session (it outlives this command), its output in
+    `folder`/<name>.out, what was started in `folder`/runs.json."""
+    os.makedirs(folder, exist_ok=True)
+    started = {}
+    for name in names:
+        run = memory.parse(RUNS.get(name, name))
+        with open(os.path.join(folder, f"{name}.out"), "w") as out:
+            p = subprocess.Popen(_worker(run), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        started[name] = {"run": run, "pid": p.pid, "started": time.time()}
+        print(f"{name}: started, pid {p.pid}, output {folder}/{name}.out", flush=True)
+    with open(os.path.join(folder, "runs.json"), "w") as f:
+        json.dump({"command": command, "runs": started}, f, indent=1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def collect(folder: str) -> list[dict] | None:
+    """Each detached run's state; its records once every run has finished (None before)."""
+    with open(os.path.join(folder, "runs.json")) as f:
+        record = json.load(f)
+    started = record["runs"]
+    results, done = [], True
+    for name, s in started.items():
+        with open(os.path.join(folder, f"{name}.out"), errors="replace") as f:
+            lines = f.read().splitlines()
+        found = [x for x in lines if x.startswith("RESULT ")]
+        elapsed = time.time() - s["started"]
+        if found:
+            res = json.loads(found[-1][7:])
+        elif _alive(s["pid"]):
+            print(f"{name}: running for {elapsed / 60:.1f} min; last output: {(lines or [''])[-1][:200]}")
+            done = False
+            continue
+        else:
+            res = {"error": "exited without a result: " + " / ".join(lines[-3:])[-300:]}
+        res.update(name=name, run=s["run"], wall_s=elapsed, started_by=record["command"])
+        if not res.get("error"):
+            derive(res)
+        print(row(res), flush=True)
+        results.append(res)
+    return results if done else None
+
+
 def write(results: list[dict], args, stamp: str) -> None:
     memory.write(results, args, stamp, "longctx.py", "long context, plan vs measured", table)
 
@@ -149,12 +211,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline", type=int, default=560, help="seconds for all runs (0: none)")
     ap.add_argument("--dry-run", action="store_true", help="print each run's plan; run nothing")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--detach", metavar="DIR", help="start the runs in their own sessions, return at once")
+    ap.add_argument(
+        "--collect", metavar="DIR", help="report detached runs; write the table when all are done"
+    )
     args = ap.parse_args(argv)
     if args.list:
         for k, v in RUNS.items():
             print(f"{k:<8} {v}")
         return
     start, stamp = time.time(), datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
+    if args.detach:
+        argv = sys.argv[1:] if argv is None else argv
+        detach(args.runs.split(","), args.detach, "python bench/longctx.py " + " ".join(argv))
+        return
+    if args.collect:
+        results = collect(args.collect)
+        if results is not None:
+            os.makedirs(args.out, exist_ok=True)
+            write(results, args, stamp)
+            print(table(results))
+        return
     results = []
     for name in args.runs.split(","):
         run = memory.parse(RUNS.get(name, name))

@@ -213,3 +213,37 @@ def test_longctx_bench_dry_run_prints_each_runs_plan(capsys):
     assert float(b512["host peak plan GiB"]) <= 240 and not b512["plan"].endswith("park0")
     weights_only = 6 * 8.03e9 * float(b512["plan tokens/s"].replace(",", "")) / 1e12
     assert float(b512["plan TFLOP/s"]) > 5 * weights_only  # causal attention counted
+
+
+def test_longctx_detached_runs_are_reported_and_collected_once_all_are_done(tmp_path, monkeypatch, capsys):
+    """bench/longctx.py --detach starts each run in its own session and returns; --collect says
+    which still run, and once all have ended writes the table: a run's RESULT line as its record,
+    a run that died as its last output."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import longctx
+
+    record = longctx.dry_plan(longctx.memory.parse(longctx.RUNS["tiny"]))
+    record.update(step_times=[4.0, 2.0], measured={"gpu_peak_allocated": 2**30, "host_peak_rss": 2**31})
+    fake = {  # tiny: a worker that finishes after a second; B128k: one that dies at once
+        "tiny": f"import time, json; time.sleep(1.5); print('RESULT ' + json.dumps({record!r}))",
+        "B": "import sys; print('CUDA is not available'); sys.exit(1)",
+    }
+    monkeypatch.setattr(longctx, "_worker", lambda run: [sys.executable, "-c", fake[run["model"]]])
+    runs = tmp_path / "runs"
+    longctx.main(["--runs", "tiny,B128k", "--detach", str(runs)])
+    assert longctx.collect(str(runs)) is None  # tiny is still running
+    assert "tiny: running for" in capsys.readouterr().out
+    for run in json.loads((runs / "runs.json").read_text())["runs"].values():
+        os.waitpid(run["pid"], 0)  # here they are this process's children: reap them
+    out = tmp_path / "out"
+    longctx.main(["--collect", str(runs), "--out", str(out)])
+    [written] = [json.loads(p.read_text()) for p in out.glob("*_longctx.json")]
+    by_name = {r["name"]: r for r in written["runs"]}
+    assert by_name["tiny"]["tokens_per_s"] == 8192 / 2.0  # the last step's
+    assert "CUDA is not available" in by_name["B128k"]["error"]
+    assert by_name["tiny"]["started_by"].endswith("--detach " + str(runs))
