@@ -70,6 +70,8 @@ RUNS = {
     # one GPU of a two-GPU machine whose MemTotal starts at 31 GiB and grows as it is used
     "x2-B18-16k-off": "B18:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
+    # the default mode with GPU stepping where the plan says it pays (an H100's memory)
+    "x2-B18-16k-70GiB-gpustepauto": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,gpu_step_units=auto,steps=4",
     "x2-B16k-off": "B:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
     "x2-B16k-off-gpustep17": "B:16384:gpu_state=off,gpu_step_units=17,max_host_memory=240GiB,steps=4",
     "x2-B16k-off-gpustepauto": "B:16384:gpu_state=off,gpu_step_units=auto,max_host_memory=240GiB,steps=4",
