@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from .state import STATE_BYTES
 
-if TYPE_CHECKING:  # footprint.py imports this module: the types only, for annotations
-    from .footprint import Batch, Machine, Plan, Shape
+if TYPE_CHECKING:  # planspec.py imports this module (rates as defaults): the types only, for annotations
+    from .planspec import Batch, Machine, Plan, Shape
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.

@@ -10,15 +10,16 @@ recorded measurement. It decides nothing.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from .activations import HostActivations
-from .costmodel import ADAM_PARAMS_S, PCIE_BYTES_S, step_time
+from .costmodel import step_time
 from .layout import Layout
 from .models.attention import mask_bytes
 from .models.config import ModelConfig
-from .probe import LayerMemory, formula_layer_memory, token_ffn
-from .state import STATE_BYTES, build_units
+from .planspec import Batch, Machine, Plan, Shape, model_shape
+from .probe import LayerMemory, formula_layer_memory
+from .state import STATE_BYTES
 
 GiB, MiB = 2**30, 2**20
 
@@ -43,144 +44,10 @@ LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
 HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
 CUDA_CONTEXT = 600 * MiB
 GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
-PREFETCH = 2  # units copied ahead of compute
-STAGING_CHUNK = 32 * 2**20  # elements per device->host gradient chunk
 STAGING_SLOTS = 2
-INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, two_pass)
 # GPU-stepped units' fp32 state (weights and two moments) passes through this many chunks of GPU
 # scratch, `staging_elems` elements each: one loading while the other is stepped and written back.
 STEP_SLOTS = 2
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the run may use. Sizes are budgets in bytes (None: unknown, not checked)."""
-
-    device: str  # "cuda" or "cpu"
-    gpu_bytes: int | None = None
-    host_bytes: int | None = None
-    gpu_capped: bool = False
-    """gpu_bytes is a user cap that includes the CUDA context (not a measured free size)."""
-    gpu_flops: float | None = None
-    pcie_bytes_s: float = PCIE_BYTES_S
-    adam_params_s: float = ADAM_PARAMS_S
-    world: Layout = Layout()
-    """The data-parallel world this machine belongs to: partitioned over several machines, its
-    host memory holds only its part of the state (layout.py); sharded, no state on the GPU."""
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The largest optimizer step of the run: rows padded to max_length are an upper bound."""
-
-    micro_batch_tokens: int
-    micro_batches: int
-    seq_len: int
-    compute_bytes: int
-    clip: bool
-    masked: bool = False
-    """Rows need attention masks (packing, a sliding window shorter than seq_len): FlexAttention's
-    block tables, (seq_len / 128)^2 entries per row, all micro-batches' alive through the step."""
-    rows: int = 1
-    attention_span: float | None = None
-    """Keys a token's attention covers, on average, times two (the causal mean): sum(len^2) /
-    sum(len) over packed documents; None: the whole row (rows of one document each)."""
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch_tokens * self.micro_batches
-
-
-@dataclass
-class Plan:
-    """Every placement decision of a run, and the memory and time it predicts."""
-
-    device: str
-    grad_mode: str  # stored | two_pass | immediate
-    gpu_grad_units: int  # stored: leading units whose gradients wait on the GPU (the rest: host)
-    resident_units: int  # leading units whose fp32 state lives on the GPU
-    keep_layers: int  # trailing layers whose graphs are kept from the forward sweep
-    parked_layers: int  # leading layers whose boundary activations wait in host memory
-    loss_chunk_tokens: int
-    mlp_tile_tokens: int = 0  # tokens per MLP tile in the decoder layer (0: untiled)
-    gpu_stepped_units: int = 0
-    """Streamed units (state in host memory) stepped on the GPU: the first ones after the resident
-    units (`stepped`); the user's count (`gpu_step_units`), or with `auto` the cost model's."""
-    prefetch: int = PREFETCH
-    staging_elems: int = STAGING_CHUNK
-    inflight_units: int = INFLIGHT_UNITS
-    gpu_peak: int = 0
-    """Predicted peak of allocated GPU memory (torch.cuda.max_memory_allocated)."""
-    gpu: dict[str, int] = field(default_factory=dict)
-    """The tensors alive at that peak, by kind."""
-    host: dict[str, int] = field(default_factory=dict)
-    """Host memory by kind; its sum is the predicted growth of the resident set."""
-    pinned: int = 0
-    step_time_s: float = 0.0
-    """Cost-model estimate of one optimizer step (comparisons and projections, not a promise)."""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def host_total(self) -> int:
-        return sum(self.host.values())
-
-    @property
-    def stepped(self) -> range:
-        """The GPU-stepped units (forward order): the first `gpu_stepped_units` after the resident
-        ones, so the next forward sweep finds their updated weights on the GPU first."""
-        return range(self.resident_units, self.resident_units + self.gpu_stepped_units)
-
-    @property
-    def gpu_grad_lead(self) -> int:
-        """Stored mode: the leading units whose gradients wait on the GPU for the clip (resident
-        and GPU-stepped units' always, which the GPU steps there)."""
-        return max(self.gpu_grad_units, self.stepped.stop)
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "host_total": self.host_total}
-
-
-# ---------------------------------------------------------------------------- model shape
-@dataclass(frozen=True)
-class Shape:
-    """What the memory model needs of a model: units in forward order (numel incl. padding)."""
-
-    units: tuple[int, ...]  # embed, layers..., head
-    largest_param: tuple[int, ...]  # per unit
-    hidden: int
-    ffn: int
-    q_dim: int
-    vocab: int
-    layers: int
-    tied: bool
-    layer_mem: LayerMemory
-    inactive: int = 0
-    """Parameters of a layer that a token does not pass through (the experts it is not routed to)."""
-
-    @property
-    def layer(self) -> int:
-        """The largest layer unit (DeepSeek's expert layers, not its dense first ones)."""
-        return max(self.units[1:-1]) if self.layers else 0
-
-    @property
-    def total(self) -> int:
-        return sum(self.units)
-
-
-def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
-    units = build_units(cfg)  # meta-device templates: shapes only
-    return Shape(
-        units=tuple(u.numel for u in units),
-        largest_param=tuple(max(p.numel for p in u.params) for u in units),
-        hidden=cfg.hidden_size,
-        ffn=token_ffn(cfg),
-        q_dim=cfg.attention_width,
-        vocab=cfg.vocab_size,
-        layers=cfg.num_hidden_layers,
-        tied=cfg.tie_word_embeddings,
-        layer_mem=layer_mem,
-        inactive=cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0,
-    )
 
 
 def _masks(b: Batch, flex: bool) -> int:

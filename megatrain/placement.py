@@ -42,22 +42,10 @@ from pathlib import Path
 
 from .costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
 from .errors import ConfigError, MegatrainError
-from .footprint import (
-    CUDA_CONTEXT,
-    Batch,
-    Machine,
-    Plan,
-    Shape,
-    evaluate,
-    fits,
-    fmt_bytes,
-    loss_chunk,
-    model_shape,
-    phase_peaks,
-    usable_gpu,
-)
+from .footprint import CUDA_CONTEXT, evaluate, fits, fmt_bytes, loss_chunk, phase_peaks, usable_gpu
 from .layout import Layout
 from .models.config import ModelConfig
+from .planspec import Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
 from .state import STATE_BYTES
 

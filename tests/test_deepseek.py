@@ -135,8 +135,8 @@ def test_parameters_decay_groups_count_and_plan(tmp_path):
     its expert layers' cost, not its dense first layer's."""
     from test_parity import _hf_decay_names
 
-    from megatrain.footprint import model_shape
     from megatrain.placement import Batch, Machine, plan
+    from megatrain.planspec import model_shape
     from megatrain.probe import formula_layer_memory, probed_layer
     from megatrain.state import build_units
 

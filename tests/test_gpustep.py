@@ -15,7 +15,7 @@ from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixt
 from test_cli import run_cli
 from test_placement import STEP16K, cuda, llama
 
-from megatrain import costmodel, footprint, placement
+from megatrain import costmodel, footprint, placement, planspec
 from megatrain.config import TrainConfig
 from megatrain.distributed import Single
 from megatrain.errors import ConfigError
@@ -78,7 +78,7 @@ def test_gpu_peak_grows_by_the_scratch_the_held_gradients_and_the_kept_weights()
     gradient waits for the clip; at the start of the next forward sweep the gradients not yet
     stepped and the updated weights (compute dtype) of the units past the fetch window."""
     n = _numel(A)
-    scratch = footprint.STEP_SLOTS * STATE_BYTES * footprint.STAGING_CHUNK  # layers are larger
+    scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK  # layers are larger
     p0, p8, pall = _off(A, 0), _off(A, 8), _off(A, 30)
     assert p8.gpu["GPU-stepped state (scratch)"] == scratch
     assert "GPU-stepped state (scratch)" not in p0.gpu
@@ -143,7 +143,7 @@ def test_gpu_stepping_in_every_gradient_mode_is_counted():
         )
     )
     n = _numel(cfg)
-    scratch = footprint.STEP_SLOTS * STATE_BYTES * footprint.STAGING_CHUNK
+    scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK
     for mode, clip in (("two_pass", True), ("auto", False)):
         batch = placement.Batch(1024, 1, 1024, 2, clip)
         p0, p = (
@@ -194,7 +194,7 @@ def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
                 if f.init and f.name in run["plan"]
             }
         )
-        shape = footprint.model_shape(A, LayerMemory(**run["layer_mem"]))
+        shape = planspec.model_shape(A, LayerMemory(**run["layer_mem"]))
         k = plan.gpu_stepped_units
         predicted[k] = footprint.evaluate(shape, STEP16K, plan, Machine(**machine)).step_time_s
         measured[k] = run["step_s"]

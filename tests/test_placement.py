@@ -327,7 +327,7 @@ def test_the_engine_keeps_no_gradient_it_has_handed_to_the_transport():
     memory model counts the head's gradient only while it is on its way out; kept by the engine
     it stood 1.6 GB above the plan through a 3.6B model's backward sweep (H100)."""
     cfg = ModelConfig.from_hf(tiny_config("llama"))
-    plan = footprint.Plan("cpu", "stored", 0, 0, 0, 0, 64)
+    plan = placement.Plan("cpu", "stored", 0, 0, 0, 0, 64)
     model = build_model(
         cfg, seed=0, device="cpu", compute_dtype="float32", adamw=AdamWConfig(lr=1e-3), plan=plan
     )
