@@ -151,6 +151,10 @@ def _worker(run: dict) -> list[str]:
 def detach(names: list[str], folder: str, command: str) -> None:
     """Start each run as a process of its own session (it outlives this command), its output in
     `folder`/<name>.out, what was started in `folder`/runs.json."""
+    if os.path.exists(os.path.join(folder, "runs.json")):
+        sys.exit(
+            f"longctx.py: {folder} already holds detached runs (runs.json): collect them or choose another folder"
+        )
     os.makedirs(folder, exist_ok=True)
     started = {}
     for name in names:

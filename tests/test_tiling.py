@@ -237,6 +237,10 @@ def test_longctx_detached_runs_are_reported_and_collected_once_all_are_done(tmp_
     runs = tmp_path / "runs"
     longctx.main(["--runs", "tiny,B128k", "--detach", str(runs)])
     assert longctx.collect(str(runs)) is None  # tiny is still running
+    before = (runs / "runs.json").read_text()
+    with pytest.raises(SystemExit, match="already holds detached runs"):  # never over what runs
+        longctx.main(["--runs", "tiny", "--detach", str(runs)])
+    assert (runs / "runs.json").read_text() == before
     assert "tiny: running for" in capsys.readouterr().out
     for run in json.loads((runs / "runs.json").read_text())["runs"].values():
         os.waitpid(run["pid"], 0)  # here they are this process's children: reap them
