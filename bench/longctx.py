@@ -49,6 +49,10 @@ RUNS = {  # memory.py's run specs: one sequence of `seq` tokens per step
     # one GPU of a two-GPU machine with 256 GiB (its MemTotal grows as it is used: cap it)
     "B512k": "B:524288:seq=524288,mbs=1,steps=1,max_host_memory=240GiB",
     "A1M": "A:1048576:seq=1048576,mbs=1,steps=1,max_host_memory=240GiB",
+    # the longest sequence the plan accepts on this machine (its measured layer), and 3% more,
+    # which the preflight must refuse: `megatrain plan`'s "longest context" line, trained
+    "B-limit": "B:0:seq=limit,steps=1",
+    "B-limit+3%": "B:0:seq=limit,limit_scale=1.03,steps=1",
     "tiny": "tiny:8192:seq=8192,mbs=1,steps=2",
 }
 DRY_GPU, DRY_HOST = "139GiB", "120GiB"  # an H200's free memory; MemAvailable of a 128 GiB host
@@ -65,11 +69,13 @@ def dry_plan(run: dict) -> dict:
     from megatrain.config import parse_size
     from megatrain.placement import Batch, Machine, PlanError, plan
 
-    cfg, seq, mbs, accum = memory.shape_of(run)
-    clip = float(run.get("max_grad_norm", 1.0)) > 0
     gpu = parse_size(run.get("max_gpu_memory", DRY_GPU))
     host = parse_size(run.get("max_host_memory", DRY_HOST))
     machine = Machine("cuda", gpu, host, gpu_capped="max_gpu_memory" in run)
+    if run.get("seq") == "limit":
+        run = memory.at_limit(run, machine, None)
+    cfg, seq, mbs, accum = memory.shape_of(run)
+    clip = float(run.get("max_grad_norm", 1.0)) > 0
     try:
         p = plan(cfg, Batch(mbs * seq, accum, seq, 2, clip, rows=mbs), machine, memory.choices_of(run))
     except PlanError as e:
@@ -80,6 +86,7 @@ def dry_plan(run: dict) -> dict:
         "predicted": {"gpu_peak_allocated": p.gpu_peak, "host_peak_rss": p.host_total},
         "measured": {},
         "machine": {"gpu_bytes": gpu, "host_bytes": host},
+        "resolved_run": run,
     }
 
 
@@ -194,7 +201,9 @@ def collect(folder: str) -> list[dict] | None:
             continue
         else:
             res = {"error": "exited without a result: " + " / ".join(lines[-3:])[-300:]}
-        res.update(name=name, run=s["run"], wall_s=elapsed, started_by=record["command"])
+        res.update(
+            name=name, run=res.pop("resolved_run", s["run"]), wall_s=elapsed, started_by=record["command"]
+        )
         if not res.get("error"):
             derive(res)
         print(row(res), flush=True)
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.time()
             res = run_one(name, run, min(args.timeout, left))
             res["wall_s"] = time.time() - t0
-        res.update(name=name, run=run)
+        res.update(name=name, run=res.pop("resolved_run", run))
         if not res.get("error"):
             derive(res)
         results.append(res)

@@ -178,6 +178,22 @@ def _packed(ids, doc: int):
     )
 
 
+def at_limit(run: dict, machine, layer_mem) -> dict:
+    """`seq=limit`: the run at the longest sequence the plan accepts on `machine` (one sequence per
+    step, as `megatrain plan`'s "longest context" line says), times `limit_scale` (default 1; e.g.
+    1.03 for a run the preflight must refuse). `layer_mem`: the probe's (None: the formula)."""
+    from megatrain.config import TrainConfig
+    from megatrain.plan import longest_context
+
+    cfg, _, _, _ = shape_of({**run, "seq": 8192, "tokens": 8192, "mbs": 1})
+    clip = float(run.get("max_grad_norm", 1.0))
+    tc = TrainConfig(model_config="-", max_length=8192, per_device_train_batch_size=1, max_grad_norm=clip)
+    found = longest_context(cfg, tc, machine, 2, layer_mem)
+    limit = found[0] if found else 0
+    n = int(limit * float(run.get("limit_scale", 1.0)))
+    return {**run, "seq": str(n), "tokens": n, "mbs": "1", "limit": limit}
+
+
 def worker(run: dict) -> dict:
     import torch
 
@@ -187,13 +203,23 @@ def worker(run: dict) -> dict:
     from megatrain.optim import AdamWConfig
     from megatrain.placement import Batch, phase_peaks
     from megatrain.probe import layer_memory_for
-    from megatrain.runtime import build_model, make_plan
+    from megatrain.runtime import build_model, configure_allocator, make_plan
 
+    size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
+    if run.get("seq") == "limit":
+        from megatrain.placement import measure
+        from megatrain.probe import PROBE_TOKENS
+
+        configure_allocator()
+        machine = measure("cuda", size("max_gpu_memory"), size("max_host_memory"))
+        probe_cfg, _, _, _ = shape_of({**run, "seq": PROBE_TOKENS, "tokens": PROBE_TOKENS, "mbs": 1})
+        probed = layer_memory_for(probe_cfg, "cuda", torch.bfloat16, True, PROBE_TOKENS)
+        torch.cuda.empty_cache()  # the plan below measures the free memory again
+        run = at_limit(run, machine, probed)
     cfg, seq, mbs, accum = shape_of(run)
     T, V = run["tokens"], cfg.vocab_size
     doc = int(run.get("doc", 0))  # packed rows of `doc`-token documents (0: plain rows)
     clip = float(run.get("max_grad_norm", 1.0))
-    size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
     t0 = time.perf_counter()
     plan, machine = make_plan(
         cfg,
@@ -215,6 +241,7 @@ def worker(run: dict) -> dict:
     out = {
         "plan": plan.to_json(),
         "machine": dataclasses.asdict(machine),
+        "resolved_run": run,  # with seq=limit: the length the plan accepted
         "params": cfg.num_params,
         "plan_s": time.perf_counter() - t0,
     }

@@ -209,6 +209,10 @@ def test_longctx_bench_dry_run_prints_each_runs_plan(capsys):
         measured = ("tokens/s", "model TFLOP/s", "GPU peak GiB", "host peak GiB")
         assert all(r[k] == "-" for k in measured), r  # nothing measured
         assert float(r["plan tokens/s"].replace(",", "")) > 0 and float(r["GPU peak plan GiB"]) <= 139, r
+    limit, over = (longctx.dry_plan(longctx.memory.parse(longctx.RUNS[k])) for k in ("B-limit", "B-limit+3%"))
+    n = limit["resolved_run"]["tokens"]
+    assert n == limit["resolved_run"]["limit"] > 262144 and "plan" in limit  # the planner's longest fits
+    assert over["error"].startswith("no placement fits")  # 3% more is refused
     b512 = rows["B512k"]
     assert float(b512["host peak plan GiB"]) <= 240 and not b512["plan"].endswith("park0")
     weights_only = 6 * 8.03e9 * float(b512["plan tokens/s"].replace(",", "")) / 1e12
