@@ -377,7 +377,7 @@ def main() -> None:
             )
         except subprocess.TimeoutExpired:
             res = {"error": f"timeout after {min(args.timeout, left):.0f} s"}
-        res.update(name=name, run=run, wall_s=time.time() - t0)
+        res.update(name=name, run=res.pop("resolved_run", run), wall_s=time.time() - t0)
         results.append(res)
         print(row(res), flush=True)
         write(results, args, stamp)
