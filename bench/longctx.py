@@ -16,8 +16,8 @@ the backward; the engine's recompute is not counted). tokens/s and TFLOP/s are o
     python bench/longctx.py --dry-run                                # the plans, on any machine
 
 A step at 512k tokens takes about ten minutes and at 1M about thirty, longer than a command may
-run on a lent machine. `--detach DIR` starts each run as its own session writing into DIR and
-returns at once; `--collect DIR` (any later command on the same machine) reports each run as
+run on a lent machine. `--detach DIR` starts one process of its own session that runs them one
+after another (each alone on the machine), writing into DIR, and returns at once; `--collect DIR` (any later command on the same machine) reports each run as
 running, failed or done, and writes the results table once every run has finished:
 
     CUDA_VISIBLE_DEVICES=0 python bench/longctx.py --runs B512k --detach /tmp/longctx
@@ -156,22 +156,40 @@ def _worker(run: dict) -> list[str]:
 
 
 def detach(names: list[str], folder: str, command: str) -> None:
-    """Start each run as a process of its own session (it outlives this command), its output in
-    `folder`/<name>.out, what was started in `folder`/runs.json."""
+    """Start one process of its own session (it outlives this command) that runs the runs one
+    after another, each alone on the machine as a run at the machine's limits must be; each run's
+    output in `folder`/<name>.out, its start time in `folder`/<name>.start, the whole in
+    `folder`/runs.json."""
     if os.path.exists(os.path.join(folder, "runs.json")):
         sys.exit(
             f"longctx.py: {folder} already holds detached runs (runs.json): collect them or choose another folder"
         )
     os.makedirs(folder, exist_ok=True)
-    started = {}
+    runs = {}
     for name in names:
         run = memory.parse(RUNS.get(name, name))
+        runs[name] = {"run": run, "argv": _worker(run)}
+    record = {"command": command, "runs": runs, "started": time.time()}
+    with open(os.path.join(folder, "runs.json.tmp"), "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(os.path.join(folder, "runs.json.tmp"), os.path.join(folder, "runs.json"))
+    serve = [sys.executable, os.path.abspath(__file__), "--serve", folder]
+    with open(os.path.join(folder, "serve.out"), "w") as out:
+        p = subprocess.Popen(serve, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(os.path.join(folder, "serve.pid"), "w") as f:
+        f.write(str(p.pid))
+    print(f"started {', '.join(names)} one after another, pid {p.pid}, output in {folder}/", flush=True)
+
+
+def serve(folder: str) -> None:
+    """The detached process: each run of `folder`/runs.json in turn."""
+    with open(os.path.join(folder, "runs.json")) as f:
+        runs = json.load(f)["runs"]
+    for name, s in runs.items():
+        with open(os.path.join(folder, f"{name}.start"), "w") as f:
+            f.write(str(time.time()))
         with open(os.path.join(folder, f"{name}.out"), "w") as out:
-            p = subprocess.Popen(_worker(run), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        started[name] = {"run": run, "pid": p.pid, "started": time.time()}
-        print(f"{name}: started, pid {p.pid}, output {folder}/{name}.out", flush=True)
-    with open(os.path.join(folder, "runs.json"), "w") as f:
-        json.dump({"command": command, "runs": started}, f, indent=1)
+            subprocess.run(s["argv"], stdout=out, stderr=subprocess.STDOUT)
 
 
 def _alive(pid: int) -> bool:
@@ -182,23 +200,37 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _read(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def collect(folder: str) -> list[dict] | None:
     """Each detached run's state; its records once every run has finished (None before)."""
     with open(os.path.join(folder, "runs.json")) as f:
         record = json.load(f)
-    started = record["runs"]
+    serving = _alive(int(_read(os.path.join(folder, "serve.pid"))))
     results, done = [], True
-    for name, s in started.items():
-        with open(os.path.join(folder, f"{name}.out"), errors="replace") as f:
-            lines = f.read().splitlines()
+    for name, s in record["runs"].items():
+        start = _read(os.path.join(folder, f"{name}.start"))
+        lines = (_read(os.path.join(folder, f"{name}.out")) or "").splitlines()
         found = [x for x in lines if x.startswith("RESULT ")]
-        elapsed = time.time() - s["started"]
+        elapsed = time.time() - float(start) if start else 0.0
         if found:
             res = json.loads(found[-1][7:])
-        elif _alive(s["pid"]):
+        elif serving and start is None:
+            print(f"{name}: waiting for the runs before it")
+            done = False
+            continue
+        elif serving and not any(_read(os.path.join(folder, f"{n}.start")) for n in _after(record, name)):
             print(f"{name}: running for {elapsed / 60:.1f} min; last output: {(lines or [''])[-1][:200]}")
             done = False
             continue
+        elif start is None:
+            res = {"error": "never started: the detached process ended first (see serve.out)"}
         else:
             res = {"error": "exited without a result: " + " / ".join(lines[-3:])[-300:]}
         res.update(
@@ -209,6 +241,11 @@ def collect(folder: str) -> list[dict] | None:
         print(row(res), flush=True)
         results.append(res)
     return results if done else None
+
+
+def _after(record: dict, name: str) -> list[str]:
+    names = list(record["runs"])
+    return names[names.index(name) + 1 :]
 
 
 def write(results: list[dict], args, stamp: str) -> None:
@@ -228,7 +265,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--collect", metavar="DIR", help="report detached runs; write the table when all are done"
     )
+    ap.add_argument("--serve", metavar="DIR", help=argparse.SUPPRESS)  # the detached process
     args = ap.parse_args(argv)
+    if args.serve:
+        serve(args.serve)
+        return
     if args.list:
         for k, v in RUNS.items():
             print(f"{k:<8} {v}")

@@ -202,10 +202,12 @@ def worker(run: dict) -> dict:
     from megatrain.memory import MemoryRecord
     from megatrain.optim import AdamWConfig
     from megatrain.placement import Batch, phase_peaks
+    from megatrain.placement import plan as make_placement
     from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, configure_allocator, make_plan
 
     size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
+    limit_basis = None
     if run.get("seq") == "limit":
         from megatrain.placement import measure
         from megatrain.probe import PROBE_TOKENS
@@ -214,30 +216,35 @@ def worker(run: dict) -> dict:
         machine = measure("cuda", size("max_gpu_memory"), size("max_host_memory"))
         probe_cfg, _, _, _ = shape_of({**run, "seq": PROBE_TOKENS, "tokens": PROBE_TOKENS, "mbs": 1})
         probed = layer_memory_for(probe_cfg, "cuda", torch.bfloat16, True, PROBE_TOKENS)
-        torch.cuda.empty_cache()  # the plan below measures the free memory again
+        torch.cuda.empty_cache()
         run = at_limit(run, machine, probed)
+        limit_basis = machine, probed  # the run is planned on what its limit was found with
     cfg, seq, mbs, accum = shape_of(run)
     T, V = run["tokens"], cfg.vocab_size
     doc = int(run.get("doc", 0))  # packed rows of `doc`-token documents (0: plain rows)
     clip = float(run.get("max_grad_norm", 1.0))
     t0 = time.perf_counter()
-    plan, machine = make_plan(
-        cfg,
-        "cuda",
-        torch.bfloat16,
-        batch_size=mbs,
-        seq_len=seq,
-        grad_accum=accum,
-        clip=clip > 0,
-        masked=doc > 0,
-        attention_span=doc or None,  # documents of equal length: sum(len^2) / sum(len) = doc
-        choices=choices_of(run),
-        max_gpu_memory=size("max_gpu_memory"),
-        max_host_memory=size("max_host_memory"),
-    )
-    record = MemoryRecord(plan, machine)
     batch = Batch(mbs * seq, accum, seq, 2, clip > 0, masked=doc > 0, rows=mbs, attention_span=doc or None)
-    layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq, masked=doc > 0)
+    if limit_basis is None:
+        plan, machine = make_plan(
+            cfg,
+            "cuda",
+            torch.bfloat16,
+            batch_size=mbs,
+            seq_len=seq,
+            grad_accum=accum,
+            clip=clip > 0,
+            masked=doc > 0,
+            attention_span=doc or None,  # documents of equal length: sum(len^2) / sum(len) = doc
+            choices=choices_of(run),
+            max_gpu_memory=size("max_gpu_memory"),
+            max_host_memory=size("max_host_memory"),
+        )
+        layer_mem = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq, masked=doc > 0)
+    else:  # the machine and layer the limit was found with (measured again, the free memory differs)
+        machine, layer_mem = limit_basis
+        plan = make_placement(cfg, batch, machine, choices_of(run), layer_mem)
+    record = MemoryRecord(plan, machine)
     out = {
         "plan": plan.to_json(),
         "machine": dataclasses.asdict(machine),

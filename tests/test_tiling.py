@@ -220,12 +220,14 @@ def test_longctx_bench_dry_run_prints_each_runs_plan(capsys):
 
 
 def test_longctx_detached_runs_are_reported_and_collected_once_all_are_done(tmp_path, monkeypatch, capsys):
-    """bench/longctx.py --detach starts each run in its own session and returns; --collect says
-    which still run, and once all have ended writes the table: a run's RESULT line as its record,
-    a run that died as its last output."""
+    """bench/longctx.py --detach starts one process of its own session that runs the runs one after
+    another (never two at once: each measures the machine's free memory) and returns; --collect
+    says which still run or wait, and once all have ended writes the table: a run's RESULT line as
+    its record, a run that died as its last output."""
     import json
     import os
     import sys
+    import time
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -240,14 +242,20 @@ def test_longctx_detached_runs_are_reported_and_collected_once_all_are_done(tmp_
     monkeypatch.setattr(longctx, "_worker", lambda run: [sys.executable, "-c", fake[run["model"]]])
     runs = tmp_path / "runs"
     longctx.main(["--runs", "tiny,B128k", "--detach", str(runs)])
+    for _ in range(100):  # the detached process starting up
+        if (runs / "tiny.start").exists():
+            break
+        time.sleep(0.05)
     assert longctx.collect(str(runs)) is None  # tiny is still running
     before = (runs / "runs.json").read_text()
     with pytest.raises(SystemExit, match="already holds detached runs"):  # never over what runs
         longctx.main(["--runs", "tiny", "--detach", str(runs)])
     assert (runs / "runs.json").read_text() == before
-    assert "tiny: running for" in capsys.readouterr().out
-    for run in json.loads((runs / "runs.json").read_text())["runs"].values():
-        os.waitpid(run["pid"], 0)  # here they are this process's children: reap them
+    said = capsys.readouterr().out
+    assert "tiny: running for" in said and "B128k: waiting for the runs before it" in said
+    os.waitpid(int((runs / "serve.pid").read_text()), 0)  # here it is this process's child: reap it
+    starts = {n: float((runs / f"{n}.start").read_text()) for n in ("tiny", "B128k")}
+    assert starts["B128k"] - starts["tiny"] >= 1.5  # after tiny had ended
     out = tmp_path / "out"
     longctx.main(["--collect", str(runs), "--out", str(out)])
     [written] = [json.loads(p.read_text()) for p in out.glob("*_longctx.json")]

@@ -120,7 +120,7 @@ def _saved_names(cfg: ModelConfig, model: nn.Module):
     `embed_out` on disk). Conversions that split or fuse tensors cannot stream one tensor per
     parameter: refused."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange, WeightRenaming, apply_renamings
+    from transformers.core_model_loading import PrefixChange, WeightRenaming
 
     convs = [
         c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
@@ -131,7 +131,15 @@ def _saved_names(cfg: ModelConfig, model: nn.Module):
             "(not one tensor per parameter)"
         )
     renamings = [c.reverse_transform() for c in convs[::-1]]
-    return lambda name: apply_renamings(name, renamings) if renamings else name
+
+    def saved(name: str) -> str:
+        # Each renaming in turn, as transformers applies them (its own helper for this is not in
+        # every 5.x release; `rename_source_key` is).
+        for r in renamings:
+            name, _ = r.rename_source_key(name)
+        return name
+
+    return saved
 
 
 def _parts(model: nn.Module) -> dict[str, str]:
