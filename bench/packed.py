@@ -31,6 +31,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,10 +89,13 @@ def train(name: str, yaml_path: str, overrides: list[str], work: str, logs: str,
     rec: dict = {"name": name, "command": shlex.join(cmd)}
     t0 = time.time()
     with open(os.path.join(keep, "train.log"), "w") as log:
+        # Its own process group: a timeout kills the run with its compile workers.
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            p = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-            rec["rc"] = p.returncode
+            rec["rc"] = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # not SIGTERM: that saves a resumable checkpoint
+            p.wait()
             rec["rc"], rec["error"] = None, f"timeout after {timeout:.0f} s"
     rec["wall_s"] = time.time() - t0
     for f in ("metrics.jsonl", "plan.json", "train_config.json"):
@@ -221,9 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="another key for both runs"
     )
     ap.add_argument("--timeout", type=int, default=560, help="seconds per run")
+    ap.add_argument("--deadline", type=int, default=570, help="seconds for both runs (0: none)")
     args = ap.parse_args(argv)
     check_args(ap, args)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
+    start, stamp = time.time(), datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
     logs = os.path.join(args.out, f"{stamp}_{args.tag}_logs")
     os.makedirs(logs, exist_ok=True)
     work = tempfile.mkdtemp(prefix="megatrain-packed-")
@@ -235,7 +240,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name}: {shlex.join(['python', '-m', 'megatrain', 'train', 'run.yaml', *overrides])}",
                 flush=True,
             )
-            rec = train(name, yaml_path, overrides, work, logs, args.timeout)
+            left = args.deadline - (time.time() - start) if args.deadline else args.timeout
+            if left < 30:
+                results.append({"name": name, "command": "-", "error": "skipped: deadline"})
+                continue
+            rec = train(name, yaml_path, overrides, work, logs, min(args.timeout, left))
             keys = dict(kv.split("=", 1) for kv in overrides)
             rec.update(max_length=int(keys["max_length"]), params=params)
             n_rows = int(keys["per_device_train_batch_size"])
