@@ -46,3 +46,16 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def num_samples(self) -> int:
+        """Samples (documents) in the micro-batch: one per row, or with packing each document
+        that starts in a row's real tokens (padding is a document of its own and not counted)."""
+        if self.document_ids is None:
+            return self.input_ids.shape[0]
+        d = self.document_ids
+        starts = torch.ones_like(d, dtype=torch.bool)
+        starts[:, 1:] = d[:, 1:] != d[:, :-1]
+        if self.attention_mask is not None:
+            starts &= self.attention_mask.bool()
+        return int(starts.sum())

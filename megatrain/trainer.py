@@ -264,6 +264,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
                 tokens = world.sum_count(sum(mb.num_tokens for mb in micro_batches))
+                # What the step's tokens were: rows of max_length and, packed, the documents in them.
+                rows = world.sum_count(sum(mb.input_ids.shape[0] for mb in micro_batches))
+                samples = world.sum_count(sum(mb.num_samples for mb in micro_batches))
                 record = {
                     "step": step + 1,
                     "loss": loss if finite else None,  # JSON has no NaN
@@ -271,6 +274,8 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                     "lr": lr,
                     "tokens": tokens,
                     "label_tokens": n_label,
+                    "rows": rows,
+                    "samples": samples,
                     "tokens_per_s": tokens / dt,
                     "step_time_s": dt,
                     "epoch": batcher.epoch,

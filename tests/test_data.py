@@ -459,6 +459,25 @@ def test_packing_layout():
     assert sorted(seen) == sorted(by_ids)  # each sample once, none split
 
 
+def test_micro_batches_count_their_samples():
+    """A micro-batch says how many samples it holds: one per row, or with packing each
+    document of a row (a padded tail is no document). The metrics' `samples` per step."""
+    lengths = [5, 9, 3, 12, 7, 4, 8, 6]
+    samples = _samples(lengths)
+    kw = dict(batch_size=2, grad_accum=1, max_length=16, seed=0, pad_id=0)
+    plain = Batcher(samples, packing=False, **kw)
+    assert [mb.num_samples for _ in range(4) for mb in plain.next_step()] == [2, 2, 2, 2]
+    packed = Batcher(samples, packing=True, **kw)
+    assert sum(lengths) < packed.steps_per_epoch * 2 * 16  # some rows end in padding
+    counts = []
+    for _ in range(packed.steps_per_epoch):
+        (mb,) = packed.next_step()
+        assert mb.attention_mask is not None
+        docs = [len(set(d[m.bool()].tolist())) for d, m in zip(mb.document_ids, mb.attention_mask)]
+        counts.append((mb.num_samples, sum(docs)))
+    assert all(a == b for a, b in counts) and sum(a for a, _ in counts) == len(samples)
+
+
 def test_pack_rows_first_fit_and_next_fit():
     lengths = [6, 8, 4, 2, 10]
     # First fit: 4 fills the gap after 6, 2 the gap after 8.
@@ -516,3 +535,27 @@ def test_packed_logits_match_documents_one_by_one(tmp_path):
             multi_doc_rows += int(doc.max()) >= 2  # two documents (0, 1) and more, or padding
     assert checked == len(samples)
     assert multi_doc_rows >= 2
+
+
+def test_metrics_record_rows_and_samples_per_step(tmp_path):
+    """Each step's record says what its tokens were: rows of max_length and the samples in them,
+    so a packed run shows its documents per row (unpacked: one sample per row)."""
+    from test_checkpoint import make_run, metrics
+
+    from megatrain.trainer import train
+
+    base = make_run(tmp_path)  # 48 samples of 6-30 tokens, 2 rows x 2 micro-batches of 32 tokens
+    for packing in (False, True):
+        out = tmp_path / f"packing-{packing}"
+        cfg = TrainConfig(**base, packing=packing, max_steps=3, save_strategy="no", output_dir=str(out))
+        train(cfg)
+        recs = metrics(out)
+        assert [r["rows"] for r in recs] == [4, 4, 4]
+        # The same steps the run took, from a Batcher of the same samples and settings.
+        b = Batcher(build_samples(cfg, None, 97), 2, 2, 32, packing=packing, seed=cfg.seed)
+        want = [sum(mb.num_samples for mb in b.next_step()) for _ in range(3)]
+        assert [r["samples"] for r in recs] == want
+        if packing:
+            assert all(r["samples"] > r["rows"] for r in recs)  # several documents per row
+        else:
+            assert want == [4, 4, 4]
