@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -194,7 +195,9 @@ def at_limit(run: dict, machine, layer_mem) -> dict:
     return {**run, "seq": str(n), "tokens": n, "mbs": "1", "limit": limit}
 
 
-def worker(run: dict) -> dict:
+def worker(run: dict, out: dict) -> dict:
+    """Plan, build and train `run`, filling `out` as it goes (a run that fails keeps what it
+    had: the plan, the resolved run, each phase's predicted and measured peak so far)."""
     import torch
 
     from megatrain.batch import MicroBatch
@@ -245,13 +248,15 @@ def worker(run: dict) -> dict:
         machine, layer_mem = limit_basis
         plan = make_placement(cfg, batch, machine, choices_of(run), layer_mem)
     record = MemoryRecord(plan, machine)
-    out = {
-        "plan": plan.to_json(),
-        "machine": dataclasses.asdict(machine),
-        "resolved_run": run,  # with seq=limit: the length the plan accepted
-        "params": cfg.num_params,
-        "plan_s": time.perf_counter() - t0,
-    }
+    out.update(
+        plan=plan.to_json(),
+        machine=dataclasses.asdict(machine),
+        resolved_run=run,  # with seq=limit: the length the plan accepted
+        params=cfg.num_params,
+        plan_s=time.perf_counter() - t0,
+        phase_predicted=phase_peaks(cfg, batch, plan, layer_mem),
+        layer_mem=layer_mem.__dict__ if layer_mem is not None else None,
+    )
     json.dumps(out)  # a record that cannot be written fails now, not after the run
     model = build_model(
         cfg,
@@ -263,7 +268,7 @@ def worker(run: dict) -> dict:
         machine=machine,
     )
     out["init_s"] = time.perf_counter() - t0
-    phases = _instrument(model.engine)
+    phases = out["phase_peaks"] = _instrument(model.engine)
     gen = torch.Generator().manual_seed(0)
     steps = int(run.get("steps", 5))
     times, losses = [], []
@@ -304,9 +309,6 @@ def worker(run: dict) -> dict:
         measured=record.measured,
         host_rss_before=record.baseline,
         host_acts_moved=model.engine.host_acts.bytes_moved if model.engine.host_acts else 0,
-        phase_peaks=phases,
-        phase_predicted=phase_peaks(cfg, batch, plan, layer_mem),
-        layer_mem=layer_mem.__dict__,
     )
     model.close()
     return out
@@ -314,18 +316,30 @@ def worker(run: dict) -> dict:
 
 def _instrument(engine) -> dict[str, int]:
     """Peak allocated GPU memory within each phase of a step (forward sweep, loss head, backward
-    sweep with the embedding), by resetting the allocator's peak at each phase's start."""
+    sweep, and the embedding's gradient within it), by resetting the allocator's peak at each
+    phase's start; a phase that encloses another takes the peak of each of its stretches."""
     import torch
 
     peaks: dict[str, int] = {}
+    open_phases: list[str] = []
+
+    def note() -> None:
+        for n in open_phases:
+            peaks[n] = max(peaks.get(n, 0), torch.cuda.max_memory_allocated())
 
     def wrap(name: str, fn):
         def inner(*a, **kw):
+            note()
             torch.cuda.reset_peak_memory_stats()
+            open_phases.append(name)
             try:
                 return fn(*a, **kw)
+            except BaseException:
+                peaks.setdefault("failed_in", name)  # the (innermost) phase a run that died was in
+                raise
             finally:
-                peaks[name] = max(peaks.get(name, 0), torch.cuda.max_memory_allocated())
+                note()
+                open_phases.pop()
 
         return inner
 
@@ -333,6 +347,7 @@ def _instrument(engine) -> dict[str, int]:
         ("forward", "_forward_sweep"),
         ("head", "_head_loss_backward"),
         ("backward", "_backward_sweep"),
+        ("embedding", "_embedding_backward"),
     ):
         setattr(engine, attr, wrap(name, getattr(engine, attr)))
     return peaks
@@ -356,10 +371,12 @@ def main() -> None:
     if args.worker:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # as `megatrain train` sets it
         run = json.loads(args.worker)
+        res: dict = {}
         try:
-            res = worker(run)
-        except Exception as e:  # noqa: BLE001 - recorded as the run's result
-            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            worker(run, res)
+        except Exception as e:  # noqa: BLE001 - recorded as the run's result, with what it had
+            res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            res["traceback"] = traceback.format_exc()[-3000:]
         print("RESULT " + json.dumps(res), flush=True)
         return
     start = time.time()

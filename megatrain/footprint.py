@@ -17,7 +17,7 @@ from .costmodel import step_time
 from .layout import Layout
 from .models.attention import mask_bytes
 from .models.config import ModelConfig
-from .planspec import Batch, Machine, Plan, Shape, model_shape
+from .planspec import EMBED_GRAD_ROWS, Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
 from .state import STATE_BYTES
 
@@ -33,8 +33,11 @@ LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the 
 # The backward sweep's peak stood 3.9 and 7.3 GB above the model in the 8B runs at 128k and 256k
 # tokens (one row each, H200; phase peaks in bench/results/2026-11-23_*_longctx.json). 2.1 GB of
 # each was the LM head's gradient, which the engine kept through the sweep (no longer); the rest,
-# 3.4 and 4.8 bytes per token x hidden, is not attributed yet. Charged in every backward phase: at
-# 16k tokens of a 3072-wide model that is 0.25 GB.
+# 3.4 and 4.8 bytes per token x hidden, is not attributed by a measurement. The likely cause, the
+# embedding gradient's fp32 copy of the whole sequence (4 bytes per token x hidden; an 8B run at
+# 458,752 tokens failed allocating it), is now a chunk's (EMBED_GRAD_ROWS). Charged in every
+# backward phase until a run with the embedding's phase measured apart says more: at 16k tokens
+# of a 3072-wide model that is 0.25 GB.
 BACKWARD_TOKEN_H = 5
 LOSS_CHUNK_BUDGET = {"cuda": 4 * GiB, "cpu": 1 * GiB}
 LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
@@ -212,13 +215,15 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "unit gradient": (4 + cb) * s.units[u],
         }
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
-    # The embedding's gradient: a scatter-add of the last activation gradient, in fp32.
+    # The embedding's gradient: a scatter-add of the last activation gradient, in fp32, a chunk of
+    # tokens at a time (the gradient's fp32 copy, the scatter's sorted copy, a masked copy).
     rest = {
         "activation gradients": T * h * cb,
         "gradients": suffix[0] if stored else inflight(0),
         "GPU-stepped weights": 0 if stored else stepped_weights(1),
     }
-    work = {"embedding backward": Tm * h * 4 + (0 if on_gpu[0] else 4 * s.units[0])}
+    rows = min(Tm, EMBED_GRAD_ROWS)
+    work = {"embedding backward": rows * h * (8 + cb) + (0 if on_gpu[0] else 4 * s.units[0])}
     phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work))
     return phases
 
@@ -241,12 +246,15 @@ def _gpu_peak(s: Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
 def phase_peaks(
     cfg: ModelConfig, batch: Batch, plan: Plan, layer_mem: LayerMemory | None = None
 ) -> dict[str, int]:
-    """The predicted GPU peak of each phase of a step (forward, head, backward), for comparing the
-    memory model with the allocator's counters phase by phase."""
+    """The predicted GPU peak of each phase of a step (forward, head, backward; and the
+    embedding's gradient, the backward sweep's last stretch), for comparing the memory model with
+    the allocator's counters phase by phase."""
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
     out: dict[str, int] = {}
-    for ph in _phases(s, batch, plan):
+    phases = _phases(s, batch, plan)
+    for ph in phases:
         out[ph.name] = max(out.get(ph.name, 0), ph.total)
+    out["embedding"] = phases[-1].total
     return out
 
 

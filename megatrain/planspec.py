@@ -18,6 +18,7 @@ from .state import build_units
 PREFETCH = 2  # units copied ahead of compute
 STAGING_CHUNK = 32 * 2**20  # elements per device->host gradient chunk
 INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, two_pass)
+EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
 
 
 @dataclass(frozen=True)

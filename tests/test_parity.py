@@ -128,6 +128,27 @@ def test_tiled_mlp_matches_transformers(family, tied, overrides, tmp_path, monke
     assert tiles and set(tiles) == {7}
 
 
+@pytest.mark.parametrize("tied,overrides", [(False, {"pad_token_id": 0}), (True, {})], ids=["pad-row", "tied"])
+def test_embedding_gradient_in_token_chunks_matches_transformers(tied, overrides, tmp_path, monkeypatch):
+    """The embedding's gradient is scattered a chunk of tokens at a time (5 here, not dividing the
+    40 of a micro-batch), so its fp32 temporaries are a chunk's, not the sequence's: every
+    gradient still as transformers computes it (the padding row's none, a tied head's share)."""
+    from megatrain import engine
+
+    rows = []
+    index_add = torch.Tensor.index_add_
+
+    def recording(self, dim, index, source, *a, **kw):
+        rows.append(source.shape[0])
+        return index_add(self, dim, index, source, *a, **kw)
+
+    monkeypatch.setattr(engine, "EMBED_GRAD_ROWS", 5)
+    monkeypatch.setattr(torch.Tensor, "index_add_", recording)
+    hf = tiny_hf_model("llama", tied, attn_implementation="same", **overrides)
+    _check_parity(hf, _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7)))
+    assert rows and max(rows) == 5
+
+
 def _check_parity(hf, mt) -> None:
     """Logits of one micro-batch, then the loss and every gradient of two, against transformers."""
     mbs = [_batch(hf.config.vocab_size, seed=s) for s in (1, 2)]

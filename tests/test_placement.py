@@ -346,3 +346,17 @@ def test_the_engine_keeps_no_gradient_it_has_handed_to_the_transport():
     assert len(handed) == len(build_units(cfg))
     assert alive_at_each_hold[1:] and not any(any(a) for a in alive_at_each_hold), alive_at_each_hold
     model.close()
+
+
+def test_embedding_gradient_phase_grows_only_by_the_activation_gradient():
+    """The embedding's gradient is scattered a chunk of tokens at a time: its fp32 temporaries
+    are one chunk's, so past a chunk the phase grows with the sequence only by the (compute dtype)
+    activation gradient it reads, not by an fp32 copy of it (4 bytes per token x hidden more)."""
+    off = Choices(gpu_state="off")
+
+    def embedding_phase(tokens: int) -> int:
+        b = Batch(micro_batch_tokens=tokens, micro_batches=1, seq_len=tokens, compute_bytes=2, clip=True, rows=1)
+        return footprint.phase_peaks(B8, b, placement.plan(B8, b, cuda(139, 1000), off))["embedding"]
+
+    grown = embedding_phase(262144) - embedding_phase(131072)
+    assert grown == 131072 * 4096 * 2
