@@ -169,7 +169,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "gradients": suffix_streamed[j + 2] if stored else 0,
             "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch),  # beyond the fetch window
         }
-        work = {"layer forward": lm.graph(Tm, tile) if kept else lm.forward(Tm, tile)}
+        work = {"layer forward": lm.graph_peak(Tm, tile) if kept else lm.forward(Tm, tile)}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
     head = L + 1

@@ -53,6 +53,9 @@ __all__ = ["Batch", "Choices", "Machine", "Plan", "PlanError", "fmt_bytes", "pha
 
 
 MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units idle
+# Longer tiles run no faster (a 16k-token tile's matmuls already fill the GPU) and their
+# intermediates would be counted far beyond the tiles the probe measures.
+MAX_MLP_TILE = 16384
 STEPPING_GAIN = 0.05  # the share of a step GPU stepping must save before the plan chooses it
 
 
@@ -174,13 +177,14 @@ def _fewest_parked(options: list[int] | range, fits_gpu) -> int:
 
 
 def _tile_options(s: Shape, b: Batch, c: Choices) -> list[int]:
-    """MLP tile sizes worth trying, best first: untiled, then halving down to MIN_MLP_TILE."""
+    """MLP tile sizes worth trying, best first: untiled, then halving from MAX_MLP_TILE (or the
+    largest power of two below the micro-batch) down to MIN_MLP_TILE."""
     if c.mlp_tile_tokens is not None:
         return [c.mlp_tile_tokens]
     out = [0]
     if s.layer_mem.tiled_graph_per_token is None or b.micro_batch_tokens <= MIN_MLP_TILE:
         return out  # the tiled layer was not measured, or a tile would be the whole micro-batch
-    tile = 1 << ((b.micro_batch_tokens - 1).bit_length() - 1)  # the largest power of two below
+    tile = min(MAX_MLP_TILE, 1 << ((b.micro_batch_tokens - 1).bit_length() - 1))  # a power of two below
     while tile >= MIN_MLP_TILE:
         out.append(tile)
         tile //= 2

@@ -137,9 +137,13 @@ def test_plan_tiles_only_where_the_untiled_layer_does_not_fit():
     assert t >= placement.MIN_MLP_TILE and t & (t - 1) == 0 and t < LONG.micro_batch_tokens
     assert tiled.gpu_peak <= placement.usable_gpu(machine)
     assert any(f"MLP tiled over the sequence, {t:,} tokens per tile" in n for n in tiled.notes)
-    # the largest tile that fits: twice as large does not
+    # the largest tile that fits, up to the cap (longer tiles run no faster)
+    assert t == placement.MAX_MLP_TILE
+    squeezed = cuda(75, 256)  # a GPU where the capped tile does not fit, a smaller one does
+    small = placement.plan(B8, LONG, squeezed).mlp_tile_tokens
+    assert placement.MIN_MLP_TILE <= small < t
     with pytest.raises(PlanError):
-        placement.plan(B8, LONG, machine, Choices(mlp_tile_tokens=2 * t))
+        placement.plan(B8, LONG, squeezed, Choices(mlp_tile_tokens=2 * small))
 
 
 def test_tiling_costs_the_mlp_recompute_in_the_time_model():
