@@ -47,6 +47,10 @@ LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
 HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
 CUDA_CONTEXT = 600 * MiB
 GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
+# Of the host budget: the kernel's and the GPU driver's own memory for page-locked pages, the page
+# tables of a state of 100+ GB. An 8B run planned to within 0.1% of MemAvailable (124.8 GiB) was
+# killed by the kernel's OOM killer with 4.7 GB of it still unused by the run.
+HOST_RESERVE = 0.05
 STAGING_SLOTS = 2
 # GPU-stepped units' fp32 state (weights and two moments) passes through this many chunks of GPU
 # scratch, `staging_elems` elements each: one loading while the other is stepped and written back.
@@ -307,6 +311,10 @@ def usable_gpu(m: Machine) -> int | None:
     return int((m.gpu_bytes - ctx) * (1 - GPU_RESERVE))
 
 
+def usable_host(m: Machine) -> int | None:
+    return None if m.host_bytes is None else int(m.host_bytes * (1 - HOST_RESERVE))
+
+
 def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     plan = replace(plan)
     if plan.device == "cuda":
@@ -320,7 +328,8 @@ def fits(plan: Plan, m: Machine) -> bool:
     gpu = usable_gpu(m)
     if plan.device == "cuda" and gpu is not None and plan.gpu_peak > gpu:
         return False
-    return m.host_bytes is None or plan.host_total <= m.host_bytes
+    host = usable_host(m)
+    return host is None or plan.host_total <= host
 
 
 def fmt_bytes(n: float) -> str:

@@ -42,7 +42,16 @@ from pathlib import Path
 
 from .costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
 from .errors import ConfigError, MegatrainError
-from .footprint import CUDA_CONTEXT, evaluate, fits, fmt_bytes, loss_chunk, phase_peaks, usable_gpu
+from .footprint import (
+    CUDA_CONTEXT,
+    evaluate,
+    fits,
+    fmt_bytes,
+    loss_chunk,
+    phase_peaks,
+    usable_gpu,
+    usable_host,
+)
 from .layout import Layout
 from .models.config import ModelConfig
 from .planspec import Batch, Machine, Plan, Shape, model_shape
@@ -117,7 +126,7 @@ def plan(
                     best = p
             if best is not None and best.grad_mode != "two_pass":
                 break  # parking more activations only adds PCIe traffic
-            if m.host_bytes is not None and all(p.host_total > m.host_bytes for p in options):
+            if usable_host(m) is not None and all(p.host_total > usable_host(m) for p in options):
                 break  # nor does it make room in host memory
         return best
 
@@ -137,7 +146,14 @@ def plan(
         if best is not None and best.grad_mode != "two_pass":
             break
     if best is None:
-        mode = "two_pass" if batch.clip else "immediate"
+        # the least demanding placement the user's choices allow
+        mode = (
+            "immediate"
+            if not batch.clip
+            else "stored"
+            if c.gradient_placement in ("gpu", "host")
+            else "two_pass"
+        )
         worst = candidate(mode, resident, parked_options[-1], tiles[-1])
         raise PlanError(_too_big(worst, m, batch))
     auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
@@ -208,10 +224,11 @@ def _gradient_options(s: Shape, b: Batch, c: Choices, m: Machine, parked: int, c
         # As many trailing units' gradients in host memory as it holds (they move there during
         # the backward sweep, off the critical path); the leading units' wait on the GPU.
         lo, hi = 0, n
-        if m.host_bytes is not None:
+        host = usable_host(m)
+        if host is not None:
             while lo < hi:
                 mid = (lo + hi) // 2
-                if candidate("stored", mid, parked).host_total <= m.host_bytes:
+                if candidate("stored", mid, parked).host_total <= host:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -269,8 +286,9 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
             f"GPU memory: one layer's working set at {b.micro_batch_tokens:,} tokens per micro-batch needs "
             f"~{fmt_bytes(p.gpu_peak)} with every activation in host memory{tiled}, {fmt_bytes(gpu)} usable"
         )
-    if m.host_bytes is not None and p.host_total > m.host_bytes:
-        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(m.host_bytes)} usable")
+    host = usable_host(m)
+    if host is not None and p.host_total > host:
+        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(host)} usable")
     return "no placement fits: " + "; ".join(parts or ["unknown"])
 
 

@@ -48,7 +48,9 @@ STEP16K = Batch(micro_batch_tokens=16384, micro_batches=1, seq_len=4096, compute
 
 
 def cuda(gpu_gib, host_gib, capped=False) -> Machine:
-    return Machine("cuda", int(gpu_gib * GiB), int(host_gib * GiB), gpu_capped=capped)
+    """A machine whose host budget leaves `host_gib` usable beside the plan's host reserve."""
+    host = host_gib * GiB / (1 - footprint.HOST_RESERVE)
+    return Machine("cuda", int(gpu_gib * GiB), int(host), gpu_capped=capped)
 
 
 def test_gpu_state_off_bounds_gpu_memory_whatever_the_model_size():
@@ -346,6 +348,18 @@ def test_the_engine_keeps_no_gradient_it_has_handed_to_the_transport():
     assert len(handed) == len(build_units(cfg))
     assert alive_at_each_hold[1:] and not any(any(a) for a in alive_at_each_hold), alive_at_each_hold
     model.close()
+
+
+def test_host_budget_keeps_a_reserve():
+    """The plan leaves HOST_RESERVE of the host budget free (the kernel's and the driver's own
+    memory): a plan that needs all of MemAvailable is refused, one that needs 95% of it is not."""
+    fixed = Choices(gpu_state="off", gradient_placement="host")
+    need = placement.plan(B8, STEP16K, cuda(139, 1000), fixed).host_total
+    exact = Machine("cuda", 139 * GiB, need)
+    with pytest.raises(PlanError, match="host memory: needs"):
+        placement.plan(B8, STEP16K, exact, fixed)
+    roomy = Machine("cuda", 139 * GiB, int(need / (1 - footprint.HOST_RESERVE)) + 1)
+    assert placement.plan(B8, STEP16K, roomy, fixed).host_total == need
 
 
 def test_embedding_gradient_phase_grows_only_by_the_activation_gradient():
