@@ -125,10 +125,13 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     # mode the leading units' the plan keeps there (GPU-stepped ones among them). suffix[u]: their
     # bytes over units >= u.
     on_gpu = [u < R or (stored and u < plan.gpu_grad_lead) for u in range(n)]
+    # The next forward sweep still holds those of streamed units until the host optimizer (in
+    # forward order, behind it) has taken them; prestaged units' are gone after the step's kernels.
+    waits = [on_gpu[u] and u >= R and u not in plan.prestaged for u in range(n)]
     suffix, suffix_streamed = [0] * (n + 1), [0] * (n + 1)
     for u in range(n - 1, -1, -1):
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
-        suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
+        suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if waits[u] else 0)
     resident = {  # in every phase
         "fp32 state of GPU-resident units": STATE_BYTES * sum(s.units[:R]),
         "GPU-stepped state (scratch)": _step_scratch(s, plan),
@@ -139,6 +142,12 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         """GPU-stepped units >= u: their updated weights (compute dtype), kept from the optimizer
         step until the next forward sweep fetches them."""
         return cb * sum(s.units[v] for v in plan.stepped if v >= u)
+
+    def prestaged_state(u: int) -> int:
+        """Prestaged units >= u: their fp32 state, loaded during the backward sweep (counted whole
+        from its start), stepped after the clip and freed after its write-back, which runs in
+        forward order behind the next forward sweep (as the host optimizer does)."""
+        return STATE_BYTES * sum(s.units[v] for v in plan.prestaged if v >= u)
 
     tile = plan.mlp_tile_tokens
     kept_graph = lm.graph(Tm, tile) * b.micro_batches + act + cb * s.layer  # graphs, outputs, weights
@@ -165,6 +174,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "kept graphs": kept_graph * max(0, j - (L - k)),
             "gradients": suffix_streamed[j + 2] if stored else 0,
             "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch),  # beyond the fetch window
+            "GPU-stepped state (prestaged)": prestaged_state(j + 2),
         }
         work = {"layer forward": lm.graph(Tm, tile) if kept else lm.forward(Tm, tile)}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
@@ -205,6 +215,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "gradients": held,
             # immediate, two_pass: units stepped earlier in this sweep (stored: after it)
             "GPU-stepped weights": 0 if stored else stepped_weights(u + 1),
+            "GPU-stepped state (prestaged)": prestaged_state(0),
         }
         recomputed = 0 if kept else lm.graph(Tm, tile) + Tm * h * cb  # its graph and output
         work = {
@@ -217,6 +228,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         "activation gradients": T * h * cb,
         "gradients": suffix[0] if stored else inflight(0),
         "GPU-stepped weights": 0 if stored else stepped_weights(1),
+        "GPU-stepped state (prestaged)": prestaged_state(0),
     }
     work = {"embedding backward": Tm * h * 4 + (0 if on_gpu[0] else 4 * s.units[0])}
     phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work))
@@ -225,8 +237,9 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
 
 def _step_scratch(s: Shape, plan: Plan) -> int:
     """GPU scratch for the state of GPU-stepped units, allocated for the whole run: STEP_SLOTS
-    chunks of `staging_elems` elements (or of the largest such unit, if smaller)."""
-    if not plan.gpu_stepped_units:
+    chunks of `staging_elems` elements (or of the largest such unit, if smaller); none where all
+    of them are prestaged."""
+    if not plan.gpu_stepped_units or plan.prestaged:
         return 0
     chunk = min(plan.staging_elems, max(s.units[u] for u in plan.stepped))
     return STEP_SLOTS * STATE_BYTES * chunk
