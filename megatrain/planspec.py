@@ -78,7 +78,8 @@ class Plan:
     prestage: bool = True
     """Stored mode: the GPU-stepped units' fp32 state comes in during the backward sweep and waits
     on the GPU for the step (`prestaged`); False: it comes in after the clip, through scratch (the
-    schedule bench/results/2026-11-23_0402_gpustep.json measured)."""
+    schedule bench/results/2026-11-23_0402_gpustep.json measured). The plan takes the faster that
+    fits (placement.py)."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS

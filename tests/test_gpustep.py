@@ -33,15 +33,16 @@ from megatrain.weights import init_random
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
 
 
-def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K, prestage: bool = True) -> Plan:
-    """All state in host memory, the first `k` units GPU-stepped; `prestage=False`: their state
-    loaded after the clip (the schedule the committed runs measured)."""
+def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K, prestage: bool | None = None) -> Plan:
+    """All state in host memory, the first `k` units GPU-stepped; their state loaded during the
+    backward sweep (`prestage=True`), after the clip (False: the schedule the committed runs
+    measured) or as the plan chose (None)."""
     m = machine or cuda(139, 1000)
     p = placement.plan(cfg, batch, m, Choices(gpu_state="off", gpu_step_units=k))
-    if prestage:
+    if prestage is None:
         return p
     shape = planspec.model_shape(cfg, formula_layer_memory(cfg, batch.compute_bytes))
-    return footprint.evaluate(shape, batch, dataclasses.replace(p, prestage=False), m)
+    return footprint.evaluate(shape, batch, dataclasses.replace(p, prestage=prestage), m)
 
 
 def _numel(cfg) -> list[int]:
@@ -107,7 +108,7 @@ def test_prestaged_state_waits_on_the_gpu_through_the_backward_sweep():
     scratch. Two-pass and immediate steps load it after the clip, through scratch, as before."""
     n = _numel(A)
     scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK
-    p8, old8 = _off(A, 8), _off(A, 8, prestage=False)
+    p8, old8 = _off(A, 8, prestage=True), _off(A, 8, prestage=False)
     assert list(p8.prestaged) == list(range(8)) and list(old8.prestaged) == []
     assert "GPU-stepped state (scratch)" not in p8.gpu
     assert p8.gpu["GPU-stepped state (prestaged)"] == STATE_BYTES * sum(n[:8])
@@ -127,7 +128,7 @@ def test_step_time_falls_while_the_cpu_optimizer_binds_and_rises_once_pcie_does(
     k=0; moving units to the GPU shortens the step until their state traffic (12 B/param each
     way) makes PCIe bind. With a CPU optimizer fast enough to hide, GPU stepping gains nothing
     (its interference with the sweep was under a millisecond) and costs PCIe traffic."""
-    times = [_off(A, k).step_time_s for k in range(31)]
+    times = [_off(A, k, prestage=False).step_time_s for k in range(31)]
     best = min(range(31), key=times.__getitem__)
     assert 8 < best < 30
     assert all(times[k + 1] < times[k] for k in range(best))
@@ -149,7 +150,7 @@ def test_gpu_stepping_costs_its_state_on_pcie():
     12 B/param there, and after the clip only the CUDA AdamW's pass over it."""
     n, rate = _numel(A), costmodel.PCIE_BYTES_S
     link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
-    for prestage in (True, False):
+    for prestage in (True, False, None):
         t0 = _off(A, 0, link_only, prestage=prestage).step_time_s
         for k in (4, 15, 30):
             t = _off(A, k, link_only, prestage=prestage).step_time_s
@@ -157,7 +158,7 @@ def test_gpu_stepping_costs_its_state_on_pcie():
     fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e15)
     t22, t30 = (_off(A, k, fast_cpu, prestage=False).step_time_s for k in (22, 30))
     assert t30 - t22 == pytest.approx(12 * sum(n[22:30]) / rate, rel=1e-6)
-    t22, t30 = (_off(A, k, fast_cpu).step_time_s for k in (22, 30))
+    t22, t30 = (_off(A, k, fast_cpu, prestage=True).step_time_s for k in (22, 30))
     kernels = 12 * sum(n[22:30]) / costmodel.GPU_ADAMW_STATE_BYTES_S
     assert t30 - t22 == pytest.approx(12 * sum(n[22:30]) / rate + kernels, rel=1e-6)
 
@@ -207,18 +208,18 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
     assert p.step_time_s == pytest.approx(min(times.values())) and p.step_time_s < 0.9 * times[0]
     fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e12)
     assert placement.plan(A, STEP16K, fast_cpu, auto).gpu_stepped_units == 0
-    # Smaller GPUs: fewer units (their held gradients and prestaged state, 16 B/param), then none
-    counts = [placement.plan(A, STEP16K, cuda(gib, 1000), auto).gpu_stepped_units for gib in (12, 16, 24)]
-    assert counts[0] == 0 < counts[1] < counts[2] < p.gpu_stepped_units
-    # one more unit does not fit 24 GiB with its state prestaged (it would, loaded after the clip)
+    # Smaller GPUs: fewer units (their held gradients), then none (not even the scratch fits); the
+    # state loaded after the clip where prestaging it (12 B/param more) does not fit
     small = cuda(24, 1000)
-    chosen = placement.plan(A, STEP16K, small, auto)
+    plans = [placement.plan(A, STEP16K, cuda(gib, 1000), auto) for gib in (8, 10)]
+    plans.append(placement.plan(A, STEP16K, small, auto))
+    counts = [q.gpu_stepped_units for q in plans]
+    assert counts[0] == 0 < counts[1] <= counts[2] < p.gpu_stepped_units
+    assert p.prestaged and not plans[2].prestaged
     shape = planspec.model_shape(A, formula_layer_memory(A, STEP16K.compute_bytes))
-    more = dataclasses.replace(chosen, gpu_stepped_units=counts[2] + 1)
-    assert footprint.fits(chosen, small)
-    assert not footprint.fits(footprint.evaluate(shape, STEP16K, more, small), small)
-    more = dataclasses.replace(more, prestage=False)
-    assert footprint.fits(footprint.evaluate(shape, STEP16K, more, small), small)
+    for k in (counts[2], p.gpu_stepped_units):  # the fastest count prestaged does not fit, nor this
+        staged = dataclasses.replace(plans[2], gpu_stepped_units=k, prestage=True)
+        assert not footprint.fits(footprint.evaluate(shape, STEP16K, staged, small), small), k
     two = Machine("cuda", 139 * 2**30, 1000 * 2**30, world=Layout(ranks=2))
     assert placement.plan(A, STEP16K, two, auto).gpu_stepped_units == 0
 
@@ -283,7 +284,7 @@ def test_gpu_stepping_is_refused_on_the_cpu_and_in_a_data_parallel_world(tmp_pat
     rc, stdout, _ = run_cli(capsys, "plan", path, "device=cuda", "max_gpu_memory=8GiB", "gpu_step_units=2")
     assert rc == 0 and "plan: GPU-resident state: 3 leading units" in stdout  # the rest
     assert "plan: GPU-stepped: 2 leading streamed units" in stdout
-    assert "GPU-stepped state (prestaged)" in stdout
+    assert "GPU-stepped state (scratch)" in stdout  # as fast as prestaged here, and smaller
 
     class TwoRanks(Single):
         world_size = local_world_size = 2
