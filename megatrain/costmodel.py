@@ -69,7 +69,10 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
     # and the next forward fetches its weights (4 B): STATE_BYTES - 4 more each way.
     extra = (STATE_BYTES - 4) * gpu_stepped
-    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra
+    # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
+    # fetch of the embedding is not counted here either way).
+    kept = sum(s.units[u] for u in plan.kept_fresh(L, s.tied) if u > 0)
+    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra - 4 * kept
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
     cpu = (streamed - gpu_stepped) / m.adam_params_s
@@ -102,7 +105,10 @@ def _gpu_stepping(
         # length of it predicted 1.67 and this 1.88.
         return 0.0, STATE_BYTES * stepped / rate
     # Prestaged: the backward sweep carries its fetches (fp32 weights of the recomputed streamed
-    # layers), the parked activations and the state: it takes the longer of its compute and that.
-    fetched = sum(s.units[max(1, plan.resident_units) : s.layers - plan.keep_layers + 1])
+    # layers but the prestaged ones), the parked activations and the state: it takes the longer of
+    # its compute and that.
+    skip = set(plan.kept_fresh(s.layers, s.tied))
+    recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
+    fetched = sum(s.units[u] for u in recomputed if u not in skip)
     link = (4 * fetched + act_bytes + STATE_BYTES * prestaged) / rate
     return max(0.0, link - backward_s), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S

@@ -143,6 +143,13 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         step until the next forward sweep fetches them."""
         return cb * sum(s.units[v] for v in plan.stepped if v >= u)
 
+    refetched = plan.kept_fresh(L, s.tied)
+
+    def kept_weights(lo: int, hi: int) -> int:
+        """Prestaged units lo <= u < hi fetched again later in the step: their updated weights,
+        kept from the forward sweep's fetch to the later one."""
+        return cb * sum(s.units[v] for v in refetched if lo <= v < hi)
+
     def prestaged_state(u: int) -> int:
         """Prestaged units >= u: their fp32 state, loaded during the backward sweep (counted whole
         from its start), stepped after the clip and freed after its write-back, which runs in
@@ -173,14 +180,19 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "boundary activations": acts_before(j) + Tm * h * cb,
             "kept graphs": kept_graph * max(0, j - (L - k)),
             "gradients": suffix_streamed[j + 2] if stored else 0,
-            "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch),  # beyond the fetch window
+            # beyond the fetch window, and those fetched again later
+            "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch) + kept_weights(0, j + 1),
             "GPU-stepped state (prestaged)": prestaged_state(j + 2),
         }
         work = {"layer forward": lm.graph(Tm, tile) if kept else lm.forward(Tm, tile)}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
     head = L + 1
-    rest = {"boundary activations": acts_before(L), "kept graphs": kept_graph * k}
+    rest = {
+        "boundary activations": acts_before(L),
+        "kept graphs": kept_graph * k,
+        "GPU-stepped weights": kept_weights(1, L + 1),  # for the backward sweep
+    }
     work = {
         # a chunk's logits and their gradients, or later the LM head weight's gradient of the chunk
         # beside the logits' gradient in compute dtype (wins for wide layers); the last hidden states
@@ -213,8 +225,8 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
             "activation gradients": T * h * cb + int(BACKWARD_TOKEN_H * T * h),
             "gradients": held,
-            # immediate, two_pass: units stepped earlier in this sweep (stored: after it)
-            "GPU-stepped weights": 0 if stored else stepped_weights(u + 1),
+            # stored: those the sweep fetches after this window; else units stepped earlier in it
+            "GPU-stepped weights": kept_weights(1, u - plan.prefetch) if stored else stepped_weights(u + 1),
             "GPU-stepped state (prestaged)": prestaged_state(0),
         }
         recomputed = 0 if kept else lm.graph(Tm, tile) + Tm * h * cb  # its graph and output

@@ -20,8 +20,9 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
   other is stepped and written back (AdamW is elementwise: chunks change nothing);
 * either way, the updated weights are cast to the compute dtype into a buffer that the unit's next
   fetch takes as it is (`take`): the next forward sweep's weights of these units never cross PCIe.
-  Any later fetch, and the next step's loads, read host memory after the write-back
-  (`order_read`, `_written`).
+  Prestaged units keep it for every fetch of the next step's schedule (the backward sweep's, a
+  tied head's): their weights cross PCIe only as part of their state. Any later fetch, and the
+  next step's loads, read host memory after the write-back (`order_read`, `_written`).
 
 Loads queue on the transport's host->device stream, steps and write-backs on a stream of their
 own, so the CPU optimizer's gradient copies and the next forward sweep go on beside them; the
@@ -230,10 +231,11 @@ class GpuStepper:
         return s, views
 
     # ------------------------------------------------------------- after the step
-    def take(self, unit: Unit) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+    def take(self, unit: Unit, keep: bool = False) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
         """The unit's weights as its last step left them, in compute dtype on the GPU, and the
-        event after which they are there; once (None: fetch it from host memory)."""
-        return self._fresh.pop(unit.index, None)
+        event after which they are there (None: fetch it from host memory); `keep`: for a later
+        fetch too (the backward sweep's), else given once."""
+        return self._fresh.get(unit.index) if keep else self._fresh.pop(unit.index, None)
 
     def order_read(self, stream: torch.cuda.Stream, unit: Unit) -> None:
         """Make `stream` wait until the unit's last update is back in host memory."""

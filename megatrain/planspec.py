@@ -110,6 +110,13 @@ class Plan:
         gradients are held for the clip (the sweep lands none of them), else none."""
         return self.stepped if self.prestage and self.grad_mode == "stored" else range(0)
 
+    def kept_fresh(self, layers: int, tied: bool) -> list[int]:
+        """Prestaged units that a step fetches again after the forward sweep (their backward
+        sweep's fetch; the embedding, a tied head's): their updated weights (compute dtype) stay
+        on the GPU from their step to that fetch, which takes them."""
+        backward = range(1, layers - self.keep_layers + 1)
+        return [u for u in self.prestaged if u in backward or (u == 0 and tied)]
+
     @property
     def gpu_grad_lead(self) -> int:
         """Stored mode: the leading units whose gradients wait on the GPU for the clip (resident

@@ -233,7 +233,8 @@ class StreamingTransport:
             ev.record(self.compute)
             self._issued[k] = (buf, ev)
             return
-        fresh = self.stepper.take(unit)
+        again = any(u.index == unit.index for u in self.schedule[k + 1 :])
+        fresh = self.stepper.take(unit, keep=again and unit.index in self.plan.prestaged)
         if fresh is not None:  # stepped on the GPU, in compute dtype already
             self._issued[k] = fresh
             return

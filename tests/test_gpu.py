@@ -161,7 +161,7 @@ def test_gpu_stepped_units_equal_serial_and_resident_ones():
     small chunks): the overlapped schedule equals the serial one with the same units GPU-stepped
     (prestaged), in each gradient mode, and those equal the same units kept GPU-resident (one
     kernel, the same numbers); their state crosses PCIe both ways once per step, and where
-    gradients are held it is all in before the clip."""
+    gradients are held it is all in before the clip and their weights do not cross again."""
     cfg = _cfg("qwen2", True)
     stepped = 3  # the embedding (fetched again by the tied head) and two layers
     serial = {}
@@ -190,8 +190,13 @@ def test_gpu_stepped_units_equal_serial_and_resident_ones():
     state_bytes = 12 * sum(u.numel for u in m.state.units[:stepped])
     assert stepper.h2d_bytes == stepper.d2h_bytes == 2 * state_bytes
     ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(5))
+    fetched = m.transport.h2d_bytes
     m.engine.forward_backward([MicroBatch(ids, ids)])
     assert stepper.h2d_bytes == 3 * state_bytes  # queued during the backward sweep
+    # the stepped units' weights come from their step in both sweeps (and for the tied head): only
+    # the other units' cross, layers 3 and 4 twice
+    n = [u.numel for u in m.state.units]
+    assert m.transport.h2d_bytes - fetched == 4 * (2 * n[3] + 2 * n[4] + n[5])
     m.engine.step(1e-3, m.engine.clip_grad_norm(0.5)[1])
     assert stepper.h2d_bytes == stepper.d2h_bytes == 3 * state_bytes
     m.close()
