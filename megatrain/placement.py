@@ -103,7 +103,7 @@ def plan(
 
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
         p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped)
-        return evaluate(s, batch, p, m)
+        return _stepped_loading(s, batch, p, m)
 
     def fastest(tile: int) -> Plan | None:
         best: Plan | None = None
@@ -143,8 +143,6 @@ def plan(
         best = _spend_free_gpu(s, batch, best, m)
     if c.gpu_step_units is None and m.device == "cuda" and m.world.ranks == 1:
         best = _fastest_stepping(s, batch, best, m)
-    else:
-        best = _stepped_loading(s, batch, best, m)
     best = _note(best, s, batch, m)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"

@@ -231,6 +231,16 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
     assert placement.plan(A, STEP16K, two, auto).gpu_stepped_units == 0
 
 
+def test_a_count_whose_prestaged_state_does_not_fit_is_loaded_after_the_clip():
+    """The user's count on a GPU too small to hold its state through the backward sweep: the
+    state comes in after the clip, through scratch, with the gradients still held (not refused,
+    not a two-pass step)."""
+    small = cuda(16, 1000)
+    p = _off(A, 15, small)
+    assert (p.grad_mode, p.gpu_stepped_units, list(p.prestaged)) == ("stored", 15, [])
+    assert footprint.fits(p, small) and not footprint.fits(_off(A, 15, small, prestage=True), small)
+
+
 def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
     """The committed H100 runs of model A at 16k tokens, all state in host memory, 0 to 30 units
     stepped on the GPU: the cost model, given each run's measured layer and rates, predicts each
