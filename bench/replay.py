@@ -37,6 +37,8 @@ def replay(record: dict) -> dict[str, tuple[int, int]]:
     cfg, seq, mbs, accum = shape_of(run)
     batch = Batch(mbs * seq, accum, seq, 2, float(run.get("max_grad_norm", 1.0)) > 0, rows=mbs)
     plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS if k in record["plan"]})
+    # records made before GPU-stepped state was prestaged measured it loaded after the clip
+    plan.prestage = record["plan"].get("prestage", False)
     predicted = phase_peaks(cfg, batch, plan, LayerMemory(**record["layer_mem"]))
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items()}
 

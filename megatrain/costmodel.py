@@ -38,6 +38,8 @@ PCIE_BYTES_S = 45e9
 ADAM_PARAMS_S = 3e9  # where it is not measured
 ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
 OPT_INTERFERENCE = 0.25
+# The fused CUDA AdamW: ~1 ms per GB of fp32 state (weights and moments) on H100/H200.
+GPU_ADAMW_STATE_BYTES_S = 1e12
 
 
 def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
@@ -52,8 +54,11 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     recompute = L - plan.keep_layers
     passes = 2 if plan.grad_mode == "two_pass" else 1
     flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
+    backward = 2 * L * layer_fwd + recompute * layer_fwd  # the (last) backward sweep's
     if s.layer_mem.tiles(b.micro_batch_tokens, plan.mlp_tile_tokens):
-        flops += passes * L * 2 * 3 * s.hidden * s.ffn * T  # each backward recomputes the MLP's tiles
+        tiles = L * 2 * 3 * s.hidden * s.ffn * T  # each backward recomputes the MLP's tiles
+        flops += passes * tiles
+        backward += tiles
     gpu = flops / F
     if m.device == "cpu":
         return gpu + s.total / m.adam_params_s
@@ -64,7 +69,10 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
     # and the next forward fetches its weights (4 B): STATE_BYTES - 4 more each way.
     extra = (STATE_BYTES - 4) * gpu_stepped
-    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra
+    # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
+    # fetch of the embedding is not counted here either way).
+    kept = sum(s.units[u] for u in plan.kept_fresh(L, s.tied) if u > 0)
+    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra - 4 * kept
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
     cpu = (streamed - gpu_stepped) / m.adam_params_s
@@ -75,11 +83,32 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
         window = forward
     else:
         window = 3 * forward  # the backward sweep that lands the gradients
-    # The GPU-stepped (leading) units are stepped last, and the next forward sweep needs them first.
-    # Measured (model A, 16k tokens, H100): the GPU waits for their state's whole way in and out;
-    # the sweep hides none of it (it shares the link with its own fetches): 30 such units took
-    # 1.85 s a step, where hiding a forward's length of it predicted 1.67 and this 1.88.
-    gpu_step = STATE_BYTES * gpu_stepped / rate
+    stretch, gpu_step = _gpu_stepping(s, plan, backward / F, act_bytes, rate)
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
-    return max(gpu + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
+    return max(gpu + stretch + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
+
+
+def _gpu_stepping(
+    s: Shape, plan: Plan, backward_s: float, act_bytes: int, rate: float
+) -> tuple[float, float]:
+    """The GPU-stepped units' time on the critical path: how much longer the backward sweep takes
+    with their state coming in beside its own fetches (prestaged), and the GPU's wait after the
+    clip before the next forward sweep has their updated weights. Their way back overlaps the
+    next sweeps; the link's total traffic bounds it."""
+    stepped = sum(s.units[u] for u in plan.stepped)
+    prestaged = sum(s.units[u] for u in plan.prestaged)
+    if not prestaged:
+        # The state comes in after the clip. Measured (model A, 16k tokens, H100): the GPU waits for
+        # its whole way in and out; the next forward sweep hides none of it (it shares the link
+        # with its own fetches): 30 such units took 1.85 s a step, where hiding a forward's
+        # length of it predicted 1.67 and this 1.88.
+        return 0.0, STATE_BYTES * stepped / rate
+    # Prestaged: the backward sweep carries its fetches (fp32 weights of the recomputed streamed
+    # layers but the prestaged ones), the parked activations and the state: it takes the longer of
+    # its compute and that.
+    skip = set(plan.kept_fresh(s.layers, s.tied))
+    recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
+    fetched = sum(s.units[u] for u in recomputed if u not in skip)
+    link = (4 * fetched + act_bytes + STATE_BYTES * prestaged) / rate
+    return max(0.0, link - backward_s), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S

@@ -132,10 +132,13 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     # mode the leading units' the plan keeps there (GPU-stepped ones among them). suffix[u]: their
     # bytes over units >= u.
     on_gpu = [u < R or (stored and u < plan.gpu_grad_lead) for u in range(n)]
+    # The next forward sweep still holds those of streamed units until the host optimizer (in
+    # forward order, behind it) has taken them; prestaged units' are gone after the step's kernels.
+    waits = [on_gpu[u] and u >= R and u not in plan.prestaged for u in range(n)]
     suffix, suffix_streamed = [0] * (n + 1), [0] * (n + 1)
     for u in range(n - 1, -1, -1):
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
-        suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if on_gpu[u] and u >= R else 0)
+        suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if waits[u] else 0)
     resident = {  # in every phase
         "fp32 state of GPU-resident units": STATE_BYTES * sum(s.units[:R]),
         "GPU-stepped state (scratch)": _step_scratch(s, plan),
@@ -146,6 +149,19 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         """GPU-stepped units >= u: their updated weights (compute dtype), kept from the optimizer
         step until the next forward sweep fetches them."""
         return cb * sum(s.units[v] for v in plan.stepped if v >= u)
+
+    refetched = plan.kept_fresh(L, s.tied)
+
+    def kept_weights(lo: int, hi: int) -> int:
+        """Prestaged units lo <= u < hi fetched again later in the step: their updated weights,
+        kept from the forward sweep's fetch to the later one."""
+        return cb * sum(s.units[v] for v in refetched if lo <= v < hi)
+
+    def prestaged_state(u: int) -> int:
+        """Prestaged units >= u: their fp32 state, loaded during the backward sweep (counted whole
+        from its start), stepped after the clip and freed after its write-back, which runs in
+        forward order behind the next forward sweep (as the host optimizer does)."""
+        return STATE_BYTES * sum(s.units[v] for v in plan.prestaged if v >= u)
 
     tile = plan.mlp_tile_tokens
     kept_graph = lm.graph(Tm, tile) * b.micro_batches + act + cb * s.layer  # graphs, outputs, weights
@@ -171,13 +187,19 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "boundary activations": acts_before(j) + Tm * h * cb,
             "kept graphs": kept_graph * max(0, j - (L - k)),
             "gradients": suffix_streamed[j + 2] if stored else 0,
-            "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch),  # beyond the fetch window
+            # beyond the fetch window, and those fetched again later
+            "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch) + kept_weights(0, j + 1),
+            "GPU-stepped state (prestaged)": prestaged_state(j + 2),
         }
         work = {"layer forward": lm.graph_peak(Tm, tile) if kept else lm.forward(Tm, tile)}
         phases.append(_Phase("forward", win[j + 1], {**resident, **rest}, work))
     # The head: every boundary activation and kept graph alive, the loss chunk on top.
     head = L + 1
-    rest = {"boundary activations": acts_before(L), "kept graphs": kept_graph * k}
+    rest = {
+        "boundary activations": acts_before(L),
+        "kept graphs": kept_graph * k,
+        "GPU-stepped weights": kept_weights(1, L + 1),  # for the backward sweep
+    }
     work = {
         # a chunk's logits and their gradients, or later the LM head weight's gradient of the chunk
         # beside the logits' gradient in compute dtype (wins for wide layers); the last hidden states
@@ -210,8 +232,9 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "kept graphs": kept_graph * max(0, j + 1 - (L - k)),
             "activation gradients": T * h * cb + int(BACKWARD_TOKEN_H * T * h),
             "gradients": held,
-            # immediate, two_pass: units stepped earlier in this sweep (stored: after it)
-            "GPU-stepped weights": 0 if stored else stepped_weights(u + 1),
+            # stored: those the sweep fetches after this window; else units stepped earlier in it
+            "GPU-stepped weights": kept_weights(1, u - plan.prefetch) if stored else stepped_weights(u + 1),
+            "GPU-stepped state (prestaged)": prestaged_state(0),
         }
         recomputed = 0 if kept else lm.graph(Tm, tile) + Tm * h * cb  # its graph and output
         work = {
@@ -225,6 +248,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         "activation gradients": T * h * cb,
         "gradients": suffix[0] if stored else inflight(0),
         "GPU-stepped weights": 0 if stored else stepped_weights(1),
+        "GPU-stepped state (prestaged)": prestaged_state(0),
     }
     rows = min(Tm, EMBED_GRAD_ROWS)
     work = {"embedding backward": rows * h * (8 + cb) + (0 if on_gpu[0] else 4 * s.units[0])}
@@ -234,8 +258,9 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
 
 def _step_scratch(s: Shape, plan: Plan) -> int:
     """GPU scratch for the state of GPU-stepped units, allocated for the whole run: STEP_SLOTS
-    chunks of `staging_elems` elements (or of the largest such unit, if smaller)."""
-    if not plan.gpu_stepped_units:
+    chunks of `staging_elems` elements (or of the largest such unit, if smaller); none where all
+    of them are prestaged."""
+    if not plan.gpu_stepped_units or plan.prestaged:
         return 0
     chunk = min(plan.staging_elems, max(s.units[u] for u in plan.stepped))
     return STEP_SLOTS * STATE_BYTES * chunk

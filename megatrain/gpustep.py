@@ -4,26 +4,36 @@ With all state in host memory every unit is stepped by the CPU AdamW once the cl
 known, and only the next forward sweep hides it, while PCIe is mostly idle. For the plan's
 GPU-stepped units (`Plan.stepped`: the first streamed units in forward order, which the next
 forward sweep needs first, and whose gradients the backward sweep produces last) the step runs on
-the GPU instead:
+the GPU instead, with the fused CUDA AdamW GPU-resident units are stepped with, on the same
+numbers, so a unit stepped this way ends bitwise where a resident one would:
 
 * their gradients wait on the GPU for the clip (the plan counts them);
-* each unit's fp32 master weights and two AdamW moments are copied host->device a chunk at a time
-  into one of `STEP_SLOTS` scratch slots, stepped there by the fused CUDA AdamW with the clipped
-  gradient, and copied back; one slot loads while the other is stepped and written back. It is
-  the kernel GPU-resident units are stepped with, on the same numbers, so a unit stepped this way
-  ends bitwise where a resident one would (AdamW is elementwise: chunks change nothing);
-* on the way, the updated weights are cast to the compute dtype into a buffer that the unit's next
+* **prestaged** (`Plan.prestaged`: gradients held for the clip): the state's way in does not
+  depend on the clip coefficient, so each unit's fp32 master weights and two AdamW moments are
+  copied host->device during the backward sweep, into buffers of their own held until the step.
+  The transport says how far the sweep has come (`prestage`); the copies queue on its
+  host->device stream a share at a time, behind the sweep's own weight fetches, in the order the
+  units will be stepped. After the clip only the kernels and the way back remain;
+* **chunked** (a step whose gradients land during the backward sweep: two-pass, immediate, or a
+  plan without prestage): after the clip, each unit's state is copied in a chunk at a time into
+  one of `STEP_SLOTS` scratch slots, stepped there and copied back; one slot loads while the
+  other is stepped and written back (AdamW is elementwise: chunks change nothing);
+* either way, the updated weights are cast to the compute dtype into a buffer that the unit's next
   fetch takes as it is (`take`): the next forward sweep's weights of these units never cross PCIe.
-  Any later fetch reads host memory after the write-back (`order_read`).
+  Prestaged units keep it for every fetch of the next step's schedule (the backward sweep's, a
+  tied head's): their weights cross PCIe only as part of their state. Any later fetch, and the
+  next step's loads, read host memory after the write-back (`order_read`, `_written`).
 
 Loads queue on the transport's host->device stream, steps and write-backs on a stream of their
 own, so the CPU optimizer's gradient copies and the next forward sweep go on beside them; the
 order is kept by events and nothing blocks the calling thread. With `overlap=False` everything
-runs on the compute stream: the serial reference. Off CUDA (`compute=None`: tests; the plan
-refuses GPU stepping on the CPU) the same code runs in program order.
+runs on the compute stream in program order: the serial reference. Off CUDA (`compute=None`:
+tests; the plan refuses GPU stepping on the CPU) the same code runs in program order.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -63,19 +73,29 @@ class GpuStepper:
         compute: torch.cuda.Stream | None = None,
         load: torch.cuda.Stream | None = None,
         overlap: bool = True,
+        prestage: bool = False,
     ):
         """`units`: consecutive units; `chunk`: elements per scratch slot; `compute`: the stream
-        that computes (None: the CPU); `load`: the transport's host->device stream."""
+        that computes (None: the CPU); `load`: the transport's host->device stream; `prestage`:
+        every step's state comes in before the step (`prestage`), none through scratch."""
         self.state, self.cfg, self.dtype = state, cfg, dtype
+        self.order = list(units)  # the order they are stepped in, and prestaged in
         self.units = {u.index for u in units}
         self.device = torch.device("cpu") if compute is None else compute.device
         self.compute, self.load = compute, load
         self.overlap = overlap and compute is not None
         self.stream = torch.cuda.Stream(self.device) if self.overlap else compute
         self.chunk = min(chunk, max((u.numel for u in units), default=0))
-        self.slots = [torch.empty(len(STATE), self.chunk, device=self.device) for _ in range(STEP_SLOTS)]
-        self._free: list[torch.cuda.Event | None] = [None] * STEP_SLOTS  # slot written back
+        self.prestaging = prestage
+        slots = 0 if prestage else STEP_SLOTS
+        self.slots = [torch.empty(len(STATE), self.chunk, device=self.device) for _ in range(slots)]
+        self._free: list[torch.cuda.Event | None] = [None] * slots  # slot written back
         self._next = 0  # the slot the next chunk loads into
+        # Prestaged state: unit -> (its master and moments on the GPU, elements loaded, the event
+        # after which they are there); `_queued` elements of `order` queued so far this step.
+        self._held: dict[int, tuple[torch.Tensor, int, torch.cuda.Event | None]] = {}
+        self._queued = 0
+        self._total = sum(u.numel for u in units)
         self._fresh: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._written: dict[int, torch.cuda.Event | None] = {}  # a unit's last write-back
         self._registrations = self._register(units)
@@ -93,18 +113,63 @@ class GpuStepper:
     def __contains__(self, index: int) -> bool:
         return index in self.units
 
+    # ------------------------------------------------------------- prestage
+    def prestage(self, share: float) -> None:
+        """Queue the loads of the units' state up to `share` (0..1) of it, in step order, behind
+        what the load stream has queued so far (the sweep's fetches): called as the backward
+        sweep advances, so the loads spread over it."""
+        if not self.prestaging:
+            return
+        target = min(self._total, math.ceil(share * self._total))
+        start = 0
+        for unit in self.order:
+            a, b = max(self._queued, start) - start, min(target - start, unit.numel)
+            if a < b:
+                self._load_held(unit, a, b)
+                self._queued += b - a
+            start += unit.numel
+            if start >= target:
+                return
+
+    def _load_held(self, unit: Unit, a: int, b: int) -> None:
+        """Queue the copy of elements [a, b) of the unit's state into its held buffer."""
+        with torch.cuda.stream(self.load):
+            if unit.index not in self._held:
+                # Allocated on the load stream, which writes it first: memory the allocator hands
+                # back there is free of earlier work in that stream's order.
+                _wait(self.load, self._written.get(unit.index))  # its previous update is back
+                buf = torch.empty(len(STATE), unit.numel, device=self.device)
+                self._held[unit.index] = (buf, 0, None)
+            buf, done, _ = self._held[unit.index]
+            assert done == a, (unit.name, done, a)
+            for which, t in zip(STATE, buf):
+                t[a:b].copy_(self.state.flat(unit, which)[a:b], non_blocking=True)
+            self._held[unit.index] = (buf, b, _mark(self.load))
+        self.h2d_bytes += len(STATE) * 4 * (b - a)
+
+    def discard(self) -> None:
+        """Drop the prestaged state (a step skipped or begun again): host memory holds it as it was."""
+        self._held, self._queued = {}, 0
+
+    # ------------------------------------------------------------- step
     def step(self, items, coef: torch.Tensor | None, lr: float, step: int, skip=None) -> None:
         """Queue AdamW for `items` ((unit, its complete fp32 gradient on the GPU), in forward
         order), after what the compute stream has queued so far (the gradients, `coef`, `skip`)."""
         if not items:
             return
+        self.prestage(1.0)  # whatever the sweep has not brought in yet
         _wait(self.stream, _mark(self.compute))
         for unit, grad in items:
             if self.overlap:
                 grad.record_stream(self.stream)  # the caller drops it; this stream still reads it
-            self._step(unit, grad, coef, lr, step, skip)
+            fresh = self._fresh_buffer(unit)
+            if unit.index in self._held:
+                self._step_held(unit, grad, coef, lr, step, skip, fresh)
+            else:
+                self._step(unit, grad, coef, lr, step, skip, fresh)
+        self.discard()
 
-    def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip) -> None:
+    def _fresh_buffer(self, unit: Unit) -> torch.Tensor:
         # Allocated on the compute stream, which uses and frees it, after the event the step stream
         # waited for: nothing queued before can still touch this memory. Recorded on the step
         # stream, so that memory is not reused before its writes are done, even where no fetch
@@ -112,6 +177,28 @@ class GpuStepper:
         fresh = torch.empty(unit.numel, dtype=self.dtype, device=self.device)
         if self.overlap:
             fresh.record_stream(self.stream)
+        return fresh
+
+    def _step_held(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:
+        """AdamW on the unit's prestaged state, as a GPU-resident unit is stepped; then its fresh
+        weights and the write-back."""
+        buf, done, loaded = self._held[unit.index]
+        assert done == unit.numel, (unit.name, done)
+        _wait(self.stream, loaded)
+        p, m, v = buf
+        with torch.cuda.stream(self.stream):
+            adamw_range(unit, 0, unit.numel, p, clip_scaled(grad, coef), m, v, self.cfg, lr, step, skip)
+            fresh.copy_(p)  # the same rounding as a fetch's cast of the fp32 master
+            self._fresh[unit.index] = (fresh, _mark(self.stream))
+            for which, t in zip(STATE, buf):
+                self.state.flat(unit, which).copy_(t, non_blocking=True)
+            self._written[unit.index] = _mark(self.stream)
+        if self.overlap:
+            buf.record_stream(self.stream)  # freed here; not reused before the write-back is done
+        self.d2h_bytes += len(STATE) * 4 * unit.numel
+
+    def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:
+        """AdamW through the scratch slots, a chunk at a time."""
         ranges = chunk_ranges(unit, self.chunk)
         for i, (a, b) in enumerate(ranges):
             s, (p, m, v) = self._load(unit, a, b)
@@ -143,10 +230,12 @@ class GpuStepper:
         self.h2d_bytes += len(STATE) * 4 * (b - a)
         return s, views
 
-    def take(self, unit: Unit) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+    # ------------------------------------------------------------- after the step
+    def take(self, unit: Unit, keep: bool = False) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
         """The unit's weights as its last step left them, in compute dtype on the GPU, and the
-        event after which they are there; once (None: fetch it from host memory)."""
-        return self._fresh.pop(unit.index, None)
+        event after which they are there (None: fetch it from host memory); `keep`: for a later
+        fetch too (the backward sweep's), else given once."""
+        return self._fresh.get(unit.index) if keep else self._fresh.pop(unit.index, None)
 
     def order_read(self, stream: torch.cuda.Stream, unit: Unit) -> None:
         """Make `stream` wait until the unit's last update is back in host memory."""

@@ -23,8 +23,9 @@ From the model's shape, the batch shape and the memory the run may use (measured
 
 **GPU-stepped units** (`gpu_step_units`: a count, or `auto` for the cost model's fastest): the
 first streamed units after the resident ones are stepped on the GPU, their fp32 state copied in
-and back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the scratch,
-the weights they keep for the next forward sweep and the PCIe traffic.
+and back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the scratch
+or, where gradients are held, the state loaded during the backward sweep (prestaged, where that
+fits and is faster), the weights they keep for the next forward sweep and the PCIe traffic.
 
 The engine and the transport receive the `Plan` and carry it out; they keep no rules of their
 own. `megatrain plan` prints the same plan, and a training run records it in `plan.json` beside
@@ -114,7 +115,7 @@ def plan(
 
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
         p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped)
-        return evaluate(s, batch, p, m)
+        return _stepped_loading(s, batch, p, m)
 
     def fastest(tile: int) -> Plan | None:
         best: Plan | None = None
@@ -265,12 +266,27 @@ def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
     saves STEPPING_GAIN of the step, the cost model's error on the runs it was checked against."""
     best = base
     for k in range(1, len(s.units) - base.resident_units + 1):
-        p = evaluate(s, b, replace(base, gpu_stepped_units=k), m)
+        p = _stepped_loading(s, b, replace(base, gpu_stepped_units=k), m)
         if not fits(p, m):
             break
         if p.step_time_s < best.step_time_s:
             best = p
     return best if best.step_time_s < (1 - STEPPING_GAIN) * base.step_time_s else base
+
+
+def _stepped_loading(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
+    """Where gradients are held for the clip: the GPU-stepped state loaded during the backward
+    sweep (prestaged) where that fits and is faster, else after the clip. Prestaging puts the
+    load on the backward sweep's link, beside its fetches, where loading after the clip overlaps
+    it with the CPU optimizer's tail: with few units the CPU binds and the latter can be faster
+    (at the same speed it is chosen: it holds no state on the GPU)."""
+    staged = evaluate(s, b, replace(p, prestage=True), m)
+    if not staged.prestaged:
+        return staged
+    after = evaluate(s, b, replace(p, prestage=False), m)
+    if fits(staged, m) and (not fits(after, m) or staged.step_time_s < after.step_time_s - 1e-6):
+        return staged
+    return after
 
 
 def _too_big(p: Plan, m: Machine, b: Batch) -> str:

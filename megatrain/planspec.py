@@ -76,6 +76,11 @@ class Plan:
     gpu_stepped_units: int = 0
     """Streamed units (state in host memory) stepped on the GPU: the first ones after the resident
     units (`stepped`); the user's count (`gpu_step_units`), or with `auto` the cost model's."""
+    prestage: bool = True
+    """Stored mode: the GPU-stepped units' fp32 state comes in during the backward sweep and waits
+    on the GPU for the step (`prestaged`); False: it comes in after the clip, through scratch (the
+    schedule bench/results/2026-11-23_0402_gpustep.json measured). The plan takes the faster that
+    fits (placement.py)."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
@@ -99,6 +104,19 @@ class Plan:
         """The GPU-stepped units (forward order): the first `gpu_stepped_units` after the resident
         ones, so the next forward sweep finds their updated weights on the GPU first."""
         return range(self.resident_units, self.resident_units + self.gpu_stepped_units)
+
+    @property
+    def prestaged(self) -> range:
+        """The GPU-stepped units whose state is loaded during the backward sweep: all of them where
+        gradients are held for the clip (the sweep lands none of them), else none."""
+        return self.stepped if self.prestage and self.grad_mode == "stored" else range(0)
+
+    def kept_fresh(self, layers: int, tied: bool) -> list[int]:
+        """Prestaged units that a step fetches again after the forward sweep (their backward
+        sweep's fetch; the embedding, a tied head's): their updated weights (compute dtype) stay
+        on the GPU from their step to that fetch, which takes them."""
+        backward = range(1, layers - self.keep_layers + 1)
+        return [u for u in self.prestaged if u in backward or (u == 0 and tied)]
 
     @property
     def gpu_grad_lead(self) -> int:

@@ -19,7 +19,9 @@ plan says (placement.py). Two implementations of the `Transport` protocol:
   the update of the unit it needs. The leading units' fp32 state may live on the GPU for good
   (`resident_units`), stepped there by the fused CUDA AdamW (DeepSpeed's "Twin-Flow"):
   `synchronize` writes it back so checkpoints see one place. The next units' state may instead
-  be streamed to the GPU for each step and back (`gpu_stepped_units`, gpustep.py).
+  be streamed to the GPU for each step and back (`gpu_stepped_units`, gpustep.py): where
+  gradients are held, each `hold` marks a step of the backward sweep, and that share of their
+  state is queued on the host->device stream behind the fetches issued so far (`prestage`).
 
 Every path computes the same arithmetic: the fp32 gradient times the clip coefficient (an fp32
 multiply, exact on either device), then the fused AdamW. `overlap=False` runs the streaming
@@ -192,7 +194,15 @@ class StreamingTransport:
         self._make_resident(units[: plan.resident_units])
         stepped = [units[i] for i in plan.stepped]
         self.stepper = GpuStepper(
-            state, optimizer.cfg, stepped, dtype, plan.staging_elems, self.compute, self.h2d, overlap
+            state,
+            optimizer.cfg,
+            stepped,
+            dtype,
+            plan.staging_elems,
+            self.compute,
+            self.h2d,
+            overlap,
+            prestage=bool(plan.prestaged),
         )
         # One core stays free for the thread that launches kernels; the optimizer's OpenMP
         # threads would otherwise preempt it and starve the GPU.
@@ -223,7 +233,8 @@ class StreamingTransport:
             ev.record(self.compute)
             self._issued[k] = (buf, ev)
             return
-        fresh = self.stepper.take(unit)
+        again = any(u.index == unit.index for u in self.schedule[k + 1 :])
+        fresh = self.stepper.take(unit, keep=again and unit.index in self.plan.prestaged)
         if fresh is not None:  # stepped on the GPU, in compute dtype already
             self._issued[k] = fresh
             return
@@ -263,6 +274,12 @@ class StreamingTransport:
     # ------------------------------------------------------------- gradients out
     def hold(self, unit: Unit, grad: torch.Tensor) -> None:
         self._check()
+        self._hold(unit, grad)
+        # Each gradient held is a step of the backward sweep: the GPU-stepped units' state comes in
+        # a share at a time, behind the fetches queued so far, complete by the last layer's.
+        self.stepper.prestage(len(self._held) / max(1, len(self.state.units) - 1))
+
+    def _hold(self, unit: Unit, grad: torch.Tensor) -> None:
         slot = self._host_slots.get(unit.index)
         if slot is None or unit.index in self.resident:
             self._held[unit.index] = grad
@@ -308,6 +325,7 @@ class StreamingTransport:
 
     def discard(self) -> None:
         self._held = {}
+        self.stepper.discard()
 
     def _step_resident(self, unit: Unit, g: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
         p, m, v = self.resident[unit.index]  # on the compute stream, ~1 ms per GB

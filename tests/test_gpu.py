@@ -107,8 +107,11 @@ CASES = {
     # the MLP over tiles of 100 tokens (a micro-batch has 256), a kept graph among them
     "tiled": ("llama", False, _plan(gpu_grads=0, keep=1, parked=2, tile=100)),
     # the embedding and two layers stepped on the GPU from streamed state (the tied head fetches
-    # the embedding again, after its update), the rest by the CPU from host gradients
+    # the embedding again, after its update), the rest by the CPU from host gradients; their state
+    # loaded during the backward sweep (prestaged), or after the clip through scratch (against the
+    # serial schedule's prestaged steps)
     "gpu-stepped": ("qwen3", True, _plan(gpu_grads=0, keep=1, stepped=3)),
+    "gpu-stepped-chunked": ("qwen3", True, replace(_plan(gpu_grads=0, keep=1, stepped=3), prestage=False)),
 }
 
 
@@ -153,10 +156,12 @@ def test_resident_units_overlapped_equal_serial():
 
 
 def test_gpu_stepped_units_equal_serial_and_resident_ones():
-    """The first units' state streamed to the GPU for each step and back, in many small chunks:
-    the overlapped schedule equals the serial one with the same units GPU-stepped, in each
-    gradient mode, and those equal the same units kept GPU-resident (one kernel, the same
-    numbers); their state crosses PCIe both ways once per step."""
+    """The first units' state streamed to the GPU for each step and back (stored: during the
+    backward sweep into buffers held for the step; two-pass and immediate: after the clip, in many
+    small chunks): the overlapped schedule equals the serial one with the same units GPU-stepped
+    (prestaged), in each gradient mode, and those equal the same units kept GPU-resident (one
+    kernel, the same numbers); their state crosses PCIe both ways once per step, and where
+    gradients are held it is all in before the clip and their weights do not cross again."""
     cfg = _cfg("qwen2", True)
     stepped = 3  # the embedding (fetched again by the tied head) and two layers
     serial = {}
@@ -179,9 +184,21 @@ def test_gpu_stepped_units_equal_serial_and_resident_ones():
     assert torch.equal(resident[2], streamed[2]), f"max {diff.max():.3g} mean {diff.mean():.3g}"
     assert torch.equal(resident[3], streamed[3])
     m = _build(cfg, _plan(gpu_grads=0, stepped=stepped), staging=10_000)
+    stepper = m.transport.stepper
+    assert stepper.slots == []  # prestaged: no scratch, so no chunked step
     _steps(m, n_steps=2)
-    state_bytes = 2 * 12 * sum(u.numel for u in m.state.units[:stepped])
-    assert m.transport.stepper.h2d_bytes == m.transport.stepper.d2h_bytes == state_bytes
+    state_bytes = 12 * sum(u.numel for u in m.state.units[:stepped])
+    assert stepper.h2d_bytes == stepper.d2h_bytes == 2 * state_bytes
+    ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(5))
+    fetched = m.transport.h2d_bytes
+    m.engine.forward_backward([MicroBatch(ids, ids)])
+    assert stepper.h2d_bytes == 3 * state_bytes  # queued during the backward sweep
+    # the stepped units' weights come from their step in both sweeps (and for the tied head): only
+    # the other units' cross, layers 3 and 4 twice
+    n = [u.numel for u in m.state.units]
+    assert m.transport.h2d_bytes - fetched == 4 * (2 * n[3] + 2 * n[4] + n[5])
+    m.engine.step(1e-3, m.engine.clip_grad_norm(0.5)[1])
+    assert stepper.h2d_bytes == stepper.d2h_bytes == 3 * state_bytes
     m.close()
 
 

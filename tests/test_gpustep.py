@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from megatrain.layout import Layout
 from megatrain.models.config import ModelConfig
 from megatrain.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.placement import Choices, Machine, Plan
-from megatrain.probe import LayerMemory
+from megatrain.probe import LayerMemory, formula_layer_memory
 from megatrain.runtime import build_model
 from megatrain.state import STATE_BYTES, HostState, build_units
 from megatrain.weights import init_random
@@ -32,9 +33,16 @@ from megatrain.weights import init_random
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
 
 
-def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K) -> Plan:
-    """All state in host memory, the first `k` units GPU-stepped."""
-    return placement.plan(cfg, batch, machine or cuda(139, 1000), Choices(gpu_state="off", gpu_step_units=k))
+def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K, prestage: bool | None = None) -> Plan:
+    """All state in host memory, the first `k` units GPU-stepped; their state loaded during the
+    backward sweep (`prestage=True`), after the clip (False: the schedule the committed runs
+    measured) or as the plan chose (None)."""
+    m = machine or cuda(139, 1000)
+    p = placement.plan(cfg, batch, m, Choices(gpu_state="off", gpu_step_units=k))
+    if prestage is None:
+        return p
+    shape = planspec.model_shape(cfg, formula_layer_memory(cfg, batch.compute_bytes))
+    return footprint.evaluate(shape, batch, dataclasses.replace(p, prestage=prestage), m)
 
 
 def _numel(cfg) -> list[int]:
@@ -74,12 +82,13 @@ def test_gpu_stepped_units_keep_their_gradients_on_the_gpu_not_in_host_memory():
 
 
 def test_gpu_peak_grows_by_the_scratch_the_held_gradients_and_the_kept_weights():
-    """Two chunks of scratch in every phase; at the end of the backward sweep every GPU-stepped
-    gradient waits for the clip; at the start of the next forward sweep the gradients not yet
-    stepped and the updated weights (compute dtype) of the units past the fetch window."""
+    """State loaded after the clip: two chunks of scratch in every phase; at the end of the
+    backward sweep every GPU-stepped gradient waits for the clip; at the start of the next forward
+    sweep the gradients not yet stepped and the updated weights (compute dtype) of the units past
+    the fetch window."""
     n = _numel(A)
     scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK  # layers are larger
-    p0, p8, pall = _off(A, 0), _off(A, 8), _off(A, 30)
+    p0, p8, pall = (_off(A, k, prestage=False) for k in (0, 8, 30))
     assert p8.gpu["GPU-stepped state (scratch)"] == scratch
     assert "GPU-stepped state (scratch)" not in p0.gpu
     assert p8.gpu_peak >= p0.gpu_peak + scratch
@@ -92,12 +101,37 @@ def test_gpu_peak_grows_by_the_scratch_the_held_gradients_and_the_kept_weights()
     assert pall.gpu_peak == max(peaks.values())
 
 
+def test_prestaged_state_waits_on_the_gpu_through_the_backward_sweep():
+    """Prestaged (where gradients are held for the clip): the stepped units' fp32 state (12
+    B/param) is on the GPU in every backward phase, beside their gradients, and in the next
+    forward sweep until its write-back (in forward order, as the host optimizer's); their updated
+    weights (2 B/param) from the forward sweep to their backward fetch; no scratch. Two-pass and
+    immediate steps load it after the clip, through scratch, as before."""
+    n = _numel(A)
+    scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK
+    p8, old8 = _off(A, 8, prestage=True), _off(A, 8, prestage=False)
+    assert list(p8.prestaged) == list(range(8)) and list(old8.prestaged) == []
+    assert "GPU-stepped state (scratch)" not in p8.gpu
+    assert p8.gpu["GPU-stepped state (prestaged)"] == STATE_BYTES * sum(n[:8])
+    new, old = (footprint.phase_peaks(A, STEP16K, p) for p in (p8, old8))
+    # beside them, the updated weights of layers 1..7 wait for their backward fetch (2 B/param)
+    state, kept = STATE_BYTES * sum(n[:8]), 2 * sum(n[1:8])
+    assert state - scratch <= new["backward"] - old["backward"] <= state + kept - scratch
+    assert new["head"] - old["head"] == kept - scratch  # the state loaded from the head's gradient on
+    # next forward at layer j (unit j + 1 computing): the state of units j + 2 .. 7 is not back
+    # yet, where their gradients waited before (stepped right after the clip now)
+    assert 0 < new["forward"] - old["forward"] <= (STATE_BYTES - 4) * sum(n[2:8]) - scratch
+    assert p8.gpu_peak == max(new.values()) > old8.gpu_peak
+    for mode in ("two_pass", "immediate"):
+        assert list(dataclasses.replace(p8, grad_mode=mode).prestaged) == []
+
+
 def test_step_time_falls_while_the_cpu_optimizer_binds_and_rises_once_pcie_does():
     """Model A at 16k tokens, all state in host memory: the CPU AdamW (3 G params/s) binds at
     k=0; moving units to the GPU shortens the step until their state traffic (12 B/param each
     way) makes PCIe bind. With a CPU optimizer fast enough to hide, GPU stepping gains nothing
     (its interference with the sweep was under a millisecond) and costs PCIe traffic."""
-    times = [_off(A, k).step_time_s for k in range(31)]
+    times = [_off(A, k, prestage=False).step_time_s for k in range(31)]
     best = min(range(31), key=times.__getitem__)
     assert 8 < best < 30
     assert all(times[k + 1] < times[k] for k in range(best))
@@ -112,17 +146,28 @@ def test_step_time_falls_while_the_cpu_optimizer_binds_and_rises_once_pcie_does(
 def test_gpu_stepping_costs_its_state_on_pcie():
     """Each GPU-stepped parameter moves 8 bytes more each way (12 B of state where a streamed unit
     moves a 4 B gradient out and 4 B of weights in for the next forward), which is all a step
-    costs where nothing else binds; where the GPU waits for the stepped state (the next forward
-    sweep hides only its own length of it), each further unit costs its 12 B/param at the PCIe
-    rate."""
+    costs where nothing else binds, with either schedule (prestaged, less the layers' backward
+    fetches, which take their kept weights). Where the CPU keeps up: loaded after
+    the clip, the GPU waits for the stepped state (the next forward sweep hides none of it), each
+    further unit costing its 12 B/param at the PCIe rate; prestaged, the backward sweep carries
+    it beside its own fetches, so once the link binds that sweep, each further unit costs its
+    12 B/param there, and after the clip only the CUDA AdamW's pass over it."""
     n, rate = _numel(A), costmodel.PCIE_BYTES_S
     link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
-    t0 = _off(A, 0, link_only).step_time_s
-    for k in (4, 15, 30):
-        assert _off(A, k, link_only).step_time_s - t0 == pytest.approx(8 * sum(n[:k]) / rate, abs=1e-4)
+    for prestage in (True, False):
+        t0 = _off(A, 0, link_only, prestage=prestage).step_time_s
+        for k in (4, 15, 30):
+            t = _off(A, k, link_only, prestage=prestage).step_time_s
+            # prestaged layers' backward fetches take their updated weights, kept on the GPU
+            saved = 4 * sum(n[1 : min(k, 29)]) if prestage else 0
+            assert t - t0 == pytest.approx((8 * sum(n[:k]) - saved) / rate, abs=1e-4)
     fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e15)
-    t22, t30 = (_off(A, k, fast_cpu).step_time_s for k in (22, 30))
+    t22, t30 = (_off(A, k, fast_cpu, prestage=False).step_time_s for k in (22, 30))
     assert t30 - t22 == pytest.approx(12 * sum(n[22:30]) / rate, rel=1e-6)
+    t22, t30 = (_off(A, k, fast_cpu, prestage=True).step_time_s for k in (22, 30))
+    kernels = 12 * sum(n[22:30]) / costmodel.GPU_ADAMW_STATE_BYTES_S
+    link = 12 * sum(n[22:30]) - 4 * sum(n[22:29])  # the state in, less the layers' fetches
+    assert t30 - t22 == pytest.approx(link / rate + kernels, abs=1e-6)  # and a CPU AdamW of 1e15/s
 
 
 def test_gpu_stepping_in_every_gradient_mode_is_counted():
@@ -170,11 +215,30 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
     assert p.step_time_s == pytest.approx(min(times.values())) and p.step_time_s < 0.9 * times[0]
     fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e12)
     assert placement.plan(A, STEP16K, fast_cpu, auto).gpu_stepped_units == 0
-    # Smaller GPUs: fewer units (their held gradients), then none (not even the scratch fits)
-    counts = [placement.plan(A, STEP16K, cuda(gib, 1000), auto).gpu_stepped_units for gib in (8, 10, 11)]
-    assert counts[0] == 0 < counts[1] < counts[2] <= p.gpu_stepped_units
+    # Smaller GPUs: fewer units (their held gradients), then none (not even the scratch fits); the
+    # state loaded after the clip where prestaging it (12 B/param more) does not fit
+    small = cuda(24, 1000)
+    plans = [placement.plan(A, STEP16K, cuda(gib, 1000), auto) for gib in (8, 10)]
+    plans.append(placement.plan(A, STEP16K, small, auto))
+    counts = [q.gpu_stepped_units for q in plans]
+    assert counts[0] == 0 < counts[1] <= counts[2] < p.gpu_stepped_units
+    assert p.prestaged and not plans[2].prestaged
+    shape = planspec.model_shape(A, formula_layer_memory(A, STEP16K.compute_bytes))
+    for k in (counts[2], p.gpu_stepped_units):  # the fastest count prestaged does not fit, nor this
+        staged = dataclasses.replace(plans[2], gpu_stepped_units=k, prestage=True)
+        assert not footprint.fits(footprint.evaluate(shape, STEP16K, staged, small), small), k
     two = Machine("cuda", 139 * 2**30, 1000 * 2**30, world=Layout(ranks=2))
     assert placement.plan(A, STEP16K, two, auto).gpu_stepped_units == 0
+
+
+def test_a_count_whose_prestaged_state_does_not_fit_is_loaded_after_the_clip():
+    """The user's count on a GPU too small to hold its state through the backward sweep: the
+    state comes in after the clip, through scratch, with the gradients still held (not refused,
+    not a two-pass step)."""
+    small = cuda(16, 1000)
+    p = _off(A, 15, small)
+    assert (p.grad_mode, p.gpu_stepped_units, list(p.prestaged)) == ("stored", 15, [])
+    assert footprint.fits(p, small) and not footprint.fits(_off(A, 15, small, prestage=True), small)
 
 
 def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
@@ -196,9 +260,16 @@ def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
         )
         shape = planspec.model_shape(A, LayerMemory(**run["layer_mem"]))
         k = plan.gpu_stepped_units
-        predicted[k] = footprint.evaluate(shape, STEP16K, plan, Machine(**machine)).step_time_s
+        # measured before the state was prestaged: it came in after the clip
+        old = dataclasses.replace(plan, prestage=run["plan"].get("prestage", False))
+        assert not old.prestaged
+        predicted[k] = footprint.evaluate(shape, STEP16K, old, Machine(**machine)).step_time_s
         measured[k] = run["step_s"]
         assert predicted[k] == pytest.approx(measured[k], rel=0.10), (k, predicted[k], measured[k])
+        # what the model expects of the prestaged schedule on the same run: the GPU no longer
+        # waits for the whole state's way in after the clip
+        new = footprint.evaluate(shape, STEP16K, plan, Machine(**machine)).step_time_s
+        assert new < predicted[k] if k >= 22 else new <= predicted[k] * 1.05, (k, new, predicted[k])
     assert min(predicted, key=predicted.get) == min(measured, key=measured.get) == 15
 
 
@@ -230,7 +301,7 @@ def test_gpu_stepping_is_refused_on_the_cpu_and_in_a_data_parallel_world(tmp_pat
     rc, stdout, _ = run_cli(capsys, "plan", path, "device=cuda", "max_gpu_memory=8GiB", "gpu_step_units=2")
     assert rc == 0 and "plan: GPU-resident state: 3 leading units" in stdout  # the rest
     assert "plan: GPU-stepped: 2 leading streamed units" in stdout
-    assert "GPU-stepped state (scratch)" in stdout
+    assert "GPU-stepped state (prestaged)" in stdout
 
     class TwoRanks(Single):
         world_size = local_world_size = 2
@@ -294,3 +365,50 @@ def test_the_stepper_steps_in_chunks_exactly_as_the_host_optimizer_steps_whole_u
     stepper.step([(units[0], torch.randn(units[0].numel))], None, 1e-2, 3, skip=torch.tensor(True))
     assert torch.equal(state.master, before)
     assert torch.equal(stepper.take(units[0])[0], before[: units[0].numel].to(torch.bfloat16))
+
+
+def test_prestaged_stepping_equals_the_chunked_path_and_whole_unit_adamw_bitwise():
+    """In program order (the CPU): state loaded a share at a time as the backward sweep hands
+    over gradients (the first unit split between two loads, a step begun with only part of it
+    loaded, a discarded prestage) and stepped in place gives bitwise what the chunked path
+    through scratch and AdamW on each whole unit give, clipped, over several steps; the fresh
+    weights too, kept for a second fetch where asked; a skipped update changes nothing. Each step
+    loads each unit's state once."""
+    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    state = _state(cfg, 0)
+    ref, chunked_state = _copy(state), _copy(state)
+    units = state.units[:3]
+    total = sum(u.numel for u in units)
+    staged = GpuStepper(state, adamw, units, torch.bfloat16, chunk=1000, prestage=True)
+    chunked = GpuStepper(chunked_state, adamw, chunked_state.units[:3], torch.bfloat16, chunk=1000)
+    assert staged.slots == [] and len(chunked.slots) == 2  # no scratch where all is prestaged
+    host = HostAdamW(ref, adamw)
+    g = torch.Generator().manual_seed(1)
+    sweeps = {1: [0.1, 0.3, 0.55, 0.8, 1.0], 2: [0.2], 3: [0.4, 0.9], 4: [0.5]}
+    for step, shares in sweeps.items():
+        coef = torch.tensor(0.37 + 0.1 * step)
+        skip = torch.tensor(step == 4)
+        if step == 3:  # a step skipped, or begun again: what was loaded is dropped
+            staged.prestage(0.7)
+            staged.discard()
+        loaded = staged.h2d_bytes
+        for share in shares:
+            staged.prestage(share)
+            assert staged.h2d_bytes - loaded == 12 * math.ceil(share * total)
+        grads = [torch.randn(u.numel, generator=g) for u in units]
+        staged.step([(u, gr.clone()) for u, gr in zip(units, grads)], coef, 1e-2, step, skip)
+        assert staged.h2d_bytes - loaded == staged.d2h_bytes // step == 12 * total
+        chunked.step([(u, gr.clone()) for u, gr in zip(chunked_state.units, grads)], coef, 1e-2, step, skip)
+        if step < 4:
+            for u, gr in zip(units, grads):
+                host.step_range(u, 0, u.numel, clip_scaled(gr.clone(), coef), 1e-2, step)
+        for w in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(state, w), getattr(ref, w)), (step, w)
+            assert torch.equal(getattr(chunked_state, w), getattr(ref, w)), (step, w)
+        for u in units:
+            fresh, _ = staged.take(u, keep=True)  # the forward sweep's fetch, then the backward's
+            assert staged.take(u)[0] is fresh and staged.take(u) is None
+            assert torch.equal(fresh, ref.flat(u).to(torch.bfloat16)), (step, u.name)
+            assert torch.equal(fresh, chunked.take(chunked_state.units[u.index])[0])
+    assert staged.h2d_bytes == staged.d2h_bytes + 12 * math.ceil(0.7 * total)  # the dropped load
