@@ -128,7 +128,9 @@ def test_tiled_mlp_matches_transformers(family, tied, overrides, tmp_path, monke
     assert tiles and set(tiles) == {7}
 
 
-@pytest.mark.parametrize("tied,overrides", [(False, {"pad_token_id": 0}), (True, {})], ids=["pad-row", "tied"])
+@pytest.mark.parametrize(
+    "tied,overrides", [(False, {"pad_token_id": 0}), (True, {})], ids=["pad-row", "tied"]
+)
 def test_embedding_gradient_in_token_chunks_matches_transformers(tied, overrides, tmp_path, monkeypatch):
     """The embedding's gradient is scattered a chunk of tokens at a time (5 here, not dividing the
     40 of a micro-batch), so its fp32 temporaries are a chunk's, not the sequence's: every

@@ -355,7 +355,9 @@ def test_embedding_gradient_phase_grows_only_by_the_activation_gradient():
     off = Choices(gpu_state="off")
 
     def embedding_phase(tokens: int) -> int:
-        b = Batch(micro_batch_tokens=tokens, micro_batches=1, seq_len=tokens, compute_bytes=2, clip=True, rows=1)
+        b = Batch(
+            micro_batch_tokens=tokens, micro_batches=1, seq_len=tokens, compute_bytes=2, clip=True, rows=1
+        )
         return footprint.phase_peaks(B8, b, placement.plan(B8, b, cuda(139, 1000), off))["embedding"]
 
     grown = embedding_phase(262144) - embedding_phase(131072)
