@@ -168,10 +168,13 @@ class HostState:
             raise ValueError(f"{unit.name}[{lo}:{hi}] is outside the part held here [{a}:{b}]")
         return self.flat(unit, which)[lo - a : hi - a]
 
+    @torch.no_grad()
     def load(self, unit: Unit, which: str, entries, read: Callable[[str, int, int], torch.Tensor]) -> None:
         """Fill the part of `unit` held here from tensors: `entries` are (key, start in the unit,
         shape) as `tensor_entries` gives them, `read(key, a, b)` the elements [a, b) of the
-        tensor flattened. Tensors outside the part are not read."""
+        tensor flattened. Tensors outside the part are not read. Without autograd: a copy from a
+        tensor that requires grad (a module's parameter) would make the whole buffer a node of
+        its graph, holding every such source alive (a second fp32 copy of the model)."""
         lo, hi = self.parts[unit.index]
         flat = self.flat(unit, which)
         for key, start, shape in entries:
