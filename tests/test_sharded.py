@@ -14,6 +14,7 @@ import torch
 from test_checkpoint import make_run, metrics, tensors, write_yaml
 from test_distributed import assert_close_weights, assert_same_run, launch
 
+from megatrain import footprint
 from megatrain import plan as planning
 from megatrain.checkpoint import open_checkpoint
 from megatrain.config import TrainConfig
@@ -218,7 +219,8 @@ def test_the_preflight_checks_one_machines_part(tmp_path):
     state = 12 * sum(u.numel for u in build_units(model_cfg))
     roomy = TrainConfig(**base, max_host_memory="1TB", device="cpu")
     need = planning.check(model_cfg, roomy, planning.machine_of(roomy, "cpu"), 4).plan.host_total
-    budget = dict(max_host_memory=need - state // 4)  # half the state less would fit
+    usable = need - state // 4  # half the state less would fit
+    budget = dict(max_host_memory=int(usable / (1 - footprint.HOST_RESERVE)))  # the plan keeps a reserve
     one = TrainConfig(**base, **budget, device="cpu")
     two = TrainConfig(**base, **budget, device="cpu", nnodes=2)
     machine = planning.machine_of(one, "cpu")
