@@ -164,6 +164,8 @@ def detach(names: list[str], folder: str, command: str) -> None:
         sys.exit(
             f"longctx.py: {folder} already holds detached runs (runs.json): collect them or choose another folder"
         )
+    if os.path.isdir(folder) and os.listdir(folder):
+        sys.exit(f"longctx.py: {folder} is not empty: choose a new folder (nothing in it is overwritten)")
     os.makedirs(folder, exist_ok=True)
     runs = {}
     for name in names:

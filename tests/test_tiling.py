@@ -255,6 +255,12 @@ def test_longctx_detached_runs_are_reported_and_collected_once_all_are_done(tmp_
     with pytest.raises(SystemExit, match="already holds detached runs"):  # never over what runs
         longctx.main(["--runs", "tiny", "--detach", str(runs)])
     assert (runs / "runs.json").read_text() == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tiny.out").write_text("a file of the user's")
+    with pytest.raises(SystemExit, match="is not empty"):  # nor over anything else
+        longctx.main(["--runs", "tiny", "--detach", str(mine)])
+    assert (mine / "tiny.out").read_text() == "a file of the user's" and len(list(mine.iterdir())) == 1
     said = capsys.readouterr().out
     assert "tiny: running for" in said and "B128k: waiting for the runs before it" in said
     os.waitpid(int((runs / "serve.pid").read_text()), 0)  # here it is this process's child: reap it
