@@ -295,9 +295,8 @@ class Engine:
     def _embedding_backward(self, dh, prep, finish, embed_grad) -> None:
         """The embedding's gradient: a scatter-add of the input gradient (no weights needed), in
         fp32, `EMBED_GRAD_ROWS` tokens at a time, so that the gradient's fp32 copy (and what the
-        deterministic scatter allocates beside it) is a chunk's, not the sequence's: 7 GiB at
-        458,752 tokens of a 4096-wide model, the size of the allocation an 8B run at that length
-        failed on."""
+        deterministic scatter allocates beside it) is a chunk's, not the sequence's: whole, it
+        would be 4 bytes per token x hidden, 6 GiB at 400k tokens of a 4096-wide model."""
         g = self._grad_buffer(self.embed_unit) if embed_grad is None else embed_grad
         view = unit_views(g, self.embed_unit)[self.embed.weight_name]
         scale = self.embed.scale  # the embedding's forward multiplies the looked-up rows by it

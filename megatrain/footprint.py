@@ -33,11 +33,11 @@ LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the 
 # The backward sweep's peak stood 3.9 and 7.3 GB above the model in the 8B runs at 128k and 256k
 # tokens (one row each, H200; phase peaks in bench/results/2026-11-23_*_longctx.json). 2.1 GB of
 # each was the LM head's gradient, which the engine kept through the sweep (no longer); the rest,
-# 3.4 and 4.8 bytes per token x hidden, is not attributed by a measurement. The likely cause, the
-# embedding gradient's fp32 copy of the whole sequence (4 bytes per token x hidden; an 8B run at
-# 458,752 tokens failed allocating it), is now a chunk's (EMBED_GRAD_ROWS). Charged in every
-# backward phase until a run with the embedding's phase measured apart says more: at 16k tokens
-# of a 3072-wide model that is 0.25 GB.
+# 3.4 and 4.8 bytes per token x hidden, is not attributed by a measurement. A candidate, the
+# embedding gradient's fp32 copy of the whole sequence (4 bytes per token x hidden), is now a
+# chunk's (EMBED_GRAD_ROWS). Charged in every backward phase until a run with the embedding's
+# phase measured apart (bench/memory.py records it) says more: at 16k tokens of a 3072-wide model
+# that is 0.25 GB.
 BACKWARD_TOKEN_H = 5
 LOSS_CHUNK_BUDGET = {"cuda": 4 * GiB, "cpu": 1 * GiB}
 LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
@@ -243,7 +243,8 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         }
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
     # The embedding's gradient: a scatter-add of the last activation gradient, in fp32, a chunk of
-    # tokens at a time (the gradient's fp32 copy, the scatter's sorted copy, a masked copy).
+    # tokens at a time: the gradient's fp32 copy, as much again for what the deterministic scatter
+    # allocates beside it, and a masked or scaled copy in compute dtype.
     rest = {
         "activation gradients": T * h * cb,
         "gradients": suffix[0] if stored else inflight(0),

@@ -119,6 +119,7 @@ def plan(
 
     def fastest(tile: int) -> Plan | None:
         best: Plan | None = None
+        host = usable_host(m)
         start = _fewest_parked(parked_options, partial(gpu_room, tile=tile))
         for parked in parked_options[start:]:
             options = list(_gradient_options(s, batch, c, m, parked, partial(candidate, tile=tile)))
@@ -127,7 +128,7 @@ def plan(
                     best = p
             if best is not None and best.grad_mode != "two_pass":
                 break  # parking more activations only adds PCIe traffic
-            if usable_host(m) is not None and all(p.host_total > usable_host(m) for p in options):
+            if host is not None and all(p.host_total > host for p in options):
                 break  # nor does it make room in host memory
         return best
 
