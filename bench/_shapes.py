@@ -1,4 +1,5 @@
-"""Mixture-of-experts shapes for bench.py and memory.py, and their transformers configs.
+"""The model shapes bench/ runs: dense Llama shapes and mixture-of-experts ones (with their
+transformers configs), shared by bench.py, multigpu.py and memory.py.
 
 `ffn` is each expert's intermediate size; `experts` routed experts, `topk` per token. The two
 real shapes: OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924's config.json) and a ~15B Qwen3-MoE (Qwen3-30B-A3B's
@@ -8,6 +9,24 @@ layer, 24 layers instead of 48).
 from __future__ import annotations
 
 from typing import Any
+
+DENSE_SHAPES: dict[str, dict[str, int]] = {
+    # 3.61 B, the model of the performance notes
+    "A": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256),
+    # 8.03 B, Llama-3.1-8B's shape
+    "B": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256),
+    # 18.7 B and 20.3 B: Llama shapes past what an 80 GB GPU held with every gradient on it
+    "B18": dict(hidden=6144, layers=44, heads=48, kv=8, ffn=16384, vocab=128256),
+    "B20": dict(hidden=6144, layers=48, heads=48, kv=8, ffn=16384, vocab=128256),
+    # Qwen2.5-14B's and Qwen2.5-32B's shapes (without the q/k/v biases: 0.01% of the parameters)
+    "Q14": dict(hidden=5120, layers=48, heads=40, kv=8, ffn=13824, vocab=152064),
+    "Q32": dict(hidden=5120, layers=64, heads=40, kv=8, ffn=27648, vocab=152064),
+    # a 120B-class layer shape, a few layers; the same layers 122 B parameters in all
+    "X120": dict(hidden=12288, layers=4, heads=96, kv=8, ffn=28672, vocab=128256),
+    "X120-full": dict(hidden=12288, layers=86, heads=96, kv=8, ffn=28672, vocab=128256),
+    "L70": dict(hidden=8192, layers=80, heads=64, kv=8, ffn=28672, vocab=128256),  # Llama-3.1-70B's
+    "tiny": dict(hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=512),
+}
 
 MOE_SHAPES: dict[str, dict[str, Any]] = {
     # 6.9 B parameters, 1.3 B active per token

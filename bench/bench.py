@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _report  # noqa: E402  (a sibling module; bench/ is not a package)
-from _shapes import MOE_SHAPES, inactive_params, is_moe  # noqa: E402
+from _shapes import DENSE_SHAPES, MOE_SHAPES, inactive_params, is_moe  # noqa: E402
 from _shapes import model_config as shape_config  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -38,18 +38,7 @@ WORKER = BENCH / "_systems.py"
 # megatrain-host: megatrain with every weight and moment kept in host memory (gpu_state=off).
 SYSTEMS = ("megatrain", "megatrain-host", "deepspeed", "resident")
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv", "ffn", "vocab")
-MODELS: dict[str, dict[str, int]] = {
-    # 3.61 B, the model of /work/shared/PERFORMANCE.md
-    "A": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256),
-    # 8.03 B, Llama-3.1-8B's shape
-    "B": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256),
-    # Qwen2.5-14B's and Qwen2.5-32B's shapes (without the q/k/v biases: 0.01% of the parameters)
-    "Q14": dict(hidden=5120, layers=48, heads=40, kv=8, ffn=13824, vocab=152064),
-    "Q32": dict(hidden=5120, layers=64, heads=40, kv=8, ffn=27648, vocab=152064),
-    "tiny": dict(hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=512),
-    # mixture of experts (bench/_shapes.py): OLMoE-1B-7B, a 15.6 B Qwen3-MoE, a tiny one
-    **MOE_SHAPES,
-}
+MODELS: dict[str, dict] = {**DENSE_SHAPES, **MOE_SHAPES}
 
 
 def parse_tokens(text: str) -> list[int]:

@@ -28,22 +28,11 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _shapes import MOE_SHAPES, moe_config  # noqa: E402
+from _shapes import DENSE_SHAPES, MOE_SHAPES, moe_config  # noqa: E402
 
 from megatrain import CUDA_ALLOC_CONF  # noqa: E402
 
-MODELS = {  # hidden, layers, heads, kv, ffn, vocab
-    "A": (3072, 28, 24, 8, 8192, 128256),
-    "B": (4096, 32, 32, 8, 14336, 128256),
-    "B18": (6144, 44, 48, 8, 16384, 128256),
-    "B20": (6144, 48, 48, 8, 16384, 128256),
-    "Q14": (5120, 48, 40, 8, 13824, 152064),  # Qwen2.5-14B's shape without q/k/v biases
-    "Q32": (5120, 64, 40, 8, 27648, 152064),  # Qwen2.5-32B's
-    "X120": (12288, 4, 96, 8, 28672, 128256),  # a 120B-class layer shape, a few layers
-    "X120-full": (12288, 86, 96, 8, 28672, 128256),  # the same layers, 122 B parameters in all
-    "L70": (8192, 80, 64, 8, 28672, 128256),  # Llama-3.1-70B's
-    "tiny": (256, 4, 8, 2, 640, 512),
-}
+MODELS = DENSE_SHAPES
 RUNS = {
     "A16k-off": "A:16384:gpu_state=off",
     "A16k-auto": "A:16384:gpu_state=auto",
@@ -70,6 +59,9 @@ RUNS = {
     "B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB",
     # one GPU of a two-GPU machine whose MemTotal starts at 31 GiB and grows as it is used
     "x2-B18-16k-off": "B18:16384:gpu_state=off,max_host_memory=240GiB,steps=4",
+    # the deepest model of 18.7B's width the plan accepts on that host, and one layer more (refused)
+    "x2-largest-16k": "B18:16384:layers=max,max_host_memory=240GiB,steps=3",
+    "x2-largest+1-16k": "B18:16384:layers=max,layers_extra=1,max_host_memory=240GiB,steps=3",
     "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
     # the default mode with GPU stepping where the plan says it pays (an H100's memory)
     "x2-B18-16k-70GiB-gpustepauto": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,gpu_step_units=auto,steps=4",
@@ -126,20 +118,20 @@ def shape_of(run: dict):
     mbs = int(run.get("mbs", max(1, min(16384, T) // seq)))
     if run["model"] in MOE_SHAPES:
         return ModelConfig.from_hf(moe_config(MOE_SHAPES[run["model"]], seq)), seq, mbs, T // (mbs * seq)
-    h, L, heads, kv, ffn, V = MODELS[run["model"]]
+    d = MODELS[run["model"]]
     shape = dict(
-        hidden_size=h,
-        num_hidden_layers=int(run.get("layers", L)),
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=ffn,
-        vocab_size=V,
+        hidden_size=d["hidden"],
+        num_hidden_layers=int(run.get("layers", d["layers"])),
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv"],
+        intermediate_size=d["ffn"],
+        vocab_size=d["vocab"],
         max_position_embeddings=max(seq, 8192),
         rope_theta=500000.0,
     )
     if run.get("generic"):
         neutral = dict(embedding_multiplier=1.0, logits_scaling=1.0, residual_multiplier=1.0)
-        hf = GraniteConfig(**shape, **neutral, attention_multiplier=(h // heads) ** -0.5)
+        hf = GraniteConfig(**shape, **neutral, attention_multiplier=(d["hidden"] // d["heads"]) ** -0.5)
     else:
         hf = LlamaConfig(**shape)
     return ModelConfig.from_hf(hf), seq, mbs, T // (mbs * seq)
@@ -158,6 +150,15 @@ def choices_of(run: dict):
         mlp_tile_tokens=int(run["mlp_tile_tokens"]) if "mlp_tile_tokens" in run else None,
         gpu_step_units=None if run.get("gpu_step_units") == "auto" else int(run.get("gpu_step_units", 0)),
     )
+
+
+def batch_of(run: dict):
+    """The placement's view of a run's batch (bf16 compute)."""
+    from megatrain.placement import Batch
+
+    _, seq, mbs, accum = shape_of(run)
+    doc, clip = int(run.get("doc", 0)), float(run.get("max_grad_norm", 1.0))
+    return Batch(mbs * seq, accum, seq, 2, clip > 0, masked=doc > 0, rows=mbs, attention_span=doc or None)
 
 
 def _packed(ids, doc: int):
@@ -195,6 +196,30 @@ def at_limit(run: dict, machine, layer_mem) -> dict:
     return {**run, "seq": str(n), "tokens": n, "mbs": "1", "limit": limit}
 
 
+def at_largest(run: dict, machine, layer_mem) -> dict:
+    """`layers=max`: the run of the model's shape with the most layers the plan accepts on
+    `machine` (the largest model of that width the host holds), plus `layers_extra` (default 0;
+    1 for a run the preflight must refuse)."""
+    from megatrain.placement import PlanError, plan
+
+    def fits(layers: int) -> bool:
+        r = {**run, "layers": str(layers)}
+        try:
+            plan(shape_of(r)[0], batch_of(r), machine, choices_of(r), layer_mem)
+        except PlanError:
+            return False
+        return True
+
+    lo, hi = 0, 1
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    n = lo + int(run.get("layers_extra", 0))
+    return {**run, "layers": str(n), "largest_layers": lo}
+
+
 def worker(run: dict, out: dict) -> dict:
     """Plan, build and train `run`, filling `out` as it goes (a run that fails keeps what it
     had: the plan, the resolved run, each phase's predicted and measured peak so far)."""
@@ -204,7 +229,7 @@ def worker(run: dict, out: dict) -> dict:
     from megatrain.config import parse_size
     from megatrain.memory import MemoryRecord
     from megatrain.optim import AdamWConfig
-    from megatrain.placement import Batch, phase_peaks
+    from megatrain.placement import phase_peaks
     from megatrain.placement import plan as make_placement
     from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, configure_allocator, make_plan
@@ -222,12 +247,22 @@ def worker(run: dict, out: dict) -> dict:
         torch.cuda.empty_cache()
         run = at_limit(run, machine, probed)
         limit_basis = machine, probed  # the run is planned on what its limit was found with
+    elif run.get("layers") == "max":
+        from megatrain.placement import measure
+
+        configure_allocator()
+        machine = measure("cuda", size("max_gpu_memory"), size("max_host_memory"))
+        cfg, seq, mbs, _ = shape_of({**run, "layers": "1"})
+        probed = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq)
+        torch.cuda.empty_cache()
+        run = at_largest(run, machine, probed)
+        limit_basis = machine, probed
     cfg, seq, mbs, accum = shape_of(run)
     T, V = run["tokens"], cfg.vocab_size
     doc = int(run.get("doc", 0))  # packed rows of `doc`-token documents (0: plain rows)
     clip = float(run.get("max_grad_norm", 1.0))
     t0 = time.perf_counter()
-    batch = Batch(mbs * seq, accum, seq, 2, clip > 0, masked=doc > 0, rows=mbs, attention_span=doc or None)
+    batch = batch_of(run)
     if limit_basis is None:
         plan, machine = make_plan(
             cfg,
@@ -251,7 +286,7 @@ def worker(run: dict, out: dict) -> dict:
     out.update(
         plan=plan.to_json(),
         machine=dataclasses.asdict(machine),
-        resolved_run=run,  # with seq=limit: the length the plan accepted
+        resolved_run=run,  # with seq=limit / layers=max: the length / depth the plan accepted
         params=cfg.num_params,
         plan_s=time.perf_counter() - t0,
         phase_predicted=phase_peaks(cfg, batch, plan, layer_mem),
