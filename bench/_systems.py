@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _phases import instrument_phases
 from _profile import profile_busy, warm_profiler
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,8 +99,12 @@ def model_config(spec: dict, **extra: Any):
 
 
 def cuda_peak(res: Result) -> None:
+    """The run's peak allocated GPU memory: megatrain's phases reset the allocator's counter at
+    each phase's start (`phase_peaks`), so the peak is the largest of theirs and the counter's;
+    the reserved peak is then the last phase's."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        res.data["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+        phases = [v for v in res.data.get("phase_peaks", {}).values() if isinstance(v, int)]
+        res.data["gpu_peak_bytes"] = max([torch.cuda.max_memory_allocated(), *phases])
         res.data["gpu_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
 
 
@@ -124,7 +129,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.distributed import start
     from megatrain.models.config import ModelConfig
     from megatrain.optim import AdamWConfig, chunk_ranges
-    from megatrain.placement import Choices
+    from megatrain.placement import Batch, Choices, phase_peaks
+    from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, make_plan
 
     cuda = torch.cuda.is_available()
@@ -138,18 +144,27 @@ def run_megatrain(spec: dict, res: Result) -> None:
     t0 = time.perf_counter()
     # The placement `megatrain train` would choose for this step shape on this machine.
     gpu_state = "off" if spec["system"] == "megatrain-host" else "auto"
+    size = lambda k: parse_size(spec[k]) if spec.get(k) else None  # noqa: E731
+    accum = spec["tokens_per_step"] // spec["seq"] // spec["mbs"] // world.world_size
     plan, machine = make_plan(
         mcfg,
         dev,
         getattr(torch, dtype),
         batch_size=spec["mbs"],
         seq_len=spec["seq"],
-        grad_accum=spec["tokens_per_step"] // spec["seq"] // spec["mbs"] // world.world_size,
+        grad_accum=accum,
         choices=Choices(gpu_state=gpu_state),
-        max_host_memory=parse_size(spec["max_host_memory"]) if spec.get("max_host_memory") else None,
+        max_gpu_memory=size("max_gpu_memory"),
+        max_host_memory=size("max_host_memory"),
         world=world.layout,
     )
     res.update(plan=plan.to_json())
+    if cuda:  # each phase's predicted peak (the probe's measurement is reused, not repeated)
+        tokens, dt = spec["mbs"] * spec["seq"], getattr(torch, dtype)
+        batch = Batch(tokens, accum, spec["seq"], dt.itemsize, True, rows=spec["mbs"])
+        res.update(
+            phase_predicted=phase_peaks(mcfg, batch, plan, layer_memory_for(mcfg, dev, dt, None, tokens))
+        )
     model = build_model(
         mcfg,
         seed=0,
@@ -161,6 +176,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
         collective=world,
     )
     eng, tr, state = model.engine, model.transport, model.state
+    if cuda:  # filled as the run goes: a run that dies keeps the phase it died in
+        res.data["phase_peaks"] = instrument_phases(eng)
     res.update(params=state.num_params, init_s=time.perf_counter() - t0, compute_dtype=dtype)
 
     # The unhidden cost of the optimizer: AdamW over the whole real state in the chunks the

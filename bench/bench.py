@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="megatrain's host budget, e.g. 480GiB (hosts whose MemTotal grows as memory is used)",
     )
+    ap.add_argument(
+        "--max-gpu-memory", default=None, help="megatrain's GPU budget, e.g. 70GiB (an 80 GB card's)"
+    )
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU allowed)")
@@ -365,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup": a.warmup,
                 "smoke": a.smoke,
                 "max_host_memory": a.max_host_memory,
+                "max_gpu_memory": a.max_gpu_memory,
             }
             raw = run_worker(spec, timeout, out / rec["log"])
             counted = raw.pop("params", None)

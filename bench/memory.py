@@ -28,6 +28,7 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _phases import instrument_phases  # noqa: E402
 from _shapes import DENSE_SHAPES, MOE_SHAPES, moe_config  # noqa: E402
 
 from megatrain import CUDA_ALLOC_CONF  # noqa: E402
@@ -303,7 +304,7 @@ def worker(run: dict, out: dict) -> dict:
         machine=machine,
     )
     out["init_s"] = time.perf_counter() - t0
-    phases = out["phase_peaks"] = _instrument(model.engine)
+    phases = out["phase_peaks"] = instrument_phases(model.engine)
     gen = torch.Generator().manual_seed(0)
     steps = int(run.get("steps", 5))
     times, losses = [], []
@@ -347,45 +348,6 @@ def worker(run: dict, out: dict) -> dict:
     )
     model.close()
     return out
-
-
-def _instrument(engine) -> dict[str, int]:
-    """Peak allocated GPU memory within each phase of a step (forward sweep, loss head, backward
-    sweep, and the embedding's gradient within it), by resetting the allocator's peak at each
-    phase's start; a phase that encloses another takes the peak of each of its stretches."""
-    import torch
-
-    peaks: dict[str, int] = {}
-    open_phases: list[str] = []
-
-    def note() -> None:
-        for n in open_phases:
-            peaks[n] = max(peaks.get(n, 0), torch.cuda.max_memory_allocated())
-
-    def wrap(name: str, fn):
-        def inner(*a, **kw):
-            note()
-            torch.cuda.reset_peak_memory_stats()
-            open_phases.append(name)
-            try:
-                return fn(*a, **kw)
-            except BaseException:
-                peaks.setdefault("failed_in", name)  # the (innermost) phase a run that died was in
-                raise
-            finally:
-                note()
-                open_phases.pop()
-
-        return inner
-
-    for name, attr in (
-        ("forward", "_forward_sweep"),
-        ("head", "_head_loss_backward"),
-        ("backward", "_backward_sweep"),
-        ("embedding", "_embedding_backward"),
-    ):
-        setattr(engine, attr, wrap(name, getattr(engine, attr)))
-    return peaks
 
 
 # ---------------------------------------------------------------------------- parent

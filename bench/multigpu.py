@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="megatrain's host budget per machine, e.g. 240GiB (hosts whose MemTotal grows as memory is used)",
     )
+    ap.add_argument(
+        "--max-gpu-memory", default=None, help="megatrain's GPU budget, e.g. 70GiB (an 80 GB card's)"
+    )
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per run")
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--dry-run", action="store_true", help="tiny model, CPU allowed (no DeepSpeed)")
@@ -204,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 "smoke": a.dry_run,
                 "nproc": gpus,
                 "max_host_memory": a.max_host_memory,
+                "max_gpu_memory": a.max_gpu_memory,
             }
             if design is not None:
                 traffic, machines = DESIGNS[design]

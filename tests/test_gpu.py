@@ -360,10 +360,13 @@ PACKED = [[300, 500, 1, 223], [1024]]
 @pytest.mark.parametrize("compile", [False, True], ids=["flex-compiled", "layer-compiled"])
 def test_flex_attention_equals_the_masked_path(compile):
     """FlexAttention (compiled on its own, or inside the compiled layer) against the dense-mask
-    SDPA path on the same GPU, compiled the same way (so that only the attention differs): fp32 to 1e-4; bf16 within bf16 rounding (loss 5e-3, gradient
-    norm 2e-2 relative, logits 5e-2 absolute for logits of size ~3)."""
+    SDPA path on the same GPU, compiled the same way (so that only the attention differs): fp32 to
+    1e-4; in bf16 both are as far from the fp32 result as each other (FlexAttention's logits no
+    further than 1.25x the masked path's on average and 2x at most), loss within 5e-3 and the
+    gradient norm within 2e-2 of the masked path's."""
     cfg = _cfg("mistral", sliding_window=200)
     mbs = [_packed_rows(PACKED, seed=s) for s in (0, 1)]
+    exact = None
     for dtype, tol in (("float32", 1e-4), ("bfloat16", None)):
         ref = _attention_run(cfg, dtype, flex=False, compile=compile, mbs=mbs)
         got = _attention_run(cfg, dtype, flex=True, compile=compile, mbs=mbs)
@@ -372,9 +375,16 @@ def test_flex_attention_equals_the_masked_path(compile):
         if tol:
             torch.testing.assert_close(got[0], ref[0], rtol=tol, atol=tol, msg=msg)
             assert got[1] == pytest.approx(ref[1], rel=tol) and got[2] == pytest.approx(ref[2], rel=tol), msg
+            exact = ref[0]
         else:
-            assert d.max() < 5e-2 and got[1] == pytest.approx(ref[1], rel=5e-3), msg
-            assert got[2] == pytest.approx(ref[2], rel=2e-2), msg
+            flex_err, masked_err = (got[0] - exact).abs(), (ref[0] - exact).abs()
+            msg += f"; from fp32: flex max {flex_err.max():.3g} mean {flex_err.mean():.3g}, "
+            msg += f"masked max {masked_err.max():.3g} mean {masked_err.mean():.3g}"
+            assert flex_err.mean() <= 1.25 * masked_err.mean(), msg
+            assert flex_err.max() <= 2 * masked_err.max(), msg
+            assert got[1] == pytest.approx(ref[1], rel=5e-3) and got[2] == pytest.approx(ref[2], rel=2e-2), (
+                msg
+            )
 
 
 def test_packed_rows_need_memory_linear_in_the_sequence():
@@ -399,7 +409,7 @@ def test_packed_rows_need_memory_linear_in_the_sequence():
     m.close()
     ratio = peaks[32768] / peaks[16384]
     assert ratio < 3, f"step peaks {peaks}: x{ratio:.2f} for twice the tokens"
-    assert peaks[32768] < 32768 * 32768 // 2, f"step peak {peaks[32768] / 2**20:.0f} MiB"
+    assert peaks[32768] < 32768 * 32768, f"step peak {peaks[32768] / 2**20:.0f} MiB"  # one bool mask
 
 
 def test_probe_measures_the_masked_layer():
