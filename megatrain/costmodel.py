@@ -13,7 +13,9 @@ promise. It decides nothing; footprint.py's `evaluate` calls it beside the memor
 
 The rates below were measured on H100/H200 with 16-core hosts (bench/README.md). Where the run
 happens, the plan uses the layer's rate measured on the device by probe.py
-(`LayerMemory.flops_per_s`) instead of GPU_FLOPS, and this host's AdamW rate
+(`LayerMemory.flops_per_s`; where the probe split it, the causal attention's rate and the rest's
+apart: at long context attention is most of the work and runs slower than the matmuls) instead of
+GPU_FLOPS, and this host's AdamW rate
 (`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S; PCIE_BYTES_S is always the
 constant. bench/host-only.md has the model's terms for GPU-stepped units, and
 tests/test_gpustep.py checks it against the committed H100 runs of them (model A, 16k tokens).
@@ -46,20 +48,19 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     """Seconds per optimizer step: GPU compute plus its wait for the updates the overlap does not
     hide, or PCIe traffic plus the link's wait for the CPU optimizer, whichever is longer (without
     GPU-stepped units: compute or PCIe, whichever binds, plus the CPU optimizer's unhidden part)."""
-    F = m.gpu_flops or s.layer_mem.flops_per_s or GPU_FLOPS[m.device]
+    F, Fa = _rates(s, m)
     T, L = b.tokens, s.layers
     attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
-    layer_fwd = 2 * (s.layer - s.inactive) * T + attn
-    head = 6 * s.vocab * s.hidden * T
+    layer_fwd = 2 * (s.layer - s.inactive) * T / F + attn / Fa  # seconds
+    head = 6 * s.vocab * s.hidden * T / F
     recompute = L - plan.keep_layers
     passes = 2 if plan.grad_mode == "two_pass" else 1
-    flops = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
+    gpu = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
     backward = 2 * L * layer_fwd + recompute * layer_fwd  # the (last) backward sweep's
     if s.layer_mem.tiles(b.micro_batch_tokens, plan.mlp_tile_tokens):
-        tiles = L * 2 * 3 * s.hidden * s.ffn * T  # each backward recomputes the MLP's tiles
-        flops += passes * tiles
+        tiles = L * 2 * 3 * s.hidden * s.ffn * T / F  # each backward recomputes the MLP's tiles
+        gpu += passes * tiles
         backward += tiles
-    gpu = flops / F
     if m.device == "cpu":
         return gpu + s.total / m.adam_params_s
     rate = m.pcie_bytes_s
@@ -76,17 +77,30 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
     cpu = (streamed - gpu_stepped) / m.adam_params_s
-    forward = L * layer_fwd / F  # the next forward sweep
+    forward = L * layer_fwd  # the next forward sweep
     if plan.grad_mode == "stored":
         held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
         cpu = max(cpu, 4 * held / rate)
         window = forward
     else:
         window = 3 * forward  # the backward sweep that lands the gradients
-    stretch, gpu_step = _gpu_stepping(s, plan, backward / F, act_bytes, rate)
+    stretch, gpu_step = _gpu_stepping(s, plan, backward, act_bytes, rate)
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
     return max(gpu + stretch + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
+
+
+def _rates(s: Shape, m: Machine) -> tuple[float, float]:
+    """FLOP/s of the layers' matmuls and of their attention: the machine's rate where it is given,
+    else the probe's split where it measured one (attention runs slower at long context), else the
+    probe's rate (or GPU_FLOPS) for both."""
+    if m.gpu_flops:
+        return m.gpu_flops, m.gpu_flops
+    lm = s.layer_mem
+    if lm.dense_flops_per_s and lm.attention_flops_per_s:
+        return lm.dense_flops_per_s, lm.attention_flops_per_s
+    F = lm.flops_per_s or GPU_FLOPS[m.device]
+    return F, F
 
 
 def _gpu_stepping(

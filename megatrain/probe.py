@@ -25,6 +25,10 @@ from .models.family import family_of, templates
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
+# The causal attention kernel alone, timed at a length where its work dominates a layer's: at long
+# context it runs slower than the layer's matmuls (8B, H200: ~450 against ~630 TFLOP/s, fitted on
+# the 128k-400k runs), which one rate for both would hide.
+ATTENTION_PROBE_TOKENS = 32768
 
 # One decoder layer's activations when no device is there to measure them: bytes per token =
 # cb * (a*hidden + b*ffn), bf16, compiled layer, Hopper (bench/calibrate.py). An upper envelope of
@@ -57,6 +61,11 @@ class LayerMemory:
     """Peak above the input of a forward without autograd (its output excluded)."""
     flops_per_s: float | None = None
     """The rate the layer's forward + backward ran at (matmul and attention FLOPs / s)."""
+    dense_flops_per_s: float | None = None
+    attention_flops_per_s: float | None = None
+    """The same split: the causal attention kernel's rate alone (timed at ATTENTION_PROBE_TOKENS,
+    its FLOPs counted as costmodel.py counts them) and the rest of the layer's, the probe's time
+    less its attention's at that rate (None: not measured; the plan uses `flops_per_s` for all)."""
     tiled_graph_per_token: float | None = None
     """The same rates with the MLP tiled (None: not known, the plan never tiles). The backward of
     a tiled layer has two phases whose peaks are measured apart: the MLP's tile loop (the fp32
@@ -191,6 +200,7 @@ def probe_layer_memory(
     q = cfg.attention_width
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope, fixed = _line((t1, b1), (t2, b2))
+    rates = _split_rates(cfg, device, dtype, flops, 4 * 2 * t2 * t2 * q, elapsed)
     (_, tg1, tb1, tf1, tl1), (_, tg2, tb2, tf2, tl2), _ = _probe(
         cfg, i, params, device, dtype, compile, sizes, tile, masked
     )
@@ -223,8 +233,52 @@ def probe_layer_memory(
         backward_fixed=fixed,
         forward_per_token=max(f1 / t1, f2 / t2),
         flops_per_s=flops / elapsed,
+        **rates,
         **tiled,
     )
+
+
+def _split_rates(cfg: ModelConfig, device, dtype, flops: float, attention: float, elapsed: float) -> dict:
+    """`dense_flops_per_s` and `attention_flops_per_s` of a layer whose `flops` (of which
+    `attention` are the attention's) took `elapsed` seconds; {} where the split is not measurable."""
+    fa = attention_rate(cfg, device, dtype)
+    rest = elapsed - attention / fa
+    if rest <= 0.1 * elapsed:  # the attention alone ran slower than inside the layer: noise
+        return {}
+    return dict(dense_flops_per_s=(flops - attention) / rest, attention_flops_per_s=fa)
+
+
+def attention_rate(cfg: ModelConfig, device, dtype, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
+    """FLOP/s of one causal attention's forward + backward on the flash kernel, with the model's
+    heads, at `tokens` tokens in one row; FLOPs counted as costmodel.py counts a layer's (the
+    forward 2 x tokens^2 x width, the backward twice that)."""
+    seconds = _attention_seconds(cfg, device, dtype, tokens)
+    torch.cuda.empty_cache()
+    return 3 * 2 * tokens * tokens * cfg.attention_width / seconds
+
+
+def _attention_seconds(cfg: ModelConfig, device, dtype, tokens: int, reps: int = 3) -> float:
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.attention_width // heads
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(1, n, tokens, d, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for n in (heads, kv, kv)
+    )
+
+    def once() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=kv != heads
+        )
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    once()  # kernels chosen and loaded
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        once()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps
 
 
 def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:

@@ -424,6 +424,33 @@ def test_probe_measures_the_masked_layer():
     assert masked.backward_per_token < 1.5 * plain.backward_per_token + 64, (masked, plain)
 
 
+def test_probe_splits_the_layer_rate_into_matmuls_and_attention():
+    """The probe times the causal attention alone at 32k tokens and the rest of the layer from its
+    own run: both rates are those of a Hopper GPU in bf16 (0.1 to 1.2 PFLOP/s), and the cost model
+    takes them (a 256k-token step, mostly attention, costs more than at the layer's one rate where
+    attention runs slower than the layer did at 8k tokens, less where it runs faster)."""
+    import dataclasses
+
+    from megatrain import footprint, planspec
+    from megatrain.placement import Batch, Machine, Plan
+    from megatrain.probe import layer_memory_for
+
+    cfg = _cfg(
+        "llama", hidden_size=2048, intermediate_size=7168, num_attention_heads=16, num_key_value_heads=4
+    )
+    lm = layer_memory_for(cfg, "cuda", torch.bfloat16, True, 8192)
+    assert 1e14 < lm.attention_flops_per_s < 1.2e15 and 1e14 < lm.dense_flops_per_s < 1.2e15, lm
+    one = dataclasses.replace(lm, dense_flops_per_s=None, attention_flops_per_s=None)
+    long = Batch(262144, 1, 262144, 2, True, rows=1)
+    plan, machine = Plan("cuda", "stored", 0, 0, 0, 0, 4096, 0, 0), Machine("cuda", 139 * 2**30, 120 * 2**30)
+    t = {
+        k: footprint.evaluate(planspec.model_shape(cfg, m), long, plan, machine).step_time_s
+        for k, m in (("split", lm), ("one", one))
+    }
+    # most of a 256k-token step is attention: it costs more where attention runs slower than the layer
+    assert (t["split"] > t["one"]) == (lm.attention_flops_per_s < lm.flops_per_s), (t, lm)
+
+
 def test_tiled_mlp_compiled_tracks_the_untiled_layer():
     """The tiled MLP inside the compiled layer (inductor; the tile loop runs eagerly): bf16
     training follows the untiled compiled layer's within bf16 tolerance."""
