@@ -114,7 +114,7 @@ def _megatrain_detail(r: dict[str, Any]) -> str:
         f"H2D copies {g('h2d_busy', '.0%')}, D2H copies {g('d2h_busy', '.0%')}; "
         f"H2D {g('h2d_bytes_per_step', ',.0f')} B/step, D2H {g('d2h_bytes_per_step', ',.0f')} B/step; "
         f"kept layer graphs {r.get('keep_layers', '-')}, GPU-resident units {r.get('gpu_resident_units', '-')} "
-        f"({g('gpu_resident_params', ',')} params); "
+        f"({g('gpu_resident_params', ',')} params), units stepped on the GPU {r.get('gpu_stepped_units', '-')}; "
         f"init {g('init_s', '.0f')} s; losses {[round(x, 3) for x in r.get('losses') or []]}"
     )
 

@@ -153,7 +153,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         batch_size=spec["mbs"],
         seq_len=spec["seq"],
         grad_accum=accum,
-        choices=Choices(gpu_state=gpu_state),
+        choices=Choices(gpu_state=gpu_state, gpu_step_units=_step_units(spec.get("gpu_step_units", "0"))),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
         world=world.layout,
@@ -243,7 +243,9 @@ def run_megatrain(spec: dict, res: Result) -> None:
     # Bytes per step from the transport's counters (the CPU transport has none). After the
     # synchronize every forward-backward so far has also had its optimizer update.
     h2d, d2h = getattr(tr, "h2d_bytes", None), getattr(tr, "d2h_bytes", None)
-    if h2d is not None and d2h is not None:
+    if h2d is not None and d2h is not None:  # the GPU-stepped units' state included
+        stepper = getattr(tr, "stepper", None)
+        h2d, d2h = h2d + getattr(stepper, "h2d_bytes", 0), d2h + getattr(stepper, "d2h_bytes", 0)
         res.update(h2d_bytes_per_step=h2d / fb_count, d2h_bytes_per_step=d2h / fb_count)
 
     # GPU occupancy of one steady-state step: one unprofiled step primes the pipeline so the
@@ -279,6 +281,11 @@ def run_megatrain(spec: dict, res: Result) -> None:
     model.close()
 
 
+def _step_units(value: str) -> int | None:
+    """bench.py's --gpu-step-units as placement.Choices takes it (None: the plan's choice)."""
+    return None if str(value) == "auto" else int(value)
+
+
 def _tuning(eng, tr) -> dict[str, int]:
     """What megatrain's plan chose: layers whose graphs are kept (not recomputed), units whose
     fp32 state lives on the GPU (stepped there, never copied), gradients and activations."""
@@ -291,6 +298,7 @@ def _tuning(eng, tr) -> dict[str, int]:
         "grad_mode": eng.plan.grad_mode,
         "gpu_grad_units": eng.plan.gpu_grad_units,
         "parked_layers": eng.plan.parked_layers,
+        "gpu_stepped_units": eng.plan.gpu_stepped_units,
     }
 
 

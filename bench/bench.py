@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-gpu-memory", default=None, help="megatrain's GPU budget, e.g. 70GiB (an 80 GB card's)"
     )
+    ap.add_argument(
+        "--gpu-step-units",
+        default="0",
+        help="megatrain's gpu_step_units: streamed units stepped on the GPU (a number, or auto)",
+    )
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU allowed)")
@@ -369,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 "smoke": a.smoke,
                 "max_host_memory": a.max_host_memory,
                 "max_gpu_memory": a.max_gpu_memory,
+                "gpu_step_units": a.gpu_step_units,
             }
             raw = run_worker(spec, timeout, out / rec["log"])
             counted = raw.pop("params", None)

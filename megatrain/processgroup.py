@@ -58,6 +58,12 @@ class ProcessGroup(Cuts):
         timeout = datetime.timedelta(seconds=timeout_s)
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(self.backend, timeout=timeout, **kw)
+        if device.type == "cuda":
+            # NCCL may set up its buffers at the first collective: make it happen before the plan
+            # measures the GPU's free memory, so that the plan leaves them room (an 18.7B run on two
+            # H200s ran out of memory with 1.9 GiB outside PyTorch's allocator, CUDA's context included).
+            dist.all_reduce(torch.zeros(1, device=device))
+            torch.cuda.synchronize(device)
         # Barriers and flags go through gloo on the CPU: no device sync, the same timeout.
         self.cpu = dist.new_group(backend="gloo", timeout=timeout) if self.backend != "gloo" else None
         self.updates = dist.new_group(backend="gloo", timeout=timeout)
