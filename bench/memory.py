@@ -237,27 +237,19 @@ def worker(run: dict, out: dict) -> dict:
 
     size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
     limit_basis = None
-    if run.get("seq") == "limit":
+    if run.get("seq") == "limit" or run.get("layers") == "max":
         from megatrain.placement import measure
         from megatrain.probe import PROBE_TOKENS
 
         configure_allocator()
         machine = measure("cuda", size("max_gpu_memory"), size("max_host_memory"))
-        probe_cfg, _, _, _ = shape_of({**run, "seq": PROBE_TOKENS, "tokens": PROBE_TOKENS, "mbs": 1})
-        probed = layer_memory_for(probe_cfg, "cuda", torch.bfloat16, True, PROBE_TOKENS)
+        limit = run.get("seq") == "limit"  # else the depth: the probe's layer at the run's length
+        at = {"seq": PROBE_TOKENS, "tokens": PROBE_TOKENS, "mbs": 1} if limit else {"layers": "1"}
+        probe_cfg, seq, mbs, _ = shape_of({**run, **at})
+        probed = layer_memory_for(probe_cfg, "cuda", torch.bfloat16, True, mbs * seq)
         torch.cuda.empty_cache()
-        run = at_limit(run, machine, probed)
+        run = (at_limit if limit else at_largest)(run, machine, probed)
         limit_basis = machine, probed  # the run is planned on what its limit was found with
-    elif run.get("layers") == "max":
-        from megatrain.placement import measure
-
-        configure_allocator()
-        machine = measure("cuda", size("max_gpu_memory"), size("max_host_memory"))
-        cfg, seq, mbs, _ = shape_of({**run, "layers": "1"})
-        probed = layer_memory_for(cfg, "cuda", torch.bfloat16, True, mbs * seq)
-        torch.cuda.empty_cache()
-        run = at_largest(run, machine, probed)
-        limit_basis = machine, probed
     cfg, seq, mbs, accum = shape_of(run)
     T, V = run["tokens"], cfg.vocab_size
     doc = int(run.get("doc", 0))  # packed rows of `doc`-token documents (0: plain rows)
