@@ -6,18 +6,26 @@ memory.py's runs and by bench.py's and multigpu.py's megatrain workers.
 from __future__ import annotations
 
 
-def instrument_phases(engine) -> dict[str, int]:
+def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int]]:
     """Peak allocated GPU memory within each phase of a step (forward sweep, loss head, backward
-    sweep, and the embedding's gradient within it), by resetting the allocator's peak at each
-    phase's start; a phase that encloses another takes the peak of each of its stretches."""
+    sweep, and the embedding's gradient within it), and within the backward sweep while each unit
+    is differentiated (from its gradient buffer's allocation to the next unit's, by unit index),
+    by resetting the allocator's peak at each boundary; a phase that encloses another takes the
+    peak of each of its stretches. Both dicts fill as the run goes: a run that dies keeps them,
+    and the phase it died in (`failed_in`)."""
     import torch
 
     peaks: dict[str, int] = {}
+    units: dict[int, int] = {}
     open_phases: list[str] = []
+    current: list[int | None] = [None]  # the unit being differentiated
 
     def note() -> None:
+        now = torch.cuda.max_memory_allocated()
         for n in open_phases:
-            peaks[n] = max(peaks.get(n, 0), torch.cuda.max_memory_allocated())
+            peaks[n] = max(peaks.get(n, 0), now)
+        if current[0] is not None:
+            units[current[0]] = max(units.get(current[0], 0), now)
 
     def wrap(name: str, fn):
         def inner(*a, **kw):
@@ -32,8 +40,17 @@ def instrument_phases(engine) -> dict[str, int]:
             finally:
                 note()
                 open_phases.pop()
+                current[0] = None
 
         return inner
+
+    grad_buffer = engine._grad_buffer
+
+    def unit_starts(unit):
+        note()
+        torch.cuda.reset_peak_memory_stats()
+        current[0] = unit.index if "backward" in open_phases else None
+        return grad_buffer(unit)
 
     for name, attr in (
         ("forward", "_forward_sweep"),
@@ -42,4 +59,5 @@ def instrument_phases(engine) -> dict[str, int]:
         ("embedding", "_embedding_backward"),
     ):
         setattr(engine, attr, wrap(name, getattr(engine, attr)))
-    return peaks
+    engine._grad_buffer = unit_starts
+    return peaks, units

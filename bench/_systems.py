@@ -129,7 +129,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.distributed import start
     from megatrain.models.config import ModelConfig
     from megatrain.optim import AdamWConfig, chunk_ranges
-    from megatrain.placement import Batch, Choices, phase_peaks
+    from megatrain.placement import Batch, Choices, phase_peaks, unit_peaks
     from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, make_plan
 
@@ -162,8 +162,10 @@ def run_megatrain(spec: dict, res: Result) -> None:
     if cuda:  # each phase's predicted peak (the probe's measurement is reused, not repeated)
         tokens, dt = spec["mbs"] * spec["seq"], getattr(torch, dtype)
         batch = Batch(tokens, accum, spec["seq"], dt.itemsize, True, rows=spec["mbs"])
+        lm = layer_memory_for(mcfg, dev, dt, None, tokens)
         res.update(
-            phase_predicted=phase_peaks(mcfg, batch, plan, layer_memory_for(mcfg, dev, dt, None, tokens))
+            phase_predicted=phase_peaks(mcfg, batch, plan, lm),
+            unit_predicted=unit_peaks(mcfg, batch, plan, lm),
         )
     model = build_model(
         mcfg,
@@ -177,7 +179,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     )
     eng, tr, state = model.engine, model.transport, model.state
     if cuda:  # filled as the run goes: a run that dies keeps the phase it died in
-        res.data["phase_peaks"] = instrument_phases(eng)
+        res.data["phase_peaks"], res.data["unit_peaks"] = instrument_phases(eng)
     res.update(params=state.num_params, init_s=time.perf_counter() - t0, compute_dtype=dtype)
 
     # The unhidden cost of the optimizer: AdamW over the whole real state in the chunks the

@@ -230,7 +230,7 @@ def worker(run: dict, out: dict) -> dict:
     from megatrain.config import parse_size
     from megatrain.memory import MemoryRecord
     from megatrain.optim import AdamWConfig
-    from megatrain.placement import phase_peaks
+    from megatrain.placement import phase_peaks, unit_peaks
     from megatrain.placement import plan as make_placement
     from megatrain.probe import layer_memory_for
     from megatrain.runtime import build_model, configure_allocator, make_plan
@@ -283,6 +283,7 @@ def worker(run: dict, out: dict) -> dict:
         params=cfg.num_params,
         plan_s=time.perf_counter() - t0,
         phase_predicted=phase_peaks(cfg, batch, plan, layer_mem),
+        unit_predicted=unit_peaks(cfg, batch, plan, layer_mem),
         layer_mem=layer_mem.__dict__ if layer_mem is not None else None,
     )
     json.dumps(out)  # a record that cannot be written fails now, not after the run
@@ -296,7 +297,8 @@ def worker(run: dict, out: dict) -> dict:
         machine=machine,
     )
     out["init_s"] = time.perf_counter() - t0
-    phases = out["phase_peaks"] = instrument_phases(model.engine)
+    phases, units = instrument_phases(model.engine)
+    out.update(phase_peaks=phases, unit_peaks=units)
     gen = torch.Generator().manual_seed(0)
     steps = int(run.get("steps", 5))
     times, losses = [], []

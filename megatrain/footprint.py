@@ -107,6 +107,7 @@ class _Phase:
     window: tuple[int, int]
     rest: dict[str, int]
     work: dict[str, int]
+    unit: int | None = None  # the backward sweep's: the unit differentiated
 
     @property
     def total(self) -> int:
@@ -241,7 +242,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
             "layer backward": recomputed + lm.backward(Tm, tile),
             "unit gradient": (4 + cb) * s.units[u],
         }
-        phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work))
+        phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work, u))
     # The embedding's gradient: a scatter-add of the last activation gradient, in fp32, a chunk of
     # tokens at a time: the gradient's fp32 copy, as much again for what the deterministic scatter
     # allocates beside it, and a masked or scaled copy in compute dtype.
@@ -253,7 +254,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     }
     rows = min(Tm, EMBED_GRAD_ROWS)
     work = {"embedding backward": rows * h * (8 + cb) + (0 if on_gpu[0] else 4 * s.units[0])}
-    phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work))
+    phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work, 0))
     return phases
 
 
@@ -286,6 +287,16 @@ def phase_peaks(
         out[ph.name] = max(out.get(ph.name, 0), ph.total)
     out["embedding"] = phases[-1].total
     return out
+
+
+def unit_peaks(
+    cfg: ModelConfig, batch: Batch, plan: Plan, layer_mem: LayerMemory | None = None
+) -> dict[int, int]:
+    """The predicted GPU peak while each unit is differentiated in the backward sweep (the last
+    layer's first, the embedding's last), by unit index: where within the sweep the model and the
+    allocator part, where they do."""
+    s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
+    return {ph.unit: ph.total for ph in _phases(s, batch, plan) if ph.unit is not None}
 
 
 # ---------------------------------------------------------------------------- host memory model

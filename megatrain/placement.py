@@ -50,6 +50,7 @@ from .footprint import (
     fmt_bytes,
     loss_chunk,
     phase_peaks,
+    unit_peaks,
     usable_gpu,
     usable_host,
 )
@@ -59,7 +60,17 @@ from .planspec import Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
 from .state import STATE_BYTES
 
-__all__ = ["Batch", "Choices", "Machine", "Plan", "PlanError", "fmt_bytes", "phase_peaks", "plan"]
+__all__ = [
+    "Batch",
+    "Choices",
+    "Machine",
+    "Plan",
+    "PlanError",
+    "fmt_bytes",
+    "phase_peaks",
+    "plan",
+    "unit_peaks",
+]
 
 
 MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units idle

@@ -31,3 +31,45 @@ def test_largest_model_is_the_deepest_the_plan_accepts(host_gib):
     assert int(more["layers"]) == depth + 1
     with pytest.raises(PlanError, match="host memory"):
         plan(memory.shape_of(more)[0], memory.batch_of(more), machine, memory.choices_of(more))
+
+
+def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
+    """bench/_phases.py attributes the allocator's peak to each phase of a step and, in the
+    backward sweep, to each unit being differentiated (from its gradient buffer to the next one's).
+    With a stand-in allocator counter that sees only the gradient buffers (each alive until the
+    next is allocated): each unit's peak holds its own buffer, every unit the plan predicts a
+    backward peak for (the layers, last first, and the embedding) is measured, and the backward
+    phase's peak is the largest of its units'."""
+    import torch
+    from _phases import instrument_phases
+    from helpers import tiny_config
+
+    from megatrain.batch import MicroBatch
+    from megatrain.models.config import ModelConfig
+    from megatrain.placement import Batch, unit_peaks
+    from megatrain.runtime import build_model, make_plan
+
+    counter = {"now": 0, "peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: counter["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: counter.update(peak=counter["now"]))
+    cfg = ModelConfig.from_hf(tiny_config("llama", num_hidden_layers=3))
+    plan, _ = make_plan(cfg, "cpu", torch.float32, batch_size=2, seq_len=16)
+    model = build_model(cfg, device="cpu", plan=plan)
+    engine, allocate = model.engine, model.engine._grad_buffer
+
+    def counted(unit):  # a buffer lives until the next one is allocated
+        g = allocate(unit)
+        counter["now"] = g.numel() * g.element_size()
+        counter["peak"] = max(counter["peak"], counter["now"])
+        return g
+
+    monkeypatch.setattr(engine, "_grad_buffer", counted)
+    phases, units = instrument_phases(engine)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    engine.forward_backward([MicroBatch(ids, ids)])
+    model.close()
+    sizes = {u.index: 4 * u.numel for u in engine.state.units}
+    assert all(sizes[u] <= peak <= max(sizes.values()) for u, peak in units.items()), (units, sizes)
+    assert units[3] == sizes[3] and units[0] == max(sizes[0], sizes[1])  # the first, the last after layer 1
+    assert set(units) == set(unit_peaks(cfg, Batch(32, 1, 16, 4, True, rows=2), plan)) == {0, 1, 2, 3}
+    assert phases["backward"] == max(units.values()) and phases["embedding"] == units[0]
