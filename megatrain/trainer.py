@@ -12,11 +12,13 @@ import math
 import random
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import HISTORY, TrainerState, open_checkpoint, prune_checkpoints, resume_path
+from .checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, prune_checkpoints, resume_path
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
@@ -32,8 +34,12 @@ from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
 from .partition import check_shared, save_checkpoint, save_model
+from .placement import Machine, Plan
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # Settings whose change between a checkpoint and its resume makes the continuation differ from
 # an uninterrupted run; changing them is allowed, with a warning.
@@ -69,18 +75,37 @@ def train(cfg: TrainConfig) -> Path:
         world.close()
 
 
-def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
-    compute_dtype = resolve_dtype(cfg.compute_dtype, device)
-    main = world.is_main  # writes the outputs and shows progress
+@dataclass
+class _Inputs:
+    """A run's inputs, every one checked before anything is written (`_check_inputs`)."""
 
-    # Everything that can be wrong with the inputs is checked before anything is written.
+    model_cfg: ModelConfig
+    resume: Checkpoint | None
+    outputs: OutputDir
+    tokenizer: PreTrainedTokenizerFast | None
+    samples: list
+    batcher: Batcher
+    total_steps: int
+    warmup: int
+    evaluator: Evaluator
+    plan: Plan
+    machine: Machine
+    saves: SaveSchedule
+
+
+def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, compute_dtype) -> _Inputs:
+    """Read and check everything a run takes (model, checkpoint, output_dir, tokenizer, data, eval
+    data, memory plan, disk space), raising a one-line error at the first fault, before anything
+    is written."""
+    main = world.is_main
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
         cfg.output_router_logits, cfg.router_aux_loss_coef
     )
     check_outputs(cfg)
     ckpt_path = resume_path(cfg)
-    progress = show_progress(cfg.disable_tqdm) and main
-    resume = open_checkpoint(ckpt_path, model_cfg, progress) if ckpt_path else None
+    resume = (
+        open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
+    )
     outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     tok_path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
     # A model directory without tokenizer files is fine for pre-tokenised data.
@@ -114,12 +139,6 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id
     )
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
-    schedule = dict(
-        type=cfg.lr_scheduler_type,
-        learning_rate=cfg.learning_rate,
-        warmup_steps=warmup,
-        total_steps=total_steps,
-    )
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup) if main else ():
         print(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
@@ -128,10 +147,40 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     plan, machine = preflight(
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )
-    runs_on = describe(model_cfg)
-    memory = MemoryRecord(plan, machine, {"model_type": model_cfg.model_type, "path": runs_on})
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
     outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
+    return _Inputs(
+        model_cfg,
+        resume,
+        outputs,
+        tokenizer,
+        samples,
+        batcher,
+        total_steps,
+        warmup,
+        evaluator,
+        plan,
+        machine,
+        saves,
+    )
+
+
+def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
+    compute_dtype = resolve_dtype(cfg.compute_dtype, device)
+    main = world.is_main  # writes the outputs and shows progress
+    run = _check_inputs(cfg, world, device, compute_dtype)
+    model_cfg, resume, outputs, tokenizer = run.model_cfg, run.resume, run.outputs, run.tokenizer
+    batcher, total_steps, warmup, evaluator = run.batcher, run.total_steps, run.warmup, run.evaluator
+    plan, saves = run.plan, run.saves
+    progress = show_progress(cfg.disable_tqdm) and main
+    schedule = dict(
+        type=cfg.lr_scheduler_type,
+        learning_rate=cfg.learning_rate,
+        warmup_steps=warmup,
+        total_steps=total_steps,
+    )
+    runs_on = describe(model_cfg)
+    memory = MemoryRecord(plan, run.machine, {"model_type": model_cfg.model_type, "path": runs_on})
 
     model = build_model(
         model_cfg,
@@ -144,7 +193,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         ),
         progress=progress,
         plan=plan,
-        machine=machine,
+        machine=run.machine,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
         collective=world,
         after_load=resume.load_moments if resume else None,
@@ -175,7 +224,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     nonfinite = NonFiniteGuard(cfg.max_consecutive_nonfinite, ts.nonfinite_streak if ts else 0, log.message)
     log.message(
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
-        f"({str(engine.dtype).removeprefix('torch.')}), {len(samples)} samples, {total_steps} steps"
+        f"({str(engine.dtype).removeprefix('torch.')}), {len(run.samples)} samples, {total_steps} steps"
         + (f", data parallel over {world.world_size} processes" if world.world_size > 1 else "")
     )
     log.message(f"megatrain: {model_cfg.model_type} runs on the {runs_on}")
@@ -243,46 +292,11 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             t_last = time.perf_counter()
             for step in range(start, total_steps):
                 micro_batches = batcher.next_step(world.rank)
-                loss, n_label = engine.forward_backward(micro_batches)
-                grad_norm, coef = engine.clip_grad_norm(cfg.max_grad_norm)  # None: known after the step
-                loss = loss.item()  # the one host sync of the step
-                router = engine.aux_metrics()  # MoE: aux loss and expert load (known with the loss)
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total_steps)
-                if grad_norm is None and math.isfinite(loss):
-                    # No clipping: the backward sweep runs in `step`, each unit stepped as it lands
-                    # (one whose gradient is not finite is left as it was).
-                    grad_norm = engine.step(lr, coef).item()
-                    finite = nonfinite.finite(step + 1, loss, grad_norm)
-                else:
-                    grad_norm = grad_norm.item() if grad_norm is not None else math.nan
-                    finite = nonfinite.finite(step + 1, loss, grad_norm)
-                    if finite:
-                        engine.step(lr, coef)
-                    else:
-                        engine.skip_step()  # weights and AdamW moments stay as they were
-
+                outcome = _optimizer_step(engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1)
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
-                tokens = world.sum_count(sum(mb.num_tokens for mb in micro_batches))
-                # What the step's tokens were: rows of max_length and, packed, the documents in them.
-                rows = world.sum_count(sum(mb.input_ids.shape[0] for mb in micro_batches))
-                samples = world.sum_count(sum(mb.num_samples for mb in micro_batches))
-                record = {
-                    "step": step + 1,
-                    "loss": loss if finite else None,  # JSON has no NaN
-                    "grad_norm": grad_norm if finite else None,
-                    "lr": lr,
-                    "tokens": tokens,
-                    "label_tokens": n_label,
-                    "rows": rows,
-                    "samples": samples,
-                    "tokens_per_s": tokens / dt,
-                    "step_time_s": dt,
-                    "epoch": batcher.epoch,
-                    **router,
-                }
-                if not finite:
-                    record["skipped"] = True
+                record = _step_record(step + 1, outcome, lr, dt, micro_batches, world, batcher.epoch)
                 log.log(record)
                 history.append(record)
                 nonfinite.check_diverged(step + 1)
@@ -333,3 +347,54 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             memory.write(out)
         log.close()
         model.close()
+
+
+def _optimizer_step(engine, micro_batches, max_grad_norm: float, lr: float, nonfinite, step: int) -> dict:
+    """One optimizer step over `micro_batches`: forward, backward, clip, AdamW (skipped where the
+    loss or the gradient norm is not finite, the weights and moments left as they were). Its
+    loss, gradient norm, label tokens, router metrics (MoE) and whether it was finite."""
+    loss, n_label = engine.forward_backward(micro_batches)
+    grad_norm, coef = engine.clip_grad_norm(max_grad_norm)  # None: known after the step
+    loss = loss.item()  # the one host sync of the step
+    router = engine.aux_metrics()  # MoE: aux loss and expert load (known with the loss)
+    if grad_norm is None and math.isfinite(loss):
+        # No clipping: the backward sweep runs in `step`, each unit stepped as it lands (one whose
+        # gradient is not finite is left as it was).
+        grad_norm = engine.step(lr, coef).item()
+        finite = nonfinite.finite(step, loss, grad_norm)
+    else:
+        grad_norm = grad_norm.item() if grad_norm is not None else math.nan
+        finite = nonfinite.finite(step, loss, grad_norm)
+        if finite:
+            engine.step(lr, coef)
+        else:
+            engine.skip_step()  # weights and AdamW moments stay as they were
+    return dict(loss=loss, grad_norm=grad_norm, label_tokens=n_label, router=router, finite=finite)
+
+
+def _step_record(
+    step: int, outcome: dict, lr: float, dt: float, micro_batches, world: Collective, epoch
+) -> dict:
+    """The metrics record of optimizer step `step` (1-based), summed over the world's processes."""
+    finite = outcome["finite"]
+    tokens = world.sum_count(sum(mb.num_tokens for mb in micro_batches))
+    # What the step's tokens were: rows of max_length and, packed, the documents in them.
+    rows = world.sum_count(sum(mb.input_ids.shape[0] for mb in micro_batches))
+    samples = world.sum_count(sum(mb.num_samples for mb in micro_batches))
+    record = {
+        "step": step,
+        "loss": outcome["loss"] if finite else None,  # JSON has no NaN
+        "grad_norm": outcome["grad_norm"] if finite else None,
+        "lr": lr,
+        "tokens": tokens,
+        "label_tokens": outcome["label_tokens"],
+        "rows": rows,
+        "samples": samples,
+        "tokens_per_s": tokens / dt,
+        "step_time_s": dt,
+        "epoch": epoch,
+        **outcome["router"],
+    }
+    if not finite:
+        record["skipped"] = True
+    return record
