@@ -18,9 +18,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from memory import plan_str, shape_of  # noqa: E402
+from memory import batch_of, plan_str, shape_of  # noqa: E402
 
-from megatrain.placement import Batch, Plan, phase_peaks  # noqa: E402
+from megatrain.placement import Plan, phase_peaks  # noqa: E402
 from megatrain.probe import LayerMemory  # noqa: E402
 
 GiB = 2**30
@@ -33,14 +33,12 @@ PLAN_FIELDS = (
 
 def replay(record: dict) -> dict[str, tuple[int, int]]:
     """phase -> (measured, predicted) peak bytes."""
-    run = record["run"]
-    cfg, seq, mbs, accum = shape_of(run)
-    batch = Batch(mbs * seq, accum, seq, 2, float(run.get("max_grad_norm", 1.0)) > 0, rows=mbs)
+    run = record.get("resolved_run") or record["run"]  # seq=limit / layers=max: as resolved
     plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS if k in record["plan"]})
     # records made before GPU-stepped state was prestaged measured it loaded after the clip
     plan.prestage = record["plan"].get("prestage", False)
-    predicted = phase_peaks(cfg, batch, plan, LayerMemory(**record["layer_mem"]))
-    return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items()}
+    predicted = phase_peaks(shape_of(run)[0], batch_of(run), plan, LayerMemory(**record["layer_mem"]))
+    return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items() if isinstance(v, int)}
 
 
 def main() -> None:

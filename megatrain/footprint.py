@@ -186,7 +186,10 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         kept = j >= L - k
         rest = {
             "boundary activations": acts_before(j) + Tm * h * cb,
-            "kept graphs": kept_graph * max(0, j - (L - k)),
+            # the kept layers before this one, and this one's graphs of the micro-batches before
+            # the one it computes (each with its output)
+            "kept graphs": kept_graph * max(0, j - (L - k))
+            + ((b.micro_batches - 1) * (lm.graph(Tm, tile) + Tm * h * cb) if kept else 0),
             "gradients": suffix_streamed[j + 2] if stored else 0,
             # beyond the fetch window, and those fetched again later
             "GPU-stepped weights": stepped_weights(j + 2 + plan.prefetch) + kept_weights(0, j + 1),
