@@ -25,9 +25,12 @@ GiB, MiB = 2**30, 2**20
 
 # --- measured constants (bench/calibrate.py, bench/memory.py; bf16, compiled layer, Hopper); one
 # layer's activations are probe.py's (measured, or its formula)
-# The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient
-# (measured 16.3), and per token x hidden of a chunk: the norm in fp32 and its gradient.
-LOGIT_BYTES = 16
+# The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient, and
+# per token x hidden of a chunk: the norm in fp32 and its gradient. Measured 16.3 bytes per logit
+# before the head moved into losshead.py; since, every run's head phase stood a chunk x vocab x 4
+# bytes under the model at 16 (0.8-1.1 GiB; 13 runs of 2026-11-23, chunks of 1,646-2,092 tokens,
+# vocabularies of 128k-152k): 12.
+LOGIT_BYTES = 12
 HEAD_TOKEN_H = 24
 LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the weight's is formed
 # The backward sweep's peak stood 3.9 and 7.3 GB above the model in the 8B runs at 128k and 256k
