@@ -6,6 +6,7 @@ model's prediction for each phase from the same inputs, so a change to placement
 checked against every measurement taken so far without a GPU:
 
     python bench/replay.py bench/results/*_memory.json bench/results/*_x2.json
+    python bench/replay.py --units bench/results/<file>.json   # per unit of the backward sweep
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from memory import batch_of, plan_str, shape_of  # noqa: E402
 
-from megatrain.placement import Plan, phase_peaks  # noqa: E402
+from megatrain.placement import Plan, phase_peaks, unit_peaks  # noqa: E402
 from megatrain.probe import LayerMemory  # noqa: E402
 
 GiB = 2**30
@@ -41,7 +42,32 @@ def replay(record: dict) -> dict[str, tuple[int, int]]:
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items() if isinstance(v, int)}
 
 
+def replay_units(record: dict) -> dict[int, tuple[int, int]]:
+    """unit -> (measured, predicted) peak bytes while it is differentiated, for a record that
+    measured them (bench/_phases.py)."""
+    run = record.get("resolved_run") or record["run"]
+    plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS if k in record["plan"]})
+    plan.prestage = record["plan"].get("prestage", False)
+    predicted = unit_peaks(shape_of(run)[0], batch_of(run), plan, LayerMemory(**record["layer_mem"]))
+    return {int(u): (v, predicted[int(u)]) for u, v in record.get("unit_peaks", {}).items()}
+
+
 def main() -> None:
+    if "--units" in sys.argv:  # each unit of each run that measured them: where model and allocator part
+        sys.argv.remove("--units")
+        print("| file | run | unit | measured GiB | predicted GiB | measured - predicted |")
+        print("|---|---|---|---|---|---|")
+        for path in sys.argv[1:]:
+            with open(path) as f:
+                for r in json.load(f)["runs"]:
+                    for u, (m, q) in (
+                        sorted(replay_units(r).items(), reverse=True) if "unit_peaks" in r else ()
+                    ):
+                        name = os.path.basename(path)
+                        print(
+                            f"| {name} | {r['name']} | {u} | {m / GiB:.2f} | {q / GiB:.2f} | {(m - q) / GiB:+.2f} |"
+                        )
+        return
     print(
         "| file | run | plan | forward | head | backward | peak measured GiB | peak predicted GiB | error |"
     )

@@ -129,3 +129,24 @@ def test_the_loss_head_phase_matches_the_runs_since_the_chunked_head():
             assert abs(predicted - measured) < 0.25 * GiB, (name, r["name"], measured / GiB, predicted / GiB)
             checked += 1
     assert checked == 19
+
+
+def test_replay_puts_each_measured_unit_beside_the_plan():
+    """bench/replay.py --units: a record's per-unit peaks (JSON keys are strings) each beside the
+    plan's prediction for that unit, as footprint.unit_peaks makes it from the recorded plan."""
+    import json
+
+    import replay
+
+    from megatrain.placement import unit_peaks
+    from megatrain.probe import formula_layer_memory
+
+    run = memory.parse("B:16384:gpu_state=off")
+    cfg, batch = memory.shape_of(run)[0], memory.batch_of(run)
+    lm = formula_layer_memory(cfg, 2)
+    p = plan(cfg, batch, Machine("cuda", 139 * GiB, 120 * GiB), memory.choices_of(run), lm)
+    want = unit_peaks(cfg, batch, p, lm)
+    record = json.loads(json.dumps({"run": run, "plan": p.to_json(), "layer_mem": lm.__dict__}))
+    record["unit_peaks"] = {str(u): v + 1 for u, v in want.items()}
+    got = replay.replay_units(record)
+    assert set(got) == set(want) and all(got[u] == (want[u] + 1, want[u]) for u in want)
