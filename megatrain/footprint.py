@@ -48,6 +48,11 @@ LOSS_CHUNK_SHARE = 0.04  # of a GPU budget below 100 GiB
 # built (CUDA libraries, kernels, pinned pools; measured 0.84 GiB), and the GPU memory outside the
 # allocator (the CUDA context).
 HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
+# Each further process of a data-parallel machine: its interpreter and libraries, CUDA's and NCCL's
+# host allocations, its own staging buffers. The machine's used memory (MemTotal - MemAvailable)
+# grew by 3.5-5.6 GiB from one process to two (8B, two H200s, bench/results/2026-11-23_0206_,
+# _0411_ and _0740_multigpu.md), where the plan had counted nothing for it.
+PROCESS_HOST = {"cuda": 5 * GiB, "cpu": 256 * MiB}
 CUDA_CONTEXT = 600 * MiB
 GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
 # Of the host budget: the kernel's and the GPU driver's own memory for page-locked pages, the page
@@ -308,8 +313,9 @@ def unit_peaks(
 # ---------------------------------------------------------------------------- host memory model
 def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int], int]:
     """Host memory of this machine by kind, and how much of it is page-locked. Its share of the
-    state (all of it, unless partitioned over machines) and of the gradients its ranks step; the
-    rest once, as for one process."""
+    state (all of it, unless partitioned over machines) and of the gradients its ranks step; each
+    of its processes' runtime and parked activations; the staging buffers once (in the runtime's
+    measure for the further processes)."""
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
     host = {"fp32 weights + AdamW moments": STATE_BYTES * state}
@@ -324,7 +330,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
         if b.masked:
             host["attention masks"] = _masks(b, flex=False)
-        host["runtime"] = HOST_RUNTIME["cpu"]
+        host["runtime"] = _runtime(plan.device, world)
         return host, 0
     pinned = 4 * state  # the master weights, registered in place
     pinned += 8 * world.held(s.units[u] for u in plan.stepped)  # and GPU-stepped units' moments
@@ -332,13 +338,19 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     if spilled > 0:
         host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
         pinned += 4 * spilled
-    if plan.parked_layers:
-        host["boundary activations (page-locked)"] = plan.parked_layers * _parked_layer_bytes(b, h)
-        pinned += host["boundary activations (page-locked)"]
+    if plan.parked_layers:  # each process parks its own micro-batches'
+        parked = world.ranks_per_machine * plan.parked_layers * _parked_layer_bytes(b, h)
+        host["boundary activations (page-locked)"] = parked
+        pinned += parked
     host["gradient staging (page-locked)"] = STAGING_SLOTS * plan.staging_elems * 4
     pinned += host["gradient staging (page-locked)"]
-    host["runtime"] = HOST_RUNTIME["cuda"]
+    host["runtime"] = _runtime(plan.device, world)
     return host, pinned
+
+
+def _runtime(device: str, world: Layout) -> int:
+    """Host memory of the machine's processes beside the state and the plan's buffers."""
+    return HOST_RUNTIME[device] + (world.ranks_per_machine - 1) * PROCESS_HOST[device]
 
 
 def _parked_layer_bytes(b: Batch, hidden: int) -> int:
