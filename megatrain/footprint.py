@@ -28,7 +28,7 @@ GiB, MiB = 2**30, 2**20
 # The loss head, per logit of a chunk: bf16 logits, their fp32 copy, softmax and its gradient, and
 # per token x hidden of a chunk: the norm in fp32 and its gradient. Measured 16.3 bytes per logit
 # before the head moved into losshead.py; since, every run's head phase stood a chunk x vocab x 4
-# bytes under the model at 16 (0.8-1.1 GiB; 13 runs of 2026-11-23, chunks of 1,646-2,092 tokens,
+# bytes under the model at 16 (0.8-1.1 GiB; 19 runs of 2026-11-23, chunks of 1,646-2,092 tokens,
 # vocabularies of 128k-152k): 12.
 LOGIT_BYTES = 12
 HEAD_TOKEN_H = 24
@@ -51,7 +51,8 @@ HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
 # Each further process of a data-parallel machine: its interpreter and libraries, CUDA's and NCCL's
 # host allocations, its own staging buffers. The machine's used memory (MemTotal - MemAvailable)
 # grew by 3.5-5.6 GiB from one process to two (8B, two H200s, bench/results/2026-11-23_0206_,
-# _0411_ and _0740_multigpu.md), where the plan had counted nothing for it.
+# _0411_ and _0740_multigpu.md), where the plan had counted nothing for it. On the CPU (gloo, tests
+# only) one runtime's worth, not measured.
 PROCESS_HOST = {"cuda": 5 * GiB, "cpu": 256 * MiB}
 CUDA_CONTEXT = 600 * MiB
 GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
