@@ -40,6 +40,10 @@ PCIE_BYTES_S = 45e9
 ADAM_PARAMS_S = 3e9  # where it is not measured
 ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
 OPT_INTERFERENCE = 0.25
+# Where gradients land during the backward sweep (two-pass, immediate), the CPU AdamW steps each
+# unit as it lands and ran 1.16-1.24x faster than ADAM_IN_STEP says (three two-pass runs: 3.6B,
+# 8.7B of 120B-class layers, 18.7B; bench/results/2026-11-22_2215_memory.json, _2236_x2.json).
+ADAM_LANDING_GAIN = 1.2
 # The fused CUDA AdamW: ~1 ms per GB of fp32 state (weights and moments) on H100/H200.
 GPU_ADAMW_STATE_BYTES_S = 1e12
 
@@ -77,6 +81,8 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
     cpu = (streamed - gpu_stepped) / m.adam_params_s
+    if plan.grad_mode != "stored":
+        cpu /= ADAM_LANDING_GAIN
     forward = L * layer_fwd  # the next forward sweep
     if plan.grad_mode == "stored":
         held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
