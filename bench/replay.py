@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -25,19 +26,18 @@ from megatrain.placement import Plan, phase_peaks, unit_peaks  # noqa: E402
 from megatrain.probe import LayerMemory  # noqa: E402
 
 GiB = 2**30
-PLAN_FIELDS = (
-    "device", "grad_mode", "gpu_grad_units", "resident_units", "keep_layers", "parked_layers",
-    "loss_chunk_tokens", "mlp_tile_tokens", "prefetch", "staging_elems", "inflight_units",
-    "gpu_stepped_units",
-)  # fmt: skip
+
+
+def _plan(record: dict) -> Plan:
+    """The record's plan; records made before GPU-stepped state was prestaged measured it loaded
+    after the clip."""
+    return replace(Plan.from_json(record["plan"]), prestage=record["plan"].get("prestage", False))
 
 
 def replay(record: dict) -> dict[str, tuple[int, int]]:
     """phase -> (measured, predicted) peak bytes."""
     run = record.get("resolved_run") or record["run"]  # seq=limit / layers=max: as resolved
-    plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS if k in record["plan"]})
-    # records made before GPU-stepped state was prestaged measured it loaded after the clip
-    plan.prestage = record["plan"].get("prestage", False)
+    plan = _plan(record)
     predicted = phase_peaks(shape_of(run)[0], batch_of(run), plan, LayerMemory(**record["layer_mem"]))
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items() if isinstance(v, int)}
 
@@ -46,8 +46,7 @@ def replay_units(record: dict) -> dict[int, tuple[int, int]]:
     """unit -> (measured, predicted) peak bytes while it is differentiated, for a record that
     measured them (bench/_phases.py)."""
     run = record.get("resolved_run") or record["run"]
-    plan = Plan(**{k: record["plan"][k] for k in PLAN_FIELDS if k in record["plan"]})
-    plan.prestage = record["plan"].get("prestage", False)
+    plan = _plan(record)
     predicted = unit_peaks(shape_of(run)[0], batch_of(run), plan, LayerMemory(**record["layer_mem"]))
     return {int(u): (v, predicted[int(u)]) for u, v in record.get("unit_peaks", {}).items()}
 

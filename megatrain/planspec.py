@@ -6,7 +6,7 @@ transport and the CLI read it. Nothing here decides or costs anything.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from .costmodel import ADAM_PARAMS_S, PCIE_BYTES_S
 from .layout import Layout
@@ -36,6 +36,11 @@ class Machine:
     world: Layout = Layout()
     """The data-parallel world this machine belongs to: partitioned over several machines, its
     host memory holds only its part of the state (layout.py); sharded, no state on the GPU."""
+
+    @classmethod
+    def from_json(cls, d: dict) -> Machine:
+        """The machine `dataclasses.asdict` wrote (records of bench/ runs)."""
+        return cls(**{**d, "world": Layout(**d.get("world", {}))})
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,12 @@ class Plan:
 
     def to_json(self) -> dict:
         return {**asdict(self), "host_total": self.host_total}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        """The decisions of a plan `to_json` wrote (plan.json, bench/ records); its predictions
+        are made again by footprint.evaluate. Fields a record predates keep their defaults."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.init and f.name in d})
 
 
 # ---------------------------------------------------------------------------- model shape

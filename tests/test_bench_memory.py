@@ -157,7 +157,6 @@ def test_a_machine_of_several_processes_counts_each_ones_runtime():
     and NCCL's host allocations: the plan counts PROCESS_HOST more than for one, and the committed
     two-GPU runs of the 8B shape (machine-wide used memory) are within 5% of it (the plan had
     counted one process's runtime: up to 9% under)."""
-    import dataclasses
     import json
 
     from megatrain import footprint, planspec
@@ -177,13 +176,7 @@ def test_a_machine_of_several_processes_counts_each_ones_runtime():
         for r in json.loads((results / name).read_text()):
             if r["system"] != "megatrain" or r["gpus"] != 2 or not r.get("host_sys_peak_bytes"):
                 continue
-            p = Plan(
-                **{
-                    f.name: r["plan"][f.name]
-                    for f in dataclasses.fields(Plan)
-                    if f.init and f.name in r["plan"]
-                }
-            )
+            p = Plan.from_json(r["plan"])
             world = Layout(ranks=2, sharded=r.get("design") == "sharded")
             per_rank = memory.batch_of(memory.parse("B:32768:gpu_state=auto"))  # 64k tokens over two
             machine = Machine("cuda", 139 * GiB, 240 * GiB, world=world)
@@ -202,11 +195,9 @@ def test_the_cost_model_predicts_the_steps_whose_gradients_land_in_the_backward_
     """The committed two-pass and immediate runs (3.6B, a 120B-class layer, 18.7B): with the CPU
     AdamW stepping each unit as its gradient lands at ADAM_LANDING_GAIN of its stored-mode rate,
     each step is predicted within 10% (at the stored mode's rate, 18-22% slow on each)."""
-    import dataclasses
     import json
 
     from megatrain import costmodel, footprint, planspec
-    from megatrain.layout import Layout
     from megatrain.planspec import Plan
     from megatrain.probe import LayerMemory
 
@@ -216,14 +207,7 @@ def test_the_cost_model_predicts_the_steps_whose_gradients_land_in_the_backward_
         for r in json.loads((results / name).read_text())["runs"]:
             if "plan" not in r or r["plan"]["grad_mode"] == "stored":
                 continue
-            p = Plan(
-                **{
-                    f.name: r["plan"][f.name]
-                    for f in dataclasses.fields(Plan)
-                    if f.init and f.name in r["plan"]
-                }
-            )
-            m = Machine(**{**r["machine"], "world": Layout(**r["machine"].get("world", {}))})
+            p, m = Plan.from_json(r["plan"]), Machine.from_json(r["machine"])
             shape = planspec.model_shape(memory.shape_of(r["run"])[0], LayerMemory(**r["layer_mem"]))
             t = footprint.evaluate(shape, memory.batch_of(r["run"]), p, m).step_time_s
             assert t == pytest.approx(r["step_s"], rel=0.10), (name, r["name"], t, r["step_s"])

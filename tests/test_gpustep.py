@@ -250,25 +250,18 @@ def test_the_cost_model_predicts_the_measured_gpu_stepped_steps():
     )
     predicted, measured = {}, {}
     for run in record["runs"]:
-        machine = {**run["machine"], "world": Layout(**run["machine"]["world"])}
-        plan = Plan(
-            **{
-                f.name: run["plan"][f.name]
-                for f in dataclasses.fields(Plan)
-                if f.init and f.name in run["plan"]
-            }
-        )
+        machine, plan = Machine.from_json(run["machine"]), Plan.from_json(run["plan"])
         shape = planspec.model_shape(A, LayerMemory(**run["layer_mem"]))
         k = plan.gpu_stepped_units
         # measured before the state was prestaged: it came in after the clip
         old = dataclasses.replace(plan, prestage=run["plan"].get("prestage", False))
         assert not old.prestaged
-        predicted[k] = footprint.evaluate(shape, STEP16K, old, Machine(**machine)).step_time_s
+        predicted[k] = footprint.evaluate(shape, STEP16K, old, machine).step_time_s
         measured[k] = run["step_s"]
         assert predicted[k] == pytest.approx(measured[k], rel=0.10), (k, predicted[k], measured[k])
         # what the model expects of the prestaged schedule on the same run: the GPU no longer
         # waits for the whole state's way in after the clip
-        new = footprint.evaluate(shape, STEP16K, plan, Machine(**machine)).step_time_s
+        new = footprint.evaluate(shape, STEP16K, plan, machine).step_time_s
         assert new < predicted[k] if k >= 22 else new <= predicted[k] * 1.05, (k, new, predicted[k])
     assert min(predicted, key=predicted.get) == min(measured, key=measured.get) == 15
 

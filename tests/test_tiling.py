@@ -287,7 +287,6 @@ def test_attention_at_long_context_runs_at_its_own_rate_in_the_cost_model():
     from pathlib import Path
 
     from megatrain import footprint, planspec
-    from megatrain.layout import Layout
     from megatrain.planspec import Machine, Plan
     from megatrain.probe import LayerMemory
 
@@ -306,10 +305,7 @@ def test_attention_at_long_context_runs_at_its_own_rate_in_the_cost_model():
     for r in runs:
         cfg = memory.shape_of(r.get("resolved_run") or r["run"])[0]
         batch = memory.batch_of(r.get("resolved_run") or r["run"])
-        plan = Plan(
-            **{f.name: r["plan"][f.name] for f in dataclasses.fields(Plan) if f.init and f.name in r["plan"]}
-        )
-        machine = Machine(**{**r["machine"], "world": Layout(**r["machine"].get("world", {}))})
+        plan, machine = Plan.from_json(r["plan"]), Machine.from_json(r["machine"])
         one = LayerMemory(**r["layer_mem"])
         split = dataclasses.replace(one, dense_flops_per_s=one.flops_per_s, attention_flops_per_s=450e12)
         same = dataclasses.replace(
