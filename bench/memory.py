@@ -63,6 +63,8 @@ RUNS = {
     # the deepest model of 18.7B's width the plan accepts on that host, and one layer more (refused)
     "x2-largest-16k": "B18:16384:layers=max,max_host_memory=240GiB,steps=3",
     "x2-largest+1-16k": "B18:16384:layers=max,layers_extra=1,max_host_memory=240GiB,steps=3",
+    "x2-largest-16k-128GiB": "B18:16384:layers=max,max_host_memory=240GiB,max_gpu_memory=128GiB,steps=3",
+    "x2-largest+1-16k-128GiB": "B18:16384:layers=max,layers_extra=1,max_host_memory=240GiB,max_gpu_memory=128GiB,steps=3",
     "x2-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,steps=4",
     # the default mode with GPU stepping where the plan says it pays (an H100's memory)
     "x2-B18-16k-70GiB-gpustepauto": "B18:16384:max_gpu_memory=70GiB,max_host_memory=240GiB,gpu_step_units=auto,steps=4",

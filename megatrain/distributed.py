@@ -190,6 +190,12 @@ def in_world() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def plans_for_all() -> bool:
+    """This process is the world's first rank, whose plan every rank runs (runtime.build_model);
+    a single process is its own."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def world_layout(traffic: str = "auto", nnodes: int | None = None) -> Layout:
     """The layout of the world torchrun started (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE): its machines
     are torchrun's, or `nnodes` machines simulated within them (each a share of a real one's

@@ -288,6 +288,8 @@ class Engine:
                 _accumulate(g, unit, names, grads[1:])
                 del x, y, grads
             del params, leaves
+            if kept:  # its weights are not needed again (the sweep's list still holds the graph)
+                s.params = {}
             self.collective.reduce_then(unit, g, finish)  # reduced over ranks, then finished
             del g
         self._embedding_backward(dh, prep, finish, embed_grad)

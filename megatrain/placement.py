@@ -403,6 +403,8 @@ def measure(
     `world`: the data-parallel world the machine belongs to (layout.py; default one process)."""
     import torch
 
+    from .distributed import plans_for_all
+    from .optim import optimizer_threads
     from .probe import adam_rate
 
     kind = str(device).split(":")[0]
@@ -410,11 +412,16 @@ def measure(
     if kind == "cuda":
         gpu = max_gpu_memory if max_gpu_memory is not None else gpu_available(device)
     host = max_host_memory if max_host_memory is not None else host_available()
-    # This host's rate only where the run will happen (not when planning from a login node).
-    on_target = kind == "cuda" and torch.cuda.is_available()
-    adam = ADAM_IN_STEP * adam_rate() if on_target else ADAM_PARAMS_S
+    # This host's rate only where the run will happen (not when planning from a login node): the
+    # machine's, all its ranks' optimizer threads together (each steps its share of every unit at
+    # once, and AdamW is bound by the host's memory bandwidth, which they share). Measured by the
+    # rank whose plan all run, alone: the others measuring at once would oversubscribe the cores.
+    on_target = kind == "cuda" and torch.cuda.is_available() and plans_for_all()
+    world = world or Layout()
+    threads = world.ranks_per_machine * optimizer_threads(world.ranks_per_machine)
+    adam = ADAM_IN_STEP * adam_rate(threads) if on_target else ADAM_PARAMS_S
     capped = max_gpu_memory is not None
-    return Machine(kind, gpu, host, gpu_capped=capped, adam_params_s=adam, world=world or Layout())
+    return Machine(kind, gpu, host, gpu_capped=capped, adam_params_s=adam, world=world)
 
 
 def allocator_fraction(machine: Machine, total_gpu_bytes: int) -> float | None:

@@ -395,8 +395,20 @@ def layer_memory_for(
 _PROBED: dict[tuple, LayerMemory] = {}  # layer_memory_for's measurements, one per layer and size
 
 
-def adam_rate(numel: int = 32 * 2**20) -> float:
-    """Parameters per second of the fused CPU AdamW on this host's threads, alone."""
+def adam_rate(threads: int, numel: int = 32 * 2**20) -> float:
+    """Parameters per second of the fused CPU AdamW on `threads` of this host's threads, alone.
+    Measured on the threads the run's optimizers will have: under torchrun a process starts with
+    one (OMP_NUM_THREADS=1), and an 18.7B run on two GPUs measured 0.4 G/s there, planned a step
+    of 21.6 s and took 8.3 (bench/results/2026-11-23_0942_multigpu.json)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _adam_rate(numel)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _adam_rate(numel: int) -> float:
     p, g, m, v = (torch.rand(numel) for _ in range(4))
     steps = [torch.tensor(1.0)]
 

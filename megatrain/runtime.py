@@ -15,7 +15,7 @@ from .engine import Engine
 from .errors import ConfigError
 from .layout import Layout
 from .models.config import ModelConfig
-from .optim import AdamWConfig, HostAdamW
+from .optim import AdamWConfig, HostAdamW, optimizer_threads
 from .placement import Batch, Choices, Machine, Plan
 from .probe import layer_memory_for
 from .state import HostState, build_units
@@ -177,9 +177,7 @@ def build_model(
         compile = device.type == "cuda"
     transport: Transport
     if device.type == "cuda":
-        # The machine's cores are shared by its ranks' optimizers; one each stays free for the
-        # thread that launches kernels.
-        threads = max(1, (os.cpu_count() or 2) // collective.local_world_size - 1)
+        threads = optimizer_threads(collective.local_world_size)
         transport = StreamingTransport(
             state, opt, device, dtype, plan, overlap=overlap, threads=threads, collective=collective
         )

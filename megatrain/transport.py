@@ -35,7 +35,6 @@ it steps its span (layout.py).
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Protocol
@@ -45,7 +44,7 @@ import torch
 from .distributed import Collective, Single
 from .gpustep import GpuStepper
 from .hostmem import Registration, host_buffer
-from .optim import HostAdamW, adamw_range, chunk_ranges
+from .optim import HostAdamW, adamw_range, chunk_ranges, optimizer_threads
 from .optim import clip_scaled as _scaled
 from .placement import Plan
 from .state import HostState, Unit
@@ -204,9 +203,7 @@ class StreamingTransport:
             overlap,
             prestage=bool(plan.prestaged),
         )
-        # One core stays free for the thread that launches kernels; the optimizer's OpenMP
-        # threads would otherwise preempt it and starve the GPU.
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) - 1))
+        torch.set_num_threads(threads or optimizer_threads())
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
         self._worker = None

@@ -213,3 +213,79 @@ def test_the_cost_model_predicts_the_steps_whose_gradients_land_in_the_backward_
             assert t == pytest.approx(r["step_s"], rel=0.10), (name, r["name"], t, r["step_s"])
             checked += 1
     assert checked == 4 and costmodel.ADAM_LANDING_GAIN > 1
+
+
+def test_a_kept_layer_releases_its_weights_once_differentiated(monkeypatch):
+    """A kept layer's graph holds its weights (compute dtype) from the forward sweep; once its
+    backward is done nothing needs them. The sweep's list of graphs outlives the layer, so the
+    weights must be dropped from it: otherwise every kept layer's weights stay until the sweep
+    ends (18.7B-wide layers, 17-18 kept: 12-13 GiB above the plan's backward peak, two runs out of
+    GPU memory, bench/results/2026-11-23_0933_memory.json and _0935_). Each kept layer's graph
+    holds no weights by the time its gradient is handed on; the others' still do."""
+    import torch
+    from helpers import tiny_config
+
+    from megatrain import engine as engine_module
+    from megatrain.batch import MicroBatch
+    from megatrain.models.config import ModelConfig
+    from megatrain.placement import Choices
+    from megatrain.runtime import build_model, make_plan
+
+    cfg = ModelConfig.from_hf(tiny_config("llama", num_hidden_layers=4))
+    plan, _ = make_plan(cfg, "cpu", torch.float32, batch_size=2, seq_len=16, choices=Choices(keep_layers=3))
+    assert plan.keep_layers == 3
+    model = build_model(cfg, device="cpu", plan=plan)
+    engine = model.engine
+    graphs = []  # the kept layers' graphs, in forward order
+
+    class Recorded(engine_module._Graph):
+        def __init__(self, *a):
+            super().__init__(*a)
+            graphs.append(self)
+
+    holding: dict[int, list[bool]] = {}
+    reduce_then = engine.collective.reduce_then
+
+    def checking(unit, grad, finish):
+        holding[unit.index] = [bool(g.params) for g in graphs]
+        return reduce_then(unit, grad, finish)
+
+    monkeypatch.setattr(engine_module, "_Graph", Recorded)
+    monkeypatch.setattr(engine.collective, "reduce_then", checking)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    engine.forward_backward([MicroBatch(ids, ids)])
+    model.close()
+    last, middle, first = (u.index for u in engine.layer_units[:-4:-1])  # backward order
+    assert len(graphs) == 3
+    assert holding[last] == [True, True, False]
+    assert holding[middle] == [True, False, False]
+    assert holding[first] == [False, False, False]
+
+
+def test_the_backward_sweep_per_unit_matches_the_runs_of_the_largest_models():
+    """The 19.9B and 18.7B runs on a 256 GiB host (2026-11-23, unit by unit through the backward
+    sweep). Before kept layers released their weights, the allocator stood one layer's weights
+    (compute dtype) further above the model with each kept layer differentiated, and two runs ran
+    out of memory; since, every unit but the first (the head's gradient still leaving) is within
+    0.5 GiB of the model, on one GPU and on each of two."""
+    import json
+
+    import replay
+
+    results = Path(__file__).resolve().parents[1] / "bench/results"
+    leaked = json.loads((results / "2026-11-23_0933_memory.json").read_text())["runs"][0]
+    units = replay.replay_units(leaked)
+    layer_weights = 2 * 6144 * (2 * 6144 + 2 * 1024 + 3 * 16384)  # one B18 layer, bf16 (norms aside)
+    kept = leaked["plan"]["keep_layers"]
+    last = max(units)
+    for u in range(last - kept + 2, last - 1):  # kept layers after the first: one more layer's each
+        step = (units[u][0] - units[u][1]) - (units[u + 1][0] - units[u + 1][1])
+        assert step == pytest.approx(layer_weights, rel=0.01), u
+    fixed = json.loads((results / "2026-11-23_0939_memory.json").read_text())["runs"][0]
+    two = json.loads((results / "2026-11-23_1054_multigpu.json").read_text())[0]
+    assert fixed["plan"]["keep_layers"] >= 14 and two["plan"]["keep_layers"] >= 14 and two["gpus"] == 2
+    after = replay.replay_units(fixed)
+    assert all(abs(m - q) < GiB / 2 for u, (m, q) in after.items() if u != max(after))
+    m, q = two["unit_peaks"], two["unit_predicted"]
+    first = max(m, key=int)
+    assert all(abs(m[u] - q[u]) < GiB / 2 for u in m if u != first)

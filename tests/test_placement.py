@@ -380,3 +380,37 @@ def test_embedding_gradient_phase_grows_only_by_the_activation_gradient():
 
     grown = embedding_phase(262144) - embedding_phase(131072)
     assert grown == 131072 * 4096 * 2
+
+
+def test_the_adam_rate_is_measured_on_the_threads_the_optimizers_will_have(monkeypatch):
+    """A process under torchrun starts with one OpenMP thread; its optimizer later gets its share
+    of the machine's cores. The plan's CPU AdamW rate is measured on all of the machine's optimizer
+    threads (each rank's share, times its ranks), and the caller's thread count is left as it was:
+    measured on one thread, an 18.7B run on two GPUs planned a step of 21.6 s that took 8.3."""
+    import os
+
+    import torch
+
+    from megatrain import placement, probe
+    from megatrain.costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
+    from megatrain.layout import Layout
+    from megatrain.optim import optimizer_threads
+
+    seen = []
+    monkeypatch.setattr(probe, "_adam_rate", lambda numel: seen.append(torch.get_num_threads()) or 1e9)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = placement.measure("cuda", 80 * GiB, 100 * GiB)
+        two = placement.measure("cuda", 80 * GiB, 100 * GiB, Layout(ranks=2))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert optimizer_threads(1) == 31 and optimizer_threads(2) == 15
+    assert seen == [31, 30]  # one process: all cores but the launcher's; two: 15 each
+    assert one.adam_params_s == two.adam_params_s == ADAM_IN_STEP * 1e9
+    monkeypatch.setenv("RANK", "1")  # its plan is not the one run: it leaves the cores alone
+    assert placement.measure("cuda", 80 * GiB, 100 * GiB, Layout(ranks=2)).adam_params_s == ADAM_PARAMS_S
+    assert seen == [31, 30]
