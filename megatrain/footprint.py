@@ -257,15 +257,19 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         phases.append(_Phase("backward", win[back.get(u, len(win) - 1)], {**resident, **rest}, work, u))
     # The embedding's gradient: a scatter-add of the last activation gradient, in fp32, a chunk of
     # tokens at a time: the gradient's fp32 copy, as much again for what the deterministic scatter
-    # allocates beside it, and a masked or scaled copy in compute dtype.
+    # allocates beside it, and a masked or scaled copy in compute dtype; beside them its fp32
+    # gradient buffer (counted with the held gradients where those are the stored mode's) and,
+    # in a norm-only first pass, every boundary activation, kept for the second.
     rest = {
+        "boundary activations": acts_before(L) if two_pass else 0,
         "activation gradients": T * h * cb,
         "gradients": suffix[0] if stored else inflight(0),
         "GPU-stepped weights": 0 if stored else stepped_weights(1),
         "GPU-stepped state (prestaged)": prestaged_state(0),
     }
     rows = min(Tm, EMBED_GRAD_ROWS)
-    work = {"embedding backward": rows * h * (8 + cb) + (0 if on_gpu[0] else 4 * s.units[0])}
+    own = 0 if stored and on_gpu[0] else 4 * s.units[0]
+    work = {"embedding backward": rows * h * (8 + cb) + own}
     phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work, 0))
     return phases
 
