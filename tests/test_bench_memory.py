@@ -305,7 +305,8 @@ def test_the_embedding_stretch_of_a_two_pass_step_matches_the_runs():
     results = Path(__file__).resolve().parents[1] / "bench/results"
     largest = json.loads((results / "2026-11-23_0939_memory.json").read_text())["runs"][0]
     probed = LayerMemory(**largest["layer_mem"])  # the same layer and micro-batch as the runs below
-    cfg, batch = memory.shape_of(memory.parse("B18:16384"))[0], memory.batch_of(memory.parse("B18:16384"))
+    run = memory.parse("B18:16384")  # 16k tokens per GPU, as each run's micro-batch
+    cfg, batch = memory.shape_of(run)[0], memory.batch_of(run)
     for name, mode in (("0929", "two_pass"), ("0942", "two_pass"), ("1054", "stored")):
         r = json.loads((results / f"2026-11-23_{name}_multigpu.json").read_text())[0]
         plan = Plan.from_json(r["plan"])
