@@ -54,6 +54,9 @@ RUNS = {
     "B64k-off": "B:65536:gpu_state=off",
     "B64k-78GiB": "B:65536:max_gpu_memory=78GiB",
     "B16k-22GiB": "B:16384:max_gpu_memory=22GiB",
+    # the default mode where most of the state streams (a 40 GiB card), without and with GPU stepping
+    "B16k-40GiB": "B:16384:max_gpu_memory=40GiB",
+    "B16k-40GiB-gpustepauto": "B:16384:max_gpu_memory=40GiB,gpu_step_units=auto",
     # gradients shared: the host holds a fifth of them, the GPU the rest
     "B16k-shared": "B:16384:max_gpu_memory=60GiB,max_host_memory=103GiB",
     "B18-16k-off": "B18:16384:gpu_state=off",

@@ -1,0 +1,169 @@
+"""The host AdamW pass: what it costs, and what two changes to it would cost (bench/host-only.md).
+
+On the machine's optimizer threads, G params/s of each pass over `--params` elements of fp32
+state, a chunk at a time:
+
+  step           torch's fused CPU AdamW in place (what megatrain runs), unclipped
+  clip in place  the gradient chunk times the clip coefficient in place, then the step: what
+                 the optimizer worker runs on gradients held in host memory today
+  clip scratch   the same product written into a scratch of the given size (the kernel could
+                 read it back from the caches), then the step: one pass over the gradient fewer
+  backup         each chunk's master and moments copied aside, then the step: speculative
+                 stepping (the update made before the clip coefficient is known)
+  restore        the backup copied back: the repair when the clip then fires
+
+Before timing, it checks on a slice that the two clip passes give bitwise the same state and
+that backup, step and restore give back the state bitwise (`exact` in the results). Results: a
+table, and JSON + Markdown under --out.
+
+    python bench/adamw.py --params 1.8e9 --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from megatrain.optim import optimizer_threads  # noqa: E402
+
+COEF = 1.0  # a multiply like any other; values do not drift over the repeats
+
+
+class State:
+    """fp32 master, gradient and moments of `n` elements, and room for a backup."""
+
+    def __init__(self, n: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.p, self.g, self.m, self.v = (torch.randn(n, generator=gen) for _ in range(4))
+        self.v.abs_()
+        self.saved = [torch.empty(n) for _ in range(3)]
+        self.coef = torch.tensor(COEF)
+        self.step_no = torch.full((), 3.0)
+        self.scratch: torch.Tensor | None = None
+
+    def step(self, a: int, b: int, g: torch.Tensor | None = None) -> None:
+        torch._fused_adamw_(
+            [self.p[a:b]], [self.g[a:b] if g is None else g], [self.m[a:b]], [self.v[a:b]], [], [self.step_no],
+            amsgrad=False, lr=1e-5, beta1=0.9, beta2=0.95, weight_decay=0.0, eps=1e-8, maximize=False,
+        )  # fmt: skip
+
+    def clip_in_place(self, a: int, b: int) -> None:
+        self.g[a:b].mul_(self.coef)
+        self.step(a, b)
+
+    def clip_scratch(self, size: int):
+        def run(a: int, b: int) -> None:
+            if self.scratch is None or self.scratch.numel() != size:
+                self.scratch = torch.empty(size)
+            for x in range(a, b, size):
+                y = min(b, x + size)
+                self.step(x, y, torch.mul(self.g[x:y], self.coef, out=self.scratch[: y - x]))
+
+        return run
+
+    def backup(self, a: int, b: int) -> None:
+        for dst, src in zip(self.saved, (self.p, self.m, self.v)):
+            dst[a:b].copy_(src[a:b])
+        self.step(a, b)
+
+    def restore(self, a: int, b: int) -> None:
+        for dst, src in zip((self.p, self.m, self.v), self.saved):
+            dst[a:b].copy_(src[a:b])
+
+
+def exactness(n: int = 1 << 20, scratch: int = 1 << 16) -> dict[str, bool]:
+    """The claims the passes rest on, on `n` elements with a coefficient below one."""
+    one, two = State(n), State(n)
+    for s in (one, two):
+        s.coef = torch.tensor(0.37)
+    one.clip_in_place(0, n)
+    two.clip_scratch(scratch)(0, n)
+    clip = all(torch.equal(x, y) for x, y in ((one.p, two.p), (one.m, two.m), (one.v, two.v)))
+    s = State(n, seed=1)
+    before = [t.clone() for t in (s.p, s.m, s.v)]
+    s.backup(0, n)
+    changed = not torch.equal(s.p, before[0])
+    s.restore(0, n)
+    repair = changed and all(torch.equal(x, y) for x, y in zip((s.p, s.m, s.v), before))
+    return {"clip_scratch_equals_in_place": clip, "restore_returns_the_state": repair}
+
+
+def measure(n: int, chunks: list[int], scratches: list[int], repeats: int) -> list[dict]:
+    s = State(n)
+    passes = [("step", s.step), ("clip in place", s.clip_in_place)]
+    passes += [(f"clip scratch {k:,}", s.clip_scratch(k)) for k in scratches]
+    passes += [("backup", s.backup), ("restore", s.restore)]
+    rows = []
+    for name, fn in passes:
+        for chunk in chunks:
+            times = []
+            for _ in range(repeats + 1):  # the first warms up
+                t = time.perf_counter()
+                for a in range(0, n, chunk):
+                    fn(a, min(n, a + chunk))
+                times.append(time.perf_counter() - t)
+            best = min(times[1:])
+            rows.append({"pass": name, "chunk": chunk, "seconds": best, "gparams_per_s": n / best / 1e9})
+            print(
+                f"{name:22s} chunk {chunk:>11,d}  {best:6.3f} s  {n / best / 1e9:5.2f} G params/s", flush=True
+            )
+    base = {r["chunk"]: r["seconds"] for r in rows if r["pass"] == "step"}
+    for r in rows:
+        r["vs_step"] = r["seconds"] / base[r["chunk"]]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| pass | chunk | seconds | G params/s | time vs step |", "|---|---|---|---|---|"]
+    out += [
+        f"| {r['pass']} | {r['chunk']:,} | {r['seconds']:.3f} | {r['gparams_per_s']:.2f} | {r['vs_step']:.2f}x |"
+        for r in rows
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=float, default=1.8e9, help="elements stepped (state: 28 B each)")
+    ap.add_argument("--chunks", default="33554432,4194304", help="elements per chunk")
+    ap.add_argument("--scratch", default="4194304,1048576,262144", help="clip scratch sizes (elements)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(optimizer_threads())
+    exact = exactness()
+    print("exact:", exact, flush=True)
+    split = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    rows = measure(int(args.params), split(args.chunks), split(args.scratch), args.repeats)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "params": int(args.params),
+        "command": "python bench/adamw.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "exact": exact,
+    }
+    print(table(rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, datetime.datetime.now().strftime("%Y-%m-%d_%H%M") + "_adamw")
+        for path in (stem + ".json", stem + ".md"):
+            if os.path.exists(path):
+                sys.exit(f"adamw.py: {path} exists; nothing is overwritten")
+        with open(stem + ".json", "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write("# host AdamW: the step, the clip's pass, speculative stepping's backup and restore\n\n")
+            f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + table(rows) + "\n")
+    return {**meta, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
