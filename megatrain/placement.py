@@ -174,7 +174,7 @@ def plan(
         best = _spend_free_gpu(s, batch, best, m)
     if c.gpu_step_units is None and m.device == "cuda" and m.world.ranks == 1:
         best = _fastest_stepping(s, batch, best, m)
-    best = _note(best, s, batch, m)
+    best = _note(best, s, batch, m, _why_two_pass(best, c, m, candidate))
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
@@ -320,7 +320,22 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
     return "no placement fits: " + "; ".join(parts or ["unknown"])
 
 
-def _note(p: Plan, s: Shape, b: Batch, m: Machine) -> Plan:
+def _why_two_pass(p: Plan, c: Choices, m: Machine, candidate) -> str:
+    """Why a plan's gradients are not stored for the clip, in words for its note ('' if they are)."""
+    if p.grad_mode != "two_pass":
+        return ""
+    if c.gradient_placement == "two_pass":
+        return "as configured (gradient_placement: two_pass)"
+    in_host = candidate("stored", 0, p.parked_layers, p.mlp_tile_tokens)
+    if fits(in_host, m):
+        return "faster than storing them, by the cost model"
+    host = f"host memory would need ~{fmt_bytes(in_host.host_total)} with them, {fmt_bytes(usable_host(m))} usable"
+    if c.gpu_state == "off":
+        return f"{host}, and gpu_state: off keeps none on the GPU"
+    return f"{host}, and the GPU holds no more of them"
+
+
+def _note(p: Plan, s: Shape, b: Batch, m: Machine, why_two_pass: str) -> Plan:
     n, w = len(s.units), m.world
     notes = []
     if w.sharded:
@@ -348,8 +363,8 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine) -> Plan:
     elif p.grad_mode == "two_pass":
         extra = 3 * s.layers * 2 * s.layer * b.tokens
         notes.append(
-            "gradients: two-pass step (neither GPU nor host holds them): a norm-only backward sweep, then "
-            f"one that steps each unit as it lands; ~{extra / 1e12:.0f} TFLOP more per step"
+            f"gradients: two-pass step ({why_two_pass}): a norm-only "
+            f"backward sweep, then one that steps each unit as it lands; ~{extra / 1e12:.0f} TFLOP more per step"
         )
     else:
         notes.append("gradients: no clipping, each unit stepped as its gradient lands")

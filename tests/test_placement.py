@@ -87,6 +87,14 @@ def test_gradients_spill_to_host_then_two_pass_then_refuse():
     # An 80 GB card cannot take the other two thirds: two passes, nothing stored.
     two = placement.plan(B18, STEP16K, cuda(40, state / GiB + 4 * n / 3 / GiB))
     assert two.grad_mode == "two_pass" and "two-pass step" in two.notes[0]
+    assert "usable, and the GPU holds no more of them" in two.notes[0]
+    # with gpu_state: off the note says which setting keeps them off a GPU that has room
+    off = placement.plan(B18, STEP16K, cuda(139, state / GiB + 4 * n / 3 / GiB), Choices(gpu_state="off"))
+    assert off.grad_mode == "two_pass" and "gpu_state: off keeps none on the GPU" in off.notes[0]
+    need = float(off.notes[0].split("would need ~")[1].split(" GiB")[0])
+    assert need * GiB > footprint.usable_host(cuda(139, state / GiB + 4 * n / 3 / GiB))
+    asked = placement.plan(B8, STEP16K, cuda(139, 1000), Choices(gradient_placement="two_pass"))
+    assert "as configured (gradient_placement: two_pass)" in asked.notes[0]
     assert two.host_total < 12 * n + 4 * GiB
     with pytest.raises(PlanError, match="host memory: needs"):
         placement.plan(B18, STEP16K, cuda(40, 12 * n / GiB))
