@@ -34,6 +34,11 @@ if TYPE_CHECKING:  # planspec.py imports this module (rates as defaults): the ty
 # bench/README.md). The plan only compares choices with them and projects step times.
 GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
 PCIE_BYTES_S = 45e9
+# Both directions at once move more than one, but not twice: in the training steps whose link
+# bound (GPU-stepped state crossing both ways), host->device plus device->host peaked at
+# 56.6-59.5 GB/s together (H100 and H200, model A; bench/results/2026-11-23_1418_memory.json and
+# the earlier GPU-stepped runs), 1.3x the one-way rate above; copies alone reach more (90 GB/s).
+PCIE_DUPLEX_GAIN = 1.3
 # The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
 # (it shares host memory bandwidth with the copies and cores with the launching thread), and even
 # "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
@@ -50,8 +55,9 @@ GPU_ADAMW_STATE_BYTES_S = 1e12
 
 def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     """Seconds per optimizer step: GPU compute plus its wait for the updates the overlap does not
-    hide, or PCIe traffic plus the link's wait for the CPU optimizer, whichever is longer (without
-    GPU-stepped units: compute or PCIe, whichever binds, plus the CPU optimizer's unhidden part)."""
+    hide, or PCIe traffic plus the link's wait for the CPU optimizer, or both directions' traffic
+    at their joint rate, whichever is longest (without GPU-stepped units: compute or PCIe,
+    whichever binds, plus the CPU optimizer's unhidden part)."""
     F, Fa = _rates(s, m)
     T, L = b.tokens, s.layers
     attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
@@ -80,6 +86,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra - 4 * kept
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
+    duplex = (h2d + d2h) / (PCIE_DUPLEX_GAIN * rate)  # the link's two directions together
     cpu = (streamed - gpu_stepped) / m.adam_params_s
     if plan.grad_mode != "stored":
         cpu /= ADAM_LANDING_GAIN
@@ -93,7 +100,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     stretch, gpu_step = _gpu_stepping(s, plan, backward, act_bytes, rate)
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
-    return max(gpu + stretch + waits, pcie + idle) + OPT_INTERFERENCE * min(cpu, window)
+    return max(gpu + stretch + waits, pcie + idle, duplex) + OPT_INTERFERENCE * min(cpu, window)
 
 
 def _rates(s: Shape, m: Machine) -> tuple[float, float]:
