@@ -275,7 +275,13 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
 def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
     """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
     says is fastest, among those whose memory fits (it grows with each unit); none unless that
-    saves STEPPING_GAIN of the step, the cost model's error on the runs it was checked against."""
+    saves STEPPING_GAIN of the step, the cost model's error on the runs it was checked against.
+    Only where gradients are held for the clip (stored): in a two-pass step the CPU AdamW already
+    runs beside the second backward sweep, and GPU stepping measured no faster there (8B, 16k,
+    all state in host memory, H200: 11 units 4,058 tokens/s against 4,045 without, where the model
+    said 31% faster; bench/results/2026-11-23_1650_memory.json)."""
+    if base.grad_mode != "stored":
+        return base
     best = base
     for k in range(1, len(s.units) - base.resident_units + 1):
         p = _stepped_loading(s, b, replace(base, gpu_stepped_units=k), m)

@@ -197,8 +197,7 @@ def test_gpu_stepping_in_every_gradient_mode_is_counted():
     for mode, clip in (("two_pass", True), ("auto", False)):
         batch = placement.Batch(1024, 1, 1024, 2, clip)
         p0, p = (
-            placement.plan(cfg, batch, slow_cpu, Choices("off", mode, gpu_step_units=k))
-            for k in (0, 10)
+            placement.plan(cfg, batch, slow_cpu, Choices("off", mode, gpu_step_units=k)) for k in (0, 10)
         )
         assert p.grad_mode == p0.grad_mode == ("two_pass" if mode == "two_pass" else "immediate")
         assert p.gpu_stepped_units == 10 and p.resident_units == 0
@@ -234,6 +233,12 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
         assert not footprint.fits(footprint.evaluate(shape, STEP16K, staged, small), small), k
     two = Machine("cuda", 139 * 2**30, 1000 * 2**30, world=Layout(ranks=2))
     assert placement.plan(A, STEP16K, two, auto).gpu_stepped_units == 0
+    # none in a two-pass step (measured no faster there), though the model says a count is
+    twopass = Choices(gpu_state="off", gradient_placement="two_pass", gpu_step_units=None)
+    q = placement.plan(A, STEP16K, cuda(139, 1000), twopass)
+    assert q.grad_mode == "two_pass" and q.gpu_stepped_units == 0
+    counted = placement.plan(A, STEP16K, cuda(139, 1000), dataclasses.replace(twopass, gpu_step_units=8))
+    assert counted.gpu_stepped_units == 8 and counted.step_time_s < 0.95 * q.step_time_s
 
 
 def test_a_count_whose_prestaged_state_does_not_fit_is_loaded_after_the_clip():
