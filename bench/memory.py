@@ -57,6 +57,7 @@ RUNS = {
     "B16k-22GiB": "B:16384:max_gpu_memory=22GiB",
     "B16k-22GiB-gpustepauto": "B:16384:max_gpu_memory=22GiB,gpu_step_units=auto",
     "B16k-off-gpustepauto": "B:16384:gpu_state=off,gpu_step_units=auto",
+    "B64k-off-gpustepauto": "B:65536:gpu_state=off,gpu_step_units=auto",
     # the default mode where most of the state streams (a 40 GiB card), without and with GPU stepping
     "B16k-40GiB": "B:16384:max_gpu_memory=40GiB",
     "B16k-40GiB-gpustepauto": "B:16384:max_gpu_memory=40GiB,gpu_step_units=auto",

@@ -173,7 +173,8 @@ def plan(
     if m.device == "cuda" and auto:
         best = _spend_free_gpu(s, batch, best, m)
     if c.gpu_step_units is None and m.device == "cuda" and m.world.ranks == 1:
-        best = _fastest_stepping(s, batch, best, m)
+        may_store = batch.clip and c.gradient_placement in ("auto", "host")
+        best = _fastest_stepping(s, batch, best, m, may_store)
     best = _note(best, s, batch, m, _why_two_pass(best, c, m, candidate))
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
@@ -272,22 +273,27 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
         cur = max(scored, key=lambda x: x[0])[1]
 
 
-def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
+def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool) -> Plan:
     """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
-    says is fastest, among those whose memory fits (it grows with each unit); none unless that
-    saves STEPPING_GAIN of the step, the cost model's error on the runs it was checked against.
-    Only where gradients are held for the clip (stored): in a two-pass step the CPU AdamW already
-    runs beside the second backward sweep, and GPU stepping measured no faster there (8B, 16k,
-    all state in host memory, H200: 11 units 4,058 tokens/s against 4,045 without, where the model
-    said 31% faster; bench/results/2026-11-23_1650_memory.json)."""
-    if base.grad_mode != "stored":
+    says is fastest, among those whose memory fits; none unless that saves STEPPING_GAIN of the
+    step, the cost model's error on the runs it was checked against. Only where gradients are
+    held for the clip (stored): in a two-pass step the CPU AdamW already runs beside the second
+    backward sweep, and GPU stepping measured no faster there (8B, 16k, all state in host memory,
+    H200: 11 units 4,058 tokens/s against 4,045 without, where the model said 31% faster;
+    bench/results/2026-11-23_1650_memory.json). But a plan that is two-pass because the host
+    cannot hold the gradients can hold them once enough units are stepped on the GPU, whose
+    gradients wait there (`may_store`: the user's gradient_placement allows storing them)."""
+    if base.grad_mode == "stored":
+        start = base
+    elif base.grad_mode == "two_pass" and may_store:
+        start = replace(base, grad_mode="stored", gpu_grad_units=0)
+    else:
         return base
     best = base
     for k in range(1, len(s.units) - base.resident_units + 1):
-        p = _stepped_loading(s, b, replace(base, gpu_stepped_units=k), m)
-        if not fits(p, m):
-            break
-        if p.step_time_s < best.step_time_s:
+        # not monotone: more units free host memory (their gradients) and take GPU memory
+        p = _stepped_loading(s, b, replace(start, gpu_stepped_units=k), m)
+        if fits(p, m) and p.step_time_s < best.step_time_s:
             best = p
     return best if best.step_time_s < (1 - STEPPING_GAIN) * base.step_time_s else base
 

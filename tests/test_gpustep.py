@@ -241,6 +241,26 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
     assert counted.gpu_stepped_units == 8 and counted.step_time_s < 0.95 * q.step_time_s
 
 
+def test_auto_stores_the_gradients_where_stepped_units_make_host_room_for_them():
+    """A host too small for every unit's gradient beside the state makes the step two-pass (a
+    second backward sweep). GPU-stepped units' gradients wait on the GPU, so with enough of them
+    the rest fit the host: `auto` then stores gradients (no second sweep) where that is faster,
+    within the host's budget; not where the user asked for two-pass."""
+    stored = placement.plan(A, STEP16K, cuda(139, 1000), Choices(gpu_state="off", gradient_placement="host"))
+    twopass = placement.plan(
+        A, STEP16K, cuda(139, 1000), Choices(gpu_state="off", gradient_placement="two_pass")
+    )
+    host = (stored.host_total + twopass.host_total) // 2  # holds the state, not every gradient
+    m = Machine("cuda", 139 * 2**30, int(host / (1 - footprint.HOST_RESERVE)))
+    assert placement.plan(A, STEP16K, m, Choices(gpu_state="off")).grad_mode == "two_pass"
+    p = placement.plan(A, STEP16K, m, Choices(gpu_state="off", gpu_step_units=None))
+    assert p.grad_mode == "stored" and p.gpu_stepped_units > 0
+    assert p.host_total <= host and footprint.fits(p, m)
+    assert p.step_time_s < 0.95 * placement.plan(A, STEP16K, m, Choices(gpu_state="off")).step_time_s
+    asked = Choices(gpu_state="off", gradient_placement="two_pass", gpu_step_units=None)
+    assert placement.plan(A, STEP16K, m, asked).gpu_stepped_units == 0
+
+
 def test_a_count_whose_prestaged_state_does_not_fit_is_loaded_after_the_clip():
     """The user's count on a GPU too small to hold its state through the backward sweep: the
     state comes in after the clip, through scratch, with the gradients still held (not refused,
