@@ -175,7 +175,8 @@ def plan(
     if c.gpu_step_units is None and m.device == "cuda" and m.world.ranks == 1:
         may_store = batch.clip and c.gradient_placement in ("auto", "host")
         best = _fastest_stepping(s, batch, best, m, may_store)
-    best = _note(best, s, batch, m, _why_two_pass(best, c, m, candidate))
+    why = _why_two_pass(best, c, m, candidate) + _stepping_would_store(s, batch, best, c, m)
+    best = _note(best, s, batch, m, why)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
@@ -345,6 +346,24 @@ def _why_two_pass(p: Plan, c: Choices, m: Machine, candidate) -> str:
     if c.gpu_state == "off":
         return f"{host}, and gpu_state: off keeps none on the GPU"
     return f"{host}, and the GPU holds no more of them"
+
+
+def _stepping_would_store(s: Shape, b: Batch, p: Plan, c: Choices, m: Machine) -> str:
+    """Where a two-pass plan has no GPU-stepped units because the user asked for none (the
+    default) but `gpu_step_units: auto` would store the gradients instead, that, with its cost
+    (for the note; '' otherwise)."""
+    if p.grad_mode != "two_pass" or c.gpu_step_units != 0 or c.gradient_placement != "auto":
+        return ""
+    if m.device != "cuda" or m.world.ranks > 1:
+        return ""
+    alt = _fastest_stepping(s, b, p, m, may_store=True)
+    if alt.grad_mode != "stored":
+        return ""
+    return (
+        f"; gpu_step_units: auto would store them, {alt.gpu_stepped_units} units stepped on the GPU "
+        f"(~{fmt_bytes(alt.gpu_peak)} of GPU memory), ~{alt.step_time_s:.2f} s a step against "
+        f"~{p.step_time_s:.2f}"
+    )
 
 
 def _note(p: Plan, s: Shape, b: Batch, m: Machine, why_two_pass: str) -> Plan:

@@ -259,6 +259,11 @@ def test_auto_stores_the_gradients_where_stepped_units_make_host_room_for_them()
     assert p.step_time_s < 0.95 * placement.plan(A, STEP16K, m, Choices(gpu_state="off")).step_time_s
     asked = Choices(gpu_state="off", gradient_placement="two_pass", gpu_step_units=None)
     assert placement.plan(A, STEP16K, m, asked).gpu_stepped_units == 0
+    # without it, the two-pass plan's note says what `auto` would do
+    (note,) = [n for n in placement.plan(A, STEP16K, m, Choices(gpu_state="off")).notes if "two-pass" in n]
+    assert f"gpu_step_units: auto would store them, {p.gpu_stepped_units} units stepped on the GPU" in note
+    assert f"~{p.step_time_s:.2f} s a step against" in note
+    assert not [n for n in placement.plan(A, STEP16K, m, asked).notes if "would store" in n]
 
 
 def test_a_count_whose_prestaged_state_does_not_fit_is_loaded_after_the_clip():
