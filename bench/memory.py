@@ -107,6 +107,18 @@ RUNS = {
 }
 
 
+def split_runs(text: str) -> list[str]:
+    """`--runs`, a comma-separated list of run specs whose own options are comma-separated too: a
+    piece without a `:` that sets a key (`gpu_step_units=auto`) belongs to the spec before it."""
+    specs: list[str] = []
+    for piece in text.split(","):
+        if specs and ":" not in piece and "=" in piece and ":" in specs[-1]:
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def parse(spec: str) -> dict:
     spec = RUNS.get(spec, spec)
     model, tokens, *rest = spec.split(":")
@@ -379,11 +391,17 @@ def main() -> None:
             res["traceback"] = traceback.format_exc()[-3000:]
         print("RESULT " + json.dumps(res), flush=True)
         return
+    names = split_runs(args.runs)
+    for name in names:  # every spec checked before the first run starts
+        try:
+            parse(name)
+        except ValueError:
+            ap.error(f"--runs: {name!r} is neither a name from --list nor model:tokens[:key=value,...]")
     start = time.time()
     results = []
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
     os.makedirs(args.out, exist_ok=True)
-    for name in args.runs.split(","):
+    for name in names:
         left = args.deadline - (time.time() - start) if args.deadline else args.timeout
         if left < 30:
             results.append({"name": name, "error": "skipped: deadline"})

@@ -316,3 +316,29 @@ def test_the_embedding_stretch_of_a_two_pass_step_matches_the_runs():
             phase_peaks(cfg, batch, plan, probed)["embedding"],
         )
         assert -GiB / 2 < measured - predicted < 2.5 * GiB, name
+
+
+def test_runs_keep_their_own_options_and_a_bad_one_is_refused_before_any_starts(
+    monkeypatch, capsys, tmp_path
+):
+    """`--runs` splits at commas, which also separate a spec's options: an option belongs to the
+    spec before it. A spec that is neither a name nor model:tokens stops the script in one line
+    before the first run (the comma in a spec once ended a device call after its first run)."""
+    assert memory.split_runs("B16k-22GiB,B:16384:max_gpu_memory=22GiB,gpu_step_units=auto,A16k-off") == [
+        "B16k-22GiB",
+        "B:16384:max_gpu_memory=22GiB,gpu_step_units=auto",
+        "A16k-off",
+    ]
+    assert memory.split_runs("A16k-off") == ["A16k-off"]
+    ran = []
+    monkeypatch.setattr(memory.subprocess, "run", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(
+        sys, "argv", ["memory.py", "--runs", "A16k-off,gpu_step_units=auto", "--out", str(tmp_path)]
+    )
+    with pytest.raises(SystemExit) as e:
+        memory.main()
+    assert e.value.code == 2 and not ran and not list(tmp_path.iterdir())
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(
+        "--runs: 'gpu_step_units=auto' is neither a name from --list nor model:tokens[:key=value,...]"
+    )
