@@ -48,6 +48,7 @@ RUNS = {
     "A16k-off-gpustep22": "A:16384:gpu_state=off,gpu_step_units=22",
     "A16k-off-gpustep30": "A:16384:gpu_state=off,gpu_step_units=30",
     "A16k-off-gpustepauto": "A:16384:gpu_state=off,gpu_step_units=auto",
+    "A16k-off-gpustepauto-24GiB": "A:16384:gpu_state=off,gpu_step_units=auto,max_gpu_memory=24GiB",
     "A128k-park": "A:131072:gpu_state=off,seq=131072,mbs=1,max_gpu_memory=40GiB",
     "B16k-off": "B:16384:gpu_state=off",
     "B64k-auto": "B:65536:gpu_state=auto",
