@@ -392,22 +392,21 @@ def main() -> None:
             res["traceback"] = traceback.format_exc()[-3000:]
         print("RESULT " + json.dumps(res), flush=True)
         return
-    names = split_runs(args.runs)
-    for name in names:  # every spec checked before the first run starts
+    runs = []  # a name may repeat: the run is made again
+    for name in split_runs(args.runs):  # every spec checked before the first run starts
         try:
-            parse(name)
+            runs.append((name, parse(name)))
         except ValueError:
             ap.error(f"--runs: {name!r} is neither a name from --list nor model:tokens[:key=value,...]")
     start = time.time()
     results = []
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
     os.makedirs(args.out, exist_ok=True)
-    for name in names:
+    for name, run in runs:
         left = args.deadline - (time.time() - start) if args.deadline else args.timeout
         if left < 30:
             results.append({"name": name, "error": "skipped: deadline"})
             continue
-        run = parse(name)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(run)]
         t0 = time.time()
         try:

@@ -186,10 +186,13 @@ def plan(
             _spend_free_gpu(s, batch, p, m) for p in (best, *(q for q in by_mode.values() if q is not best))
         ]
         best = min(spent, key=lambda p: p.step_time_s)
-    if c.gpu_step_units is None and m.device == "cuda" and m.world.ranks == 1:
-        may_store = batch.clip and c.gradient_placement in ("auto", "host")
+    can_step = m.device == "cuda" and m.world.ranks == 1  # where GPU stepping is built
+    may_store = batch.clip and c.gradient_placement in ("auto", "host")
+    if c.gpu_step_units is None and can_step:
         best = _fastest_stepping(s, batch, best, m, may_store)
-    why = _why_two_pass(best, c, m, candidate) + _stepping_would_store(s, batch, best, c, m)
+    why = _why_two_pass(best, c, m, candidate)
+    if c.gpu_step_units == 0 and can_step and may_store:  # the user's default: say what auto would do
+        why += _stepping_would_store(s, batch, best, m)
     best = _note(best, s, batch, m, why)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
@@ -362,13 +365,10 @@ def _why_two_pass(p: Plan, c: Choices, m: Machine, candidate) -> str:
     return f"{host}, and the GPU holds no more of them"
 
 
-def _stepping_would_store(s: Shape, b: Batch, p: Plan, c: Choices, m: Machine) -> str:
-    """Where a two-pass plan has no GPU-stepped units because the user asked for none (the
-    default) but `gpu_step_units: auto` would store the gradients instead, that, with its cost
-    (for the note; '' otherwise)."""
-    if p.grad_mode != "two_pass" or c.gpu_step_units != 0 or c.gradient_placement != "auto":
-        return ""
-    if m.device != "cuda" or m.world.ranks > 1:
+def _stepping_would_store(s: Shape, b: Batch, p: Plan, m: Machine) -> str:
+    """Where a two-pass plan without GPU-stepped units would store the gradients instead with
+    `gpu_step_units: auto`, that, with its cost (for the note; '' otherwise)."""
+    if p.grad_mode != "two_pass":
         return ""
     alt = _fastest_stepping(s, b, p, m, may_store=True)
     if alt.grad_mode != "stored":
