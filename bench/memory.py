@@ -323,9 +323,9 @@ def worker(run: dict, out: dict) -> dict:
     out.update(phase_peaks=phases, unit_peaks=units)
     gen = torch.Generator().manual_seed(0)
     steps = int(run.get("steps", 5))
-    times, losses = [], []
-    t_prev = time.perf_counter()
-    for _ in range(steps):
+    times, losses, retries, outside = [], [], [], []
+
+    def train_step() -> float:
         mb = []
         for _ in range(accum):
             ids = torch.randint(0, V, (mbs, seq), generator=gen)
@@ -338,20 +338,37 @@ def worker(run: dict, out: dict) -> dict:
             measured.item()
         elif norm is not None:
             norm.item()
+        return lv
+
+    t_prev = time.perf_counter()
+    for _ in range(steps):
+        losses.append(train_step())
         t = time.perf_counter()
         times.append(t - t_prev)
         t_prev = t
-        losses.append(lv)
         record.measure(len(times))
+        # times so far the caching allocator freed its cache to satisfy a request (each one
+        # synchronises the device and maps the memory again)
+        stats = torch.cuda.memory_stats()
+        retries.append(stats.get("num_alloc_retries", 0))
+        free, total = torch.cuda.mem_get_info()  # what the device has left, beyond the allocator
+        outside.append(total - free - stats.get("reserved_bytes.all.current", 0))
+    out.update(alloc_retries=retries[-1], alloc_retries_by_step=retries, gpu_outside_allocator=outside)
+    if int(run.get("profile", 0)):  # one more step under the profiler: GPU and link busy
+        from _profile import profile_busy, warm_profiler
+
+        warm_profiler()
+        out.update(profile_busy(train_step))
     model.transport.wait_updates()
     torch.cuda.synchronize()
-    record.measure(steps)
+    record.measure(len(times))
     record.measured["gpu_peak_allocated"] = max(phases.values())  # the phases reset the counter
     steady = times[2:] or times
     tr = model.transport  # bytes over PCIe per step, each way (GPU-stepped units' state included)
+    ran = steps + int(run.get("profile", 0))
     for way in ("h2d", "d2h"):
         moved = getattr(tr, f"{way}_bytes") + getattr(tr.stepper, f"{way}_bytes")
-        out[f"{way}_bytes_per_step"] = moved / steps
+        out[f"{way}_bytes_per_step"] = moved / ran
     out.update(
         step_times=times,
         step_s=sum(steady) / len(steady),
@@ -444,8 +461,14 @@ def row(r: dict) -> str:
         f"{_gib(pr.get('gpu_peak_allocated'))} | {_gib(me.get('gpu_peak_allocated'))} | "
         f"{_err(me.get('gpu_peak_allocated'), pr.get('gpu_peak_allocated'))} | "
         f"{_gib(pr['host_peak_rss'])} | {_gib(me.get('host_peak_rss'))} | {_err(me.get('host_peak_rss'), pr['host_peak_rss'])} | "
-        f"{r['tokens_per_s']:,.0f} | {p['step_time_s'] and r['run']['tokens'] / p['step_time_s']:,.0f} | {r['init_s']:.0f} |"
+        f"{r['tokens_per_s']:,.0f} | {p['step_time_s'] and r['run']['tokens'] / p['step_time_s']:,.0f} | "
+        f"{_gib(me.get('gpu_peak_reserved'))} | {r.get('alloc_retries', '')} | {_pct(r.get('gpu_busy'))} | "
+        f"{r['init_s']:.0f} |"
     )
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"{100 * x:.0f}%"
 
 
 def plan_str(p: dict) -> str:
@@ -462,7 +485,8 @@ def plan_str(p: dict) -> str:
 
 HEADER = (
     "| run | params | tokens/step | plan | GPU plan GiB | GPU measured GiB | GPU err | host plan GiB | "
-    "host measured GiB | host err | tokens/s | plan tokens/s | init s |\n|" + "---|" * 13
+    "host measured GiB | host err | tokens/s | plan tokens/s | GPU reserved GiB | allocator retries | "
+    "GPU busy | init s |\n|" + "---|" * 16
 )
 
 

@@ -367,3 +367,25 @@ def test_gradient_modes_are_compared_after_the_free_gpu_memory_is_spent():
     assert p.grad_mode == "stored" and p.keep_layers >= 1 and p.gpu_stepped_units == 0
     forced = plan(cfg, batch, machine, dataclasses.replace(choices, gradient_placement="two_pass"), layer)
     assert p.step_time_s < forced.step_time_s
+
+
+def test_the_table_shows_the_allocator_reserve_retries_and_gpu_busy_where_a_run_measured_them():
+    """A row has a cell per column of the header, with the reserve, the allocator's retries and
+    the profiled GPU busy where the run recorded them (blank in older records)."""
+    import json
+
+    root = Path(__file__).parents[1] / "bench/results"
+    new = json.loads((root / "2026-11-23_1939_b64-s30-arena.json").read_text())["runs"][0]
+    old = json.loads((root / "2026-11-23_1713_memory.json").read_text())["runs"][0]
+    columns = memory.HEADER.splitlines()[0].count("|") - 1
+    for run in (new, old):
+        assert memory.row(run).count("|") - 1 == columns
+    cells = [c.strip() for c in memory.row(new).split("|")[1:-1]]
+    header = [c.strip() for c in memory.HEADER.splitlines()[0].split("|")[1:-1]]
+    got = dict(zip(header, cells))
+    assert got["GPU reserved GiB"] == "124.0" and got["allocator retries"] == "4" and got["GPU busy"] == "98%"
+    old_cells = dict(zip(header, [c.strip() for c in memory.row(old).split("|")[1:-1]]))
+    assert (
+        old_cells["allocator retries"] == old_cells["GPU busy"] == ""
+        and old_cells["GPU reserved GiB"] == "137.8"
+    )

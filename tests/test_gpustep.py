@@ -209,14 +209,18 @@ def test_gpu_stepping_in_every_gradient_mode_is_counted():
 
 
 def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay():
-    """`gpu_step_units: auto` (None): the count among the user-count plans with the shortest
-    step, where the CPU optimizer binds; none where the CPU keeps up, where the count's memory does
-    not fit, or in a data-parallel world (not built there)."""
+    """`gpu_step_units: auto` (None): the fewest units whose step is within STEPPING_TOLERANCE of
+    the shortest among the user-count plans, where the CPU optimizer binds; none where the CPU
+    keeps up, where the count's memory does not fit, or in a data-parallel world (not built
+    there)."""
     auto = Choices(gpu_state="off", gpu_step_units=None)
     p = placement.plan(A, STEP16K, cuda(139, 1000), auto)
     times = {k: _off(A, k).step_time_s for k in range(31)}
-    assert 0 < p.gpu_stepped_units < 30
-    assert p.step_time_s == pytest.approx(min(times.values())) and p.step_time_s < 0.9 * times[0]
+    near = (1 + placement.STEPPING_TOLERANCE) * min(times.values())
+    assert 0 < p.gpu_stepped_units < 30 and p.step_time_s < 0.9 * times[0]
+    assert p.step_time_s == pytest.approx(times[p.gpu_stepped_units]) and p.step_time_s <= near
+    assert all(times[k] > near for k in range(p.gpu_stepped_units))
+    assert min(times, key=times.get) > p.gpu_stepped_units  # the fastest holds more memory
     fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e12)
     assert placement.plan(A, STEP16K, fast_cpu, auto).gpu_stepped_units == 0
     # Smaller GPUs: fewer units (their held gradients), then none (not even the scratch fits); the
@@ -239,6 +243,25 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
     assert q.grad_mode == "two_pass" and q.gpu_stepped_units == 0
     counted = placement.plan(A, STEP16K, cuda(139, 1000), dataclasses.replace(twopass, gpu_step_units=8))
     assert counted.gpu_stepped_units == 8 and counted.step_time_s < 0.95 * q.step_time_s
+
+
+def test_auto_leaves_the_card_room_where_more_units_gain_less_than_the_model_can_tell():
+    """8B at 64k tokens, all state in host memory, on the H200 runs of the committed records (their
+    machine, measured layer and AdamW rate): the model puts 34 units (every one) fastest, 1-2%
+    ahead of 30, and 34 measured 7,054-7,216 tokens/s on this code against 8,429-8,525 at 30, its
+    GPU allocator at the card's limit. `auto` takes the fewest within STEPPING_TOLERANCE: at most 30."""
+    B = llama(4096, 32, 32, 8, 14336)
+    step64k = dataclasses.replace(STEP16K, micro_batches=4)
+    root = Path(__file__).parents[1] / "bench/results"
+    for name in ("2026-11-23_1713_memory.json", "2026-11-23_1908_b64-s34-head.json"):
+        run = json.loads((root / name).read_text())["runs"][0]
+        assert run["run"]["tokens"] == step64k.tokens and run["plan"]["gpu_stepped_units"] == 34
+        machine, lm = Machine.from_json(run["machine"]), LayerMemory(**run["layer_mem"])
+        auto = placement.plan(B, step64k, machine, Choices(gpu_state="off", gpu_step_units=None), lm)
+        every = placement.plan(B, step64k, machine, Choices(gpu_state="off", gpu_step_units=34), lm)
+        assert 26 <= auto.gpu_stepped_units <= 30 and auto.prestaged, name
+        assert every.step_time_s < auto.step_time_s <= (1 + placement.STEPPING_TOLERANCE) * every.step_time_s
+        assert auto.gpu_peak < every.gpu_peak - 8 * 2**30
 
 
 def test_auto_stores_the_gradients_where_stepped_units_make_host_room_for_them():
