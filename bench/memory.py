@@ -10,7 +10,11 @@ peak (torch.cuda.max_memory_allocated), host peak (VmHWM), the plan's choices an
     python bench/memory.py --list
 
 Run specs are `NAME` from RUNS below, or `model:tokens:key=value,...` (e.g.
-`B:16384:gpu_state=off,max_gpu_memory=22GiB`).
+`B:16384:gpu_state=off,max_gpu_memory=22GiB`). Each run records the caching allocator's retries
+per step (a retry frees its cache and synchronises the device); after the timed steps,
+`profile=1` runs one more step under the CUDA profiler (GPU and link busy), and `trace_alloc=1`
+one more with the allocator's history recorded: where it gave memory back to the device, and
+the request that followed (bench/_alloc_trace.py).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ RUNS = {
     "B16k-22GiB-gpustepauto": "B:16384:max_gpu_memory=22GiB,gpu_step_units=auto",
     "B16k-off-gpustepauto": "B:16384:gpu_state=off,gpu_step_units=auto",
     "B64k-off-gpustepauto": "B:65536:gpu_state=off,gpu_step_units=auto",
+    "B64k-off-gpustep30": "B:65536:gpu_state=off,gpu_step_units=30,profile=1",
+    # the same with one more step under the allocator's history: what each step's retry frees for
+    "B64k-off-gpustep30-trace": "B:65536:gpu_state=off,gpu_step_units=30,trace_alloc=1",
     # the default mode where most of the state streams (a 40 GiB card), without and with GPU stepping
     "B16k-40GiB": "B:16384:max_gpu_memory=40GiB",
     "B16k-40GiB-gpustepauto": "B:16384:max_gpu_memory=40GiB,gpu_step_units=auto",
@@ -359,13 +366,17 @@ def worker(run: dict, out: dict) -> dict:
 
         warm_profiler()
         out.update(profile_busy(train_step))
+    if int(run.get("trace_alloc", 0)):  # one more step with the allocator's history: its releases
+        from _alloc_trace import traced_step
+
+        out["alloc_releases"] = traced_step(train_step)[:100]
     model.transport.wait_updates()
     torch.cuda.synchronize()
     record.measure(len(times))
     record.measured["gpu_peak_allocated"] = max(phases.values())  # the phases reset the counter
     steady = times[2:] or times
     tr = model.transport  # bytes over PCIe per step, each way (GPU-stepped units' state included)
-    ran = steps + int(run.get("profile", 0))
+    ran = steps + int(run.get("profile", 0)) + int(run.get("trace_alloc", 0))
     for way in ("h2d", "d2h"):
         moved = getattr(tr, f"{way}_bytes") + getattr(tr.stepper, f"{way}_bytes")
         out[f"{way}_bytes_per_step"] = moved / ran

@@ -389,3 +389,31 @@ def test_the_table_shows_the_allocator_reserve_retries_and_gpu_busy_where_a_run_
         old_cells["allocator retries"] == old_cells["GPU busy"] == ""
         and old_cells["GPU reserved GiB"] == "137.8"
     )
+
+
+def test_the_allocator_trace_puts_each_release_on_the_request_that_followed_it():
+    """bench/_alloc_trace.py on a recorded history: consecutive releases are one run, with their
+    bytes and the next allocation's size, stream and the innermost frame of this project's code;
+    a run the trace ends in has no request after it."""
+    from _alloc_trace import releases
+
+    ours = {"filename": "/x/megatrain/gpustep.py", "line": 150, "name": "_load_held"}
+    torch_frame = {"filename": "/site/torch/cuda/memory.py", "line": 9, "name": "empty"}
+    trace = [
+        {"action": "alloc", "size": 10, "stream": 0, "frames": []},
+        {"action": "free_completed", "size": 10},
+        {"action": "segment_unmap", "size": 2 << 20},
+        {"action": "segment_free", "size": 4 << 20},
+        {"action": "segment_map", "size": 8 << 20},
+        {"action": "alloc", "size": 8 << 20, "stream": 7, "frames": [torch_frame, ours]},
+        {"action": "alloc", "size": 5, "stream": 0, "frames": [torch_frame]},
+        {"action": "segment_unmap", "size": 1 << 20},
+    ]
+    first, last = releases(trace)
+    assert first == {
+        "released_bytes": 6 << 20,
+        "releases": 2,
+        "then": {"size": 8 << 20, "stream": 7, "where": "megatrain/gpustep.py:150 _load_held"},
+    }
+    assert last == {"released_bytes": 1 << 20, "releases": 1, "then": None}
+    assert releases([{"action": "alloc", "size": 1, "frames": [torch_frame]}]) == []
