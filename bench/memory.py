@@ -358,8 +358,8 @@ def worker(run: dict, out: dict) -> dict:
         # synchronises the device and maps the memory again)
         stats = torch.cuda.memory_stats()
         retries.append(stats.get("num_alloc_retries", 0))
-        free, total = torch.cuda.mem_get_info()  # what the device has left, beyond the allocator
-        outside.append(total - free - stats.get("reserved_bytes.all.current", 0))
+        free, total = torch.cuda.mem_get_info()
+        outside.append(total - free - stats.get("reserved_bytes.all.current", 0))  # context, libraries
     out.update(alloc_retries=retries[-1], alloc_retries_by_step=retries, gpu_outside_allocator=outside)
     if int(run.get("profile", 0)):  # one more step under the profiler: GPU and link busy
         from _profile import profile_busy, warm_profiler

@@ -303,13 +303,13 @@ def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: boo
     """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
     says is fastest, among those whose memory fits (the fewest within STEPPING_TOLERANCE of it);
     none unless that saves STEPPING_GAIN of the step, the cost model's error on the runs it was
-    checked against. Only where gradients are
-    held for the clip (stored): in a two-pass step the CPU AdamW already runs beside the second
-    backward sweep, and GPU stepping measured no faster there (8B, 16k, all state in host memory,
-    H200: 11 units 4,058 tokens/s against 4,045 without, where the model said 31% faster;
-    bench/results/2026-11-23_1650_memory.json). But a plan that is two-pass because the host
-    cannot hold the gradients can hold them once enough units are stepped on the GPU, whose
-    gradients wait there (`may_store`: the user's gradient_placement allows storing them)."""
+    checked against. Only where gradients are held for the clip (stored): in a two-pass step the
+    CPU AdamW already runs beside the second backward sweep, and GPU stepping measured no faster
+    there (8B, 16k, all state in host memory, H200: 11 units 4,058 tokens/s against 4,045
+    without, where the model said 31% faster; bench/results/2026-11-23_1650_memory.json). But a
+    plan that is two-pass because the host cannot hold the gradients can hold them once enough
+    units are stepped on the GPU, whose gradients wait there (`may_store`: the user's
+    gradient_placement allows storing them)."""
     if base.grad_mode == "stored":
         start = base
     elif base.grad_mode == "two_pass" and may_store:
