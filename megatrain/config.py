@@ -180,9 +180,9 @@ class TrainConfig:
     """Units (embedding, layers, head, in forward order after any GPU-resident ones) whose fp32
     state, kept in host memory, is copied to the GPU, stepped there and copied back at each step,
     beside the CPU optimizer stepping the rest; their gradients wait on the GPU. 0: none; auto:
-    as many as the plan's cost model says are fastest, where gradients are held for the clip
-    (none with several processes, on the CPU, or in a two-pass or immediate step). CUDA, one
-    process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves free."""
+    the fewest the plan's cost model puts within 2% of its fastest count, where gradients are
+    held for the clip (none with several processes, on the CPU, or in a two-pass or immediate
+    step). CUDA, one process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves free."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start)."""
     max_host_memory: str | int | None = None
