@@ -28,40 +28,85 @@ def _where(frames: list[dict]) -> str:
     return f"{name}:{f.get('line', '?')} {f.get('name', '')}".strip()
 
 
-def releases(trace: list[dict[str, Any]]) -> list[dict[str, Any]]:
+GROW = ("segment_alloc", "segment_map")  # memory taken from the device
+
+
+def _streams(segments: list[dict[str, Any]]) -> tuple[dict[Any, int], dict[Any, int]]:
+    """Bytes mapped and bytes allocated on each stream, from a snapshot's segments (an expandable
+    segment is reported as one segment per mapped range)."""
+    mapped: dict[Any, int] = {}
+    allocated: dict[Any, int] = {}
+    for seg in segments:
+        s = seg.get("stream")
+        mapped[s] = mapped.get(s, 0) + int(seg.get("total_size", 0))
+        allocated[s] = allocated.get(s, 0) + int(seg.get("allocated_size", 0))
+    return mapped, allocated
+
+
+def releases(
+    trace: list[dict[str, Any]],
+    segments: list[dict[str, Any]] | None = None,
+    names: dict[Any, str] | None = None,
+) -> list[dict[str, Any]]:
     """Each run of consecutive release events in one device's trace (`device_traces[i]` of
-    `torch.cuda.memory._snapshot()`), with the bytes released and the first allocation after it
-    (`size`, `stream`, `where`; None if the trace ends first)."""
+    `torch.cuda.memory._snapshot()`), with the bytes released (in all and by stream) and the first
+    allocation after it (`size`, `stream`, `where`; None if the trace ends first). Given the
+    segments at the trace's start, each run also has `before`: the bytes each stream had mapped
+    and allocated when it began, and so held cached. `names` names the streams."""
+    name = (names or {}).get
+    label = lambda s: name(s, str(s))  # noqa: E731
+    mapped, allocated = _streams(segments or [])
     out: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
     for ev in trace:
-        action = ev.get("action")
+        action, size, stream = ev.get("action"), int(ev.get("size", 0)), ev.get("stream")
         if action in RELEASE:
             if current is None:
-                current = {"released_bytes": 0, "releases": 0, "then": None}
+                current = {"released_bytes": 0, "releases": 0, "by_stream": {}, "then": None}
+                if segments is not None:
+                    current["before"] = {
+                        label(s): {
+                            "mapped": m,
+                            "allocated": allocated.get(s, 0),
+                            "cached": m - allocated.get(s, 0),
+                        }
+                        for s, m in sorted(mapped.items(), key=lambda kv: -kv[1])
+                    }
                 out.append(current)
-            current["released_bytes"] += int(ev.get("size", 0))
+            current["released_bytes"] += size
             current["releases"] += 1
-        elif action == "alloc" and current is not None:
-            current["then"] = {
-                "size": int(ev.get("size", 0)),
-                "stream": ev.get("stream"),
-                "where": _where(ev.get("frames", [])),
-            }
-            current = None
+            by = current["by_stream"]
+            by[label(stream)] = by.get(label(stream), 0) + size
+            mapped[stream] = mapped.get(stream, 0) - size
+        elif action in GROW:
+            mapped[stream] = mapped.get(stream, 0) + size
+        elif action == "free_completed":
+            allocated[stream] = allocated.get(stream, 0) - size
+        elif action == "alloc":
+            allocated[stream] = allocated.get(stream, 0) + size
+            if current is not None:
+                current["then"] = {
+                    "size": size,
+                    "stream": label(stream),
+                    "where": _where(ev.get("frames", [])),
+                }
+                current = None
     return out
 
 
-def traced_step(run_step: Callable[[], Any]) -> list[dict[str, Any]]:
-    """Run one step (exactly once) with the allocator's history recorded; its releases."""
+def traced_step(run_step: Callable[[], Any], names: dict[Any, str] | None = None) -> list[dict[str, Any]]:
+    """Run one step (exactly once) with the allocator's history recorded; its releases, with each
+    stream's memory when each began (`names`: a name for each stream's handle)."""
     import torch
 
+    device = torch.cuda.current_device()
+    torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
     try:
+        start = [s for s in torch.cuda.memory._snapshot()["segments"] if s.get("device", device) == device]
         run_step()
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    device = torch.cuda.current_device()
-    return releases(snapshot["device_traces"][device])
+    return releases(snapshot["device_traces"][device], start, names)

@@ -6,21 +6,24 @@ memory.py's runs and by bench.py's and multigpu.py's megatrain workers.
 from __future__ import annotations
 
 
-def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int]]:
+def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int], dict[str, int]]:
     """Peak allocated GPU memory within each phase of a step (forward sweep, loss head, backward
     sweep, and the embedding's gradient within it), and within the backward sweep while each unit
     is differentiated (from its gradient buffer's allocation to the next unit's, by unit index),
     by resetting the allocator's peak at each boundary; a phase that encloses another takes the
     peak of each of its stretches. Both dicts fill as the run goes: a run that dies keeps them,
-    and the phase it died in (`failed_in`)."""
+    and the phase it died in (`failed_in`). The resets clear the reserve's peak too, so the third
+    dict keeps it across them (`reserved`: the largest of each stretch's peak so far)."""
     import torch
 
     peaks: dict[str, int] = {}
     units: dict[int, int] = {}
     open_phases: list[str] = []
     current: list[int | None] = [None]  # the unit being differentiated
+    reserve = {"reserved": 0}
 
     def note() -> None:
+        reserve["reserved"] = max(reserve["reserved"], torch.cuda.max_memory_reserved())
         now = torch.cuda.max_memory_allocated()
         for n in open_phases:
             peaks[n] = max(peaks.get(n, 0), now)
@@ -60,4 +63,4 @@ def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int]]:
     ):
         setattr(engine, attr, wrap(name, getattr(engine, attr)))
     engine._grad_buffer = unit_starts
-    return peaks, units
+    return peaks, units, reserve

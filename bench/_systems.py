@@ -10,6 +10,7 @@ leaves the steps it finished. Derived metrics (tokens/s, TFLOP/s, ratios) are co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -158,7 +159,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
         max_host_memory=size("max_host_memory"),
         world=world.layout,
     )
-    res.update(plan=plan.to_json())
+    # the machine the plan was made for: with the probe's layer (below), enough to replay the plan
+    res.update(plan=plan.to_json(), machine=dataclasses.asdict(machine))
     if cuda:  # each phase's predicted peak (the probe's measurement is reused, not repeated)
         tokens, dt = spec["mbs"] * spec["seq"], getattr(torch, dtype)
         batch = Batch(tokens, accum, spec["seq"], dt.itemsize, True, rows=spec["mbs"])
@@ -166,6 +168,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         res.update(
             phase_predicted=phase_peaks(mcfg, batch, plan, lm),
             unit_predicted=unit_peaks(mcfg, batch, plan, lm),
+            layer_mem=lm.__dict__,
         )
     model = build_model(
         mcfg,
@@ -179,7 +182,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     )
     eng, tr, state = model.engine, model.transport, model.state
     if cuda:  # filled as the run goes: a run that dies keeps the phase it died in
-        res.data["phase_peaks"], res.data["unit_peaks"] = instrument_phases(eng)
+        res.data["phase_peaks"], res.data["unit_peaks"], _ = instrument_phases(eng)
     res.update(params=state.num_params, init_s=time.perf_counter() - t0, compute_dtype=dtype)
 
     # The unhidden cost of the optimizer: AdamW over the whole real state in the chunks the
@@ -242,6 +245,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
     # the last step's optimizer would overlap the next step, so its tail is recorded, not charged.
     drain(tr)
     res.update(**step_stats(times, W), **schedule[-1], optimizer_tail_s=time.perf_counter() - t_prev)
+    if cuda:  # times the allocator freed its cache to serve a request (each synchronises the device)
+        res.update(alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0))
     # Bytes per step from the transport's counters (the CPU transport has none). After the
     # synchronize every forward-backward so far has also had its optimizer update.
     h2d, d2h = getattr(tr, "h2d_bytes", None), getattr(tr, "d2h_bytes", None)

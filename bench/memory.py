@@ -14,7 +14,9 @@ Run specs are `NAME` from RUNS below, or `model:tokens:key=value,...` (e.g.
 per step (a retry frees its cache and synchronises the device); after the timed steps,
 `profile=1` runs one more step under the CUDA profiler (GPU and link busy), and `trace_alloc=1`
 one more with the allocator's history recorded: where it gave memory back to the device, and
-the request that followed (bench/_alloc_trace.py).
+the request that followed, and each stream's memory when it began (bench/_alloc_trace.py). The
+allocator's reserve is its peak over the run, kept across the per-phase resets of the peak
+counters (runs before 2026-11-23 21:16 recorded only the peak since the last unit began).
 """
 
 from __future__ import annotations
@@ -326,7 +328,7 @@ def worker(run: dict, out: dict) -> dict:
         machine=machine,
     )
     out["init_s"] = time.perf_counter() - t0
-    phases, units = instrument_phases(model.engine)
+    phases, units, reserve = instrument_phases(model.engine)
     out.update(phase_peaks=phases, unit_peaks=units)
     gen = torch.Generator().manual_seed(0)
     steps = int(run.get("steps", 5))
@@ -369,11 +371,19 @@ def worker(run: dict, out: dict) -> dict:
     if int(run.get("trace_alloc", 0)):  # one more step with the allocator's history: its releases
         from _alloc_trace import traced_step
 
-        out["alloc_releases"] = traced_step(train_step)[:100]
+        tr, acts = model.transport, model.engine.host_acts
+        streams = {"compute": tr.compute, "fetch": tr.h2d, "write-back": tr.d2h, "step": tr.stepper.stream}
+        if acts is not None:
+            streams.update({"park": acts.d2h, "unpark": acts.h2d})
+        names: dict = {}
+        for label, s in streams.items():  # one stream may serve several roles
+            names[s.cuda_stream] = "+".join(filter(None, (names.get(s.cuda_stream), label)))
+        out["alloc_releases"] = traced_step(train_step, names)[:100]
     model.transport.wait_updates()
     torch.cuda.synchronize()
     record.measure(len(times))
-    record.measured["gpu_peak_allocated"] = max(phases.values())  # the phases reset the counter
+    record.measured["gpu_peak_allocated"] = max(phases.values())  # the phases reset the counters
+    record.measured["gpu_peak_reserved"] = max(reserve["reserved"], torch.cuda.max_memory_reserved())
     steady = times[2:] or times
     tr = model.transport  # bytes over PCIe per step, each way (GPU-stepped units' state included)
     ran = steps + int(run.get("profile", 0)) + int(run.get("trace_alloc", 0))

@@ -13,7 +13,9 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
   copied host->device during the backward sweep, into buffers of their own held until the step.
   The transport says how far the sweep has come (`prestage`); the copies queue on its
   host->device stream a share at a time, behind the sweep's own weight fetches, in the order the
-  units will be stepped. After the clip only the kernels and the way back remain;
+  units will be stepped. After the clip only the kernels and the way back remain: every unit's
+  kernels first, then the write-backs, so the next forward sweep's weights wait for none of the
+  way back, and each gradient is let go as soon as its kernel is queued;
 * **chunked** (a step whose gradients land during the backward sweep: two-pass, immediate, or a
   plan without prestage): after the clip, each unit's state is copied in a chunk at a time into
   one of `STEP_SLOTS` scratch slots, stepped there and copied back; one slot loads while the
@@ -152,21 +154,31 @@ class GpuStepper:
         self._held, self._queued = {}, 0
 
     # ------------------------------------------------------------- step
-    def step(self, items, coef: torch.Tensor | None, lr: float, step: int, skip=None) -> None:
+    def step(self, items: list, coef: torch.Tensor | None, lr: float, step: int, skip=None) -> None:
         """Queue AdamW for `items` ((unit, its complete fp32 gradient on the GPU), in forward
-        order), after what the compute stream has queued so far (the gradients, `coef`, `skip`)."""
+        order), after what the compute stream has queued so far (the gradients, `coef`, `skip`).
+        Consumes `items`: each gradient is let go once its kernel is queued, so its memory returns
+        to the compute stream when that kernel is done, not after every write-back. The prestaged
+        units' write-backs queue after all their kernels: the next forward sweep's weights
+        (`take`) wait for no write-back."""
         if not items:
             return
         self.prestage(1.0)  # whatever the sweep has not brought in yet
         _wait(self.stream, _mark(self.compute))
-        for unit, grad in items:
+        stepped = []
+        while items:
+            unit, grad = items.pop(0)
             if self.overlap:
-                grad.record_stream(self.stream)  # the caller drops it; this stream still reads it
+                grad.record_stream(self.stream)  # freed below; this stream still reads it
             fresh = self._fresh_buffer(unit)
             if unit.index in self._held:
                 self._step_held(unit, grad, coef, lr, step, skip, fresh)
+                stepped.append(unit)
             else:
                 self._step(unit, grad, coef, lr, step, skip, fresh)
+            del grad
+        for unit in stepped:
+            self._write_back(unit)
         self.discard()
 
     def _fresh_buffer(self, unit: Unit) -> torch.Tensor:
@@ -181,7 +193,7 @@ class GpuStepper:
 
     def _step_held(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:
         """AdamW on the unit's prestaged state, as a GPU-resident unit is stepped; then its fresh
-        weights and the write-back."""
+        weights (the way back follows: `_write_back`)."""
         buf, done, loaded = self._held[unit.index]
         assert done == unit.numel, (unit.name, done)
         _wait(self.stream, loaded)
@@ -190,11 +202,16 @@ class GpuStepper:
             adamw_range(unit, 0, unit.numel, p, clip_scaled(grad, coef), m, v, self.cfg, lr, step, skip)
             fresh.copy_(p)  # the same rounding as a fetch's cast of the fp32 master
             self._fresh[unit.index] = (fresh, _mark(self.stream))
+
+    def _write_back(self, unit: Unit) -> None:
+        """Queue the copy of a stepped unit's prestaged state to host memory, and let the buffer go."""
+        buf, _, _ = self._held.pop(unit.index)
+        with torch.cuda.stream(self.stream):
             for which, t in zip(STATE, buf):
                 self.state.flat(unit, which).copy_(t, non_blocking=True)
             self._written[unit.index] = _mark(self.stream)
         if self.overlap:
-            buf.record_stream(self.stream)  # freed here; not reused before the write-back is done
+            buf.record_stream(self.stream)  # freed on return; not reused before the copy is done
         self.d2h_bytes += len(STATE) * 4 * unit.numel
 
     def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:

@@ -49,9 +49,12 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
     from megatrain.placement import Batch, unit_peaks
     from megatrain.runtime import build_model, make_plan
 
-    counter = {"now": 0, "peak": 0}
+    counter = {"now": 0, "peak": 0, "cache": 1 << 30}  # a reserve that peaked before the first phase
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: counter["peak"])
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: counter.update(peak=counter["now"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: counter["peak"] + counter["cache"])
+    monkeypatch.setattr(
+        torch.cuda, "reset_peak_memory_stats", lambda *a: counter.update(peak=counter["now"], cache=1)
+    )
     cfg = ModelConfig.from_hf(tiny_config("llama", num_hidden_layers=3))
     plan, _ = make_plan(cfg, "cpu", torch.float32, batch_size=2, seq_len=16)
     model = build_model(cfg, device="cpu", plan=plan)
@@ -64,7 +67,7 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
         return g
 
     monkeypatch.setattr(engine, "_grad_buffer", counted)
-    phases, units = instrument_phases(engine)
+    phases, units, reserve = instrument_phases(engine)
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     engine.forward_backward([MicroBatch(ids, ids)])
     model.close()
@@ -73,6 +76,7 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
     assert units[3] == sizes[3] and units[0] == max(sizes[0], sizes[1])  # the first, the last after layer 1
     assert set(units) == set(unit_peaks(cfg, Batch(32, 1, 16, 4, True, rows=2), plan)) == {0, 1, 2, 3}
     assert phases["backward"] == max(units.values()) and phases["embedding"] == units[0]
+    assert reserve["reserved"] == 1 << 30  # the reserve's peak, kept across the resets
 
 
 def test_the_forward_sweep_counts_every_micro_batch_graph_of_a_kept_layer():
@@ -413,7 +417,38 @@ def test_the_allocator_trace_puts_each_release_on_the_request_that_followed_it()
     assert first == {
         "released_bytes": 6 << 20,
         "releases": 2,
-        "then": {"size": 8 << 20, "stream": 7, "where": "megatrain/gpustep.py:150 _load_held"},
+        "by_stream": {"None": 6 << 20},
+        "then": {"size": 8 << 20, "stream": "7", "where": "megatrain/gpustep.py:150 _load_held"},
     }
-    assert last == {"released_bytes": 1 << 20, "releases": 1, "then": None}
+    assert last == {"released_bytes": 1 << 20, "releases": 1, "by_stream": {"None": 1 << 20}, "then": None}
     assert releases([{"action": "alloc", "size": 1, "frames": [torch_frame]}]) == []
+
+
+def test_the_allocator_trace_says_which_stream_held_the_cache_a_release_gave_back():
+    """Given the segments at the trace's start, each release run says how much each stream had
+    mapped, allocated and cached when it began, replaying what the trace mapped and allocated."""
+    from _alloc_trace import releases
+
+    M = 1 << 20
+    segments = [
+        {"stream": 0, "total_size": 10 * M, "allocated_size": 4 * M},
+        {"stream": 5, "total_size": 20 * M, "allocated_size": 20 * M},
+    ]
+    trace = [
+        {"action": "free_completed", "size": 12 * M, "stream": 5},  # stream 5 caches 12 MiB
+        {"action": "segment_map", "size": 6 * M, "stream": 0},
+        {"action": "alloc", "size": 6 * M, "stream": 0, "frames": []},
+        {"action": "segment_unmap", "size": 12 * M, "stream": 5},
+        {"action": "segment_unmap", "size": 6 * M, "stream": 0},
+        {"action": "segment_map", "size": 9 * M, "stream": 0},
+        {"action": "alloc", "size": 9 * M, "stream": 0, "frames": []},
+        {"action": "segment_unmap", "size": 1 * M, "stream": 0},
+    ]
+    first, second = releases(trace, segments, {0: "compute", 5: "fetch"})
+    assert first["before"] == {
+        "fetch": {"mapped": 20 * M, "allocated": 8 * M, "cached": 12 * M},
+        "compute": {"mapped": 16 * M, "allocated": 10 * M, "cached": 6 * M},
+    }
+    assert first["by_stream"] == {"fetch": 12 * M, "compute": 6 * M}
+    assert first["then"]["stream"] == "compute" and first["then"]["size"] == 9 * M
+    assert second["before"]["compute"] == {"mapped": 19 * M, "allocated": 19 * M, "cached": 0}

@@ -491,3 +491,45 @@ def test_prestaged_stepping_equals_the_chunked_path_and_whole_unit_adamw_bitwise
             assert torch.equal(fresh, ref.flat(u).to(torch.bfloat16)), (step, u.name)
             assert torch.equal(fresh, chunked.take(chunked_state.units[u.index])[0])
     assert staged.h2d_bytes == staged.d2h_bytes + 12 * math.ceil(0.7 * total)  # the dropped load
+
+
+def test_prestaged_write_backs_come_after_every_kernel_with_the_gradients_let_go():
+    """The prestaged units' write-backs queue after all their kernels and fresh weights (the next
+    forward sweep's weights wait for none of the way back), and by then no gradient is held any
+    more: on CUDA each one's memory returns to the compute stream when its kernel is done, not
+    after the step's last write-back. The state still ends where whole-unit AdamW puts it."""
+    import weakref
+
+    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    adamw = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    state = _state(cfg, 0)
+    ref = _copy(state)
+    units = state.units[:3]
+    staged = GpuStepper(state, adamw, units, torch.bfloat16, chunk=1000, prestage=True)
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(u.numel, generator=g) for u in units]
+    items = [(u, gr.clone()) for u, gr in zip(units, grads)]
+    alive = [weakref.ref(gr) for _, gr in items]
+    seen = []
+    write_back = staged._write_back
+
+    def checked(unit):
+        seen.append(
+            (
+                unit.index,
+                [r() is not None for r in alive],
+                [staged.take(v, keep=True) is not None for v in units],
+            )
+        )
+        write_back(unit)
+
+    staged._write_back = checked
+    staged.prestage(1.0)
+    staged.step(items, torch.tensor(0.5), 1e-2, 1)
+    assert items == []  # consumed
+    assert seen == [(u.index, [False] * 3, [True] * 3) for u in units]
+    host = HostAdamW(ref, adamw)
+    for u, gr in zip(units, grads):
+        host.step_range(u, 0, u.numel, clip_scaled(gr, torch.tensor(0.5)), 1e-2, 1)
+    for w in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(state, w), getattr(ref, w)), w
