@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 RELEASE = ("segment_free", "segment_unmap")  # memory given back to the device
+GROW = ("segment_alloc", "segment_map")  # memory taken from the device
 MAX_ENTRIES = 2_000_000  # events kept by the recorder; a 64k-token 8B step makes ~10^5
 
 
@@ -26,9 +27,6 @@ def _where(frames: list[dict]) -> str:
         if root in name:
             name = root + name.split(root, 1)[1]
     return f"{name}:{f.get('line', '?')} {f.get('name', '')}".strip()
-
-
-GROW = ("segment_alloc", "segment_map")  # memory taken from the device
 
 
 def _streams(segments: list[dict[str, Any]]) -> tuple[dict[Any, int], dict[Any, int]]:
@@ -53,8 +51,11 @@ def releases(
     allocation after it (`size`, `stream`, `where`; None if the trace ends first). Given the
     segments at the trace's start, each run also has `before`: the bytes each stream had mapped
     and allocated when it began, and so held cached. `names` names the streams."""
-    name = (names or {}).get
-    label = lambda s: name(s, str(s))  # noqa: E731
+    names = names or {}
+
+    def label(stream) -> str:
+        return names.get(stream, str(stream))
+
     mapped, allocated = _streams(segments or [])
     out: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
@@ -64,13 +65,11 @@ def releases(
             if current is None:
                 current = {"released_bytes": 0, "releases": 0, "by_stream": {}, "then": None}
                 if segments is not None:
+                    held = {
+                        s: (m, allocated.get(s, 0)) for s, m in sorted(mapped.items(), key=lambda kv: -kv[1])
+                    }
                     current["before"] = {
-                        label(s): {
-                            "mapped": m,
-                            "allocated": allocated.get(s, 0),
-                            "cached": m - allocated.get(s, 0),
-                        }
-                        for s, m in sorted(mapped.items(), key=lambda kv: -kv[1])
+                        label(s): {"mapped": m, "allocated": a, "cached": m - a} for s, (m, a) in held.items()
                     }
                 out.append(current)
             current["released_bytes"] += size

@@ -84,7 +84,8 @@ STEPPING_GAIN = 0.05  # the share of a step GPU stepping must save before the pl
 # runs is 2-19%), and fewer units hold less GPU memory: 8B at 64k tokens on an H200, 34 units (the
 # model's fastest, 1-2% ahead of 30) ran 7,054-7,376 tokens/s in five runs (three of them with
 # schedule variants not kept), 30 units 8,429-8,771 in four (two), the allocator's reserve at the
-# card's limit at 34 (bench/host-only.md).
+# card's limit at 34 (bench/host-only.md). Those runs predate the reordered write-backs of
+# gpustep.py, which removed a per-step allocator retry; 34 units are not measured since.
 STEPPING_TOLERANCE = 0.02
 
 
