@@ -11,6 +11,9 @@ state, a chunk at a time:
   backup         each chunk's master and moments copied aside, then the step: speculative
                  stepping (the update made before the clip coefficient is known)
   restore        the backup copied back: the repair when the clip then fires
+  step + bf16 K  the step, then the updated master cast into a bf16 copy, K elements at a time
+                 (the cast reads what the step just wrote, from the caches where K is small):
+                 what writing the compute-dtype copy the next fetch takes would cost the pass
 
 Before timing, it checks on a slice that the two clip passes give bitwise the same state and
 that backup, step and restore give back the state bitwise (`exact` in the results). Results: a
@@ -44,6 +47,7 @@ class State:
         self.p, self.g, self.m, self.v = (torch.randn(n, generator=gen) for _ in range(4))
         self.v.abs_()
         self.saved = [torch.empty(n) for _ in range(3)]
+        self.w16 = torch.empty(n, dtype=torch.bfloat16)
         self.coef = torch.tensor(COEF)
         self.step_no = torch.full((), 3.0)
         self.scratch: torch.Tensor | None = None
@@ -65,6 +69,15 @@ class State:
             for x in range(a, b, size):
                 y = min(b, x + size)
                 self.step(x, y, torch.mul(self.g[x:y], self.coef, out=self.scratch[: y - x]))
+
+        return run
+
+    def step_bf16(self, size: int):
+        def run(a: int, b: int) -> None:
+            for x in range(a, b, size):
+                y = min(b, x + size)
+                self.step(x, y)
+                self.w16[x:y].copy_(self.p[x:y])
 
         return run
 
@@ -95,10 +108,11 @@ def exactness(n: int = 1 << 20, scratch: int = 1 << 16) -> dict[str, bool]:
     return {"clip_scratch_equals_in_place": clip, "restore_returns_the_state": repair}
 
 
-def measure(n: int, chunks: list[int], scratches: list[int], repeats: int) -> list[dict]:
+def measure(n: int, chunks: list[int], scratches: list[int], repeats: int, casts: list[int]) -> list[dict]:
     s = State(n)
     passes = [("step", s.step), ("clip in place", s.clip_in_place)]
     passes += [(f"clip scratch {k:,}", s.clip_scratch(k)) for k in scratches]
+    passes += [(f"step + bf16 {k:,}", s.step_bf16(k)) for k in casts]
     passes += [("backup", s.backup), ("restore", s.restore)]
     rows = []
     for name, fn in passes:
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--params", type=float, default=1.8e9, help="elements stepped (state: 28 B each)")
     ap.add_argument("--chunks", default="33554432,4194304", help="elements per chunk")
     ap.add_argument("--scratch", default="4194304,1048576,262144", help="clip scratch sizes (elements)")
+    ap.add_argument("--bf16", default="33554432,4194304,1048576", help="step + bf16 copy slice sizes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     exact = exactness()
     print("exact:", exact, flush=True)
     split = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    rows = measure(int(args.params), split(args.chunks), split(args.scratch), args.repeats)
+    rows = measure(int(args.params), split(args.chunks), split(args.scratch), args.repeats, split(args.bf16))
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),

@@ -34,11 +34,12 @@ if TYPE_CHECKING:  # planspec.py imports this module (rates as defaults): the ty
 # bench/README.md). The plan only compares choices with them and projects step times.
 GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
 PCIE_BYTES_S = 45e9
-# Both directions at once move more than one, but not twice: in the training steps whose link
-# bound (GPU-stepped state crossing both ways), host->device plus device->host peaked at
-# 56.6-59.5 GB/s together (H100 and H200, model A; bench/results/2026-11-23_1418_memory.json and
-# the earlier GPU-stepped runs), 1.3x the one-way rate above; copies alone reach more (90 GB/s).
-PCIE_DUPLEX_GAIN = 1.3
+# Both directions at once move more than one, but not twice. Page-locked copies alone moved 102
+# GB/s both ways together on an H200 host, 70 beside the CPU AdamW on 15 threads (bench/link.py,
+# results/2026-11-23_2217_link.md). Since the GPU-stepped units' write-backs queue behind all their
+# kernels (gpustep.py), the steps carry both directions at once: 84 GB/s together at 26 units
+# (results/2026-11-23_2217_a16-count.json), where the earlier schedule never passed 56.6-59.5.
+PCIE_DUPLEX_GAIN = 1.6
 # The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
 # (it shares host memory bandwidth with the copies and cores with the launching thread), and even
 # "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.

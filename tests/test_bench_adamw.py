@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 import adamw  # noqa: E402  (bench/ is not a package)
 
-ARGS = ["--params", "300000", "--chunks", "131072", "--scratch", "65536", "--repeats", "1"]
+ARGS = ["--params", "300000", "--chunks", "131072", "--scratch", "65536", "--bf16", "32768", "--repeats", "1"]
 
 
 def test_the_clip_through_a_scratch_and_the_speculative_repair_are_exact():
@@ -37,7 +37,14 @@ def test_every_pass_is_timed_and_written_once(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the suite's threads stay as they are
     out = adamw.main([*ARGS, "--out", str(tmp_path)])
     passes = [r["pass"] for r in out["rows"]]
-    assert passes == ["step", "clip in place", "clip scratch 65,536", "backup", "restore"]
+    assert passes == [
+        "step",
+        "clip in place",
+        "clip scratch 65,536",
+        "step + bf16 32,768",
+        "backup",
+        "restore",
+    ]
     assert all(r["gparams_per_s"] > 0 for r in out["rows"])
     (js,) = tmp_path.glob("*_adamw.json")
     record = json.loads(js.read_text())
