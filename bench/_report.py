@@ -1,13 +1,16 @@
 """Result writers of bench.py: the table (stdout and Markdown), the JSON records and the plot.
 
 Each writer is called after every system finishes and rewrites its file from all records so far;
-a writer that fails (e.g. matplotlib missing) is reported and does not stop the others.
+a writer that fails (e.g. matplotlib missing) is reported and does not stop the others. The
+one-shot scripts (adamw.py, link.py) write theirs once, with `write_once`.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +81,21 @@ def md_table(records: list[dict[str, Any]]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in _rows(records)]
     return "\n".join(out)
+
+
+def write_once(out: str, name: str, title: str, meta: dict[str, Any], rows: list[dict], table: str) -> str:
+    """`<out>/<minute>_<name>.json` (meta and rows) and `.md` (title, meta, table); exits naming the
+    file instead where either exists: nothing is overwritten. Returns the path without suffix."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, datetime.datetime.now().strftime("%Y-%m-%d_%H%M") + "_" + name)
+    for path in (stem + ".json", stem + ".md"):
+        if os.path.exists(path):
+            sys.exit(f"{name}.py: {path} exists; nothing is overwritten")
+    with open(stem + ".json", "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"# {title}\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + table + "\n")
+    return stem
 
 
 def write_json(records: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -34,6 +33,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _report import write_once  # noqa: E402
+
 from megatrain.optim import optimizer_threads  # noqa: E402
 
 COEF = 1.0  # a multiply like any other; values do not drift over the repeats
@@ -167,16 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(table(rows))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, datetime.datetime.now().strftime("%Y-%m-%d_%H%M") + "_adamw")
-        for path in (stem + ".json", stem + ".md"):
-            if os.path.exists(path):
-                sys.exit(f"adamw.py: {path} exists; nothing is overwritten")
-        with open(stem + ".json", "w") as f:
-            json.dump({**meta, "rows": rows}, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write("# host AdamW: the step, the clip's pass, speculative stepping's backup and restore\n\n")
-            f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + table(rows) + "\n")
+        title = "host AdamW: the step, the clip's pass, speculative stepping's backup and restore"
+        write_once(args.out, "adamw", title, meta, rows, table(rows))
     return {**meta, "rows": rows}
 
 

@@ -1,8 +1,8 @@
 """What bounds the all-in-host step's traffic: PCIe each way and both at once, alone and beside
-the CPU AdamW (bench/host-only.md, "What the link carries beside the optimizer").
+the CPU AdamW (bench/host-only.md, "Both directions at once").
 
 The GPU-stepped runs never moved more than ~60 GB/s host->device and device->host together,
-where copies alone reach ~90. Either the step's schedule leaves one direction idle, or the host
+where copies alone reach 90-100. Either the step's schedule leaves one direction idle, or the host
 cannot feed both directions while its optimizer threads stream their own state through the same
 memory. This script tells them apart: page-locked copies of `--block` bytes queued back to back
 on two streams (as the transport's and the stepper's are), for `--seconds`, with and without the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -23,6 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _report import write_once  # noqa: E402
+
 from megatrain.optim import optimizer_threads  # noqa: E402
 
 GB = 1e9
@@ -56,7 +57,7 @@ class Adam:
 def run_case(h2d: bool, d2h: bool, adam: Adam | None, block: int, seconds: float, dev) -> dict:
     """Copies queued back to back for about `seconds` on each direction asked for, while the
     calling thread steps `adam` over and over (if given) until the copies are done."""
-    streams, events, moved = [], [], 0
+    streams, events, moved = [], [], 0  # the streams kept until their copies are timed
     reps = max(1, int(seconds * 50 * GB / block))  # about `seconds` at 50 GB/s
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -120,21 +121,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def write(out: str, meta: dict, rows: list[dict]) -> str:
-    """Results as JSON + Markdown under `out`, never over an earlier file."""
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, datetime.datetime.now().strftime("%Y-%m-%d_%H%M") + "_link")
-    for path in (stem + ".json", stem + ".md"):
-        if os.path.exists(path):
-            sys.exit(f"link.py: {path} exists; nothing is overwritten")
-    with open(stem + ".json", "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write("# PCIe beside the CPU AdamW\n\n")
-        f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + table(rows) + "\n")
-    return stem
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=1.3e9, help="elements of AdamW state (28 B each a pass)")
@@ -156,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(table(rows))
     if args.out:
-        write(args.out, meta, rows)
+        write_once(args.out, "link", "PCIe beside the CPU AdamW", meta, rows, table(rows))
     return {**meta, "rows": rows}
 
 

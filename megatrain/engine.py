@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from . import losshead
 from .batch import MicroBatch
+from .compiling import compiled
 from .distributed import Collective, Single
 from .models.config import ModelConfig
 from .models.decoder import set_mlp_tiles
@@ -113,7 +114,7 @@ class Engine:
         self._layer_call = self._call_layer
         if compile and family.compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
-            self._layer_call = torch.compile(self._call_layer)
+            self._layer_call = compiled(self._call_layer)
         self.keep_layers = plan.keep_layers
         self.loss_chunk_tokens = plan.loss_chunk_tokens
         self.host_acts = None

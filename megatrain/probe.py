@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
+from .compiling import compiled
 from .models.config import ModelConfig
 from .models.decoder import set_mlp_tiles, tiled_backward_phases
 from .models.family import family_of, templates
@@ -316,7 +317,7 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
     # Static shapes, as the engine runs a layer at one length: a recompile for the next size would
     # otherwise be traced with a dynamic length (the compiler's default on a second shape), whose
     # kernels keep and allocate other tensors (FlexAttention's backward most of all).
-    fn = torch.compile(call, dynamic=False) if compile and family.compile else call
+    fn = compiled(call, dynamic=False) if compile and family.compile else call
     rows = []
     for t in sizes:
         one_doc = torch.zeros(1, t, dtype=torch.int64, device=device) if masked else None

@@ -12,7 +12,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-import adamw  # noqa: E402  (bench/ is not a package)
+import _report  # noqa: E402  (bench/ is not a package)
+import adamw  # noqa: E402
 
 ARGS = ["--params", "300000", "--chunks", "131072", "--scratch", "65536", "--bf16", "32768", "--repeats", "1"]
 
@@ -52,7 +53,7 @@ def test_every_pass_is_timed_and_written_once(tmp_path, monkeypatch):
     assert record["command"].startswith("python bench/adamw.py --params 300000")
     # a second run in the same minute names the same files: refused, the first left as it was
     text = js.read_text()
-    monkeypatch.setattr(adamw.datetime, "datetime", _Frozen(js.name[:15]))
+    monkeypatch.setattr(_report.datetime, "datetime", _Frozen(js.name[:15]))
     with pytest.raises(SystemExit, match="exists; nothing is overwritten"):
         adamw.main([*ARGS, "--out", str(tmp_path)])
     assert js.read_text() == text

@@ -12,7 +12,8 @@ from test_bench_adamw import _Frozen
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-import link  # noqa: E402  (bench/ is not a package)
+import _report  # noqa: E402  (bench/ is not a package)
+import link  # noqa: E402
 
 ROWS = [
     {"case": "AdamW alone", "copy_GBps": None, "adam_Gparams_s": 4.1},
@@ -26,14 +27,14 @@ def test_the_table_has_a_row_per_case_and_a_dash_where_nothing_was_measured():
 
 
 def test_results_are_written_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(link.datetime, "datetime", _Frozen("2026-11-23_2217"))  # one minute for both
+    monkeypatch.setattr(_report.datetime, "datetime", _Frozen("2026-11-23_2217"))  # one minute for both
     meta = {"command": "python bench/link.py", "device": "test"}
-    stem = link.write(str(tmp_path), meta, ROWS)
+    stem = _report.write_once(str(tmp_path), "link", "title", meta, ROWS, link.table(ROWS))
     record = json.loads(Path(stem + ".json").read_text())
     assert record["rows"] == ROWS and record["command"] == meta["command"]
     text = Path(stem + ".md").read_text()
     with pytest.raises(SystemExit, match="exists; nothing is overwritten"):
-        link.write(str(tmp_path), meta, ROWS[:1])
+        _report.write_once(str(tmp_path), "link", "title", meta, ROWS[:1], link.table(ROWS[:1]))
     assert Path(stem + ".md").read_text() == text
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask, flex_attention
 
+from ..compiling import compiled
+
 BLOCK = 128  # FlexAttention's default block size: the tables' granularity
 BLOCK_TABLE_BYTES = 16  # int32 kv/q counts and indices of partial and full blocks
 
@@ -137,7 +139,7 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.cache
 def _compiled_flex():
     # Compiled once per process: eager FlexAttention materialises the whole score matrix.
-    return torch.compile(flex_attention)
+    return compiled(flex_attention)
 
 
 def attend(
