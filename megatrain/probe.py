@@ -30,6 +30,9 @@ PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
 # context it runs slower than the layer's matmuls (8B, H200: ~450 against ~630 TFLOP/s, fitted on
 # the 128k-400k runs), which one rate for both would hide.
 ATTENTION_PROBE_TOKENS = 32768
+# Without a flash kernel (fp32: SDPA's math path, which grouped-query attention also takes) the
+# kernel holds about this many [heads, tokens, tokens] score tensors over its forward and backward.
+SCORE_COPIES = 4
 
 # One decoder layer's activations when no device is there to measure them: bytes per token =
 # cb * (a*hidden + b*ffn), bf16, compiled layer, Hopper (bench/calibrate.py). An upper envelope of
@@ -249,10 +252,25 @@ def _split_rates(cfg: ModelConfig, device, dtype, flops: float, attention: float
     return dict(dense_flops_per_s=(flops - attention) / rest, attention_flops_per_s=fa)
 
 
-def attention_rate(cfg: ModelConfig, device, dtype, tokens: int = ATTENTION_PROBE_TOKENS) -> float:
-    """FLOP/s of one causal attention's forward + backward on the flash kernel, with the model's
-    heads, at `tokens` tokens in one row; FLOPs counted as costmodel.py counts a layer's (the
-    forward 2 x tokens^2 x width, the backward twice that)."""
+def attention_probe_tokens(cfg: ModelConfig, dtype: torch.dtype, free_bytes: int) -> int:
+    """The row length the attention kernel is timed at: ATTENTION_PROBE_TOKENS where a flash
+    kernel runs it (bf16, fp16: memory linear in the row); in fp32 the longest multiple of 1024
+    (at most that) whose SCORE_COPIES score tensors fit in a quarter of `free_bytes`. At 32k tokens
+    eight fp32 heads' scores are 34 GB a copy: more than an 80 GB card holds over the backward."""
+    if dtype.itemsize <= 2:
+        return ATTENTION_PROBE_TOKENS
+    per_square_token = SCORE_COPIES * cfg.num_attention_heads * dtype.itemsize
+    longest = int((free_bytes / 4 / per_square_token) ** 0.5) // 1024 * 1024
+    return max(1024, min(ATTENTION_PROBE_TOKENS, longest))
+
+
+def attention_rate(cfg: ModelConfig, device, dtype, tokens: int | None = None) -> float:
+    """FLOP/s of one causal attention's forward + backward on SDPA's kernel for `dtype`, with the
+    model's heads, at `tokens` tokens in one row (default: `attention_probe_tokens`); FLOPs
+    counted as costmodel.py counts a layer's (the forward 2 x tokens^2 x width, the backward
+    twice that)."""
+    if tokens is None:
+        tokens = attention_probe_tokens(cfg, dtype, torch.cuda.mem_get_info(device)[0])
     seconds = _attention_seconds(cfg, device, dtype, tokens)
     torch.cuda.empty_cache()
     return 3 * 2 * tokens * tokens * cfg.attention_width / seconds
