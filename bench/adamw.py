@@ -15,6 +15,10 @@ state, a chunk at a time:
                  (the cast reads what the step just wrote, from the caches where K is small):
                  what writing the compute-dtype copy the next fetch takes would cost the pass
 
+`--threads 8,16,31` instead times the step alone at each thread count, on the calling thread and
+on a worker thread (where the engine's optimizer runs: torch's intra-op threads are set on the
+main thread, as the transport sets them), to tell the kernel's scaling from the engine's threads.
+
 Before timing, it checks on a slice that the two clip passes give bitwise the same state and
 that backup, step and restore give back the state bitwise (`exact` in the results). Results: a
 table, and JSON + Markdown under --out.
@@ -28,6 +32,7 @@ import argparse
 import datetime
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -135,6 +140,37 @@ def measure(n: int, chunks: list[int], scratches: list[int], repeats: int, casts
     return rows
 
 
+def _timed(fn, n: int, chunk: int) -> float:
+    t = time.perf_counter()
+    for a in range(0, n, chunk):
+        fn(a, min(n, a + chunk))
+    return time.perf_counter() - t
+
+
+def _on_worker(fn, n: int, chunk: int) -> float:
+    box: list[float] = []
+    worker = threading.Thread(target=lambda: box.append(_timed(fn, n, chunk)))
+    worker.start()
+    worker.join()
+    return box[0]
+
+
+def measure_threads(n: int, chunk: int, threads: list[int], repeats: int) -> list[dict]:
+    """The step alone at each thread count, on this thread and on a worker thread."""
+    s, rows = State(n), []
+    for k in threads:
+        torch.set_num_threads(k)
+        for where, run in (("calling thread", _timed), ("worker thread", _on_worker)):
+            best = min(run(s.step, n, chunk) for _ in range(repeats + 1))
+            rows.append({"pass": f"step, {k} threads, {where}", "chunk": chunk, "seconds": best,
+                         "gparams_per_s": n / best / 1e9, "threads": k})  # fmt: skip
+            print(f"{rows[-1]['pass']:40s} {best:6.3f} s  {n / best / 1e9:5.2f} G params/s", flush=True)
+    top = max(r["gparams_per_s"] for r in rows)
+    for r in rows:
+        r["vs_step"] = top / r["gparams_per_s"]
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     out = ["| pass | chunk | seconds | G params/s | time vs step |", "|---|---|---|---|---|"]
     out += [
@@ -151,13 +187,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scratch", default="4194304,1048576,262144", help="clip scratch sizes (elements)")
     ap.add_argument("--bf16", default="33554432,4194304,1048576", help="step + bf16 copy slice sizes")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", default=None, help="thread counts: time the step alone at each")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(optimizer_threads())
     exact = exactness()
     print("exact:", exact, flush=True)
     split = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
-    rows = measure(int(args.params), split(args.chunks), split(args.scratch), args.repeats, split(args.bf16))
+    if args.threads:
+        rows = measure_threads(int(args.params), split(args.chunks)[0], split(args.threads), args.repeats)
+    else:
+        rows = measure(int(args.params), split(args.chunks), split(args.scratch), args.repeats, split(args.bf16))
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
