@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         rows = measure_threads(int(args.params), split(args.chunks)[0], split(args.threads), args.repeats)
     else:
-        rows = measure(int(args.params), split(args.chunks), split(args.scratch), args.repeats, split(args.bf16))
+        rows = measure(
+            int(args.params), split(args.chunks), split(args.scratch), args.repeats, split(args.bf16)
+        )
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
