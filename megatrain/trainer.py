@@ -8,6 +8,7 @@ evaluation.py (eval loss, the best checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -33,6 +34,7 @@ from .models.config import ModelConfig
 from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
+from .ownership import RunLock
 from .partition import check_shared, save_checkpoint, save_model
 from .placement import Machine, Plan
 from .plan import preflight
@@ -70,7 +72,13 @@ def train(cfg: TrainConfig) -> Path:
     seed_everything(cfg.seed)
     world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
     try:
-        return _train(cfg, world, device)
+        check_outputs(cfg)  # output_dir must be a directory before the lock is made in it
+        # The run owns output_dir until it ends: a second run there is refused. One lock for
+        # the world: its writer (the other ranks write only what the writer coordinates).
+        with RunLock(cfg.output_dir) if world.is_main else contextlib.nullcontext() as lock:
+            if lock is not None and lock.note:
+                print(lock.note)
+            return _train(cfg, world, device)
     finally:
         world.close()
 
@@ -101,7 +109,6 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
         cfg.output_router_logits, cfg.router_aux_loss_coef
     )
-    check_outputs(cfg)
     ckpt_path = resume_path(cfg)
     resume = (
         open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None

@@ -399,6 +399,7 @@ def test_sigterm_in_subprocess_saves_and_exits_143(tmp_path):
     assert [s for s, _ in list_checkpoints(out)] == [last]
     assert load_fully(out / f"checkpoint-{last}", ModelConfig.from_json(tmp_path / "model")) == last
     assert not (out / "final").exists()
+    assert not (out / ".megatrain.lock").exists()  # released on the signal
 
 
 def test_second_signal_aborts_at_once():

@@ -99,6 +99,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(runs):
     assert "data parallel over 2 processes" in proc.stdout
     assert proc.stdout.count("megatrain: saved") == STEPS + 1  # one writer
     assert set(os.listdir(SHM_DIR)) <= shm_before  # the shared state left nothing behind
+    assert not (two / ".megatrain.lock").exists()  # rank 0's; the other rank was not refused by it
     assert json.loads((two / "checkpoint-1" / "train_config.json").read_text())["world_size"] == 2
 
 
