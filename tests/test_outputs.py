@@ -24,6 +24,7 @@ from megatrain.errors import CheckpointError, ConfigError
 from megatrain.guard import TrainingInterrupted
 from megatrain.metrics import MetricsLogger
 from megatrain.models.config import ModelConfig
+from megatrain.ownership import Owner
 from megatrain.trainer import train
 
 
@@ -139,6 +140,52 @@ def test_export_of_a_checkpoint_deleted_meanwhile_is_whole_or_fails(run, tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert got.get(name) == want[name], name
     assert got["model.safetensors"] == want["model.safetensors"]  # fp32: the same bytes
+
+
+# `megatrain export SRC OUT`, killed (SIGKILL) once its first safetensors file is written.
+KILLED_EXPORT = """
+import os, signal, sys
+from megatrain import writing
+from megatrain.cli import main
+
+write = writing._write_shard
+
+def write_then_die(*args):
+    write(*args)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+writing._write_shard = write_then_die
+sys.exit(main(["export", *sys.argv[1:]]))
+"""
+
+
+def test_a_killed_exports_temporary_is_deleted_by_the_next_one(run, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from test_checkpoint import subprocess_env
+
+    src = run[0] / "out" / "checkpoint-2"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, str(src), str(tmp_path / "hf"), "--max-shard-size", "20KB"],
+        env=subprocess_env(),
+        capture_output=True,
+    )
+    assert proc.returncode == -9, proc.stderr
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".hf.tmp-")]
+    assert list(left.glob("model-*.safetensors"))  # a partial export, no manifest
+    # Not megatrain's, or a live writer's: never touched.
+    theirs = {n: tmp_path / n for n in (".hf.tmp-mine", ".other.tmp-x", ".hf.tmp-live")}
+    for p in theirs.values():
+        p.mkdir()
+        (p / "data").write_text("keep")
+    (theirs[".other.tmp-x"] / ".megatrain-partial").write_text("not a marker")
+    (theirs[".hf.tmp-live"] / ".megatrain-partial").write_text(Owner.me().to_json())
+    rc, _, err = run_cli(capsys, "export", src, tmp_path / "hf2")
+    assert rc == 0, err
+    assert not left.exists() and all((p / "data").read_text() == "keep" for p in theirs.values())
+    assert not (tmp_path / "hf2" / ".megatrain-partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf2", *theirs])
 
 
 def test_training_never_replaces_a_final_dir_it_did_not_write(tmp_path, capsys):
