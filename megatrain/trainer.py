@@ -13,6 +13,7 @@ import math
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -291,6 +292,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
         return path
 
+    failed = False
     try:
         with SignalGuard(log.message) as stop:
             last = resume.path if resume else None  # the newest checkpoint of this run
@@ -349,11 +351,25 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         log.message(f"megatrain: saved {final}")
         log.message(memory.summary())
         return final
+    except BaseException:
+        failed = True
+        raise
     finally:
-        if main:
-            memory.write(out)
-        log.close()
-        model.close()
+        # After an error, what closing meets (the same full disk, most often) is not the one to report.
+        record = [lambda: memory.write(out)] if main else []
+        _close_all([*record, log.close, model.close], quietly=failed)
+
+
+def _close_all(steps: list[Callable[[], object]], quietly: bool) -> None:
+    """Run every closing step, then raise the first one's error unless `quietly`."""
+    first = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:
+            first = first or e
+    if first is not None and not quietly:
+        raise first
 
 
 def _optimizer_step(engine, micro_batches, max_grad_norm: float, lr: float, nonfinite, step: int) -> dict:

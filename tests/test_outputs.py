@@ -313,7 +313,8 @@ def test_disk_space_is_checked_before_training(tmp_path, capsys, monkeypatch):
 
 class FullDisk:
     """Files written under a directory whose path contains `where` fail with ENOSPC after
-    `quota` bytes, as a disk that fills up would."""
+    `quota` bytes, as a disk that fills up would: the write that meets the end of the space
+    writes what fits, then fails."""
 
     def __init__(self, monkeypatch, where: str, quota: int = 100_000):
         self.where, self.left = where, quota
@@ -324,6 +325,10 @@ class FullDisk:
             def write(self, data):
                 n = len(memoryview(data).cast("B")) if not isinstance(data, str) else len(data)
                 if n > disk.left:
+                    fits = data[: disk.left] if isinstance(data, str) else memoryview(data).cast("B")[: disk.left]
+                    self.f.write(fits)
+                    self.f.flush()
+                    disk.left = 0
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 disk.left -= n
                 return self.f.write(data)
@@ -362,6 +367,27 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing_half_written(tm
     FullDisk(monkeypatch, "metrics.jsonl", quota=300)
     rc, _, err = run_cli(capsys, "train", cfg, f"output_dir={tmp_path / 'other'}")
     assert f"cannot write {tmp_path / 'other' / 'metrics.jsonl'}: No space left" in one_line_error(rc, err)
+
+
+def test_a_disk_that_fills_while_metrics_are_written(tmp_path, capsys, monkeypatch):
+    """The whole disk fills in the middle of a metrics record: the error names metrics.jsonl (not
+    plan.json, which the run then fails to write too) and the file holds whole records only."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "run.yaml", dict(base, output_dir=str(out), max_steps=6))
+    disk = FullDisk(monkeypatch, str(out), quota=10**9)
+    start = MetricsLogger.__init__
+
+    def start_then_fill(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        disk.left = 700  # two records and part of a third
+
+    monkeypatch.setattr(MetricsLogger, "__init__", start_then_fill)
+    rc, _, err = run_cli(capsys, "train", cfg)
+    assert f"cannot write {out / 'metrics.jsonl'}: No space left on device" in one_line_error(rc, err)
+    monkeypatch.undo()
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [r["step"] for r in metrics(out)] == [1, 2]
 
 
 def test_checkpoints_are_written_by_parallel_writers_as_loadable_safetensors(tmp_path, capsys, monkeypatch):
