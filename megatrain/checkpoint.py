@@ -161,8 +161,14 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     d = Path(output_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    found = [(step, p) for p in d.iterdir() if (step := checkpoint_step(p.name)) is not None and p.is_dir()]
     return sorted(found)
+
+
+def checkpoint_step(name: str) -> int | None:
+    """N of a name `checkpoint-N`; None for any other name."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -255,6 +261,15 @@ def _is_checkpoint(path: Path) -> bool:
     return True
 
 
+def checkpoint_target(output_dir: str | Path, step: int, nbytes: int = 0, progress: bool = False) -> AtomicDir:
+    """The AtomicDir that writes `checkpoint-{step}`: it replaces only a megatrain checkpoint
+    (its `check_target()` tells before anything is written)."""
+    why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
+    return AtomicDir(
+        checkpoint_dir(output_dir, step), manifest.CHECKPOINT, _is_checkpoint, why_not, nbytes, progress
+    )
+
+
 def save_checkpoint(
     output_dir: Path,
     trainer_state: TrainerState,
@@ -272,10 +287,8 @@ def save_checkpoint(
     directory of that name is replaced only if it is a megatrain checkpoint. The host state
     must be current: call `transport.synchronize()` first. `write_tensors(d)` writes the weights
     and moments in place of the whole state's (a state partitioned over machines: partition.py)."""
-    final = checkpoint_dir(output_dir, trainer_state.global_step)
     nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
-    why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
-    with AtomicDir(final, manifest.CHECKPOINT, _is_checkpoint, why_not, nbytes, progress) as d:
+    with checkpoint_target(output_dir, trainer_state.global_step, nbytes, progress) as d:
         if write_tensors is not None:
             write_tensors(d)
         else:

@@ -156,6 +156,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
+    outputs.check_names(saves)  # refuses a checkpoint-N the run saves that is not megatrain's
     outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
     return _Inputs(
         model_cfg,
@@ -274,6 +275,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             weights_only=weights_only,
             **evaluator.state(),
         )
+        replacing = main and outputs.of_another_run(step)  # announced at the start, unless a signal's
         # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
         path = save_checkpoint(
             world,
@@ -289,7 +291,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         )
         if main:
             prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
-            log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
+            also = " (weights only)" if weights_only else ""
+            also += " in place of another run's checkpoint of that step" if replacing else ""
+            log.message(f"megatrain: saved {path}{also}")
         return path
 
     failed = False

@@ -214,7 +214,7 @@ def test_a_fresh_run_refuses_a_used_output_dir(tmp_path, capsys):
     assert snapshot(out) == before
 
 
-def test_overwrite_output_dir_keeps_the_previous_run(tmp_path):
+def test_overwrite_output_dir_keeps_the_previous_run(tmp_path, capsys):
     base = make_run(tmp_path)
     out = tmp_path / "out"
     train(TrainConfig(**base, output_dir=str(out), max_steps=10, save_steps=5))
@@ -226,7 +226,13 @@ def test_overwrite_output_dir_keeps_the_previous_run(tmp_path):
 
     # A rolled-back run: fewer steps than the previous one, keeping 2 checkpoints.
     b = dict(base, output_dir=str(out), save_steps=1, save_total_limit=2, overwrite_output_dir=True)
+    capsys.readouterr()
     train(TrainConfig(**b, max_steps=4))
+    said = capsys.readouterr().out
+    assert (
+        "overwrite_output_dir: a previous run's checkpoint-5, checkpoint-10: left as they are "
+        "(never pruned by this run)\n" in said
+    )
     assert [s for s, _ in list_checkpoints(out)] == [3, 4, 5, 10]
     assert {n: snapshot(out / n) for n in a_ckpts} == a_ckpts
     kept = [p for p in out.glob("metrics-*.jsonl")]
@@ -241,8 +247,16 @@ def test_overwrite_output_dir_keeps_the_previous_run(tmp_path):
     run_b = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["run_id"]
     assert run_a and run_b and run_a != run_b
 
-    # `resume_from_checkpoint: true` continues the newest run (B), not A's higher step.
+    # `resume_from_checkpoint: true` continues the newest run (B), not A's higher step. It says
+    # which of A's checkpoints it leaves and which it replaces, and does what it says.
     train(TrainConfig(**b, max_steps=6, resume_from_checkpoint=True))
+    said = capsys.readouterr().out
+    assert (
+        f"{out} also holds another run's checkpoint-10: left as they are (never pruned by this run); "
+        "checkpoint-5: replaced by this run's checkpoint of the same step\n" in said
+    )
+    assert f"megatrain: saved {out / 'checkpoint-5'} in place of another run's checkpoint of that step" in said
+    assert "left as they are" not in said.split("checkpoint-10: left as they are")[1]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
     # Resuming its own run rewrites plan.json in place; nothing more is kept aside.
     assert len(list(out.glob("plan-*.json"))) == 1 and len(list(out.glob("metrics-*.jsonl"))) == 1
@@ -279,6 +293,36 @@ def test_metrics_trim_on_resume_is_atomic(tmp_path, monkeypatch):
     assert (out / "metrics.jsonl").read_text() == text
     MetricsLogger(out, total_steps=10, start_step=2, disable_tqdm=True).close()
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_every_name_a_run_writes_is_checked_before_step_one(tmp_path, capsys):
+    """A user's checkpoint-N where the schedule saves, or a directory where a run file goes, is
+    refused before training (not after it, at save time); one where it does not save is kept."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    cfg = write_yaml(
+        tmp_path / "run.yaml", dict(base, output_dir=str(out), max_steps=4, save_steps=2, overwrite_output_dir=True)
+    )
+    for name in ("checkpoint-3", "checkpoint-4"):
+        (out / name).mkdir(parents=True)
+        (out / name / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    rc, _, err = run_cli(capsys, "train", cfg)
+    line = one_line_error(rc, err)
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert f"{out / 'checkpoint-4'}: exists and is not empty; it is not a megatrain checkpoint" in line
+    assert "(this run saves step 4)" in line
+    # A run file's name taken by a directory.
+    (out / "plan.json").mkdir()
+    rc, _, err = run_cli(capsys, "train", cfg, "max_steps=1", "save_steps=0")
+    assert f"{out / 'plan.json'}: exists and is not a file" in one_line_error(rc, err)
+    (out / "plan.json").rmdir()
+    # checkpoint-3 is saved by neither schedule below: it stays, and the run says so.
+    rc, stdout, err = run_cli(capsys, "train", cfg, "max_steps=2", "save_steps=1")
+    assert rc == 0, err
+    assert "a previous run's checkpoint-3, checkpoint-4: left as they are" in stdout
+    assert snapshot(out / "checkpoint-3") == {"notes.txt": b"mine"}
+    assert snapshot(out / "checkpoint-4") == {"notes.txt": b"mine"}
 
 
 # ---------------------------------------------------------------------------- disk space
