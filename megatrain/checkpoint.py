@@ -111,7 +111,7 @@ class TrainerState:
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing (not a megatrain checkpoint)") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable ({e})") from None
+            raise CheckpointError(f"{path}: unreadable, the file is corrupt ({e})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
         if raw.get("format") != FORMAT:
@@ -209,9 +209,20 @@ def resume_path(cfg) -> Path | None:
         return None
     if value is True or (isinstance(value, str) and value.lower() in ("true", "yes", "latest")):
         found = lineages(cfg.output_dir)
-        if not found:
+        latest = list(found.values())[-1][-1] if found else (-1, None)
+        # A newer checkpoint whose trainer_state.json is broken is not passed over in silence.
+        for step, path in reversed(list_checkpoints(cfg.output_dir)):
+            if step > latest[0] and (path / TRAINER_STATE).exists():
+                try:
+                    TrainerState.read(path / TRAINER_STATE)
+                except CheckpointError as e:
+                    raise CheckpointError(
+                        f"resume_from_checkpoint: {e}; resume from another checkpoint by naming it "
+                        f"(resume_from_checkpoint=DIR), or move {path.name} away"
+                    ) from None
+        if latest[1] is None:
             raise ConfigError(f"resume_from_checkpoint: no checkpoint-* directory in {cfg.output_dir}")
-        return list(found.values())[-1][-1][1]
+        return latest[1]
     path = Path(value)
     if not path.is_dir():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a directory")
