@@ -107,6 +107,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     data, memory plan, disk space), raising a one-line error at the first fault, before anything
     is written."""
     main = world.is_main
+    say = print if main else lambda text: None  # every rank meets the same: the first one tells
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
         cfg.output_router_logits, cfg.router_aux_loss_coef
     )
@@ -120,7 +121,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
-    samples = build_samples(cfg, tokenizer, model_cfg.vocab_size)
+    samples = build_samples(cfg, tokenizer, model_cfg.vocab_size, warn=say)
     batcher = Batcher(
         samples,
         batch_size=cfg.per_device_train_batch_size,
@@ -144,11 +145,11 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         )
     # Tokenizes eval_dataset now: bad eval data stops the run before anything is written.
     evaluator = Evaluator(
-        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id
+        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
     )
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
-    for warning in run_warnings(cfg, model_cfg, total_steps, warmup) if main else ():
-        print(f"megatrain: warning: {warning}")
+    for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
+        say(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     docs = batcher.packed_lengths  # attention stays inside packed documents: its cost
     span = attention.span(docs, model_cfg.windows) if docs else None
