@@ -406,14 +406,19 @@ class TrainConfig:
                     raw[k] = _relative(raw[k], base)
                 elif isinstance(raw.get(k), list):
                     raw[k] = [_relative(d, base) if isinstance(d, str) else d for d in raw[k]]
+        given: dict[str, str] = {}
         for ov in overrides:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r}: expected key=value")
             k, v = ov.split("=", 1)
+            k = k.strip()
+            if k in given:  # as a key given twice in the YAML file is: which one was meant?
+                raise ConfigError(f"override {k}: given twice ({given[k]!r} and {ov!r}); give it once")
+            given[k] = ov
             try:
-                raw[k.strip()] = yaml.load(v, Loader=_StrictLoader) if v != "" else None
+                raw[k] = yaml.load(v, Loader=_StrictLoader) if v != "" else None
             except yaml.YAMLError:
-                raw[k.strip()] = v
+                raw[k] = v
         return cls.from_dict(raw)
 
     @classmethod
