@@ -231,7 +231,8 @@ def resume_path(cfg) -> Path | None:
 
 def remove_temporaries(output_dir: Path) -> None:
     """Delete what an interrupted save, prune, metrics trim or plan.json write left behind
-    (dot-named; never a checkpoint). Assumes one training run at a time per output_dir."""
+    (dot-named; never a checkpoint). Only the run holding output_dir's lock (ownership.py) calls
+    it, so no other run is writing there."""
     for p in output_dir.iterdir():
         if _TEMPORARY.match(p.name):
             if p.is_dir() and not p.is_symlink():
@@ -272,7 +273,9 @@ def _is_checkpoint(path: Path) -> bool:
     return True
 
 
-def checkpoint_target(output_dir: str | Path, step: int, nbytes: int = 0, progress: bool = False) -> AtomicDir:
+def checkpoint_target(
+    output_dir: str | Path, step: int, nbytes: int = 0, progress: bool = False
+) -> AtomicDir:
     """The AtomicDir that writes `checkpoint-{step}`: it replaces only a megatrain checkpoint
     (its `check_target()` tells before anything is written)."""
     why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"

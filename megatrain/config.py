@@ -70,8 +70,9 @@ class TrainConfig:
     """Where metrics.jsonl, checkpoint-N/ and final/ go."""
     overwrite_output_dir: bool = False
     """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
-    Nothing is deleted: its checkpoints stay (this run never prunes them), metrics.jsonl and
-    train_config.json are renamed aside, its final/ is replaced at the end."""
+    Nothing is deleted: its checkpoints stay (this run never prunes them; one of a step this run
+    saves is replaced, as the run says when it starts), metrics.jsonl and train_config.json are
+    renamed aside, its final/ is replaced at the end."""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
     num_train_epochs: float = 1.0

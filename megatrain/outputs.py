@@ -185,7 +185,9 @@ class OutputDir:
         for name in RUN_FILES:
             p = self.path / name
             if (p.exists() or p.is_symlink()) and not p.is_file():
-                raise OutputError(f"{p}: exists and is not a file; this run writes its {name} there: move it away")
+                raise OutputError(
+                    f"{p}: exists and is not a file; this run writes its {name} there: move it away"
+                )
         runs = self.path / "runs"
         if self.cfg.report_to == "tensorboard" and runs.exists() and not runs.is_dir():
             raise OutputError(f"{runs}: exists and is not a directory; TensorBoard writes its events there")

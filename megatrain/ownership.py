@@ -56,7 +56,9 @@ class Owner:
 
     @classmethod
     def me(cls) -> Owner:
-        return cls(os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S"), _start_ticks(os.getpid()))
+        return cls(
+            os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%d %H:%M:%S"), _start_ticks(os.getpid())
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self)) + "\n"
@@ -183,7 +185,9 @@ class RunLock:
                     "choose another output_dir"
                 )
             os.unlink(self.path)
-            self.note = f"megatrain: took over {self.path} from a run that ended without releasing it ({owner})"
+            self.note = (
+                f"megatrain: took over {self.path} from a run that ended without releasing it ({owner})"
+            )
         finally:
             os.close(fd)  # and its flock
 

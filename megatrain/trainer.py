@@ -1,7 +1,7 @@
 """The training loop: batch, forward and backward sweeps, clip, optimizer, log, checkpoint.
 
 The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
-output_dir, when to save, disk space), guard.py (signals, non-finite steps), plan.py (the memory
+output_dir, when to save, disk space), ownership.py (the run's lock on output_dir), guard.py (signals, non-finite steps), plan.py (the memory
 preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, TensorBoard),
 evaluation.py (eval loss, the best checkpoint).
 """

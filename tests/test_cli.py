@@ -206,7 +206,10 @@ BAD = [
         ["model_config=null", "model_name_or_path={tmp}/weights.bin"],
         "{tmp}/weights.bin: not a JSON file (binary, or not UTF-8 text)",
     ),
-    (["model_config={tmp}/list.json"], "{tmp}/list.json: expected a JSON object (a Hugging Face config.json)"),
+    (
+        ["model_config={tmp}/list.json"],
+        "{tmp}/list.json: expected a JSON object (a Hugging Face config.json)",
+    ),
     (["lerning_rate=1e-4"], "unknown config key 'lerning_rate'; did you mean 'learning_rate'?"),
     (["learning_rate=fast"], "learning_rate: expected float, got 'fast'"),
     (["max_steps=0"], "max_steps: must be > 0"),

@@ -132,7 +132,9 @@ def test_rows_without_labels_are_dropped_counted_per_file_and_reason(tmp_path, t
     """One policy for a conversation without an assistant turn and one whose assistant turn
     max_length cuts off: dropped, one warning per file and reason, with the count."""
     long_prompt = {"messages": [{"role": "user", "content": "the " * 50}, BOT]}
-    p = jsonl(tmp_path, *[{"messages": [USER, USER]}] * 1000, {"messages": [USER, BOT]}, long_prompt, long_prompt)
+    p = jsonl(
+        tmp_path, *[{"messages": [USER, USER]}] * 1000, {"messages": [USER, BOT]}, long_prompt, long_prompt
+    )
     said = []
     samples = build_samples(cfg_for(p, max_length=32), tok, warn=said.append)
     assert [s.source for s in samples] == [f"{p}:1001"]

@@ -106,7 +106,10 @@ def test_a_dead_runs_lock_is_taken_over_and_another_hosts_is_refused(tmp_path, c
         (out / LOCK).write_text(stale.to_json())
         rc, stdout, err = run_cli(capsys, "train", cfg, "overwrite_output_dir=true")
         assert rc == 0, err
-        assert f"megatrain: took over {out / LOCK} from a run that ended without releasing it ({stale})" in stdout
+        assert (
+            f"megatrain: took over {out / LOCK} from a run that ended without releasing it ({stale})"
+            in stdout
+        )
         assert (out / "final").is_dir() and not (out / LOCK).exists()
 
 
