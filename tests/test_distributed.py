@@ -30,9 +30,11 @@ STEPS = 3
 
 
 def launch(cfg_path: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`megatrain train cfg_path nproc_per_node=2 ...` in a subprocess."""
+    """`megatrain train cfg_path nproc_per_node=2 ...` in a subprocess (unless the overrides set
+    nproc_per_node: a key given twice is refused)."""
+    nproc = [] if any(o.startswith("nproc_per_node=") for o in overrides) else ["nproc_per_node=2"]
     return subprocess.run(
-        [sys.executable, "-m", "megatrain", "train", str(cfg_path), "nproc_per_node=2", *overrides],
+        [sys.executable, "-m", "megatrain", "train", str(cfg_path), *nproc, *overrides],
         env=subprocess_env(),
         capture_output=True,
         text=True,
