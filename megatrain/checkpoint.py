@@ -111,7 +111,7 @@ class TrainerState:
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing (not a megatrain checkpoint)") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable ({e})") from None
+            raise CheckpointError(f"{path}: unreadable, the file is corrupt ({e})") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
         if raw.get("format") != FORMAT:
@@ -161,8 +161,14 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     d = Path(output_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    found = [(step, p) for p in d.iterdir() if (step := checkpoint_step(p.name)) is not None and p.is_dir()]
     return sorted(found)
+
+
+def checkpoint_step(name: str) -> int | None:
+    """N of a name `checkpoint-N`; None for any other name."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -203,9 +209,20 @@ def resume_path(cfg) -> Path | None:
         return None
     if value is True or (isinstance(value, str) and value.lower() in ("true", "yes", "latest")):
         found = lineages(cfg.output_dir)
-        if not found:
+        latest = list(found.values())[-1][-1] if found else (-1, None)
+        # A newer checkpoint whose trainer_state.json is broken is not passed over in silence.
+        for step, path in reversed(list_checkpoints(cfg.output_dir)):
+            if step > latest[0] and (path / TRAINER_STATE).exists():
+                try:
+                    TrainerState.read(path / TRAINER_STATE)
+                except CheckpointError as e:
+                    raise CheckpointError(
+                        f"resume_from_checkpoint: {e}; resume from another checkpoint by naming it "
+                        f"(resume_from_checkpoint=DIR), or move {path.name} away"
+                    ) from None
+        if latest[1] is None:
             raise ConfigError(f"resume_from_checkpoint: no checkpoint-* directory in {cfg.output_dir}")
-        return list(found.values())[-1][-1][1]
+        return latest[1]
     path = Path(value)
     if not path.is_dir():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a directory")
@@ -214,7 +231,8 @@ def resume_path(cfg) -> Path | None:
 
 def remove_temporaries(output_dir: Path) -> None:
     """Delete what an interrupted save, prune, metrics trim or plan.json write left behind
-    (dot-named; never a checkpoint). Assumes one training run at a time per output_dir."""
+    (dot-named; never a checkpoint). Only the run holding output_dir's lock (ownership.py) calls
+    it, so no other run is writing there."""
     for p in output_dir.iterdir():
         if _TEMPORARY.match(p.name):
             if p.is_dir() and not p.is_symlink():
@@ -255,6 +273,17 @@ def _is_checkpoint(path: Path) -> bool:
     return True
 
 
+def checkpoint_target(
+    output_dir: str | Path, step: int, nbytes: int = 0, progress: bool = False
+) -> AtomicDir:
+    """The AtomicDir that writes `checkpoint-{step}`: it replaces only a megatrain checkpoint
+    (its `check_target()` tells before anything is written)."""
+    why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
+    return AtomicDir(
+        checkpoint_dir(output_dir, step), manifest.CHECKPOINT, _is_checkpoint, why_not, nbytes, progress
+    )
+
+
 def save_checkpoint(
     output_dir: Path,
     trainer_state: TrainerState,
@@ -272,10 +301,8 @@ def save_checkpoint(
     directory of that name is replaced only if it is a megatrain checkpoint. The host state
     must be current: call `transport.synchronize()` first. `write_tensors(d)` writes the weights
     and moments in place of the whole state's (a state partitioned over machines: partition.py)."""
-    final = checkpoint_dir(output_dir, trainer_state.global_step)
     nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
-    why_not = "it is not a megatrain checkpoint, so it is never replaced: move it away"
-    with AtomicDir(final, manifest.CHECKPOINT, _is_checkpoint, why_not, nbytes, progress) as d:
+    with checkpoint_target(output_dir, trainer_state.global_step, nbytes, progress) as d:
         if write_tensors is not None:
             write_tensors(d)
         else:

@@ -222,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         print("megatrain: interrupted", file=sys.stderr)
         return 130
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
             raise
-        # Saves and exports say more (writing.AtomicDir); this catches the small files.
-        where = f"cannot write {e.filename}" if e.filename else "cannot write"
+        # Saves and exports say more (writing.AtomicDir); this catches the small files, and a
+        # file system that turns read-only (or a permission taken away) in the middle of a run.
+        verb = "cannot access" if e.errno in (errno.EACCES, errno.EPERM) else "cannot write"  # reads too
+        where = f"{verb} {e.filename}" if e.filename else verb
         print(f"megatrain: error: {where}: {e.strerror}", file=sys.stderr)
         return 2
     except Exception as e:

@@ -70,8 +70,9 @@ class TrainConfig:
     """Where metrics.jsonl, checkpoint-N/ and final/ go."""
     overwrite_output_dir: bool = False
     """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
-    Nothing is deleted: its checkpoints stay (this run never prunes them), metrics.jsonl and
-    train_config.json are renamed aside, its final/ is replaced at the end."""
+    Nothing is deleted: its checkpoints stay (this run never prunes them; one of a step this run
+    saves is replaced, as the run says when it starts), metrics.jsonl and train_config.json are
+    renamed aside, its final/ is replaced at the end."""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
     num_train_epochs: float = 1.0
@@ -406,14 +407,19 @@ class TrainConfig:
                     raw[k] = _relative(raw[k], base)
                 elif isinstance(raw.get(k), list):
                     raw[k] = [_relative(d, base) if isinstance(d, str) else d for d in raw[k]]
+        given: dict[str, str] = {}
         for ov in overrides:
             if "=" not in ov:
                 raise ConfigError(f"override {ov!r}: expected key=value")
             k, v = ov.split("=", 1)
+            k = k.strip()
+            if k in given:  # as a key given twice in the YAML file is: which one was meant?
+                raise ConfigError(f"override {k}: given twice ({given[k]!r} and {ov!r}); give it once")
+            given[k] = ov
             try:
-                raw[k.strip()] = yaml.load(v, Loader=_StrictLoader) if v != "" else None
+                raw[k] = yaml.load(v, Loader=_StrictLoader) if v != "" else None
             except yaml.YAMLError:
-                raw[k.strip()] = v
+                raw[k] = v
         return cls.from_dict(raw)
 
     @classmethod

@@ -44,13 +44,14 @@ class Evaluator:
         steps_per_epoch: int,
         vocab_size: int | None = None,
         pad_id: int = 0,
+        warn: Callable[[str], None] = print,
     ):
         """`vocab_size` bounds the eval data's token ids (the model's); `pad_id` pads its
-        micro-batches (the training data's)."""
+        micro-batches (the training data's); `warn` hears of rows dropped from it."""
         self.batcher: Batcher | None = None
         self.interval = 0
         if cfg.eval_strategy != "no":
-            samples = build_samples(cfg, tokenizer, vocab_size, key="eval_dataset")
+            samples = build_samples(cfg, tokenizer, vocab_size, key="eval_dataset", warn=warn)
             self.num_samples = len(samples)
             self.batcher = Batcher(
                 samples,

@@ -70,8 +70,13 @@ class MemoryRecord:
         }
         path = Path(output_dir) / PLAN_FILE
         tmp = path.with_name(f".{PLAN_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            e.filename = e.filename or str(path)  # a failed write() names no file
+            raise
 
     def summary(self) -> str:
         parts = []

@@ -49,7 +49,8 @@ class MetricsLogger:
         self.total = total_steps
         self.start = start_step
         self._keep_until(start_step)
-        self._f = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        # Unbuffered: a record reaches the file in one write, or is cut off by `_append`.
+        self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
         interactive = show_progress(disable_tqdm)
         # tqdm shows step/total, elapsed and ETA itself; loss and tokens/s go in the postfix.
         self.bar = tqdm(
@@ -81,16 +82,33 @@ class MetricsLogger:
             except json.JSONDecodeError:
                 continue
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write("".join(x + "\n" for x in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        with self._naming_errors():
+            try:
+                with open(tmp, "w") as f:
+                    f.write("".join(x + "\n" for x in kept))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
+
+    def _append(self, record: dict) -> None:
+        """One record, whole: a write that fails part way (a full disk) is cut off again, so
+        the file holds whole records only, and the error names the file."""
+        data = memoryview((json.dumps(record) + "\n").encode())
+        with self._naming_errors():
+            end = self._f.seek(0, os.SEEK_END)
+            try:
+                while data:
+                    data = data[self._f.write(data) :]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    self._f.truncate(end)
+                raise
 
     def log(self, record: dict) -> None:
-        with self._naming_errors():
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
+        self._append(record)
         step = record["step"]
         loss = "skipped" if record.get("skipped") else f"{record['loss']:.4f}"
         self.bar.update(1)
@@ -120,9 +138,7 @@ class MetricsLogger:
 
     def log_eval(self, record: dict) -> None:
         """An evaluation record: to metrics.jsonl, as a line for the user, to TensorBoard."""
-        with self._naming_errors():
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
+        self._append(record)
         loss, ppl = record["eval_loss"], record["eval_perplexity"]
         self._eval_loss = "nan" if loss is None else f"{loss:.4f}"
         self.message(
@@ -154,12 +170,11 @@ class MetricsLogger:
         self.bar.close()
         if self.tb is not None:
             self.tb.close()
-        with self._naming_errors():
-            self._f.close()
+        self._f.close()  # unbuffered: nothing left to write
 
     @contextlib.contextmanager
     def _naming_errors(self):
-        """A failed write() (a full disk) names no file; name it, for cli.py's one line."""
+        """A failed write() (a full disk) names no file; name metrics.jsonl, for cli.py's one line."""
         try:
             yield
         except OSError as e:

@@ -6,8 +6,12 @@
   checkpoints stay (pruning only ever touches this run's lineage; a checkpoint of a step this
   run also saves is replaced), the run's own files (metrics.jsonl, train_config.json,
   plan.json) are renamed aside (`metrics-<time>.jsonl`), and final/ is replaced at the end; a
-  message lists all of this. train_config.json and plan.json alone do not make a directory a
-  used one (a fresh run keeps them aside as well).
+  message lists all of this, naming each checkpoint that stays and each that is replaced (so
+  does a resume, for another run's checkpoints beside its own). train_config.json and
+  plan.json alone do not make a directory a used one (a fresh run keeps them aside as well).
+* **Every name is checked before step one** (`check_names`): a checkpoint-N the schedule saves
+  that is not a megatrain checkpoint, a run file that is not a file, final/ that megatrain did
+  not write, are refused before training, not found at save time.
 * **final/** is replaced only if it is a model directory megatrain wrote (its manifest says
   so); anything else there is refused before training starts.
 * **metrics.jsonl on resume** is trimmed to the checkpoint's step only if it records the
@@ -35,12 +39,16 @@ from .checkpoint import (
     Checkpoint,
     TrainerState,
     checkpoint_bytes,
+    checkpoint_dir,
+    checkpoint_step,
+    checkpoint_target,
     lineages,
     list_checkpoints,
     remove_temporaries,
+    run_id_of,
 )
 from .config import interval_steps
-from .errors import ConfigError, OutputError
+from .errors import CheckpointError, ConfigError, OutputError
 from .memory import PLAN_FILE
 from .metrics import is_eval
 from .placement import fmt_bytes
@@ -75,6 +83,10 @@ class SaveSchedule:
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or (self.at_end and step == self.total_steps)
+
+    def saves(self, step: int, start: int = 0) -> bool:
+        """Whether a run continuing from step `start` writes checkpoint-`step` (signals aside)."""
+        return start < step <= self.total_steps and self.due(step)
 
     def count(self, start: int) -> int:
         """Checkpoints written after step `start` (signals aside)."""
@@ -139,6 +151,8 @@ class OutputDir:
             "training replaces only a model directory megatrain wrote: move it or choose another output_dir"
         )
         AtomicDir(self.path / FINAL, manifest.MODEL, why_not=why_not).check_target()
+        self.replaced: list[str] = []
+        """Other runs' checkpoints at steps this run saves (check_names finds them)."""
         self.previous = [p.name for _, p in list_checkpoints(self.path)]
         self.previous += [n for n in (METRICS, FINAL) if (self.path / n).exists()]
         if resume is None and self.previous and not cfg.overwrite_output_dir:
@@ -148,6 +162,44 @@ class OutputDir:
                 "resume_from_checkpoint=true, start a new run there with overwrite_output_dir=true "
                 "(nothing is deleted), or choose another output_dir"
             )
+
+    def check_names(self, schedule: SaveSchedule) -> None:
+        """Refuse (OutputError, one line) a name this run writes that holds what it may not
+        replace: a checkpoint-N the schedule saves that is not a megatrain checkpoint, a run file
+        (metrics.jsonl, train_config.json, plan.json) that is not a file, TensorBoard's runs/
+        that is not a directory (final/ was checked on construction). Notes the checkpoints of
+        other runs that this run's saves replace."""
+        if not self.path.is_dir():
+            return
+        start = self.resume.trainer_state.global_step if self.resume else 0
+        for p in sorted(self.path.iterdir()):
+            step = checkpoint_step(p.name)
+            if step is None or not schedule.saves(step, start):
+                continue
+            try:
+                checkpoint_target(self.path, step).check_target()
+            except OutputError as e:
+                raise OutputError(f"{e} (this run saves step {step})") from None
+            if self.of_another_run(step):
+                self.replaced.append(p.name)
+        for name in RUN_FILES:
+            p = self.path / name
+            if (p.exists() or p.is_symlink()) and not p.is_file():
+                raise OutputError(
+                    f"{p}: exists and is not a file; this run writes its {name} there: move it away"
+                )
+        runs = self.path / "runs"
+        if self.cfg.report_to == "tensorboard" and runs.exists() and not runs.is_dir():
+            raise OutputError(f"{runs}: exists and is not a directory; TensorBoard writes its events there")
+
+    def of_another_run(self, step: int) -> bool:
+        """Whether output_dir holds another run's checkpoint of `step` (one this run's save of that
+        step replaces)."""
+        path = checkpoint_dir(self.path, step)
+        try:
+            return path.is_dir() and run_id_of(path) != self.run_id
+        except CheckpointError:
+            return False  # not a megatrain checkpoint: check_names refused it
 
     def check_disk_space(self, num_params: int, schedule: SaveSchedule, warn=print) -> None:
         """Refuse (warn, with preflight_check=false) a run whose checkpoints and final/ would not
@@ -189,10 +241,7 @@ class OutputDir:
         if self.resume is None and self.previous:
             checkpoints = [n for n in self.previous if n.startswith("checkpoint-")]
             if checkpoints:
-                notes.append(
-                    f"megatrain: overwrite_output_dir: kept {', '.join(checkpoints)} of a previous run "
-                    "(never pruned by this run; one of a step this run saves is replaced)"
-                )
+                notes.append(f"megatrain: overwrite_output_dir: a previous run's {self._fate(checkpoints)}")
             if FINAL in self.previous:
                 notes.append(
                     f"megatrain: overwrite_output_dir: {self.path / FINAL} will be replaced at the end"
@@ -202,8 +251,17 @@ class OutputDir:
         if self.resume and others:
             newer = list(runs)[-1] != self.run_id
             notes.append(
-                f"megatrain: resuming run {self.run_id}; {self.path} also holds checkpoints of "
-                f"{'a newer' if newer else 'another'} run ({', '.join(p.name for p in others)}), left as they are"
+                f"megatrain: resuming run {self.run_id}; {self.path} also holds {'a newer' if newer else 'another'} "
+                f"run's {self._fate([p.name for p in others])}"
             )
         (self.path / TRAIN_CONFIG).write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         return notes
+
+    def _fate(self, checkpoints: list[str]) -> str:
+        """What becomes of other runs' `checkpoints`: kept, or replaced by a save of this run."""
+        kept = [n for n in checkpoints if n not in self.replaced]
+        replaced = [n for n in checkpoints if n in self.replaced]
+        said = [f"{', '.join(kept)}: left as they are (never pruned by this run)"] if kept else []
+        if replaced:
+            said.append(f"{', '.join(replaced)}: replaced by this run's checkpoint of the same step")
+        return "; ".join(said)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, ownership
 from .distributed import Collective
 from .errors import MegatrainError, OutputError
 from .placement import fmt_bytes
@@ -88,6 +88,7 @@ def save_model(world: Collective, state: HostState, model_cfg, out_dir: Path, **
     def write() -> Path:
         dump = Path(tempfile.mkdtemp(prefix=f".{Path(out_dir).name}.tmp-parts-", dir=Path(out_dir).parent))
         try:
+            ownership.mark(dump)  # a kill leaves it to the next writer to delete (writing.py)
             parts.segments(dump)
             reader = TensorReader(checkpoint_files(dump), dump)
             for key, shape in checkpoint_entries(state.units):

@@ -1,17 +1,19 @@
 """The training loop: batch, forward and backward sweeps, clip, optimizer, log, checkpoint.
 
 The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
-output_dir, when to save, disk space), guard.py (signals, non-finite steps), plan.py (the memory
+output_dir, when to save, disk space), ownership.py (the run's lock on output_dir), guard.py (signals, non-finite steps), plan.py (the memory
 preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, TensorBoard),
 evaluation.py (eval loss, the best checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +35,7 @@ from .models.config import ModelConfig
 from .models.family import describe
 from .optim import AdamWConfig, lr_at
 from .outputs import OutputDir, SaveSchedule
+from .ownership import RunLock
 from .partition import check_shared, save_checkpoint, save_model
 from .placement import Machine, Plan
 from .plan import preflight
@@ -70,7 +73,13 @@ def train(cfg: TrainConfig) -> Path:
     seed_everything(cfg.seed)
     world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
     try:
-        return _train(cfg, world, device)
+        check_outputs(cfg)  # output_dir must be a directory before the lock is made in it
+        # The run owns output_dir until it ends: a second run there is refused. One lock for
+        # the world: its writer (the other ranks write only what the writer coordinates).
+        with RunLock(cfg.output_dir) if world.is_main else contextlib.nullcontext() as lock:
+            if lock is not None and lock.note:
+                print(lock.note)
+            return _train(cfg, world, device)
     finally:
         world.close()
 
@@ -98,10 +107,10 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     data, memory plan, disk space), raising a one-line error at the first fault, before anything
     is written."""
     main = world.is_main
+    say = print if main else lambda text: None  # every rank meets the same: the first one tells
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
         cfg.output_router_logits, cfg.router_aux_loss_coef
     )
-    check_outputs(cfg)
     ckpt_path = resume_path(cfg)
     resume = (
         open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
@@ -112,7 +121,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
-    samples = build_samples(cfg, tokenizer, model_cfg.vocab_size)
+    samples = build_samples(cfg, tokenizer, model_cfg.vocab_size, warn=say)
     batcher = Batcher(
         samples,
         batch_size=cfg.per_device_train_batch_size,
@@ -136,11 +145,11 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         )
     # Tokenizes eval_dataset now: bad eval data stops the run before anything is written.
     evaluator = Evaluator(
-        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id
+        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
     )
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
-    for warning in run_warnings(cfg, model_cfg, total_steps, warmup) if main else ():
-        print(f"megatrain: warning: {warning}")
+    for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
+        say(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     docs = batcher.packed_lengths  # attention stays inside packed documents: its cost
     span = attention.span(docs, model_cfg.windows) if docs else None
@@ -148,6 +157,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
+    outputs.check_names(saves)  # refuses a checkpoint-N the run saves that is not megatrain's
     outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
     return _Inputs(
         model_cfg,
@@ -266,6 +276,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             weights_only=weights_only,
             **evaluator.state(),
         )
+        replacing = main and outputs.of_another_run(step)  # announced at the start, unless a signal's
         # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
         path = save_checkpoint(
             world,
@@ -281,9 +292,12 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         )
         if main:
             prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
-            log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
+            also = " (weights only)" if weights_only else ""
+            also += " in place of another run's checkpoint of that step" if replacing else ""
+            log.message(f"megatrain: saved {path}{also}")
         return path
 
+    failed = False
     try:
         with SignalGuard(log.message) as stop:
             last = resume.path if resume else None  # the newest checkpoint of this run
@@ -342,11 +356,25 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         log.message(f"megatrain: saved {final}")
         log.message(memory.summary())
         return final
+    except BaseException:
+        failed = True
+        raise
     finally:
-        if main:
-            memory.write(out)
-        log.close()
-        model.close()
+        # After an error, what closing meets (the same full disk, most often) is not the one to report.
+        record = [lambda: memory.write(out)] if main else []
+        _close_all([*record, log.close, model.close], quietly=failed)
+
+
+def _close_all(steps: list[Callable[[], object]], quietly: bool) -> None:
+    """Run every closing step, then raise the first one's error unless `quietly`."""
+    first = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:
+            first = first or e
+    if first is not None and not quietly:
+        raise first
 
 
 def _optimizer_step(engine, micro_batches, max_grad_norm: float, lr: float, nonfinite, step: int) -> dict:

@@ -15,7 +15,9 @@ conversion and zlib.crc32 release the GIL, so the writers keep a fast disk busy;
 one converted tensor per writer (none for fp32 views of the master weights, written in place).
 
 An OSError while writing (a full disk above all) removes the temporary directory and becomes one
-OutputError naming the directory, the file, and the bytes needed and free.
+OutputError naming the directory, the file, and the bytes needed and free. A killed writer
+cannot remove it: the temporary holds a marker naming its writer (ownership.py) from the start,
+and the next AtomicDir in the same parent directory deletes the temporaries whose writer is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from . import manifest
+from . import manifest, ownership
 from .errors import OutputError
 from .metrics import ByteProgress
 from .placement import fmt_bytes
@@ -45,6 +48,7 @@ CHUNK = 64 << 20  # bytes per write: the progress bar moves, and a stop request 
 MAX_WRITERS = 8
 
 Entries = list[tuple[str, tuple[int, ...]]]
+_TEMPORARY = re.compile(r"^\..+\.tmp-")  # mkdtemp's names below: `.{name}.tmp-XXXXXXXX`
 DType = torch.dtype | Callable[[str], torch.dtype]
 """One dtype for every tensor, or each key's."""
 
@@ -239,7 +243,9 @@ class AtomicDir:
         self.check_target()
         try:
             self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            remove_abandoned(self.out_dir.parent)
             self.path = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+            ownership.mark(self.path)
         except OSError as e:
             raise self._error(e) from None
         umask = os.umask(0o022)  # mkdtemp makes the directory private; give it the usual mode
@@ -276,6 +282,7 @@ class AtomicDir:
 
     def commit(self) -> Path:
         """Write the manifest, fsync everything and swap the directory into place."""
+        ownership.unmark(self.path)
         manifest.write(self.path, self.kind, self.checksums)
         _fsync_dir(self.path)
         out = self.out_dir
@@ -293,6 +300,18 @@ class AtomicDir:
             os.replace(self.path, out)
         _fsync(out.parent)
         return out
+
+
+def remove_abandoned(parent: Path) -> list[Path]:
+    """Delete the temporaries in `parent` that a killed writer left (dot-named, marked by
+    megatrain, their writer gone); a user's files and a live writer's are never touched.
+    Returns those deleted."""
+    gone = []
+    for p in parent.iterdir():
+        if _TEMPORARY.match(p.name) and p.is_dir() and not p.is_symlink() and ownership.abandoned(p):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
 
 
 def _fsync(path: Path) -> None:

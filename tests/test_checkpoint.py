@@ -204,6 +204,24 @@ def test_resume_latest_and_missing(tmp_path):
     assert not (out / ".checkpoint-9.tmp-abc").exists()  # leftovers of a killed save are cleaned up
 
 
+def test_resume_names_a_corrupt_trainer_state(tmp_path):
+    """A broken trainer_state.json is named as corrupt, not read as "no checkpoint" nor passed
+    over for an older checkpoint."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    train(TrainConfig(**base, output_dir=str(out), max_steps=2, save_steps=1))
+    cfg = TrainConfig(**base, output_dir=str(out), max_steps=4, resume_from_checkpoint=True)
+    for broken in ("checkpoint-2", "checkpoint-1"):  # the newest, then every one
+        (out / broken / "trainer_state.json").write_text('{"format": 1, "global_st')
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        state = out / "checkpoint-2" / "trainer_state.json"
+        with pytest.raises(CheckpointError) as e:
+            train(cfg)
+        assert str(e.value).startswith(f"resume_from_checkpoint: {state}: unreadable, the file is corrupt (")
+        assert "move checkpoint-2 away" in str(e.value)
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_save_total_limit_keeps_newest(tmp_path):
     base = make_run(tmp_path)
     out = tmp_path / "out"
@@ -399,6 +417,7 @@ def test_sigterm_in_subprocess_saves_and_exits_143(tmp_path):
     assert [s for s, _ in list_checkpoints(out)] == [last]
     assert load_fully(out / f"checkpoint-{last}", ModelConfig.from_json(tmp_path / "model")) == last
     assert not (out / "final").exists()
+    assert not (out / ".megatrain.lock").exists()  # released on the signal
 
 
 def test_second_signal_aborts_at_once():

@@ -3,6 +3,7 @@ memory preflight (plan / refusing train), and one-line errors for bad inputs."""
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from pathlib import Path
@@ -188,6 +189,8 @@ def _bad_inputs(tmp_path: Path) -> dict:
     (tmp_path / "vocab.jsonl").write_text('{"input_ids": [1, 96]}\n{"input_ids": [1, 97]}\n')
     (tmp_path / "huge.jsonl").write_text(f'{{"input_ids": [1, {2**70}]}}\n')
     (tmp_path / "text.jsonl").write_text('{"text": "the people who were there"}\n')
+    (tmp_path / "weights.bin").write_bytes(b"\x80\x04\x95\xff\x00binary")
+    (tmp_path / "list.json").write_text("[1, 2]")
     tiny_tokenizer(None).save_pretrained(tmp_path / "tok")  # 600 ids, the model has 97
     return base
 
@@ -197,6 +200,15 @@ BAD = [
     (
         ["model_config={tmp}/gpt2"],
         "{tmp}/gpt2/config.json: model_type 'gpt2': modules with parameters besides",
+    ),
+    (["model_config={tmp}/weights.bin"], "{tmp}/weights.bin: not a JSON file (binary, or not UTF-8 text)"),
+    (
+        ["model_config=null", "model_name_or_path={tmp}/weights.bin"],
+        "{tmp}/weights.bin: not a JSON file (binary, or not UTF-8 text)",
+    ),
+    (
+        ["model_config={tmp}/list.json"],
+        "{tmp}/list.json: expected a JSON object (a Hugging Face config.json)",
     ),
     (["lerning_rate=1e-4"], "unknown config key 'lerning_rate'; did you mean 'learning_rate'?"),
     (["learning_rate=fast"], "learning_rate: expected float, got 'fast'"),
@@ -269,6 +281,14 @@ def test_train_bad_input_is_one_line_exit_2(tmp_path, capsys, overrides, message
         (["export"], "the following arguments are required: checkpoint, out"),
         (["plot", "{tmp}/nothing"], "{tmp}/nothing/metrics.jsonl: no such file"),
         (["plan", "{tmp}/run.yaml", "bogus=1"], "unknown config key 'bogus'"),
+        (
+            ["plan", "{tmp}/run.yaml", "model_config={tmp}/weights.bin"],
+            "{tmp}/weights.bin: not a JSON file (binary, or not UTF-8 text)",
+        ),
+        (
+            ["plan", "{tmp}/run.yaml", "model_config=null", "model_name_or_path={tmp}/weights.bin"],
+            "{tmp}/weights.bin: not a JSON file (binary, or not UTF-8 text)",
+        ),
         (["fly"], "argument COMMAND: invalid choice: 'fly'"),
     ],
 )
@@ -322,6 +342,84 @@ def test_output_dir_that_is_a_file(tmp_path, capsys):
             and lines[0].startswith(f"megatrain: error: {what}, which is a file"[:-15])
         ), err
         assert f.read_text() == "mine"
+
+
+class ReadOnly:
+    """From `start()` on, what is created or written under `root` fails as on a read-only file
+    system (EROFS) or a directory without write permission (EACCES); reading works."""
+
+    def __init__(self, monkeypatch, root: Path, code: int = errno.EROFS):
+        import builtins
+        import io
+        import os
+
+        real = {"open": builtins.open, "os.open": os.open, "mkdir": os.mkdir}
+        self.on = False
+
+        def refuse(path) -> None:
+            if self.on and str(os.path.abspath(path)).startswith(str(root)):
+                raise OSError(code, os.strerror(code), str(path))
+
+        def open_(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
+                refuse(file)
+            return real["open"](file, mode, *args, **kwargs)
+
+        def os_open(path, flags, *args, **kwargs):
+            if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+                refuse(path)
+            return real["os.open"](path, flags, *args, **kwargs)
+
+        def mkdir(path, *args, **kwargs):
+            refuse(path)
+            return real["mkdir"](path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", open_)
+        monkeypatch.setattr(io, "open", open_)
+        monkeypatch.setattr(os, "open", os_open)
+        monkeypatch.setattr(os, "mkdir", mkdir)
+
+    def start(self) -> None:
+        self.on = True
+
+
+@pytest.mark.parametrize(
+    "code,verb", [(errno.EROFS, "cannot write"), (errno.EACCES, "cannot access")], ids=["EROFS", "EACCES"]
+)
+def test_a_read_only_output_dir_is_one_line(tmp_path, capsys, monkeypatch, code, verb):
+    import os
+
+    from megatrain.ownership import RunLock
+
+    base = make_run(tmp_path)
+    ro = tmp_path / "ro"
+    (ro / "empty").mkdir(parents=True)
+    cfg = write_yaml(tmp_path / "run.yaml", dict(base, max_steps=1))
+    fs = ReadOnly(monkeypatch, ro, code)
+    fs.start()
+    why = os.strerror(code)
+    for out, what in [
+        (ro / "new", f"output_dir: cannot create {ro / 'new'}: {why}"),
+        (ro / "empty", f"output_dir: cannot write in {ro / 'empty'}: {why}"),
+    ]:
+        rc, _, err = run_cli(capsys, "train", cfg, f"output_dir={out}")
+        lines = err.strip().splitlines()
+        assert rc == 2 and lines == [f"megatrain: error: {what}"], err
+    assert sorted(p.name for p in ro.iterdir()) == ["empty"] and not any((ro / "empty").iterdir())
+    # The file system turns read-only once the run holds output_dir (remounted after errors).
+    fs.on = False
+    enter = RunLock.__enter__
+
+    def enter_then_read_only(self):
+        out = enter(self)
+        fs.start()
+        return out
+
+    monkeypatch.setattr(RunLock, "__enter__", enter_then_read_only)
+    rc, _, err = run_cli(capsys, "train", cfg, f"output_dir={ro / 'later'}")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0] == f"megatrain: error: {verb} {ro / 'later' / 'train_config.json'}: {why}"
 
 
 def test_missing_tensorboard_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):

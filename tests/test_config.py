@@ -96,3 +96,17 @@ def test_truncation_true_false_or_split():
         load("truncation=3")
     with pytest.raises(ConfigError, match=r"^max_length: must be >= 2 with truncation: split .*\(got 1\)$"):
         load("truncation=split", "max_length=1")
+
+
+def test_an_override_given_twice_is_refused(tmp_path, capsys):
+    """As a key given twice in the YAML file is; overriding the file's key once is what overrides do."""
+    p = _config_file(tmp_path, "seed: 3\n")
+    assert TrainConfig.load(p, ["seed=5"]).seed == 5
+    with pytest.raises(
+        ConfigError, match=r"^override seed: given twice \('seed=5' and ' seed =6'\); give it once$"
+    ):
+        TrainConfig.load(p, ["seed=5", "max_steps=2", " seed =6"])
+    rc, _, err = run_cli(capsys, "train", p, "max_steps=2", "max_steps=2", f"output_dir={tmp_path / 'out'}")
+    twice = "override max_steps: given twice ('max_steps=2' and 'max_steps=2'); give it once"
+    assert rc == 2 and err == f"megatrain: error: {twice}\n"
+    assert not (tmp_path / "out").exists()

@@ -53,7 +53,6 @@ def raises(exc, path, line, what):
             "unknown role 'bot'",
         ),
         ([{"messages": [USER, {"role": ["x"], "content": "x"}]}], 1, "turn 1 has unknown role ['x']"),
-        ([{"messages": [USER, BOT]}, {"messages": [USER, USER]}], 2, "conversation has no assistant turn"),
         ([{"messages": [USER, BOT]}, {"messages": []}], 2, "'messages' is an empty conversation"),
         ([{"messages": "hello"}], 1, "'messages' must be a list of turns, got str"),
         (
@@ -129,13 +128,35 @@ def test_over_long_sample_without_truncation(tmp_path, tok):
     assert len(build_samples(cfg_for(p, max_length=32), tok)) == 1  # truncated: no label left, skipped
 
 
+def test_rows_without_labels_are_dropped_counted_per_file_and_reason(tmp_path, tok):
+    """One policy for a conversation without an assistant turn and one whose assistant turn
+    max_length cuts off: dropped, one warning per file and reason, with the count."""
+    long_prompt = {"messages": [{"role": "user", "content": "the " * 50}, BOT]}
+    p = jsonl(
+        tmp_path, *[{"messages": [USER, USER]}] * 1000, {"messages": [USER, BOT]}, long_prompt, long_prompt
+    )
+    said = []
+    samples = build_samples(cfg_for(p, max_length=32), tok, warn=said.append)
+    assert [s.source for s in samples] == [f"{p}:1001"]
+    assert said == [
+        f"megatrain: warning: dropped 1,000 of 1,003 rows of {p}: no assistant turn (first: {p}:1)",
+        f"megatrain: warning: dropped 2 of 1,003 rows of {p}: no assistant tokens after truncation to "
+        f"max_length=32 (first: {p}:1002)",
+    ]
+    # With train_on_prompt a conversation without an assistant turn has labels: it is kept.
+    assert len(build_samples(cfg_for(p, max_length=32, train_on_prompt=True), tok, warn=said.append)) == 1003
+
+
 def test_all_samples_without_labels(tmp_path, tok):
-    p = jsonl(tmp_path, {"messages": [{"role": "user", "content": "the " * 50}, BOT]})
-    with pytest.raises(
-        DataError,
-        match=rf"no trainable samples: all 1 have no label tokens left \(first: {re.escape(str(p))}:1\)",
-    ):
-        build_samples(cfg_for(p, max_length=16), tok)
+    p = jsonl(tmp_path, {"messages": [{"role": "user", "content": "the " * 50}, BOT]}, {"messages": [USER]})
+    said = []
+    with pytest.raises(DataError) as e:
+        build_samples(cfg_for(p, max_length=16), tok, warn=said.append)
+    assert str(e.value) == (
+        "dataset: no trainable samples: all 2 rows dropped (1 with no assistant tokens after truncation to "
+        f"max_length=16; 1 with no assistant turn; first: {p}:1)"
+    )
+    assert said == []  # the error says it all
 
 
 def test_chat_data_needs_a_chat_template(tmp_path):

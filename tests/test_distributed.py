@@ -30,9 +30,11 @@ STEPS = 3
 
 
 def launch(cfg_path: Path, *overrides: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`megatrain train cfg_path nproc_per_node=2 ...` in a subprocess."""
+    """`megatrain train cfg_path nproc_per_node=2 ...` in a subprocess (unless the overrides set
+    nproc_per_node: a key given twice is refused)."""
+    nproc = [] if any(o.startswith("nproc_per_node=") for o in overrides) else ["nproc_per_node=2"]
     return subprocess.run(
-        [sys.executable, "-m", "megatrain", "train", str(cfg_path), "nproc_per_node=2", *overrides],
+        [sys.executable, "-m", "megatrain", "train", str(cfg_path), *nproc, *overrides],
         env=subprocess_env(),
         capture_output=True,
         text=True,
@@ -99,6 +101,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(runs):
     assert "data parallel over 2 processes" in proc.stdout
     assert proc.stdout.count("megatrain: saved") == STEPS + 1  # one writer
     assert set(os.listdir(SHM_DIR)) <= shm_before  # the shared state left nothing behind
+    assert not (two / ".megatrain.lock").exists()  # rank 0's; the other rank was not refused by it
     assert json.loads((two / "checkpoint-1" / "train_config.json").read_text())["world_size"] == 2
 
 

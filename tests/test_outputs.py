@@ -24,6 +24,7 @@ from megatrain.errors import CheckpointError, ConfigError
 from megatrain.guard import TrainingInterrupted
 from megatrain.metrics import MetricsLogger
 from megatrain.models.config import ModelConfig
+from megatrain.ownership import Owner
 from megatrain.trainer import train
 
 
@@ -141,6 +142,52 @@ def test_export_of_a_checkpoint_deleted_meanwhile_is_whole_or_fails(run, tmp_pat
     assert got["model.safetensors"] == want["model.safetensors"]  # fp32: the same bytes
 
 
+# `megatrain export SRC OUT`, killed (SIGKILL) once its first safetensors file is written.
+KILLED_EXPORT = """
+import os, signal, sys
+from megatrain import writing
+from megatrain.cli import main
+
+write = writing._write_shard
+
+def write_then_die(*args):
+    write(*args)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+writing._write_shard = write_then_die
+sys.exit(main(["export", *sys.argv[1:]]))
+"""
+
+
+def test_a_killed_exports_temporary_is_deleted_by_the_next_one(run, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from test_checkpoint import subprocess_env
+
+    src = run[0] / "out" / "checkpoint-2"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_EXPORT, str(src), str(tmp_path / "hf"), "--max-shard-size", "20KB"],
+        env=subprocess_env(),
+        capture_output=True,
+    )
+    assert proc.returncode == -9, proc.stderr
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".hf.tmp-")]
+    assert list(left.glob("model-*.safetensors"))  # a partial export, no manifest
+    # Not megatrain's, or a live writer's: never touched.
+    theirs = {n: tmp_path / n for n in (".hf.tmp-mine", ".other.tmp-x", ".hf.tmp-live")}
+    for p in theirs.values():
+        p.mkdir()
+        (p / "data").write_text("keep")
+    (theirs[".other.tmp-x"] / ".megatrain-partial").write_text("not a marker")
+    (theirs[".hf.tmp-live"] / ".megatrain-partial").write_text(Owner.me().to_json())
+    rc, _, err = run_cli(capsys, "export", src, tmp_path / "hf2")
+    assert rc == 0, err
+    assert not left.exists() and all((p / "data").read_text() == "keep" for p in theirs.values())
+    assert not (tmp_path / "hf2" / ".megatrain-partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf2", *theirs])
+
+
 def test_training_never_replaces_a_final_dir_it_did_not_write(tmp_path, capsys):
     base = make_run(tmp_path)
     out = tmp_path / "out"
@@ -167,7 +214,7 @@ def test_a_fresh_run_refuses_a_used_output_dir(tmp_path, capsys):
     assert snapshot(out) == before
 
 
-def test_overwrite_output_dir_keeps_the_previous_run(tmp_path):
+def test_overwrite_output_dir_keeps_the_previous_run(tmp_path, capsys):
     base = make_run(tmp_path)
     out = tmp_path / "out"
     train(TrainConfig(**base, output_dir=str(out), max_steps=10, save_steps=5))
@@ -179,7 +226,13 @@ def test_overwrite_output_dir_keeps_the_previous_run(tmp_path):
 
     # A rolled-back run: fewer steps than the previous one, keeping 2 checkpoints.
     b = dict(base, output_dir=str(out), save_steps=1, save_total_limit=2, overwrite_output_dir=True)
+    capsys.readouterr()
     train(TrainConfig(**b, max_steps=4))
+    said = capsys.readouterr().out
+    assert (
+        "overwrite_output_dir: a previous run's checkpoint-5, checkpoint-10: left as they are "
+        "(never pruned by this run)\n" in said
+    )
     assert [s for s, _ in list_checkpoints(out)] == [3, 4, 5, 10]
     assert {n: snapshot(out / n) for n in a_ckpts} == a_ckpts
     kept = [p for p in out.glob("metrics-*.jsonl")]
@@ -194,8 +247,18 @@ def test_overwrite_output_dir_keeps_the_previous_run(tmp_path):
     run_b = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["run_id"]
     assert run_a and run_b and run_a != run_b
 
-    # `resume_from_checkpoint: true` continues the newest run (B), not A's higher step.
+    # `resume_from_checkpoint: true` continues the newest run (B), not A's higher step. It says
+    # which of A's checkpoints it leaves and which it replaces, and does what it says.
     train(TrainConfig(**b, max_steps=6, resume_from_checkpoint=True))
+    said = capsys.readouterr().out
+    assert (
+        f"{out} also holds another run's checkpoint-10: left as they are (never pruned by this run); "
+        "checkpoint-5: replaced by this run's checkpoint of the same step\n" in said
+    )
+    assert (
+        f"megatrain: saved {out / 'checkpoint-5'} in place of another run's checkpoint of that step" in said
+    )
+    assert "left as they are" not in said.split("checkpoint-10: left as they are")[1]
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
     # Resuming its own run rewrites plan.json in place; nothing more is kept aside.
     assert len(list(out.glob("plan-*.json"))) == 1 and len(list(out.glob("metrics-*.jsonl"))) == 1
@@ -234,6 +297,37 @@ def test_metrics_trim_on_resume_is_atomic(tmp_path, monkeypatch):
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
+def test_every_name_a_run_writes_is_checked_before_step_one(tmp_path, capsys):
+    """A user's checkpoint-N where the schedule saves, or a directory where a run file goes, is
+    refused before training (not after it, at save time); one where it does not save is kept."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    cfg = write_yaml(
+        tmp_path / "run.yaml",
+        dict(base, output_dir=str(out), max_steps=4, save_steps=2, overwrite_output_dir=True),
+    )
+    for name in ("checkpoint-3", "checkpoint-4"):
+        (out / name).mkdir(parents=True)
+        (out / name / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    rc, _, err = run_cli(capsys, "train", cfg)
+    line = one_line_error(rc, err)
+    assert snapshot(out) == before and not (out / "metrics.jsonl").exists()
+    assert f"{out / 'checkpoint-4'}: exists and is not empty; it is not a megatrain checkpoint" in line
+    assert "(this run saves step 4)" in line
+    # A run file's name taken by a directory.
+    (out / "plan.json").mkdir()
+    rc, _, err = run_cli(capsys, "train", cfg, "max_steps=1", "save_steps=0")
+    assert f"{out / 'plan.json'}: exists and is not a file" in one_line_error(rc, err)
+    (out / "plan.json").rmdir()
+    # checkpoint-3 is saved by neither schedule below: it stays, and the run says so.
+    rc, stdout, err = run_cli(capsys, "train", cfg, "max_steps=2", "save_steps=1")
+    assert rc == 0, err
+    assert "a previous run's checkpoint-3, checkpoint-4: left as they are" in stdout
+    assert snapshot(out / "checkpoint-3") == {"notes.txt": b"mine"}
+    assert snapshot(out / "checkpoint-4") == {"notes.txt": b"mine"}
+
+
 # ---------------------------------------------------------------------------- disk space
 Usage = namedtuple("Usage", "total used free")
 
@@ -266,7 +360,8 @@ def test_disk_space_is_checked_before_training(tmp_path, capsys, monkeypatch):
 
 class FullDisk:
     """Files written under a directory whose path contains `where` fail with ENOSPC after
-    `quota` bytes, as a disk that fills up would."""
+    `quota` bytes, as a disk that fills up would: the write that meets the end of the space
+    writes what fits, then fails."""
 
     def __init__(self, monkeypatch, where: str, quota: int = 100_000):
         self.where, self.left = where, quota
@@ -277,6 +372,10 @@ class FullDisk:
             def write(self, data):
                 n = len(memoryview(data).cast("B")) if not isinstance(data, str) else len(data)
                 if n > disk.left:
+                    fits = data if isinstance(data, str) else memoryview(data).cast("B")
+                    self.f.write(fits[: disk.left])
+                    self.f.flush()
+                    disk.left = 0
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 disk.left -= n
                 return self.f.write(data)
@@ -315,6 +414,27 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_nothing_half_written(tm
     FullDisk(monkeypatch, "metrics.jsonl", quota=300)
     rc, _, err = run_cli(capsys, "train", cfg, f"output_dir={tmp_path / 'other'}")
     assert f"cannot write {tmp_path / 'other' / 'metrics.jsonl'}: No space left" in one_line_error(rc, err)
+
+
+def test_a_disk_that_fills_while_metrics_are_written(tmp_path, capsys, monkeypatch):
+    """The whole disk fills in the middle of a metrics record: the error names metrics.jsonl (not
+    plan.json, which the run then fails to write too) and the file holds whole records only."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "run.yaml", dict(base, output_dir=str(out), max_steps=6))
+    disk = FullDisk(monkeypatch, str(out), quota=10**9)
+    start = MetricsLogger.__init__
+
+    def start_then_fill(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        disk.left = 700  # two records and part of a third
+
+    monkeypatch.setattr(MetricsLogger, "__init__", start_then_fill)
+    rc, _, err = run_cli(capsys, "train", cfg)
+    assert f"cannot write {out / 'metrics.jsonl'}: No space left on device" in one_line_error(rc, err)
+    monkeypatch.undo()
+    text = (out / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [r["step"] for r in metrics(out)] == [1, 2]
 
 
 def test_checkpoints_are_written_by_parallel_writers_as_loadable_safetensors(tmp_path, capsys, monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -15,8 +14,6 @@ from ..metrics import show_progress
 from .chat import encode_chats, require_chat_template
 from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
 from .sources import read_records, resolve_dataset
-
-log = logging.getLogger(__name__)
 
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 CHUNK = 2048  # records per batched tokenizer call: large enough to amortise, small for the bar
@@ -42,21 +39,25 @@ class Sample:
         return any(x != IGNORE_INDEX for x in self.labels[1:])
 
 
-def build_samples(cfg, tokenizer, vocab_size: int | None = None, key: str = "dataset") -> list[Sample]:
+def build_samples(
+    cfg, tokenizer, vocab_size: int | None = None, key: str = "dataset", warn: Callable[[str], None] = print
+) -> list[Sample]:
     """Read, validate and tokenise every file of `cfg.dataset` (or of the key named, e.g.
     eval_dataset: the same formats and chat handling), in order.
 
     Samples longer than `cfg.max_length` are split into windows, truncated or refused with a
     DataError naming file:line, as `cfg.truncation` says (`split_windows`); plain text with
-    packing is always split, so pretraining data loses nothing. Samples left with no label
-    tokens are skipped with a warning; if that leaves nothing, it is an error. `tokenizer` may be None only for
-    the pre-tokenised `tokens` format. Every token id, read or produced by the tokenizer, must
-    be below `vocab_size` (the model's embedding rows; default: the tokenizer's size).
+    packing is always split, so pretraining data loses nothing. One policy for rows with nothing
+    to train on (a conversation without an assistant turn, labels all masked, or none left by the
+    cut to max_length): they are dropped, counted per file and reason in one warning each
+    (`warn`); if every row is dropped, it is a DataError. `tokenizer` may be None only for the
+    pre-tokenised `tokens` format. Every token id, read or produced by the tokenizer, must be
+    below `vocab_size` (the model's embedding rows; default: the tokenizer's size).
     """
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     samples: list[Sample] = []
-    skipped: list[str] = []
+    dropped: dict[tuple[str, str], list] = {}  # (file, reason) -> [rows, first file:line, rows of the file]
     for file in resolve_dataset(cfg, key):
         records = read_records(file.path)
         where0 = f"{file.path}:{records[0][0]}"
@@ -73,31 +74,38 @@ def build_samples(cfg, tokenizer, vocab_size: int | None = None, key: str = "dat
                 (f"{file.path}:{line}", normalize(fmt, file, f"{file.path}:{line}", rec, vocab_size))
                 for line, rec in chunk
             ]
-            for (where, _), (ids, labels) in zip(items, encode(items)):
+            for (where, item), (ids, labels) in zip(items, encode(items)):
                 if fmt != "tokens" and (bad := out_of_vocab(ids, vocab_size)) is not None:
                     raise DataError(
                         f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
                         f"[0, {vocab_size}) (is it the model's tokenizer?)"
                     )
-                kept = [s for s in _fit(Sample(ids, labels, where), fmt, cfg) if s.has_labels]
+                whole = Sample(ids, labels, where)
+                kept = [s for s in _fit(whole, fmt, cfg) if s.has_labels]
                 if not kept:
-                    skipped.append(where)
+                    reason = _why_dropped(fmt, item, whole, cfg.max_length)
+                    dropped.setdefault((str(file.path), reason), [0, where, len(records)])[0] += 1
                 samples += kept
             bar.update(len(chunk))
         bar.close()
     if not samples:
-        raise DataError(
-            f"{key}: no trainable samples: all {len(skipped)} have no label tokens left (first: {skipped[0]}); "
-            f"is max_length {cfg.max_length} shorter than the prompts?"
-        )
-    if skipped:
-        log.warning(
-            "skipped %d samples with no label tokens (all prompt, or cut by max_length %d; first: %s)",
-            len(skipped),
-            cfg.max_length,
-            skipped[0],
-        )
+        rows = sum(n for n, _, _ in dropped.values())
+        why = "; ".join(f"{n:,} with {reason}" for (_, reason), (n, _, _) in dropped.items())
+        first = next(iter(dropped.values()))[1]
+        raise DataError(f"{key}: no trainable samples: all {rows:,} rows dropped ({why}; first: {first})")
+    for (path, reason), (n, first, total) in dropped.items():
+        warn(f"megatrain: warning: dropped {n:,} of {total:,} rows of {path}: {reason} (first: {first})")
     return samples
+
+
+def _why_dropped(fmt: str, item, sample: Sample, max_length: int) -> str:
+    """Why a row gives no sample with a label: the reason as the warning words it."""
+    what = "assistant tokens" if fmt in (*CHAT_FORMATS, "prompt_completion") else "label tokens"
+    if isinstance(item, list) and not any(m["role"] == "assistant" for m in item):
+        return "no assistant turn"
+    if sample.has_labels:  # it had some before the cut
+        return f"no {what} after truncation to max_length={max_length}"
+    return f"no {what}"
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:

@@ -405,6 +405,12 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except UnicodeDecodeError:  # model_name_or_path naming a weights file, say
+            raise ConfigError(f"{path}: not a JSON file (binary, or not UTF-8 text)") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object (a Hugging Face config.json)")
         mt = raw.get("model_type")
         if mt in MODEL_TYPE_ALIASES:  # read as the model transformers implements, without its auto_map
             raw = {k: v for k, v in raw.items() if k != "auto_map"} | {"model_type": MODEL_TYPE_ALIASES[mt]}
