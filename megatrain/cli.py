@@ -39,19 +39,15 @@ def _keys_help() -> str:
     import textwrap
 
     from .config import TrainConfig, key_docs
+    from .configdocs import default_text
 
     docs = key_docs()
     lines = ["", "configuration keys (in the YAML file, or as key=value overrides):"]
     for f in dataclasses.fields(TrainConfig):
         if f.name not in docs:
             continue
-        d = f.default
-        default = (
-            ""
-            if d in (None, dataclasses.MISSING)
-            else f" (default {str(d).lower() if isinstance(d, bool) else d})"
-        )
-        lines.append(f"  {f.name}{default}")
+        default = default_text(f)
+        lines.append(f"  {f.name}{f' (default {default})' if default else ''}")
         lines += textwrap.wrap(docs[f.name], width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines) + "\n"
 

@@ -39,22 +39,27 @@ EVAL_STRATEGIES = ("no", "steps", "epoch")
 class TrainConfig:
     # --- model
     model_name_or_path: str | None = None
-    """Local Hugging Face model directory (config.json + safetensors)."""
+    """Local Hugging Face model directory (config.json + safetensors, single or sharded)."""
     model_config: str | None = None
     """A config.json (or directory holding one): train from random initialisation."""
     tokenizer_name_or_path: str | None = None
-    """Local tokenizer directory or tokenizer.json; defaults to model_name_or_path."""
+    """Local tokenizer directory or tokenizer.json; defaults to model_name_or_path (pre-tokenised
+    data needs none)."""
     # --- data
     dataset: str | list[str] | None = None
     """JSONL/JSON/Parquet file(s), a directory with dataset_info.json, or names in it."""
     dataset_format: str = "auto"
-    """auto, text, tokens, messages, sharegpt, alpaca, prompt_completion."""
+    """auto, text, tokens (pre-tokenised: ids below the model's vocab_size), messages, sharegpt,
+    alpaca, prompt_completion."""
     dataset_info: str | None = None
     """Path of a LlamaFactory-style dataset_info.json registry."""
     max_length: int = 2048
-    """Tokens per sequence; longer samples are truncated, split or refused (see truncation)."""
+    """Tokens per sequence; longer samples are truncated, split or refused (see truncation).
+    Beyond the model's max_position_embeddings: a warning (RoPE scaling may extend the context on
+    purpose)."""
     packing: bool = False
-    """Concatenate samples into full sequences without cross-document attention."""
+    """Concatenate samples into full sequences without cross-document attention (FlexAttention on
+    CUDA: no sequence x sequence mask)."""
     train_on_prompt: bool = False
     """Also take the loss on system/user turns of chat data."""
     truncation: bool | str = True
@@ -67,7 +72,7 @@ class TrainConfig:
     """Shuffle samples each epoch (seeded); false keeps file order exactly."""
     # --- schedule
     output_dir: str = "output"
-    """Where metrics.jsonl, checkpoint-N/ and final/ go."""
+    """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go."""
     overwrite_output_dir: bool = False
     """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
     Nothing is deleted: its checkpoints stay (this run never prunes them; one of a step this run
@@ -105,7 +110,7 @@ class TrainConfig:
     logging_steps: int = 1
     """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
     report_to: str = "none"
-    """none or tensorboard (YAML's false/no/off read as none)."""
+    """none or tensorboard, which writes output_dir/runs/ (YAML's false/no/off read as none)."""
     save_strategy: str = "steps"
     """When to save checkpoints: steps (every save_steps), epoch (at the end of each epoch) or
     no (none; a stopped run still saves; YAML's no/false: no). With steps or epoch the last step
@@ -116,11 +121,13 @@ class TrainConfig:
     """Checkpoints hold the fp32 weights only (4 instead of 12 bytes per parameter); they cannot
     be resumed. A checkpoint saved on SIGTERM/SIGINT is always complete."""
     save_total_limit: int | None = None
-    """Keep only the newest N checkpoint-* directories (None: keep all)."""
+    """Keep only this run's newest N checkpoint-* directories (None: keep all); the best one
+    (metric_for_best_model) is never deleted, nor another run's."""
     save_dtype: str = "bfloat16"
     """dtype of the exported Hugging Face weights: bfloat16 or float32."""
     resume_from_checkpoint: str | bool | None = None
-    """true: continue from the newest output_dir/checkpoint-N; a path: from that checkpoint."""
+    """true: continue from the newest checkpoint of the run that saved last in output_dir; a path:
+    from that checkpoint. Resume is exact."""
     max_shard_size: str | int = "5GB"
     """Largest safetensors file in checkpoints and exports: bytes, or "500MB", "5GB", "2GiB"."""
     disable_tqdm: bool | None = None
@@ -129,13 +136,16 @@ class TrainConfig:
     """Steps with a non-finite loss or gradient norm are skipped; stop after this many in a row."""
     preflight_check: bool = True
     """Refuse a run that the memory estimate (`megatrain plan`) or the free disk space says cannot
-    fit (false: warn)."""
+    fit (false: warn). Disk: the checkpoints that coexist (save_total_limit + 1 while one is
+    written, 12 bytes per parameter each) plus final/ in save_dtype."""
     # --- mixture of experts: the model config's keys, as transformers names them
     output_router_logits: bool | None = None
     """MoE models: add router_aux_loss_coef x the load-balancing loss to the loss (default: the
-    model's config.json, false on the Hub's)."""
+    model's config.json, false on the Hub's). Refused for DeepSeek, which has no such loss in
+    transformers."""
     router_aux_loss_coef: float | None = None
-    """MoE models: weight of the load-balancing loss (default: the model's config.json)."""
+    """MoE models: weight of the load-balancing loss (default: the model's config.json). Both keys
+    are saved in the checkpoints' and final/'s config.json."""
     # --- evaluation
     eval_dataset: str | list[str] | None = None
     """Held-out data in any form `dataset` takes (same format, chat handling and packing)."""
@@ -149,7 +159,9 @@ class TrainConfig:
     per_device_eval_batch_size: int | None = None
     """Sequences per evaluation micro-batch; default: per_device_train_batch_size."""
     load_best_model_at_end: bool = False
-    """Export final/ from the checkpoint with the best metric_for_best_model."""
+    """Export final/ from the checkpoint with the best metric_for_best_model (its checksums
+    verified first). Needs save_strategy equal to eval_strategy and, with steps, save_steps a
+    multiple of eval_steps."""
     metric_for_best_model: str | None = None
     """eval_loss (or loss): track best_metric and best_model_checkpoint, which save_total_limit
     never deletes; default eval_loss with load_best_model_at_end."""
@@ -185,9 +197,11 @@ class TrainConfig:
     held for the clip (none with several processes, on the CPU, or in a two-pass or immediate
     step). CUDA, one process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves free."""
     max_gpu_memory: str | int | None = None
-    """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start)."""
+    """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start); the
+    plan keeps 3% of it free for the allocator."""
     max_host_memory: str | int | None = None
-    """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start)."""
+    """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start); the plan keeps
+    5% of it free for the kernel and the driver."""
     nproc_per_node: int = 1
     """Data parallel over this many processes (GPUs) per machine, started by `megatrain train`
     itself, one copy of the host state for all of a machine's; the global batch is
