@@ -1,0 +1,386 @@
+"""Preference data: TRL's preference formats -> token ids of prompt + completion, with the loss on
+the completion only.
+
+Paired records (stages dpo, orpo, simpo), one format per file, detected from its first record:
+  {"prompt": str, "chosen": str, "rejected": str}                        standard
+  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}   conversational
+  {"chosen": ..., "rejected": ...}        implicit prompt: the longest shared prefix (of messages,
+                                          or of characters) is the prompt, as TRL's extract_prompt
+  {"prompt_input_ids": [...], "chosen_input_ids": [...], "rejected_input_ids": [...]}
+Unpaired records (stage kto): {"prompt", "completion", "label": true|false}, its pre-tokenised form
+{"prompt_input_ids", "completion_input_ids", "label"}, or any paired file (unpaired as TRL's
+unpair_preference_dataset does it).
+
+Tokenisation follows TRL 0.27.2's DPOTrainer: a conversation's prompt is rendered with the
+generation prompt and each completion is what the chat template writes after it (its end-of-turn
+token included, no EOS added); standard text gets the tokenizer's EOS after each completion.
+Prompt and completion are tokenised apart, so chosen and rejected share the prompt's tokens
+exactly. One difference: a standard prompt gets the BOS the tokenizer adds by default, as
+megatrain's supervised data does (TRL's DPO adds none), so a model sees the layout it was
+fine-tuned on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..batch import IGNORE_INDEX
+from ..errors import ConfigError, DataError
+from .chat import _render, require_chat_template
+from .formats import CHAT_ROLES, Messages, _int_list, out_of_vocab
+from .samples import CHUNK, INT64_LIMIT
+from .sources import read_records
+
+log = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("keep_end", "keep_start")
+# TRL unpairs a paired dataset through datasets.map's default batches of 1000 rows: each batch
+# lists its chosen completions, then its rejected ones. The KL pairs are made from that order.
+UNPAIR_BLOCK = 1000
+_PROMPT_ENDS = ("user", "tool")  # the roles after which the generation prompt makes sense
+PAIRED_TOKEN_KEYS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+
+
+@dataclass(slots=True)
+class CompletionTokens:
+    """Prompt + completion token ids; the loss covers input_ids[prompt_length:]."""
+
+    input_ids: list[int]
+    prompt_length: int
+
+    @property
+    def completion_mask(self) -> list[bool]:
+        """True on completion tokens."""
+        return [t >= self.prompt_length for t in range(len(self.input_ids))]
+
+    @property
+    def labels(self) -> list[int]:
+        """Unshifted labels as in megatrain.data.Sample: -100 on the prompt."""
+        return [IGNORE_INDEX] * self.prompt_length + self.input_ids[self.prompt_length :]
+
+    @property
+    def n_targets(self) -> int:
+        """Completion tokens with a token before them (the first token is never predicted)."""
+        return len(self.input_ids) - max(self.prompt_length, 1)
+
+
+@dataclass(slots=True)
+class PreferencePair:
+    """One paired example; `source` is its file:line."""
+
+    chosen: CompletionTokens
+    rejected: CompletionTokens
+    source: str
+
+
+@dataclass(slots=True)
+class UnpairedExample:
+    """One KTO example. `kl` is its prompt with another example's completion (TRL's mismatched
+    pair for the KL estimate), None when no KL term is wanted."""
+
+    sequence: CompletionTokens
+    label: bool
+    source: str
+    kl: CompletionTokens | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """TRL's length limits (DPOTrainer 0.27.2): the prompt keeps its last `max_prompt_length`
+    tokens, each completion its first `max_completion_length`; then a prompt + completion over
+    `max_length` keeps its first (keep_start) or last (keep_end) max_length tokens. None: no limit."""
+
+    max_length: int | None
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    truncation_mode: str = "keep_end"
+
+    def __post_init__(self):
+        for key in ("max_length", "max_prompt_length", "max_completion_length"):
+            value = getattr(self, key)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{key}: must be a number of tokens >= 1 or null (got {value!r})")
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ConfigError(
+                f"truncation_mode: must be one of {', '.join(TRUNCATION_MODES)} (got {self.truncation_mode!r})"
+            )
+
+    def cut(self, prompt: list[int], completion: list[int]) -> CompletionTokens:
+        """prompt + completion within the limits."""
+        if self.max_prompt_length is not None:
+            prompt = prompt[-self.max_prompt_length :]
+        if self.max_completion_length is not None:
+            completion = completion[: self.max_completion_length]
+        ids, p = prompt + completion, len(prompt)
+        excess = len(ids) - self.max_length if self.max_length is not None else 0
+        if excess > 0 and self.truncation_mode == "keep_start":
+            ids, p = ids[: self.max_length], min(p, self.max_length)
+        elif excess > 0:
+            ids, p = ids[excess:], max(p - excess, 0)
+        return CompletionTokens(ids, p)
+
+
+# ------------------------------------------------------------------------ building
+def build_preference_pairs(
+    paths: Iterable[str | Path], tokenizer, limits: Limits, vocab_size: int | None = None
+) -> list[PreferencePair]:
+    """Every pair of the files, tokenised and cut to `limits`, in file order.
+
+    Pairs where chosen or rejected keeps no completion token are skipped with a warning (an error
+    if none is left). `tokenizer` may be None for pre-tokenised files; every id must be below
+    `vocab_size` (default: the tokenizer's size)."""
+    pairs, skipped = [], []
+    for where, prompt, (chosen, rejected), _ in _encoded(paths, tokenizer, vocab_size, paired_only=True):
+        pair = PreferencePair(limits.cut(prompt, chosen), limits.cut(prompt, rejected), where)
+        if pair.chosen.n_targets and pair.rejected.n_targets:
+            pairs.append(pair)
+        else:
+            skipped.append(where)
+    _report_skipped(skipped, pairs, limits, "pairs")
+    return pairs
+
+
+def build_unpaired_examples(
+    paths: Iterable[str | Path],
+    tokenizer,
+    limits: Limits,
+    kl_batch_size: int | None,
+    vocab_size: int | None = None,
+) -> list[UnpairedExample]:
+    """Every KTO example of the files, tokenised and cut to `limits`.
+
+    With `kl_batch_size` (the per-device batch size), each example also gets its KL sequence as
+    TRL builds it: in consecutive blocks of that many examples, example i's prompt with the
+    completion of example i-1 (the first takes the block's last). None: no KL sequences (loss_type
+    apo_zero_unpaired has no KL term)."""
+    if kl_batch_size is not None and kl_batch_size < 2:
+        raise ConfigError(
+            "per_device_train_batch_size: KTO needs at least 2 sequences per batch (its KL estimate pairs "
+            f"each prompt with another example's completion; got {kl_batch_size})"
+        )
+    kept, skipped = [], []
+    for where, prompt, completion, label in _unpaired(
+        _encoded(paths, tokenizer, vocab_size, paired_only=False)
+    ):
+        example = UnpairedExample(limits.cut(prompt, completion), label, where)
+        if example.sequence.n_targets:
+            kept.append((prompt, completion, example))
+        else:
+            skipped.append(where)
+    examples = [e for _, _, e in kept]
+    _report_skipped(skipped, examples, limits, "examples")
+    if kl_batch_size is not None:
+        for a in range(0, len(kept), kl_batch_size):
+            block = kept[a : a + kl_batch_size]
+            for i, (prompt, _, example) in enumerate(block):
+                example.kl = limits.cut(prompt, block[i - 1][1])
+    return examples
+
+
+def _report_skipped(skipped: list[str], kept: list, limits: Limits, what: str) -> None:
+    if not skipped:
+        return
+    why = f"is max_length {limits.max_length} shorter than the prompts?"
+    if not kept:
+        raise DataError(
+            f"no trainable {what}: all {len(skipped)} keep no completion token (first: {skipped[0]}); {why}"
+        )
+    log.warning(
+        "skipped %d %s that keep no completion token (first: %s); %s", len(skipped), what, skipped[0], why
+    )
+
+
+def _unpaired(records):
+    """(where, prompt, completion, label) per example: a paired record gives a chosen (label true)
+    and a rejected (false) example, the chosen ones first within each UNPAIR_BLOCK records."""
+    block: list = []
+    for where, prompt, completions, label in records:
+        if label is not None:
+            yield where, prompt, completions[0], label
+            continue
+        block.append((where, prompt, completions))
+        if len(block) == UNPAIR_BLOCK:
+            yield from _unpair(block)
+            block = []
+    yield from _unpair(block)
+
+
+def _unpair(block):
+    for side, label in ((0, True), (1, False)):
+        for where, prompt, completions in block:
+            yield where, prompt, completions[side], label
+
+
+# ------------------------------------------------------------------------ reading and tokenising
+@dataclass
+class _Text:
+    """A text record: the prompt and completions as the tokenizer will see them."""
+
+    where: str
+    prompt: str
+    completions: list[str]
+    chat: bool
+
+
+def _encoded(paths, tokenizer, vocab_size: int | None, paired_only: bool):
+    """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None) per
+    record, in order. `paired_only` refuses unpaired files."""
+    if vocab_size is None:
+        vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
+    for path in paths:
+        records = read_records(Path(path))
+        first = f"{path}:{records[0][0]}"
+        fmt = _detect(first, records[0][1])
+        unpaired = fmt.startswith("unpaired")
+        if paired_only and unpaired:
+            raise DataError(f"{first}: unpaired (KTO) preference data; this stage needs chosen and rejected")
+        for a in range(0, len(records), CHUNK):
+            chunk = [(f"{path}:{line}", rec) for line, rec in records[a : a + CHUNK]]
+            labels = [_label(rec, where) if unpaired else None for where, rec in chunk]
+            if fmt.endswith("tokens"):
+                keys = ("prompt_input_ids", "completion_input_ids") if unpaired else PAIRED_TOKEN_KEYS
+                for (where, rec), label in zip(chunk, labels):
+                    prompt, *completions = (_ids(rec, k, where, vocab_size) for k in keys)
+                    yield where, prompt, completions, label
+                continue
+            texts = [_text(tokenizer, where, *_split(rec, where, not unpaired)) for where, rec in chunk]
+            for x, (prompt, completions), label in zip(texts, _tokenize(tokenizer, texts), labels):
+                for ids in (prompt, *completions):
+                    if (bad := out_of_vocab(ids, vocab_size)) is not None:
+                        raise DataError(
+                            f"{x.where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
+                            f"[0, {vocab_size}) (is it the model's tokenizer?)"
+                        )
+                yield x.where, prompt, completions, label
+
+
+def _detect(where: str, rec: dict[str, Any]) -> str:
+    keys = set(rec)
+    if set(PAIRED_TOKEN_KEYS) <= keys:
+        return "paired_tokens"
+    if {"prompt_input_ids", "completion_input_ids", "label"} <= keys:
+        return "unpaired_tokens"
+    if {"chosen", "rejected"} <= keys:
+        return "paired"
+    if {"prompt", "completion", "label"} <= keys:
+        return "unpaired"
+    raise DataError(
+        f"{where}: cannot detect the preference format from the keys {sorted(keys)}; expected chosen+rejected "
+        "(and prompt), prompt+completion+label, or their *_input_ids forms"
+    )
+
+
+def _label(rec: dict, where: str) -> bool:
+    if "label" not in rec:
+        raise DataError(f"{where}: missing field 'label' (record has {sorted(rec)})")
+    if not isinstance(rec["label"], bool):
+        raise DataError(f"{where}: field 'label' must be true or false, got {rec['label']!r}")
+    return rec["label"]
+
+
+def _ids(rec: dict, key: str, where: str, vocab_size: int) -> list[int]:
+    if key not in rec:
+        raise DataError(f"{where}: missing field {key!r} (record has {sorted(rec)})")
+    ids = _int_list(rec, key, where)
+    if not ids and key != "prompt_input_ids":
+        raise DataError(f"{where}: {key!r} is empty")
+    if (bad := out_of_vocab(ids, vocab_size)) is not None:
+        raise DataError(f"{where}: token id {bad} in {key!r} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _text_or_messages(rec: dict, key: str, where: str) -> str | Messages:
+    if key not in rec:
+        raise DataError(f"{where}: missing field {key!r} (record has {sorted(rec)})")
+    value = rec[key]
+    if value is None:
+        raise DataError(f"{where}: field {key!r} is null, expected a string or a list of messages")
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {key!r} must be a string or a non-empty list of messages")
+    for k, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: message {k} of {key!r} must be an object with string role and content")
+        if m["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: message {k} of {key!r} has unknown role {m['role']!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _split(rec: dict, where: str, paired: bool) -> tuple[str | Messages, list[str | Messages]]:
+    """The prompt and completions of a text record, with an implicit prompt extracted."""
+    keys = ("chosen", "rejected") if paired else ("completion",)
+    completions = [_text_or_messages(rec, k, where) for k in keys]
+    chat = isinstance(completions[0], list)
+    if paired and isinstance(completions[1], list) != chat:
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be strings or both message lists")
+    prompt = _text_or_messages(rec, "prompt", where) if rec.get("prompt") is not None or not paired else None
+    if prompt is None or isinstance(prompt, list) != chat:
+        if not paired:
+            raise DataError(
+                f"{where}: fields 'prompt' and 'completion' must both be strings or both message lists"
+            )
+        # TRL's maybe_extract_prompt: without a prompt of the same kind, the shared start is the prompt
+        return _extract_prompt(where, *completions)
+    return prompt, completions
+
+
+def _extract_prompt(where: str, chosen, rejected) -> tuple[str | Messages, list[str | Messages]]:
+    n = min(len(chosen), len(rejected))
+    i = next((k for k in range(n) if chosen[k] != rejected[k]), n)
+    if isinstance(chosen, str):
+        if chosen == rejected:
+            raise DataError(f"{where}: fields 'chosen' and 'rejected' are identical")
+        if i > 0 and chosen[i - 1] == " ":
+            i -= 1  # the space before the first different word starts both completions, as in TRL
+    elif i == 0 or i == len(chosen) or i == len(rejected):
+        what = "no leading message" if i == 0 else "no completion after their shared messages"
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' have {what}, so no implicit prompt")
+    return chosen[:i], [chosen[i:], rejected[i:]]
+
+
+def _text(tokenizer, where: str, prompt, completions) -> _Text:
+    if tokenizer is None:
+        raise ConfigError(f"{where}: preference text needs a tokenizer (set tokenizer_name_or_path)")
+    if isinstance(prompt, str):
+        return _Text(where, prompt, completions, chat=False)
+    return _Text(where, *render_completions(tokenizer, prompt, completions, where), chat=True)
+
+
+def _tokenize(tokenizer, texts: list[_Text]) -> list[tuple[list[int], list[list[int]]]]:
+    """Token ids of each record's prompt and completions, in two batched tokenizer calls.
+
+    A standard prompt gets the tokenizer's default special tokens (its BOS) and each standard
+    completion the EOS; rendered chats get neither: the template writes its own BOS and
+    end-of-turn tokens, so adding special tokens would double them."""
+    standard = [x.prompt for x in texts if not x.chat]
+    bare = [t for x in texts for t in ([x.prompt] if x.chat else []) + x.completions]
+    with_bos = iter(tokenizer(standard, add_special_tokens=True)["input_ids"] if standard else [])
+    plain = iter(tokenizer(bare, add_special_tokens=False)["input_ids"])
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for x in texts:
+        prompt = list(next(plain) if x.chat else next(with_bos))
+        out.append((prompt, [list(next(plain)) + ([] if x.chat else eos) for _ in x.completions]))
+    return out
+
+
+def render_completions(
+    tokenizer, prompt: Messages, completions: list[Messages], where: str
+) -> tuple[str, list[str]]:
+    """The prompt rendered with the generation prompt and, for each completion, the text the chat
+    template writes after it in prompt + completion. As TRL does, the prompt text is cut back to
+    what every rendering shares (a template may write the generation prompt differently)."""
+    require_chat_template(tokenizer, where)
+    if prompt[-1]["role"] not in _PROMPT_ENDS:
+        raise DataError(
+            f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user or tool turn"
+        )
+    full = [_render(tokenizer, prompt + c, False, where) for c in completions]
+    shared = os.path.commonprefix([_render(tokenizer, prompt, True, where), *full])
+    return shared, [f[len(shared) :] for f in full]

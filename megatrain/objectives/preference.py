@@ -1,0 +1,428 @@
+"""Preference objectives (DPO and its loss types, KTO, ORPO, SimPO) over per-sequence sums.
+
+The formulas, names, defaults and metrics are TRL 0.27.2's: DPOTrainer (`dpo_loss`,
+`concatenated_forward`, `get_batch_loss_metrics`), and from trl.experimental KTOTrainer
+(`kto_loss`), ORPOTrainer (`odds_ratio_loss`) and CPOTrainer (`cpo_loss`, loss_type simpo).
+0.27 is the last release line whose DPOTrainer has rpo_alpha, reference_free and
+max_prompt_length (0.28 deprecates them, 0.29 rewrites the trainer without them).
+
+Every input is a per-sequence sum over a completion's tokens (log-probs, token counts), so the
+engine computes token log-probs a chunk at a time, sums them per sequence, and calls
+`loss_and_grads`; the gradient of a token's log-prob is then its sequence's d loss / d logps (any
+length normalisation is inside the loss, so it is already in that number).
+
+Where this differs from TRL, on purpose:
+- `reference_free` takes the reference log-probs as 0 everywhere (the implicit uniform reference
+  TRL describes), so no reference pass runs; TRL still runs one and uses it in the rewards metrics
+  and in bco_pair, sppo_hard, nca_pair and discopop.
+- The rpo_alpha / sft NLL is the mean over all chosen completion tokens; TRL's cross-entropy
+  ignores label id 0 as padding, so a completion token with id 0 drops out of TRL's mean.
+- `logits/chosen` and `logits/rejected` are the mean logit over the completion positions for every
+  stage (DPO's definition); TRL's ORPO, CPO and KTO average over the whole padded batch tensor.
+- simpo reports its `nll_loss` also when cpo_alpha is 0 (TRL reports 0 then).
+Not supported: the f-divergence options, use_weighting (WPO), ld_alpha, the aot loss types and
+CPOTrainer's AlphaPO `alpha`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..data.preference import Limits
+from ..errors import ConfigError
+
+STAGES = ("dpo", "kto", "orpo", "simpo")
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+    "discopop", "apo_zero", "apo_down", "sft",
+)  # fmt: skip
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+# The loss types each stage takes, its default first; orpo has its one loss and no loss_type.
+LOSS_TYPES = {"dpo": DPO_LOSS_TYPES, "kto": KTO_LOSS_TYPES, "orpo": (), "simpo": ("simpo",)}
+EXO_EPSILON = 1e-3  # exo_pair's label smoothing when label_smoothing is 0 (TRL's choice)
+
+
+@dataclass
+class PreferenceConfig:
+    """The keys of preference training, with TRL's names and defaults (0.27.2)."""
+
+    stage: str = "dpo"
+    """dpo, kto, orpo or simpo (TRL's DPOTrainer, KTOTrainer, ORPOTrainer, CPOTrainer with
+    loss_type simpo)."""
+    beta: float = 0.1
+    """Temperature of the implicit reward; for ipo the regularisation tau, for orpo lambda."""
+    loss_type: str | list[str] | None = None
+    """dpo: one of DPO_LOSS_TYPES or a list of them, summed with loss_weights (default sigmoid);
+    kto: kto or apo_zero_unpaired (default kto); simpo: simpo. After validation: a list ([] for
+    orpo, which has one loss)."""
+    loss_weights: list[float] | None = None
+    """dpo: one weight per loss_type (default 1.0 each)."""
+    label_smoothing: float = 0.0
+    """Probability that a preference label is flipped: cDPO (sigmoid), robust, exo_pair's epsilon,
+    and simpo's; in [0, 0.5]."""
+    rpo_alpha: float | None = None
+    """dpo: weight of the NLL of the chosen completions added to the loss (RPO)."""
+    reference_free: bool = False
+    """dpo: no reference model (its log-probs taken as 0)."""
+    discopop_tau: float = 0.05
+    """dpo loss_type discopop: the temperature of its log-ratio modulation."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin."""
+    cpo_alpha: float = 1.0
+    """simpo: weight of the NLL of the chosen completions (CPO's behaviour cloning term; 0 for pure SimPO)."""
+    desirable_weight: float = 1.0
+    """kto: weight of the losses of desirable (label true) examples."""
+    undesirable_weight: float = 1.0
+    """kto: weight of the losses of undesirable (label false) examples."""
+    max_prompt_length: int | None = 512
+    """Prompt tokens kept (its last ones); null: all."""
+    max_completion_length: int | None = None
+    """Completion tokens kept (its first ones); null: all."""
+    truncation_mode: str = "keep_end"
+    """What of a prompt + completion over max_length is kept: keep_end or keep_start."""
+
+    def __post_init__(self):
+        def bad(key, why):
+            raise ConfigError(f"{key}: {why} (got {getattr(self, key)!r})")
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                bad(f.name, "must be a finite number")
+        if self.stage not in STAGES:
+            bad("stage", f"must be one of {', '.join(STAGES)}")
+        if self.beta <= 0:
+            bad("beta", "must be > 0")
+        self.loss_type = self._loss_types(bad)
+        if self.loss_weights is not None:
+            if self.stage != "dpo":
+                bad("loss_weights", "is only used with stage dpo")
+            if len(self.loss_weights) != len(self.loss_type):
+                bad("loss_weights", f"needs one weight per loss_type ({len(self.loss_type)})")
+        if not 0.0 <= self.label_smoothing <= 0.5:
+            bad("label_smoothing", "must be in [0, 0.5]")
+        if "robust" in self.loss_type and self.label_smoothing == 0.5:
+            bad(
+                "label_smoothing",
+                "must be below 0.5 for loss_type robust (it divides by 1 - 2 label_smoothing)",
+            )
+        if self.rpo_alpha is not None and (self.stage != "dpo" or self.rpo_alpha < 0):
+            bad("rpo_alpha", "must be >= 0, and is only used with stage dpo")
+        if self.reference_free and self.stage != "dpo":
+            bad("reference_free", "is only used with stage dpo (orpo and simpo need no reference)")
+        if self.discopop_tau <= 0:
+            bad("discopop_tau", "must be > 0")
+        for key in ("cpo_alpha", "desirable_weight", "undesirable_weight"):
+            if getattr(self, key) < 0:
+                bad(key, "must be >= 0")
+        if self.desirable_weight == self.undesirable_weight == 0:
+            bad("desirable_weight", "and undesirable_weight cannot both be 0")
+        Limits(None, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
+
+    def _loss_types(self, bad) -> list[str]:
+        """loss_type as a list: the stage's default (the first it allows) when not given."""
+        allowed, given = LOSS_TYPES[self.stage], self.loss_type
+        types = list(allowed[:1]) if given is None else [given] if isinstance(given, str) else given
+        if (
+            not isinstance(types, list)
+            or any(t not in allowed for t in types)
+            or not (len(types) >= 1 if self.stage == "dpo" else len(types) == len(allowed[:1]))
+        ):
+            if self.stage == "dpo":
+                bad("loss_type", f"must be one of {', '.join(allowed)} or a list of them")
+            if allowed:
+                bad("loss_type", f"must be {' or '.join(allowed)} with stage {self.stage}")
+            bad("loss_type", f"is not used with stage {self.stage}, which has one loss")
+        return list(types)
+
+    def limits(self, max_length: int | None) -> Limits:
+        """The data's length limits with the run's max_length."""
+        return Limits(max_length, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss takes a reference model's log-probs."""
+        return self.stage == "kto" or (self.stage == "dpo" and not self.reference_free)
+
+    @property
+    def needs_kl(self) -> bool:
+        """Whether the loss takes KTO's KL sequences (the mismatched pairs)."""
+        return self.loss_type == ["kto"]
+
+    @property
+    def normalized(self) -> bool:
+        """Whether sequence log-probs are divided by their token counts before the loss: always
+        for orpo and simpo, and for dpo when ipo is one of its loss types (for all of them)."""
+        return self.stage in ("orpo", "simpo") or "ipo" in self.loss_type
+
+
+# ------------------------------------------------------------------------ inputs and outputs
+@dataclass
+class PairedLogps:
+    """One micro-batch of pairs as per-sequence sums, each of shape (pairs,)."""
+
+    chosen_logps: Tensor
+    """Sum of the log-probs of the chosen completion's tokens under the policy."""
+    rejected_logps: Tensor
+    chosen_lengths: Tensor
+    """Tokens summed in chosen_logps."""
+    rejected_lengths: Tensor
+    ref_chosen_logps: Tensor | None = None
+    """The same sums under the reference model (None when the config needs no reference)."""
+    ref_rejected_logps: Tensor | None = None
+    chosen_logits: Tensor | None = None
+    """Metrics only: the sum over the chosen completion's positions of the mean logit over the
+    vocabulary (the logits that predict its tokens)."""
+    rejected_logits: Tensor | None = None
+    chosen_prompt_logps: Tensor | None = None
+    """orpo only: the sum of log-probs of the chosen sequence's prompt tokens but the first (TRL's
+    ORPO takes its NLL over prompt and completion)."""
+    chosen_prompt_lengths: Tensor | None = None
+
+
+@dataclass
+class UnpairedLogps:
+    """One micro-batch of KTO examples as per-sequence sums, each of shape (examples,)."""
+
+    logps: Tensor
+    lengths: Tensor
+    labels: Tensor
+    """bool: true for desirable examples."""
+    ref_logps: Tensor
+    kl_logps: Tensor | None = None
+    """The policy's log-probs of the KL sequences (mismatched pairs), taken as constants."""
+    ref_kl_logps: Tensor | None = None
+    logits: Tensor | None = None
+    """Metrics only, as PairedLogps.chosen_logits."""
+
+
+POLICY_FIELDS = ("chosen_logps", "rejected_logps", "chosen_prompt_logps", "logps")
+
+
+@dataclass
+class PreferenceResult:
+    """The loss of a micro-batch, its metrics (TRL's names) and the gradient of the loss with
+    respect to each policy log-prob sum given (by field name: chosen_logps, rejected_logps,
+    chosen_prompt_logps or logps)."""
+
+    loss: Tensor
+    metrics: dict[str, float]
+    grads: dict[str, Tensor]
+
+
+@dataclass
+class RunningMean:
+    """bco_pair's reward shift: the mean of every batch's mean reward so far, as TRL's
+    RunningMoments keeps it. Part of the training state (save it with a checkpoint)."""
+
+    mean: float = 0.0
+    count: float = 1e-24  # TRL's start: the first value replaces the mean without dividing by 0
+
+    def update(self, value: float) -> float:
+        """Add one batch's mean reward; returns the new mean."""
+        self.count += 1
+        self.mean += (value - self.mean) / self.count
+        return self.mean
+
+
+# ------------------------------------------------------------------------ the losses
+def loss_and_grads(
+    cfg: PreferenceConfig, batch: PairedLogps | UnpairedLogps, running: RunningMean | None = None
+) -> PreferenceResult:
+    """The loss, its metrics and d loss / d (each policy log-prob sum) for one micro-batch."""
+    leaves = {
+        n: getattr(batch, n).detach().float().requires_grad_()
+        for n in POLICY_FIELDS
+        if getattr(batch, n, None) is not None
+    }
+    batch = dataclasses.replace(batch, **leaves)
+    with torch.enable_grad():
+        loss, metrics = preference_loss(cfg, batch, running)
+        grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    return PreferenceResult(
+        loss.detach(),
+        metrics,
+        {n: torch.zeros_like(x) if g is None else g for (n, x), g in zip(leaves.items(), grads)},
+    )
+
+
+def preference_loss(
+    cfg: PreferenceConfig, batch: PairedLogps | UnpairedLogps, running: RunningMean | None = None
+) -> tuple[Tensor, dict[str, float]]:
+    """The mean loss of one micro-batch (differentiable in the policy log-probs) and its metrics.
+    `running` is bco_pair's state, updated in place."""
+    if cfg.stage == "kto":
+        return _kto(cfg, batch)
+    if cfg.stage == "orpo":
+        return _orpo(cfg, batch)
+    c, r, rc, rr = _pair_logps(cfg, batch)
+    nll = _nll(batch.chosen_logps, batch.chosen_lengths)
+    if cfg.stage == "simpo":
+        losses = _smoothed_sigmoid(cfg.beta * ((c - r) - cfg.simpo_gamma / cfg.beta), cfg.label_smoothing)
+        loss = losses.mean() + cfg.cpo_alpha * nll if cfg.cpo_alpha else losses.mean()
+        return loss, _pair_metrics(cfg.beta * c, cfg.beta * r, c, r, batch) | {"nll_loss": _item(nll)}
+    weights = cfg.loss_weights or [1.0] * len(cfg.loss_type)
+    losses = sum(w * _dpo_losses(t, cfg, c, r, rc, rr, nll, running) for t, w in zip(cfg.loss_type, weights))
+    if cfg.rpo_alpha is not None:
+        losses = losses + cfg.rpo_alpha * nll
+    # TRL adds up each loss type's rewards with its weight; all types give the same rewards.
+    scale = sum(weights) * cfg.beta
+    metrics = _pair_metrics(scale * (c - rc), scale * (r - rr), c, r, batch)
+    if cfg.rpo_alpha is not None or "sft" in cfg.loss_type:
+        metrics["nll_loss"] = _item(nll)
+    return losses.mean(), metrics
+
+
+def _pair_logps(cfg: PreferenceConfig, b: PairedLogps) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Policy and reference log-probs of chosen and rejected, per token where normalised."""
+    c, r = b.chosen_logps, b.rejected_logps
+    if cfg.needs_reference:
+        if b.ref_chosen_logps is None or b.ref_rejected_logps is None:
+            raise ValueError(
+                f"stage {cfg.stage} needs the reference log-probs (ref_chosen_logps, ref_rejected_logps)"
+            )
+        rc, rr = b.ref_chosen_logps.detach().float(), b.ref_rejected_logps.detach().float()
+    else:
+        rc = rr = torch.zeros_like(c)
+    if cfg.normalized:
+        lc, lr = b.chosen_lengths.to(c.dtype), b.rejected_lengths.to(c.dtype)
+        c, r, rc, rr = c / lc, r / lr, rc / lc, rr / lr
+    return c, r, rc, rr
+
+
+def _dpo_losses(t: str, cfg, c, r, rc, rr, nll: Tensor, running: RunningMean | None) -> Tensor:
+    """Per-pair losses of DPO loss type `t`."""
+    beta, ls = cfg.beta, cfg.label_smoothing
+    cw, rw = c - rc, r - rr  # chosen and rejected log-ratios to the reference
+    x = beta * (cw - rw)  # beta times TRL's "logits": the policy's margin over the reference's
+    if t == "sigmoid":
+        return _smoothed_sigmoid(x, ls)
+    if t == "robust":
+        return (-(1 - ls) * F.logsigmoid(x) + ls * F.logsigmoid(-x)) / (1 - 2 * ls)
+    if t == "exo_pair":
+        eps = ls or EXO_EPSILON
+        return x.sigmoid() * (F.logsigmoid(x) - math.log(1 - eps)) + (-x).sigmoid() * (
+            F.logsigmoid(-x) - math.log(eps)
+        )
+    if t == "hinge":
+        return torch.relu(1 - x)
+    if t == "ipo":
+        return (cw - rw - 1 / (2 * beta)) ** 2
+    if t == "bco_pair":
+        if running is None:
+            raise ValueError("loss_type bco_pair needs its RunningMean state")
+        delta = running.update(_item(torch.cat((beta * cw, beta * rw)).mean()))
+        return -F.logsigmoid(beta * cw - delta) - F.logsigmoid(-(beta * rw - delta))
+    if t == "sppo_hard":
+        return (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2
+    if t == "nca_pair":
+        return -F.logsigmoid(beta * cw) - 0.5 * F.logsigmoid(-beta * cw) - 0.5 * F.logsigmoid(-beta * rw)
+    if t == "apo_zero":
+        return (1 - torch.sigmoid(beta * cw)) + torch.sigmoid(beta * rw)
+    if t == "apo_down":
+        return torch.sigmoid(beta * cw) + (1 - torch.sigmoid(x))
+    if t == "discopop":
+        mix = torch.sigmoid(x / cfg.discopop_tau)
+        return -F.logsigmoid(x) * (1 - mix) + torch.exp(-x) * mix
+    if t == "sft":
+        return nll.expand_as(c)
+    raise ValueError(f"unknown loss type {t!r}")
+
+
+def _smoothed_sigmoid(x: Tensor, label_smoothing: float) -> Tensor:
+    """-log sigmoid(x), with the label flipped with probability label_smoothing (cDPO)."""
+    return -(1 - label_smoothing) * F.logsigmoid(x) - label_smoothing * F.logsigmoid(-x)
+
+
+def _nll(logps: Tensor, lengths: Tensor) -> Tensor:
+    """Mean negative log-likelihood over all tokens of the batch (a token-weighted mean)."""
+    return -logps.sum() / lengths.sum().clamp(min=1)
+
+
+def _orpo(cfg: PreferenceConfig, b: PairedLogps) -> tuple[Tensor, dict[str, float]]:
+    if b.chosen_prompt_logps is None or b.chosen_prompt_lengths is None:
+        raise ValueError(
+            "stage orpo needs chosen_prompt_logps and chosen_prompt_lengths (its NLL covers the prompt)"
+        )
+    c, r, _, _ = _pair_logps(cfg, b)
+    log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
+    ratio = F.logsigmoid(log_odds)
+    nll = _nll(b.chosen_logps + b.chosen_prompt_logps, b.chosen_lengths + b.chosen_prompt_lengths)
+    metrics = _pair_metrics(cfg.beta * c, cfg.beta * r, c, r, b) | {
+        "nll_loss": _item(nll),
+        "log_odds_ratio": _item(ratio.mean()),
+        "log_odds_chosen": _item(log_odds.mean()),
+    }
+    return nll - (cfg.beta * ratio).mean(), metrics
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def _kto(cfg: PreferenceConfig, b: UnpairedLogps) -> tuple[Tensor, dict[str, float]]:
+    ratio = b.logps - b.ref_logps.detach().float()
+    if cfg.needs_kl:
+        if b.kl_logps is None or b.ref_kl_logps is None:
+            raise ValueError("loss_type kto needs kl_logps and ref_kl_logps (the mismatched pairs)")
+        kl = (b.kl_logps.detach().float() - b.ref_kl_logps.detach().float()).mean().clamp(min=0)
+        desirable = 1 - torch.sigmoid(cfg.beta * (ratio - kl))
+        undesirable = 1 - torch.sigmoid(cfg.beta * (kl - ratio))
+    else:  # apo_zero_unpaired
+        kl = torch.zeros(())
+        desirable, undesirable = 1 - torch.sigmoid(cfg.beta * ratio), torch.sigmoid(cfg.beta * ratio)
+    labels = b.labels.bool()
+    losses = torch.where(labels, cfg.desirable_weight * desirable, cfg.undesirable_weight * undesirable)
+    rewards = cfg.beta * ratio.detach()
+    metrics = {"kl": _item(kl)}
+    for split, sel in (("chosen", labels), ("rejected", ~labels)):
+        if sel.any():
+            metrics[f"rewards/{split}"] = _item(rewards[sel].mean())
+            metrics[f"logps/{split}"] = _item(b.logps[sel].mean())
+            if b.logits is not None:
+                metrics[f"logits/{split}"] = _item(b.logits[sel].sum() / b.lengths[sel].sum())
+            metrics[f"count/{split}"] = float(sel.sum())
+    if labels.any() and not labels.all():
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return losses.mean(), metrics
+
+
+def _pair_metrics(chosen_rewards, rejected_rewards, c: Tensor, r: Tensor, b: PairedLogps) -> dict[str, float]:
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    metrics = {
+        "rewards/chosen": _item(chosen_rewards.mean()),
+        "rewards/rejected": _item(rejected_rewards.mean()),
+        "rewards/accuracies": _item((chosen_rewards > rejected_rewards).float().mean()),
+        "rewards/margins": _item((chosen_rewards - rejected_rewards).mean()),
+        "logps/chosen": _item(c.mean()),
+        "logps/rejected": _item(r.mean()),
+    }
+    if b.chosen_logits is not None and b.rejected_logits is not None:
+        metrics["logits/chosen"] = _item(b.chosen_logits.sum() / b.chosen_lengths.sum())
+        metrics["logits/rejected"] = _item(b.rejected_logits.sum() / b.rejected_lengths.sum())
+    return metrics
+
+
+def _item(x: Tensor) -> float:
+    return float(x.detach())
+
+
+# ------------------------------------------------------------------------ the reference path
+def sequence_logps(logits: Tensor, input_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sequence (sum of log-probs, token count, sum of vocabulary-mean logits) over the tokens
+    where `mask` is true, each predicted by the logits of the position before it (the first token
+    is never counted). logits (batch, T, vocab); input_ids and mask (batch, T).
+
+    The plain full-logit form of what the engine computes a chunk at a time."""
+    logits = logits[:, :-1].float()
+    m = mask[:, 1:].to(logits.dtype)
+    token_logps = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return (token_logps * m).sum(-1), m.sum(-1), (logits.mean(-1) * m).sum(-1)
