@@ -21,7 +21,7 @@ def check_outputs(cfg) -> None:
                 what = "is a file" if p == out else f"is inside {p}, which is a file"
                 raise ConfigError(f"output_dir: {out} {what}, not a directory")
             break
-    if cfg.report_to == "tensorboard":
+    if "tensorboard" in cfg.report_to:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError:

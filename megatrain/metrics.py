@@ -41,7 +41,7 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         logging_steps: int = 1,
-        report_to: str = "none",
+        report_to: list[str] | tuple[str, ...] = (),
         disable_tqdm: bool | None = None,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -57,7 +57,7 @@ class MetricsLogger:
         )
         self.interactive = interactive
         self.tb = None
-        if report_to == "tensorboard":
+        if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events of steps after a resumed checkpoint: they are redone.
