@@ -118,7 +118,7 @@ def _export(args) -> int:
 def _plot(args) -> int:
     from .plot import plot_metrics
 
-    print(f"megatrain: wrote {plot_metrics(args.output_dir, args.out)}")
+    print(f"megatrain: wrote {plot_metrics(args.output_dir, args.out, args.overwrite)}")
     return 0
 
 
@@ -187,9 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("plot", help="draw loss, learning rate, grad norm and tokens/s to a PNG")
+    p = sub.add_parser(
+        "plot", help="draw loss, learning rate, grad norm and tokens/s to a PNG (or JPEG, SVG, PDF)"
+    )
     p.add_argument("output_dir", help="a training output_dir (reads its metrics.jsonl)")
-    p.add_argument("--out", help="PNG file to write (default OUTPUT_DIR/training.png)")
+    p.add_argument(
+        "--out",
+        help="file to write: .png, .jpg, .svg or .pdf, by its suffix (default OUTPUT_DIR/training.png)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it is a plot megatrain wrote, unchanged since (nothing else)",
+    )
     p.set_defaults(func=_plot)
 
     p = sub.add_parser("plan", help="estimate host and GPU memory of a run before starting it")
