@@ -246,6 +246,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         """Eval loss after `step` optimizer steps, to the metrics and the log history."""
         record = evaluator.evaluate(engine, step, batcher.epoch, log.progress)
         log.log_eval(record)
+        log.exclude_pause()  # the ETA counts training steps only
         history.append(record)
 
     def save(step: int, weights_only: bool) -> Path:
@@ -283,6 +284,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         if main:
             prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
             log.message(f"megatrain: saved {path}{' (weights only)' if weights_only else ''}")
+        log.exclude_pause()
         return path
 
     try:

@@ -125,3 +125,13 @@ def test_smoothing_follows_a_falling_loss_without_lag():
     # Gaps (skipped steps) are left out of the average, not read as zeros.
     assert _smooth([4.0, None, 2.0], 1) == pytest.approx([4.0, 3.0, 2.0])
     assert math.isnan(_smooth([None], 2)[0])
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    import sys
+
+    out = _metrics(tmp_path / "run", 3)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    line = _refused(capsys, out)
+    assert line == "megatrain: error: plot needs matplotlib (pip install 'megatrain[plot]')"
+    assert not (out / "training.png").exists()
