@@ -316,7 +316,9 @@ def save_checkpoint(
             d.path, model_cfg, torch.float32, read_generation_config(generation_from), tokenizer
         )
         if tokenizer is not None:
-            tokenizer.save_pretrained(d.path)
+            from .data.tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer, d.path)
         if not trainer_state.weights_only:
             # Through Python's file API, so a full disk is an OSError like any other write.
             buffer = io.BytesIO()

@@ -21,7 +21,7 @@ def check_outputs(cfg) -> None:
                 what = "is a file" if p == out else f"is inside {p}, which is a file"
                 raise ConfigError(f"output_dir: {out} {what}, not a directory")
             break
-    if cfg.report_to == "tensorboard":
+    if "tensorboard" in cfg.report_to:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError:
@@ -30,19 +30,32 @@ def check_outputs(cfg) -> None:
             ) from None
 
 
-def run_warnings(cfg, model_cfg: ModelConfig, total_steps: int, warmup_steps: int) -> list[str]:
-    """Settings that are legal but probably not what was meant.
+def beyond_positions(length: int, model_cfg: ModelConfig) -> str | None:
+    """The caveat for sequences of `length` tokens where that is beyond the model's
+    `max_position_embeddings` (None within it).
 
-    `max_length` beyond the model's `max_position_embeddings` is a warning, not an error: RoPE
-    computes any position, and a user may extend the context on purpose (with or without
-    `rope_scaling`); but a model trained at a shorter length is rarely good beyond it.
+    A warning, not an error: RoPE computes any position, and a user may extend the context on
+    purpose (with or without `rope_scaling`); but a model trained at a shorter length is rarely
+    good beyond it.
     """
-    warnings = []
-    if cfg.max_length > model_cfg.max_position_embeddings:
-        warnings.append(
-            f"max_length {cfg.max_length} is beyond the model's max_position_embeddings "
-            f"{model_cfg.max_position_embeddings}: positions past it were never trained"
-        )
+    if length <= model_cfg.max_position_embeddings:
+        return None
+    return (
+        f"beyond the model's max_position_embeddings {model_cfg.max_position_embeddings}: "
+        "positions past it were never trained"
+    )
+
+
+def config_warnings(cfg, model_cfg: ModelConfig) -> list[str]:
+    """Settings that are legal but probably not what was meant, known from the config and the
+    model alone (`megatrain plan` prints them too)."""
+    why = beyond_positions(cfg.max_length, model_cfg)
+    return [f"max_length {cfg.max_length} is {why}"] if why else []
+
+
+def run_warnings(cfg, model_cfg: ModelConfig, total_steps: int, warmup_steps: int) -> list[str]:
+    """`config_warnings`, and those that need the run's number of steps."""
+    warnings = config_warnings(cfg, model_cfg)
     # Every schedule peaks at the step where warmup ends; the run may end before it.
     peak = lr_at(min(warmup_steps, total_steps - 1), 1.0, cfg.lr_scheduler_type, warmup_steps, total_steps)
     if peak < 1.0:

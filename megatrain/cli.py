@@ -114,7 +114,7 @@ def _export(args) -> int:
 def _plot(args) -> int:
     from .plot import plot_metrics
 
-    print(f"megatrain: wrote {plot_metrics(args.output_dir, args.out)}")
+    print(f"megatrain: wrote {plot_metrics(args.output_dir, args.out, args.overwrite)}")
     return 0
 
 
@@ -122,6 +122,7 @@ def _plan(args) -> int:
     import torch
 
     from . import plan
+    from .checks import beyond_positions, config_warnings
     from .config import TrainConfig
     from .models.config import ModelConfig
 
@@ -141,14 +142,18 @@ def _plan(args) -> int:
     compute_bytes = 2 if dtype == "bfloat16" else 4
     machine = plan.machine_of(cfg, name if torch.cuda.is_available() or kind == "cpu" else "cuda")
     data = plan.data_bytes(cfg)
-    layer_mem = plan.layer_memory(model_cfg, cfg, name, compute_bytes) if torch.cuda.is_available() else None
+    layer_mem = plan.layer_memory(model_cfg, cfg, name, compute_bytes)  # None: no device here to measure
     result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
+    for warning in config_warnings(cfg, model_cfg):  # as train warns
+        print(f"megatrain: warning: {warning}")
     print(plan.report(model_cfg, result, name, dtype, cfg, data))
     if result.fits:
         lim = plan.limits(model_cfg, cfg, result.machine, compute_bytes, layer_mem)
+        caveat = beyond_positions(lim["max_length"] or 0, model_cfg)
         print(
             "largest that fit, the other settings as configured: "
             + ", ".join(f"{k}={v}" for k, v in lim.items())
+            + (f" (max_length {caveat})" if caveat else "")
         )
     print(plan.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     return 0 if result.fits else 1
@@ -183,9 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("plot", help="draw loss, learning rate, grad norm and tokens/s to a PNG")
+    p = sub.add_parser(
+        "plot", help="draw loss, learning rate, grad norm and tokens/s to a PNG (or JPEG, SVG, PDF)"
+    )
     p.add_argument("output_dir", help="a training output_dir (reads its metrics.jsonl)")
-    p.add_argument("--out", help="PNG file to write (default OUTPUT_DIR/training.png)")
+    p.add_argument(
+        "--out",
+        help="file to write: .png, .jpg, .svg or .pdf, by its suffix (default OUTPUT_DIR/training.png)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it is a plot megatrain wrote, unchanged since (nothing else)",
+    )
     p.set_defaults(func=_plot)
 
     p = sub.add_parser("plan", help="estimate host and GPU memory of a run before starting it")

@@ -1,6 +1,14 @@
 """The training configuration: one YAML file plus `key=value` overrides, with Hugging Face
-TrainingArguments names wherever one exists. Unknown keys and bad values are refused with a
-message that names them."""
+TrainingArguments names wherever one exists (transformers 5's forms, its older names kept).
+Unknown keys and bad values are refused with a message that names them.
+
+Where relative paths lead: an input path written in the config file (PATH_KEYS) is relative to
+the file's directory; only where nothing is there does it lead from the working directory, as
+Hugging Face's tools read every path (so a path to another run's outputs, such as the chat
+example's `output/quickstart/final`, still works). A file in the working directory never takes
+the place of one beside the config. `output_dir` is relative to the working directory, as in
+Hugging Face's TrainingArguments, wherever it is written. A path given as `key=value` on the
+command line is relative to the working directory."""
 
 from __future__ import annotations
 
@@ -33,6 +41,10 @@ SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are der
 SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
+REPORTERS = ("tensorboard",)  # the report_to integrations megatrain has
+# Input paths of a config file, resolved against its directory (see the module docstring).
+PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info")
+DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a dataset_info.json
 
 
 @dataclass
@@ -72,12 +84,14 @@ class TrainConfig:
     """Shuffle samples each epoch (seeded); false keeps file order exactly."""
     # --- schedule
     output_dir: str = "output"
-    """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go."""
+    """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go; relative to
+    the working directory (also in a config file)."""
     overwrite_output_dir: bool = False
     """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
     Nothing is deleted: its checkpoints stay (this run never prunes them; one of a step this run
     saves is replaced, as the run says when it starts), metrics.jsonl and train_config.json are
-    renamed aside, its final/ is replaced at the end."""
+    renamed aside, its final/ is replaced at the end. (transformers 5 dropped this key; megatrain
+    keeps it.)"""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
     num_train_epochs: float = 1.0
@@ -100,17 +114,20 @@ class TrainConfig:
     """Clip the global gradient norm to this; 0 disables clipping."""
     lr_scheduler_type: str = "linear"
     """constant, constant_with_warmup, linear or cosine (transformers' semantics)."""
-    warmup_steps: int = 0
-    """Linear warmup steps (overrides warmup_ratio when > 0)."""
+    warmup_steps: int | float = 0
+    """Linear warmup: a whole number of steps, or a fraction (< 1) of all steps, as in
+    transformers 5 (overrides warmup_ratio when > 0)."""
     warmup_ratio: float = 0.0
-    """Warmup as a fraction of all steps."""
+    """Warmup as a fraction of all steps (transformers 4's name: warmup_steps below 1 says the same)."""
     seed: int = 42
     """Seeds random init, shuffling and everything else (0 <= seed < 2**32)."""
     # --- logging and checkpoints
-    logging_steps: int = 1
-    """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
-    report_to: str = "none"
-    """none or tensorboard, which writes output_dir/runs/ (YAML's false/no/off read as none)."""
+    logging_steps: int | float = 1
+    """Print a log line every N steps, or every such fraction (< 1) of the run, when there is no
+    progress bar (metrics.jsonl gets every step)."""
+    report_to: str | list[str] = "none"
+    """none, tensorboard or all (every one of those installed), or a list of them, as in
+    transformers (YAML's false/no/off read as none)."""
     save_strategy: str = "steps"
     """When to save checkpoints: steps (every save_steps), epoch (at the end of each epoch) or
     no (none; a stopped run still saves; YAML's no/false: no). With steps or epoch the last step
@@ -240,7 +257,6 @@ class TrainConfig:
             "max_length",
             "per_device_train_batch_size",
             "gradient_accumulation_steps",
-            "logging_steps",
             "nproc_per_node",
             "ddp_timeout",
         ):
@@ -267,8 +283,8 @@ class TrainConfig:
             bad("lr_scheduler_type", f"must be one of {', '.join(SCHEDULES)}")
         if not 0 <= self.seed < SEED_LIMIT:
             bad("seed", "must be in [0, 2**32)")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", "must be >= 0")
+        self.warmup_steps = _steps_or_fraction(self, "warmup_steps", zero=True)
+        self.logging_steps = _steps_or_fraction(self, "logging_steps", zero=False)
         if not 0.0 <= self.warmup_ratio < 1.0:
             bad("warmup_ratio", "must be in [0, 1)")
         if isinstance(self.truncation, str) and self.truncation != SPLIT:
@@ -277,15 +293,10 @@ class TrainConfig:
             bad("max_length", "must be >= 2 with truncation: split (a window holds a token and its target)")
         if self.dataset_format not in DATASET_FORMATS:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
-        if self.report_to not in ("none", "tensorboard"):
-            bad("report_to", "must be none or tensorboard")
+        self.report_to = _reporters(self.report_to)
         if self.save_strategy not in SAVE_STRATEGIES:
             bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
-        steps = self.save_steps
-        if not (0 <= steps < 1 or (steps >= 1 and float(steps).is_integer())):
-            bad("save_steps", "must be a whole number of steps >= 0, or a fraction of all steps below 1")
-        if isinstance(self.save_steps, float) and self.save_steps >= 1:
-            self.save_steps = int(self.save_steps)
+        self.save_steps = _steps_or_fraction(self, "save_steps", zero=True)
         if self.save_total_limit is not None and self.save_total_limit < 1:
             bad("save_total_limit", "must be >= 1")
         if self.save_dtype not in ("bfloat16", "float32"):
@@ -350,12 +361,7 @@ class TrainConfig:
         if self.eval_strategy == "steps" and self.eval_steps is None:
             self.eval_steps = self.save_steps if self.save_steps > 0 else 0.1
         if self.eval_steps is not None:
-            if not (
-                0 < self.eval_steps < 1 or (self.eval_steps >= 1 and float(self.eval_steps).is_integer())
-            ):
-                bad("eval_steps", "must be a whole number of steps >= 1, or a fraction of the run in (0, 1)")
-            if self.eval_steps >= 1:
-                self.eval_steps = int(self.eval_steps)
+            self.eval_steps = _steps_or_fraction(self, "eval_steps", zero=False)
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = self.per_device_train_batch_size
         if self.per_device_eval_batch_size < 1:
@@ -412,15 +418,7 @@ class TrainConfig:
                 raise ConfigError(_yaml_error(p, e)) from None
             if not isinstance(raw, dict):
                 raise ConfigError(f"{p}: expected a mapping of key: value at the top level")
-            base = p.parent
-            for k in ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info"):
-                if isinstance(raw.get(k), str):
-                    raw[k] = _relative(raw[k], base)
-            for k in ("dataset", "eval_dataset"):
-                if isinstance(raw.get(k), str):
-                    raw[k] = _relative(raw[k], base)
-                elif isinstance(raw.get(k), list):
-                    raw[k] = [_relative(d, base) if isinstance(d, str) else d for d in raw[k]]
+            _resolve_paths(raw, p.parent)
         given: dict[str, str] = {}
         for ov in overrides:
             if "=" not in ov:
@@ -461,10 +459,47 @@ class TrainConfig:
 
 
 def interval_steps(value: int | float, total_steps: int) -> int:
-    """The steps a save_steps or eval_steps value means in a run of `total_steps`: a whole
-    number as it is; a fraction (< 1) of the run rounded up, as in transformers, once
-    floating-point noise is dropped (0.07 x 100 is 7 steps, not 8)."""
+    """The steps a save_steps, eval_steps, logging_steps or warmup_steps value means in a run of
+    `total_steps`: a whole number as it is; a fraction (< 1) of the run rounded up, as in
+    transformers, once floating-point noise is dropped (0.07 x 100 is 7 steps, not 8)."""
     return int(value) if value >= 1 else math.ceil(round(value * total_steps, 9))
+
+
+def warmup_of(cfg: TrainConfig, total_steps: int) -> int:
+    """The warmup of a run of `total_steps`: warmup_steps (steps, or a fraction of the run) when
+    it is > 0, else warmup_ratio's share of the run."""
+    return interval_steps(cfg.warmup_steps or cfg.warmup_ratio, total_steps)
+
+
+def _steps_or_fraction(cfg: TrainConfig, key: str, zero: bool) -> int | float:
+    """`key`'s value checked as transformers 5 reads these keys: a whole number of steps (an int,
+    even when written 10.0) or a fraction of the run below 1; 0 only where `zero` allows it."""
+    value = getattr(cfg, key)
+    low = "0" if zero else "1"
+    if not ((0 <= value < 1 and (zero or value > 0)) or (value >= 1 and float(value).is_integer())):
+        raise ConfigError(
+            f"{key}: must be a whole number of steps >= {low}, or a fraction of the run in "
+            f"{'[0' if zero else '(0'}, 1) (got {value!r})"
+        )
+    return int(value) if value >= 1 or value == 0 else value
+
+
+def _reporters(value: str | list[str]) -> list[str]:
+    """report_to as transformers 5 reads it: "none" or [] (nothing), "all" (every integration
+    installed: here, tensorboard if it is), one name or a list of names."""
+    names = [value] if isinstance(value, str) else list(value)
+    if names in (["none"], []):
+        return []
+    if names == ["all"]:
+        import importlib.util
+
+        return [r for r in REPORTERS if importlib.util.find_spec(r) is not None]
+    for name in names:
+        if name not in REPORTERS:
+            raise ConfigError(
+                f"report_to: {name!r} is not an integration megatrain has (none, all, {', '.join(REPORTERS)})"
+            )
+    return list(dict.fromkeys(names))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)
@@ -487,13 +522,39 @@ def parse_size(value: str | int) -> int:
     return n
 
 
-def _relative(value: str, base: Path) -> str:
-    """Paths in a config file are relative to the file, when such a path exists."""
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    """Resolve the input paths a config file in directory `base` holds (see the module docstring).
+    A dataset key's entries one by one: a list, or one string of comma-separated entries."""
+    for k in PATH_KEYS + ("resume_from_checkpoint",):
+        if isinstance(raw.get(k), str):
+            raw[k] = _relative(raw[k], base)
+    for k in DATASET_KEYS:
+        value = raw.get(k)
+        if isinstance(value, str) and "," in value and not _beside(value, base):
+            value = [e.strip() for e in value.split(",") if e.strip()]  # as resolve_dataset splits it
+        if isinstance(value, str):
+            raw[k] = _relative(value, base, dataset=True)
+        elif isinstance(value, list):
+            raw[k] = [_relative(d, base, dataset=True) if isinstance(d, str) else d for d in value]
+
+
+def _relative(value: str, base: Path, dataset: bool = False) -> str:
+    """A path written in a config file in directory `base`: beside the file where it is there,
+    else from the working directory where it is there, else as written (an error will name it)."""
+    found = _beside(value, base, dataset)
+    return str(found) if found is not None else value
+
+
+def _beside(value: str, base: Path, dataset: bool = False) -> Path | None:
+    """Where `value` leads from the config file's directory `base`, or from the working
+    directory: the first of the two where something is (for a dataset, also a name registered
+    in the dataset_info.json of the directory it names); None where neither has anything."""
     p = Path(value)
-    if p.is_absolute() or p.exists():
-        return value
-    cand = base / p
-    return str(cand) if cand.exists() else value
+    for candidate in (p,) if p.is_absolute() else (base / p, p):
+        registry = candidate.parent / "dataset_info.json"
+        if candidate.exists() or (dataset and value != p.name and registry.is_file()):
+            return candidate
+    return None
 
 
 def _coerce(key: str, value: Any, tp) -> Any:

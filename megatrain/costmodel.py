@@ -14,8 +14,9 @@ promise. It decides nothing; footprint.py's `evaluate` calls it beside the memor
 The rates below were measured on H100/H200 with 16-core hosts (bench/README.md). Where the run
 happens, the plan uses the layer's rate measured on the device by probe.py
 (`LayerMemory.flops_per_s`; where the probe split it, the causal attention's rate and the rest's
-apart: at long context attention is most of the work and runs slower than the matmuls) instead of
-GPU_FLOPS, and this host's AdamW rate
+apart: at long context attention is most of the work and runs slower than the matmuls; on the CPU,
+the rate of a matmul shaped like the layer's, `probe.cpu_layer_memory`) instead of GPU_FLOPS, and
+this host's AdamW rate
 (`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S; PCIE_BYTES_S is always the
 constant. bench/host-only.md has the model's terms for GPU-stepped units, and
 tests/test_gpustep.py checks it against the committed H100 runs of them (model A, 16k tokens).
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # planspec.py imports this module (rates as defaults): the ty
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
-GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}
+GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}  # where nothing was measured (a CPU run measures its own)
 PCIE_BYTES_S = 45e9
 # Both directions at once move more than one, but not twice. Page-locked copies alone moved 102
 # GB/s both ways together on an H200 host, 70 beside the CPU AdamW on 15 threads (bench/link.py,

@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -41,7 +40,7 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         logging_steps: int = 1,
-        report_to: str = "none",
+        report_to: list[str] | tuple[str, ...] = (),
         disable_tqdm: bool | None = None,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -58,14 +57,14 @@ class MetricsLogger:
         )
         self.interactive = interactive
         self.tb = None
-        if report_to == "tensorboard":
+        if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides events of steps after a resumed checkpoint: they are redone.
             self.tb = SummaryWriter(
                 log_dir=str(Path(output_dir) / "runs"), purge_step=start_step + 1 if start_step else None
             )
-        self._t0 = time.time()
+        self._step_seconds, self._steps = 0.0, 0  # the training steps' own time: the ETA's rate
         self._eval_loss: str | None = None  # the latest, shown in the bar's postfix
 
     def _keep_until(self, step: int) -> None:
@@ -111,12 +110,14 @@ class MetricsLogger:
         self._append(record)
         step = record["step"]
         loss = "skipped" if record.get("skipped") else f"{record['loss']:.4f}"
+        self._step_seconds += record.get("step_time_s", 0.0)
+        self._steps += 1
         self.bar.update(1)
         if self.interactive:
             extra = {"eval_loss": self._eval_loss} if self._eval_loss else {}
             self.bar.set_postfix(loss=loss, tok_s=f"{record['tokens_per_s']:.0f}", **extra, refresh=False)
         elif step % self.logging_steps == 0 or step == self.total:
-            eta = (time.time() - self._t0) / max(1, step - self.start) * (self.total - step)
+            eta = self._step_seconds / self._steps * (self.total - step)
             gn = record.get("grad_norm")
             print(
                 f"step {step}/{self.total} loss {loss} grad_norm {'-' if gn is None else f'{gn:.3f}'} "
@@ -150,6 +151,12 @@ class MetricsLogger:
             for k in ("loss", "perplexity", "runtime", "tokens_per_s"):
                 if isinstance(record.get(f"eval_{k}"), (int, float)):
                     self.tb.add_scalar(f"eval/{k}", record[f"eval_{k}"], record["step"])
+
+    def exclude_pause(self) -> None:
+        """Leave the time since the last step (an evaluation, a save) out of the progress bar's
+        rate and ETA, as the log lines' ETA leaves it out: an evaluation before the first step
+        made a 20-minute run's first ETA hours."""
+        self.bar.unpause()
 
     def progress(self, total: int, desc: str = "eval"):
         """A transient bar (under the training bar) for long work such as an evaluation."""
@@ -225,6 +232,9 @@ class SilentLogger:
         pass
 
     def log_eval(self, record: dict) -> None:
+        pass
+
+    def exclude_pause(self) -> None:
         pass
 
     def progress(self, total: int, desc: str = "eval"):

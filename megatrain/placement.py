@@ -473,13 +473,14 @@ def measure(
     device, max_gpu_memory: int | None = None, max_host_memory: int | None = None, world: Layout | None = None
 ) -> Machine:
     """The budgets of a run on `device` (a torch.device or "cpu"/"cuda[:N]"): the caps where the
-    user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s).
+    user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s, where
+    the run happens: on CUDA, and on the CPU with torch's threads).
     `world`: the data-parallel world the machine belongs to (layout.py; default one process)."""
     import torch
 
     from .distributed import plans_for_all
     from .optim import optimizer_threads
-    from .probe import adam_rate
+    from .probe import CPU_ADAM_PROBE, adam_rate
 
     kind = str(device).split(":")[0]
     gpu = None
@@ -494,6 +495,8 @@ def measure(
     world = world or Layout()
     threads = world.ranks_per_machine * optimizer_threads(world.ranks_per_machine)
     adam = ADAM_IN_STEP * adam_rate(threads) if on_target else ADAM_PARAMS_S
+    if kind == "cpu" and plans_for_all():  # planned where it runs; the optimizer steps after the backward
+        adam = adam_rate(torch.get_num_threads(), CPU_ADAM_PROBE)
     capped = max_gpu_memory is not None
     return Machine(kind, gpu, host, gpu_capped=capped, adam_params_s=adam, world=world)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .checks import beyond_positions
 from .errors import MegatrainError
 from .layout import Layout
 from .models.attention import span, uses_mask
@@ -153,7 +154,9 @@ def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: i
     if p.device == "cuda":
         how.append(f"GPU peak ~{fmt_bytes(p.gpu_peak)}")
     how.append(f"host ~{fmt_bytes(p.host_total)}")
-    return f"longest context: {n:,} tokens per sequence (one sequence per step; {', '.join(how)})"
+    caveat = beyond_positions(n, model_cfg)
+    line = f"longest context: {n:,} tokens per sequence (one sequence per step; {', '.join(how)})"
+    return line + (f"; {caveat}" if caveat else "")
 
 
 def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem, span=None):
@@ -204,7 +207,8 @@ def _largest_fitting(fits, hi: int) -> int | None:
 
 
 def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
-    """One layer's activation memory measured on `device` (None off CUDA: the formula)."""
+    """One layer's activation memory measured on `device` (None where no CUDA device is there to
+    measure it: the formula; on the CPU, the formula with this CPU's FLOP rate)."""
     import torch
 
     from .probe import layer_memory_for

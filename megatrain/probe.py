@@ -14,7 +14,7 @@ decides nothing.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.func import functional_call
@@ -33,6 +33,10 @@ ATTENTION_PROBE_TOKENS = 32768
 # Without a flash kernel (fp32: SDPA's math path, which grouped-query attention also takes) the
 # kernel holds about this many [heads, tokens, tokens] score tensors over its forward and backward.
 SCORE_COPIES = 4
+# On the CPU the plan times one matmul shaped like the layer's MLP projection, each side capped at
+# these sizes (beyond them a CPU's GEMM runs no faster), for at least CPU_PROBE_SECONDS.
+CPU_PROBE_TOKENS, CPU_PROBE_WIDTH, CPU_PROBE_SECONDS = 512, 1024, 0.05
+CPU_ADAM_PROBE = 4 * 2**20  # parameters a CPU run's AdamW rate is timed on (64 MB of state: past the caches)
 
 # One decoder layer's activations when no device is there to measure them: bytes per token =
 # cb * (a*hidden + b*ffn), bf16, compiled layer, Hopper (bench/calibrate.py). An upper envelope of
@@ -398,9 +402,12 @@ def layer_memory_for(
     micro_batch_tokens: int,
     masked: bool = False,
 ) -> LayerMemory | None:
-    """The probe for a run on `device` (None off CUDA, where the plan's formula is used);
-    `compile` as the engine will run the layer (None: on, the CUDA default); `masked` as
-    `attention.uses_mask` says for the run's rows."""
+    """The probe for a run on `device` (None where no CUDA device is there to run it, and the
+    plan's formula is used); `compile` as the engine will run the layer (None: on, the CUDA
+    default); `masked` as `attention.uses_mask` says for the run's rows. On the CPU: the formula,
+    with this CPU's rate (`cpu_layer_memory`)."""
+    if torch.device(device).type == "cpu":
+        return cpu_layer_memory(cfg, dtype, micro_batch_tokens)
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
     compile = True if compile is None else compile
@@ -414,17 +421,50 @@ def layer_memory_for(
 _PROBED: dict[tuple, LayerMemory] = {}  # layer_memory_for's measurements, one per layer and size
 
 
+def cpu_layer_memory(cfg: ModelConfig, dtype: torch.dtype, micro_batch_tokens: int) -> LayerMemory:
+    """A CPU run's layer: the formula's memory (nothing to measure it with), and the FLOP rate of
+    this CPU on torch's threads (`cpu_matmul_rate`, measured once per process and shape) in place
+    of a GPU's: a fixed rate missed a 2-core CPU's step time 3.5-4x."""
+    tokens = min(micro_batch_tokens, CPU_PROBE_TOKENS)
+    key = (repr(cfg), "cpu", dtype, tokens, torch.get_num_threads())
+    if key not in _PROBED:
+        rate = cpu_matmul_rate(tokens, cfg.hidden_size, token_ffn(cfg), dtype)
+        _PROBED[key] = replace(formula_layer_memory(cfg, dtype.itemsize), flops_per_s=rate)
+    return _PROBED[key]
+
+
+def cpu_matmul_rate(tokens: int, hidden: int, ffn: int, dtype: torch.dtype) -> float:
+    """FLOP/s of this CPU in `dtype` on a [tokens, hidden] x [hidden, ffn] matmul, each side
+    capped (CPU_PROBE_WIDTH), run for at least CPU_PROBE_SECONDS after one warm-up."""
+    m, k, n = min(tokens, CPU_PROBE_TOKENS), min(hidden, CPU_PROBE_WIDTH), min(ffn, CPU_PROBE_WIDTH)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((m, k), (k, n)))
+    a @ b  # the kernel chosen, the memory touched
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < CPU_PROBE_SECONDS:
+        a @ b
+        reps += 1
+    return 2 * m * k * n * reps / (time.perf_counter() - t0)
+
+
 def adam_rate(threads: int, numel: int = 32 * 2**20) -> float:
     """Parameters per second of the fused CPU AdamW on `threads` of this host's threads, alone.
     Measured on the threads the run's optimizers will have: under torchrun a process starts with
     one (OMP_NUM_THREADS=1), and an 18.7B run on two GPUs measured 0.4 G/s there, planned a step
-    of 21.6 s and took 8.3 (bench/results/2026-11-23_0942_multigpu.json)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _adam_rate(numel)
-    finally:
-        torch.set_num_threads(before)
+    of 21.6 s and took 8.3 (bench/results/2026-11-23_0942_multigpu.json). Measured once per
+    process and thread count (each run of a process asks again)."""
+    key = (threads, numel)
+    if key not in _ADAM_RATES:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _ADAM_RATES[key] = _adam_rate(numel)
+        finally:
+            torch.set_num_threads(before)
+    return _ADAM_RATES[key]
+
+
+_ADAM_RATES: dict[tuple[int, int], float] = {}
 
 
 def _adam_rate(numel: int) -> float:

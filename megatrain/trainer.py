@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, prune_checkpoints, resume_path
 from .checks import check_outputs, run_warnings
-from .config import TrainConfig, parse_size
+from .config import TrainConfig, interval_steps, parse_size, warmup_of
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
 from .distributed import Collective, start
 from .errors import ConfigError
@@ -147,7 +147,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     evaluator = Evaluator(
         cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
     )
-    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_ratio * total_steps)
+    warmup = warmup_of(cfg, total_steps)
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
         say(f"megatrain: warning: {warning}")
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
@@ -220,8 +220,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
+    every = max(1, interval_steps(cfg.logging_steps, total_steps))  # a tiny fraction rounds to 0 steps
     log = (
-        MetricsLogger(out, total_steps, start, cfg.logging_steps, cfg.report_to, cfg.disable_tqdm)
+        MetricsLogger(out, total_steps, start, every, cfg.report_to, cfg.disable_tqdm)
         if main
         else SilentLogger()
     )
@@ -255,6 +256,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         """Eval loss after `step` optimizer steps, to the metrics and the log history."""
         record = evaluator.evaluate(engine, step, batcher.epoch, log.progress)
         log.log_eval(record)
+        log.exclude_pause()  # the ETA counts training steps only
         history.append(record)
 
     def save(step: int, weights_only: bool) -> Path:
@@ -295,6 +297,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             also = " (weights only)" if weights_only else ""
             also += " in place of another run's checkpoint of that step" if replacing else ""
             log.message(f"megatrain: saved {path}{also}")
+        log.exclude_pause()
         return path
 
     failed = False

@@ -198,22 +198,10 @@ def save_hf_checkpoint(
         d.write_tensors("model", entries, tensor_dtypes(cfg, dtype), get, max_shard_bytes)
         write_model_config(d.path, cfg, dtype, read_generation_config(generation_from), tokenizer)
         if tokenizer is not None:
-            tokenizer.save_pretrained(d.path)
+            from .data.tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer, d.path)
         return d.commit()
-
-
-# Everything transformers' AutoTokenizer may read, chat templates included.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 def _export_target(src: Path, out_dir: Path, overwrite: bool) -> tuple[Callable[[Path], bool], str]:
@@ -250,6 +238,8 @@ def export_model(
     the small ones read, the safetensors memory-mapped, so a checkpoint deleted meanwhile (a run
     pruning it) still exports whole, or the export fails with one line. Returns the output
     directory and whether the source had checksums to verify."""
+    from .data.tokenizer import TOKENIZER_FILES, load_tokenizer
+
     src, out_dir = Path(src), Path(out_dir)
     if not src.is_dir():
         raise CheckpointError(f"{src}: checkpoint directory does not exist")
@@ -263,9 +253,7 @@ def export_model(
     }
     used = {"config.json", *small, *(f.name for f in files.values())}
     used |= {INDEX} if (src / INDEX).is_file() else set()
-    from .data.tokenizer import load_tokenizer  # only for the chat template's end-of-turn token
-
-    try:
+    try:  # only for the chat template's end-of-turn token
         tokenizer = load_tokenizer(src, optional=True)
     except ConfigError:
         tokenizer = None  # e.g. a slow-only tokenizer: its files are still copied as they are

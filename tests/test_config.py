@@ -3,12 +3,17 @@ the file, line and column."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from test_checkpoint import make_run, one_thread  # noqa: F401 (fixture)
+from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixture)
 from test_cli import run_cli
 
-from megatrain.config import TrainConfig
+from megatrain.config import TrainConfig, interval_steps, warmup_of
 from megatrain.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _config_file(tmp_path, body: str):
@@ -30,7 +35,7 @@ def test_yaml_booleans_for_choice_keys(tmp_path, capsys):
     rc, stdout, err = run_cli(capsys, "plan", p)
     assert rc == 0, err
     cfg = TrainConfig.load(p)
-    assert (cfg.gpu_state, cfg.report_to) == ("off", "none")
+    assert (cfg.gpu_state, cfg.report_to) == ("off", [])
     assert cfg.torch_compile is None and cfg.offload_activations is None and cfg.disable_tqdm is None
     assert TrainConfig.load(p, ["gpu_state=on"]).gpu_state == "auto"
     assert TrainConfig.load(p, ["gpu_state=false"]).gpu_state == "off"
@@ -39,7 +44,7 @@ def test_yaml_booleans_for_choice_keys(tmp_path, capsys):
         TrainConfig.load(p, ["gpu_state=0"])  # 0 == False in Python, but it is not a boolean
     with pytest.raises(
         ConfigError,
-        match=r"^report_to: expected str, got True \(YAML reads unquoted yes/no/on/off/true/false as booleans",
+        match=r"^report_to: expected str or list, got True \(YAML reads unquoted yes/no/on/off/true/false as booleans",
     ):
         TrainConfig.load(p, ["report_to=yes"])
 
@@ -110,3 +115,120 @@ def test_an_override_given_twice_is_refused(tmp_path, capsys):
     twice = "override max_steps: given twice ('max_steps=2' and 'max_steps=2'); give it once"
     assert rc == 2 and err == f"megatrain: error: {twice}\n"
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- where paths lead
+def test_paths_in_a_config_file_are_relative_to_it(tmp_path, monkeypatch):
+    """A file of the same name in the working directory never replaces one beside the config;
+    what is only in the working directory is found there; key=value paths and output_dir lead
+    from the working directory."""
+    conf, work = tmp_path / "conf", tmp_path / "work"
+    for d in (conf, work):
+        (d / "data").mkdir(parents=True)
+        (d / "data" / "d.jsonl").write_text('{"input_ids": [1, 2]}\n')
+        (d / "data" / "e.jsonl").write_text('{"input_ids": [1, 2]}\n')
+        (d / "model").mkdir()
+        (d / "model" / "config.json").write_text("{}")
+    (work / "ckpt").mkdir()  # another run's output, in the working directory only
+    (conf / "run.yaml").write_text(
+        "model_config: model/config.json\ndataset: data/d.jsonl\n"
+        "eval_dataset: data/d.jsonl, data/e.jsonl\nresume_from_checkpoint: ckpt\noutput_dir: out\n"
+    )
+    monkeypatch.chdir(work)
+    cfg = TrainConfig.load(conf / "run.yaml")
+    assert cfg.model_config == str(conf / "model" / "config.json")
+    assert cfg.dataset == str(conf / "data" / "d.jsonl")
+    assert cfg.eval_dataset == [str(conf / "data" / "d.jsonl"), str(conf / "data" / "e.jsonl")]
+    assert cfg.resume_from_checkpoint == "ckpt"  # nothing beside the config: the working directory's
+    assert cfg.output_dir == "out"
+    cfg = TrainConfig.load(conf / "run.yaml", ["dataset=data/d.jsonl", "model_config=model"])
+    assert (cfg.dataset, cfg.model_config) == ("data/d.jsonl", "model")
+
+
+def test_the_examples_read_their_own_files_from_any_directory(tmp_path, monkeypatch):
+    """The quickstart trained on a `data/stories.jsonl` of the working directory when there was
+    one; the chat example still finds the quickstart's model where the quickstart wrote it."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "stories.jsonl").write_text('{"text": "not the quickstart"}\n')
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "output" / "quickstart" / "final").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    quick = TrainConfig.load(EXAMPLES / "quickstart.yaml")
+    assert quick.dataset == str(EXAMPLES / "data" / "stories.jsonl")
+    assert quick.eval_dataset == str(EXAMPLES / "data" / "stories_eval.jsonl")
+    assert quick.tokenizer_name_or_path == str(EXAMPLES / "tokenizer")
+    assert quick.model_config == str(EXAMPLES / "tiny-llama" / "config.json")
+    assert quick.output_dir == "output/quickstart"  # under the working directory, as the README says
+    chat = TrainConfig.load(EXAMPLES / "chat.yaml")
+    assert chat.model_name_or_path == "output/quickstart/final"
+    assert chat.tokenizer_name_or_path == str(EXAMPLES / "tokenizer")
+    assert chat.dataset == str(EXAMPLES / "chat" / "data.jsonl")
+
+
+# ---------------------------------------------------------------------------- transformers 5's forms
+def _load(*overrides):
+    return TrainConfig.load(None, ["model_config=unused", *overrides])
+
+
+def test_transformers_5_warmup_and_logging_steps():
+    """transformers 5 reads warmup_steps and logging_steps below 1 as fractions of the run and
+    dropped warmup_ratio (still read here)."""
+    assert warmup_of(_load("warmup_steps=0.1"), 200) == 20
+    assert warmup_of(_load("warmup_steps=0.07"), 100) == 7  # as save_steps and eval_steps round
+    assert warmup_of(_load("warmup_steps=10"), 200) == 10
+    whole = _load("warmup_steps=10.0").warmup_steps
+    assert whole == 10 and isinstance(whole, int)
+    assert warmup_of(_load("warmup_ratio=0.05"), 200) == 10
+    assert warmup_of(_load("warmup_ratio=0.05", "warmup_steps=3"), 200) == 3
+    assert warmup_of(_load(), 200) == 0
+    cfg = _load("logging_steps=0.1")
+    assert interval_steps(cfg.logging_steps, 50) == 5
+    for overrides, message in [
+        (
+            ["warmup_steps=2.5"],
+            r"^warmup_steps: must be a whole number of steps >= 0, or a fraction .*\(got 2.5\)$",
+        ),
+        (["warmup_steps=-1"], r"^warmup_steps: must be a whole number of steps >= 0"),
+        (
+            ["logging_steps=0"],
+            r"^logging_steps: must be a whole number of steps >= 1, or a fraction of the run in \(0, 1\)",
+        ),
+        (["logging_steps=1.5"], r"^logging_steps: must be a whole number"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            _load(*overrides)
+
+
+def test_report_to_takes_lists_none_and_all():
+    assert _load("report_to=none").report_to == []
+    assert _load("report_to=[none]").report_to == []
+    assert _load("report_to=[]").report_to == []
+    assert _load("report_to=tensorboard").report_to == ["tensorboard"]
+    assert _load("report_to=[tensorboard]").report_to == ["tensorboard"]
+    # all: the integrations installed (the tests have tensorboard)
+    assert _load("report_to=all").report_to == ["tensorboard"]
+    with pytest.raises(
+        ConfigError,
+        match=r"^report_to: 'wandb' is not an integration megatrain has \(none, all, tensorboard\)$",
+    ):
+        _load("report_to=[tensorboard, wandb]")
+
+
+def test_fractional_logging_and_warmup_steps_in_a_run(tmp_path, capsys):
+    """logging_steps 0.5 of a 4-step run logs every 2 steps; warmup_steps 0.5 warms up over 2."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    cfg = write_yaml(tmp_path / "run.yaml", dict(base, output_dir=str(out), max_steps=4))
+    rc, stdout, err = run_cli(
+        capsys,
+        "train",
+        cfg,
+        "logging_steps=0.5",
+        "warmup_steps=0.5",
+        "lr_scheduler_type=constant_with_warmup",
+    )
+    assert rc == 0, err
+    logged = [line.split()[1] for line in stdout.splitlines() if line.startswith("step ")]
+    assert logged == ["2/4", "4/4"]
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.0, 1.5e-3, 3e-3, 3e-3])

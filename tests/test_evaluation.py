@@ -24,7 +24,7 @@ from megatrain.guard import TrainingInterrupted
 from megatrain.metrics import MetricsLogger, is_eval
 from megatrain.models.config import ModelConfig
 from megatrain.placement import Choices
-from megatrain.plot import plot_metrics, read_metrics
+from megatrain.plot import draw, read_metrics
 from megatrain.runtime import build_model, make_plan
 from megatrain.trainer import train
 
@@ -488,19 +488,12 @@ MIXED = [
 ]
 
 
-def test_plot_draws_eval_loss_on_the_loss_panel(tmp_path, monkeypatch):
-    from matplotlib.figure import Figure
-
+def test_plot_draws_eval_loss_on_the_loss_panel(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MIXED))
     steps, evals = read_metrics(tmp_path)
     assert [r["loss"] for r in steps] == [5.0, 4.0, 3.0, 2.0]  # eval records do not replace steps
     assert [(r["step"], r["eval_loss"]) for r in evals] == [(2, 4.5), (4, 2.5)]
-    drawn = []
-    monkeypatch.setattr(
-        Figure, "savefig", lambda fig, *a, **k: drawn.append(fig) or Path(a[0]).write_bytes(b"")
-    )
-    plot_metrics(tmp_path)
-    lines = {ln.get_label(): ln for ln in drawn[0].axes[0].get_lines()}
+    lines = {ln.get_label(): ln for ln in draw(steps, evals, "run").axes[0].get_lines()}
     assert list(lines["eval"].get_xdata()) == [2, 4] and list(lines["eval"].get_ydata()) == [4.5, 2.5]
     assert list(lines["training"].get_ydata()) == [5.0, 4.0, 3.0, 2.0]
 

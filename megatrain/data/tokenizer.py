@@ -8,6 +8,21 @@ from transformers import PreTrainedTokenizerFast
 
 from ..errors import ConfigError
 
+# Everything transformers' AutoTokenizer may read, chat templates included.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+_SOURCE = "_megatrain_source_files"
+"""The attribute of a loaded tokenizer holding the files it was loaded from, name -> bytes."""
+
 
 def load_tokenizer(path: str | Path, optional: bool = False) -> PreTrainedTokenizerFast | None:
     """Load a fast tokenizer from a local directory or a `tokenizer.json` file.
@@ -33,14 +48,30 @@ def load_tokenizer(path: str | Path, optional: bool = False) -> PreTrainedTokeni
     return _load_dir(p)
 
 
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
+    """Write `tokenizer` into a model directory: the files `load_tokenizer` read, byte for byte
+    (save_pretrained would add what it was loaded with, such as `"local_files_only": true`, and
+    rewrite the rest in this transformers' dialect); a tokenizer built otherwise, as
+    save_pretrained writes it."""
+    files = getattr(tokenizer, _SOURCE, None)
+    if files is None:
+        tokenizer.save_pretrained(directory)
+        return
+    for name, data in files.items():
+        (Path(directory) / name).write_bytes(data)
+
+
 def _load_file(p: Path) -> PreTrainedTokenizerFast:
     try:
         tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
     except Exception as e:  # tokenizers raises bare Exceptions for malformed JSON
         raise ConfigError(f"tokenizer {p}: cannot be read ({_first_line(e)})") from None
+    files = {"tokenizer.json": p.read_bytes()}  # under the name loaders look for
     template = p.parent / "chat_template.jinja"
     if template.is_file():
-        tok.chat_template = template.read_text()
+        files[template.name] = template.read_bytes()
+        tok.chat_template = files[template.name].decode()
+    setattr(tok, _SOURCE, files)
     return tok
 
 
@@ -60,6 +91,7 @@ def _load_dir(p: Path) -> PreTrainedTokenizerFast:
         if not getattr(tok, "is_fast", False):
             errors.append(f"{type(tok).__name__} is not a fast tokenizer")
             continue
+        setattr(tok, _SOURCE, {n: (p / n).read_bytes() for n in TOKENIZER_FILES if (p / n).is_file()})
         return tok
     raise ConfigError(f"tokenizer {p}: cannot be loaded ({errors[-1]})")
 

@@ -1,0 +1,68 @@
+"""`megatrain plan` for a CPU run and for long sequences: the step time from this CPU's measured
+rate, and the caveat wherever a length passes the model's max_position_embeddings."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from helpers import tiny_config
+from test_checkpoint import write_yaml
+from test_cli import run_cli
+
+from megatrain import probe
+from megatrain.models.config import ModelConfig
+
+BEYOND = "beyond the model's max_position_embeddings 256: positions past it were never trained"
+
+
+def _plan_yaml(tmp_path, **settings):
+    if not (tmp_path / "model").exists():
+        tiny_config("llama", vocab_size=97).save_pretrained(tmp_path / "model")  # 256 positions
+    run = dict(model_config=str(tmp_path / "model"), device="cpu", max_host_memory="4GiB", **settings)
+    return write_yaml(tmp_path / "run.yaml", run)
+
+
+def test_plan_warns_as_train_does_and_caveats_long_contexts(tmp_path, capsys):
+    rc, stdout, _ = run_cli(capsys, "plan", _plan_yaml(tmp_path, max_length=300))
+    assert rc == 0
+    assert f"megatrain: warning: max_length 300 is {BEYOND}" in stdout.splitlines()
+    context = next(line for line in stdout.splitlines() if line.startswith("longest context: "))
+    n = int(re.match(r"longest context: ([\d,]+) tokens", context).group(1).replace(",", ""))
+    assert n > 256 and context.endswith(f"; {BEYOND}")
+    largest = next(line for line in stdout.splitlines() if line.startswith("largest that fit"))
+    assert largest.endswith(f"(max_length {BEYOND})")
+    rc, stdout, _ = run_cli(capsys, "plan", _plan_yaml(tmp_path, max_length=256))
+    assert rc == 0 and "warning" not in stdout
+
+
+def test_cpu_plan_times_the_step_at_this_cpus_rate(tmp_path, capsys, monkeypatch):
+    """The step time scales with the rate measured here (it was a fixed 0.5 TFLOP/s, 3.5-4x
+    optimistic on 2 cores), and the measurement is made once per process and shape."""
+    calls, measured = [], [0.0]
+
+    def rate(*args):
+        calls.append(args)
+        return measured[0]
+
+    monkeypatch.setattr(probe, "cpu_matmul_rate", rate)
+    monkeypatch.setattr(probe, "adam_rate", lambda *a: 1e15)  # the optimizer's share out of the way
+    seconds = []
+    for flops in (1e7, 2e7):
+        measured[0] = flops
+        monkeypatch.setattr(probe, "_PROBED", {})
+        rc, stdout, _ = run_cli(capsys, "plan", _plan_yaml(tmp_path, max_length=128))
+        assert rc == 0
+        seconds.append(float(re.search(r"estimated step: ([\d.]+) s", stdout).group(1)))
+    assert seconds[0] == pytest.approx(2 * seconds[1], rel=0.01) and seconds[1] > 1
+    cfg = ModelConfig.from_json(tmp_path / "model")
+    calls.clear()
+    first = probe.cpu_layer_memory(cfg, torch.float32, 1024)
+    assert probe.cpu_layer_memory(cfg, torch.float32, 1024) is first and len(calls) == 1
+    assert first.flops_per_s == 2e7
+
+
+def test_cpu_matmul_rate_is_a_rate():
+    rate = probe.cpu_matmul_rate(64, 32, 48, torch.float32)
+    assert 1e6 < rate < 1e15  # FLOP/s of any CPU
