@@ -19,6 +19,7 @@ import yaml
 
 from .errors import ConfigError
 from .optim import SCHEDULES
+from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
 # YAML 1.1 reads on/off/yes/no/true/false as booleans, so `gpu_state: off` arrives as False. For
@@ -103,8 +104,14 @@ class TrainConfig:
     # --- logging and checkpoints
     logging_steps: int = 1
     """Print a log line every N steps when there is no progress bar (metrics.jsonl gets every step)."""
-    report_to: str = "none"
-    """none or tensorboard (YAML's false/no/off read as none)."""
+    report_to: str | list[str] = "none"
+    """Experiment trackers: none, all (every one installed), or one or a list of tensorboard,
+    wandb, mlflow, trackio (YAML's false/no/off read as none)."""
+    run_name: str | None = None
+    """The run's name in the experiment trackers (default: its run id, which checkpoints carry)."""
+    project: str | None = None
+    """The trackers' project (W&B project, MLflow experiment, Trackio project); default
+    WANDB_PROJECT or MLFLOW_EXPERIMENT_NAME where set, else megatrain."""
     save_strategy: str = "steps"
     """When to save checkpoints: steps (every save_steps), epoch (at the end of each epoch) or
     no (none; a stopped run still saves; YAML's no/false: no). With steps or epoch the last step
@@ -262,8 +269,7 @@ class TrainConfig:
             bad("max_length", "must be >= 2 with truncation: split (a window holds a token and its target)")
         if self.dataset_format not in DATASET_FORMATS:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
-        if self.report_to not in ("none", "tensorboard"):
-            bad("report_to", "must be none or tensorboard")
+        self.report_to = reporters(self.report_to)
         if self.save_strategy not in SAVE_STRATEGIES:
             bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
         steps = self.save_steps

@@ -1,5 +1,6 @@
 """Where training progress goes: `metrics.jsonl` always, a tqdm bar on a terminal (plain log
-lines otherwise), TensorBoard when asked; and byte progress bars for long saves and reads.
+lines otherwise), the experiment trackers `report_to` names (trackers.py); and byte progress
+bars for long saves and reads.
 
 metrics.jsonl holds two kinds of records, both with a `step`: one per optimizer step (`loss`,
 `grad_norm`, `lr`, ...) and one per evaluation (`eval_loss`, `eval_perplexity`, ...; Hugging
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from .trackers import RunInfo, Tracker, first_line, open_trackers, scalars
 
 
 def show_progress(disable_tqdm: bool | None) -> bool:
@@ -41,14 +44,19 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         logging_steps: int = 1,
-        report_to: str = "none",
+        report_to: list[str] | tuple[str, ...] = (),
         disable_tqdm: bool | None = None,
+        run: RunInfo | None = None,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.logging_steps = logging_steps
         self.total = total_steps
         self.start = start_step
         self._keep_until(start_step)
+        # Before the file and the bar: a tracker that cannot start leaves nothing open.
+        self.trackers: list[Tracker] = open_trackers(
+            list(report_to), Path(output_dir), start_step, run or RunInfo()
+        )
         self._f = open(self.path, "a")  # noqa: SIM115 (closed in close())
         interactive = show_progress(disable_tqdm)
         # tqdm shows step/total, elapsed and ETA itself; loss and tokens/s go in the postfix.
@@ -56,14 +64,6 @@ class MetricsLogger:
             total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not interactive
         )
         self.interactive = interactive
-        self.tb = None
-        if report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides events of steps after a resumed checkpoint: they are redone.
-            self.tb = SummaryWriter(
-                log_dir=str(Path(output_dir) / "runs"), purge_step=start_step + 1 if start_step else None
-            )
         self._t0 = time.time()
         self._eval_loss: str | None = None  # the latest, shown in the bar's postfix
 
@@ -105,21 +105,10 @@ class MetricsLogger:
                 f"lr {record['lr']:.3g} tokens/s {record['tokens_per_s']:.0f} eta {_duration(eta)}",
                 flush=True,
             )
-        if self.tb is not None:
-            for k in (
-                "loss",
-                "grad_norm",
-                "lr",
-                "tokens_per_s",
-                "aux_loss",
-                "expert_load_max",
-                "expert_load_min",
-            ):
-                if isinstance(record.get(k), (int, float)):
-                    self.tb.add_scalar(f"train/{k}", record[k], step)
+        self._report(record)
 
     def log_eval(self, record: dict) -> None:
-        """An evaluation record: to metrics.jsonl, as a line for the user, to TensorBoard."""
+        """An evaluation record: to metrics.jsonl, as a line for the user, to the trackers."""
         with self._naming_errors():
             self._f.write(json.dumps(record) + "\n")
             self._f.flush()
@@ -130,10 +119,22 @@ class MetricsLogger:
             f"perplexity {'-' if ppl is None else f'{ppl:.3f}'} ({record['eval_runtime']:.1f}s, "
             f"{record['eval_tokens_per_s']:.0f} tokens/s)"
         )
-        if self.tb is not None:
-            for k in ("loss", "perplexity", "runtime", "tokens_per_s"):
-                if isinstance(record.get(f"eval_{k}"), (int, float)):
-                    self.tb.add_scalar(f"eval/{k}", record[f"eval_{k}"], record["step"])
+        self._report(record)
+
+    def _report(self, record: dict) -> None:
+        """A record (already in metrics.jsonl) to every tracker. One that fails is dropped with a
+        warning: a tracker's outage must not stop a run whose metrics.jsonl has every record."""
+        values = scalars(record)
+        for t in list(self.trackers):
+            try:
+                t.log(values, record["step"])
+            except Exception as e:
+                self.trackers.remove(t)
+                self.message(
+                    f"megatrain: warning: report_to {t.name} failed at step {record['step']} ({first_line(e)}); "
+                    f"training goes on without it, and {self.path} has every step"
+                )
+                self._close(t, failed=True)
 
     def progress(self, total: int, desc: str = "eval"):
         """A transient bar (under the training bar) for long work such as an evaluation."""
@@ -150,12 +151,25 @@ class MetricsLogger:
         """A line for the user that does not break the progress bar."""
         (self.bar.write if self.interactive else print)(text)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the bar, the trackers (their runs marked failed when `failed`: the training
+        raised) and metrics.jsonl."""
         self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-        with self._naming_errors():
-            self._f.close()
+        try:
+            for t in self.trackers:
+                self._close(t, failed)
+        finally:
+            with self._naming_errors():
+                self._f.close()
+
+    def _close(self, tracker: Tracker, failed: bool) -> None:
+        """Close a tracker; a failure to is a warning (the run's outputs are already written)."""
+        try:
+            tracker.close(failed)
+        except Exception as e:
+            self.message(
+                f"megatrain: warning: report_to {tracker.name} did not close cleanly ({first_line(e)})"
+            )
 
     @contextlib.contextmanager
     def _naming_errors(self):
@@ -218,5 +232,5 @@ class SilentLogger:
     def message(self, text: str) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass

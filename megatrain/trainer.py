@@ -2,7 +2,7 @@
 
 The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
 output_dir, when to save, disk space), guard.py (signals, non-finite steps), plan.py (the memory
-preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, TensorBoard),
+preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, the experiment trackers),
 evaluation.py (eval loss, the best checkpoint).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .partition import check_shared, save_checkpoint, save_model
 from .placement import Machine, Plan
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
+from .trackers import RunInfo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -210,17 +212,18 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
-    log = (
-        MetricsLogger(out, total_steps, start, cfg.logging_steps, cfg.report_to, cfg.disable_tqdm)
-        if main
-        else SilentLogger()
-    )
     # What a resume compares: the global batch, however many processes shared it.
     run_config = {
         **cfg.to_dict(),
         "total_train_batch_size": batcher.batch_size * batcher.micro_per_step,
         "world_size": world.world_size,
     }
+    about = RunInfo(outputs.run_id, cfg.run_name, cfg.project, run_config, memory.record())
+    log = (
+        MetricsLogger(out, total_steps, start, cfg.logging_steps, cfg.report_to, cfg.disable_tqdm, about)
+        if main
+        else SilentLogger()
+    )
     nonfinite = NonFiniteGuard(cfg.max_consecutive_nonfinite, ts.nonfinite_streak if ts else 0, log.message)
     log.message(
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
@@ -345,7 +348,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     finally:
         if main:
             memory.write(out)
-        log.close()
+        log.close(failed=sys.exc_info()[0] is not None)  # in a finally: the exception on its way out
         model.close()
 
 

@@ -30,7 +30,7 @@ def test_yaml_booleans_for_choice_keys(tmp_path, capsys):
     rc, stdout, err = run_cli(capsys, "plan", p)
     assert rc == 0, err
     cfg = TrainConfig.load(p)
-    assert (cfg.gpu_state, cfg.report_to) == ("off", "none")
+    assert (cfg.gpu_state, cfg.report_to) == ("off", [])
     assert cfg.torch_compile is None and cfg.offload_activations is None and cfg.disable_tqdm is None
     assert TrainConfig.load(p, ["gpu_state=on"]).gpu_state == "auto"
     assert TrainConfig.load(p, ["gpu_state=false"]).gpu_state == "off"
@@ -39,7 +39,7 @@ def test_yaml_booleans_for_choice_keys(tmp_path, capsys):
         TrainConfig.load(p, ["gpu_state=0"])  # 0 == False in Python, but it is not a boolean
     with pytest.raises(
         ConfigError,
-        match=r"^report_to: expected str, got True \(YAML reads unquoted yes/no/on/off/true/false as booleans",
+        match=r"^report_to: expected str or list, got True \(YAML reads unquoted yes/no/on/off/true/false as booleans",
     ):
         TrainConfig.load(p, ["report_to=yes"])
 
