@@ -22,6 +22,11 @@ from .optim import SCHEDULES
 from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
+# The fields `columns` may map to a file's columns (LlamaFactory's names for alpaca's: prompt is
+# its instruction, query its input, response its output).
+COLUMN_FIELDS = (
+    "text", "input_ids", "labels", "prompt", "completion", "query", "response", "system", "history", "messages",
+)  # fmt: skip
 # YAML 1.1 reads on/off/yes/no/true/false as booleans, so `gpu_state: off` arrives as False. For
 # string-choice keys where a boolean has one obvious meaning, it is read as that choice.
 BOOLEAN_CHOICES = {
@@ -52,6 +57,12 @@ class TrainConfig:
     """auto, text, tokens, messages, sharegpt, alpaca, prompt_completion."""
     dataset_info: str | None = None
     """Path of a LlamaFactory-style dataset_info.json registry."""
+    columns: dict[str, str] | None = None
+    """The dataset's column names where they are not the format's, as LlamaFactory's `columns`:
+    field -> column, e.g. {prompt: question, completion: answer}. Fields: text, input_ids,
+    labels, prompt, completion, messages, system; alpaca's query, response, history (prompt is
+    its instruction). Applies to the files dataset and eval_dataset name directly (a registered
+    dataset has its own)."""
     max_length: int = 2048
     """Tokens per sequence; longer samples are truncated, split or refused (see truncation)."""
     packing: bool = False
@@ -269,6 +280,11 @@ class TrainConfig:
             bad("max_length", "must be >= 2 with truncation: split (a window holds a token and its target)")
         if self.dataset_format not in DATASET_FORMATS:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
+        for k, v in (self.columns or {}).items():
+            if k not in COLUMN_FIELDS:
+                bad("columns", f"{k!r} is not a field (fields: {', '.join(COLUMN_FIELDS)})")
+            if not isinstance(v, str):
+                bad("columns", f"{k}'s column must be a name, got {v!r}")
         self.report_to = reporters(self.report_to)
         if self.save_strategy not in SAVE_STRATEGIES:
             bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
