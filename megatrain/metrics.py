@@ -19,7 +19,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .trackers import RunInfo, Tracker, first_line, open_trackers, scalars
+from .errors import first_line
+from .trackers import RunInfo, Tracker, open_trackers, scalars
 
 
 def show_progress(disable_tqdm: bool | None) -> bool:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, MegatrainError
+from .errors import ConfigError, MegatrainError, first_line
 
 _MODULE = {"tensorboard": "torch.utils.tensorboard"}  # what a tracker imports, where not its name
 DEFAULT_PROJECT = "megatrain"
@@ -148,12 +148,6 @@ def open_trackers(names: list[str], output_dir: Path, start_step: int, run: RunI
                 t.close(failed=True)
             raise MegatrainError(f"report_to: {name} could not start: {first_line(e)}") from e
     return opened
-
-
-def first_line(e: BaseException) -> str:
-    """An exception as one short line (libraries' messages run to many)."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
 class _TensorBoard(Tracker):
