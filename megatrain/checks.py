@@ -9,11 +9,12 @@ from pathlib import Path
 from .errors import ConfigError
 from .models.config import ModelConfig
 from .optim import lr_at
+from .trackers import check_installed
 
 
 def check_outputs(cfg) -> None:
     """ConfigError when the run could not write its outputs: `output_dir` (or a parent) is a
-    file, or `report_to` names a backend that is not installed."""
+    file, or `report_to` names a tracker that is not installed."""
     out = Path(cfg.output_dir)
     for p in (out, *out.parents):
         if p.exists():
@@ -21,13 +22,7 @@ def check_outputs(cfg) -> None:
                 what = "is a file" if p == out else f"is inside {p}, which is a file"
                 raise ConfigError(f"output_dir: {out} {what}, not a directory")
             break
-    if "tensorboard" in cfg.report_to:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "report_to: tensorboard is not installed (pip install tensorboard, or report_to: none)"
-            ) from None
+    check_installed(cfg.report_to)
 
 
 def beyond_positions(length: int, model_cfg: ModelConfig) -> str | None:

@@ -1,4 +1,4 @@
-"""`megatrain` command line: train, export, plot, plan.
+"""`megatrain` command line: train, export, plot, plan, chat.
 
 Exit codes: 0 done; 1 training diverged (non-finite steps), or `plan` says the run does not
 fit; 2 bad input (one line "megatrain: error: ..." naming the key, file or line); 130 / 143 a run
@@ -118,6 +118,54 @@ def _plot(args) -> int:
     return 0
 
 
+def _chat(args) -> int:
+    from .talk import Chat, converse, find_tokenizer, load_model, model_dir
+
+    directory = model_dir(args.model)
+    tokenizer = find_tokenizer(directory, args.tokenizer)
+    templated = getattr(tokenizer, "chat_template", None)
+    if args.system is not None and (args.raw or not templated):
+        why = "which --raw leaves out" if args.raw else "and the tokenizer has none"
+        raise MegatrainError(f"--system: a system message needs the chat template, {why}")
+    if not args.raw and not templated:
+        print(
+            "megatrain: the tokenizer has no chat template: the text is continued as it is", file=sys.stderr
+        )
+    model = load_model(directory, args.device, args.dtype)
+    chat = Chat(
+        model,
+        tokenizer,
+        raw=args.raw,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
+    if args.prompt is not None:
+        chat.answer(args.prompt)
+    elif sys.stdin.isatty():
+        converse(chat)
+    else:  # text piped in: one answer, as --prompt
+        chat.answer(sys.stdin.read().rstrip("\n"))
+    return 0
+
+
+def _number(kind: type, low: float, high: float | None = None, closed: bool = True):
+    """An argparse type: a number of `kind` >= `low` (> `low` unless `closed`), <= `high`."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low or (not closed and value == low) or (high is not None and value > high):
+            span = f"{'>=' if closed else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {span}")
+        return value
+
+    return parse
+
+
 def _plan(args) -> int:
     import torch
 
@@ -202,6 +250,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace OUT if it is a plot megatrain wrote, unchanged since (nothing else)",
     )
     p.set_defaults(func=_plot)
+
+    p = sub.add_parser("chat", help="talk to a trained model: megatrain chat MODEL_DIR [--prompt TEXT]")
+    p.add_argument(
+        "model", metavar="MODEL_DIR", help="a run's final/ (or its output_dir), an export, or a checkpoint-N"
+    )
+    p.add_argument(
+        "--prompt", metavar="TEXT", help="answer TEXT once and exit (as text piped into stdin does)"
+    )
+    p.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation")
+    p.add_argument(
+        "--max-new-tokens",
+        metavar="N",
+        type=_number(int, 1),
+        default=256,
+        help="longest answer, in tokens (256)",
+    )
+    p.add_argument(
+        "--temperature",
+        metavar="T",
+        type=_number(float, 0.0),
+        help="0: greedy; above: sampling (default: the model's generation_config.json)",
+    )
+    p.add_argument(
+        "--top-p", metavar="P", type=_number(float, 0.0, 1.0, closed=False), help="nucleus sampling mass"
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="auto: bfloat16 on CUDA, else float32",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="PATH", help="a tokenizer directory, where MODEL_DIR and its run have none"
+    )
+    p.add_argument("--raw", action="store_true", help="continue the text as it is, without the chat template")
+    p.set_defaults(func=_chat)
 
     p = sub.add_parser("plan", help="estimate host and GPU memory of a run before starting it")
     p.add_argument("config", help="YAML config file, as for train")

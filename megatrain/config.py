@@ -27,8 +27,14 @@ import yaml
 
 from .errors import ConfigError
 from .optim import SCHEDULES
+from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
+# The fields `columns` may map to a file's columns (LlamaFactory's names for alpaca's: prompt is
+# its instruction, query its input, response its output).
+COLUMN_FIELDS = (
+    "text", "input_ids", "labels", "prompt", "completion", "query", "response", "system", "history", "messages",
+)  # fmt: skip
 # YAML 1.1 reads on/off/yes/no/true/false as booleans, so `gpu_state: off` arrives as False. For
 # string-choice keys where a boolean has one obvious meaning, it is read as that choice.
 BOOLEAN_CHOICES = {
@@ -41,7 +47,6 @@ SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are der
 SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
-REPORTERS = ("tensorboard",)  # the report_to integrations megatrain has
 # Input paths of a config file, resolved against its directory (see the module docstring).
 PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info")
 DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a dataset_info.json
@@ -65,6 +70,12 @@ class TrainConfig:
     alpaca, prompt_completion."""
     dataset_info: str | None = None
     """Path of a LlamaFactory-style dataset_info.json registry."""
+    columns: dict[str, str] | None = None
+    """The dataset's column names where they are not the format's, as LlamaFactory's `columns`:
+    field -> column, e.g. {prompt: question, completion: answer}. Fields: text, input_ids,
+    labels, prompt, completion, messages, system; alpaca's query, response, history (prompt is
+    its instruction). Applies to the files dataset and eval_dataset name directly (a registered
+    dataset has its own)."""
     max_length: int = 2048
     """Tokens per sequence; longer samples are truncated, split or refused (see truncation).
     Beyond the model's max_position_embeddings: a warning (RoPE scaling may extend the context on
@@ -126,8 +137,13 @@ class TrainConfig:
     """Print a log line every N steps, or every such fraction (< 1) of the run, when there is no
     progress bar (metrics.jsonl gets every step)."""
     report_to: str | list[str] = "none"
-    """none, tensorboard or all (every one of those installed), or a list of them, as in
-    transformers (YAML's false/no/off read as none)."""
+    """Experiment trackers: none, all (every one installed), or one or a list of tensorboard,
+    wandb, mlflow, trackio (YAML's false/no/off read as none)."""
+    run_name: str | None = None
+    """The run's name in the experiment trackers (default: its run id, which checkpoints carry)."""
+    project: str | None = None
+    """The trackers' project (W&B project, MLflow experiment, Trackio project); default
+    WANDB_PROJECT or MLFLOW_EXPERIMENT_NAME where set, else megatrain."""
     save_strategy: str = "steps"
     """When to save checkpoints: steps (every save_steps), epoch (at the end of each epoch) or
     no (none; a stopped run still saves; YAML's no/false: no). With steps or epoch the last step
@@ -293,7 +309,12 @@ class TrainConfig:
             bad("max_length", "must be >= 2 with truncation: split (a window holds a token and its target)")
         if self.dataset_format not in DATASET_FORMATS:
             bad("dataset_format", f"must be one of {', '.join(DATASET_FORMATS)}")
-        self.report_to = _reporters(self.report_to)
+        for k, v in (self.columns or {}).items():
+            if k not in COLUMN_FIELDS:
+                bad("columns", f"{k!r} is not a field (fields: {', '.join(COLUMN_FIELDS)})")
+            if not isinstance(v, str):
+                bad("columns", f"{k}'s column must be a name, got {v!r}")
+        self.report_to = reporters(self.report_to)
         if self.save_strategy not in SAVE_STRATEGIES:
             bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
         self.save_steps = _steps_or_fraction(self, "save_steps", zero=True)
@@ -482,24 +503,6 @@ def _steps_or_fraction(cfg: TrainConfig, key: str, zero: bool) -> int | float:
             f"{'[0' if zero else '(0'}, 1) (got {value!r})"
         )
     return int(value) if value >= 1 or value == 0 else value
-
-
-def _reporters(value: str | list[str]) -> list[str]:
-    """report_to as transformers 5 reads it: "none" or [] (nothing), "all" (every integration
-    installed: here, tensorboard if it is), one name or a list of names."""
-    names = [value] if isinstance(value, str) else list(value)
-    if names in (["none"], []):
-        return []
-    if names == ["all"]:
-        import importlib.util
-
-        return [r for r in REPORTERS if importlib.util.find_spec(r) is not None]
-    for name in names:
-        if name not in REPORTERS:
-            raise ConfigError(
-                f"report_to: {name!r} is not an integration megatrain has (none, all, {', '.join(REPORTERS)})"
-            )
-    return list(dict.fromkeys(names))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)

@@ -1,6 +1,12 @@
 """Errors a user can act on: one line naming the file, key or line at fault."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception as one short line, for a message of ours (libraries' run to many lines)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
+
+
 class MegatrainError(Exception):
     """Base class; the CLI prints these as a one-line message without a traceback."""
 

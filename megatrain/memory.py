@@ -57,9 +57,9 @@ class MemoryRecord:
             out["gpu_peak_allocated"] = self.plan.gpu_peak
         return out
 
-    def write(self, output_dir: Path) -> None:
-        """plan.json, written atomically."""
-        record = {
+    def record(self) -> dict:
+        """What plan.json holds: the plan, the machine, the predicted and measured peaks."""
+        return {
             "model": self.model,
             "plan": self.plan.to_json(),
             "machine": asdict(self.machine),
@@ -68,10 +68,13 @@ class MemoryRecord:
             "measured": self.measured,
             "host_state_bytes_per_machine": self.state_bytes,
         }
+
+    def write(self, output_dir: Path) -> None:
+        """plan.json, written atomically."""
         path = Path(output_dir) / PLAN_FILE
         tmp = path.with_name(f".{PLAN_FILE}.tmp-{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(record, indent=2) + "\n")
+            tmp.write_text(json.dumps(self.record(), indent=2) + "\n")
             os.replace(tmp, path)
         except OSError as e:
             tmp.unlink(missing_ok=True)

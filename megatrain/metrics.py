@@ -1,5 +1,6 @@
 """Where training progress goes: `metrics.jsonl` always, a tqdm bar on a terminal (plain log
-lines otherwise), TensorBoard when asked; and byte progress bars for long saves and reads.
+lines otherwise), the experiment trackers `report_to` names (trackers.py); and byte progress
+bars for long saves and reads.
 
 metrics.jsonl holds two kinds of records, both with a `step`: one per optimizer step (`loss`,
 `grad_norm`, `lr`, ...) and one per evaluation (`eval_loss`, `eval_perplexity`, ...; Hugging
@@ -16,6 +17,9 @@ import threading
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from .errors import first_line
+from .trackers import RunInfo, Tracker, open_trackers, scalars
 
 
 def show_progress(disable_tqdm: bool | None) -> bool:
@@ -42,12 +46,17 @@ class MetricsLogger:
         logging_steps: int = 1,
         report_to: list[str] | tuple[str, ...] = (),
         disable_tqdm: bool | None = None,
+        run: RunInfo | None = None,
     ):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.logging_steps = logging_steps
         self.total = total_steps
         self.start = start_step
         self._keep_until(start_step)
+        # Before the file and the bar: a tracker that cannot start leaves nothing open.
+        self.trackers: list[Tracker] = open_trackers(
+            list(report_to), Path(output_dir), start_step, run or RunInfo()
+        )
         # Unbuffered: a record reaches the file in one write, or is cut off by `_append`.
         self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
         interactive = show_progress(disable_tqdm)
@@ -56,14 +65,6 @@ class MetricsLogger:
             total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not interactive
         )
         self.interactive = interactive
-        self.tb = None
-        if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides events of steps after a resumed checkpoint: they are redone.
-            self.tb = SummaryWriter(
-                log_dir=str(Path(output_dir) / "runs"), purge_step=start_step + 1 if start_step else None
-            )
         self._step_seconds, self._steps = 0.0, 0  # the training steps' own time: the ETA's rate
         self._eval_loss: str | None = None  # the latest, shown in the bar's postfix
 
@@ -124,21 +125,10 @@ class MetricsLogger:
                 f"lr {record['lr']:.3g} tokens/s {record['tokens_per_s']:.0f} eta {_duration(eta)}",
                 flush=True,
             )
-        if self.tb is not None:
-            for k in (
-                "loss",
-                "grad_norm",
-                "lr",
-                "tokens_per_s",
-                "aux_loss",
-                "expert_load_max",
-                "expert_load_min",
-            ):
-                if isinstance(record.get(k), (int, float)):
-                    self.tb.add_scalar(f"train/{k}", record[k], step)
+        self._report(record)
 
     def log_eval(self, record: dict) -> None:
-        """An evaluation record: to metrics.jsonl, as a line for the user, to TensorBoard."""
+        """An evaluation record: to metrics.jsonl, as a line for the user, to the trackers."""
         self._append(record)
         loss, ppl = record["eval_loss"], record["eval_perplexity"]
         self._eval_loss = "nan" if loss is None else f"{loss:.4f}"
@@ -147,10 +137,22 @@ class MetricsLogger:
             f"perplexity {'-' if ppl is None else f'{ppl:.3f}'} ({record['eval_runtime']:.1f}s, "
             f"{record['eval_tokens_per_s']:.0f} tokens/s)"
         )
-        if self.tb is not None:
-            for k in ("loss", "perplexity", "runtime", "tokens_per_s"):
-                if isinstance(record.get(f"eval_{k}"), (int, float)):
-                    self.tb.add_scalar(f"eval/{k}", record[f"eval_{k}"], record["step"])
+        self._report(record)
+
+    def _report(self, record: dict) -> None:
+        """A record (already in metrics.jsonl) to every tracker. One that fails is dropped with a
+        warning: a tracker's outage must not stop a run whose metrics.jsonl has every record."""
+        values = scalars(record)
+        for t in list(self.trackers):
+            try:
+                t.log(values, record["step"])
+            except Exception as e:
+                self.trackers.remove(t)
+                self.message(
+                    f"megatrain: warning: report_to {t.name} failed at step {record['step']} ({first_line(e)}); "
+                    f"training goes on without it, and {self.path} has every step"
+                )
+                self._close(t, failed=True)
 
     def exclude_pause(self) -> None:
         """Leave the time since the last step (an evaluation, a save) out of the progress bar's
@@ -173,11 +175,24 @@ class MetricsLogger:
         """A line for the user that does not break the progress bar."""
         (self.bar.write if self.interactive else print)(text)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the bar, the trackers (their runs marked failed when `failed`: the training
+        raised) and metrics.jsonl."""
         self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-        self._f.close()  # unbuffered: nothing left to write
+        try:
+            for t in self.trackers:
+                self._close(t, failed)
+        finally:
+            self._f.close()  # unbuffered: nothing left to write
+
+    def _close(self, tracker: Tracker, failed: bool) -> None:
+        """Close a tracker; a failure to is a warning (the run's outputs are already written)."""
+        try:
+            tracker.close(failed)
+        except Exception as e:
+            self.message(
+                f"megatrain: warning: report_to {tracker.name} did not close cleanly ({first_line(e)})"
+            )
 
     @contextlib.contextmanager
     def _naming_errors(self):
@@ -243,5 +258,5 @@ class SilentLogger:
     def message(self, text: str) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass

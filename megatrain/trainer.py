@@ -1,8 +1,9 @@
 """The training loop: batch, forward and backward sweeps, clip, optimizer, log, checkpoint.
 
 The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
-output_dir, when to save, disk space), ownership.py (the run's lock on output_dir), guard.py (signals, non-finite steps), plan.py (the memory
-preflight), memory.py (plan.json), metrics.py (metrics.jsonl, progress bar, TensorBoard),
+output_dir, when to save, disk space), ownership.py (the run's lock on output_dir), guard.py
+(signals, non-finite steps), plan.py (the memory preflight), memory.py (plan.json), metrics.py
+(metrics.jsonl, progress bar, the experiment trackers),
 evaluation.py (eval loss, the best checkpoint).
 """
 
@@ -40,6 +41,7 @@ from .partition import check_shared, save_checkpoint, save_model
 from .placement import Machine, Plan
 from .plan import preflight
 from .runtime import build_model, resolve_device, resolve_dtype
+from .trackers import RunInfo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -220,18 +222,19 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
     history = deque(ts.log_history if ts else [], maxlen=HISTORY)
-    every = max(1, interval_steps(cfg.logging_steps, total_steps))  # a tiny fraction rounds to 0 steps
-    log = (
-        MetricsLogger(out, total_steps, start, every, cfg.report_to, cfg.disable_tqdm)
-        if main
-        else SilentLogger()
-    )
     # What a resume compares: the global batch, however many processes shared it.
     run_config = {
         **cfg.to_dict(),
         "total_train_batch_size": batcher.batch_size * batcher.micro_per_step,
         "world_size": world.world_size,
     }
+    every = max(1, interval_steps(cfg.logging_steps, total_steps))  # a tiny fraction rounds to 0 steps
+    about = RunInfo(outputs.run_id, cfg.run_name, cfg.project, run_config, memory.record())
+    log = (
+        MetricsLogger(out, total_steps, start, every, cfg.report_to, cfg.disable_tqdm, about)
+        if main
+        else SilentLogger()
+    )
     nonfinite = NonFiniteGuard(cfg.max_consecutive_nonfinite, ts.nonfinite_streak if ts else 0, log.message)
     log.message(
         f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
@@ -365,7 +368,7 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     finally:
         # After an error, what closing meets (the same full disk, most often) is not the one to report.
         record = [lambda: memory.write(out)] if main else []
-        _close_all([*record, log.close, model.close], quietly=failed)
+        _close_all([*record, lambda: log.close(failed=failed), model.close], quietly=failed)
 
 
 def _close_all(steps: list[Callable[[], object]], quietly: bool) -> None:

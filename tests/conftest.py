@@ -15,3 +15,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _trackers_stay_local(tmp_path_factory):
+    """Experiment trackers never leave the machine or touch the user's stores in tests: W&B
+    offline, Trackio's store in a temporary directory (Trackio reads TRACKIO_DIR once, when it is
+    first imported, so this is set before any test runs), MLflow in output_dir."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    mp.setenv("TRACKIO_DIR", str(tmp_path_factory.mktemp("trackio")))
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "WANDB_PROJECT",
+        "TRACKIO_SPACE_ID",
+        "TRACKIO_SERVER_URL",
+    ):
+        mp.delenv(name, raising=False)
+    yield
+    mp.undo()

@@ -33,36 +33,46 @@ Messages = list[dict[str, str]]
 Item = str | Tokens | Messages | PromptCompletion
 
 
-def detect_format(where: str, record: dict[str, Any]) -> str:
-    """The format of a file, from the keys of its first record (`where` is its file:line)."""
+def detect_format(where: str, record: dict[str, Any], columns: dict[str, str] | None = None) -> str:
+    """The format of a file, from the keys of its first record (`where` is its file:line), the
+    fields that `columns` maps found under their columns' names."""
     keys = set(record)
-    if "messages" in keys:
+    col = _columns(columns or {})
+    if col("messages") in keys:
         return "messages"
     if "conversations" in keys:
         return "sharegpt"
-    if "input_ids" in keys:
+    if col("input_ids") in keys:
         return "tokens"
-    if {"instruction", "output"} <= keys:
+    if {col("prompt", "instruction"), col("response", "output")} <= keys:
         return "alpaca"
-    if {"prompt", "completion"} <= keys:
+    if {col("prompt"), col("completion")} <= keys:
         return "prompt_completion"
-    if "text" in keys:
+    if col("text") in keys:
         return "text"
+    mapped = f" with columns {columns}" if columns else ""
     raise DataError(
-        f"{where}: cannot detect the dataset format from the keys {sorted(keys)}; expected messages, "
+        f"{where}: cannot detect the dataset format from the keys {sorted(keys)}{mapped}; expected messages, "
         "conversations, input_ids, instruction+output, prompt+completion or text (or set dataset_format)"
     )
+
+
+def _columns(columns: dict[str, str]):
+    """The column of a field: where `columns` maps it, else the format's own name (`default`,
+    else the field's)."""
+    return lambda name, default=None: columns.get(name, default or name)
 
 
 def normalize(fmt: str, file: DataFile, where: str, rec: dict[str, Any], vocab_size: int) -> Item:
     """One record of format `fmt` as a canonical item; `where` (file:line) prefixes errors and
     token ids of pre-tokenised records must be below `vocab_size`."""
+    col = _columns(file.columns)
     if fmt == "text":
-        return _string(rec, "text", where)
+        return _string(rec, col("text"), where)
     if fmt == "tokens":
-        return _tokens(rec, where, vocab_size)
+        return _tokens(rec, where, vocab_size, col("input_ids"), col("labels"))
     if fmt == "prompt_completion":
-        return PromptCompletion(_string(rec, "prompt", where), _string(rec, "completion", where))
+        return PromptCompletion(_string(rec, col("prompt"), where), _string(rec, col("completion"), where))
     if fmt == "alpaca":
         return _alpaca(rec, where, file.columns)
     if fmt in ("messages", "sharegpt"):
@@ -96,20 +106,24 @@ def out_of_vocab(ids: list[int], vocab_size: int) -> int | None:
     return next((x for x in ids if not 0 <= x < vocab_size), None)
 
 
-def _tokens(rec: dict, where: str, vocab_size: int) -> Tokens:
-    if "input_ids" not in rec:
-        raise DataError(f"{where}: missing field 'input_ids' (record has {sorted(rec)})")
-    ids = _int_list(rec, "input_ids", where)
+def _tokens(
+    rec: dict, where: str, vocab_size: int, ids_key: str = "input_ids", labels_key: str = "labels"
+) -> Tokens:
+    if ids_key not in rec:
+        raise DataError(f"{where}: missing field {ids_key!r} (record has {sorted(rec)})")
+    ids = _int_list(rec, ids_key, where)
     if not ids:
-        raise DataError(f"{where}: 'input_ids' is empty")
+        raise DataError(f"{where}: {ids_key!r} is empty")
     bad = out_of_vocab(ids, vocab_size)
     if bad is not None:
-        raise DataError(f"{where}: token id {bad} in 'input_ids' is outside the vocabulary [0, {vocab_size})")
+        raise DataError(f"{where}: token id {bad} in {ids_key!r} is outside the vocabulary [0, {vocab_size})")
     labels = None
-    if rec.get("labels") is not None:
-        labels = _int_list(rec, "labels", where)
+    if rec.get(labels_key) is not None:
+        labels = _int_list(rec, labels_key, where)
         if len(labels) != len(ids):
-            raise DataError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
+            raise DataError(
+                f"{where}: {labels_key!r} has {len(labels)} entries but {ids_key!r} has {len(ids)}"
+            )
         bad = out_of_vocab([x for x in labels if x != IGNORE_INDEX], vocab_size)
         if bad is not None:
             raise DataError(

@@ -61,7 +61,7 @@ def build_samples(
     for file in resolve_dataset(cfg, key):
         records = read_records(file.path)
         where0 = f"{file.path}:{records[0][0]}"
-        fmt = file.format if file.format != "auto" else detect_format(where0, records[0][1])
+        fmt = file.format if file.format != "auto" else detect_format(where0, records[0][1], file.columns)
         encode = _encoder(fmt, cfg, tokenizer, str(file.path))
         bar = tqdm(
             total=len(records),

@@ -1,5 +1,6 @@
-"""Finding and reading dataset files: JSON, JSONL and Parquet files, directories of them, and
-names registered in a LlamaFactory-style dataset_info.json."""
+"""Finding and reading dataset files: JSON, JSONL, CSV/TSV (those also gzip- or
+zstandard-compressed), Parquet and Arrow files, directories of them, directories Hugging Face
+`datasets` saved (files.py), and names registered in a LlamaFactory-style dataset_info.json."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError
+from .files import KINDS, data_kind, is_saved_dataset, read_arrow, read_csv, read_text, saved_dataset_files
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+DATA_FILES = "/".join(f".{k}" for k in KINDS) + " (.gz/.zst compressed text too)"
 _WS = re.compile(r"[ \t\n\r]*")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # only escapes can make a surrogate in JSON
 _TOO_DEEP = "JSON nested too deeply to read (Python's recursion limit)"
@@ -26,7 +28,7 @@ class DataFile:
     format: str = "auto"
     """A dataset format name, or auto (detected from the first record)."""
     columns: dict[str, str] = field(default_factory=dict)
-    """dataset_info.json `columns`: our field name -> the file's column name."""
+    """Our field name -> the file's column name: dataset_info.json's `columns`, or the config's."""
     tags: dict[str, str] = field(default_factory=dict)
     """dataset_info.json `tags` for sharegpt turns (role_tag, content_tag, user_tag, ...)."""
 
@@ -35,10 +37,13 @@ class DataFile:
 def resolve_dataset(cfg, key: str = "dataset") -> list[DataFile]:
     """The files `cfg.dataset` (or the key named, e.g. eval_dataset) refers to, in order.
 
-    Each entry may be a file, a directory (with a dataset_info.json: every dataset registered
-    there; without: every .json/.jsonl/.parquet file in it, sorted), or a name registered in
-    `cfg.dataset_info` or in the dataset_info.json of the entry's directory ("data/alpaca_en").
-    A single string may list several entries separated by commas, as in LlamaFactory.
+    Each entry may be a file, a directory (one Hugging Face `datasets` saved: its data files,
+    of the train split for `dataset` and the validation or test split for `eval_dataset` when it
+    is a DatasetDict; with a dataset_info.json: every dataset registered there; else every data
+    file in it, sorted), or a name registered in `cfg.dataset_info` or in the dataset_info.json
+    of the entry's directory ("data/alpaca_en"). A single string may list several entries
+    separated by commas, as in LlamaFactory. Files given directly take `cfg.columns`; registered
+    ones their registry entry's.
     """
     value = getattr(cfg, key)
     entries = value if isinstance(value, list) else [value]
@@ -49,31 +54,33 @@ def resolve_dataset(cfg, key: str = "dataset") -> list[DataFile]:
     info = _load_info(Path(cfg.dataset_info)) if cfg.dataset_info else None
     files: list[DataFile] = []
     for entry in entries:
-        files += _resolve_entry(entry, info, cfg.dataset_format, key)
+        files += _resolve_entry(entry, info, cfg.dataset_format, key, dict(cfg.columns or {}))
     return files
 
 
-def _resolve_entry(entry: str, info: tuple[Path, dict] | None, fmt: str, key: str) -> list[DataFile]:
+def _resolve_entry(
+    entry: str, info: tuple[Path, dict] | None, fmt: str, key: str, columns: dict[str, str]
+) -> list[DataFile]:
     p = Path(entry)
     if info is not None and entry in info[1]:
-        return _registered(entry, *info)
+        return _registered(entry, *info, key)
     if p.is_file():
-        return [DataFile(p, fmt)]
+        return [DataFile(p, fmt, columns)]
     if p.is_dir():
+        if is_saved_dataset(p):  # before dataset_info.json: save_to_disk writes one of its own
+            return [DataFile(f, fmt, columns) for f in saved_dataset_files(p, key)]
         if (p / "dataset_info.json").is_file():
             info_path, registry = _load_info(p / "dataset_info.json")
-            return [f for name in registry for f in _registered(name, info_path, registry)]
+            return [f for name in registry for f in _registered(name, info_path, registry, key)]
         found = _files_in(p)
         if not found:
-            raise ConfigError(
-                f"{key} {entry}: directory has no dataset_info.json and no {'/'.join(DATA_SUFFIXES)} files"
-            )
-        return [DataFile(f, fmt) for f in found]
+            raise ConfigError(f"{key} {entry}: directory has no dataset_info.json and no {DATA_FILES} files")
+        return [DataFile(f, fmt, columns) for f in found]
     local = p.parent / "dataset_info.json"
     if p.parent != Path(".") and local.is_file():
         info_path, registry = _load_info(local)
         if p.name in registry:
-            return _registered(p.name, info_path, registry)
+            return _registered(p.name, info_path, registry, key)
         raise ConfigError(
             f"{key} {entry}: no such file, and {p.name!r} is not registered in {local} ({_names(registry)})"
         )
@@ -91,9 +98,7 @@ def _names(registry: dict) -> str:
 
 def _files_in(directory: Path) -> list[Path]:
     return sorted(
-        f
-        for f in directory.iterdir()
-        if f.suffix in DATA_SUFFIXES and f.is_file() and f.name != "dataset_info.json"
+        f for f in directory.iterdir() if data_kind(f) and f.is_file() and f.name != "dataset_info.json"
     )
 
 
@@ -111,9 +116,10 @@ def _load_info(path: Path) -> tuple[Path, dict]:
     return path, registry
 
 
-def _registered(name: str, info_path: Path, registry: dict) -> list[DataFile]:
-    """The files of one dataset_info.json entry. Only local `file_name` entries are supported:
-    hub and script entries would need a network."""
+def _registered(name: str, info_path: Path, registry: dict, key: str) -> list[DataFile]:
+    """The files of one dataset_info.json entry (for config key `key`). Only local `file_name`
+    entries are supported: hub and script entries would need a network. A `split` picks one of
+    a saved DatasetDict's."""
     spec = registry[name]
     where = f"dataset_info {info_path}: {name!r}"
     if "file_name" not in spec:
@@ -129,38 +135,44 @@ def _registered(name: str, info_path: Path, registry: dict) -> list[DataFile]:
     formatting = spec.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt"):
         raise ConfigError(f"{where}: formatting must be alpaca or sharegpt (got {formatting!r})")
-    for key in ("columns", "tags"):
-        if not isinstance(spec.get(key, {}), dict):
-            raise ConfigError(f"{where}: {key} must be an object")
+    for k in ("columns", "tags"):
+        if not isinstance(spec.get(k, {}), dict):
+            raise ConfigError(f"{where}: {k} must be an object")
     target = info_path.parent / spec["file_name"]
-    if target.is_dir():
+    if target.is_dir() and is_saved_dataset(target):
+        paths = saved_dataset_files(target, key, spec.get("split"))
+    elif target.is_dir():
         paths = _files_in(target)
     elif target.is_file():
         paths = [target]
     else:
         raise ConfigError(f"{where}: file_name {target} does not exist")
     if not paths:
-        raise ConfigError(f"{where}: directory {target} has no {'/'.join(DATA_SUFFIXES)} files")
+        raise ConfigError(f"{where}: directory {target} has no {DATA_FILES} files")
     return [DataFile(p, formatting, dict(spec.get("columns", {})), dict(spec.get("tags", {}))) for p in paths]
 
 
 # ------------------------------------------------------------------------ reading records
 def read_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """All records of a file as (line, record) pairs; for Parquet the "line" is the 1-based row.
+    """All records of a file as (line, record) pairs; for Parquet and Arrow the "line" is the
+    1-based row, for CSV/TSV the line a row starts on (the header is line 1).
 
     JSON files may hold a top-level list of records or one record per line (JSONL), whatever
-    the suffix says, as the Hugging Face `json` loader accepts both. Raises DataError naming
-    file:line for anything malformed, and for files that are empty or hold no records.
+    the suffix says, as the Hugging Face `json` loader accepts both; so is a file whose name
+    says nothing. Raises DataError naming file:line for anything malformed, and for files that
+    are empty or hold no records.
     """
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    if path.suffix == ".parquet":
+    kind, compression = data_kind(path) or ("json", None)
+    if kind == "parquet":
         records = list(_read_parquet(path))
+    elif kind == "arrow":
+        records = read_arrow(path)
+    elif kind in ("csv", "tsv"):
+        records = read_csv(path, read_text(path, compression), "," if kind == "csv" else "\t")
     else:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        text = read_text(path, compression)
         start = _WS.match(text).end()
         if start == len(text):
             raise DataError(f"{path}: file is empty")
