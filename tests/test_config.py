@@ -205,13 +205,14 @@ def test_report_to_takes_lists_none_and_all():
     assert _load("report_to=[]").report_to == []
     assert _load("report_to=tensorboard").report_to == ["tensorboard"]
     assert _load("report_to=[tensorboard]").report_to == ["tensorboard"]
-    # all: the integrations installed (the tests have tensorboard)
-    assert _load("report_to=all").report_to == ["tensorboard"]
+    # all: the integrations installed (the tests install every one megatrain has)
+    assert _load("report_to=all").report_to == ["tensorboard", "wandb", "mlflow", "trackio"]
+    assert _load("report_to=[tensorboard, wandb, tensorboard]").report_to == ["tensorboard", "wandb"]
     with pytest.raises(
         ConfigError,
-        match=r"^report_to: 'wandb' is not an integration megatrain has \(none, all, tensorboard\)$",
+        match=r"^report_to: 'comet' is not an integration megatrain has \(none, all, tensorboard, wandb, mlflow, trackio\)$",
     ):
-        _load("report_to=[tensorboard, wandb]")
+        _load("report_to=[tensorboard, comet]")
 
 
 def test_fractional_logging_and_warmup_steps_in_a_run(tmp_path, capsys):
