@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
+from .engine.optim import SCHEDULES
 from .errors import ConfigError
-from .optim import SCHEDULES
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
 # YAML 1.1 reads on/off/yes/no/true/false as booleans, so `gpu_state: off` arrives as False. For
@@ -308,7 +308,7 @@ class TrainConfig:
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of
         nproc_per_node processes (layout.Layout; under torchrun the world is torchrun's)."""
-        from .layout import resolve
+        from .parallel.layout import resolve
 
         machines = self.nnodes or 1
         return resolve(self.ddp_traffic, self.nproc_per_node * machines, machines)

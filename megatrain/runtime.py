@@ -9,18 +9,19 @@ from pathlib import Path
 
 import torch
 
-from . import CUDA_ALLOC_CONF, placement
-from .distributed import Collective, Single
-from .engine import Engine
+from . import CUDA_ALLOC_CONF
+from .engine.engine import Engine
+from .engine.optim import AdamWConfig, HostAdamW, optimizer_threads
+from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
-from .layout import Layout
+from .host.state import HostState, build_units
+from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
-from .optim import AdamWConfig, HostAdamW, optimizer_threads
-from .placement import Batch, Choices, Machine, Plan
-from .probe import layer_memory_for
-from .state import HostState, build_units
-from .transport import SerialTransport, StreamingTransport, Transport
-from .weights import init_random, load_hf_weights
+from .parallel.distributed import Collective, Single
+from .parallel.layout import Layout
+from .planning import placement
+from .planning.placement import Batch, Choices, Machine, Plan
+from .planning.probe import layer_memory_for
 
 
 def configure_allocator() -> None:

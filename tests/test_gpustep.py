@@ -16,19 +16,19 @@ from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixt
 from test_cli import run_cli
 from test_placement import STEP16K, cuda, llama
 
-from megatrain import costmodel, footprint, placement, planspec
 from megatrain.config import TrainConfig
-from megatrain.distributed import Single
+from megatrain.engine.gpustep import GpuStepper
+from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.errors import ConfigError
-from megatrain.gpustep import GpuStepper
-from megatrain.layout import Layout
+from megatrain.host.state import STATE_BYTES, HostState, build_units
+from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
-from megatrain.optim import AdamWConfig, HostAdamW, clip_scaled
-from megatrain.placement import Choices, Machine, Plan
-from megatrain.probe import LayerMemory, formula_layer_memory
+from megatrain.parallel.distributed import Single
+from megatrain.parallel.layout import Layout
+from megatrain.planning import costmodel, footprint, placement, planspec
+from megatrain.planning.placement import Choices, Machine, Plan
+from megatrain.planning.probe import LayerMemory, formula_layer_memory
 from megatrain.runtime import build_model
-from megatrain.state import STATE_BYTES, HostState, build_units
-from megatrain.weights import init_random
 
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
 

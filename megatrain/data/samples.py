@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ..batch import IGNORE_INDEX
 from ..config import SPLIT
 from ..errors import ConfigError, DataError
 from ..metrics import show_progress
+from .batch import IGNORE_INDEX
 from .chat import encode_chats, require_chat_template
 from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
 from .sources import read_records, resolve_dataset

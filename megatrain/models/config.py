@@ -215,7 +215,7 @@ def _rope_type_of(params: dict) -> str:
 def _check_quantization(hf) -> None:
     """Refuse a quantised checkpoint whose tensors are not decoded on loading: only MXFP4 ones are
     (`mxfp4.py`, gpt-oss as published); others would load their raw integers as weights."""
-    from ..mxfp4 import QUANT_METHOD
+    from .mxfp4 import QUANT_METHOD
 
     quant = getattr(hf, "quantization_config", None)
     if quant is None:

@@ -169,7 +169,7 @@ class MoeDecoderLayer(nn.Module):
 
 def router_balance(cfg, num_layers: int, device: torch.device):
     """The keeper of transformers' load-balancing loss over a model's layers (`Family.aux`)."""
-    from ..routing import RouterBalance  # the engine's side of the aux loss
+    from .routing import RouterBalance  # the engine's side of the aux loss
 
     return RouterBalance(cfg.moe, num_layers, device)
 

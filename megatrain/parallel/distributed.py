@@ -27,9 +27,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..host.state import HostState, Unit, unit_views
 from .layout import Layout, resolve
-from .state import HostState, Unit, unit_views
 
 T = TypeVar("T")
 

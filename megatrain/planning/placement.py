@@ -42,8 +42,11 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
+from ..errors import ConfigError, MegatrainError
+from ..host.state import STATE_BYTES
+from ..models.config import ModelConfig
+from ..parallel.layout import Layout
 from .costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
-from .errors import ConfigError, MegatrainError
 from .footprint import (
     CUDA_CONTEXT,
     evaluate,
@@ -55,11 +58,8 @@ from .footprint import (
     usable_gpu,
     usable_host,
 )
-from .layout import Layout
-from .models.config import ModelConfig
 from .planspec import Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
-from .state import STATE_BYTES
 
 __all__ = [
     "Batch",
@@ -477,8 +477,8 @@ def measure(
     `world`: the data-parallel world the machine belongs to (layout.py; default one process)."""
     import torch
 
-    from .distributed import plans_for_all
-    from .optim import optimizer_threads
+    from ..engine.optim import optimizer_threads
+    from ..parallel.distributed import plans_for_all
     from .probe import adam_rate
 
     kind = str(device).split(":")[0]

@@ -26,16 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from . import losshead
-from .batch import MicroBatch
-from .compiling import compiled
-from .distributed import Collective, Single
-from .models.config import ModelConfig
-from .models.decoder import set_mlp_tiles
-from .models.family import family_of, templates
-from .placement import Plan
-from .planspec import EMBED_GRAD_ROWS
-from .state import HostState, Unit, unit_views
+from ..data.batch import MicroBatch
+from ..host.state import HostState, Unit, unit_views
+from ..models.compiling import compiled
+from ..models.config import ModelConfig
+from ..models.decoder import set_mlp_tiles
+from ..models.family import family_of, templates
+from ..objectives import losshead
+from ..parallel.distributed import Collective, Single
+from ..planning.placement import Plan
+from ..planning.planspec import EMBED_GRAD_ROWS
 from .transport import Transport
 
 
@@ -119,7 +119,7 @@ class Engine:
         self.loss_chunk_tokens = plan.loss_chunk_tokens
         self.host_acts = None
         if plan.parked_layers and self.device.type == "cuda":
-            from .activations import HostActivations
+            from ..host.activations import HostActivations
 
             self.host_acts = HostActivations(self.device)
         self._norms: dict[int, list[torch.Tensor]] = {}

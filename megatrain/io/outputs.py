@@ -29,6 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import interval_steps
+from ..errors import ConfigError, OutputError
+from ..metrics import is_eval
+from ..planning.memory import PLAN_FILE
+from ..planning.placement import fmt_bytes
 from . import manifest
 from .checkpoint import (
     TRAIN_CONFIG,
@@ -39,11 +44,6 @@ from .checkpoint import (
     list_checkpoints,
     remove_temporaries,
 )
-from .config import interval_steps
-from .errors import ConfigError, OutputError
-from .memory import PLAN_FILE
-from .metrics import is_eval
-from .placement import fmt_bytes
 from .writing import AtomicDir, free_bytes
 
 METRICS, FINAL = "metrics.jsonl", "final"

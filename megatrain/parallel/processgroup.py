@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
+from ..host.hostmem import shared_buffer
+from ..host.state import HostState, Unit
 from .distributed import Cuts, T, param_norms, world_layout
-from .errors import ConfigError
-from .hostmem import shared_buffer
 from .layout import Layout, piece_len
-from .state import HostState, Unit
 
 SHM_DIR = Path("/dev/shm")
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from .batch import IGNORE_INDEX
+from ..data.batch import IGNORE_INDEX
 
 
 def logits(

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..host.state import build_units
+from ..models.config import ModelConfig
+from ..parallel.layout import Layout
 from .costmodel import ADAM_PARAMS_S, PCIE_BYTES_S
-from .layout import Layout
-from .models.config import ModelConfig
 from .probe import LayerMemory, token_ffn
-from .state import build_units
 
 # The pools a plan sizes by default
 PREFETCH = 2  # units copied ahead of compute

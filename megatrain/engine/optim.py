@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed import Collective, Single
-from .state import HostState, Unit
+from ..host.state import HostState, Unit
+from ..parallel.distributed import Collective, Single
 
 
 def optimizer_threads(ranks_per_machine: int = 1) -> int:

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import CheckpointError, ConfigError, OutputError
+from ..host.state import HostState, build_units, checkpoint_entries, tensor_entries
+from ..models.config import ModelConfig
 from . import manifest
-from .errors import CheckpointError, ConfigError, OutputError
-from .models.config import ModelConfig
 from .reader import INDEX, TensorReader, checkpoint_files
-from .state import HostState, build_units, checkpoint_entries, tensor_entries
 from .writing import AtomicDir
 
 
@@ -70,7 +70,7 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
     and its index, so units fill in parallel threads and the result depends on the seed alone.
     Other families are initialised by transformers' own rules (Gemma's norms are zero-centred,
     for one), a unit at a time."""
-    from .models.family import family_of
+    from ..models.family import family_of
 
     if family_of(cfg).hf_init:
         return _init_as_transformers(state, cfg, seed, progress)
@@ -105,8 +105,8 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
 def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progress: bool) -> None:
     """Each unit's template materialised on the host and initialised by the model's own
     `_init_weights` (it draws from the global generator: units in turn, each seeded)."""
-    from .models.family import templates
-    from .models.hf import skeleton
+    from ..models.family import templates
+    from ..models.hf import skeleton
 
     init, t = skeleton(cfg).model._init_weights, templates(cfg)
     for unit in tqdm(state.units, desc="initialising weights", disable=not progress, unit="unit"):
@@ -157,7 +157,7 @@ def write_model_config(
 
             GenerationConfig.from_model_config(hf).save_pretrained(out_dir)
     if tokenizer is not None:
-        from .data.chat import end_of_turn_id
+        from ..data.chat import end_of_turn_id
 
         eot = end_of_turn_id(tokenizer)
         if eot is not None:
@@ -263,7 +263,7 @@ def export_model(
     }
     used = {"config.json", *small, *(f.name for f in files.values())}
     used |= {INDEX} if (src / INDEX).is_file() else set()
-    from .data.tokenizer import load_tokenizer  # only for the chat template's end-of-turn token
+    from ..data.tokenizer import load_tokenizer  # only for the chat template's end-of-turn token
 
     try:
         tokenizer = load_tokenizer(src, optional=True)

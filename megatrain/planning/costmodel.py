@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .state import STATE_BYTES
+from ..host.state import STATE_BYTES
 
 if TYPE_CHECKING:  # planspec.py imports this module (rates as defaults): the types only, for annotations
     from .planspec import Batch, Machine, Plan, Shape

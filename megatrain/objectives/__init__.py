@@ -1,0 +1,1 @@
+"""Training objectives (placeholder; completed below)."""
