@@ -129,7 +129,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.data.batch import MicroBatch
     from megatrain.engine.optim import AdamWConfig, chunk_ranges
     from megatrain.models.config import ModelConfig
-    from megatrain.parallel.distributed import start
+    from megatrain.parallel.processgroup import start
     from megatrain.planning.placement import Batch, Choices, phase_peaks, unit_peaks
     from megatrain.planning.probe import layer_memory_for
     from megatrain.runtime import build_model, make_plan

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .data.samples import SPLIT
 from .engine.optim import SCHEDULES
 from .errors import ConfigError
 
@@ -30,7 +31,6 @@ BOOLEAN_CHOICES = {
     "eval_strategy": {False: "no"},
 }
 SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
-SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 
@@ -438,13 +438,6 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d.pop("extra", None)
         return d
-
-
-def interval_steps(value: int | float, total_steps: int) -> int:
-    """The steps a save_steps or eval_steps value means in a run of `total_steps`: a whole
-    number as it is; a fraction (< 1) of the run rounded up, as in transformers, once
-    floating-point noise is dropped (0.07 x 100 is 7 steps, not 8)."""
-    return int(value) if value >= 1 else math.ceil(round(value * total_steps, 9))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)

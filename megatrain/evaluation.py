@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from .config import interval_steps
 from .data import Batcher, build_samples
 from .errors import CheckpointError
 from .host.state import HostState
 from .io import manifest
 from .io.checkpoint import TrainerState, checkpoint_dir, run_id_of
+from .io.outputs import interval_steps
 from .io.reader import checkpoint_files
 from .io.weights import load_hf_weights
 from .models.config import ModelConfig

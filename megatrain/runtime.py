@@ -11,7 +11,7 @@ import torch
 
 from . import CUDA_ALLOC_CONF
 from .engine.engine import Engine
-from .engine.optim import AdamWConfig, HostAdamW, optimizer_threads
+from .engine.optim import AdamWConfig, HostAdamW
 from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
 from .host.state import HostState, build_units
@@ -20,7 +20,7 @@ from .models.config import ModelConfig
 from .parallel.distributed import Collective, Single
 from .parallel.layout import Layout
 from .planning import placement
-from .planning.placement import Batch, Choices, Machine, Plan
+from .planning.placement import Batch, Choices, Machine, Plan, optimizer_threads
 from .planning.probe import layer_memory_for
 
 

@@ -32,7 +32,8 @@ from .metrics import MetricsLogger, SilentLogger, show_progress
 from .models import attention
 from .models.config import ModelConfig
 from .models.family import describe
-from .parallel.distributed import Collective, start
+from .parallel.distributed import Collective
+from .parallel.processgroup import start
 from .plan import preflight
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan

@@ -154,7 +154,7 @@ def test_gpu_stepping_costs_its_state_on_pcie():
     prestaged, the backward sweep carries it beside its own fetches and the way back overlaps the
     next sweeps, so each further unit costs at least its state's way in and at most its bytes both
     ways, at the joint rate."""
-    n, rate = _numel(A), costmodel.PCIE_BYTES_S
+    n, rate = _numel(A), planspec.PCIE_BYTES_S
     duplex = costmodel.PCIE_DUPLEX_GAIN * rate
     link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
     total = sum(n)

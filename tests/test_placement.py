@@ -399,10 +399,11 @@ def test_the_adam_rate_is_measured_on_the_threads_the_optimizers_will_have(monke
 
     import torch
 
-    from megatrain.engine.optim import optimizer_threads
     from megatrain.parallel.layout import Layout
     from megatrain.planning import placement, probe
-    from megatrain.planning.costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
+    from megatrain.planning.costmodel import ADAM_IN_STEP
+    from megatrain.planning.placement import optimizer_threads
+    from megatrain.planning.planspec import ADAM_PARAMS_S
 
     seen = []
     monkeypatch.setattr(probe, "_adam_rate", lambda numel: seen.append(torch.get_num_threads()) or 1e9)

@@ -22,8 +22,9 @@ from megatrain.io.checkpoint import open_checkpoint
 from megatrain.io.partition import check_shared
 from megatrain.io.weights import export_model, load_hf_weights
 from megatrain.models.config import ModelConfig
-from megatrain.parallel.distributed import start, world_layout
+from megatrain.parallel.distributed import world_layout
 from megatrain.parallel.layout import Layout, piece_len
+from megatrain.parallel.processgroup import start
 from megatrain.planning import footprint
 from megatrain.planning.placement import Machine
 from megatrain.trainer import train

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ..config import SPLIT
 from ..errors import ConfigError, DataError
 from ..metrics import show_progress
 from .batch import IGNORE_INDEX
@@ -21,6 +20,7 @@ log = logging.getLogger(__name__)
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 CHUNK = 2048  # records per batched tokenizer call: large enough to amortise, small for the bar
 INT64_LIMIT = 2**63  # ids become int64 tensors
+SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 
 
 @dataclass(slots=True)

@@ -44,9 +44,9 @@ import torch
 from ..host.hostmem import Registration, host_buffer
 from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
-from ..planning.placement import Plan
+from ..planning.placement import Plan, optimizer_threads
 from .gpustep import GpuStepper
-from .optim import HostAdamW, adamw_range, chunk_ranges, optimizer_threads
+from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
 
 
