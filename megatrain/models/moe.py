@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import meta
 from .decoder import BLOCKS, MLP, Attention, RMSNorm
-from .family import meta
 
 # Checkpoint names of the fused expert tensors: each fused [E, R, C] tensor is, for expert e, the
 # listed per-expert tensors ([R / n, C] each) back to back. transformers' weight conversion
