@@ -17,6 +17,8 @@ from .errors import ConfigError
 from .host.state import HostState, build_units
 from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
+from .objectives.base import Objective
+from .objectives.cross_entropy import CrossEntropy
 from .parallel.distributed import Collective, Single
 from .parallel.layout import Layout
 from .planning import placement
@@ -136,6 +138,7 @@ def build_model(
     machine: Machine | None = None,
     collective: Collective | None = None,
     after_load: Callable[[HostState], None] | None = None,
+    objective: Objective | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
@@ -145,7 +148,8 @@ def build_model(
     world (`collective`) the machine's ranks share one host state (the machine's part of it, when
     partitioned over machines), filled by one of them.
     `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
-    transport copies any of it to the device."""
+    transport copies any of it to the device. `objective`: the loss the engine computes
+    (objectives/; default: next-token cross-entropy)."""
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
@@ -184,5 +188,8 @@ def build_model(
         )
     else:
         transport = SerialTransport(state, opt, device, dtype, collective=collective)
-    engine = Engine(cfg, state, transport, device, dtype, plan, compile=compile, collective=collective)
+    objective = objective or CrossEntropy()
+    engine = Engine(
+        cfg, state, transport, device, dtype, plan, objective, compile=compile, collective=collective
+    )
     return TrainableModel(cfg, state, engine, transport, opt, plan)
