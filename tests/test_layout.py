@@ -148,13 +148,14 @@ def test_no_import_circles():
 
 
 def test_imports_go_down_the_layers():
-    """A module imports from its own layer or a lower one (a layer's packages may use each other's
-    lower neighbours, never an upper one)."""
-    up = [
-        f"{where(importer, line)}: {importer} imports {imported} (layer {layer(imported)} above {layer(importer)})"
-        for importer, imported, line, _ in imports()
-        if layer(imported) > layer(importer)
-    ]
+    """A module imports from its own layer or from one below it."""
+    up = sorted(
+        {
+            f"{where(importer, line)}: {importer} imports {imported} (layer {layer(imported)} above {layer(importer)})"
+            for importer, imported, line, _ in imports()
+            if layer(imported) > layer(importer)
+        }
+    )
     assert up == [], "imports that climb:\n" + "\n".join(up)
 
 
@@ -179,8 +180,8 @@ def test_every_package_has_its_place_and_says_what_it_owns():
     assert silent == []
 
 
-def test_the_checks_see_a_circle_and_a_climb():
-    """The rules above can fail: a circle and an upward import in a made-up graph are found."""
+def test_the_checks_can_fail():
+    """A circle in a made-up graph is found, and modules fall in the layers declared for them."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert (
         layer("megatrain.engine.engine") > layer("megatrain.planning.placement") > layer("megatrain.models")
