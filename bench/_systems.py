@@ -125,13 +125,13 @@ def step_stats(times: list[float], warmup: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- megatrain
 def run_megatrain(spec: dict, res: Result) -> None:
-    from megatrain.batch import MicroBatch
     from megatrain.config import parse_size
-    from megatrain.distributed import start
+    from megatrain.data.batch import MicroBatch
+    from megatrain.engine.optim import AdamWConfig, chunk_ranges
     from megatrain.models.config import ModelConfig
-    from megatrain.optim import AdamWConfig, chunk_ranges
-    from megatrain.placement import Batch, Choices, phase_peaks, unit_peaks
-    from megatrain.probe import layer_memory_for
+    from megatrain.parallel.processgroup import start
+    from megatrain.planning.placement import Batch, Choices, phase_peaks, unit_peaks
+    from megatrain.planning.probe import layer_memory_for
     from megatrain.runtime import build_model, make_plan
 
     cuda = torch.cuda.is_available()

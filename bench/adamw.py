@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _report import write_once  # noqa: E402
 
-from megatrain.optim import optimizer_threads  # noqa: E402
+from megatrain.planning.placement import optimizer_threads  # noqa: E402
 
 COEF = 1.0  # a multiply like any other; values do not drift over the repeats
 

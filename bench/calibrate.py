@@ -1,4 +1,4 @@
-"""Measure the constants of the placement memory model (megatrain/placement.py) on a GPU.
+"""Measure the constants of the placement memory model (megatrain/planning/placement.py) on a GPU.
 
 For each decoder-layer shape and token count it runs one layer the way the engine does
 (bf16, `torch.compile`d template bound with functional_call) and measures with the CUDA caching

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _report import write_once  # noqa: E402
 
-from megatrain.optim import optimizer_threads  # noqa: E402
+from megatrain.planning.placement import optimizer_threads  # noqa: E402
 
 GB = 1e9
 CASES = [  # (name, host->device, device->host, CPU AdamW)

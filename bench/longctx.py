@@ -67,7 +67,7 @@ def model_flops(cfg, tokens: int, seq: int) -> float:
 def dry_plan(run: dict) -> dict:
     """What a run's record would hold before it ran: the plan for the assumed machine."""
     from megatrain.config import parse_size
-    from megatrain.placement import Batch, Machine, PlanError, plan
+    from megatrain.planning.placement import Batch, Machine, PlanError, plan
 
     gpu = parse_size(run.get("max_gpu_memory", DRY_GPU))
     host = parse_size(run.get("max_host_memory", DRY_HOST))

@@ -172,7 +172,7 @@ def shape_of(run: dict):
 def choices_of(run: dict):
     """The placement choices a run spec sets (gpu_state, gradient_placement, offload_activations,
     mlp_tile_tokens, gpu_step_units); the rest the plan decides."""
-    from megatrain.placement import Choices
+    from megatrain.planning.placement import Choices
 
     offload = {"true": True, "false": False}.get(str(run.get("offload_activations")).lower())
     return Choices(
@@ -186,7 +186,7 @@ def choices_of(run: dict):
 
 def batch_of(run: dict):
     """The placement's view of a run's batch (bf16 compute)."""
-    from megatrain.placement import Batch
+    from megatrain.planning.placement import Batch
 
     _, seq, mbs, accum = shape_of(run)
     doc, clip = int(run.get("doc", 0)), float(run.get("max_grad_norm", 1.0))
@@ -198,7 +198,7 @@ def _packed(ids, doc: int):
     restart per document and no loss crosses a boundary."""
     import torch
 
-    from megatrain.batch import MicroBatch
+    from megatrain.data.batch import MicroBatch
 
     at = torch.arange(ids.shape[1])
     labels = ids.clone()
@@ -232,7 +232,7 @@ def at_largest(run: dict, machine, layer_mem) -> dict:
     """`layers=max`: the run of the model's shape with the most layers the plan accepts on
     `machine` (the largest model of that width the host holds), plus `layers_extra` (default 0;
     1 for a run the preflight must refuse)."""
-    from megatrain.placement import PlanError, plan
+    from megatrain.planning.placement import PlanError, plan
 
     def fits(layers: int) -> bool:
         r = {**run, "layers": str(layers)}
@@ -257,20 +257,20 @@ def worker(run: dict, out: dict) -> dict:
     had: the plan, the resolved run, each phase's predicted and measured peak so far)."""
     import torch
 
-    from megatrain.batch import MicroBatch
     from megatrain.config import parse_size
-    from megatrain.memory import MemoryRecord
-    from megatrain.optim import AdamWConfig
-    from megatrain.placement import phase_peaks, unit_peaks
-    from megatrain.placement import plan as make_placement
-    from megatrain.probe import layer_memory_for
+    from megatrain.data.batch import MicroBatch
+    from megatrain.engine.optim import AdamWConfig
+    from megatrain.planning.memory import MemoryRecord
+    from megatrain.planning.placement import phase_peaks, unit_peaks
+    from megatrain.planning.placement import plan as make_placement
+    from megatrain.planning.probe import layer_memory_for
     from megatrain.runtime import build_model, configure_allocator, make_plan
 
     size = lambda k: parse_size(run[k]) if k in run else None  # noqa: E731
     limit_basis = None
     if run.get("seq") == "limit" or run.get("layers") == "max":
-        from megatrain.placement import measure
-        from megatrain.probe import PROBE_TOKENS
+        from megatrain.planning.placement import measure
+        from megatrain.planning.probe import PROBE_TOKENS
 
         configure_allocator()
         machine = measure("cuda", size("max_gpu_memory"), size("max_host_memory"))

@@ -62,9 +62,9 @@ def measured_layer(model: str) -> tuple[dict | None, float | None, str]:
 def project(spec: str, gpu: str, host: str) -> dict:
     """The plan of one run on the stated machine, or the plan's one-line refusal."""
     from megatrain.config import parse_size
-    from megatrain.costmodel import ADAM_PARAMS_S
-    from megatrain.placement import Batch, Machine, PlanError, plan
-    from megatrain.probe import LayerMemory
+    from megatrain.planning.placement import Batch, Machine, PlanError, plan
+    from megatrain.planning.planspec import ADAM_PARAMS_S
+    from megatrain.planning.probe import LayerMemory
 
     run = memory.parse(spec)
     cfg, seq, mbs, accum = memory.shape_of(run)

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from memory import batch_of, plan_str, shape_of  # noqa: E402
 
-from megatrain.placement import Plan, phase_peaks, unit_peaks  # noqa: E402
-from megatrain.probe import LayerMemory  # noqa: E402
+from megatrain.planning.placement import Plan, phase_peaks, unit_peaks  # noqa: E402
+from megatrain.planning.probe import LayerMemory  # noqa: E402
 
 GiB = 2**30
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .engine.optim import lr_at
 from .errors import ConfigError
 from .models.config import ModelConfig
-from .optim import lr_at
 from .trackers import check_installed
 
 

@@ -74,12 +74,12 @@ def _size(text: str) -> int:
 
 def _train(args) -> int:
     from .config import TrainConfig
-    from .distributed import check_devices, in_world
+    from .parallel.distributed import check_devices, in_world
 
     cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before any launch
     nproc = cfg.world().ranks  # nnodes > 1: simulated machines, all on this one
     if nproc > 1 and not in_world():
-        from .launch import launch
+        from .parallel.launch import launch
         from .runtime import resolve_device
 
         check_devices(resolve_device(cfg.device), nproc)
@@ -93,8 +93,8 @@ def _train(args) -> int:
 def _export(args) -> int:
     import torch
 
+    from .io.weights import export_model
     from .metrics import show_progress
-    from .weights import export_model
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     progress = show_progress(None)  # on a terminal only

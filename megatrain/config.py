@@ -25,8 +25,10 @@ from typing import Any
 
 import yaml
 
+from .data.samples import SPLIT
+from .engine.optim import SCHEDULES
 from .errors import ConfigError
-from .optim import SCHEDULES
+from .io.outputs import interval_steps
 from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
@@ -44,7 +46,6 @@ BOOLEAN_CHOICES = {
     "eval_strategy": {False: "no"},
 }
 SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
-SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
@@ -355,7 +356,7 @@ class TrainConfig:
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of
         nproc_per_node processes (layout.Layout; under torchrun the world is torchrun's)."""
-        from .layout import resolve
+        from .parallel.layout import resolve
 
         machines = self.nnodes or 1
         return resolve(self.ddp_traffic, self.nproc_per_node * machines, machines)
@@ -477,13 +478,6 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d.pop("extra", None)
         return d
-
-
-def interval_steps(value: int | float, total_steps: int) -> int:
-    """The steps a save_steps, eval_steps, logging_steps or warmup_steps value means in a run of
-    `total_steps`: a whole number as it is; a fraction (< 1) of the run rounded up, as in
-    transformers, once floating-point noise is dropped (0.07 x 100 is 7 steps, not 8)."""
-    return int(value) if value >= 1 else math.ceil(round(value * total_steps, 9))
 
 
 def warmup_of(cfg: TrainConfig, total_steps: int) -> int:

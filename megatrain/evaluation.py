@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 
-from . import manifest
-from .checkpoint import TrainerState, checkpoint_dir, run_id_of
-from .config import interval_steps
 from .data import Batcher, build_samples
 from .errors import CheckpointError
+from .host.state import HostState
+from .io import manifest
+from .io.checkpoint import TrainerState, checkpoint_dir, run_id_of
+from .io.outputs import interval_steps
+from .io.reader import checkpoint_files
+from .io.weights import load_hf_weights
 from .models.config import ModelConfig
-from .reader import checkpoint_files
-from .state import HostState
-from .weights import load_hf_weights
 
 
 class Evaluator:

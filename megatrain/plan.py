@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 
 from .checks import beyond_positions
 from .errors import MegatrainError
-from .layout import Layout
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
-from .placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
-from .placement import plan as make_placement
+from .parallel.layout import Layout
+from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
+from .planning.placement import plan as make_placement
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
 DATA_BYTES_PER_FILE_BYTE = {".parquet": 40, ".gz": 50, ".zst": 50, ".arrow": 15}
@@ -67,7 +67,7 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     else what is free now), one machine of `world` (default: the world the config describes,
     nnodes x nproc_per_node processes)."""
     from .config import parse_size
-    from .placement import measure
+    from .planning.placement import measure
 
     def size(v):
         return None if v is None else parse_size(v)
@@ -212,7 +212,7 @@ def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
     measure it: the formula; on the CPU, the formula with this CPU's FLOP rate)."""
     import torch
 
-    from .probe import layer_memory_for
+    from .planning.probe import layer_memory_for
 
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
     tokens = cfg.per_device_train_batch_size * cfg.max_length

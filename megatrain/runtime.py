@@ -9,18 +9,21 @@ from pathlib import Path
 
 import torch
 
-from . import CUDA_ALLOC_CONF, placement
-from .distributed import Collective, Single
-from .engine import Engine
+from . import CUDA_ALLOC_CONF
+from .engine.engine import Engine
+from .engine.optim import AdamWConfig, HostAdamW
+from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
-from .layout import Layout
+from .host.state import HostState, build_units
+from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
-from .optim import AdamWConfig, HostAdamW, optimizer_threads
-from .placement import Batch, Choices, Machine, Plan
-from .probe import layer_memory_for
-from .state import HostState, build_units
-from .transport import SerialTransport, StreamingTransport, Transport
-from .weights import init_random, load_hf_weights
+from .objectives.base import Objective
+from .objectives.cross_entropy import CrossEntropy
+from .parallel.distributed import Collective, Single
+from .parallel.layout import Layout
+from .planning import placement
+from .planning.placement import Batch, Choices, Machine, Plan, optimizer_threads
+from .planning.probe import layer_memory_for
 
 
 def configure_allocator() -> None:
@@ -135,6 +138,7 @@ def build_model(
     machine: Machine | None = None,
     collective: Collective | None = None,
     after_load: Callable[[HostState], None] | None = None,
+    objective: Objective | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
@@ -144,7 +148,8 @@ def build_model(
     world (`collective`) the machine's ranks share one host state (the machine's part of it, when
     partitioned over machines), filled by one of them.
     `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
-    transport copies any of it to the device."""
+    transport copies any of it to the device. `objective`: the loss the engine computes
+    (objectives/; default: next-token cross-entropy)."""
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
@@ -183,5 +188,8 @@ def build_model(
         )
     else:
         transport = SerialTransport(state, opt, device, dtype, collective=collective)
-    engine = Engine(cfg, state, transport, device, dtype, plan, compile=compile, collective=collective)
+    objective = objective or CrossEntropy()
+    engine = Engine(
+        cfg, state, transport, device, dtype, plan, objective, compile=compile, collective=collective
+    )
     return TrainableModel(cfg, state, engine, transport, opt, plan)

@@ -25,8 +25,8 @@ from typing import TextIO
 
 import torch
 
-from .checkpoint import TRAIN_CONFIG
 from .errors import ConfigError, first_line
+from .io.checkpoint import TRAIN_CONFIG
 
 EXIT, RESET = "/exit", "/reset"
 

@@ -21,25 +21,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, prune_checkpoints, resume_path
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, interval_steps, parse_size, warmup_of
 from .data import Batcher, build_samples, load_tokenizer, pad_token_id
-from .distributed import Collective, start
+from .engine.optim import AdamWConfig, lr_at
 from .errors import ConfigError
 from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
-from .memory import PLAN_FILE, MemoryRecord
+from .io.checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, prune_checkpoints, resume_path
+from .io.outputs import OutputDir, SaveSchedule
+from .io.ownership import RunLock
+from .io.partition import check_shared, save_checkpoint, save_model
 from .metrics import MetricsLogger, SilentLogger, show_progress
 from .models import attention
 from .models.config import ModelConfig
 from .models.family import describe
-from .optim import AdamWConfig, lr_at
-from .outputs import OutputDir, SaveSchedule
-from .ownership import RunLock
-from .partition import check_shared, save_checkpoint, save_model
-from .placement import Machine, Plan
+from .parallel.distributed import Collective
+from .parallel.processgroup import start
 from .plan import preflight
+from .planning.memory import PLAN_FILE, MemoryRecord
+from .planning.placement import Machine, Plan
 from .runtime import build_model, resolve_device, resolve_dtype
 from .trackers import RunInfo
 

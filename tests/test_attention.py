@@ -9,10 +9,10 @@ import torch
 from helpers import tiny_hf_model
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from megatrain.batch import IGNORE_INDEX, MicroBatch
+from megatrain.data.batch import IGNORE_INDEX, MicroBatch
 from megatrain.models.attention import BLOCK, attention_mask, mask_bytes, mask_rule
 from megatrain.models.config import ModelConfig
-from megatrain.placement import Choices
+from megatrain.planning.placement import Choices
 from megatrain.runtime import build_model
 
 # Eager FlexAttention (the CPU's) warns that it is unfused; that is the point of these tests.

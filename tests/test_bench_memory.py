@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.placement import Machine, PlanError, plan
+from megatrain.planning.placement import Machine, PlanError, plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import memory  # noqa: E402
@@ -44,9 +44,9 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
     from _phases import instrument_phases
     from helpers import tiny_config
 
-    from megatrain.batch import MicroBatch
+    from megatrain.data.batch import MicroBatch
     from megatrain.models.config import ModelConfig
-    from megatrain.placement import Batch, unit_peaks
+    from megatrain.planning.placement import Batch, unit_peaks
     from megatrain.runtime import build_model, make_plan
 
     counter = {"now": 0, "peak": 0, "cache": 1 << 30}  # a reserve that peaked before the first phase
@@ -142,8 +142,8 @@ def test_replay_puts_each_measured_unit_beside_the_plan():
 
     import replay
 
-    from megatrain.placement import unit_peaks
-    from megatrain.probe import formula_layer_memory
+    from megatrain.planning.placement import unit_peaks
+    from megatrain.planning.probe import formula_layer_memory
 
     run = memory.parse("B:16384:gpu_state=off")
     cfg, batch = memory.shape_of(run)[0], memory.batch_of(run)
@@ -163,10 +163,10 @@ def test_a_machine_of_several_processes_counts_each_ones_runtime():
     counted one process's runtime: up to 9% under)."""
     import json
 
-    from megatrain import footprint, planspec
-    from megatrain.layout import Layout
-    from megatrain.planspec import Plan
-    from megatrain.probe import formula_layer_memory
+    from megatrain.parallel.layout import Layout
+    from megatrain.planning import footprint, planspec
+    from megatrain.planning.planspec import Plan
+    from megatrain.planning.probe import formula_layer_memory
 
     run = memory.parse("B:16384:gpu_state=auto")
     cfg, batch = memory.shape_of(run)[0], memory.batch_of(run)
@@ -201,9 +201,9 @@ def test_the_cost_model_predicts_the_steps_whose_gradients_land_in_the_backward_
     each step is predicted within 10% (at the stored mode's rate, 18-22% slow on each)."""
     import json
 
-    from megatrain import costmodel, footprint, planspec
-    from megatrain.planspec import Plan
-    from megatrain.probe import LayerMemory
+    from megatrain.planning import costmodel, footprint, planspec
+    from megatrain.planning.planspec import Plan
+    from megatrain.planning.probe import LayerMemory
 
     results = Path(__file__).resolve().parents[1] / "bench/results"
     checked = 0
@@ -229,10 +229,10 @@ def test_a_kept_layer_releases_its_weights_once_differentiated(monkeypatch):
     import torch
     from helpers import tiny_config
 
-    from megatrain import engine as engine_module
-    from megatrain.batch import MicroBatch
+    from megatrain.data.batch import MicroBatch
+    from megatrain.engine import engine as engine_module
     from megatrain.models.config import ModelConfig
-    from megatrain.placement import Choices
+    from megatrain.planning.placement import Choices
     from megatrain.runtime import build_model, make_plan
 
     cfg = ModelConfig.from_hf(tiny_config("llama", num_hidden_layers=4))
@@ -303,8 +303,8 @@ def test_the_embedding_stretch_of_a_two_pass_step_matches_the_runs():
     2.5 GiB (the two-GPU two-pass offset seen at every unit); stored-mode runs are unchanged."""
     import json
 
-    from megatrain.placement import Plan, phase_peaks
-    from megatrain.probe import LayerMemory
+    from megatrain.planning.placement import Plan, phase_peaks
+    from megatrain.planning.probe import LayerMemory
 
     results = Path(__file__).resolve().parents[1] / "bench/results"
     largest = json.loads((results / "2026-11-23_0939_memory.json").read_text())["runs"][0]
@@ -357,7 +357,7 @@ def test_gradient_modes_are_compared_after_the_free_gpu_memory_is_spent():
     import dataclasses
     import json
 
-    from megatrain.probe import LayerMemory
+    from megatrain.planning.probe import LayerMemory
 
     record = json.loads((Path(memory.REPO) / "bench/results/2026-11-23_1647_memory.json").read_text())
     stored_run, two_pass_run = record["runs"]

@@ -19,15 +19,15 @@ from helpers import tiny_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain.checkpoint import list_checkpoints, open_checkpoint, resume_path
 from megatrain.config import TrainConfig
-from megatrain.engine import Engine
+from megatrain.engine.engine import Engine
 from megatrain.errors import CheckpointError, ConfigError
 from megatrain.guard import Aborted, DivergedError, SignalGuard, TrainingInterrupted
+from megatrain.host.state import HostState, build_units
+from megatrain.io.checkpoint import list_checkpoints, open_checkpoint, resume_path
+from megatrain.io.weights import load_hf_weights
 from megatrain.models.config import ModelConfig
-from megatrain.state import HostState, build_units
 from megatrain.trainer import train
-from megatrain.weights import load_hf_weights
 
 REPO = Path(__file__).resolve().parents[1]
 

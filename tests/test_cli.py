@@ -14,9 +14,9 @@ from helpers import tiny_config, tiny_tokenizer
 from safetensors import safe_open
 from test_checkpoint import make_run, metrics, one_thread, tensors, write_yaml  # noqa: F401 (fixture)
 
-from megatrain.batch import MicroBatch
 from megatrain.cli import main
 from megatrain.config import TrainConfig
+from megatrain.data.batch import MicroBatch
 from megatrain.models.config import ModelConfig
 from megatrain.runtime import build_model
 from megatrain.trainer import train
@@ -107,7 +107,7 @@ def test_export_streams_one_tensor_at_a_time(tmp_path, monkeypatch, capsys):
     an export never holds a second copy of the model."""
     import weakref
 
-    from megatrain import weights
+    from megatrain.io import weights
 
     base = make_run(tmp_path)
     train(TrainConfig(**base, output_dir=str(tmp_path / "out"), max_steps=1))
@@ -389,7 +389,7 @@ class ReadOnly:
 def test_a_read_only_output_dir_is_one_line(tmp_path, capsys, monkeypatch, code, verb):
     import os
 
-    from megatrain.ownership import RunLock
+    from megatrain.io.ownership import RunLock
 
     base = make_run(tmp_path)
     ro = tmp_path / "ro"
@@ -548,7 +548,7 @@ def test_exported_chat_model_stops_at_the_end_of_turn(tmp_path, capsys):
     <|im_end|>, which is what a model fine-tuned on these chats emits at the end of an answer."""
     import transformers
 
-    from megatrain.weights import save_hf_checkpoint
+    from megatrain.io.weights import save_hf_checkpoint
 
     tok = tiny_tokenizer("chatml")
     im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
@@ -584,7 +584,7 @@ def test_exported_chat_model_stops_at_the_end_of_turn(tmp_path, capsys):
 def test_export_copies_a_tokenizer_it_cannot_load(tmp_path, capsys):
     """Export only reads the tokenizer for its chat template: one it cannot load (a slow-only
     tokenizer, say) is copied as before, not refused."""
-    from megatrain.weights import save_hf_checkpoint
+    from megatrain.io.weights import save_hf_checkpoint
 
     cfg = ModelConfig.from_hf(tiny_config("llama"))
     save_hf_checkpoint(build_model(cfg, device="cpu").state, cfg, tmp_path / "m", progress=False)

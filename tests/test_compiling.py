@@ -1,4 +1,4 @@
-"""Compiled layers stay compiled however many models a process builds (megatrain/compiling.py)."""
+"""Compiled layers stay compiled however many models a process builds (megatrain/models/compiling.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 from helpers import tiny_config
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from megatrain.batch import MicroBatch
-from megatrain.engine import Engine
+from megatrain.data.batch import MicroBatch
+from megatrain.engine.engine import Engine
+from megatrain.engine.optim import AdamWConfig
 from megatrain.models.config import ModelConfig
-from megatrain.optim import AdamWConfig
 from megatrain.runtime import build_model
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import tiny_hf_model, tiny_tokenizer
 
-from megatrain.batch import MicroBatch
 from megatrain.config import TrainConfig
 from megatrain.data import Batcher, Sample, build_samples, load_tokenizer, pack_rows
+from megatrain.data.batch import MicroBatch
 from megatrain.data.samples import split_windows
 from megatrain.errors import DataError
 from megatrain.models.config import ModelConfig

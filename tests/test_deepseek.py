@@ -15,7 +15,7 @@ from test_moe import _batch, _megatrain, export_round_trip
 
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
-from megatrain.placement import Choices
+from megatrain.planning.placement import Choices
 from megatrain.runtime import build_model
 
 CASES = list(DEEPSEEK_CONFIGS)
@@ -71,7 +71,7 @@ def test_optimizer_steps_match_plain_accumulation_loop(tmp_path):
     torch.optim.AdamW; the frozen correction bias is where it started."""
     from test_parity import _decay_groups, steps_against_plain_loop
 
-    from megatrain.optim import AdamWConfig
+    from megatrain.engine.optim import AdamWConfig
     from megatrain.runtime import make_plan
 
     hf = tiny_hf_model("v3")
@@ -110,7 +110,7 @@ def test_bfloat16_export_keeps_the_correction_bias_in_fp32(tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from megatrain.weights import save_hf_checkpoint
+    from megatrain.io.weights import save_hf_checkpoint
 
     hf = tiny_hf_model("v3")
     with torch.no_grad():
@@ -135,10 +135,10 @@ def test_parameters_decay_groups_count_and_plan(tmp_path):
     its expert layers' cost, not its dense first layer's."""
     from test_parity import _hf_decay_names
 
-    from megatrain.placement import Batch, Machine, plan
-    from megatrain.planspec import model_shape
-    from megatrain.probe import formula_layer_memory, probed_layer
-    from megatrain.state import build_units
+    from megatrain.host.state import build_units
+    from megatrain.planning.placement import Batch, Machine, plan
+    from megatrain.planning.planspec import model_shape
+    from megatrain.planning.probe import formula_layer_memory, probed_layer
 
     hf = tiny_hf_model("v3")
     cfg = ModelConfig.from_hf(hf.config)
@@ -164,7 +164,7 @@ def test_parameters_decay_groups_count_and_plan(tmp_path):
 def test_latent_attention_width_in_the_memory_formula():
     """Latent attention's per-head tensors (queries and keys wider than the hidden size in
     DeepSeek-V3) enlarge the formula's layer; dense layers first make its MLP at least theirs."""
-    from megatrain.probe import formula_layer_memory, token_ffn
+    from megatrain.planning.probe import formula_layer_memory, token_ffn
 
     cfg = ModelConfig.from_hf(tiny_hf_model("v3").config)
     plain = ModelConfig.from_hf(tiny_hf_model("qwen3_moe").config)

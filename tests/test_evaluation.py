@@ -13,17 +13,17 @@ import torch
 from helpers import tiny_config, tiny_hf_model
 from test_checkpoint import assert_bitwise, make_run, metrics, one_thread, signal_after_step, tensors  # noqa: F401 (fixture)
 
-from megatrain.batch import IGNORE_INDEX, MicroBatch
-from megatrain.checkpoint import TRAINER_STATE, TrainerState, list_checkpoints, prune_checkpoints
 from megatrain.config import TrainConfig
 from megatrain.data import Batcher, Sample
-from megatrain.engine import Engine
+from megatrain.data.batch import IGNORE_INDEX, MicroBatch
+from megatrain.engine.engine import Engine
 from megatrain.errors import CheckpointError, ConfigError
 from megatrain.evaluation import Evaluator
 from megatrain.guard import TrainingInterrupted
+from megatrain.io.checkpoint import TRAINER_STATE, TrainerState, list_checkpoints, prune_checkpoints
 from megatrain.metrics import MetricsLogger, is_eval
 from megatrain.models.config import ModelConfig
-from megatrain.placement import Choices
+from megatrain.planning.placement import Choices
 from megatrain.plot import draw, read_metrics
 from megatrain.runtime import build_model, make_plan
 from megatrain.trainer import train
@@ -279,7 +279,7 @@ def test_when_evaluations_happen(tmp_path):
 
     # Checkpoints are evaluated ones per epoch (which load_best_model_at_end accepts), and for
     # the same fraction of the run (eval_steps defaults to save_steps): both round it alike.
-    from megatrain.outputs import SaveSchedule
+    from megatrain.io.outputs import SaveSchedule
 
     epochs = dict(save_strategy="epoch", eval_strategy="epoch", load_best_model_at_end=True)
     for total, kw in ((25, epochs), (100, dict(save_steps=0.07))):

@@ -15,12 +15,12 @@ import torch
 import transformers
 from helpers import DEEPSEEK_CONFIGS, FAMILY_OVERRIDES, MOE_CONFIGS, tiny_config, tiny_hf_model
 
-from megatrain.batch import MicroBatch
+from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
+from megatrain.io.weights import save_hf_checkpoint
 from megatrain.models.config import ModelConfig
 from megatrain.models.family import describe
 from megatrain.runtime import build_model
-from megatrain.weights import save_hf_checkpoint
 
 FAST = {"llama": "llama", "qwen3": "llama", "gemma2": "gemma", "gemma3_text": "gemma", "phi3": "phi3"}
 FAST |= {"olmo2": "olmo2", "cohere": "cohere"} | {f: "moe" for f in MOE_CONFIGS} | {"gpt_oss": "gpt_oss"}
@@ -112,8 +112,8 @@ sys.path.insert(0, sys.argv[1])
 from helpers import tiny_config
 from megatrain.models.config import ModelConfig
 from megatrain.models.family import templates
-from megatrain.state import HostState, build_units
-from megatrain.weights import init_random
+from megatrain.host.state import HostState, build_units
+from megatrain.io.weights import init_random
 def resident_bytes():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -149,7 +149,7 @@ def test_parameter_count_and_plan_come_from_the_family(family):
     """The parameter count (disk checks, the plan, the log) is the template's, equal to
     transformers' for every family; the plan without a device is made for that layer and says
     which path the model takes."""
-    from megatrain.placement import Batch, Machine, plan
+    from megatrain.planning.placement import Batch, Machine, plan
 
     hf = tiny_hf_model(family)
     cfg = ModelConfig.from_hf(hf.config)

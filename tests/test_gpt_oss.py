@@ -17,11 +17,11 @@ from test_attention import LOGITS_TOL, _packed, cpu_flex  # noqa: F401 (fixture)
 from test_checkpoint import metrics, one_thread, tensors, write_yaml  # noqa: F401 (fixture)
 from test_cli import run_cli
 
-from megatrain.batch import MicroBatch
+from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
 from megatrain.models.family import family_of
-from megatrain.placement import Choices
+from megatrain.planning.placement import Choices
 from megatrain.runtime import build_model
 
 pytestmark = [
@@ -108,7 +108,7 @@ def test_mxfp4_decode_equals_transformers():
     parameter's layout; bf16 holds each of them exactly."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from megatrain.mxfp4 import decode, decoded_shape
+    from megatrain.models.mxfp4 import decode, decoded_shape
 
     g = torch.Generator().manual_seed(0)
     blocks = torch.arange(256, dtype=torch.uint8).repeat(2 * 8 * 4 * 16 // 256 + 1)[: 2 * 8 * 4 * 16]
@@ -148,7 +148,7 @@ def test_mxfp4_checkpoint_loads_decoded_and_exports_plain(tmp_path):
     """An MXFP4 checkpoint trains from its decoded experts (transformers' dequantised model's
     logits); checkpoints and exports are plain full-precision tensors under transformers' names,
     with no quantization_config, and load back into transformers."""
-    from megatrain.weights import export_model, save_hf_checkpoint
+    from megatrain.io.weights import export_model, save_hf_checkpoint
 
     hf, src = _mxfp4_checkpoint(tmp_path / "mxfp4")
     cfg = ModelConfig.from_json(src)

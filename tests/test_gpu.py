@@ -19,11 +19,11 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from megatrain import hostmem
-from megatrain.batch import MicroBatch
+from megatrain.data.batch import MicroBatch
+from megatrain.engine.optim import AdamWConfig
+from megatrain.host import hostmem
 from megatrain.models.config import ModelConfig
-from megatrain.optim import AdamWConfig
-from megatrain.placement import Plan
+from megatrain.planning.placement import Plan
 from megatrain.runtime import build_model
 
 pytestmark = pytest.mark.gpu
@@ -415,7 +415,7 @@ def test_packed_rows_need_memory_linear_in_the_sequence():
 def test_probe_measures_the_masked_layer():
     """A run with packed rows probes its layer through FlexAttention: a graph of the same order
     as the flash kernel's (both keep O(S) per head), not O(S^2)."""
-    from megatrain.probe import layer_memory_for
+    from megatrain.planning.probe import layer_memory_for
 
     cfg = _cfg("mistral", sliding_window=1024)
     plain = layer_memory_for(cfg, "cuda", torch.bfloat16, True, 8192)
@@ -431,9 +431,9 @@ def test_probe_splits_the_layer_rate_into_matmuls_and_attention():
     attention runs slower than the layer did at 8k tokens, less where it runs faster)."""
     import dataclasses
 
-    from megatrain import footprint, planspec
-    from megatrain.placement import Batch, Machine, Plan
-    from megatrain.probe import layer_memory_for
+    from megatrain.planning import footprint, planspec
+    from megatrain.planning.placement import Batch, Machine, Plan
+    from megatrain.planning.probe import layer_memory_for
 
     cfg = _cfg(
         "llama", hidden_size=2048, intermediate_size=7168, num_attention_heads=16, num_key_value_heads=4
@@ -480,7 +480,7 @@ def test_tiled_layer_memory_is_what_the_probe_predicts():
     from torch.func import functional_call
 
     from megatrain.models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
-    from megatrain.probe import measure_layer, probe_layer_memory
+    from megatrain.planning.probe import measure_layer, probe_layer_memory
 
     cfg = _cfg(
         "llama", hidden_size=2048, intermediate_size=7168, num_attention_heads=16, num_key_value_heads=4

@@ -16,19 +16,19 @@ from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixt
 from test_cli import run_cli
 from test_placement import STEP16K, cuda, llama
 
-from megatrain import costmodel, footprint, placement, planspec
 from megatrain.config import TrainConfig
-from megatrain.distributed import Single
+from megatrain.engine.gpustep import GpuStepper
+from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.errors import ConfigError
-from megatrain.gpustep import GpuStepper
-from megatrain.layout import Layout
+from megatrain.host.state import STATE_BYTES, HostState, build_units
+from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
-from megatrain.optim import AdamWConfig, HostAdamW, clip_scaled
-from megatrain.placement import Choices, Machine, Plan
-from megatrain.probe import LayerMemory, formula_layer_memory
+from megatrain.parallel.distributed import Single
+from megatrain.parallel.layout import Layout
+from megatrain.planning import costmodel, footprint, placement, planspec
+from megatrain.planning.placement import Choices, Machine, Plan
+from megatrain.planning.probe import LayerMemory, formula_layer_memory
 from megatrain.runtime import build_model
-from megatrain.state import STATE_BYTES, HostState, build_units
-from megatrain.weights import init_random
 
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
 
@@ -154,7 +154,7 @@ def test_gpu_stepping_costs_its_state_on_pcie():
     prestaged, the backward sweep carries it beside its own fetches and the way back overlaps the
     next sweeps, so each further unit costs at least its state's way in and at most its bytes both
     ways, at the joint rate."""
-    n, rate = _numel(A), costmodel.PCIE_BYTES_S
+    n, rate = _numel(A), planspec.PCIE_BYTES_S
     duplex = costmodel.PCIE_DUPLEX_GAIN * rate
     link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
     total = sum(n)

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from helpers import MOE_CONFIGS, tiny_hf_model
 
-from megatrain.batch import MicroBatch
+from megatrain.data.batch import MicroBatch
 from megatrain.models.config import ModelConfig
-from megatrain.placement import Choices
+from megatrain.planning.placement import Choices
 from megatrain.runtime import build_model
 
 FAMILIES = list(MOE_CONFIGS)
@@ -43,7 +43,7 @@ def export_round_trip(hf, tmp_path) -> set[str]:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from megatrain.weights import save_hf_checkpoint
+    from megatrain.io.weights import save_hf_checkpoint
 
     mt = _megatrain(hf, tmp_path)
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
@@ -121,7 +121,7 @@ def test_optimizer_steps_match_plain_accumulation_loop(family, mode, tmp_path):
     model with torch.optim.AdamW."""
     from test_parity import _decay_groups, steps_against_plain_loop
 
-    from megatrain.optim import AdamWConfig
+    from megatrain.engine.optim import AdamWConfig
     from megatrain.runtime import make_plan
 
     hf = tiny_hf_model(family)
@@ -184,7 +184,7 @@ def test_training_run_logs_router_metrics_and_resumes_exactly(tmp_path):
     # `megatrain export` of a checkpoint: the per-expert tensors transformers loads
     from transformers import AutoModelForCausalLM
 
-    from megatrain.weights import export_model
+    from megatrain.io.weights import export_model
 
     out, _ = export_model(b / "checkpoint-4", tmp_path / "export", dtype=torch.float32, progress=False)
     assert_bitwise(tensors(out), tensors(final))
@@ -201,7 +201,7 @@ def test_parameters_decay_groups_and_count_are_transformers(family):
     plan uses (experts included) are transformers'."""
     from test_parity import _hf_decay_names
 
-    from megatrain.state import build_units
+    from megatrain.host.state import build_units
 
     hf = tiny_hf_model(family)
     cfg = ModelConfig.from_hf(hf.config)

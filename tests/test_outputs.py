@@ -18,13 +18,13 @@ from helpers import tiny_tokenizer
 from test_checkpoint import load_fully, make_run, metrics, one_thread, signal_after_step, tensors  # noqa: F401 (fixture)
 from test_cli import run_cli, write_yaml
 
-from megatrain.checkpoint import list_checkpoints, open_checkpoint
 from megatrain.config import TrainConfig
 from megatrain.errors import CheckpointError, ConfigError
 from megatrain.guard import TrainingInterrupted
+from megatrain.io.checkpoint import list_checkpoints, open_checkpoint
+from megatrain.io.ownership import Owner
 from megatrain.metrics import MetricsLogger
 from megatrain.models.config import ModelConfig
-from megatrain.ownership import Owner
 from megatrain.trainer import train
 
 
@@ -87,7 +87,7 @@ def test_export_never_replaces_what_it_did_not_write(run, tmp_path, capsys, monk
     # --overwrite.
     rc, stdout, _ = run_cli(capsys, "export", src, tmp_path / "hf")
     assert rc == 0 and "checksums verified" in stdout
-    from megatrain import manifest
+    from megatrain.io import manifest
 
     assert manifest.kind_of(tmp_path / "hf") == manifest.MODEL
     (tmp_path / "empty").mkdir()
@@ -115,7 +115,7 @@ def test_export_never_replaces_what_it_did_not_write(run, tmp_path, capsys, monk
 def test_export_of_a_checkpoint_deleted_meanwhile_is_whole_or_fails(run, tmp_path, capsys, monkeypatch):
     """A run prunes the checkpoint being exported (rename, then delete) after the export has
     started: the export is complete and correct, or fails with one line; never partial."""
-    from megatrain import weights
+    from megatrain.io import weights
 
     src = tmp_path / "checkpoint-2"
     shutil.copytree(run[0] / "out" / "checkpoint-2", src)
@@ -145,7 +145,7 @@ def test_export_of_a_checkpoint_deleted_meanwhile_is_whole_or_fails(run, tmp_pat
 # `megatrain export SRC OUT`, killed (SIGKILL) once its first safetensors file is written.
 KILLED_EXPORT = """
 import os, signal, sys
-from megatrain import writing
+from megatrain.io import writing
 from megatrain.cli import main
 
 write = writing._write_shard
@@ -442,7 +442,7 @@ def test_checkpoints_are_written_by_parallel_writers_as_loadable_safetensors(tmp
 
     from safetensors.torch import load_file
 
-    from megatrain import manifest, writing
+    from megatrain.io import manifest, writing
 
     t = {f"t{i}": torch.randn(100, 50) for i in range(8)}
     both_writing = threading.Barrier(2, timeout=10)  # breaks unless two shards are written at once
@@ -544,7 +544,7 @@ def test_a_flipped_byte_is_refused_by_name(run, tmp_path, capsys, name):
 
 
 def test_a_checkpoint_without_manifest_resumes_with_a_warning(run, tmp_path, capsys):
-    from megatrain import manifest
+    from megatrain.io import manifest
 
     src = tmp_path / "checkpoint-2"
     shutil.copytree(run[0] / "out" / "checkpoint-2", src)
@@ -556,7 +556,7 @@ def test_a_checkpoint_without_manifest_resumes_with_a_warning(run, tmp_path, cap
 
 
 def test_save_schedule_counts_what_it_saves():
-    from megatrain.outputs import SaveSchedule
+    from megatrain.io.outputs import SaveSchedule
 
     for every in (0, 1, 3, 5):
         for at_end in (True, False):

@@ -14,14 +14,14 @@ from test_checkpoint import make_run, one_thread, subprocess_env, write_yaml  # 
 from test_cli import run_cli
 from test_outputs import one_line_error, snapshot
 
-from megatrain.ownership import LOCK, Owner
+from megatrain.io.ownership import LOCK, Owner
 
 # Run `megatrain ARGS`, holding its first optimizer step until the file GATE exists (it writes
 # GATE.waiting once it is there).
 HOLD_AT_FIRST_STEP = """
 import os, sys, time
 from megatrain.cli import main
-from megatrain.engine import Engine
+from megatrain.engine.engine import Engine
 
 gate, step = sys.argv[1], Engine.step
 

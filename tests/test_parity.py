@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from helpers import FAMILY_OVERRIDES, saved_parameters, tiny_hf_model
 
-from megatrain.batch import MicroBatch
+from megatrain.data.batch import MicroBatch
+from megatrain.engine.optim import SCHEDULES, AdamWConfig, lr_at
+from megatrain.host.state import build_units
 from megatrain.models.config import ModelConfig
-from megatrain.optim import SCHEDULES, AdamWConfig, lr_at
-from megatrain.placement import Choices
+from megatrain.planning.placement import Choices
 from megatrain.runtime import build_model, make_plan
-from megatrain.state import build_units
 
 # Llama 3.1's RoPE scaling with an original context shorter than the test sequences' positions
 # matter for: the low frequencies are divided by `factor`, the middle band interpolated.
@@ -135,7 +135,7 @@ def test_embedding_gradient_in_token_chunks_matches_transformers(tied, overrides
     """The embedding's gradient is scattered a chunk of tokens at a time (5 here, not dividing the
     40 of a micro-batch), so its fp32 temporaries are a chunk's, not the sequence's: every
     gradient still as transformers computes it (the padding row's none, a tied head's share)."""
-    from megatrain import engine
+    from megatrain.engine import engine
 
     rows = []
     index_add = torch.Tensor.index_add_

@@ -13,17 +13,17 @@ from helpers import tiny_config
 from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixture)
 from test_cli import run_cli
 
-from megatrain import footprint, placement
-from megatrain.batch import MicroBatch
 from megatrain.config import TrainConfig
-from megatrain.hostmem import PAGE, host_buffer, pieces
+from megatrain.data.batch import MicroBatch
+from megatrain.engine.optim import AdamWConfig
+from megatrain.host.hostmem import PAGE, host_buffer, pieces
+from megatrain.host.state import HostState, build_units
 from megatrain.models.attention import span
 from megatrain.models.config import ModelConfig
-from megatrain.optim import AdamWConfig
-from megatrain.placement import Batch, Choices, Machine, PlanError
 from megatrain.plan import batch_of
+from megatrain.planning import footprint, placement
+from megatrain.planning.placement import Batch, Choices, Machine, PlanError
 from megatrain.runtime import build_model
-from megatrain.state import HostState, build_units
 
 GiB = 2**30
 
@@ -399,10 +399,11 @@ def test_the_adam_rate_is_measured_on_the_threads_the_optimizers_will_have(monke
 
     import torch
 
-    from megatrain import placement, probe
-    from megatrain.costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
-    from megatrain.layout import Layout
-    from megatrain.optim import optimizer_threads
+    from megatrain.parallel.layout import Layout
+    from megatrain.planning import placement, probe
+    from megatrain.planning.costmodel import ADAM_IN_STEP
+    from megatrain.planning.placement import optimizer_threads
+    from megatrain.planning.planspec import ADAM_PARAMS_S
 
     seen = []
     monkeypatch.setattr(probe, "_adam_rate", lambda numel: seen.append(torch.get_num_threads()) or 1e9)

@@ -11,8 +11,8 @@ from helpers import tiny_config
 from test_checkpoint import write_yaml
 from test_cli import run_cli
 
-from megatrain import probe
 from megatrain.models.config import ModelConfig
+from megatrain.planning import probe
 
 BEYOND = "beyond the model's max_position_embeddings 256: positions past it were never trained"
 

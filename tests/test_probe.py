@@ -7,7 +7,7 @@ import torch
 from helpers import tiny_config
 
 from megatrain.models.config import ModelConfig
-from megatrain.probe import ATTENTION_PROBE_TOKENS, SCORE_COPIES, attention_probe_tokens
+from megatrain.planning.probe import ATTENTION_PROBE_TOKENS, SCORE_COPIES, attention_probe_tokens
 
 GiB = 2**30
 

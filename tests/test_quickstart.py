@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.batch import IGNORE_INDEX, MicroBatch
 from megatrain.cli import main
 from megatrain.config import TrainConfig
 from megatrain.data import build_samples, load_tokenizer
+from megatrain.data.batch import IGNORE_INDEX, MicroBatch
 from megatrain.metrics import is_eval
 from megatrain.models.config import ModelConfig
 from megatrain.runtime import build_model

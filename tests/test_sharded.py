@@ -14,19 +14,20 @@ import torch
 from test_checkpoint import make_run, metrics, tensors, write_yaml
 from test_distributed import assert_close_weights, assert_same_run, launch
 
-from megatrain import footprint
 from megatrain import plan as planning
-from megatrain.checkpoint import open_checkpoint
 from megatrain.config import TrainConfig
-from megatrain.distributed import start, world_layout
 from megatrain.errors import CheckpointError, ConfigError, OutputError
-from megatrain.layout import Layout, piece_len
+from megatrain.host.state import HostState, build_units
+from megatrain.io.checkpoint import open_checkpoint
+from megatrain.io.partition import check_shared
+from megatrain.io.weights import export_model, load_hf_weights
 from megatrain.models.config import ModelConfig
-from megatrain.partition import check_shared
-from megatrain.placement import Machine
-from megatrain.state import HostState, build_units
+from megatrain.parallel.distributed import world_layout
+from megatrain.parallel.layout import Layout, piece_len
+from megatrain.parallel.processgroup import start
+from megatrain.planning import footprint
+from megatrain.planning.placement import Machine
 from megatrain.trainer import train
-from megatrain.weights import export_model, load_hf_weights
 
 STEPS = 3
 

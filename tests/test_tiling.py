@@ -16,10 +16,10 @@ from test_placement import B8, cuda
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain import placement
 from megatrain.models.config import ModelConfig
 from megatrain.models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
-from megatrain.placement import Batch, Choices, PlanError
+from megatrain.planning import placement
+from megatrain.planning.placement import Batch, Choices, PlanError
 
 GiB = 2**30
 CFG = ModelConfig.from_hf(tiny_config("llama", hidden_size=64, intermediate_size=112, mlp_bias=True))
@@ -286,9 +286,9 @@ def test_attention_at_long_context_runs_at_its_own_rate_in_the_cost_model():
     import sys
     from pathlib import Path
 
-    from megatrain import footprint, planspec
-    from megatrain.planspec import Machine, Plan
-    from megatrain.probe import LayerMemory
+    from megatrain.planning import footprint, planspec
+    from megatrain.planning.planspec import Machine, Plan
+    from megatrain.planning.probe import LayerMemory
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import memory

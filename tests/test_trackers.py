@@ -369,7 +369,7 @@ def test_mlflow_local_store_needs_its_database_packages(tmp_path, monkeypatch):
 
 
 def test_a_run_that_raises_marks_its_tracker_run_failed(tmp_path, monkeypatch):
-    from megatrain.engine import Engine
+    from megatrain.engine.engine import Engine
 
     def broken(self, lr, coef):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

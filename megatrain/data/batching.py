@@ -30,8 +30,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..batch import IGNORE_INDEX, MicroBatch
 from ..errors import DataError
+from .batch import IGNORE_INDEX, MicroBatch
 from .samples import Sample
 
 log = logging.getLogger(__name__)

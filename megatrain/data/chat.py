@@ -11,8 +11,8 @@ the boundary cannot shift the mask by a token.
 
 from __future__ import annotations
 
-from ..batch import IGNORE_INDEX
 from ..errors import ConfigError, DataError
+from .batch import IGNORE_INDEX
 from .formats import Messages
 
 Span = tuple[int, int]

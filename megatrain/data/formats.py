@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..batch import IGNORE_INDEX
 from ..errors import DataError
+from .batch import IGNORE_INDEX
 from .sources import DataFile
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..batch import IGNORE_INDEX
 from ..errors import ConfigError, DataError
+from .batch import IGNORE_INDEX
 from .chat import _render, require_chat_template
 from .formats import CHAT_ROLES, Messages, _int_list, out_of_vocab
 from .samples import CHUNK, INT64_LIMIT

@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ..batch import IGNORE_INDEX
-from ..config import SPLIT
 from ..errors import ConfigError, DataError
 from ..metrics import show_progress
+from .batch import IGNORE_INDEX
 from .chat import encode_chats, require_chat_template
 from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
 from .sources import read_records, resolve_dataset
@@ -18,6 +17,7 @@ from .sources import read_records, resolve_dataset
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 CHUNK = 2048  # records per batched tokenizer call: large enough to amortise, small for the bar
 INT64_LIMIT = 2**63  # ids become int64 tensors
+SPLIT = "split"  # truncation: split, the one string value (true and false are booleans)
 
 
 @dataclass(slots=True)

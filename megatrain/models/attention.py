@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_mask, flex_attention
 
-from ..compiling import compiled
+from .compiling import compiled
 
 BLOCK = 128  # FlexAttention's default block size: the tables' granularity
 BLOCK_TABLE_BYTES = 16  # int32 kv/q counts and indices of partial and full blocks

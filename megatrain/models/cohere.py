@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attention_mask
+from .base import meta
 from .config import ModelConfig
 from .decoder import BLOCKS, MLP, Attention, rope_inv_freq
-from .family import meta
 
 
 class CohereLayerNorm(nn.Module):

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,15 +161,32 @@ def _get(hf, name, default=None):
     return default if v is None else v
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What reading a config and counting its parameters take from the modules built on this one.
+    They import this module, so it cannot import them: models/__init__.py hands them in (`HOOKS`)
+    before any config is read."""
+
+    deepseek_moe: Callable[[Any], MoESpec]
+    """DeepSeek's expert layers, its router checked (deepseek.moe_spec: its rules live with its block)."""
+    generic_attention: Callable[[Any], str]
+    """The generic path's attention, or a ConfigError naming why a model cannot train (hf.py)."""
+    skeleton: Callable[[ModelConfig], Any]
+    """transformers' model built on the meta device, refusing what cannot run (hf.py)."""
+    count_params: Callable[[ModelConfig], int]
+    """Parameters counted on the templates (family.py)."""
+
+
+HOOKS: Hooks | None = None  # set by models/__init__.py, which every import of this module runs first
+
+
 def moe_spec(hf) -> MoESpec | None:
     """The MoE part of a transformers config, or None for a dense family. Refuses what the
     templates do not implement, naming the key."""
     mt = hf.model_type
     block = FAMILIES.get(mt, {}).get("block")
     if block == "deepseek":
-        from .deepseek import moe_spec as deepseek_moe  # its router's rules live with its block
-
-        return deepseek_moe(hf)
+        return HOOKS.deepseek_moe(hf)
     if block not in MOE_BLOCKS:
         return None
     if _get(hf, "router_jitter_noise", 0.0):
@@ -215,7 +233,7 @@ def _rope_type_of(params: dict) -> str:
 def _check_quantization(hf) -> None:
     """Refuse a quantised checkpoint whose tensors are not decoded on loading: only MXFP4 ones are
     (`mxfp4.py`, gpt-oss as published); others would load their raw integers as weights."""
-    from ..mxfp4 import QUANT_METHOD
+    from .mxfp4 import QUANT_METHOD
 
     quant = getattr(hf, "quantization_config", None)
     if quant is None:
@@ -289,9 +307,7 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameters of the model, counted on its templates (whatever the family)."""
-        from .family import count_params
-
-        return count_params(self)
+        return HOOKS.count_params(self)
 
     @property
     def windows(self) -> list[int | None]:
@@ -351,9 +367,7 @@ class ModelConfig:
             and _rope_type(hf) not in DYNAMIC_ROPE
         )
         if not fast:
-            from .hf import generic_attention
-
-            impl = generic_attention(hf)  # refuses, naming why, what cannot train as a decoder
+            impl = HOOKS.generic_attention(hf)  # refuses, naming why, what cannot train as a decoder
         common = dict(
             model_type=mt,
             vocab_size=hf.vocab_size,
@@ -372,9 +386,7 @@ class ModelConfig:
             flags = dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
             eps = getattr(hf, "rms_norm_eps", None) or getattr(hf, "layer_norm_eps", None) or 1e-6
             cfg = cls(**common, **flags, rms_norm_eps=eps, path="generic", attn_implementation=impl)
-            from .hf import skeleton
-
-            skeleton(cfg)  # builds transformers' model on the meta device, refusing what cannot run
+            HOOKS.skeleton(cfg)  # builds transformers' model on the meta device, refusing what cannot run
             return cfg
         fam = FAMILIES[mt]
         attention_bias = bool(getattr(hf, "attention_bias", False))

@@ -20,8 +20,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .attention import Mask, attend, attention_mask
+from .base import Family, meta
 from .config import ModelConfig
-from .family import Family, meta
 
 
 class RMSNorm(nn.Module):

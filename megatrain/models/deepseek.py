@@ -30,9 +30,9 @@ from torch import nn
 
 from ..errors import ConfigError
 from .attention import Mask, attend, attention_mask
+from .base import meta
 from .config import NO_BALANCE_LOSS, ModelConfig, MoESpec
 from .decoder import BLOCKS, MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from .family import meta
 from .moe import Experts, checkpoint_pieces
 
 LATENT_NORM_EPS = 1e-6  # transformers builds the q and kv latent norms with RMSNorm's default eps

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import Family, meta
 from .config import ModelConfig
 from .decoder import MLP, Attention, Embedding, layer_type, layer_type_inputs
-from .family import Family, meta
 
 
 class GemmaRMSNorm(nn.Module):

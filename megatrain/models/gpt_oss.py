@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import meta
 from .config import ModelConfig
 from .decoder import BLOCKS, Attention, Head, RMSNorm, layer_type, layer_type_inputs
-from .family import meta
 from .moe import expert_counts, grouped_linear, route, router_balance
 
 SWIGLU_ALPHA = 1.702  # the published models' gate scale

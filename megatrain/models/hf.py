@@ -28,8 +28,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from .attention import attention_mask
+from .base import Family
 from .config import FAMILIES, MOE_BLOCKS, ModelConfig
-from .family import Family
 
 # Config attributes a transformers model's forward multiplies the token embeddings by (Granite).
 EMBED_MULTIPLIERS = ("embedding_multiplier",)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import meta
 from .decoder import BLOCKS, MLP, Attention, RMSNorm
-from .family import meta
 
 # Checkpoint names of the fused expert tensors: each fused [E, R, C] tensor is, for expert e, the
 # listed per-expert tensors ([R / n, C] each) back to back. transformers' weight conversion
@@ -169,7 +169,7 @@ class MoeDecoderLayer(nn.Module):
 
 def router_balance(cfg, num_layers: int, device: torch.device):
     """The keeper of transformers' load-balancing loss over a model's layers (`Family.aux`)."""
-    from ..routing import RouterBalance  # the engine's side of the aux loss
+    from .routing import RouterBalance  # the engine's side of the aux loss
 
     return RouterBalance(cfg.moe, num_layers, device)
 

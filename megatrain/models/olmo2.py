@@ -9,9 +9,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from .base import meta
 from .config import ModelConfig
 from .decoder import BLOCKS, MLP, Attention, Head, RMSNorm
-from .family import meta
 
 
 class Olmo2RMSNorm(RMSNorm):

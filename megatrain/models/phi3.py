@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .base import meta
 from .config import ModelConfig
 from .decoder import BLOCKS, Attention, DecoderLayer
-from .family import meta
 
 
 class FusedAttention(Attention):

@@ -18,23 +18,19 @@ apart: at long context attention is most of the work and runs slower than the ma
 the rate of a matmul shaped like the layer's, `probe.cpu_layer_memory`) instead of GPU_FLOPS, and
 this host's AdamW rate
 (`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S; PCIE_BYTES_S is always the
-constant. bench/host-only.md has the model's terms for GPU-stepped units, and
-tests/test_gpustep.py checks it against the committed H100 runs of them (model A, 16k tokens).
+constant (both are the `Machine`'s defaults, planspec.py). bench/host-only.md has the model's
+terms for GPU-stepped units, and tests/test_gpustep.py checks it against the committed H100 runs
+of them (model A, 16k tokens).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .state import STATE_BYTES
-
-if TYPE_CHECKING:  # planspec.py imports this module (rates as defaults): the types only, for annotations
-    from .planspec import Batch, Machine, Plan, Shape
+from ..host.state import STATE_BYTES
+from .planspec import Batch, Machine, Plan, Shape
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
 GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}  # where nothing was measured (a CPU run measures its own)
-PCIE_BYTES_S = 45e9
 # Both directions at once move more than one, but not twice. Page-locked copies alone moved 102
 # GB/s both ways together on an H200 host, 70 beside the CPU AdamW on 15 threads (bench/link.py,
 # results/2026-11-23_2217_link.md). Since the GPU-stepped units' write-backs queue behind all their
@@ -44,7 +40,6 @@ PCIE_DUPLEX_GAIN = 1.6
 # The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
 # (it shares host memory bandwidth with the copies and cores with the launching thread), and even
 # "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
-ADAM_PARAMS_S = 3e9  # where it is not measured
 ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
 OPT_INTERFERENCE = 0.25
 # Where gradients land during the backward sweep (two-pass, immediate), the CPU AdamW steps each

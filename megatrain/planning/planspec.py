@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from .costmodel import ADAM_PARAMS_S, PCIE_BYTES_S
-from .layout import Layout
-from .models.config import ModelConfig
+from ..host.state import build_units
+from ..models.config import ModelConfig
+from ..parallel.layout import Layout
 from .probe import LayerMemory, token_ffn
-from .state import build_units
 
 # The pools a plan sizes by default
 PREFETCH = 2  # units copied ahead of compute
 STAGING_CHUNK = 32 * 2**20  # elements per device->host gradient chunk
 INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, two_pass)
 EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
+# A machine's rates where they are not measured: the link's, one way, and the CPU AdamW's inside a
+# training step (costmodel.py says where the figures come from)
+PCIE_BYTES_S = 45e9
+ADAM_PARAMS_S = 3e9
 
 
 @dataclass(frozen=True)

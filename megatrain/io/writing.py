@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
+from ..errors import OutputError
+from ..metrics import ByteProgress
+from ..planning.placement import fmt_bytes
 from . import manifest, ownership
-from .errors import OutputError
-from .metrics import ByteProgress
-from .placement import fmt_bytes
 
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 CHUNK = 64 << 20  # bytes per write: the progress bar moves, and a stop request is seen soon

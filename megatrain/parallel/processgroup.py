@@ -13,6 +13,8 @@ receives only its span, which it copies to host memory and steps. A rank then re
 memory only what it wrote itself, so no barrier per unit is needed. Where the backend has no
 reduce-scatter (gloo, in some versions) it is an all-reduce and a slice: the same sums. Across
 machines the host state is partitioned: each machine holds its ranks' spans only.
+
+`start` gives a process its collective: one of these in a world, `Single` outside one.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from .distributed import Cuts, T, param_norms, world_layout
-from .errors import ConfigError
-from .hostmem import shared_buffer
+from ..errors import ConfigError
+from ..host.hostmem import shared_buffer
+from ..host.state import HostState, Unit
+from .distributed import Collective, Cuts, Single, T, in_world, param_norms, world_device, world_layout
 from .layout import Layout, piece_len
-from .state import HostState, Unit
 
 SHM_DIR = Path("/dev/shm")
 
@@ -210,3 +212,21 @@ class ShardedGroup(ProcessGroup):
 
     def updated(self, unit: Unit) -> None:
         pass  # a rank fetches only the span it stepped itself
+
+
+def start(
+    device: torch.device, timeout_s: float, traffic: str = "auto", nnodes: int | None = None
+) -> tuple[Collective, torch.device]:
+    """The collective of this process and its device: `Single` outside a world. `traffic` and
+    `nnodes` are the ddp_traffic and nnodes keys (layout.py)."""
+    if not in_world():
+        if (nnodes or 1) > 1:
+            raise ConfigError(
+                f"nnodes: {nnodes} machines need several processes: start them with `megatrain train` "
+                "(nnodes x nproc_per_node of them on this machine) or torchrun"
+            )
+        return Single(), device
+    layout = world_layout(traffic, nnodes)
+    device = world_device(device)
+    group = ShardedGroup if layout.sharded else ProcessGroup
+    return group(device, timeout_s, layout), device

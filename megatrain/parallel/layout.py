@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .hostmem import PAGE
+from ..errors import ConfigError
+from ..host.hostmem import PAGE
 
 ALIGN = PAGE // 4  # fp32 elements per page: spans start on pages
 TRAFFIC = ("auto", "plain", "sharded")

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .errors import MegatrainError
+from ..errors import MegatrainError
 
 
 class LaunchError(MegatrainError):

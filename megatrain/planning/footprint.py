@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .activations import HostActivations
+from ..host.activations import HostActivations
+from ..host.state import STATE_BYTES
+from ..models.attention import mask_bytes
+from ..models.config import ModelConfig
+from ..parallel.layout import Layout
 from .costmodel import step_time
-from .layout import Layout
-from .models.attention import mask_bytes
-from .models.config import ModelConfig
 from .planspec import EMBED_GRAD_ROWS, Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
-from .state import STATE_BYTES
 
 GiB, MiB = 2**30, 2**20
 

@@ -53,11 +53,11 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError, ConfigError
+from ..host.state import HostState, build_units, checkpoint_entries, tensor_entries
+from ..models.config import ModelConfig
 from . import manifest
-from .errors import CheckpointError, ConfigError
-from .models.config import ModelConfig
 from .reader import TensorReader, checkpoint_files
-from .state import HostState, build_units, checkpoint_entries, tensor_entries
 from .weights import read_generation_config, write_model_config
 from .writing import AtomicDir
 

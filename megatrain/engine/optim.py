@@ -10,20 +10,12 @@ and norm weights, one global step count.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
-from .distributed import Collective, Single
-from .state import HostState, Unit
-
-
-def optimizer_threads(ranks_per_machine: int = 1) -> int:
-    """CPU threads of one process's AdamW: the machine's cores shared by its ranks' optimizers,
-    with one core each left free for the thread that launches kernels (the optimizer's OpenMP
-    threads would otherwise preempt it and starve the GPU)."""
-    return max(1, (os.cpu_count() or 2) // ranks_per_machine - 1)
+from ..host.state import HostState, Unit
+from ..parallel.distributed import Collective, Single
 
 
 @dataclass

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import OutputError
+from ..errors import OutputError
 
 LOCK = ".megatrain.lock"
 MARKER = ".megatrain-partial"

@@ -1,6 +1,7 @@
 """Data parallel training over torch.distributed: what a training process needs from the other
-ranks of its world (the `Collective` protocol), the world of one process (`Single`), and
-starting a world. The engine, transports and trainer talk to other ranks only through it:
+ranks of its world (the `Collective` protocol), the world of one process (`Single`), and the
+world torchrun started (its layout, each rank's device). The engine, transports and trainer
+talk to other ranks only through it:
 
 * the step's label tokens are counted over all ranks before the backward sweep, so every rank's
   loss is normalised by the step's total (the loss of one process with the same global batch);
@@ -13,7 +14,8 @@ starting a world. The engine, transports and trainer talk to other ranks only th
 How units are cut between ranks and machines, and the two designs (plain: whole units copied
 and gradients all-reduced; sharded: spans copied and all-gathered on the device, gradients
 reduce-scattered, the state partitioned when the world spans machines), is layout.py's. The
-process groups themselves (NCCL between GPUs, gloo on the CPU) are processgroup.py's.
+process groups themselves (NCCL between GPUs, gloo on the CPU) are processgroup.py's, and so is
+`start`, which gives a process its collective.
 
 A world is started by torchrun (or `megatrain train ... nproc_per_node=N`, launch.py), which
 sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE.
@@ -27,9 +29,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..host.state import HostState, Unit, unit_views
 from .layout import Layout, resolve
-from .state import HostState, Unit, unit_views
 
 T = TypeVar("T")
 
@@ -236,23 +238,3 @@ def world_device(device: torch.device) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
-
-
-def start(
-    device: torch.device, timeout_s: float, traffic: str = "auto", nnodes: int | None = None
-) -> tuple[Collective, torch.device]:
-    """The collective of this process and its device: `Single` outside a world. `traffic` and
-    `nnodes` are the ddp_traffic and nnodes keys (layout.py)."""
-    if not in_world():
-        if (nnodes or 1) > 1:
-            raise ConfigError(
-                f"nnodes: {nnodes} machines need several processes: start them with `megatrain train` "
-                "(nnodes x nproc_per_node of them on this machine) or torchrun"
-            )
-        return Single(), device
-    from .processgroup import ProcessGroup, ShardedGroup
-
-    layout = world_layout(traffic, nnodes)
-    device = world_device(device)
-    group = ShardedGroup if layout.sharded else ProcessGroup
-    return group(device, timeout_s, layout), device

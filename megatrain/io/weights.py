@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import CheckpointError, ConfigError, OutputError
+from ..host.state import HostState, build_units, checkpoint_entries, tensor_entries
+from ..models.config import ModelConfig
 from . import manifest
-from .errors import CheckpointError, ConfigError, OutputError
-from .models.config import ModelConfig
 from .reader import INDEX, TensorReader, checkpoint_files
-from .state import HostState, build_units, checkpoint_entries, tensor_entries
 from .writing import AtomicDir
 
 
@@ -70,7 +70,7 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
     and its index, so units fill in parallel threads and the result depends on the seed alone.
     Other families are initialised by transformers' own rules (Gemma's norms are zero-centred,
     for one), a unit at a time."""
-    from .models.family import family_of
+    from ..models.family import family_of
 
     if family_of(cfg).hf_init:
         return _init_as_transformers(state, cfg, seed, progress)
@@ -105,8 +105,8 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
 def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progress: bool) -> None:
     """Each unit's template materialised on the host and initialised by the model's own
     `_init_weights` (it draws from the global generator: units in turn, each seeded)."""
-    from .models.family import templates
-    from .models.hf import skeleton
+    from ..models.family import templates
+    from ..models.hf import skeleton
 
     init, t = skeleton(cfg).model._init_weights, templates(cfg)
     for unit in tqdm(state.units, desc="initialising weights", disable=not progress, unit="unit"):
@@ -157,7 +157,7 @@ def write_model_config(
 
             GenerationConfig.from_model_config(hf).save_pretrained(out_dir)
     if tokenizer is not None:
-        from .data.chat import end_of_turn_id
+        from ..data.chat import end_of_turn_id
 
         eot = end_of_turn_id(tokenizer)
         if eot is not None:
@@ -238,7 +238,7 @@ def export_model(
     the small ones read, the safetensors memory-mapped, so a checkpoint deleted meanwhile (a run
     pruning it) still exports whole, or the export fails with one line. Returns the output
     directory and whether the source had checksums to verify."""
-    from .data.tokenizer import TOKENIZER_FILES, load_tokenizer
+    from ..data.tokenizer import TOKENIZER_FILES, load_tokenizer
 
     src, out_dir = Path(src), Path(out_dir)
     if not src.is_dir():

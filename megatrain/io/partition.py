@@ -39,12 +39,12 @@ from pathlib import Path
 
 import torch
 
+from ..errors import MegatrainError, OutputError
+from ..host.state import HostState, checkpoint_entries, tensor_entries
+from ..parallel.distributed import Collective
+from ..planning.placement import fmt_bytes
 from . import checkpoint, ownership
-from .distributed import Collective
-from .errors import MegatrainError, OutputError
-from .placement import fmt_bytes
 from .reader import TensorReader, checkpoint_files, segment_key
-from .state import HostState, checkpoint_entries, tensor_entries
 from .weights import save_hf_checkpoint
 from .writing import AtomicDir, free_bytes, plan_shards, write_safetensors
 

@@ -1,6 +1,6 @@
 """The layer-streaming engine: a forward sweep that keeps only layer-boundary activations, a
-loss head that never materialises the full logits, and a backward sweep that recomputes each
-layer from its saved input and produces its gradients.
+loss head that never materialises the full logits (the loss is an objective's, objectives/), and
+a backward sweep that recomputes each layer from its saved input and produces its gradients.
 
 Every micro-batch of an optimizer step passes through a layer during one visit, so each unit's
 weights reach the device twice per optimizer step (forward, backward) however many micro-batches
@@ -22,27 +22,29 @@ same AdamW.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.func import functional_call
 
-from . import losshead
-from .batch import MicroBatch
-from .compiling import compiled
-from .distributed import Collective, Single
-from .models.config import ModelConfig
-from .models.decoder import set_mlp_tiles
-from .models.family import family_of, templates
-from .placement import Plan
-from .planspec import EMBED_GRAD_ROWS
-from .state import HostState, Unit, unit_views
+from ..data.batch import MicroBatch
+from ..host.state import HostState, Unit, unit_views
+from ..models.compiling import compiled
+from ..models.config import ModelConfig
+from ..models.decoder import set_mlp_tiles
+from ..models.family import family_of, templates
+from ..objectives.base import Objective
+from ..objectives.losshead import Head
+from ..parallel.distributed import Collective, Single
+from ..planning.placement import Plan
+from ..planning.planspec import EMBED_GRAD_ROWS
 from .transport import Transport
 
 
 @dataclass
 class _Prepared:
     ids: torch.Tensor  # [B, S] on device
-    targets: torch.Tensor  # [B*S] shifted labels on device
+    targets: Any  # what the objective needs of the micro-batch, on device (cross-entropy: [B*S] labels)
     inputs: dict[str, dict]  # layer kind -> keyword inputs of its layers (rotary tables, mask)
 
 
@@ -85,10 +87,12 @@ class Engine:
         device: torch.device,
         compute_dtype: torch.dtype,
         plan: Plan,
+        objective: Objective,
         compile: bool = False,
         collective: Collective | None = None,
     ):
         self.cfg, self.state, self.transport, self.plan = cfg, state, transport, plan
+        self.objective = objective
         # The other ranks of a data-parallel world (distributed.py): label tokens counted and
         # gradients summed over all of them; a world of one changes nothing.
         self.collective = collective or Single()
@@ -119,7 +123,7 @@ class Engine:
         self.loss_chunk_tokens = plan.loss_chunk_tokens
         self.host_acts = None
         if plan.parked_layers and self.device.type == "cuda":
-            from .activations import HostActivations
+            from ..host.activations import HostActivations
 
             self.host_acts = HostActivations(self.device)
         self._norms: dict[int, list[torch.Tensor]] = {}
@@ -167,7 +171,7 @@ class Engine:
         doc = mb.document_ids.to(dev) if mb.document_ids is not None else None
         return _Prepared(
             ids=ids,
-            targets=mb.shifted_labels.to(dev, non_blocking=True).reshape(-1),
+            targets=self.objective.targets(mb, dev),
             inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks),
         )
 
@@ -220,10 +224,10 @@ class Engine:
         return params, params.pop(self.head.lm_weight_name)
 
     def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int):
-        """Loss (sum over tokens / n_tokens) and its gradient w.r.t. each micro-batch's last hidden
-        state, through the chunked loss head (losshead.py). The head's fp32 gradients (and, tied,
-        the LM head's share of the embedding's) are kept for the unit's finish. Returns the loss,
-        the list of gradients and the units' gradient buffers."""
+        """Loss (the objective's, over `n_tokens`: its count over the step) and its gradient w.r.t.
+        each micro-batch's last hidden state, through the chunked loss head (objectives/). The
+        head's fp32 gradients (and, tied, the LM head's share of the embedding's) are kept for the
+        unit's finish. Returns the loss, the list of gradients and the units' gradient buffers."""
         head = self.head_unit
         params, W = self._head_params()
         g_head = self._grad_buffer(head)
@@ -235,9 +239,8 @@ class Engine:
         else:
             g_W = g_views[self.head.lm_weight_name]
         targets = [p.targets for p in prep]
-        loss, dh = losshead.loss_and_grads(
-            self.head, params, W, h, targets, self.loss_chunk_tokens, n_tokens, g_views, g_W
-        )
+        bound = Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W)
+        loss, dh = self.objective.loss_and_grads(bound, h, targets, n_tokens)
         return loss, dh, grads
 
     def _fetch_parked(self, s):
@@ -325,12 +328,13 @@ class Engine:
 
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
-        """Loss of (sum of token losses over all micro-batches) / (number of label tokens), and
-        that number; the gradients or their norm as the plan's gradient mode says. A family with
-        an auxiliary loss (mixture of experts: `router_aux_loss_coef` times each micro-batch's
-        load-balancing loss, routing.py) adds it to the loss."""
+        """The objective's loss (cross-entropy: (sum of token losses over all micro-batches) / (number
+        of label tokens)) and its count (that number); the gradients or their norm as the plan's
+        gradient mode says. A family with an auxiliary loss (mixture of experts:
+        `router_aux_loss_coef` times each micro-batch's load-balancing loss, routing.py) adds it to
+        the loss."""
         # Every rank normalises by the label tokens of the whole step, on all ranks.
-        n_tokens = self.collective.sum_count(sum(mb.num_label_tokens for mb in micro_batches))
+        n_tokens = self.collective.sum_count(sum(self.objective.count(mb) for mb in micro_batches))
         if n_tokens == 0:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
         self._norms, self._pending = {}, None
@@ -452,25 +456,25 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:
-        """Sum of token losses over `micro_batches` (an fp32 device scalar) and their number of
-        label tokens, forward only: no gradients, nothing for the optimizer, no random numbers.
-        Called between optimizer steps (after `step` or `skip_step`), when no gradient is held.
+        """The objective's loss sum over `micro_batches` (an fp32 device scalar; cross-entropy: of
+        token losses) and their count (label tokens), forward only: no gradients, nothing for the
+        optimizer, no random numbers. Called between optimizer steps (after `step` or
+        `skip_step`), when no gradient is held.
 
         All micro-batches pass each layer in one visit. The head runs the chunks training runs
-        (losshead.py), so the sum is the training loss's numerator bit for bit. On CUDA the previous
+        (objectives/), so the sum is the training loss's numerator bit for bit. On CUDA the previous
         step's optimizer may still run on the worker thread: each fetch waits for its unit's
         update (resident units are stepped on the compute stream, ahead of this sweep).
         """
         if self._pending is not None:
             # Its boundary activations are still on the device, and the plan has no room for two.
             raise RuntimeError("eval_loss inside an optimizer step: call it after step() or skip_step()")
-        n_tokens = sum(mb.num_label_tokens for mb in micro_batches)
+        n_tokens = sum(self.objective.count(mb) for mb in micro_batches)
         self.transport.begin(self._forward_order())
         prep = [self._prepare(mb) for mb in micro_batches]
         h, _ = self._forward_sweep(prep, keep=False)
-        params, W = self._head_params()
-        targets = [p.targets for p in prep]
-        return losshead.loss_sum(self.head, params, W, h, targets, self.loss_chunk_tokens), n_tokens
+        head = Head(self.head, *self._head_params(), self.loss_chunk_tokens)
+        return self.objective.loss_sum(head, h, [p.targets for p in prep]), n_tokens
 
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
@@ -478,5 +482,4 @@ class Engine:
         self.transport.begin(self._forward_order())
         prep = [self._prepare(micro_batch)]
         h, _ = self._forward_sweep(prep, keep=False)
-        params, W = self._head_params()
-        return losshead.logits(self.head, params, h[0], W)
+        return Head(self.head, *self._head_params(), self.loss_chunk_tokens).logits(h[0])

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import mxfp4
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from ..models import mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

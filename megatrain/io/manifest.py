@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CheckpointError
-from .metrics import ByteProgress
+from ..errors import CheckpointError
+from ..metrics import ByteProgress
 
 MANIFEST = "megatrain_manifest.json"
 FORMAT = 1

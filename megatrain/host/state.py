@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.config import ModelConfig
+from ..models.family import checkpoint_pieces, family_of, templates
 from .hostmem import PAGE, host_buffer
-from .models.config import ModelConfig
-from .models.family import checkpoint_pieces, family_of, templates
 
 ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
 # Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit

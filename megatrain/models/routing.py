@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.config import MoESpec
+from .config import MoESpec
 
 
 class RouterBalance:

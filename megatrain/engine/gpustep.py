@@ -39,10 +39,10 @@ import math
 
 import torch
 
-from .footprint import STEP_SLOTS
-from .hostmem import Registration
+from ..host.hostmem import Registration
+from ..host.state import HostState, Unit
+from ..planning.footprint import STEP_SLOTS
 from .optim import AdamWConfig, adamw_range, chunk_ranges, clip_scaled
-from .state import HostState, Unit
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
 

@@ -27,12 +27,17 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import CheckpointError, ConfigError, OutputError
+from ..metrics import is_eval
+from ..planning.memory import PLAN_FILE
+from ..planning.placement import fmt_bytes
 from . import manifest
 from .checkpoint import (
     TRAIN_CONFIG,
@@ -47,11 +52,6 @@ from .checkpoint import (
     remove_temporaries,
     run_id_of,
 )
-from .config import interval_steps
-from .errors import CheckpointError, ConfigError, OutputError
-from .memory import PLAN_FILE
-from .metrics import is_eval
-from .placement import fmt_bytes
 from .writing import AtomicDir, free_bytes
 
 METRICS, FINAL = "metrics.jsonl", "final"
@@ -61,6 +61,13 @@ RUN_FILES = (METRICS, TRAIN_CONFIG, PLAN_FILE)  # one run's own files, kept asid
 def new_run_id() -> str:
     """A lineage id: the UTC start time (readable, sortable) and a random suffix."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def interval_steps(value: int | float, total_steps: int) -> int:
+    """The steps a save_steps or eval_steps value means in a run of `total_steps`: a whole
+    number as it is; a fraction (< 1) of the run rounded up, as in transformers, once
+    floating-point noise is dropped (0.07 x 100 is 7 steps, not 8)."""
+    return int(value) if value >= 1 else math.ceil(round(value * total_steps, 9))
 
 
 @dataclass(frozen=True)

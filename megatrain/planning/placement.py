@@ -38,12 +38,16 @@ costmodel.py (step time, which footprint's `evaluate` adds to each plan).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from .costmodel import ADAM_IN_STEP, ADAM_PARAMS_S
-from .errors import ConfigError, MegatrainError
+from ..errors import ConfigError, MegatrainError
+from ..host.state import STATE_BYTES
+from ..models.config import ModelConfig
+from ..parallel.layout import Layout
+from .costmodel import ADAM_IN_STEP
 from .footprint import (
     CUDA_CONTEXT,
     evaluate,
@@ -55,11 +59,8 @@ from .footprint import (
     usable_gpu,
     usable_host,
 )
-from .layout import Layout
-from .models.config import ModelConfig
-from .planspec import Batch, Machine, Plan, Shape, model_shape
+from .planspec import ADAM_PARAMS_S, Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
-from .state import STATE_BYTES
 
 __all__ = [
     "Batch",
@@ -469,6 +470,13 @@ def gpu_available(device) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0])
 
 
+def optimizer_threads(ranks_per_machine: int = 1) -> int:
+    """CPU threads of one process's AdamW: the machine's cores shared by its ranks' optimizers,
+    with one core each left free for the thread that launches kernels (the optimizer's OpenMP
+    threads would otherwise preempt it and starve the GPU)."""
+    return max(1, (os.cpu_count() or 2) // ranks_per_machine - 1)
+
+
 def measure(
     device, max_gpu_memory: int | None = None, max_host_memory: int | None = None, world: Layout | None = None
 ) -> Machine:
@@ -478,8 +486,7 @@ def measure(
     `world`: the data-parallel world the machine belongs to (layout.py; default one process)."""
     import torch
 
-    from .distributed import plans_for_all
-    from .optim import optimizer_threads
+    from ..parallel.distributed import plans_for_all
     from .probe import CPU_ADAM_PROBE, adam_rate
 
     kind = str(device).split(":")[0]

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch.func import functional_call
 
-from .compiling import compiled
-from .models.config import ModelConfig
-from .models.decoder import set_mlp_tiles, tiled_backward_phases
-from .models.family import family_of, templates
+from ..models.compiling import compiled
+from ..models.config import ModelConfig
+from ..models.decoder import set_mlp_tiles, tiled_backward_phases
+from ..models.family import family_of, templates
 
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer

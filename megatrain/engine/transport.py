@@ -41,13 +41,13 @@ from typing import Protocol
 
 import torch
 
-from .distributed import Collective, Single
+from ..host.hostmem import Registration, host_buffer
+from ..host.state import HostState, Unit
+from ..parallel.distributed import Collective, Single
+from ..planning.placement import Plan, optimizer_threads
 from .gpustep import GpuStepper
-from .hostmem import Registration, host_buffer
-from .optim import HostAdamW, adamw_range, chunk_ranges, optimizer_threads
+from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
-from .placement import Plan
-from .state import HostState, Unit
 
 
 class Transport(Protocol):

@@ -1,0 +1,43 @@
+"""What the engine asks of a training objective (objectives/__init__.py says why it is this)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from ..data.batch import MicroBatch
+from .losshead import Head
+
+
+class Objective(ABC):
+    """A step's loss, taken from the last hidden states a chunk of tokens at a time.
+
+    The engine calls `targets` for each micro-batch before its forward sweep, sums `count` over
+    the step's micro-batches and the world's ranks, runs the sweep, then hands every micro-batch's
+    last hidden states to `loss_and_grads` (training) or `loss_sum` (evaluation) with the loss
+    head bound to its weights; the gradients `loss_and_grads` returns enter the backward sweep.
+    """
+
+    @abstractmethod
+    def targets(self, mb: MicroBatch, device: torch.device) -> Any:
+        """What the loss needs of one micro-batch, on `device` (copied once, before the sweep)."""
+
+    @abstractmethod
+    def count(self, mb: MicroBatch) -> int:
+        """What one micro-batch adds to the step's normaliser (summed over all ranks)."""
+
+    @abstractmethod
+    def loss_and_grads(
+        self, head: Head, hidden: list[torch.Tensor], targets: list[Any], total: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """This rank's share of the step's loss (an fp32 device scalar; the engine sums the ranks')
+        and its gradient w.r.t. each micro-batch's last hidden states, the head's own gradients
+        added into `head`'s buffers (`Head.backward`). `total`: the step's summed `count`."""
+
+    @abstractmethod
+    def loss_sum(self, head: Head, hidden: list[torch.Tensor], targets: list[Any]) -> torch.Tensor:
+        """Forward only: the numerator of the loss over these micro-batches (an fp32 device
+        scalar), whose ratio to their summed `count` is the loss; the chunks `loss_and_grads` runs,
+        in the same order."""
