@@ -13,7 +13,7 @@ import errno
 import os
 import sys
 
-from . import CUDA_ALLOC_CONF
+from . import CUDA_ALLOC_CONF, OMP_WAIT_POLICY
 from .errors import MegatrainError
 from .guard import Aborted, TrainingInterrupted
 
@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)  # before torch starts
+    if "torch" not in sys.modules:  # OpenMP reads it as torch loads; later it would only mislead
+        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # runtime.cpu_threads
     args = build_parser().parse_args(argv)
     # In a data-parallel world every rank meets the same errors: the first one reports them.
     rank = int(os.environ.get("RANK", "0"))

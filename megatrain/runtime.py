@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import CUDA_ALLOC_CONF
+from . import CUDA_ALLOC_CONF, OMP_WAIT_POLICY
 from .engine.engine import Engine
 from .engine.optim import AdamWConfig, HostAdamW
 from .engine.transport import SerialTransport, StreamingTransport, Transport
@@ -54,6 +54,19 @@ def resolve_device(name: str) -> torch.device:
     elif dev.type != "cpu":
         raise ConfigError(f"device: {name!r} is not supported (auto, cpu, cuda, cuda:N)")
     return dev
+
+
+def cpu_threads(ranks_per_machine: int = 1) -> int:
+    """Intra-op threads of a run on the CPU: its share of the CPUs this process may run on (its
+    affinity, which a container or taskset narrows; torch counts the machine's cores). Where
+    OpenMP's threads spin rather than sleep (OMP_WAIT_POLICY is not PASSIVE: torch loaded before
+    the command line could set it), the CPUs that other work keeps busy (the load average) are
+    left to it: a spinning thread whose core another process takes stalls every op."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = cpus // max(1, ranks_per_machine)
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != OMP_WAIT_POLICY:
+        share = min(share, cpus - int(os.getloadavg()[0]))
+    return max(1, share)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -187,6 +200,8 @@ def build_model(
             state, opt, device, dtype, plan, overlap=overlap, threads=threads, collective=collective
         )
     else:
+        if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands
+            torch.set_num_threads(cpu_threads(collective.local_world_size))
         transport = SerialTransport(state, opt, device, dtype, collective=collective)
     objective = objective or CrossEntropy()
     engine = Engine(

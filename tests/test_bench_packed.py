@@ -22,6 +22,7 @@ def steps_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_packed_bench_trains_both_through_the_cli_and_reports_their_ratio(tmp_path):
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     tmp.mkdir()

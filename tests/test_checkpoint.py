@@ -347,6 +347,7 @@ def _wait_for(predicate, proc, timeout=120.0):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
     base = make_run(tmp_path, n=200)
     base.update(max_steps=120, save_steps=1, save_total_limit=3)
@@ -391,6 +392,7 @@ def test_kill_9_at_random_moments_never_leaves_a_broken_checkpoint(tmp_path):
     assert_bitwise(tensors(out / "final"), tensors(ref))
 
 
+@pytest.mark.slow
 def test_sigterm_in_subprocess_saves_and_exits_143(tmp_path):
     base = make_run(tmp_path)
     out = tmp_path / "out"

@@ -86,6 +86,7 @@ def runs(tmp_path_factory):
     return tmp, base, tmp / "run.yaml", proc, shm_before
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_with_the_same_global_batch(runs):
     tmp, _, _, proc, shm_before = runs
     one, two = tmp / "one", tmp / "two"
@@ -105,6 +106,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(runs):
     assert json.loads((two / "checkpoint-1" / "train_config.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs):
     tmp, base, cfg_path, _, _ = runs
     one, two = tmp / "one", tmp / "two"
@@ -127,6 +129,7 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs):
     assert_close_weights(tensors(b / "checkpoint-3"), tensors(one / "checkpoint-3"))
 
 
+@pytest.mark.slow
 def test_moe_aux_loss_two_processes_equal_one(tmp_path):
     """An OLMoE with the load-balancing loss on: each micro-batch's aux loss uses its own router
     counts, so two processes with half the micro-batches each give one process's losses (aux terms
@@ -165,6 +168,7 @@ def start_endless(base: dict, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, out
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_run_with_one_line(runs, tmp_path):
     proc, _ = start_endless(runs[1], tmp_path)
     (victim,) = [pid for pid in children(proc.pid) if rank_of(pid) == "1"]
@@ -177,6 +181,7 @@ def test_a_killed_rank_stops_the_run_with_one_line(runs, tmp_path):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_one_checkpoint_and_exits_143(runs, tmp_path):
     proc, out = start_endless(runs[1], tmp_path)
     proc.send_signal(signal.SIGTERM)

@@ -423,3 +423,21 @@ def test_the_adam_rate_is_measured_on_the_threads_the_optimizers_will_have(monke
     monkeypatch.setenv("RANK", "1")  # its plan is not the one run: it leaves the cores alone
     assert placement.measure("cuda", 80 * GiB, 100 * GiB, Layout(ranks=2)).adam_params_s == ADAM_PARAMS_S
     assert seen == [31, 30]
+
+
+def test_parked_activations_are_counted_from_one_micro_batch(monkeypatch):
+    """A layer's slot of parked activations holds what HostActivations lays out for all the step's
+    micro-batches, counted from one of them: `megatrain plan`'s search for the most micro-batches a
+    step may have tries up to 2**24, and a list of that many took seconds a plan."""
+    from dataclasses import replace
+
+    from megatrain.activations import HostActivations
+
+    real = HostActivations.layer_bytes
+    b = Batch(micro_batch_tokens=1001, micro_batches=7, seq_len=1001, compute_bytes=2, clip=True)
+    assert footprint._parked_layer_bytes(b, 3) == HostActivations.slot_bytes(real([1001] * 7, 3, 2))
+    listed = []
+    monkeypatch.setattr(HostActivations, "layer_bytes", lambda t, *a: listed.append(len(t)) or real(t, *a))
+    many = replace(b, micro_batches=2**24)
+    assert footprint._parked_layer_bytes(many, 3) == HostActivations.slot_bytes(2**24 * real([1001], 3, 2))
+    assert listed == [1]

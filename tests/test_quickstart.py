@@ -56,7 +56,6 @@ REL_TOL = 1e-4
 def run_quickstart(output_dir: Path) -> tuple[list[float], float]:
     """The golden run; returns the loss of every step and then the eval loss after the last
     (the quickstart evaluates every 25 steps and after the last) from metrics.jsonl."""
-    torch.set_num_threads(2)  # results do not depend on it, but keep CI and laptops alike
     rc = main(["train", str(EXAMPLES / "quickstart.yaml"), *GOLDEN_OVERRIDES, f"output_dir={output_dir}"])
     assert rc == 0, f"megatrain train examples/quickstart.yaml exited {rc}"
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

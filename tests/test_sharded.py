@@ -72,6 +72,7 @@ def whole(path: Path) -> dict[str, torch.Tensor]:
     return {w: getattr(state, w).clone() for w in ("master", "exp_avg", "exp_avg_sq")}
 
 
+@pytest.mark.slow
 def test_sharded_traffic_equals_one_process(ref):
     """Two processes, each copying half of every unit and all-gathering the rest, gradients
     reduce-scattered (gloo: all-reduce and slice), the clip norm summed from the halves."""
@@ -92,6 +93,7 @@ def parts(ref):
     return out
 
 
+@pytest.mark.slow
 def test_partitioned_state_equals_one_process(ref, parts):
     tmp = ref[0]
     same_as_one(tmp, parts, list(range(1, STEPS + 1)))
@@ -104,6 +106,7 @@ def test_partitioned_state_equals_one_process(ref, parts):
     assert_close_weights(tensors(exported), tensors(tmp / "one" / "final"))  # final/: its weights
 
 
+@pytest.mark.slow
 def test_each_machine_holds_only_its_part(ref, parts):
     units = build_units(ModelConfig.from_json(ref[1]["model_config"]))
     layout = Layout(ranks=2, machines=2, sharded=True)
@@ -116,6 +119,7 @@ def test_each_machine_holds_only_its_part(ref, parts):
     assert plan["host"]["fp32 weights + AdamW moments"] == held[0]
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_designs_and_world_sizes(ref, parts):
     tmp, base, cfg_path = ref
     one = tmp / "one"
@@ -133,6 +137,7 @@ def test_checkpoints_move_between_designs_and_world_sizes(ref, parts):
     assert len(json.loads((b / "plan.json").read_text())["host_state_bytes_per_machine"]) == 2
 
 
+@pytest.mark.slow
 def test_a_missing_segment_is_refused_by_name(ref, parts, tmp_path):
     src = parts / "checkpoint-1"
     bad = tmp_path / "bad"

@@ -281,9 +281,11 @@ def export_model(
 def tensor_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[str], torch.dtype]:
     """The dtype each tensor of a model directory is written in: `dtype`, but fp32 for what
     transformers keeps in fp32 in a model of that dtype (`_keep_in_fp32_modules_strict` in bf16 and
-    fp16, `_keep_in_fp32_modules` in fp16: DeepSeek-V3's router correction bias), so an export
-    holds what `save_pretrained` of such a model writes. The names are matched as transformers
-    matches them (a search, `*` for anything)."""
+    fp16, `_keep_in_fp32_modules` in fp16), so an export holds what `save_pretrained` of such a
+    model writes. The lists are read from the installed transformers' model class, not copied:
+    they change between releases (DeepSeek-V3 keeps its router's correction bias in fp32, and
+    from 5.24 its gate weight too). The names are matched as transformers matches them (a
+    search, `*` for anything)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg.hf_config)]

@@ -360,8 +360,10 @@ def _runtime(device: str, world: Layout) -> int:
 
 def _parked_layer_bytes(b: Batch, hidden: int) -> int:
     """One layer's slot in the host buffer of parked activations."""
-    tokens = [b.micro_batch_tokens] * b.micro_batches
-    return HostActivations.slot_bytes(HostActivations.layer_bytes(tokens, hidden, b.compute_bytes))
+    # The micro-batches are alike: one's bytes times their count, not a list of them (the search
+    # for the most micro-batches a step may have tries up to 2**24).
+    one = HostActivations.layer_bytes([b.micro_batch_tokens], hidden, b.compute_bytes)
+    return HostActivations.slot_bytes(one * b.micro_batches)
 
 
 def usable_gpu(m: Machine) -> int | None:
