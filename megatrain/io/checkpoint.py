@@ -316,7 +316,7 @@ def save_checkpoint(
             d.path, model_cfg, torch.float32, read_generation_config(generation_from), tokenizer
         )
         if tokenizer is not None:
-            from .data.tokenizer import save_tokenizer
+            from ..data.tokenizer import save_tokenizer
 
             save_tokenizer(tokenizer, d.path)
         if not trainer_state.weights_only:

@@ -198,7 +198,7 @@ def save_hf_checkpoint(
         d.write_tensors("model", entries, tensor_dtypes(cfg, dtype), get, max_shard_bytes)
         write_model_config(d.path, cfg, dtype, read_generation_config(generation_from), tokenizer)
         if tokenizer is not None:
-            from .data.tokenizer import save_tokenizer
+            from ..data.tokenizer import save_tokenizer
 
             save_tokenizer(tokenizer, d.path)
         return d.commit()
