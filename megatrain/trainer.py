@@ -1,10 +1,14 @@
 """The training loop: batch, forward and backward sweeps, clip, optimizer, log, checkpoint.
 
-The machinery lives elsewhere: checkpoint.py (save, prune, resume), outputs.py (the rules of
-output_dir, when to save, disk space), ownership.py (the run's lock on output_dir), guard.py
-(signals, non-finite steps), plan.py (the memory preflight), memory.py (plan.json), metrics.py
-(metrics.jsonl, progress bar, the experiment trackers),
-evaluation.py (eval loss, the best checkpoint).
+`_train` is the step loop, read top to bottom. `_setup` checks the inputs (`_check_inputs`),
+builds the model and takes output_dir over; what it returns, a `_Run`, holds the run's parts and
+its phases: `log_step`, `evaluate`, `save`, `export` (output_dir/final) and `close`.
+
+The machinery lives elsewhere: io/checkpoint.py (save, prune, resume), io/outputs.py (the rules
+of output_dir, when to save, disk space), io/ownership.py (the run's lock on output_dir),
+guard.py (signals, non-finite steps), plan.py (the memory preflight), planning/memory.py
+(plan.json), metrics.py (metrics.jsonl, progress bar, the experiment trackers), evaluation.py
+(eval loss, the best checkpoint).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from .parallel.processgroup import start
 from .plan import preflight
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
-from .runtime import build_model, resolve_device, resolve_dtype
+from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
 from .trackers import RunInfo
 
 if TYPE_CHECKING:
@@ -178,23 +182,189 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     )
 
 
+@dataclass
+class _Run(_Inputs):
+    """A run set up (`_setup`): its checked inputs, the model and what the step loop's phases use
+    (evaluate, save, log a step, export, close)."""
+
+    cfg: TrainConfig
+    world: Collective
+    model: TrainableModel
+    memory: MemoryRecord
+    log: MetricsLogger | SilentLogger
+    nonfinite: NonFiniteGuard
+    history: deque[dict]
+    run_config: dict
+    start: int  # the optimizer steps already taken (a resume's)
+
+    @property
+    def main(self) -> bool:
+        """Whether this rank writes the outputs and shows progress."""
+        return self.world.is_main
+
+    @property
+    def out(self) -> Path:
+        return self.outputs.path
+
+    def log_step(self, step: int, outcome: dict, lr: float, dt: float, micro_batches) -> None:
+        """Optimizer step `step`'s metrics, to the metrics and the log history."""
+        record = _step_record(step, outcome, lr, dt, micro_batches, self.world, self.batcher.epoch)
+        self.log.log(record)
+        self.history.append(record)
+
+    def evaluate(self, step: int) -> None:
+        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
+        record = self.evaluator.evaluate(self.model.engine, step, self.batcher.epoch, self.log.progress)
+        self.log.log_eval(record)
+        self.log.exclude_pause()  # the ETA counts training steps only
+        self.history.append(record)
+
+    def save(self, step: int, weights_only: bool) -> Path:
+        """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit
+        (never the best)."""
+        cfg, main = self.cfg, self.main
+        self.model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
+        self.world.barrier()  # every rank's part of the shared state is
+        self.evaluator.checkpointed(step)  # is this checkpoint the best so far?
+        schedule = dict(
+            type=cfg.lr_scheduler_type,
+            learning_rate=cfg.learning_rate,
+            warmup_steps=self.warmup,
+            total_steps=self.total_steps,
+            last_step=step,
+        )
+        trainer_state = TrainerState(
+            global_step=step,
+            epoch=self.batcher.epoch,
+            max_steps=self.total_steps,
+            optimizer_step=self.model.state.step,
+            lr_scheduler=schedule,
+            data_state=self.batcher.state_dict(),
+            nonfinite_streak=self.nonfinite.streak,
+            log_history=list(self.history),
+            run_id=self.outputs.run_id,
+            weights_only=weights_only,
+            **self.evaluator.state(),
+        )
+        replacing = main and self.outputs.of_another_run(step)  # announced at the start, unless a signal's
+        # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
+        path = save_checkpoint(
+            self.world,
+            self.out,
+            trainer_state,
+            self.model.state,
+            self.model_cfg,
+            self.run_config,
+            tokenizer=self.tokenizer,
+            generation_from=cfg.model_name_or_path,
+            max_shard_bytes=parse_size(cfg.max_shard_size),
+            progress=self.log.interactive,
+        )
+        if main:
+            prune_checkpoints(
+                self.out, cfg.save_total_limit, self.outputs.run_id, protect=self.evaluator.best_checkpoint
+            )
+            also = " (weights only)" if weights_only else ""
+            also += " in place of another run's checkpoint of that step" if replacing else ""
+            self.log.message(f"megatrain: saved {path}{also}")
+        self.log.exclude_pause()
+        return path
+
+    def export(self) -> Path:
+        """After the last step: the model (the best checkpoint's, with load_best_model_at_end) to
+        output_dir/final."""
+        world, log = self.world, self.log
+        self.model.transport.synchronize()
+        world.barrier()
+        # load_best_model_at_end: every machine's state (part) holds the best checkpoint's weights.
+        note = (
+            self.evaluator.load_best(self.model.state, self.model_cfg, log.interactive)
+            if world.holds_state
+            else None
+        )
+        world.barrier()
+        final = save_model(
+            world,
+            self.model.state,
+            self.model_cfg,
+            self.out / "final",
+            dtype=torch.bfloat16 if self.cfg.save_dtype == "bfloat16" else torch.float32,
+            max_shard_bytes=parse_size(self.cfg.max_shard_size),
+            tokenizer=self.tokenizer,
+            progress=log.interactive,
+            generation_from=self.cfg.model_name_or_path,
+        )
+        if not self.main:
+            return final
+        if note:
+            log.message(note)
+        log.message(f"megatrain: saved {final}")
+        log.message(self.memory.summary())
+        return final
+
+    def close(self, failed: bool) -> None:
+        """Write the memory record, close the logger and the model, every step tried."""
+        # After an error, what closing meets (the same full disk, most often) is not the one to report.
+        record = [lambda: self.memory.write(self.out)] if self.main else []
+        _close_all([*record, lambda: self.log.close(failed=failed), self.model.close], quietly=failed)
+
+
 def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
+    run = _setup(cfg, world, device)
+    batcher, evaluator, nonfinite, total_steps = run.batcher, run.evaluator, run.nonfinite, run.total_steps
+    failed = False
+    try:
+        with SignalGuard(run.log.message) as stop:
+            last = run.resume.path if run.resume else None  # the newest checkpoint of this run
+            if run.start == 0 and evaluator.due(0):
+                run.evaluate(0)  # eval_on_start: a baseline before the first step
+            t_last = time.perf_counter()
+            for step in range(run.start, total_steps):
+                micro_batches = batcher.next_step(world.rank)
+                lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, run.warmup, total_steps)
+                outcome = _optimizer_step(
+                    run.model.engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1
+                )
+                now = time.perf_counter()
+                dt, t_last = now - t_last, now
+                run.log_step(step + 1, outcome, lr, dt, micro_batches)
+                nonfinite.check_diverged(step + 1)
+                if evaluator.due(step + 1):
+                    run.evaluate(step + 1)
+                    t_last = time.perf_counter()  # evaluation is not step time
+                run.memory.measure(step + 1)  # the peaks so far, evaluation's included
+
+                # Read once (a signal during the save is acted on below), and by every rank alike.
+                stopping = world.any(stop.requested)
+                if stopping or run.saves.due(step + 1):
+                    # A signal's checkpoint is always complete: it exists to be resumed.
+                    last = run.save(step + 1, cfg.save_only_model and not stopping)
+                    t_last = time.perf_counter()  # saving is not step time
+                if stopping:
+                    raise stop.interrupted(last)
+            # The last step is saved (to train further) unless save_strategy=no; a signal always saves.
+            stopping = world.any(stop.requested)
+            if (run.saves.at_end or stopping) and (last is None or last.name != f"checkpoint-{total_steps}"):
+                last = run.save(total_steps, cfg.save_only_model and not stopping)
+            if stopping:
+                raise stop.interrupted(last)
+        return run.export()
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        run.close(failed)
+
+
+def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
+    """Check the inputs, build the model, take output_dir over (plan.json, a resume's state, the
+    metrics logger) and tell what the run is: everything before the first step."""
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
     main = world.is_main  # writes the outputs and shows progress
-    run = _check_inputs(cfg, world, device, compute_dtype)
-    model_cfg, resume, outputs, tokenizer = run.model_cfg, run.resume, run.outputs, run.tokenizer
-    batcher, total_steps, warmup, evaluator = run.batcher, run.total_steps, run.warmup, run.evaluator
-    plan, saves = run.plan, run.saves
-    progress = show_progress(cfg.disable_tqdm) and main
-    schedule = dict(
-        type=cfg.lr_scheduler_type,
-        learning_rate=cfg.learning_rate,
-        warmup_steps=warmup,
-        total_steps=total_steps,
-    )
+    inputs = _check_inputs(cfg, world, device, compute_dtype)
+    model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
-    memory = MemoryRecord(plan, run.machine, {"model_type": model_cfg.model_type, "path": runs_on})
-
+    memory = MemoryRecord(inputs.plan, inputs.machine, {"model_type": model_cfg.model_type, "path": runs_on})
     model = build_model(
         model_cfg,
         weights=resume.path if resume else cfg.model_name_or_path,  # a checkpoint holds HF-keyed fp32 weights
@@ -204,14 +374,13 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         adamw=AdamWConfig(
             cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
         ),
-        progress=progress,
-        plan=plan,
-        machine=run.machine,
+        progress=show_progress(cfg.disable_tqdm) and main,
+        plan=inputs.plan,
+        machine=inputs.machine,
         compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
         collective=world,
         after_load=resume.load_moments if resume else None,
     )
-    engine = model.engine
     out = outputs.path
     # Every rank has checked the inputs (build_model met them all at a barrier): now one writes.
     notes = outputs.take_over() if main else []  # creates output_dir; a previous run's metrics kept aside
@@ -222,13 +391,13 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
     check_shared(world, out / PLAN_FILE)  # a partitioned state's machines save into one output_dir
     ts = resume.restore(model.state, batcher) if resume else None
     start = ts.global_step if ts else 0
-    history = deque(ts.log_history if ts else [], maxlen=HISTORY)
     # What a resume compares: the global batch, however many processes shared it.
     run_config = {
         **cfg.to_dict(),
         "total_train_batch_size": batcher.batch_size * batcher.micro_per_step,
         "world_size": world.world_size,
     }
+    total_steps = inputs.total_steps
     every = max(1, interval_steps(cfg.logging_steps, total_steps))  # a tiny fraction rounds to 0 steps
     about = RunInfo(outputs.run_id, cfg.run_name, cfg.project, run_config, memory.record())
     log = (
@@ -236,140 +405,49 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
         if main
         else SilentLogger()
     )
-    nonfinite = NonFiniteGuard(cfg.max_consecutive_nonfinite, ts.nonfinite_streak if ts else 0, log.message)
+    run = _Run(
+        **vars(inputs),
+        cfg=cfg,
+        world=world,
+        model=model,
+        memory=memory,
+        log=log,
+        nonfinite=NonFiniteGuard(
+            cfg.max_consecutive_nonfinite, ts.nonfinite_streak if ts else 0, log.message
+        ),
+        history=deque(ts.log_history if ts else [], maxlen=HISTORY),
+        run_config=run_config,
+        start=start,
+    )
+    _announce(run, device, runs_on, notes, ts)
+    return run
+
+
+def _announce(
+    run: _Run, device: torch.device, runs_on: str, notes: list[str], ts: TrainerState | None
+) -> None:
+    """Tell what the run is: the model, where it runs, the plan, what a resume continues (its
+    evaluation state restored, the settings changed since its checkpoint)."""
+    log, model_cfg, resume, world = run.log, run.model_cfg, run.resume, run.world
     log.message(
-        f"megatrain: {model_cfg.model_type} {model.state.num_params / 1e6:.1f}M params on {device} "
-        f"({str(engine.dtype).removeprefix('torch.')}), {len(run.samples)} samples, {total_steps} steps"
+        f"megatrain: {model_cfg.model_type} {run.model.state.num_params / 1e6:.1f}M params on {device} "
+        f"({str(run.model.engine.dtype).removeprefix('torch.')}), {len(run.samples)} samples, "
+        f"{run.total_steps} steps"
         + (f", data parallel over {world.world_size} processes" if world.world_size > 1 else "")
     )
     log.message(f"megatrain: {model_cfg.model_type} runs on the {runs_on}")
     for note in notes:
         log.message(note)
-    for note in plan.notes:
+    for note in run.plan.notes:
         log.message(f"megatrain: plan: {note}")
     if resume:
-        log.message(f"megatrain: resumed from {resume.path} at step {start}")
+        log.message(f"megatrain: resumed from {resume.path} at step {run.start}")
         if not resume.verified:
             log.message(f"megatrain: warning: {resume.path} has no checksums (saved by an older megatrain)")
-        evaluator.restore(ts, log.message)
-        changed = resume.changed_settings(run_config, RESUME_SENSITIVE)
+        run.evaluator.restore(ts, log.message)
+        changed = resume.changed_settings(run.run_config, RESUME_SENSITIVE)
         if changed:
             log.message("megatrain: warning: settings changed since the checkpoint: " + "; ".join(changed))
-
-    def evaluate(step: int) -> None:
-        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
-        record = evaluator.evaluate(engine, step, batcher.epoch, log.progress)
-        log.log_eval(record)
-        log.exclude_pause()  # the ETA counts training steps only
-        history.append(record)
-
-    def save(step: int, weights_only: bool) -> Path:
-        """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit
-        (never the best)."""
-        model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
-        world.barrier()  # every rank's part of the shared state is
-        evaluator.checkpointed(step)  # is this checkpoint the best so far?
-        trainer_state = TrainerState(
-            global_step=step,
-            epoch=batcher.epoch,
-            max_steps=total_steps,
-            optimizer_step=model.state.step,
-            lr_scheduler={**schedule, "last_step": step},
-            data_state=batcher.state_dict(),
-            nonfinite_streak=nonfinite.streak,
-            log_history=list(history),
-            run_id=outputs.run_id,
-            weights_only=weights_only,
-            **evaluator.state(),
-        )
-        replacing = main and outputs.of_another_run(step)  # announced at the start, unless a signal's
-        # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
-        path = save_checkpoint(
-            world,
-            out,
-            trainer_state,
-            model.state,
-            model_cfg,
-            run_config,
-            tokenizer=tokenizer,
-            generation_from=cfg.model_name_or_path,
-            max_shard_bytes=parse_size(cfg.max_shard_size),
-            progress=log.interactive,
-        )
-        if main:
-            prune_checkpoints(out, cfg.save_total_limit, outputs.run_id, protect=evaluator.best_checkpoint)
-            also = " (weights only)" if weights_only else ""
-            also += " in place of another run's checkpoint of that step" if replacing else ""
-            log.message(f"megatrain: saved {path}{also}")
-        log.exclude_pause()
-        return path
-
-    failed = False
-    try:
-        with SignalGuard(log.message) as stop:
-            last = resume.path if resume else None  # the newest checkpoint of this run
-            if start == 0 and evaluator.due(0):
-                evaluate(0)  # eval_on_start: a baseline before the first step
-            t_last = time.perf_counter()
-            for step in range(start, total_steps):
-                micro_batches = batcher.next_step(world.rank)
-                lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total_steps)
-                outcome = _optimizer_step(engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1)
-                now = time.perf_counter()
-                dt, t_last = now - t_last, now
-                record = _step_record(step + 1, outcome, lr, dt, micro_batches, world, batcher.epoch)
-                log.log(record)
-                history.append(record)
-                nonfinite.check_diverged(step + 1)
-                if evaluator.due(step + 1):
-                    evaluate(step + 1)
-                    t_last = time.perf_counter()  # evaluation is not step time
-                memory.measure(step + 1)  # the peaks so far, evaluation's included
-
-                # Read once (a signal during the save is acted on below), and by every rank alike.
-                stopping = world.any(stop.requested)
-                if stopping or saves.due(step + 1):
-                    # A signal's checkpoint is always complete: it exists to be resumed.
-                    last = save(step + 1, cfg.save_only_model and not stopping)
-                    t_last = time.perf_counter()  # saving is not step time
-                if stopping:
-                    raise stop.interrupted(last)
-            # The last step is saved (to train further) unless save_strategy=no; a signal always saves.
-            stopping = world.any(stop.requested)
-            if (saves.at_end or stopping) and (last is None or last.name != f"checkpoint-{total_steps}"):
-                last = save(total_steps, cfg.save_only_model and not stopping)
-            if stopping:
-                raise stop.interrupted(last)
-        model.transport.synchronize()
-        world.barrier()
-        # load_best_model_at_end: every machine's state (part) holds the best checkpoint's weights.
-        note = evaluator.load_best(model.state, model_cfg, log.interactive) if world.holds_state else None
-        world.barrier()
-        final = save_model(
-            world,
-            model.state,
-            model_cfg,
-            out / "final",
-            dtype=torch.bfloat16 if cfg.save_dtype == "bfloat16" else torch.float32,
-            max_shard_bytes=parse_size(cfg.max_shard_size),
-            tokenizer=tokenizer,
-            progress=log.interactive,
-            generation_from=cfg.model_name_or_path,
-        )
-        if not main:
-            return final
-        if note:
-            log.message(note)
-        log.message(f"megatrain: saved {final}")
-        log.message(memory.summary())
-        return final
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        # After an error, what closing meets (the same full disk, most often) is not the one to report.
-        record = [lambda: memory.write(out)] if main else []
-        _close_all([*record, lambda: log.close(failed=failed), model.close], quietly=failed)
 
 
 def _close_all(steps: list[Callable[[], object]], quietly: bool) -> None:
