@@ -431,7 +431,7 @@ def test_parked_activations_are_counted_from_one_micro_batch(monkeypatch):
     step may have tries up to 2**24, and a list of that many took seconds a plan."""
     from dataclasses import replace
 
-    from megatrain.activations import HostActivations
+    from megatrain.host.activations import HostActivations
 
     real = HostActivations.layer_bytes
     b = Batch(micro_batch_tokens=1001, micro_batches=7, seq_len=1001, compute_bytes=2, clip=True)
