@@ -29,6 +29,7 @@ from .data.samples import SPLIT
 from .engine.optim import SCHEDULES
 from .errors import ConfigError
 from .io.outputs import interval_steps
+from .objectives.preference import STAGES, PreferenceConfig
 from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
@@ -49,7 +50,7 @@ SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are der
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
-PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info")
+PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info", "ref_model_name_or_path")
 DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a dataset_info.json
 
 
@@ -94,6 +95,49 @@ class TrainConfig:
     always split."""
     shuffle: bool = True
     """Shuffle samples each epoch (seeded); false keeps file order exactly."""
+    # --- post-training stage (TRL's names and defaults, 0.27)
+    stage: str = "sft"
+    """sft (supervised fine-tuning), dpo, kto, orpo or simpo (preference optimisation on TRL's
+    preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
+    max_length bounds each sequence)."""
+    beta: float = 0.1
+    """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda)."""
+    loss_type: str | list[str] | None = None
+    """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard,
+    discopop, apo_zero, apo_down, sft, or a list of them summed with loss_weights; kto: kto
+    (default) or apo_zero_unpaired; simpo: simpo."""
+    loss_weights: list[float] | None = None
+    """dpo: one weight per loss_type in the list (default 1 each)."""
+    label_smoothing: float = 0.0
+    """dpo/simpo: the probability that a preference label is flipped (cDPO, robust, exo_pair)."""
+    rpo_alpha: float | None = None
+    """dpo: weight of the chosen completions' NLL added to the loss (RPO)."""
+    reference_free: bool = False
+    """dpo: no reference model (its log-probs taken as 0): no reference pass."""
+    discopop_tau: float = 0.05
+    """dpo loss_type discopop: its temperature."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin."""
+    cpo_alpha: float = 1.0
+    """simpo: weight of the chosen completions' NLL (0: pure SimPO)."""
+    desirable_weight: float = 1.0
+    """kto: weight of the desirable (label true) examples' losses."""
+    undesirable_weight: float = 1.0
+    """kto: weight of the undesirable examples' losses."""
+    max_prompt_length: int | None = 512
+    """Preference stages: prompt tokens kept (its last ones); null: all."""
+    max_completion_length: int | None = None
+    """Preference stages: completion tokens kept (its first ones); null: all."""
+    truncation_mode: str = "keep_end"
+    """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
+    keep_start."""
+    precompute_ref_log_probs: bool = True
+    """dpo/kto: the reference log-probs come from one forward pass over the training and eval data
+    before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
+    precomputes (a frozen reference gives the same numbers every step); false is accepted."""
+    ref_model_name_or_path: str | None = None
+    """dpo/kto: the reference model's local directory (the same architecture); default: the
+    initial policy (model_name_or_path)."""
     # --- schedule
     output_dir: str = "output"
     """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go; relative to
@@ -352,6 +396,15 @@ class TrainConfig:
         if self.nnodes is not None and self.nnodes < 1:
             bad("nnodes", "must be >= 1")
         self.world()  # a ddp_traffic that the machines cannot have is refused now
+        if self.stage != "sft" and self.stage not in STAGES:
+            bad("stage", f"must be sft or one of {', '.join(STAGES)}")
+        self.preference()  # the preference keys, checked by their owner
+
+    def preference(self) -> PreferenceConfig | None:
+        """The preference stage's settings; None for sft."""
+        if self.stage == "sft":
+            return None
+        return PreferenceConfig(**{f.name: getattr(self, f.name) for f in fields(PreferenceConfig)})
 
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of

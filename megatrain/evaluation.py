@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .data import Batcher, build_samples
+from .data import Batcher
 from .errors import CheckpointError
 from .host.state import HostState
 from .io import manifest
@@ -29,7 +29,9 @@ from .io.checkpoint import TrainerState, checkpoint_dir, run_id_of
 from .io.outputs import interval_steps
 from .io.reader import checkpoint_files
 from .io.weights import load_hf_weights
+from .metrics import mean_metrics
 from .models.config import ModelConfig
+from .stages import build_stage_samples
 
 
 class Evaluator:
@@ -51,7 +53,9 @@ class Evaluator:
         self.batcher: Batcher | None = None
         self.interval = 0
         if cfg.eval_strategy != "no":
-            samples = build_samples(cfg, tokenizer, vocab_size, key="eval_dataset", warn=warn)
+            samples = build_stage_samples(
+                cfg, tokenizer, vocab_size, "eval_dataset", cfg.per_device_eval_batch_size, warn=warn
+            )
             self.num_samples = len(samples)
             self.batcher = Batcher(
                 samples,
@@ -68,6 +72,7 @@ class Evaluator:
             else:
                 self.interval = interval_steps(cfg.eval_steps, total_steps)
         self.total_steps = total_steps
+        self.perplexity = cfg.stage == "sft"  # exp(loss) means something for a token loss only
         self.on_start = cfg.eval_on_start
         self.load_best_at_end = cfg.load_best_model_at_end
         metric = cfg.metric_for_best_model
@@ -99,7 +104,8 @@ class Evaluator:
         # In a data-parallel world rank r takes every r-th chunk; the sums meet at the end.
         world = engine.collective
         # Summed on the device in float64, so large eval sets neither drift nor sync per chunk.
-        sums = torch.zeros(3, dtype=torch.float64, device=engine.device)  # loss, label tokens, tokens
+        # loss, its count (label tokens; micro-batches for a preference stage), label tokens, tokens
+        sums = torch.zeros(4, dtype=torch.float64, device=engine.device)
         mine = range(world.rank, self.batcher.steps_per_epoch, world.world_size)
         with progress(len(mine)) as bar:
             for i, micro_batches in enumerate(self.batcher.epoch_steps()):
@@ -108,23 +114,26 @@ class Evaluator:
                 loss_sum, n = engine.eval_loss(micro_batches)
                 sums[0] += loss_sum.double()
                 sums[1] += n
-                sums[2] += sum(mb.num_tokens for mb in micro_batches)
+                sums[2] += sum(mb.num_label_tokens for mb in micro_batches)
+                sums[3] += sum(mb.num_tokens for mb in micro_batches)
                 bar.update(1)
         for _ in range(-(-self.batcher.steps_per_epoch // world.world_size) - len(mine)):
             engine.keep_pace()  # the ranks' sweeps pair up (sharded: their weight gathers do)
-        total, n_label, n_tokens = world.sum_(sums).tolist()  # the one host sync
+        total, count, n_label, n_tokens = world.sum_(sums).tolist()  # the one host sync
         n_label, n_tokens = int(n_label), int(n_tokens)
-        loss = total / n_label
+        loss = total / count
+        metrics = mean_metrics(engine.objective.take_metrics(), world, prefix="eval_")
         dt = time.perf_counter() - t0
         record = {
             "step": step,
             "epoch": epoch,
             "eval_loss": loss if math.isfinite(loss) else None,  # JSON has no NaN
-            "eval_perplexity": math.exp(loss) if loss < 700 else None,
+            "eval_perplexity": math.exp(loss) if loss < 700 and self.perplexity else None,
             "eval_runtime": dt,
             "eval_samples_per_second": self.num_samples / dt,
             "eval_tokens_per_s": n_tokens / dt,
             "eval_label_tokens": n_label,
+            **metrics,
         }
         self._last = record
         return record

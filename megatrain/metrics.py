@@ -260,3 +260,13 @@ class SilentLogger:
 
     def close(self, failed: bool = False) -> None:
         pass
+
+
+def mean_metrics(metrics: dict[str, tuple[float, int]], world, prefix: str = "") -> dict[str, float]:
+    """An objective's metrics (name -> (sum, micro-batches)) averaged over every rank's
+    micro-batches. `world`: the ranks (parallel/distributed.py's Collective)."""
+    parts = world.each(metrics) if world.world_size > 1 else [metrics]
+    names = dict.fromkeys(k for p in parts for k in p)
+    return {
+        prefix + k: sum(p[k][0] for p in parts if k in p) / sum(p[k][1] for p in parts if k in p) for k in names
+    }

@@ -39,15 +39,19 @@ def batch_of(
     k = {name: knobs.get(name, getattr(cfg, name)) for name in KNOBS}
     if attention_span is None:
         attention_span = span([k["max_length"]], model_cfg.windows)
+    # A preference sample is several sequences (a pair: two): rows of their own, or one packed row.
+    g = cfg.preference().sequences if cfg.preference() else 1
+    rows, seq_len = k["per_device_train_batch_size"] * g, k["max_length"]
+    if cfg.packing:
+        rows, seq_len = rows // g, seq_len * g
     return Batch(
-        micro_batch_tokens=k["per_device_train_batch_size"] * k["max_length"],
+        micro_batch_tokens=rows * seq_len,
         micro_batches=k["gradient_accumulation_steps"],
-        seq_len=k["max_length"],
+        seq_len=seq_len,
         compute_bytes=compute_bytes,
         clip=cfg.max_grad_norm > 0,
-        masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, k["max_length"])
-        or model_cfg.needs_mask,
-        rows=k["per_device_train_batch_size"],
+        masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, seq_len) or model_cfg.needs_mask,
+        rows=rows,
         attention_span=attention_span,
     )
 

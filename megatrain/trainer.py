@@ -27,7 +27,7 @@ import torch
 
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, interval_steps, parse_size, warmup_of
-from .data import Batcher, build_samples, load_tokenizer, pad_token_id
+from .data import Batcher, load_tokenizer, pad_token_id
 from .engine.optim import AdamWConfig, lr_at
 from .errors import ConfigError
 from .evaluation import Evaluator
@@ -36,7 +36,7 @@ from .io.checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, p
 from .io.outputs import OutputDir, SaveSchedule
 from .io.ownership import RunLock
 from .io.partition import check_shared, save_checkpoint, save_model
-from .metrics import MetricsLogger, SilentLogger, show_progress
+from .metrics import MetricsLogger, SilentLogger, mean_metrics, show_progress
 from .models import attention
 from .models.config import ModelConfig
 from .models.family import describe
@@ -46,6 +46,7 @@ from .plan import preflight
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
 from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
+from .stages import Reference, build_stage_samples, objective_of, reference_model_pass, same_architecture
 from .trackers import RunInfo
 
 if TYPE_CHECKING:
@@ -128,7 +129,9 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
-    samples = build_samples(cfg, tokenizer, model_cfg.vocab_size, warn=say)
+    samples = build_stage_samples(
+        cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, warn=say
+    )
     batcher = Batcher(
         samples,
         batch_size=cfg.per_device_train_batch_size,
@@ -244,6 +247,7 @@ class _Run(_Inputs):
             log_history=list(self.history),
             run_id=self.outputs.run_id,
             weights_only=weights_only,
+            objective_state=self.model.engine.objective.state_dict(),
             **self.evaluator.state(),
         )
         replacing = main and self.outputs.of_another_run(step)  # announced at the start, unless a signal's
@@ -365,22 +369,32 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
     memory = MemoryRecord(inputs.plan, inputs.machine, {"model_type": model_cfg.model_type, "path": runs_on})
-    model = build_model(
-        model_cfg,
-        weights=resume.path if resume else cfg.model_name_or_path,  # a checkpoint holds HF-keyed fp32 weights
-        seed=cfg.seed,
-        device=device,
-        compute_dtype=compute_dtype,
-        adamw=AdamWConfig(
-            cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
-        ),
-        progress=show_progress(cfg.disable_tqdm) and main,
-        plan=inputs.plan,
-        machine=inputs.machine,
-        compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
-        collective=world,
-        after_load=resume.load_moments if resume else None,
-    )
+    progress = show_progress(cfg.disable_tqdm) and main
+
+    def build(weights, after_load=None) -> TrainableModel:
+        return build_model(
+            model_cfg,
+            weights=weights,
+            seed=cfg.seed,
+            device=device,
+            compute_dtype=compute_dtype,
+            adamw=AdamWConfig(
+                cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
+            ),
+            progress=progress,
+            plan=inputs.plan,
+            machine=inputs.machine,
+            compile=cfg.torch_compile,  # None: on for CUDA, off on the CPU
+            collective=world,
+            after_load=after_load,
+            objective=objective_of(cfg, world),
+        )
+
+    reference = _reference(cfg, inputs, world, build, progress)
+    # a checkpoint holds HF-keyed fp32 weights
+    model = build(resume.path if resume else cfg.model_name_or_path, resume.load_moments if resume else None)
+    if reference is not None and reference.missing:  # a fresh run: the policy is still the reference
+        reference.compute(model.engine, cfg, batcher.pad_id, world, progress)
     out = outputs.path
     # Every rank has checked the inputs (build_model met them all at a barrier): now one writes.
     notes = outputs.take_over() if main else []  # creates output_dir; a previous run's metrics kept aside
@@ -388,8 +402,15 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     memory.state_bytes = [b for b in world.each(model.state.nbytes if world.holds_state else None) if b]
     if main:
         memory.write(out)
+        if reference is not None and reference.computed:
+            reference.write()
+    if reference is not None:
+        world.barrier()
+        reference.attach()
     check_shared(world, out / PLAN_FILE)  # a partitioned state's machines save into one output_dir
     ts = resume.restore(model.state, batcher) if resume else None
+    if ts:
+        model.engine.objective.load_state_dict(ts.objective_state)
     start = ts.global_step if ts else 0
     # What a resume compares: the global batch, however many processes shared it.
     run_config = {
@@ -421,6 +442,28 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     )
     _announce(run, device, runs_on, notes, ts)
     return run
+
+
+def _reference(cfg: TrainConfig, inputs: _Inputs, world: Collective, build, progress: bool) -> Reference | None:
+    """The run's reference log-probs (None where the stage takes none): read from output_dir,
+    or computed now with a model of the reference weights where the policy about to be built
+    does not hold them (another reference model, or a resume); a fresh run's policy computes
+    them after it is built."""
+    pref = cfg.preference()
+    if pref is None or not pref.needs_reference:
+        return None
+    sets = {"train": inputs.samples}
+    if inputs.evaluator.enabled:
+        sets["eval"] = inputs.evaluator.batcher.samples
+    ref = Reference(cfg, sets, inputs.outputs.path, inputs.model_cfg)
+    if ref.missing and (cfg.ref_model_name_or_path or inputs.resume):
+        path = cfg.ref_model_name_or_path
+        if path:
+            same_architecture(inputs.model_cfg, ModelConfig.from_json(path), path)
+        reference_model_pass(
+            ref, lambda: build(path or cfg.model_name_or_path), cfg, inputs.batcher.pad_id, world, progress
+        )
+    return ref
 
 
 def _announce(
@@ -466,10 +509,11 @@ def _optimizer_step(engine, micro_batches, max_grad_norm: float, lr: float, nonf
     """One optimizer step over `micro_batches`: forward, backward, clip, AdamW (skipped where the
     loss or the gradient norm is not finite, the weights and moments left as they were). Its
     loss, gradient norm, label tokens, router metrics (MoE) and whether it was finite."""
-    loss, n_label = engine.forward_backward(micro_batches)
+    loss, _ = engine.forward_backward(micro_batches)
     grad_norm, coef = engine.clip_grad_norm(max_grad_norm)  # None: known after the step
     loss = loss.item()  # the one host sync of the step
     router = engine.aux_metrics()  # MoE: aux loss and expert load (known with the loss)
+    objective = engine.objective.take_metrics()  # a preference stage's rewards, log-probs, ...
     if grad_norm is None and math.isfinite(loss):
         # No clipping: the backward sweep runs in `step`, each unit stepped as it lands (one whose
         # gradient is not finite is left as it was).
@@ -482,7 +526,7 @@ def _optimizer_step(engine, micro_batches, max_grad_norm: float, lr: float, nonf
             engine.step(lr, coef)
         else:
             engine.skip_step()  # weights and AdamW moments stay as they were
-    return dict(loss=loss, grad_norm=grad_norm, label_tokens=n_label, router=router, finite=finite)
+    return dict(loss=loss, grad_norm=grad_norm, router=router, objective=objective, finite=finite)
 
 
 def _step_record(
@@ -494,19 +538,21 @@ def _step_record(
     # What the step's tokens were: rows of max_length and, packed, the documents in them.
     rows = world.sum_count(sum(mb.input_ids.shape[0] for mb in micro_batches))
     samples = world.sum_count(sum(mb.num_samples for mb in micro_batches))
+    label_tokens = world.sum_count(sum(mb.num_label_tokens for mb in micro_batches))
     record = {
         "step": step,
         "loss": outcome["loss"] if finite else None,  # JSON has no NaN
         "grad_norm": outcome["grad_norm"] if finite else None,
         "lr": lr,
         "tokens": tokens,
-        "label_tokens": outcome["label_tokens"],
+        "label_tokens": label_tokens,
         "rows": rows,
         "samples": samples,
         "tokens_per_s": tokens / dt,
         "step_time_s": dt,
         "epoch": epoch,
         **outcome["router"],
+        **mean_metrics(outcome["objective"], world),
     }
     if not finite:
         record["skipped"] = True

@@ -397,13 +397,13 @@ def _padded(seqs):
     return ids, attn, mask
 
 
-def trl_kto(model, ref_model, seqs, kl_seqs, beta, loss_type, desirable_weight, undesirable_weight):
+def trl_kto(model, ref_model, seqs, kl_seqs, beta, loss_type, desirable_weight, undesirable_weight, labels=LABELS):
     """KTOTrainer.forward, kto_loss and get_batch_loss_metrics (the metrics' sums over counts)."""
 
     def logps(m, ids, attn, mask):
         return trl_get_batch_logps(m(ids, attention_mask=attn).logits, torch.where(mask, ids, -100), False)
 
-    labels = torch.tensor(LABELS)
+    labels = torch.tensor(labels)
     with torch.no_grad():
         policy_kl = logps(model, *kl_seqs)
         ref_all, ref_kl = logps(ref_model, *seqs), logps(ref_model, *kl_seqs)

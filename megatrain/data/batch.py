@@ -27,6 +27,14 @@ class MicroBatch:
     """[B, S] 1 for real tokens, 0 for padding, as transformers' `attention_mask`; None: no
     padding. Attention needs none (pads only ever follow real tokens, which never see them);
     the MoE load-balancing loss leaves padding out, as transformers does given this mask."""
+    slots: torch.Tensor | None = None
+    """[B, S] int64, unshifted like labels: the per-sequence sum that predicting token t adds its
+    log-prob to, -1 for none. Slot c * units + k is code c (`Sample.slots`) of the k-th sample of
+    the micro-batch. None: the objective sums nothing per sequence (cross-entropy)."""
+    units: list[int] | None = None
+    """The indices of the micro-batch's samples in their dataset, in order."""
+    extra: torch.Tensor | None = None
+    """[units, k] float64: each sample's `Sample.extra`; None where samples carry none."""
 
     def __post_init__(self):
         if self.input_ids.shape != self.labels.shape:
@@ -40,6 +48,13 @@ class MicroBatch:
         return t
 
     @property
+    def shifted_slots(self) -> torch.Tensor:
+        """Slots aligned with the logits, as `shifted_labels`."""
+        t = torch.full_like(self.slots, -1)
+        t[:, :-1] = self.slots[:, 1:]
+        return t
+
+    @property
     def num_label_tokens(self) -> int:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
@@ -50,7 +65,10 @@ class MicroBatch:
     @property
     def num_samples(self) -> int:
         """Samples (documents) in the micro-batch: one per row, or with packing each document
-        that starts in a row's real tokens (padding is a document of its own and not counted)."""
+        that starts in a row's real tokens (padding is a document of its own and not counted); a
+        sample of several sequences (a preference pair) counts once."""
+        if self.units is not None:
+            return len(self.units)
         if self.document_ids is None:
             return self.input_ids.shape[0]
         d = self.document_ids

@@ -18,6 +18,12 @@ micro-batches, the same ones in the same order as one process with `grad_accum *
 take; rank r takes the r-th block of `grad_accum` of them. The position is counted in optimizer
 steps, so a checkpoint resumes exactly in a world of any size with the same global batch.
 
+A sample of several sequences (`Sample.parts`: a preference pair's chosen and rejected) stays
+whole in one micro-batch, each sequence a row of its own (padded to the longest row) or, packed,
+a document of its own in a row of `max_length` x (sequences per sample) tokens; max_length then
+bounds each sequence (the data cut them), and `batch_size` counts samples. The micro-batch
+carries the samples' dataset indices, their per-sequence sum codes as slots and their extras.
+
 Evaluation uses the same Batcher with shuffle=False and drop_last=False: every sample, in file
 order, the last micro-batch and step possibly short (`epoch_steps`).
 """
@@ -67,14 +73,18 @@ class Batcher:
         self.ranks = ranks
         self.micro_per_step = grad_accum * ranks  # micro-batches of one optimizer step, all ranks
         self.packing, self.shuffle, self.seed, self.pad_id = packing, shuffle, seed, pad_id
-        # Over-long samples are truncated here too, so any caller gets rows <= max_length.
-        self._lengths = [min(len(s.input_ids), max_length) for s in samples]
+        # Over-long samples are truncated here too, so any caller gets rows <= max_length. A
+        # sample of several sequences was cut per sequence by its builder.
+        self.parted = samples[0].parts is not None
+        self.group = len(samples[0].parts) if self.parted else 1
+        row = max_length * self.group
+        self._lengths = [min(len(s.input_ids), row) for s in samples]
         self._rows: list[list[int]] | None = None
         if packing:
             order = list(range(len(samples)))
             if shuffle:
                 random.Random(f"pack-{seed}").shuffle(order)  # independent of the epoch streams
-            self._rows = pack_rows(order, self._lengths, max_length, OPEN_ROWS if shuffle else 1)
+            self._rows = pack_rows(order, self._lengths, row, OPEN_ROWS if shuffle else 1)
         units = len(self._rows) if packing else len(samples)
         self.drop_last = drop_last
         per_step = batch_size * self.micro_per_step
@@ -157,6 +167,8 @@ class Batcher:
     def _build(self, units: list[int]) -> MicroBatch:
         if self._rows is not None:
             return self._build_packed([self._rows[u] for u in units])
+        if self.parted:
+            return self._build_parts(units)
         width = max(self._lengths[i] for i in units)
         ids, labels, real = [], [], []
         for i in units:
@@ -166,36 +178,79 @@ class Batcher:
             real.append([1] * n + [0] * (width - n))
         # Right padding with causal attention: real tokens never see pads, and the default
         # arange positions are exact, so attention needs no position_ids or mask.
-        return MicroBatch(_tensor(ids), _tensor(labels), attention_mask=_padding_mask(real))
+        return MicroBatch(
+            _tensor(ids), _tensor(labels), attention_mask=_padding_mask(real), **self._per_sample(units)
+        )
+
+    def _build_parts(self, units: list[int]) -> MicroBatch:
+        """Each sequence of each sample a row, the samples' first sequences first (TRL's
+        concatenated batch: all chosen, then all rejected), right-padded to the longest."""
+        rows = [(i, *_part(self.samples[i], j)) for j in range(self.group) for i in units]
+        width = max(n for _, _, n in rows)
+        place = {i: k for k, i in enumerate(units)}
+        ids, labels, slots, real = [], [], [], []
+        for i, a, n in rows:
+            s, pad = self.samples[i], width - n
+            ids.append(s.input_ids[a : a + n] + [self.pad_id] * pad)
+            labels.append(s.labels[a : a + n] + [IGNORE_INDEX] * pad)
+            slots.append(_slots(s, a, n, place[i], len(units)) + [-1] * pad)
+            real.append([1] * n + [0] * pad)
+        return MicroBatch(
+            _tensor(ids),
+            _tensor(labels),
+            attention_mask=_padding_mask(real),
+            slots=_tensor(slots),
+            **self._per_sample(units),
+        )
+
+    def _per_sample(self, units: list[int]) -> dict:
+        """The micro-batch's sample indices and extras."""
+        extra = [self.samples[i].extra for i in units]
+        return dict(
+            units=list(units),
+            extra=torch.tensor(extra, dtype=torch.float64) if extra[0] else None,
+        )
 
     def _build_packed(self, rows: list[list[int]]) -> MicroBatch:
-        ids, labels, pos, docs, real = [], [], [], [], []
+        units = [i for row in rows for i in row]
+        ids, labels, pos, docs, real, slots = [], [], [], [], [], []
+        k = 0  # the sample's place in the micro-batch
         for row in rows:
-            r_ids, r_lab, r_pos, r_doc = [], [], [], []
-            for d, i in enumerate(row):
-                s, n = self.samples[i], self._lengths[i]
-                r_ids += s.input_ids[:n]
-                # The first token of a document is predicted from the previous document's last
-                # token after the engine's shift: never a target.
-                r_lab += [IGNORE_INDEX] + s.labels[1:n]
-                r_pos += range(n)
-                r_doc += [d] * n
-            pad = self.max_length - len(r_ids)
+            r_ids, r_lab, r_pos, r_doc, r_slot = [], [], [], [], []
+            d = 0  # documents in the row so far
+            for i in row:
+                s = self.samples[i]
+                for j in range(self.group):
+                    a, n = _part(s, j) if self.parted else (0, self._lengths[i])
+                    r_ids += s.input_ids[a : a + n]
+                    # The first token of a document is predicted from the previous document's last
+                    # token after the engine's shift: never a target.
+                    r_lab += [IGNORE_INDEX] + s.labels[a + 1 : a + n]
+                    r_pos += range(n)
+                    r_doc += [d] * n
+                    d += 1
+                    if s.slots is not None:
+                        r_slot += _slots(s, a, n, k, len(units))
+                k += 1
+            pad = self.max_length * self.group - len(r_ids)
             real.append([1] * len(r_ids) + [0] * pad)
             r_ids += [self.pad_id] * pad
             r_lab += [IGNORE_INDEX] * pad
             r_pos += range(pad)
-            r_doc += [len(row)] * pad  # padding is its own document: attends to nothing real
+            r_doc += [d] * pad  # padding is its own document: attends to nothing real
             ids.append(r_ids)
             labels.append(r_lab)
             pos.append(r_pos)
             docs.append(r_doc)
+            slots.append(r_slot + [-1] * pad)
         return MicroBatch(
             _tensor(ids),
             _tensor(labels),
             position_ids=_tensor(pos),
             document_ids=_tensor(docs),
             attention_mask=_padding_mask(real),
+            slots=_tensor(slots) if self.samples[units[0]].slots is not None else None,
+            **(self._per_sample(units) if self.parted else {}),
         )
 
     # ------------------------------------------------------------------ resume
@@ -250,6 +305,17 @@ def pack_rows(order: list[int], lengths: list[int], max_length: int, open_rows: 
     done += [(at, row) for at, row, _ in open_]
     done.sort(key=lambda x: x[0])
     return [row for _, row in done]
+
+
+def _part(sample: Sample, j: int) -> tuple[int, int]:
+    """(first token, length) of sequence `j` of a sample of several."""
+    return sum(sample.parts[:j]), sample.parts[j]
+
+
+def _slots(sample: Sample, a: int, n: int, k: int, units: int) -> list[int]:
+    """The micro-batch slots of tokens [a, a + n) of the k-th of `units` samples: code c goes to
+    slot c * units + k; the sequence's first token is never a target."""
+    return [-1] + [c * units + k if c >= 0 else -1 for c in sample.slots[a + 1 : a + n]]
 
 
 def _tensor(rows: list[list[int]]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..errors import ConfigError, DataError
 from .batch import IGNORE_INDEX
 from .chat import _render, require_chat_template
 from .formats import CHAT_ROLES, Messages, _int_list, out_of_vocab
-from .samples import CHUNK, INT64_LIMIT
+from .samples import CHUNK, INT64_LIMIT, Sample
 from .sources import read_records
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,12 @@ TRUNCATION_MODES = ("keep_end", "keep_start")
 UNPAIR_BLOCK = 1000
 _PROMPT_ENDS = ("user", "tool")  # the roles after which the generation prompt makes sense
 PAIRED_TOKEN_KEYS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+# The per-sequence sums a sample's tokens feed (`Sample.slots` codes): a pair's chosen and
+# rejected completions and its chosen prompt (ORPO's NLL covers it); a KTO example's completion
+# and its KL sequence's.
+CHOSEN, REJECTED, CHOSEN_PROMPT = 0, 1, 2
+COMPLETION, KL = 0, 1
+PAIR_SUMS, UNPAIRED_SUMS = 3, 2
 
 
 @dataclass(slots=True)
@@ -123,6 +129,43 @@ class Limits:
         elif excess > 0:
             ids, p = ids[excess:], max(p - excess, 0)
         return CompletionTokens(ids, p)
+
+
+# ------------------------------------------------------------------------ samples
+def pair_sample(pair: PreferencePair) -> Sample:
+    """A pair as one training sample of two sequences, chosen then rejected, their completion
+    tokens labelled and coded CHOSEN / REJECTED, the chosen prompt's tokens CHOSEN_PROMPT."""
+    c, r = pair.chosen, pair.rejected
+    slots = [CHOSEN_PROMPT] * c.prompt_length + [CHOSEN] * (len(c.input_ids) - c.prompt_length)
+    slots += [-1] * r.prompt_length + [REJECTED] * (len(r.input_ids) - r.prompt_length)
+    return Sample(
+        c.input_ids + r.input_ids,
+        _first_unlabelled(c.labels) + _first_unlabelled(r.labels),
+        pair.source,
+        parts=(len(c.input_ids), len(r.input_ids)),
+        slots=slots,
+    )
+
+
+def unpaired_sample(example: UnpairedExample) -> Sample:
+    """A KTO example as one sample: its sequence (completion coded COMPLETION) and, with a KL
+    term, its KL sequence (completion coded KL, no labels: a constant of the loss). Its extra
+    starts with the label (1.0: desirable)."""
+    seq, kl = example.sequence, example.kl
+    ids, labels = list(seq.input_ids), _first_unlabelled(seq.labels)
+    slots = [-1] * seq.prompt_length + [COMPLETION] * (len(ids) - seq.prompt_length)
+    parts = (len(ids),)
+    if kl is not None:
+        ids += kl.input_ids
+        labels += [IGNORE_INDEX] * len(kl.input_ids)
+        slots += [-1] * kl.prompt_length + [KL] * (len(kl.input_ids) - kl.prompt_length)
+        parts += (len(kl.input_ids),)
+    return Sample(ids, labels, example.source, parts=parts, slots=slots, extra=(float(example.label),))
+
+
+def _first_unlabelled(labels: list[int]) -> list[int]:
+    """A sequence's labels with its first token's ignored (nothing predicts it)."""
+    return [IGNORE_INDEX] + labels[1:]
 
 
 # ------------------------------------------------------------------------ building

@@ -28,10 +28,22 @@ class Sample:
     input_ids: list[int]
     labels: list[int]
     source: str
+    parts: tuple[int, ...] | None = None
+    """Several sequences in one sample (a preference pair: chosen, rejected), their lengths in
+    order: each is a row of its own (or, packed, a document), never attending to the others; None:
+    one sequence."""
+    slots: list[int] | None = None
+    """Per token, the per-sequence sum its log-prob goes into, as a code an objective reads (the
+    preference stages: data/preference.py), -1 for none; None: no per-sequence sums."""
+    extra: tuple[float, ...] = ()
+    """Per-sample numbers an objective needs (preference: the reference log-probs, KTO's label),
+    carried to `MicroBatch.extra`."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.labels):
             raise DataError(f"{self.source}: {len(self.labels)} labels for {len(self.input_ids)} input_ids")
+        if self.parts is not None and sum(self.parts) != len(self.input_ids):
+            raise DataError(f"{self.source}: parts {self.parts} do not add up to {len(self.input_ids)} tokens")
 
     @property
     def has_labels(self) -> bool:

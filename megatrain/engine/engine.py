@@ -21,6 +21,7 @@ same AdamW.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -466,15 +467,22 @@ class Engine:
         step's optimizer may still run on the worker thread: each fetch waits for its unit's
         update (resident units are stepped on the compute stream, ahead of this sweep).
         """
+        n_tokens = sum(self.objective.count(mb) for mb in micro_batches)
+        return self.head_outputs(micro_batches, self.objective.loss_sum), n_tokens
+
+    @torch.no_grad()
+    def head_outputs(self, micro_batches: list[MicroBatch], fn: Callable[[Head, list, list], Any]) -> Any:
+        """Forward only, as `eval_loss`: `fn(head, last hidden states, targets)` of the objective's
+        targets of `micro_batches` (the objective's loss sum; a preference stage's per-sequence
+        sums for its reference pass)."""
         if self._pending is not None:
             # Its boundary activations are still on the device, and the plan has no room for two.
-            raise RuntimeError("eval_loss inside an optimizer step: call it after step() or skip_step()")
-        n_tokens = sum(self.objective.count(mb) for mb in micro_batches)
+            raise RuntimeError("a forward pass inside an optimizer step: call it after step() or skip_step()")
         self.transport.begin(self._forward_order())
         prep = [self._prepare(mb) for mb in micro_batches]
         h, _ = self._forward_sweep(prep, keep=False)
         head = Head(self.head, *self._head_params(), self.loss_chunk_tokens)
-        return self.objective.loss_sum(head, h, [p.targets for p in prep]), n_tokens
+        return fn(head, h, [p.targets for p in prep])
 
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:

@@ -95,6 +95,9 @@ class TrainerState:
     best_global_step: int | None = None
     best_model_checkpoint: str | None = None
     """output_dir/checkpoint-N of the best checkpoint (pruning never deletes it)."""
+    objective_state: dict[str, Any] = field(default_factory=dict)
+    """What the objective carries from step to step (`Objective.state_dict`: bco_pair's running
+    mean); empty for most."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, **dataclasses.asdict(self)}
@@ -140,6 +143,7 @@ class TrainerState:
             "best_metric": (int, float),
             "best_global_step": int,
             "best_model_checkpoint": str,
+            "objective_state": dict,
         }
         for key, tp in optional.items():
             v = raw.get(key)

@@ -1,7 +1,7 @@
 """`megatrain_manifest.json`: what megatrain writes into every directory it creates (a
 checkpoint, `final/`, an export), last, just before the directory is renamed into place:
 
-    {"format": 1, "kind": "checkpoint" | "model",
+    {"format": 1, "kind": "checkpoint" | "model" | "reference",
      "files": {"model.safetensors": {"bytes": 123, "crc32": "89abcdef"}, ...}}
 
 It makes two things checkable. *Integrity*: every file's CRC-32 (computed while the file was
@@ -27,7 +27,7 @@ from ..metrics import ByteProgress
 
 MANIFEST = "megatrain_manifest.json"
 FORMAT = 1
-CHECKPOINT, MODEL = "checkpoint", "model"
+CHECKPOINT, MODEL, REFERENCE = "checkpoint", "model", "reference"  # reference: a preference run's reference log-probs
 CHUNK = 16 << 20  # bytes per read while verifying; zlib.crc32 releases the GIL on large buffers
 MAX_THREADS = 8
 
@@ -73,7 +73,7 @@ def read(directory: Path) -> dict | None:
     ok = (
         isinstance(raw, dict)
         and raw.get("format") == FORMAT
-        and raw.get("kind") in (CHECKPOINT, MODEL)
+        and raw.get("kind") in (CHECKPOINT, MODEL, REFERENCE)
         and isinstance(raw.get("files"), dict)
         and all(isinstance(v, dict) and {"bytes", "crc32"} <= set(v) for v in raw["files"].values())
     )
@@ -83,7 +83,7 @@ def read(directory: Path) -> dict | None:
 
 
 def kind_of(directory: Path) -> str | None:
-    """`checkpoint` or `model` for a directory megatrain wrote; None for anything else."""
+    """`checkpoint`, `model` or `reference` for a directory megatrain wrote; None for anything else."""
     try:
         raw = read(directory)
     except CheckpointError:

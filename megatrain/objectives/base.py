@@ -41,3 +41,17 @@ class Objective(ABC):
         """Forward only: the numerator of the loss over these micro-batches (an fp32 device
         scalar), whose ratio to their summed `count` is the loss; the chunks `loss_and_grads` runs,
         in the same order."""
+
+    def take_metrics(self) -> dict[str, tuple[float, int]]:
+        """The metrics of the micro-batches seen since the last call, by name (TRL's): (their sum,
+        how many micro-batches gave one), which callers sum over ranks and divide. None by
+        default: cross-entropy's loss is the trainer's own record."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """What the objective carries from one step to the next, JSON-serialisable, saved with a
+        checkpoint (none by default)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's `state_dict`."""

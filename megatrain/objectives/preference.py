@@ -157,6 +157,11 @@ class PreferenceConfig:
         return self.loss_type == ["kto"]
 
     @property
+    def sequences(self) -> int:
+        """Sequences per sample: a pair's two, a KTO example's one and its KL sequence's."""
+        return 1 if self.stage == "kto" and not self.needs_kl else 2
+
+    @property
     def normalized(self) -> bool:
         """Whether sequence log-probs are divided by their token counts before the loss: always
         for orpo and simpo, and for dpo when ipo is one of its loss types (for all of them)."""
@@ -318,7 +323,7 @@ def _dpo_losses(t: str, cfg, c, r, rc, rr, nll: Tensor, running: RunningMean | N
     if t == "bco_pair":
         if running is None:
             raise ValueError("loss_type bco_pair needs its RunningMean state")
-        delta = running.update(_item(torch.cat((beta * cw, beta * rw)).mean()))
+        delta = running.update(_bco_mean(beta, cw, rw))
         return -F.logsigmoid(beta * cw - delta) - F.logsigmoid(-(beta * rw - delta))
     if t == "sppo_hard":
         return (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2
@@ -334,6 +339,17 @@ def _dpo_losses(t: str, cfg, c, r, rc, rr, nll: Tensor, running: RunningMean | N
     if t == "sft":
         return nll.expand_as(c)
     raise ValueError(f"unknown loss type {t!r}")
+
+
+def _bco_mean(beta: float, cw: Tensor, rw: Tensor) -> float:
+    """What bco_pair's running mean takes of a batch: the mean of its chosen and rejected rewards."""
+    return _item(torch.cat((beta * cw, beta * rw)).mean())
+
+
+def bco_reward_mean(cfg: PreferenceConfig, batch: PairedLogps) -> float:
+    """The value a batch adds to bco_pair's running mean (`RunningMean.update`)."""
+    c, r, rc, rr = _pair_logps(cfg, batch)
+    return _bco_mean(cfg.beta, c - rc, r - rr)
 
 
 def _smoothed_sigmoid(x: Tensor, label_smoothing: float) -> Tensor:

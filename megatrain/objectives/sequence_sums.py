@@ -1,0 +1,219 @@
+"""The preference stages (dpo, kto, orpo, simpo) as an objective the engine runs: per-sequence
+sums of token log-probs taken a chunk of tokens at a time, the loss over those sums
+(preference.py), and each token's gradient through its sequence's.
+
+A micro-batch carries its samples (pairs or KTO examples) whole; `MicroBatch.slots` says which sum
+each predicted token feeds (data/preference.py's codes: slot code * samples + sample) and
+`MicroBatch.extra` each sample's reference log-probs (and KTO's label). `loss_and_grads` takes two
+passes over the head: `Head.forward` for every slot's sum of log-probs (and of mean logits, for the
+metrics), then the loss and its derivative w_s for each sum s, then `Head.backward` with each
+chunk's term the sum over its tokens of w_slot * log-prob, which is the loss's gradient by the chain
+rule. The full logits never exist; the second pass costs one more head forward.
+
+The step's loss is TRL's under gradient accumulation: each micro-batch's loss is the mean over its
+samples (TRL's batch), and the step's is their mean over every micro-batch of the step on every
+rank (`count` is 1 a micro-batch). bco_pair's running mean is updated once per micro-batch in the
+step's order, the other ranks' micro-batches included, so several processes equal one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..data.batch import MicroBatch
+from ..data.preference import CHOSEN, CHOSEN_PROMPT, COMPLETION, KL, PAIR_SUMS, REJECTED, UNPAIRED_SUMS
+from .base import Objective
+from .losshead import Head
+from .preference import (
+    PairedLogps,
+    PreferenceConfig,
+    PreferenceResult,
+    RunningMean,
+    UnpairedLogps,
+    bco_reward_mean,
+    loss_and_grads,
+    preference_loss,
+)
+
+
+@dataclass
+class _Targets:
+    """One micro-batch's targets on the device."""
+
+    tokens: Tensor  # [N] the token each position predicts (0 where none)
+    slots: Tensor  # [N] the sum it feeds, -1 for none
+    samples: int
+    extra: Tensor | None  # [samples, k] float32
+
+
+@dataclass
+class _Sums:
+    """One micro-batch's per-slot sums: log-probs, token counts, mean logits."""
+
+    logps: Tensor
+    counts: Tensor
+    logits: Tensor
+
+
+class Preference(Objective):
+    """The preference loss of `cfg` over micro-batches of preference samples."""
+
+    def __init__(self, cfg: PreferenceConfig, collective=None):
+        self.cfg, self.collective = cfg, collective
+        self.paired = cfg.stage != "kto"
+        self.codes = PAIR_SUMS if self.paired else UNPAIRED_SUMS
+        self.running = RunningMean()  # bco_pair's reward shift: training state
+        self._metrics: dict[str, list[float]] = {}
+
+    # ------------------------------------------------------------------ the interface
+    def targets(self, mb: MicroBatch, device: torch.device) -> _Targets:
+        if mb.slots is None or mb.units is None:
+            raise ValueError("a preference objective needs micro-batches of preference samples (slots)")
+        tokens = mb.input_ids.new_zeros(mb.input_ids.shape)
+        tokens[:, :-1] = mb.input_ids[:, 1:]
+        extra = None if mb.extra is None else mb.extra.to(device, torch.float32)
+        return _Targets(
+            tokens.reshape(-1).to(device, non_blocking=True),
+            mb.shifted_slots.reshape(-1).to(device, non_blocking=True),
+            len(mb.units),
+            extra,
+        )
+
+    def count(self, mb: MicroBatch) -> int:
+        return 1  # the step's loss is the mean of its micro-batches' (TRL's accumulation)
+
+    def loss_and_grads(
+        self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int
+    ) -> tuple[Tensor, list[Tensor]]:
+        batches = [self._batch(t, s) for t, s in zip(targets, self.sums(head, hidden, targets))]
+        results = iter(self._losses(batches))
+        weights, loss = [], torch.zeros((), device=head.W.device)
+        for t in targets:
+            result = next(results)
+            self._record(result.metrics)
+            loss += result.loss
+            weights.append(self._slot_weights(result.grads, t.samples, total))
+
+        def chunk_loss(m: int, a: int, logits: Tensor):
+            t, n = targets[m], logits.shape[0]
+            term = (weights[m][t.slots[a : a + n] + 1] * _token_logps(logits, t.tokens[a : a + n])).sum()
+            return term, term.detach() * 0
+
+        _, dh = head.backward(hidden, chunk_loss)
+        return loss / total, dh
+
+    def _losses(self, batches: list) -> list[PreferenceResult]:
+        """Each micro-batch's loss and gradients, in the step's order. bco_pair in a world of
+        several ranks: the other ranks' micro-batches update the running mean where they come in
+        the step (rank r's are its r-th block), so every rank holds the one-process state."""
+        c = self.collective
+        if "bco_pair" not in self.cfg.loss_type or c is None or c.world_size == 1:
+            return [loss_and_grads(self.cfg, b, self.running) for b in batches]
+        shared = c.each([bco_reward_mean(self.cfg, b) for b in batches])
+        out = []
+        for rank, values in enumerate(shared):
+            if rank == c.rank:
+                out = [loss_and_grads(self.cfg, b, self.running) for b in batches]
+            else:
+                for v in values:
+                    self.running.update(v)
+        return out
+
+    def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
+        loss = torch.zeros((), device=head.W.device)
+        running = RunningMean(self.running.mean, self.running.count)  # evaluation changes no state
+        for t, s in zip(targets, self.sums(head, hidden, targets)):
+            value, metrics = preference_loss(self.cfg, self._batch(t, s), running)
+            self._record(metrics)
+            loss += value.detach()
+        return loss
+
+    # ------------------------------------------------------------------ per-sequence sums
+    @torch.no_grad()
+    def sums(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> list[_Sums]:
+        """Every micro-batch's per-slot sums of token log-probs, token counts and vocabulary-mean
+        logits, from the head's chunks (the same chunks `Head.backward` runs)."""
+        dev = head.W.device
+        out = []
+        for t in targets:
+            n = self.codes * t.samples
+            s = _Sums(*(torch.zeros(n + 1, device=dev) for _ in range(3)))  # slot -1 lands at 0
+            s.counts.index_add_(0, t.slots + 1, torch.ones_like(t.slots, dtype=torch.float32))
+            out.append(s)
+        for m, a, logits in head.forward(hidden):
+            t, s, n = targets[m], out[m], logits.shape[0]
+            at = t.slots[a : a + n] + 1
+            s.logps.index_add_(0, at, _token_logps(logits, t.tokens[a : a + n]))
+            s.logits.index_add_(0, at, logits.mean(-1))
+        return [_Sums(s.logps[1:], s.counts[1:], s.logits[1:]) for s in out]
+
+    def _batch(self, t: _Targets, s: _Sums) -> PairedLogps | UnpairedLogps:
+        """The loss's inputs of one micro-batch from its slot sums and its samples' extras."""
+        k = t.samples
+
+        def code(c: int, sums: Tensor) -> Tensor:
+            return sums[c * k : (c + 1) * k]
+
+        ref = t.extra
+        if self.paired:
+            return PairedLogps(
+                chosen_logps=code(CHOSEN, s.logps),
+                rejected_logps=code(REJECTED, s.logps),
+                chosen_lengths=code(CHOSEN, s.counts),
+                rejected_lengths=code(REJECTED, s.counts),
+                ref_chosen_logps=None if ref is None else ref[:, 0],
+                ref_rejected_logps=None if ref is None else ref[:, 1],
+                chosen_logits=code(CHOSEN, s.logits),
+                rejected_logits=code(REJECTED, s.logits),
+                chosen_prompt_logps=code(CHOSEN_PROMPT, s.logps),
+                chosen_prompt_lengths=code(CHOSEN_PROMPT, s.counts),
+            )
+        kl = self.cfg.needs_kl
+        return UnpairedLogps(
+            logps=code(COMPLETION, s.logps),
+            lengths=code(COMPLETION, s.counts),
+            labels=ref[:, 0] > 0.5,
+            ref_logps=ref[:, 1] if ref.shape[1] > 1 else None,
+            kl_logps=code(KL, s.logps) if kl else None,
+            ref_kl_logps=ref[:, 2] if kl and ref.shape[1] > 2 else None,
+            logits=code(COMPLETION, s.logits),
+        )
+
+    def _slot_weights(self, grads: dict[str, Tensor], samples: int, total: int) -> Tensor:
+        """d (step loss) / d (each slot's sum), with a 0 in front for slot -1."""
+        w = torch.zeros(self.codes * samples + 1, device=next(iter(grads.values())).device)
+        fields = (
+            {"chosen_logps": CHOSEN, "rejected_logps": REJECTED, "chosen_prompt_logps": CHOSEN_PROMPT}
+            if self.paired
+            else {"logps": COMPLETION}
+        )
+        for name, c in fields.items():
+            if name in grads:
+                w[1 + c * samples : 1 + (c + 1) * samples] = grads[name] / total
+        return w
+
+    def state_dict(self) -> dict:
+        return {"running_mean": self.running.mean, "running_count": self.running.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.running = RunningMean(state["running_mean"], state["running_count"])
+
+    # ------------------------------------------------------------------ metrics
+    def _record(self, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self._metrics.setdefault(k, []).append(v)
+
+    def take_metrics(self) -> dict[str, tuple[float, int]]:
+        out = {k: (sum(v), len(v)) for k, v in self._metrics.items()}
+        self._metrics = {}
+        return out
+
+
+def _token_logps(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log p(token) at each position of a chunk's fp32 logits."""
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)

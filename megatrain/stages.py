@@ -1,0 +1,192 @@
+"""What the training stage (`stage`) changes in a run: the samples it reads, the objective the
+engine computes, and, for the preference stages that compare with a reference model (dpo, kto),
+the reference pass.
+
+The reference pass: before the first step, one forward-only sweep over the training and eval
+samples computes each sample's summed completion log-probs under the reference model, the initial
+policy unless ref_model_name_or_path names another. Nothing of a second model stays in memory:
+on a fresh run the policy's engine makes the pass before it trains; otherwise (a resume, or
+another reference model) a model of the reference's weights is built, swept and closed before the
+policy is built. The values go to output_dir/reference/ (safetensors, written atomically with a
+checksummed manifest, marked with a fingerprint of the data and the reference), which a resume
+reads instead of sweeping again. Each sample carries its values as `Sample.extra`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from .data import Batcher, build_samples
+from .data.preference import (
+    CHOSEN,
+    COMPLETION,
+    KL,
+    REJECTED,
+    build_preference_pairs,
+    build_unpaired_examples,
+    pair_sample,
+    unpaired_sample,
+)
+from .data.samples import Sample
+from .data.sources import resolve_dataset
+from .errors import CheckpointError, ConfigError
+from .io import manifest
+from .io.writing import AtomicDir
+from .objectives.base import Objective
+from .objectives.sequence_sums import Preference
+
+REFERENCE_DIR = "reference"
+REFERENCE_FILE = "logps.safetensors"
+
+
+def build_stage_samples(cfg, tokenizer, vocab_size: int | None, key: str, batch_size: int, warn=print) -> list[Sample]:
+    """The samples of `cfg.<key>` (dataset or eval_dataset) for the run's stage: labelled
+    sequences (sft) or preference samples (data/preference.py); `batch_size` groups KTO's KL
+    sequences as its batches will."""
+    pref = cfg.preference()
+    if pref is None:
+        return build_samples(cfg, tokenizer, vocab_size, key=key, warn=warn)
+    paths = [f.path for f in resolve_dataset(cfg, key)]
+    limits = pref.limits(cfg.max_length)
+    if pref.stage == "kto":
+        kl = batch_size if pref.needs_kl else None
+        return [unpaired_sample(e) for e in build_unpaired_examples(paths, tokenizer, limits, kl, vocab_size)]
+    return [pair_sample(p) for p in build_preference_pairs(paths, tokenizer, limits, vocab_size)]
+
+
+def objective_of(cfg, world) -> Objective | None:
+    """The stage's objective (None: the engine's default, cross-entropy)."""
+    pref = cfg.preference()
+    return None if pref is None else Preference(pref, collective=world)
+
+
+class Reference:
+    """A run's reference log-probs: read from output_dir/reference/ when they are this data's and
+    this reference's, else computed by `compute`; `attach` puts them into the samples."""
+
+    def __init__(self, cfg, sets: dict[str, list[Sample]], output_dir: Path, model_cfg):
+        self.pref = cfg.preference()
+        self.sets = sets
+        self.directory = Path(output_dir) / REFERENCE_DIR
+        self.source = cfg.ref_model_name_or_path or cfg.model_name_or_path or f"random init, seed {cfg.seed}"
+        self.fingerprint = _fingerprint(sets, self.pref.stage, str(self.source), model_cfg.num_params)
+        self.values: dict[str, torch.Tensor] | None = self._stored()
+        self.computed = False
+
+    @property
+    def wanted(self) -> bool:
+        return self.pref.needs_reference
+
+    @property
+    def missing(self) -> bool:
+        return self.wanted and self.values is None
+
+    @property
+    def codes(self) -> tuple[int, ...]:
+        """The per-sequence sums stored per sample."""
+        if self.pref.stage == "kto":
+            return (COMPLETION, KL) if self.pref.needs_kl else (COMPLETION,)
+        return (CHOSEN, REJECTED)
+
+    def _stored(self) -> dict[str, torch.Tensor] | None:
+        path = self.directory / REFERENCE_FILE
+        if not path.is_file():
+            return None
+        manifest.verify(self.directory)  # a corrupt file is an error, not a reason to recompute
+        with safe_open(path, "pt") as f:
+            if (f.metadata() or {}).get("fingerprint") != self.fingerprint:
+                return None  # another run's data or reference: computed again, then replaced
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    def compute(self, engine, cfg, pad_id: int, world, progress: bool) -> None:
+        """One forward sweep over every set's samples (rank r takes every r-th chunk of
+        gradient_accumulation_steps micro-batches), each sample's sums summed over ranks."""
+        values = {}
+        for name, samples in self.sets.items():
+            batcher = Batcher(
+                samples,
+                batch_size=cfg.per_device_eval_batch_size if name == "eval" else cfg.per_device_train_batch_size,
+                grad_accum=cfg.gradient_accumulation_steps,
+                max_length=cfg.max_length,
+                packing=cfg.packing,
+                shuffle=False,
+                pad_id=pad_id,
+                drop_last=False,
+            )
+            out = torch.zeros(len(samples), len(self.codes), dtype=torch.float64, device=engine.device)
+            chunks = batcher.steps_per_epoch
+            mine = range(world.rank, chunks, world.world_size)
+            bar = tqdm(total=len(mine), desc=f"reference log-probs ({name})", unit="batch", disable=not progress)
+            for i, mbs in enumerate(batcher.epoch_steps()):
+                if i % world.world_size != world.rank:
+                    continue
+                sums = engine.head_outputs(mbs, engine.objective.sums)
+                for mb, s in zip(mbs, sums):
+                    k = len(mb.units)
+                    cols = [s.logps[c * k : (c + 1) * k] for c in self.codes]
+                    out[mb.units] = torch.stack(cols, 1).double()
+                bar.update(1)
+            bar.close()
+            for _ in range(-(-chunks // world.world_size) - len(mine)):
+                engine.keep_pace()
+            values[name] = world.sum_(out).cpu()  # each sample was computed by one rank
+        self.values, self.computed = values, True
+
+    def write(self) -> Path:
+        """output_dir/reference/, atomically, with its manifest."""
+        nbytes = sum(v.numel() * 8 for v in self.values.values())
+        with AtomicDir(self.directory, manifest.REFERENCE, nbytes=nbytes) as d:
+            meta = {"fingerprint": self.fingerprint, "reference": str(self.source), "stage": self.pref.stage}
+            save_file({k: v.contiguous() for k, v in self.values.items()}, str(d.path / REFERENCE_FILE), meta)
+            return d.commit()
+
+    def attach(self) -> None:
+        """Each sample's extra: its reference sums (after KTO's label)."""
+        for name, samples in self.sets.items():
+            table = self.values[name]
+            if len(table) != len(samples):
+                raise CheckpointError(f"{self.directory}: {len(table)} {name} rows for {len(samples)} samples")
+            for s, row in zip(samples, table.tolist()):
+                s.extra = (*s.extra[:1], *row) if self.pref.stage == "kto" else tuple(row)
+
+
+def _fingerprint(sets: dict[str, list[Sample]], stage: str, source: str, num_params: int) -> str:
+    """What the stored values depend on: every sample's tokens and sums, the stage, the reference."""
+    h = hashlib.sha256(f"{stage}|{source}|{num_params}".encode())
+    for name, samples in sets.items():
+        h.update(f"|{name}:{len(samples)}".encode())
+        for s in samples:
+            h.update(array("q", s.input_ids).tobytes())
+            h.update(array("q", s.slots).tobytes())
+            h.update(repr(s.parts).encode())
+    return h.hexdigest()
+
+
+def same_architecture(policy, reference, path: str) -> None:
+    """Refuse a reference model whose weights do not fit the policy's layout."""
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_params")
+    for k in keys:
+        a, b = getattr(policy, k, None), getattr(reference, k, None)
+        if a != b:
+            raise ConfigError(
+                f"ref_model_name_or_path: {path} has {k} {b}, the policy {a}; the reference model must "
+                "have the policy's architecture"
+            )
+
+
+def reference_model_pass(ref: Reference, build: Callable, cfg, pad_id: int, world, progress: bool) -> None:
+    """Compute `ref` with a model of the reference weights, built by `build()` and closed after."""
+    model = build()
+    try:
+        ref.compute(model.engine, cfg, pad_id, world, progress)
+    finally:
+        model.close()
+        del model

@@ -1,0 +1,271 @@
+"""Preference stages trained end to end (`megatrain train` with stage dpo, orpo, simpo, kto)
+against a plain PyTorch loop over the transformers model that implements TRL 0.27.2's formulas
+(test_preference_losses.py's transcriptions): each micro-batch's loss is TRL's over its pairs
+(chosen rows, then rejected rows, right-padded), the step's loss is their mean (TRL's gradient
+accumulation), then clip_grad_norm_ and torch AdamW. Losses, TRL's metrics and the final weights
+must agree in fp32, over three steps of two micro-batches with clipping active. The reference
+log-probs come from a pass before the first step (stored in output_dir/reference/); a resume
+reads them, and they equal the reference model's."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import saved_parameters, tiny_hf_model
+from safetensors.torch import load_file
+from test_parity import _decay_groups
+from test_preference_losses import DPO_CASES, TrlDpo, _padded, trl_kto, trl_orpo, trl_simpo
+
+from megatrain.config import TrainConfig
+from megatrain.errors import CheckpointError, ConfigError
+from megatrain.trainer import train
+
+V, B, GA, STEPS = 97, 2, 2, 3
+LR, WD, MAX_NORM = 5e-3, 0.01, 0.05
+
+
+def model(seed=0):
+    return tiny_hf_model("llama", seed=seed, num_hidden_layers=2, hidden_size=32, intermediate_size=48)
+
+
+def pairs(n=B * GA * STEPS, seed=0):
+    """(prompt, chosen, rejected) token lists of varied lengths; ids from 1 (TRL's NLL ignores 0)."""
+    rng = random.Random(seed)
+    ids = lambda k: [rng.randrange(1, V) for _ in range(k)]  # noqa: E731
+    return [(ids(rng.randrange(1, 6)), ids(rng.randrange(1, 6)), ids(rng.randrange(1, 6))) for _ in range(n)]
+
+
+def write_pairs(path: Path, rows) -> str:
+    with open(path, "w") as f:
+        for p, c, r in rows:
+            f.write(json.dumps({"prompt_input_ids": p, "chosen_input_ids": c, "rejected_input_ids": r}) + "\n")
+    return str(path)
+
+
+def pair_tensors(rows):
+    """TRL's concatenated batch: chosen rows then rejected rows, right-padded; completion masks."""
+    seqs = [(torch.tensor(p), torch.tensor(c)) for p, c, _ in rows]
+    seqs += [(torch.tensor(p), torch.tensor(r)) for p, _, r in rows]
+    return _padded(seqs)
+
+
+def run(tmp_path: Path, data: str, name="out", **kw) -> tuple[list[dict], dict[str, torch.Tensor], Path]:
+    """megatrain with the test's schedule; its step records and final weights."""
+    out = tmp_path / name
+    args = dict(
+        model_name_or_path=str(tmp_path / "model"),
+        dataset=data,
+        output_dir=str(out),
+        per_device_train_batch_size=B,
+        gradient_accumulation_steps=GA,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=WD,
+        max_grad_norm=MAX_NORM,
+        shuffle=False,
+        save_strategy="no",
+        save_dtype="float32",
+        disable_tqdm=True,
+        max_length=64,
+    )
+    train(TrainConfig(**(args | kw)))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r], load_file(out / "final" / "model.safetensors"), out
+
+
+def plain_loop(hf, batch_loss, batches):
+    """TRL's step over the transformers model: the mean of the micro-batches' losses, clipped,
+    torch AdamW (Hugging Face's decay groups). Per step: the loss, the micro-batches' metrics."""
+    opt = torch.optim.AdamW(_decay_groups(hf, WD), lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    steps, norms = [], []
+    for step in range(STEPS):
+        loss, metrics = 0.0, []
+        for m in range(GA):
+            mb_loss, mb_metrics = batch_loss(batches[step * GA + m])
+            (mb_loss / GA).backward()
+            loss += mb_loss.item() / GA
+            metrics.append({k: float(torch.as_tensor(v).detach()) for k, v in mb_metrics.items()})
+        norms.append(torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        steps.append((loss, metrics))
+    assert sum(n > MAX_NORM for n in norms) >= 2, "the test should exercise clipping"
+    return steps
+
+
+def compare(records, final, hf, steps, metric_names):
+    assert len(records) == STEPS
+    for rec, (loss, metrics) in zip(records, steps):
+        assert rec["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+        for k in metric_names:
+            want = sum(m[k] for m in metrics) / len(metrics)
+            assert rec[k] == pytest.approx(want, rel=1e-4, abs=1e-5), k
+    ref = saved_parameters(hf)
+    assert final.keys() == ref.keys()
+    for k, p in ref.items():
+        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    start = saved_parameters(model())
+    assert any(not torch.equal(final[k], start[k].detach()) for k in final)  # it trained
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model().save_pretrained(tmp_path / "model")
+    rows = pairs()
+    return tmp_path, rows, write_pairs(tmp_path / "pairs.jsonl", rows)
+
+
+def micro_batches(rows):
+    return [rows[i : i + B] for i in range(0, len(rows), B)]
+
+
+PAIR_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", DPO_CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_dpo_trains_as_trl(setup, kw):
+    tmp_path, rows, data = setup
+    records, final, out = run(tmp_path, data, stage="dpo", **kw)
+    hf, ref = model(), model()
+    trl = TrlDpo(**kw)
+    steps = plain_loop(hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), micro_batches(rows))
+    names = PAIR_METRICS + (["nll_loss"] if "rpo_alpha" in kw or "sft" in kw["loss_type"] else [])
+    compare(records, final, hf, steps, names)
+    assert (out / "reference" / "logps.safetensors").is_file()
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_orpo_trains_as_trl(setup, beta):
+    tmp_path, rows, data = setup
+    records, final, out = run(tmp_path, data, stage="orpo", beta=beta)
+    hf = model()
+    steps = plain_loop(hf, lambda mb: trl_orpo(hf, *pair_tensors(mb), beta), micro_batches(rows))
+    compare(records, final, hf, steps, PAIR_METRICS[:6] + ["nll_loss", "log_odds_ratio", "log_odds_chosen"])
+    assert not (out / "reference").exists()  # orpo takes no reference
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(cpo_alpha=0.0, simpo_gamma=1.0, label_smoothing=0.1)])
+def test_simpo_trains_as_trl(setup, kw):
+    tmp_path, rows, data = setup
+    records, final, _ = run(tmp_path, data, stage="simpo", **kw)
+    args = dict(beta=0.1, simpo_gamma=0.5, cpo_alpha=1.0, label_smoothing=0.0) | kw
+    hf = model()
+    steps = plain_loop(hf, lambda mb: trl_simpo(hf, *pair_tensors(mb), **args), micro_batches(rows))
+    compare(records, final, hf, steps, PAIR_METRICS[:6])
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_trains_as_trl(tmp_path, loss_type):
+    model().save_pretrained(tmp_path / "model")
+    rng = random.Random(3)
+    rows = [(p, c, rng.random() < 0.5) for p, c, _ in pairs(seed=3)]
+    with open(tmp_path / "kto.jsonl", "w") as f:
+        for p, c, label in rows:
+            f.write(json.dumps({"prompt_input_ids": p, "completion_input_ids": c, "label": label}) + "\n")
+    records, final, _ = run(tmp_path, str(tmp_path / "kto.jsonl"), stage="kto", loss_type=loss_type)
+    hf, ref = model(), model()
+
+    def batch_loss(mb):
+        seqs = [(torch.tensor(p), torch.tensor(c)) for p, c, _ in mb]
+        # TRL's KL pairs: each prompt with the previous example's completion, within the batch
+        kl = [(torch.tensor(p), torch.tensor(mb[i - 1][1])) for i, (p, _, _) in enumerate(mb)]
+        labels = [label for _, _, label in mb]
+        return trl_kto(hf, ref, _padded(seqs), _padded(kl), 0.1, loss_type, 1.0, 1.0, labels=labels)
+
+    compare(records, final, hf, plain_loop(hf, batch_loss, micro_batches(rows)), [])
+
+
+def test_reference_model_is_another_model_and_is_read_back(setup):
+    """ref_model_name_or_path: the stored log-probs are that model's, the training equals TRL's with
+    it as the reference; a second run into the same output_dir reads them instead of sweeping."""
+    tmp_path, rows, data = setup
+    model(seed=7).save_pretrained(tmp_path / "ref")
+    records, final, out = run(tmp_path, data, stage="dpo", ref_model_name_or_path=str(tmp_path / "ref"))
+    stored = load_file(out / "reference" / "logps.safetensors")["train"]
+    ref = model(seed=7)
+    with torch.no_grad():
+        for i, mb in enumerate(micro_batches(rows)):
+            ids, attn, mask = pair_tensors(mb)
+            logits = ref(ids, attention_mask=attn).logits.log_softmax(-1)
+            tok = logits[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
+            sums = tok.sum(-1)
+            torch.testing.assert_close(stored[i * B : (i + 1) * B].float(), torch.stack((sums[:B], sums[B:]), 1))
+    hf = model()
+    trl = TrlDpo()
+    steps = plain_loop(hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), micro_batches(rows))
+    compare(records, final, hf, steps, PAIR_METRICS)
+
+
+def test_resume_reads_the_stored_reference_and_is_exact(setup):
+    """A run saved after step 2 and resumed equals the uninterrupted run; the resume takes the
+    reference from output_dir/reference/ (the policy's weights are no longer the initial ones)."""
+    tmp_path, _, data = setup
+    whole, final, _ = run(tmp_path, data, "whole", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1)
+    _, _, out = run(tmp_path, data, "cut", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1, max_steps=2)
+    before = (out / "reference" / "logps.safetensors").stat().st_mtime_ns
+    resumed, final2, _ = run(
+        tmp_path, data, "cut", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1,
+        resume_from_checkpoint=True,
+    )  # fmt: skip
+    assert (out / "reference" / "logps.safetensors").stat().st_mtime_ns == before  # read, not rewritten
+    assert [r["loss"] for r in resumed if r["step"] == 3] == [r["loss"] for r in whole if r["step"] == 3]
+    for k in final:
+        assert torch.equal(final[k], final2[k]), k
+
+
+def test_corrupt_reference_is_one_line_naming_the_file(setup):
+    tmp_path, _, data = setup
+    _, _, out = run(tmp_path, data, stage="dpo", max_steps=1)
+    path = out / "reference" / "logps.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="logps.safetensors: checksum mismatch"):
+        run(tmp_path, data, stage="dpo", max_steps=2, resume_from_checkpoint=False, overwrite_output_dir=True)
+
+
+def test_reference_model_of_another_shape_is_refused(setup):
+    tmp_path, _, data = setup
+    tiny_hf_model("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=48).save_pretrained(tmp_path / "ref")
+    with pytest.raises(ConfigError, match="ref_model_name_or_path: .* num_hidden_layers 1, the policy 2"):
+        run(tmp_path, data, stage="dpo", ref_model_name_or_path=str(tmp_path / "ref"))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(setup):
+    """bco_pair (whose running mean takes every micro-batch of the step in order) and the
+    reference pass split over two gloo processes: the same losses, metrics and weights as one
+    process with the same global batch."""
+    from test_distributed import assert_close_weights, launch
+    from test_checkpoint import write_yaml
+
+    tmp_path, _, data = setup
+    kw = dict(stage="dpo", loss_type=["sigmoid", "bco_pair"], eval_dataset=data, eval_steps=STEPS)
+    one, final_one, _ = run(tmp_path, data, "one", **kw)
+    base = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset=data, per_device_train_batch_size=B,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", weight_decay=WD,
+        max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
+        disable_tqdm=True, max_length=64, **kw,
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", base), "gradient_accumulation_steps=1", f"output_dir={tmp_path / 'two'}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    for got, want in zip([r for r in records if "loss" in r], one):
+        for k in ["loss", "grad_norm", "label_tokens", *PAIR_METRICS]:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    (got,) = [r for r in records if "eval_loss" in r]
+    assert got["eval_rewards/accuracies"] is not None
+    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    two_ref = load_file(tmp_path / "two" / "reference" / "logps.safetensors")
+    one_ref = load_file(tmp_path / "one" / "reference" / "logps.safetensors")
+    for k in one_ref:
+        torch.testing.assert_close(two_ref[k], one_ref[k], rtol=1e-6, atol=1e-6)
