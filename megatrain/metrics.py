@@ -33,6 +33,9 @@ def is_eval(record: dict) -> bool:
     return "eval_loss" in record
 
 
+PREFERENCE_SHOWN = {"accuracy": "rewards/accuracies", "margin": "rewards/margins"}  # name in the line -> record key
+
+
 class MetricsLogger:
     """Appends one JSON record per optimizer step to `output_dir/metrics.jsonl` (records of
     skipped steps carry `"skipped": true` and null loss/grad_norm) and one per evaluation, and
@@ -114,14 +117,19 @@ class MetricsLogger:
         self._step_seconds += record.get("step_time_s", 0.0)
         self._steps += 1
         self.bar.update(1)
+        # A preference stage's reward accuracy and margin (TRL's metrics) beside the loss.
+        shown = {k: f"{record[n]:.3g}" for k, n in PREFERENCE_SHOWN.items() if record.get(n) is not None}
         if self.interactive:
             extra = {"eval_loss": self._eval_loss} if self._eval_loss else {}
-            self.bar.set_postfix(loss=loss, tok_s=f"{record['tokens_per_s']:.0f}", **extra, refresh=False)
+            self.bar.set_postfix(
+                loss=loss, **shown, tok_s=f"{record['tokens_per_s']:.0f}", **extra, refresh=False
+            )
         elif step % self.logging_steps == 0 or step == self.total:
             eta = self._step_seconds / self._steps * (self.total - step)
             gn = record.get("grad_norm")
+            more = "".join(f" {k} {v}" for k, v in shown.items())
             print(
-                f"step {step}/{self.total} loss {loss} grad_norm {'-' if gn is None else f'{gn:.3f}'} "
+                f"step {step}/{self.total} loss {loss}{more} grad_norm {'-' if gn is None else f'{gn:.3f}'} "
                 f"lr {record['lr']:.3g} tokens/s {record['tokens_per_s']:.0f} eta {_duration(eta)}",
                 flush=True,
             )

@@ -269,3 +269,42 @@ def test_two_processes_equal_one(setup):
     one_ref = load_file(tmp_path / "one" / "reference" / "logps.safetensors")
     for k in one_ref:
         torch.testing.assert_close(two_ref[k], one_ref[k], rtol=1e-6, atol=1e-6)
+
+
+def test_packed_pairs_train_as_trl(setup):
+    """packing: whole pairs laid into rows of 2 x max_length tokens, each sequence a document of
+    its own (no attention across them): the same as TRL over the pairs each micro-batch holds."""
+    from megatrain.data import Batcher
+    from megatrain.stages import build_stage_samples
+
+    tmp_path, rows, data = setup
+    kw = dict(stage="dpo", packing=True, max_length=12, per_device_train_batch_size=1)
+    records, final, _ = run(tmp_path, data, **kw)
+    cfg = TrainConfig(model_name_or_path=str(tmp_path / "model"), dataset=data, shuffle=False, **kw)
+    batcher = Batcher(build_stage_samples(cfg, None, V, "dataset", 1), 1, GA, 12, packing=True, shuffle=False)
+    held = [[rows[i] for i in mb.units] for _ in range(STEPS) for mb in batcher.next_step()]
+    assert max(len(mb) for mb in held) > 1  # some row holds several pairs
+    hf, ref = model(), model()
+    trl = TrlDpo()
+    steps = plain_loop(hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), held)
+    compare(records, final, hf, steps, PAIR_METRICS)
+
+
+@pytest.mark.parametrize(
+    "row,match",
+    [
+        ({"prompt_input_ids": [1], "chosen_input_ids": [2]}, r"bad\.jsonl:2: missing field 'rejected_input_ids'"),
+        ({"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [500]}, r"bad\.jsonl:2: token id 500"),
+        ({"text": "plain text"}, r"bad\.jsonl:1: cannot detect the preference format"),
+    ],
+)
+def test_a_bad_row_is_one_line_and_nothing_is_written(tmp_path, row, match):
+    from megatrain.errors import DataError
+
+    model().save_pretrained(tmp_path / "model")
+    good = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4]}
+    lines = [row] if "text" in row else [good, row]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(DataError, match=match):
+        run(tmp_path, str(tmp_path / "bad.jsonl"), stage="dpo")
+    assert not (tmp_path / "out").exists()

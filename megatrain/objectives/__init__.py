@@ -11,13 +11,16 @@ tokens at a time, and its gradient, which the engine carries back through the la
   differentiated w.r.t. the chunk's hidden states and the head's own weights).
 * cross_entropy.py: `CrossEntropy`, the causal language model's loss (supervised fine-tuning),
   the default of `runtime.build_model`.
+* preference.py: the preference losses (TRL's dpo loss types, kto, orpo, simpo) over
+  per-sequence sums, their config and metrics; sequence_sums.py: `Preference`, the objective that
+  computes those sums a chunk at a time and sends each token its gradient (below).
 
 A new stage adds an objective here and passes it to `build_model(objective=...)`; the engine and
 the transport stay as they are, because the interface is cut where every such loss meets the
 model: per-token log-probabilities of the targets, taken from the logits of a chunk, and a
 gradient that flows back into the hidden states token by token.
 
-* Preference optimisation (DPO): `targets` carries the shifted labels (the completion's tokens),
+* Preference optimisation (DPO, built: sequence_sums.py): `targets` carries the shifted labels (the completion's tokens),
   each token's sequence, the pairing of chosen and rejected sequences and the reference model's
   summed log-probabilities of each (from a forward-only pass of the reference weights, made
   before the step); `count` is the pairs. The loss couples all tokens of a pair, so
