@@ -15,6 +15,7 @@ reads instead of sweeping again. Each sample carries its values as `Sample.extra
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -109,6 +110,7 @@ class Reference:
     def compute(self, engine, cfg, pad_id: int, world, progress: bool) -> None:
         """One forward sweep over every set's samples (rank r takes every r-th chunk of
         gradient_accumulation_steps micro-batches), each sample's sums summed over ranks."""
+        t0 = time.perf_counter()
         values = {}
         for name, samples in self.sets.items():
             batcher = Batcher(
@@ -139,6 +141,7 @@ class Reference:
                 engine.keep_pace()
             values[name] = world.sum_(out).cpu()  # each sample was computed by one rank
         self.values, self.computed = values, True
+        self.seconds = time.perf_counter() - t0
 
     def write(self) -> Path:
         """output_dir/reference/, atomically, with its manifest."""
@@ -147,6 +150,13 @@ class Reference:
             meta = {"fingerprint": self.fingerprint, "reference": str(self.source), "stage": self.pref.stage}
             save_file({k: v.contiguous() for k, v in self.values.items()}, str(d.path / REFERENCE_FILE), meta)
             return d.commit()
+
+    def note(self) -> str:
+        """What the run tells of its reference log-probs."""
+        n = sum(len(s) for s in self.sets.values())
+        if self.computed:
+            return f"megatrain: reference log-probs of {n} samples ({self.source}) in {self.seconds:.1f} s, saved to {self.directory}"
+        return f"megatrain: reference log-probs of {n} samples read from {self.directory}"
 
     def attach(self) -> None:
         """Each sample's extra: its reference sums (after KTO's label)."""

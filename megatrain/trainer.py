@@ -441,6 +441,8 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         start=start,
     )
     _announce(run, device, runs_on, notes, ts)
+    if reference is not None:
+        log.message(reference.note())
     return run
 
 

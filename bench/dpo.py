@@ -1,0 +1,178 @@
+"""DPO throughput and memory: `megatrain train` with `stage: dpo` on a dense shape, random
+weights and random pre-tokenised pairs, beside TRL's DPOTrainer (bench/_trl_dpo.py, DeepSpeed
+ZeRO-3 with CPU offload, precompute_ref_log_probs) on the same GPU in the same call.
+
+    python bench/dpo.py --shape B --prompt 512 --completion 512 --pairs 8 --steps 6 --systems megatrain,trl
+
+A step is `--pairs` pairs (each 2 x (prompt + completion) tokens: 8 pairs of 512 + 512 are 16k
+tokens). tokens/s counts every token of the step (prompt twice, as both sequences hold it) over
+the steps after the first two; the reference pass is timed apart. Host bytes per parameter: the
+process's peak RSS over the parameters. Writes {stamp}_{tag}.json/.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _shapes import DENSE_SHAPES  # noqa: E402
+
+WARMUP = 2  # steps left out of the rate
+
+
+def write_inputs(d: Path, shape: dict, args) -> tuple[Path, Path]:
+    """config.json of the shape and `pairs * steps` random pairs."""
+    from transformers import LlamaConfig
+
+    seq = args.prompt + args.completion
+    LlamaConfig(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        intermediate_size=shape["ffn"],
+        vocab_size=shape["vocab"],
+        max_position_embeddings=max(seq, 8192),
+        rope_theta=500000.0,
+    ).save_pretrained(d / "model")
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(1, shape["vocab"]) for _ in range(n)]  # noqa: E731
+    with open(d / "pairs.jsonl", "w") as f:
+        for _ in range(args.pairs * args.steps):
+            row = dict(prompt_input_ids=ids(args.prompt), chosen_input_ids=ids(args.completion),
+                       rejected_input_ids=ids(args.completion))  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+    return d / "model", d / "pairs.jsonl"
+
+
+def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
+    out = d / "out"
+    settings = dict(
+        model_config=str(model), dataset=str(data), stage="dpo", output_dir=str(out),
+        max_length=args.prompt + args.completion, max_prompt_length=args.prompt,
+        per_device_train_batch_size=args.pairs // args.accum, gradient_accumulation_steps=args.accum,
+        max_steps=args.steps, learning_rate=1e-6, save_strategy="no", disable_tqdm=True, logging_steps=1,
+        shuffle=False,
+    )  # fmt: skip
+    (d / "dpo.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
+    cmd = [sys.executable, "-m", "megatrain", "train", str(d / "dpo.yaml"), *args.megatrain]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    rec: dict = {"system": "megatrain", "command": " ".join(cmd[1:]), "wall_s": wall, "rc": proc.returncode}
+    if proc.returncode != 0:
+        rec["error"] = (proc.stdout + proc.stderr)[-3000:]
+        return rec
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    timed = steps[WARMUP:]
+    plan = json.loads((out / "plan.json").read_text())
+    m = re.search(r"reference log-probs of (\d+) samples .* in ([\d.]+) s", proc.stdout)
+    rec.update(
+        tokens_per_s=sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
+        step_s=[round(r["step_time_s"], 3) for r in steps],
+        losses=[round(r["loss"], 5) for r in steps],
+        reference_s=float(m.group(2)) if m else None,
+        predicted=plan.get("predicted"),
+        measured=plan.get("measured"),
+        num_params=plan.get("machine", {}).get("num_params"),
+        log_tail=proc.stdout[-2000:],
+    )
+    return rec
+
+
+def run_trl(d: Path, model: Path, data: Path, args) -> dict:
+    cmd = [sys.executable, os.path.join(os.path.dirname(__file__), "_trl_dpo.py"), "--model", str(model),
+           "--data", str(data), "--prompt", str(args.prompt), "--completion", str(args.completion),
+           "--pairs", str(args.pairs), "--accum", str(args.accum), "--steps", str(args.steps),
+           "--out", str(d / "trl.json")]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rec = {"system": "trl+deepspeed", "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "rc": proc.returncode}
+    if proc.returncode != 0 or not (d / "trl.json").exists():
+        rec["error"] = (proc.stdout + proc.stderr)[-3000:]
+        return rec
+    rec.update(json.loads((d / "trl.json").read_text()))
+    return rec
+
+
+def table(runs: list[dict], num_params: int) -> str:
+    lines = ["| system | tokens/s | step s (after warm-up) | reference pass s | GPU peak GiB | host peak GiB | host B/param |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in runs:
+        if r.get("error"):
+            lines.append(f"| {r['system']} | failed: see json | | | | | |")
+            continue
+        gpu = (r.get("measured") or {}).get("gpu_peak") or r.get("gpu_peak_bytes")
+        host = (r.get("measured") or {}).get("host_peak_rss") or r.get("host_peak_bytes")
+        steps = r.get("step_s", [])[WARMUP:]
+        lines.append(
+            f"| {r['system']} | {r['tokens_per_s']:,.0f} | {sum(steps) / max(len(steps), 1):.2f} | "
+            f"{r.get('reference_s') or '-'} | {gpu / 2**30 if gpu else float('nan'):.1f} | "
+            f"{host / 2**30 if host else float('nan'):.1f} | {host / num_params if host else float('nan'):.1f} |"
+        )
+    ok = {r["system"]: r["tokens_per_s"] for r in runs if not r.get("error")}
+    if len(ok) == 2:
+        lines.append(f"\nmegatrain / TRL+DeepSpeed: **{ok['megatrain'] / ok['trl+deepspeed']:.2f}x** tokens/s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="B")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--completion", type=int, default=512)
+    p.add_argument("--pairs", type=int, default=8, help="pairs per optimizer step")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--systems", default="megatrain,trl")
+    p.add_argument("--megatrain", nargs="*", default=[], help="extra key=value for megatrain")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tag", default="dpo")
+    args = p.parse_args()
+    import torch
+
+    shape = DENSE_SHAPES[args.shape]
+    runs = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        d = Path(tmp)
+        model, data = write_inputs(d, shape, args)
+        for system in args.systems.split(","):
+            runs.append((run_megatrain if system == "megatrain" else run_trl)(d, model, data, args))
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:1500], flush=True)
+    from megatrain.models.config import ModelConfig
+
+    n = ModelConfig.from_hf(__import__("transformers").LlamaConfig(
+        hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"], intermediate_size=shape["ffn"], vocab_size=shape["vocab"])).num_params  # fmt: skip
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "cpus": os.cpu_count(),
+        "command": "python bench/dpo.py " + " ".join(sys.argv[1:]),
+        "shape": args.shape,
+        "num_params": n,
+        "tokens_per_step": args.pairs * 2 * (args.prompt + args.completion),
+    }
+    text = table(runs, n)
+    print(text)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M")
+    base = Path(args.out) / f"{stamp}_{args.tag}"
+    base.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
+    base.with_suffix(".md").write_text(
+        f"# {args.tag}: DPO, megatrain beside TRL\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + text + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
