@@ -283,7 +283,9 @@ def report(
         f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, vocab {model_cfg.vocab_size}",
         f"runs on: {describe(model_cfg)}",
         f"device: {device_name}, {dtype_name} compute",
-        f"tokens: {cfg.per_device_train_batch_size} x {cfg.max_length} per micro-batch, "
+        f"tokens: {b.rows} x {b.seq_len} per micro-batch"
+        + (f" ({cfg.per_device_train_batch_size} {cfg.stage} samples)" if cfg.stage != "sft" else "")
+        + ", "
         f"x {cfg.gradient_accumulation_steps} accumulation = {b.tokens:,} per optimizer step "
         "(upper bound: rows padded to max_length)",
         "budget: GPU "

@@ -308,3 +308,42 @@ def test_a_bad_row_is_one_line_and_nothing_is_written(tmp_path, row, match):
     with pytest.raises(DataError, match=match):
         run(tmp_path, str(tmp_path / "bad.jsonl"), stage="dpo")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packing", [False, True])
+def test_dpo_on_cuda_in_fp32_equals_the_cpu(setup, packing):
+    """The GPU's schedule (streamed weights, the CPU AdamW overlapping; FlexAttention's block
+    masks for packed pairs) trains DPO as the CPU's serial path does, and its reference pass
+    stores the same log-probs."""
+    tmp_path, _, data = setup
+    kw = dict(stage="dpo", loss_type=["sigmoid", "bco_pair"], compute_dtype="float32", packing=packing,
+              max_length=12 if packing else 64, per_device_train_batch_size=1 if packing else B)  # fmt: skip
+    cpu, final_cpu, out_cpu = run(tmp_path, data, "cpu", device="cpu", **kw)
+    gpu, final_gpu, out_gpu = run(tmp_path, data, "gpu", device="cuda", **kw)
+    for a, b in zip(gpu, cpu):
+        for k in ["loss", "grad_norm", *PAIR_METRICS]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), k
+    for k in final_cpu:
+        torch.testing.assert_close(final_gpu[k], final_cpu[k], rtol=1e-4, atol=1e-4, msg=k)
+    ref = [load_file(o / "reference" / "logps.safetensors")["train"] for o in (out_gpu, out_cpu)]
+    torch.testing.assert_close(ref[0], ref[1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("packing,rows,seq", [(False, 8, 100), (True, 4, 200)])
+def test_the_plan_counts_both_sequences_of_a_pair(tmp_path, packing, rows, seq):
+    """A pair is two sequences: two rows of max_length, or one packed row of 2 x max_length."""
+    from megatrain.models.config import ModelConfig
+    from megatrain.plan import batch_of
+
+    model().save_pretrained(tmp_path / "model")
+    model_cfg = ModelConfig.from_json(tmp_path / "model")
+
+    def batch(stage):
+        cfg = TrainConfig(model_name_or_path=str(tmp_path / "model"), stage=stage, max_length=100,
+                          per_device_train_batch_size=4, packing=packing)  # fmt: skip
+        return batch_of(cfg, model_cfg, 4)
+
+    b = batch("dpo")
+    assert (b.rows, b.seq_len, b.micro_batch_tokens) == (rows, seq, 800)
+    assert batch("sft").micro_batch_tokens == 400
