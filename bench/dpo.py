@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from _shapes import DENSE_SHAPES  # noqa: E402
 
 WARMUP = 2  # steps left out of the rate
