@@ -29,6 +29,7 @@ from .data.samples import SPLIT
 from .engine.optim import SCHEDULES
 from .errors import ConfigError
 from .io.outputs import interval_steps
+from .objectives.grpo import GRPOConfig
 from .objectives.preference import STAGES, PreferenceConfig
 from .trackers import reporters
 
@@ -50,6 +51,20 @@ SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are der
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
+# Keys whose default is the stage's (TRL's differ between its trainers): left out when unset.
+STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type")
+
+
+def _stage_keys(cfg, settings) -> dict:
+    """The keys of a stage's settings dataclass, from the config; those in STAGE_DEFAULTS left
+    to the stage's default when unset."""
+    return {
+        f.name: getattr(cfg, f.name)
+        for f in fields(settings)
+        if hasattr(cfg, f.name) and not (f.name in STAGE_DEFAULTS and getattr(cfg, f.name) is None)
+    }
+
+
 PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info", "ref_model_name_or_path")
 DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a dataset_info.json
 
@@ -97,15 +112,17 @@ class TrainConfig:
     """Shuffle samples each epoch (seeded); false keeps file order exactly."""
     # --- post-training stage (TRL's names and defaults, 0.27)
     stage: str = "sft"
-    """sft (supervised fine-tuning), dpo, kto, orpo or simpo (preference optimisation on TRL's
+    """sft (supervised fine-tuning); dpo, kto, orpo or simpo (preference optimisation on TRL's
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
-    max_length bounds each sequence)."""
-    beta: float = 0.1
-    """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda)."""
+    max_length bounds each sequence); grpo (completions sampled by the policy, scored by
+    reward_funcs; per_device_train_batch_size counts completions)."""
+    beta: float | None = None
+    """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
+    0.1; grpo: the KL coefficient, default 0."""
     loss_type: str | list[str] | None = None
     """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard,
     discopop, apo_zero, apo_down, sft, or a list of them summed with loss_weights; kto: kto
-    (default) or apo_zero_unpaired; simpo: simpo."""
+    (default) or apo_zero_unpaired; simpo: simpo; grpo: dapo (default), grpo, bnpo, dr_grpo."""
     loss_weights: list[float] | None = None
     """dpo: one weight per loss_type in the list (default 1 each)."""
     label_smoothing: float = 0.0
@@ -127,7 +144,8 @@ class TrainConfig:
     max_prompt_length: int | None = 512
     """Preference stages: prompt tokens kept (its last ones); null: all."""
     max_completion_length: int | None = None
-    """Preference stages: completion tokens kept (its first ones); null: all."""
+    """Preference stages: completion tokens kept (its first ones), default null: all; grpo: the
+    most tokens a completion is sampled to, default 256."""
     truncation_mode: str = "keep_end"
     """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
     keep_start."""
@@ -138,6 +156,31 @@ class TrainConfig:
     ref_model_name_or_path: str | None = None
     """dpo/kto: the reference model's local directory (the same architecture); default: the
     initial policy (model_name_or_path)."""
+    num_generations: int = 8
+    """grpo: completions sampled per prompt (a group)."""
+    temperature: float = 1.0
+    """grpo: the sampling temperature (the loss divides the logits by it too)."""
+    top_p: float = 1.0
+    """grpo: nucleus sampling's probability mass."""
+    top_k: int | None = None
+    """grpo: sample among the k most likely tokens; null or 0: all."""
+    epsilon: float = 0.2
+    """grpo: the clip's lower bound on the probability ratio (1 - epsilon)."""
+    epsilon_high: float | None = None
+    """grpo: the clip's upper bound (1 + epsilon_high); default epsilon."""
+    scale_rewards: str | bool = "group"
+    """grpo: advantages divided by the group's reward std (group), the batch's (batch), or not
+    (none)."""
+    mask_truncated_completions: bool = False
+    """grpo: leave completions cut at max_completion_length out of the loss."""
+    num_iterations: int = 1
+    """grpo: optimizer passes over each rollout (only 1 so far)."""
+    reward_funcs: str | list[str] | None = None
+    """grpo: reward functions, built in (exact_match, format, length) or module:function with
+    TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
+    None)."""
+    reward_weights: list[float] | None = None
+    """grpo: one weight per reward function (default 1 each)."""
     # --- schedule
     output_dir: str = "output"
     """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go; relative to
@@ -396,15 +439,24 @@ class TrainConfig:
         if self.nnodes is not None and self.nnodes < 1:
             bad("nnodes", "must be >= 1")
         self.world()  # a ddp_traffic that the machines cannot have is refused now
-        if self.stage != "sft" and self.stage not in STAGES:
-            bad("stage", f"must be sft or one of {', '.join(STAGES)}")
+        if self.stage not in ("sft", "grpo", *STAGES):
+            bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner
+        self.grpo()
+        if self.stage == "grpo" and self.eval_dataset:
+            bad("eval_dataset", "is not used with stage grpo yet (its rewards come from sampling)")
 
     def preference(self) -> PreferenceConfig | None:
-        """The preference stage's settings; None for sft."""
-        if self.stage == "sft":
+        """The preference stage's settings; None for sft and grpo."""
+        if self.stage in ("sft", "grpo"):
             return None
-        return PreferenceConfig(**{f.name: getattr(self, f.name) for f in fields(PreferenceConfig)})
+        return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
+
+    def grpo(self) -> GRPOConfig | None:
+        """GRPO's settings; None for the other stages."""
+        if self.stage != "grpo":
+            return None
+        return GRPOConfig(**_stage_keys(self, GRPOConfig))
 
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of

@@ -42,6 +42,8 @@ def batch_of(
     # A preference sample is several sequences (a pair: two): rows of their own, or one packed row.
     g = cfg.preference().sequences if cfg.preference() else 1
     rows, seq_len = k["per_device_train_batch_size"] * g, k["max_length"]
+    if (grpo := cfg.grpo()) is not None:  # a row: a prompt and a completion sampled for it
+        seq_len = (cfg.max_prompt_length or k["max_length"]) + grpo.max_completion_length
     if cfg.packing:
         rows, seq_len = rows // g, seq_len * g
     return Batch(

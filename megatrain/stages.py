@@ -1,6 +1,6 @@
-"""What the training stage (`stage`) changes in a run: the samples it reads, the objective the
-engine computes, and, for the preference stages that compare with a reference model (dpo, kto),
-the reference pass.
+"""What the training stage (`stage`) changes in a run: the samples it reads and how they are
+batched, the objective the engine computes, and, for the preference stages that compare with a
+reference model (dpo, kto), the reference pass. (grpo's rollouts: rollout.py.)
 
 The reference pass: before the first step, one forward-only sweep over the training and eval
 samples computes each sample's summed completion log-probs under the reference model, the initial
@@ -41,7 +41,9 @@ from .data.sources import resolve_dataset
 from .errors import CheckpointError, ConfigError
 from .io import manifest
 from .io.writing import AtomicDir
+from .data.prompts import Prompt, build_prompts
 from .objectives.base import Objective
+from .objectives.grpo import GRPO
 from .objectives.sequence_sums import Preference
 
 REFERENCE_DIR = "reference"
@@ -63,8 +65,31 @@ def build_stage_samples(cfg, tokenizer, vocab_size: int | None, key: str, batch_
     return [pair_sample(p) for p in build_preference_pairs(paths, tokenizer, limits, vocab_size)]
 
 
+def grpo_prompts(cfg, tokenizer, vocab_size: int | None) -> list[Prompt]:
+    """grpo: the dataset's prompts."""
+    return build_prompts([f.path for f in resolve_dataset(cfg, "dataset")], tokenizer, cfg.max_prompt_length, vocab_size)
+
+
+def batch_shape(cfg) -> tuple[int, int]:
+    """(samples per micro-batch, micro-batches per step) of the training data's Batcher: grpo
+    draws one batch of prompts a step, each sampled num_generations times into
+    per_device_train_batch_size x gradient_accumulation_steps completions."""
+    b, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    grpo = cfg.grpo()
+    if grpo is None:
+        return b, ga
+    if (b * ga) % grpo.num_generations:
+        raise ConfigError(
+            f"num_generations: {grpo.num_generations} must divide per_device_train_batch_size x "
+            f"gradient_accumulation_steps ({b} x {ga} completions a step)"
+        )
+    return b * ga // grpo.num_generations, 1
+
+
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
+    if (grpo := cfg.grpo()) is not None:
+        return GRPO(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size)
     pref = cfg.preference()
     return None if pref is None else Preference(pref, collective=world)
 

@@ -46,7 +46,18 @@ from .plan import preflight
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
 from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
-from .stages import Reference, build_stage_samples, objective_of, reference_model_pass, same_architecture
+from . import rewards
+from .data.prompts import prompt_samples
+from .rollout import Rollout
+from .stages import (
+    Reference,
+    batch_shape,
+    build_stage_samples,
+    grpo_prompts,
+    objective_of,
+    reference_model_pass,
+    same_architecture,
+)
 from .trackers import RunInfo
 
 if TYPE_CHECKING:
@@ -101,6 +112,8 @@ class _Inputs:
     outputs: OutputDir
     tokenizer: PreTrainedTokenizerFast | None
     samples: list
+    prompts: list | None  # grpo: the prompts the samples are, with their columns
+    reward_funcs: list | None  # grpo
     batcher: Batcher
     total_steps: int
     warmup: int
@@ -129,13 +142,19 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
-    samples = build_stage_samples(
-        cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, warn=say
-    )
+    prompts, reward_funcs = None, None
+    if cfg.stage == "grpo":
+        prompts, reward_funcs = grpo_prompts(cfg, tokenizer, model_cfg.vocab_size), rewards.load(cfg.reward_funcs)
+        samples = prompt_samples(prompts)
+    else:
+        samples = build_stage_samples(
+            cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, warn=say
+        )
+    batch_size, grad_accum = batch_shape(cfg)
     batcher = Batcher(
         samples,
-        batch_size=cfg.per_device_train_batch_size,
-        grad_accum=cfg.gradient_accumulation_steps,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
         max_length=cfg.max_length,
         packing=cfg.packing,
         shuffle=cfg.shuffle,
@@ -175,6 +194,8 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         outputs,
         tokenizer,
         samples,
+        prompts,
+        reward_funcs,
         batcher,
         total_steps,
         warmup,
@@ -199,6 +220,7 @@ class _Run(_Inputs):
     history: deque[dict]
     run_config: dict
     start: int  # the optimizer steps already taken (a resume's)
+    rollout: Rollout | None  # grpo: samples each step's completions
 
     @property
     def main(self) -> bool:
@@ -212,6 +234,8 @@ class _Run(_Inputs):
     def log_step(self, step: int, outcome: dict, lr: float, dt: float, micro_batches) -> None:
         """Optimizer step `step`'s metrics, to the metrics and the log history."""
         record = _step_record(step, outcome, lr, dt, micro_batches, self.world, self.batcher.epoch)
+        if self.rollout is not None:
+            record.update(self.rollout.metrics)
         self.log.log(record)
         self.history.append(record)
 
@@ -325,6 +349,8 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
             t_last = time.perf_counter()
             for step in range(run.start, total_steps):
                 micro_batches = batcher.next_step(world.rank)
+                if run.rollout is not None:  # grpo: the step's prompts -> sampled completions
+                    micro_batches = run.rollout.step(micro_batches, step + 1)
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, run.warmup, total_steps)
                 outcome = _optimizer_step(
                     run.model.engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1
@@ -439,6 +465,12 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         history=deque(ts.log_history if ts else [], maxlen=HISTORY),
         run_config=run_config,
         start=start,
+        rollout=None
+        if inputs.prompts is None
+        else Rollout(
+            cfg.grpo(), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype,
+            world, cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed,
+        ),  # fmt: skip
     )
     _announce(run, device, runs_on, notes, ts)
     if reference is not None:

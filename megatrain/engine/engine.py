@@ -336,7 +336,7 @@ class Engine:
         the loss."""
         # Every rank normalises by the label tokens of the whole step, on all ranks.
         n_tokens = self.collective.sum_count(sum(self.objective.count(mb) for mb in micro_batches))
-        if n_tokens == 0:
+        if n_tokens == 0 and not self.objective.empty_step_ok:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
         self._norms, self._pending = {}, None
         self.transport.discard()

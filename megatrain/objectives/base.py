@@ -20,6 +20,9 @@ class Objective(ABC):
     head bound to its weights; the gradients `loss_and_grads` returns enter the backward sweep.
     """
 
+    empty_step_ok = False
+    """Whether a step whose `count` is 0 is a step (its loss 0) rather than an error."""
+
     @abstractmethod
     def targets(self, mb: MicroBatch, device: torch.device) -> Any:
         """What the loss needs of one micro-batch, on `device` (copied once, before the sweep)."""

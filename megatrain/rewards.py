@@ -1,0 +1,109 @@
+"""Reward functions for `stage: grpo`: `reward_funcs: [module:function, ...]` or the built-ins
+below, each called as TRL calls one: keyword arguments `prompts`, `completions` (strings, or for a
+conversational dataset lists of one assistant message), `completion_ids` and every other column
+of the dataset (a list per column), returning one float per completion, or None to leave that
+completion out of this function's reward. A function that raises, or returns the wrong number of
+values or a non-number, stops the run with one line naming it and the first sample at fault.
+
+Built in:
+- `exact_match`: 1.0 where the completion, stripped, equals the `answer` (or `solution`) column,
+  stripped; else 0.0.
+- `format`: 1.0 where the completion is `<think>...</think>` then `<answer>...</answer>`.
+- `length`: the completion's length in characters (weight it with `reward_weights`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError, MegatrainError
+
+
+class RewardError(MegatrainError):
+    """A reward function failed on a sample."""
+
+
+FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
+
+
+def _text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def exact_match(completions, answer=None, solution=None, **_) -> list[float]:
+    truth = answer if answer is not None else solution
+    if truth is None:
+        raise ValueError("needs an 'answer' or 'solution' column in the dataset")
+    return [float(_text(c).strip() == str(t).strip()) for c, t in zip(completions, truth)]
+
+
+def format_reward(completions, **_) -> list[float]:
+    return [float(FORMAT.match(_text(c).strip()) is not None) for c in completions]
+
+
+def length(completions, **_) -> list[float]:
+    return [float(len(_text(c))) for c in completions]
+
+
+BUILTIN: dict[str, Callable] = {"exact_match": exact_match, "format": format_reward, "length": length}
+
+
+@dataclass
+class RewardFunc:
+    name: str
+    fn: Callable
+
+
+def load(specs: list[str] | str | None) -> list[RewardFunc]:
+    """The functions `reward_funcs` names: built-in names or `module:function` (the module
+    importable from the working directory or the Python path)."""
+    if not specs:
+        raise ConfigError(f"reward_funcs: stage grpo needs at least one ({', '.join(BUILTIN)} or module:function)")
+    out = []
+    for spec in [specs] if isinstance(specs, str) else specs:
+        if spec in BUILTIN:
+            out.append(RewardFunc(spec, BUILTIN[spec]))
+            continue
+        module, _, name = str(spec).partition(":")
+        if not module or not name:
+            raise ConfigError(f"reward_funcs: {spec!r} is neither built in ({', '.join(BUILTIN)}) nor module:function")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"reward_funcs: cannot load {spec!r}: {e}") from None
+        if not callable(fn):
+            raise ConfigError(f"reward_funcs: {spec!r} is not callable")
+        out.append(RewardFunc(spec, fn))
+    return out
+
+
+def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list], sources: list[str]) -> torch.Tensor:  # fmt: skip
+    """[completions, functions] float64 rewards, NaN where a function returned None."""
+    out = torch.full((len(completions), len(funcs)), math.nan, dtype=torch.float64)
+    for j, f in enumerate(funcs):
+        try:
+            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:  # the user's code: any failure is theirs to see in one line
+            raise RewardError(
+                f"reward function {f.name} raised on the batch starting at {sources[0]}: {type(e).__name__}: {e}"
+            ) from None
+        values = list(values) if values is not None else []
+        if len(values) != len(completions):
+            raise RewardError(
+                f"reward function {f.name} returned {len(values)} values for {len(completions)} completions "
+                f"(batch starting at {sources[0]})"
+            )
+        for i, v in enumerate(values):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RewardError(f"reward function {f.name} returned {v!r} for the completion of {sources[i]}")
+            out[i, j] = float(v)
+    return out
