@@ -33,7 +33,8 @@ def is_eval(record: dict) -> bool:
     return "eval_loss" in record
 
 
-PREFERENCE_SHOWN = {"accuracy": "rewards/accuracies", "margin": "rewards/margins"}  # name in the line -> record key
+# A post-training stage's figures beside the loss (TRL's metrics): name in the line -> record key.
+STAGE_SHOWN = {"accuracy": "rewards/accuracies", "margin": "rewards/margins", "reward": "reward"}
 
 
 class MetricsLogger:
@@ -117,8 +118,7 @@ class MetricsLogger:
         self._step_seconds += record.get("step_time_s", 0.0)
         self._steps += 1
         self.bar.update(1)
-        # A preference stage's reward accuracy and margin (TRL's metrics) beside the loss.
-        shown = {k: f"{record[n]:.3g}" for k, n in PREFERENCE_SHOWN.items() if record.get(n) is not None}
+        shown = {k: f"{record[n]:.3g}" for k, n in STAGE_SHOWN.items() if record.get(n) is not None}
         if self.interactive:
             extra = {"eval_loss": self._eval_loss} if self._eval_loss else {}
             self.bar.set_postfix(

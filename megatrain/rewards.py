@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +75,8 @@ def load(specs: list[str] | str | None) -> list[RewardFunc]:
         module, _, name = str(spec).partition(":")
         if not module or not name:
             raise ConfigError(f"reward_funcs: {spec!r} is neither built in ({', '.join(BUILTIN)}) nor module:function")
+        if os.getcwd() not in sys.path:  # `megatrain` started as a script: the working directory too
+            sys.path.append(os.getcwd())
         try:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:

@@ -199,3 +199,16 @@ def test_bad_settings_are_one_line_and_nothing_is_written(setup, kw, match):
     with pytest.raises(ConfigError, match=match):
         run(tmp_path, **kw)
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_samples_and_trains_as_the_uninterrupted_run(setup):
+    """A run stopped after step 2 and resumed samples step 3's completions from the seed and the
+    step, as the uninterrupted run did: the same completions and bitwise the same weights."""
+    tmp_path, _ = setup
+    _, whole_rollouts, whole = run(tmp_path, "whole", save_strategy="steps", save_steps=1)
+    run(tmp_path, "cut", save_strategy="steps", save_steps=1, max_steps=2)
+    _, rollouts, resumed = run(tmp_path, "cut", save_strategy="steps", save_steps=1, resume_from_checkpoint=True)
+    third = [[r["completion_ids"] for r in rs if r["step"] == 3] for rs in (whole_rollouts, rollouts)]
+    assert third[0] == third[1] and third[0]
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k

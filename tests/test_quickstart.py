@@ -297,6 +297,20 @@ def test_the_dpo_example_learns_the_preferences(whole_quickstart, tmp_path):
     assert (out / "reference" / "logps.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_the_grpo_example_learns_its_reward(whole_quickstart, tmp_path, monkeypatch):
+    """examples/grpo.yaml from the repository root: the mean reward rises to nearly 1."""
+    monkeypatch.chdir(EXAMPLES.parent)
+    out = tmp_path / "grpo"
+    cli(
+        "train", EXAMPLES / "grpo.yaml", f"model_name_or_path={whole_quickstart / 'final'}", f"output_dir={out}",
+        "disable_tqdm=true", "device=cpu",
+    )  # fmt: skip
+    rewards = [r["reward"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    assert sum(rewards[-10:]) / 10 >= 0.9 > sum(rewards[:10]) / 10
+    assert (out / "completions.jsonl").stat().st_size > 0
+
+
 def test_dpo_example_config_reads_the_shipped_pairs(quickstart, tmp_path):
     """examples/dpo.yaml on the short quickstart's model: three steps, TRL's metrics logged."""
     rc = main([
