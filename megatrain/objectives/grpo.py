@@ -175,15 +175,16 @@ class GRPO(Objective):
     def _chunk(self, t: _Targets, a: int, logits: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """(the chunk's loss, its entropy sum, its clipped-token count) over its completion tokens."""
         n = logits.shape[0]
-        logp_all = torch.log_softmax(logits / self.cfg.temperature, -1)
+        temp = self.cfg.temperature
+        logp_all = torch.log_softmax(logits if temp == 1 else logits / temp, -1)
         logp = logp_all.gather(-1, t.tokens[a : a + n, None]).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())  # num_iterations 1: the sampling policy is this one
         adv, mask = t.adv[a : a + n], t.mask[a : a + n]
         clipped = torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + self.cfg.epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv)
         loss = (per_token * mask * t.weight[a : a + n]).sum() / scale
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        with torch.no_grad():  # one more chunk x vocab tensor, reused in place
+            entropy = -logp_all.exp().mul_(logp_all).sum(-1)
             out = ((ratio < 1 - self.cfg.epsilon) | (ratio > 1 + self.cfg.epsilon_high)).float()
         return loss, (entropy * mask).sum(), (out * mask).sum()
 
