@@ -286,7 +286,8 @@ def report(
         f"runs on: {describe(model_cfg)}",
         f"device: {device_name}, {dtype_name} compute",
         f"tokens: {b.rows} x {b.seq_len} per micro-batch"
-        + (f" ({cfg.per_device_train_batch_size} {cfg.stage} samples)" if cfg.stage != "sft" else "")
+        + (f" ({cfg.per_device_train_batch_size} {cfg.stage} samples)" if cfg.preference() else "")
+        + (" (completions: prompt + max_completion_length)" if cfg.stage == "grpo" else "")
         + ", "
         f"x {cfg.gradient_accumulation_steps} accumulation = {b.tokens:,} per optimizer step "
         "(upper bound: rows padded to max_length)",
