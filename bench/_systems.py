@@ -310,6 +310,36 @@ def _tuning(eng, tr) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------- deepspeed
+def zero3(offload: bool = True) -> dict[str, Any]:
+    """The DeepSpeed baselines' ZeRO-3 section: with `offload`, parameters and optimizer state live in
+    pinned host memory (CPUAdam steps there); without, both stay on the GPU."""
+    z: dict[str, Any] = {"stage": 3}
+    if offload:
+        z["offload_param"] = {"device": "cpu", "pin_memory": True}
+        z["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return z | {
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "stage3_prefetch_bucket_size": 5e8,
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+    }
+
+
+def single_process_env(port: int = 29511) -> None:
+    """torch.distributed's rendezvous for one process outside a launcher (DeepSpeed needs a group)."""
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+    for k, v in env.items():
+        os.environ.setdefault(k, v)
+
+
 def run_deepspeed(spec: dict, res: Result) -> None:
     """Mirrors /work/shared/reference-probes/ds_baseline.py, plus gradient accumulation."""
     require_cuda()
@@ -317,11 +347,7 @@ def run_deepspeed(spec: dict, res: Result) -> None:
     from transformers import AutoModelForCausalLM
 
     res.data.setdefault("versions", {})["deepspeed"] = deepspeed.__version__
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29511")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
+    single_process_env()
     deepspeed.init_distributed()
     cfg = model_config(spec, torch_dtype="bfloat16")
     mbs, S = spec["mbs"], spec["seq"]
@@ -332,17 +358,7 @@ def run_deepspeed(spec: dict, res: Result) -> None:
         "bf16": {"enabled": True},
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": 0.0}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "stage3_prefetch_bucket_size": 5e8,
-            "stage3_param_persistence_threshold": 1e5,
-            "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9,
-        },
+        "zero_optimization": zero3(),
         "wall_clock_breakdown": False,
         "steps_per_print": 10**9,
     }
