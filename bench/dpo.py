@@ -99,7 +99,12 @@ def run_trl(d: Path, model: Path, data: Path, args) -> dict:
            "--out", str(d / "trl.json")]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    rec = {"system": "trl+deepspeed", "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0, "rc": proc.returncode}
+    rec = {
+        "system": "trl+deepspeed",
+        "command": " ".join(cmd[1:]),
+        "wall_s": time.perf_counter() - t0,
+        "rc": proc.returncode,
+    }
     if proc.returncode != 0 or not (d / "trl.json").exists():
         rec["error"] = (proc.stdout + proc.stderr)[-3000:]
         return rec
@@ -124,7 +129,9 @@ def table(runs: list[dict], num_params: int) -> str:
         )
     ok = {r["system"]: r["tokens_per_s"] for r in runs if not r.get("error")}
     if len(ok) == 2:
-        lines.append(f"\nmegatrain / TRL+DeepSpeed: **{ok['megatrain'] / ok['trl+deepspeed']:.2f}x** tokens/s")
+        lines.append(
+            f"\nmegatrain / TRL+DeepSpeed: **{ok['megatrain'] / ok['trl+deepspeed']:.2f}x** tokens/s"
+        )
     return "\n".join(lines)
 
 
@@ -171,7 +178,11 @@ def main() -> None:
     base = Path(args.out) / f"{stamp}_{args.tag}"
     base.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     base.with_suffix(".md").write_text(
-        f"# {args.tag}: DPO, megatrain beside TRL\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + text + "\n"
+        f"# {args.tag}: DPO, megatrain beside TRL\n\n"
+        + "".join(f"- {k}: {v}\n" for k, v in meta.items())
+        + "\n"
+        + text
+        + "\n"
     )
 
 

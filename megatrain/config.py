@@ -65,7 +65,13 @@ def _stage_keys(cfg, settings) -> dict:
     }
 
 
-PATH_KEYS = ("model_name_or_path", "model_config", "tokenizer_name_or_path", "dataset_info", "ref_model_name_or_path")
+PATH_KEYS = (
+    "model_name_or_path",
+    "model_config",
+    "tokenizer_name_or_path",
+    "dataset_info",
+    "ref_model_name_or_path",
+)
 DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a dataset_info.json
 
 

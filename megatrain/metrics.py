@@ -276,5 +276,6 @@ def mean_metrics(metrics: dict[str, tuple[float, int]], world, prefix: str = "")
     parts = world.each(metrics) if world.world_size > 1 else [metrics]
     names = dict.fromkeys(k for p in parts for k in p)
     return {
-        prefix + k: sum(p[k][0] for p in parts if k in p) / sum(p[k][1] for p in parts if k in p) for k in names
+        prefix + k: sum(p[k][0] for p in parts if k in p) / sum(p[k][1] for p in parts if k in p)
+        for k in names
     }

@@ -66,7 +66,9 @@ def load(specs: list[str] | str | None) -> list[RewardFunc]:
     """The functions `reward_funcs` names: built-in names or `module:function` (the module
     importable from the working directory or the Python path)."""
     if not specs:
-        raise ConfigError(f"reward_funcs: stage grpo needs at least one ({', '.join(BUILTIN)} or module:function)")
+        raise ConfigError(
+            f"reward_funcs: stage grpo needs at least one ({', '.join(BUILTIN)} or module:function)"
+        )
     out = []
     for spec in [specs] if isinstance(specs, str) else specs:
         if spec in BUILTIN:
@@ -74,7 +76,9 @@ def load(specs: list[str] | str | None) -> list[RewardFunc]:
             continue
         module, _, name = str(spec).partition(":")
         if not module or not name:
-            raise ConfigError(f"reward_funcs: {spec!r} is neither built in ({', '.join(BUILTIN)}) nor module:function")
+            raise ConfigError(
+                f"reward_funcs: {spec!r} is neither built in ({', '.join(BUILTIN)}) nor module:function"
+            )
         if os.getcwd() not in sys.path:  # `megatrain` started as a script: the working directory too
             sys.path.append(os.getcwd())
         try:
@@ -108,6 +112,8 @@ def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_
             if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise RewardError(f"reward function {f.name} returned {v!r} for the completion of {sources[i]}")
+                raise RewardError(
+                    f"reward function {f.name} returned {v!r} for the completion of {sources[i]}"
+                )
             out[i, j] = float(v)
     return out

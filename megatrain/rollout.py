@@ -49,7 +49,9 @@ class Rollout:
         self.batch_size, self.pad_id = batch_size, pad_id
         self.completions_file = None if out is None else Path(out) / "completions.jsonl"
         self.log_every = log_every
-        stops = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+        stops = (
+            [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+        )
         eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
         self.stops = stops + ([eot] if eot is not None and eot not in stops else [])
         self.metrics: dict[str, float] = {}
@@ -132,12 +134,18 @@ class Rollout:
 
     # ------------------------------------------------------------------ scoring
     def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True) if self.tokenizer else completions
+        texts = (
+            self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+            if self.tokenizer
+            else completions
+        )
         if prompts[0].conversational:
             texts = [[{"role": "assistant", "content": t}] for t in texts]
         names = [k for p in prompts for k in p.columns]
         columns = {k: [p.columns.get(k) for p in prompts] for k in dict.fromkeys(names)}
-        return score(self.funcs, [p.prompt for p in prompts], texts, completions, columns, [p.source for p in prompts])
+        return score(
+            self.funcs, [p.prompt for p in prompts], texts, completions, columns, [p.source for p in prompts]
+        )
 
     def _metrics(self, rewards: torch.Tensor, completions, truncated) -> dict[str, float]:
         """TRL's per-function rewards and completion lengths (this rank's lengths)."""
@@ -170,7 +178,9 @@ class Rollout:
                     "completion": texts[i] if texts else None,
                     "completion_ids": completions[i],
                     "truncated": truncated[i],
-                    "rewards": {fn.name: (None if r != r else r) for fn, r in zip(self.funcs, rewards[i].tolist())},
+                    "rewards": {
+                        fn.name: (None if r != r else r) for fn, r in zip(self.funcs, rewards[i].tolist())
+                    },
                     "advantage": float(adv[i]),
                 }
                 f.write(json.dumps(rec) + "\n")
@@ -184,7 +194,9 @@ class Rollout:
             pad = width - len(p) - len(c)
             ids.append(p + c + [self.pad_id] * pad)
             keep = not (cut and self.cfg.mask_truncated_completions)
-            labels.append([IGNORE_INDEX] * len(p) + (c if keep else [IGNORE_INDEX] * len(c)) + [IGNORE_INDEX] * pad)
+            labels.append(
+                [IGNORE_INDEX] * len(p) + (c if keep else [IGNORE_INDEX] * len(c)) + [IGNORE_INDEX] * pad
+            )
             real.append([1] * (len(p) + len(c)) + [0] * pad)
         mask = torch.tensor(real)
         return MicroBatch(

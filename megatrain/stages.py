@@ -36,12 +36,12 @@ from .data.preference import (
     pair_sample,
     unpaired_sample,
 )
+from .data.prompts import Prompt, build_prompts
 from .data.samples import Sample
 from .data.sources import resolve_dataset
 from .errors import CheckpointError, ConfigError
 from .io import manifest
 from .io.writing import AtomicDir
-from .data.prompts import Prompt, build_prompts
 from .objectives.base import Objective
 from .objectives.grpo import GRPO
 from .objectives.sequence_sums import Preference
@@ -50,7 +50,9 @@ REFERENCE_DIR = "reference"
 REFERENCE_FILE = "logps.safetensors"
 
 
-def build_stage_samples(cfg, tokenizer, vocab_size: int | None, key: str, batch_size: int, warn=print) -> list[Sample]:
+def build_stage_samples(
+    cfg, tokenizer, vocab_size: int | None, key: str, batch_size: int, warn=print
+) -> list[Sample]:
     """The samples of `cfg.<key>` (dataset or eval_dataset) for the run's stage: labelled
     sequences (sft) or preference samples (data/preference.py); `batch_size` groups KTO's KL
     sequences as its batches will."""
@@ -67,7 +69,9 @@ def build_stage_samples(cfg, tokenizer, vocab_size: int | None, key: str, batch_
 
 def grpo_prompts(cfg, tokenizer, vocab_size: int | None) -> list[Prompt]:
     """grpo: the dataset's prompts."""
-    return build_prompts([f.path for f in resolve_dataset(cfg, "dataset")], tokenizer, cfg.max_prompt_length, vocab_size)
+    return build_prompts(
+        [f.path for f in resolve_dataset(cfg, "dataset")], tokenizer, cfg.max_prompt_length, vocab_size
+    )
 
 
 def batch_shape(cfg) -> tuple[int, int]:
@@ -130,7 +134,7 @@ class Reference:
         with safe_open(path, "pt") as f:
             if (f.metadata() or {}).get("fingerprint") != self.fingerprint:
                 return None  # another run's data or reference: computed again, then replaced
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
 
     def compute(self, engine, cfg, pad_id: int, world, progress: bool) -> None:
         """One forward sweep over every set's samples (rank r takes every r-th chunk of
@@ -140,7 +144,9 @@ class Reference:
         for name, samples in self.sets.items():
             batcher = Batcher(
                 samples,
-                batch_size=cfg.per_device_eval_batch_size if name == "eval" else cfg.per_device_train_batch_size,
+                batch_size=cfg.per_device_eval_batch_size
+                if name == "eval"
+                else cfg.per_device_train_batch_size,
                 grad_accum=cfg.gradient_accumulation_steps,
                 max_length=cfg.max_length,
                 packing=cfg.packing,
@@ -151,7 +157,9 @@ class Reference:
             out = torch.zeros(len(samples), len(self.codes), dtype=torch.float64, device=engine.device)
             chunks = batcher.steps_per_epoch
             mine = range(world.rank, chunks, world.world_size)
-            bar = tqdm(total=len(mine), desc=f"reference log-probs ({name})", unit="batch", disable=not progress)
+            bar = tqdm(
+                total=len(mine), desc=f"reference log-probs ({name})", unit="batch", disable=not progress
+            )
             for i, mbs in enumerate(batcher.epoch_steps()):
                 if i % world.world_size != world.rank:
                     continue
@@ -188,7 +196,9 @@ class Reference:
         for name, samples in self.sets.items():
             table = self.values[name]
             if len(table) != len(samples):
-                raise CheckpointError(f"{self.directory}: {len(table)} {name} rows for {len(samples)} samples")
+                raise CheckpointError(
+                    f"{self.directory}: {len(table)} {name} rows for {len(samples)} samples"
+                )
             for s, row in zip(samples, table.tolist()):
                 s.extra = (*s.extra[:1], *row) if self.pref.stage == "kto" else tuple(row)
 

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import rewards
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, interval_steps, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
+from .data.prompts import prompt_samples
 from .engine.optim import AdamWConfig, lr_at
 from .errors import ConfigError
 from .evaluation import Evaluator
@@ -45,10 +47,8 @@ from .parallel.processgroup import start
 from .plan import preflight
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
-from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
-from . import rewards
-from .data.prompts import prompt_samples
 from .rollout import Rollout
+from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
 from .stages import (
     Reference,
     batch_shape,
@@ -144,7 +144,10 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
     prompts, reward_funcs = None, None
     if cfg.stage == "grpo":
-        prompts, reward_funcs = grpo_prompts(cfg, tokenizer, model_cfg.vocab_size), rewards.load(cfg.reward_funcs)
+        prompts, reward_funcs = (
+            grpo_prompts(cfg, tokenizer, model_cfg.vocab_size),
+            rewards.load(cfg.reward_funcs),
+        )
         samples = prompt_samples(prompts)
     else:
         samples = build_stage_samples(
@@ -468,8 +471,19 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         rollout=None
         if inputs.prompts is None
         else Rollout(
-            cfg.grpo(), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype,
-            world, cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed,
+            cfg.grpo(),
+            inputs.prompts,
+            inputs.reward_funcs,
+            inputs.tokenizer,
+            model,
+            device,
+            compute_dtype,
+            world,
+            cfg.per_device_train_batch_size,
+            batcher.pad_id,
+            out,
+            every,
+            cfg.seed,
         ),  # fmt: skip
     )
     _announce(run, device, runs_on, notes, ts)
@@ -478,7 +492,9 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     return run
 
 
-def _reference(cfg: TrainConfig, inputs: _Inputs, world: Collective, build, progress: bool) -> Reference | None:
+def _reference(
+    cfg: TrainConfig, inputs: _Inputs, world: Collective, build, progress: bool
+) -> Reference | None:
     """The run's reference log-probs (None where the stage takes none): read from output_dir,
     or computed now with a model of the reference weights where the policy about to be built
     does not hold them (another reference model, or a resume); a fresh run's policy computes

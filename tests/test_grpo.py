@@ -9,8 +9,6 @@ transformers' `generate` with the run's seed."""
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +28,9 @@ EPS = 1e-4  # AdamW's: well above the rounding of the smallest gradients, which 
 
 
 def model(vocab):
-    m = tiny_hf_model("llama", seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=vocab)
+    m = tiny_hf_model(
+        "llama", seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=vocab
+    )
     with torch.no_grad():  # a random model that ends some completions early: EOS made likely
         m.lm_head.weight[tiny_tokenizer().eos_token_id] = m.model.norm.weight * 0.4
     return m
@@ -67,7 +67,11 @@ def run(tmp_path, name="out", **kw):
 def trl_advantages(rewards_per_func, weights, scale):
     rewards = (rewards_per_func * torch.tensor(weights, dtype=rewards_per_func.dtype)[None]).nansum(1)
     mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
-    std = rewards.view(-1, G).std(1).repeat_interleave(G) if scale in ("group", "none") else rewards.std().expand_as(rewards)
+    std = (
+        rewards.view(-1, G).std(1).repeat_interleave(G)
+        if scale in ("group", "none")
+        else rewards.std().expand_as(rewards)
+    )
     adv = rewards - mean
     return adv / (std + 1e-4) if scale != "none" else adv
 
@@ -133,15 +137,19 @@ def test_grpo_trains_as_trl(setup, kw):
         torch.testing.assert_close(adv, torch.tensor([r["advantage"] for r in batch]), rtol=1e-5, atol=1e-6)
         rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in batch]
         for _, c, cut in rows:  # cut: max_completion_length tokens and no end token
-            assert cut == (len(c) == MAX_NEW and c[-1] not in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")))
+            assert cut == (
+                len(c) == MAX_NEW and c[-1] not in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+            )
         num_items = sum(len(c) for _, c, cut in rows if not (cut and mask_truncated))
-        assert 0 < num_items
+        assert num_items > 0
         if mask_truncated:  # some completions in the loss, some left out
             assert any(cut for *_, cut in rows) and not all(cut for *_, cut in rows)
         loss = 0.0
         for m in range(GA):
             mb = slice(m * B, (m + 1) * B)
-            lm = trl_loss(hf, rows[mb], adv[mb], loss_type, num_items, mask_truncated, kw.get("temperature", 1.0))
+            lm = trl_loss(
+                hf, rows[mb], adv[mb], loss_type, num_items, mask_truncated, kw.get("temperature", 1.0)
+            )
             lm.backward()
             loss += lm.item()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM)
@@ -149,7 +157,9 @@ def test_grpo_trains_as_trl(setup, kw):
         opt.zero_grad()
         rec = steps[step - 1]
         assert rec["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
-        assert rec["reward"] == pytest.approx(float((rewards * torch.tensor([-0.05, 1.0], dtype=torch.float64)).sum(1).mean()))
+        assert rec["reward"] == pytest.approx(
+            float((rewards * torch.tensor([-0.05, 1.0], dtype=torch.float64)).sum(1).mean())
+        )
         assert rec["completions/mean_length"] == pytest.approx(sum(len(c) for _, c, _ in rows) / len(rows))
     for k, p in saved_parameters(hf).items():
         torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
@@ -210,7 +220,9 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(setup):
     tmp_path, _ = setup
     _, whole_rollouts, whole = run(tmp_path, "whole", save_strategy="steps", save_steps=1)
     run(tmp_path, "cut", save_strategy="steps", save_steps=1, max_steps=2)
-    _, rollouts, resumed = run(tmp_path, "cut", save_strategy="steps", save_steps=1, resume_from_checkpoint=True)
+    _, rollouts, resumed = run(
+        tmp_path, "cut", save_strategy="steps", save_steps=1, resume_from_checkpoint=True
+    )
     third = [[r["completion_ids"] for r in rs if r["step"] == 3] for rs in (whole_rollouts, rollouts)]
     assert third[0] == third[1] and third[0]
     for k in whole:

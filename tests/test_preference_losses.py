@@ -397,7 +397,9 @@ def _padded(seqs):
     return ids, attn, mask
 
 
-def trl_kto(model, ref_model, seqs, kl_seqs, beta, loss_type, desirable_weight, undesirable_weight, labels=LABELS):
+def trl_kto(
+    model, ref_model, seqs, kl_seqs, beta, loss_type, desirable_weight, undesirable_weight, labels=LABELS
+):
     """KTOTrainer.forward, kto_loss and get_batch_loss_metrics (the metrics' sums over counts)."""
 
     def logps(m, ids, attn, mask):

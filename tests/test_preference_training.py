@@ -9,7 +9,6 @@ reads them, and they equal the reference model's."""
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 from pathlib import Path
@@ -44,7 +43,9 @@ def pairs(n=B * GA * STEPS, seed=0):
 def write_pairs(path: Path, rows) -> str:
     with open(path, "w") as f:
         for p, c, r in rows:
-            f.write(json.dumps({"prompt_input_ids": p, "chosen_input_ids": c, "rejected_input_ids": r}) + "\n")
+            f.write(
+                json.dumps({"prompt_input_ids": p, "chosen_input_ids": c, "rejected_input_ids": r}) + "\n"
+            )
     return str(path)
 
 
@@ -136,7 +137,9 @@ def test_dpo_trains_as_trl(setup, kw):
     records, final, out = run(tmp_path, data, stage="dpo", **kw)
     hf, ref = model(), model()
     trl = TrlDpo(**kw)
-    steps = plain_loop(hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), micro_batches(rows))
+    steps = plain_loop(
+        hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), micro_batches(rows)
+    )
     names = PAIR_METRICS + (["nll_loss"] if "rpo_alpha" in kw or "sft" in kw["loss_type"] else [])
     compare(records, final, hf, steps, names)
     assert (out / "reference" / "logps.safetensors").is_file()
@@ -197,10 +200,14 @@ def test_reference_model_is_another_model_and_is_read_back(setup):
             logits = ref(ids, attention_mask=attn).logits.log_softmax(-1)
             tok = logits[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1) * mask[:, 1:]
             sums = tok.sum(-1)
-            torch.testing.assert_close(stored[i * B : (i + 1) * B].float(), torch.stack((sums[:B], sums[B:]), 1))
+            torch.testing.assert_close(
+                stored[i * B : (i + 1) * B].float(), torch.stack((sums[:B], sums[B:]), 1)
+            )
     hf = model()
     trl = TrlDpo()
-    steps = plain_loop(hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), micro_batches(rows))
+    steps = plain_loop(
+        hf, lambda mb: trl.get_batch_loss_metrics(hf, ref, *pair_tensors(mb)), micro_batches(rows)
+    )
     compare(records, final, hf, steps, PAIR_METRICS)
 
 
@@ -208,8 +215,19 @@ def test_resume_reads_the_stored_reference_and_is_exact(setup):
     """A run saved after step 2 and resumed equals the uninterrupted run; the resume takes the
     reference from output_dir/reference/ (the policy's weights are no longer the initial ones)."""
     tmp_path, _, data = setup
-    whole, final, _ = run(tmp_path, data, "whole", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1)
-    _, _, out = run(tmp_path, data, "cut", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1, max_steps=2)
+    whole, final, _ = run(
+        tmp_path, data, "whole", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1
+    )
+    _, _, out = run(
+        tmp_path,
+        data,
+        "cut",
+        stage="dpo",
+        loss_type="bco_pair",
+        save_strategy="steps",
+        save_steps=1,
+        max_steps=2,
+    )
     before = (out / "reference" / "logps.safetensors").stat().st_mtime_ns
     resumed, final2, _ = run(
         tmp_path, data, "cut", stage="dpo", loss_type="bco_pair", save_strategy="steps", save_steps=1,
@@ -234,7 +252,9 @@ def test_corrupt_reference_is_one_line_naming_the_file(setup):
 
 def test_reference_model_of_another_shape_is_refused(setup):
     tmp_path, _, data = setup
-    tiny_hf_model("llama", num_hidden_layers=1, hidden_size=64, intermediate_size=48).save_pretrained(tmp_path / "ref")
+    tiny_hf_model("llama", num_hidden_layers=1, hidden_size=64, intermediate_size=48).save_pretrained(
+        tmp_path / "ref"
+    )
     with pytest.raises(ConfigError, match="ref_model_name_or_path: .* num_hidden_layers 1, the policy 2"):
         run(tmp_path, data, stage="dpo", ref_model_name_or_path=str(tmp_path / "ref"))
     assert not (tmp_path / "out").exists()  # refused before anything was written
@@ -245,8 +265,8 @@ def test_two_processes_equal_one(setup):
     """bco_pair (whose running mean takes every micro-batch of the step in order) and the
     reference pass split over two gloo processes: the same losses, metrics and weights as one
     process with the same global batch."""
-    from test_distributed import assert_close_weights, launch
     from test_checkpoint import write_yaml
+    from test_distributed import assert_close_weights, launch
 
     tmp_path, _, data = setup
     kw = dict(stage="dpo", loss_type=["sigmoid", "bco_pair"], eval_dataset=data, eval_steps=STEPS)
@@ -257,7 +277,11 @@ def test_two_processes_equal_one(setup):
         max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
         disable_tqdm=True, max_length=64, **kw,
     )  # fmt: skip
-    proc = launch(write_yaml(tmp_path / "run.yaml", base), "gradient_accumulation_steps=1", f"output_dir={tmp_path / 'two'}")
+    proc = launch(
+        write_yaml(tmp_path / "run.yaml", base),
+        "gradient_accumulation_steps=1",
+        f"output_dir={tmp_path / 'two'}",
+    )
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     for got, want in zip([r for r in records if "loss" in r], one):
@@ -294,8 +318,14 @@ def test_packed_pairs_train_as_trl(setup):
 @pytest.mark.parametrize(
     "row,match",
     [
-        ({"prompt_input_ids": [1], "chosen_input_ids": [2]}, r"bad\.jsonl:2: missing field 'rejected_input_ids'"),
-        ({"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [500]}, r"bad\.jsonl:2: token id 500"),
+        (
+            {"prompt_input_ids": [1], "chosen_input_ids": [2]},
+            r"bad\.jsonl:2: missing field 'rejected_input_ids'",
+        ),
+        (
+            {"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [500]},
+            r"bad\.jsonl:2: token id 500",
+        ),
         ({"text": "plain text"}, r"bad\.jsonl:1: cannot detect the preference format"),
     ],
 )

@@ -34,7 +34,9 @@ class Prompt:
         return isinstance(self.prompt, list)
 
 
-def build_prompts(paths, tokenizer, max_prompt_length: int | None, vocab_size: int | None = None) -> list[Prompt]:
+def build_prompts(
+    paths, tokenizer, max_prompt_length: int | None, vocab_size: int | None = None
+) -> list[Prompt]:
     """Every record's prompt, tokenised, in file order."""
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
@@ -62,7 +64,9 @@ def _prompt(rec: dict, where: str, tokenizer, vocab_size: int, keep: int | None)
         if isinstance(prompt, list):
             require_chat_template(tokenizer, where)
             if prompt[-1]["role"] not in _PROMPT_ENDS:
-                raise DataError(f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user turn")
+                raise DataError(
+                    f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user turn"
+                )
             ids = tokenizer(_render(tokenizer, prompt, True, where), add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]

@@ -43,7 +43,9 @@ class Sample:
         if len(self.input_ids) != len(self.labels):
             raise DataError(f"{self.source}: {len(self.labels)} labels for {len(self.input_ids)} input_ids")
         if self.parts is not None and sum(self.parts) != len(self.input_ids):
-            raise DataError(f"{self.source}: parts {self.parts} do not add up to {len(self.input_ids)} tokens")
+            raise DataError(
+                f"{self.source}: parts {self.parts} do not add up to {len(self.input_ids)} tokens"
+            )
 
     @property
     def has_labels(self) -> bool:

@@ -27,7 +27,11 @@ from ..metrics import ByteProgress
 
 MANIFEST = "megatrain_manifest.json"
 FORMAT = 1
-CHECKPOINT, MODEL, REFERENCE = "checkpoint", "model", "reference"  # reference: a preference run's reference log-probs
+CHECKPOINT, MODEL, REFERENCE = (
+    "checkpoint",
+    "model",
+    "reference",
+)  # reference: a preference run's reference log-probs
 CHUNK = 16 << 20  # bytes per read while verifying; zlib.crc32 releases the GIL on large buffers
 MAX_THREADS = 8
 

@@ -56,5 +56,5 @@ class Objective(ABC):
         checkpoint (none by default)."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # noqa: B027 (optional: most keep no state)
         """Continue from a checkpoint's `state_dict`."""

@@ -200,7 +200,9 @@ class GRPO(Objective):
 
         loss, dh = head.backward(hidden, chunk_loss)
         tokens = max(sum(t.tokens_in_mb for t in targets), 1)
-        self._record({"entropy": float(stats[0]) / tokens, "clip_ratio/region_mean": float(stats[1]) / tokens})
+        self._record(
+            {"entropy": float(stats[0]) / tokens, "clip_ratio/region_mean": float(stats[1]) / tokens}
+        )
         return loss, dh
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:

@@ -19,7 +19,6 @@ step's order, the other ranks' micro-batches included, so several processes equa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
