@@ -47,9 +47,18 @@ class Objective(ABC):
 
     def take_metrics(self) -> dict[str, tuple[float, int]]:
         """The metrics of the micro-batches seen since the last call, by name (TRL's): (their sum,
-        how many micro-batches gave one), which callers sum over ranks and divide. None by
-        default: cross-entropy's loss is the trainer's own record."""
-        return {}
+        how many micro-batches gave one), which callers sum over ranks and divide. None unless the
+        objective `record`s some: cross-entropy's loss is the trainer's own record."""
+        taken = getattr(self, "_metrics", {})
+        self._metrics: dict[str, list[float]] = {}
+        return {k: (sum(v), len(v)) for k, v in taken.items()}
+
+    def record(self, metrics: dict[str, float]) -> None:
+        """Add one micro-batch's (or one step's) metrics for `take_metrics`."""
+        if not hasattr(self, "_metrics"):
+            self._metrics = {}
+        for k, v in metrics.items():
+            self._metrics.setdefault(k, []).append(v)
 
     def state_dict(self) -> dict:
         """What the objective carries from one step to the next, JSON-serialisable, saved with a

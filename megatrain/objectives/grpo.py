@@ -142,7 +142,6 @@ class GRPO(Objective):
 
     def __init__(self, cfg: GRPOConfig, micro_batches: int):
         self.cfg, self.micro_batches = cfg, micro_batches
-        self._metrics: dict[str, list[float]] = {}
 
     def targets(self, mb: MicroBatch, device: torch.device) -> _Targets:
         labels = mb.shifted_labels
@@ -200,9 +199,7 @@ class GRPO(Objective):
 
         loss, dh = head.backward(hidden, chunk_loss)
         tokens = max(sum(t.tokens_in_mb for t in targets), 1)
-        self._record(
-            {"entropy": float(stats[0]) / tokens, "clip_ratio/region_mean": float(stats[1]) / tokens}
-        )
+        self.record({"entropy": float(stats[0]) / tokens, "clip_ratio/region_mean": float(stats[1]) / tokens})
         return loss, dh
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
@@ -210,12 +207,3 @@ class GRPO(Objective):
         for m, a, logits in head.forward(hidden):
             loss += self._chunk(targets[m], a, logits, 1.0)[0]
         return loss
-
-    def _record(self, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            self._metrics.setdefault(k, []).append(v)
-
-    def take_metrics(self) -> dict[str, tuple[float, int]]:
-        out = {k: (sum(v), len(v)) for k, v in self._metrics.items()}
-        self._metrics = {}
-        return out

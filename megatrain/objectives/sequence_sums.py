@@ -66,7 +66,6 @@ class Preference(Objective):
         self.paired = cfg.stage != "kto"
         self.codes = PAIR_SUMS if self.paired else UNPAIRED_SUMS
         self.running = RunningMean()  # bco_pair's reward shift: training state
-        self._metrics: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ the interface
     def targets(self, mb: MicroBatch, device: torch.device) -> _Targets:
@@ -93,7 +92,7 @@ class Preference(Objective):
         weights, loss = [], torch.zeros((), device=head.W.device)
         for t in targets:
             result = next(results)
-            self._record(result.metrics)
+            self.record(result.metrics)
             loss += result.loss
             weights.append(self._slot_weights(result.grads, t.samples, total))
 
@@ -127,7 +126,7 @@ class Preference(Objective):
         running = RunningMean(self.running.mean, self.running.count)  # evaluation changes no state
         for t, s in zip(targets, self.sums(head, hidden, targets)):
             value, metrics = preference_loss(self.cfg, self._batch(t, s), running)
-            self._record(metrics)
+            self.record(metrics)
             loss += value.detach()
         return loss
 
@@ -201,16 +200,6 @@ class Preference(Objective):
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.running = RunningMean(state["running_mean"], state["running_count"])
-
-    # ------------------------------------------------------------------ metrics
-    def _record(self, metrics: dict[str, float]) -> None:
-        for k, v in metrics.items():
-            self._metrics.setdefault(k, []).append(v)
-
-    def take_metrics(self) -> dict[str, tuple[float, int]]:
-        out = {k: (sum(v), len(v)) for k, v in self._metrics.items()}
-        self._metrics = {}
-        return out
 
 
 def _token_logps(logits: Tensor, tokens: Tensor) -> Tensor:
