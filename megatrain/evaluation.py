@@ -31,7 +31,7 @@ from .io.reader import checkpoint_files
 from .io.weights import load_hf_weights
 from .metrics import mean_metrics
 from .models.config import ModelConfig
-from .stages import build_stage_samples
+from .stages import build_stage_samples, in_order
 
 
 class Evaluator:
@@ -57,16 +57,7 @@ class Evaluator:
                 cfg, tokenizer, vocab_size, "eval_dataset", cfg.per_device_eval_batch_size, warn=warn
             )
             self.num_samples = len(samples)
-            self.batcher = Batcher(
-                samples,
-                batch_size=cfg.per_device_eval_batch_size,
-                grad_accum=cfg.gradient_accumulation_steps,
-                max_length=cfg.max_length,
-                packing=cfg.packing,
-                shuffle=False,
-                pad_id=pad_id,
-                drop_last=False,
-            )
+            self.batcher = in_order(cfg, samples, cfg.per_device_eval_batch_size, pad_id)
             if cfg.eval_strategy == "epoch":
                 self.interval = steps_per_epoch
             else:

@@ -90,6 +90,22 @@ def batch_shape(cfg) -> tuple[int, int]:
     return b * ga // grpo.num_generations, 1
 
 
+def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batcher:
+    """A Batcher over every sample once, in file order, shaped as training's (max_length,
+    packing, gradient_accumulation_steps micro-batches a chunk): evaluation's and the reference
+    pass's."""
+    return Batcher(
+        samples,
+        batch_size=batch_size,
+        grad_accum=cfg.gradient_accumulation_steps,
+        max_length=cfg.max_length,
+        packing=cfg.packing,
+        shuffle=False,
+        pad_id=pad_id,
+        drop_last=False,
+    )
+
+
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
     if (grpo := cfg.grpo()) is not None:
@@ -142,18 +158,8 @@ class Reference:
         t0 = time.perf_counter()
         values = {}
         for name, samples in self.sets.items():
-            batcher = Batcher(
-                samples,
-                batch_size=cfg.per_device_eval_batch_size
-                if name == "eval"
-                else cfg.per_device_train_batch_size,
-                grad_accum=cfg.gradient_accumulation_steps,
-                max_length=cfg.max_length,
-                packing=cfg.packing,
-                shuffle=False,
-                pad_id=pad_id,
-                drop_last=False,
-            )
+            size = cfg.per_device_eval_batch_size if name == "eval" else cfg.per_device_train_batch_size
+            batcher = in_order(cfg, samples, size, pad_id)
             out = torch.zeros(len(samples), len(self.codes), dtype=torch.float64, device=engine.device)
             chunks = batcher.steps_per_epoch
             mine = range(world.rank, chunks, world.world_size)
