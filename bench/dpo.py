@@ -27,25 +27,15 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from _shapes import DENSE_SHAPES  # noqa: E402
+from _systems import model_config  # noqa: E402
 
 WARMUP = 2  # steps left out of the rate
 
 
 def write_inputs(d: Path, shape: dict, args) -> tuple[Path, Path]:
     """config.json of the shape and `pairs * steps` random pairs."""
-    from transformers import LlamaConfig
-
-    seq = args.prompt + args.completion
-    LlamaConfig(
-        hidden_size=shape["hidden"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv"],
-        intermediate_size=shape["ffn"],
-        vocab_size=shape["vocab"],
-        max_position_embeddings=max(seq, 8192),
-        rope_theta=500000.0,
-    ).save_pretrained(d / "model")
+    # The model every system of bench/ trains (the TRL worker builds the same from the shape).
+    model_config({"shape": shape, "seq": args.prompt + args.completion}).save_pretrained(d / "model")
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(1, shape["vocab"]) for _ in range(n)]  # noqa: E731
     with open(d / "pairs.jsonl", "w") as f:
@@ -86,7 +76,6 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         reference_s=float(m.group(2)) if m else None,
         predicted=plan.get("predicted"),
         measured=plan.get("measured"),
-        num_params=plan.get("machine", {}).get("num_params"),
         log_tail=proc.stdout[-2000:],
     )
     return rec
@@ -160,9 +149,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:1500], flush=True)
     from megatrain.models.config import ModelConfig
 
-    n = ModelConfig.from_hf(__import__("transformers").LlamaConfig(
-        hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv"], intermediate_size=shape["ffn"], vocab_size=shape["vocab"])).num_params  # fmt: skip
+    n = ModelConfig.from_hf(model_config({"shape": shape, "seq": args.prompt + args.completion})).num_params
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -379,3 +379,19 @@ def test_the_plan_counts_both_sequences_of_a_pair(tmp_path, packing, rows, seq):
     b = batch("dpo")
     assert (b.rows, b.seq_len, b.micro_batch_tokens) == (rows, seq, 800)
     assert batch("sft").micro_batch_tokens == 400
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto", "orpo", "simpo", "grpo"])
+def test_the_config_leaves_each_stage_its_own_defaults(stage):
+    """TrainConfig's keys and a stage's settings dataclass both state the defaults: unset keys
+    give exactly the stage's (TRL's), so the two cannot drift apart."""
+    from dataclasses import asdict
+
+    from megatrain.objectives.grpo import GRPOConfig
+    from megatrain.objectives.preference import PreferenceConfig
+
+    extra = {"reward_funcs": ["length"]} if stage == "grpo" else {}
+    cfg = TrainConfig(model_config="unused", stage=stage, **extra)
+    got = cfg.grpo() if stage == "grpo" else cfg.preference()
+    want = GRPOConfig() if stage == "grpo" else PreferenceConfig(stage=stage)
+    assert asdict(got) == asdict(want)
