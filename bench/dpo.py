@@ -102,19 +102,22 @@ def run_trl(d: Path, model: Path, data: Path, args) -> dict:
 
 
 def table(runs: list[dict], num_params: int) -> str:
-    lines = ["| system | tokens/s | step s (after warm-up) | reference pass s | GPU peak GiB | host peak GiB | host B/param |",
+    lines = ["| system | tokens/s | step s (after warm-up) | reference pass s | GPU peak GiB (plan) | host peak GiB (plan) | host B/param |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    gib = lambda b: f"{b / 2**30:.1f}" if b else "-"  # noqa: E731
     for r in runs:
         if r.get("error"):
             lines.append(f"| {r['system']} | failed: see json | | | | | |")
             continue
-        gpu = (r.get("measured") or {}).get("gpu_peak") or r.get("gpu_peak_bytes")
+        plan = r.get("predicted") or {}
+        gpu = (r.get("measured") or {}).get("gpu_peak_allocated") or r.get("gpu_peak_bytes")
         host = (r.get("measured") or {}).get("host_peak_rss") or r.get("host_peak_bytes")
+        planned = lambda k: f" ({gib(plan[k])})" if plan.get(k) else ""  # noqa: E731
         steps = r.get("step_s", [])[WARMUP:]
         lines.append(
             f"| {r['system']} | {r['tokens_per_s']:,.0f} | {sum(steps) / max(len(steps), 1):.2f} | "
-            f"{r.get('reference_s') or '-'} | {gpu / 2**30 if gpu else float('nan'):.1f} | "
-            f"{host / 2**30 if host else float('nan'):.1f} | {host / num_params if host else float('nan'):.1f} |"
+            f"{round(r['reference_s'], 1) if r.get('reference_s') else '-'} | {gib(gpu)}{planned('gpu_peak_allocated')} | "
+            f"{gib(host)}{planned('host_peak_rss')} | {host / num_params if host else float('nan'):.1f} |"
         )
     ok = {r["system"]: r["tokens_per_s"] for r in runs if not r.get("error")}
     if len(ok) == 2:
@@ -136,7 +139,12 @@ def main() -> None:
     p.add_argument("--megatrain", nargs="*", default=[], help="extra key=value for megatrain")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="dpo")
+    p.add_argument("--combine", nargs=2, metavar=("MEGATRAIN_JSON", "TRL_JSON"),
+                   help="run nothing: one table from a result of this script (--systems megatrain) and "
+                        "_trl_dpo.py's --out of an earlier call on the same machine")  # fmt: skip
     args = p.parse_args()
+    if args.combine:
+        return combine(*map(Path, args.combine), Path(args.out), args.tag)
     import torch
 
     shape = DENSE_SHAPES[args.shape]
@@ -159,18 +167,34 @@ def main() -> None:
         "num_params": n,
         "tokens_per_step": args.pairs * 2 * (args.prompt + args.completion),
     }
-    text = table(runs, n)
-    print(text)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M")
-    base = Path(args.out) / f"{stamp}_{args.tag}"
+    write(Path(args.out) / f"{stamp}_{args.tag}", meta, runs)
+
+
+def write(base: Path, meta: dict, runs: list[dict]) -> None:
+    text = table(runs, meta["num_params"])
+    print(text)
     base.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
     base.with_suffix(".md").write_text(
-        f"# {args.tag}: DPO, megatrain beside TRL\n\n"
+        f"# {base.name}: DPO, megatrain beside TRL\n\n"
         + "".join(f"- {k}: {v}\n" for k, v in meta.items())
         + "\n"
         + text
         + "\n"
     )
+
+
+def combine(megatrain: Path, trl: Path, out: Path, tag: str) -> None:
+    """One result of two calls on one machine (each system's run alone fits a call's time limit)."""
+    mine = json.loads(megatrain.read_text())
+    peer = json.loads(trl.read_text())
+    runs = [r for r in mine["runs"] if r["system"] == "megatrain"] + [peer | {"system": "trl+deepspeed"}]
+    meta = {k: v for k, v in mine.items() if k != "runs"}
+    meta["peer_command"] = "python " + peer["command"]
+    meta["peer_device"] = peer.get("gpu")
+    meta["note"] = "two calls on the same machine, one after the other: megatrain's (command), TRL's (peer_command)"
+    stamp = datetime.datetime.fromisoformat(mine["date"]).strftime("%Y-%m-%d_%H%M")
+    write(out / f"{stamp}_{tag}", meta, runs)
 
 
 if __name__ == "__main__":
