@@ -112,7 +112,7 @@ def table(runs: list[dict], num_params: int) -> str:
         plan = r.get("predicted") or {}
         gpu = (r.get("measured") or {}).get("gpu_peak_allocated") or r.get("gpu_peak_bytes")
         host = (r.get("measured") or {}).get("host_peak_rss") or r.get("host_peak_bytes")
-        planned = lambda k: f" ({gib(plan[k])})" if plan.get(k) else ""  # noqa: E731
+        planned = lambda k, plan=plan: f" ({gib(plan[k])})" if plan.get(k) else ""  # noqa: E731
         steps = r.get("step_s", [])[WARMUP:]
         lines.append(
             f"| {r['system']} | {r['tokens_per_s']:,.0f} | {sum(steps) / max(len(steps), 1):.2f} | "
@@ -192,7 +192,9 @@ def combine(megatrain: Path, trl: Path, out: Path, tag: str) -> None:
     meta = {k: v for k, v in mine.items() if k != "runs"}
     meta["peer_command"] = "python " + peer["command"]
     meta["peer_device"] = peer.get("gpu")
-    meta["note"] = "two calls on the same machine, one after the other: megatrain's (command), TRL's (peer_command)"
+    meta["note"] = (
+        "two calls on the same machine, one after the other: megatrain's (command), TRL's (peer_command)"
+    )
     stamp = datetime.datetime.fromisoformat(mine["date"]).strftime("%Y-%m-%d_%H%M")
     write(out / f"{stamp}_{tag}", meta, runs)
 
