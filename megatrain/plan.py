@@ -17,6 +17,7 @@ from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
 from .parallel.layout import Layout
+from .planning.footprint import rollout_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
 
@@ -166,12 +167,36 @@ def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: i
     return line + (f"; {caveat}" if caveat else "")
 
 
+def rollout_memory(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> dict[str, int]:
+    """stage grpo: the GPU memory a step's rollout adds, by part (footprint.rollout_bytes); the
+    training plan gets the GPU less this. Empty for the other stages. `knobs` as in batch_of."""
+    if (grpo := cfg.grpo()) is None:
+        return {}
+    k = {name: knobs.get(name, getattr(cfg, name)) for name in KNOBS}
+    rows = k["per_device_train_batch_size"] * k["gradient_accumulation_steps"]
+    prompt = cfg.max_prompt_length or k["max_length"]
+    return rollout_bytes(model_cfg, rows, prompt, grpo.max_completion_length, compute_bytes)
+
+
+def _less_rollout(machine: Machine, rollout: dict[str, int]) -> Machine:
+    """The machine a grpo run's training plan gets: the GPU less its rollout's memory."""
+    need = sum(rollout.values())
+    if not need or machine.device != "cuda" or machine.gpu_bytes is None:
+        return machine
+    if need >= machine.gpu_bytes:
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rollout.items())
+        raise PlanError(f"GPU memory: the rollout alone needs ~{fmt_bytes(need)} ({parts}), "
+                        f"{fmt_bytes(machine.gpu_bytes)} available")  # fmt: skip
+    return replace(machine, gpu_bytes=machine.gpu_bytes - need)
+
+
 def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem, span=None):
     """The placement of `cfg` with some batch knobs changed (PlanError when none fits)."""
 
     def attempt(**knobs: int) -> Plan:
         batch = batch_of(cfg, model_cfg, compute_bytes, span, **knobs)
-        return make_placement(model_cfg, batch, machine, choices_of(cfg), layer_mem)
+        trains_on = _less_rollout(machine, rollout_memory(cfg, model_cfg, compute_bytes, **knobs))
+        return make_placement(model_cfg, batch, trains_on, choices_of(cfg), layer_mem)
 
     return attempt
 
@@ -319,6 +344,11 @@ def report(
         lines.append("does not fit: " + result.problem)
         return "\n".join(lines)
     lines += [f"plan: {note}" for note in p.notes] or ["plan: all state in host memory"]
+    rollout = rollout_memory(cfg, model_cfg, b.compute_bytes)
+    if rollout and p.device == "cuda":
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rollout.items())
+        lines.append(f"rollout: ~{fmt_bytes(sum(rollout.values()))} of the GPU kept for sampling ({parts}); "
+                     "the memory below is the update's")  # fmt: skip
     lines.append("")
     if p.device == "cuda":
         lines.append("GPU memory at its peak (predicted torch.cuda.max_memory_allocated)")

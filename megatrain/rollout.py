@@ -21,6 +21,7 @@ a compiled or static-cache decode.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -49,12 +50,13 @@ class Rollout:
         self.batch_size, self.pad_id = batch_size, pad_id
         self.completions_file = None if out is None else Path(out) / "completions.jsonl"
         self.log_every = log_every
-        stops = (
-            [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-        )
+        eos = tokenizer.eos_token_id if tokenizer is not None else model.cfg.hf_config.eos_token_id
+        stops = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]  # pre-tokenised: the model's
         eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
         self.stops = stops + ([eot] if eot is not None and eot not in stops else [])
         self.metrics: dict[str, float] = {}
+        self.memory: dict[str, int] = {}
+        """The most GPU memory a rollout added to the engine's (`rollout_gpu_added`), for plan.json."""
 
     # ------------------------------------------------------------------ one step
     def step(self, prompt_batches: list[MicroBatch], step: int) -> list[MicroBatch]:
@@ -85,10 +87,28 @@ class Rollout:
         """Sampled completions (each cut after its first end token) and whether each was cut at
         max_completion_length instead."""
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), self._measured():
             model = self._policy()
             torch.manual_seed(seed)
             return self._sample(model, prompt_ids)
+
+    @contextlib.contextmanager
+    def _measured(self):
+        """The GPU memory the rollout adds to what the engine holds (`memory`); the allocator's peak
+        counter starts again after it, so the run's recorded peak is the update's, as planned."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            added = torch.cuda.max_memory_allocated(self.device) - base
+            self.memory["rollout_gpu_added"] = max(self.memory.get("rollout_gpu_added", 0), added)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _sample(self, model, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
         width = max(len(p) for p in prompt_ids)
@@ -114,8 +134,6 @@ class Rollout:
             end = next((i for i, t in enumerate(row) if t in self.stops), None)
             completions.append(row if end is None else row[: end + 1])
             truncated.append(end is None)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
         return completions, truncated
 
     def _policy(self):
@@ -126,10 +144,10 @@ class Rollout:
         cfg = self.model.cfg.hf_config
         with torch.device(self.device):  # its random initialisation is overwritten below
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
-        weights = {k: v.to(self.device, self.dtype) for k, v in self.model.state.named_parameters()}
-        model.load_state_dict(weights, strict=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            model.tie_weights()
+        own = model.state_dict()  # the model's tensors (a tied head is the embedding's)
+        # One tensor at a time, converted on the way: never a second copy of the policy on the device.
+        for name, value in self.model.state.named_parameters():
+            own[name].copy_(value, non_blocking=True)
         return model.eval()
 
     # ------------------------------------------------------------------ scoring

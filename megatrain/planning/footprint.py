@@ -366,6 +366,33 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
     return HostActivations.slot_bytes(one * b.micro_batches)
 
 
+# A rollout (stage grpo): transformers' `generate` over a step's completions, the policy on the
+# GPU in the compute dtype. Its prefill takes every prompt through a layer at once: per token the
+# MLP's gate, up and product (3 x its width) and ~6 x hidden of attention and residuals. Sampling
+# holds a few fp32 copies of the last position's logits (the logits, the processors', softmax).
+ROLLOUT_PREFILL_TOKEN_H = 6
+ROLLOUT_LOGIT_COPIES = 4
+
+
+def rollout_bytes(
+    cfg: ModelConfig, rows: int, prompt_tokens: int, completion_tokens: int, compute_bytes: int
+) -> dict[str, int]:
+    """The GPU memory a rollout adds to what the engine holds between steps, by part: `rows`
+    completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long."""
+    if cfg.mla is not None:  # transformers' DeepSeek caches each head's whole key and value
+        kv = cfg.num_attention_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
+    else:
+        kv = 2 * cfg.num_key_value_heads * cfg.head_dim
+    ffn = cfg.moe.token_ffn if cfg.moe is not None else cfg.intermediate_size
+    prefill_h = 3 * ffn + ROLLOUT_PREFILL_TOKEN_H * cfg.hidden_size
+    return {
+        "policy weights": cfg.num_params * compute_bytes,
+        "KV cache": rows * (prompt_tokens + completion_tokens) * cfg.num_hidden_layers * kv * compute_bytes,
+        "prefill (one layer, every prompt)": rows * prompt_tokens * prefill_h * compute_bytes,
+        "sampling logits": rows * cfg.vocab_size * 4 * ROLLOUT_LOGIT_COPIES,
+    }
+
+
 def usable_gpu(m: Machine) -> int | None:
     if m.gpu_bytes is None:
         return None

@@ -33,21 +33,26 @@ def _status_bytes(field: str) -> int | None:
 class MemoryRecord:
     """The plan of a run, the resident set before it allocated anything, and the peaks measured."""
 
-    def __init__(self, plan: Plan, machine: Machine, model: dict | None = None):
+    def __init__(self, plan: Plan, machine: Machine, model: dict | None = None, rollout_gpu: int = 0):
         self.plan, self.machine, self.model = plan, machine, model or {}
+        self.rollout_gpu = rollout_gpu
+        """stage grpo: the GPU memory the plan keeps for a rollout beside the update's."""
         self.baseline = _status_bytes("VmRSS") or 0
         self.measured: dict[str, int | None] = {}
         self.state_bytes: list[int] = []
         """The host state each machine of the run holds (the whole on one machine)."""
 
-    def measure(self, step: int) -> None:
-        """Read the peaks so far (cheap: no device synchronisation)."""
-        m = {"step": step, "host_peak_rss": _status_bytes("VmHWM")}
+    def measure(self, step: int, **more: int) -> None:
+        """Read the peaks so far (cheap: no device synchronisation); `more`: other measured
+        values (a rollout's `rollout_gpu_added`). The GPU's are the largest read: a rollout
+        starts the allocator's counter again after itself."""
+        m = {"step": step, "host_peak_rss": _status_bytes("VmHWM"), **more}
         if self.plan.device == "cuda":
             import torch
 
-            m["gpu_peak_allocated"] = torch.cuda.max_memory_allocated()
-            m["gpu_peak_reserved"] = torch.cuda.max_memory_reserved()
+            for key, now in (("gpu_peak_allocated", torch.cuda.max_memory_allocated()),
+                             ("gpu_peak_reserved", torch.cuda.max_memory_reserved())):  # fmt: skip
+                m[key] = max(now, self.measured.get(key) or 0)
         self.measured = m
 
     @property
@@ -55,6 +60,8 @@ class MemoryRecord:
         out = {"host_peak_rss": self.baseline + self.plan.host_total}
         if self.plan.device == "cuda":
             out["gpu_peak_allocated"] = self.plan.gpu_peak
+            if self.rollout_gpu:
+                out["rollout_gpu_added"] = self.rollout_gpu
         return out
 
     def record(self) -> dict:
@@ -83,7 +90,8 @@ class MemoryRecord:
 
     def summary(self) -> str:
         parts = []
-        for key, name in (("gpu_peak_allocated", "GPU peak"), ("host_peak_rss", "host peak")):
+        names = (("gpu_peak_allocated", "GPU peak"), ("rollout_gpu_added", "rollout"), ("host_peak_rss", "host peak"))
+        for key, name in names:
             got, want = self.measured.get(key), self.predicted.get(key)
             if got is not None and want:
                 parts.append(

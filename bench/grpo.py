@@ -1,0 +1,191 @@
+"""GRPO throughput: `megatrain train` with `stage: grpo` on a dense shape (random weights, random
+pre-tokenised prompts), counted as the reference system counts it: prompt + completion tokens of
+a step over the step's wall time (rollout, scoring and update), with the split; beside it, in the
+same call, transformers' `generate` alone on the same GPU, model and batch (bench/_generate.py).
+
+    python bench/grpo.py --shape Q7 --prompts 32 --generations 8 --prompt 256 --completion 512 --steps 3
+
+Random weights rarely sample the end token, so every completion runs to --completion tokens: the
+longest rollout the settings allow. The reward (`_grpo_reward.py`: the parity of a completion's
+token sum) only has to vary within a group. Rates are over the steps after the first (whose
+rollout and update compile). Writes {stamp}_{tag}.json/.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # the repository
+from _shapes import DENSE_SHAPES  # noqa: E402
+from _systems import model_config  # noqa: E402
+
+WARMUP = 1  # steps left out of the rate
+
+
+def write_inputs(d: Path, shape: dict, args) -> tuple[Path, Path]:
+    """config.json of the shape, `prompts * steps` random prompts and the reward module."""
+    seq = args.prompt + args.completion
+    model_config({"shape": shape, "seq": seq}).save_pretrained(d / "model")
+    rng = random.Random(0)
+    with open(d / "prompts.jsonl", "w") as f:
+        for _ in range(args.prompts * args.steps):
+            ids = [rng.randrange(3, shape["vocab"]) for _ in range(args.prompt)]
+            f.write(json.dumps({"prompt_input_ids": ids}) + "\n")
+    shutil.copy(HERE / "_grpo_reward.py", d / "_grpo_reward.py")
+    return d / "model", d / "prompts.jsonl"
+
+
+def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
+    out = d / "out"
+    rows = args.prompts * args.generations
+    settings = dict(
+        model_config=str(model), dataset=str(data), stage="grpo", output_dir=str(out),
+        reward_funcs=["_grpo_reward:parity"], num_generations=args.generations,
+        max_prompt_length=args.prompt, max_completion_length=args.completion,
+        per_device_train_batch_size=args.rows_per_micro_batch,
+        gradient_accumulation_steps=rows // args.rows_per_micro_batch, max_steps=args.steps,
+        learning_rate=1e-6, save_strategy="no", disable_tqdm=True, logging_steps=1, shuffle=False,
+    )  # fmt: skip
+    (d / "grpo.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
+    cmd = [sys.executable, "-m", "megatrain", "train", str(d / "grpo.yaml"), *args.megatrain]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=d, env=env)
+    rec: dict = {"system": "megatrain", "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0,
+                 "rc": proc.returncode, "settings": settings}  # fmt: skip
+    if proc.returncode != 0:
+        rec["error"] = (proc.stdout + proc.stderr)[-4000:]
+        return rec
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    plan = json.loads((out / "plan.json").read_text())
+    per_step = []
+    for r in steps:
+        tokens = rows * (args.prompt + r["completions/mean_length"])
+        rollout, scoring = r["time/rollout_s"], r["time/scoring_s"]
+        per_step.append(dict(step_s=r["step_time_s"], tokens=tokens, rollout_s=rollout, scoring_s=scoring,
+                             update_s=r["step_time_s"] - rollout - scoring, reward=r["reward"],
+                             mean_length=r["completions/mean_length"]))  # fmt: skip
+    timed = per_step[WARMUP:]
+    rec.update(
+        steps=per_step,
+        tokens_per_s=sum(s["tokens"] for s in timed) / sum(s["step_s"] for s in timed),
+        decode_tokens_per_s=sum(rows * s["mean_length"] for s in timed) / sum(s["rollout_s"] for s in timed),
+        predicted=plan.get("predicted"),
+        measured=plan.get("measured"),
+        plan_notes=plan.get("plan", {}).get("notes"),
+        log_tail=proc.stdout[-2500:],
+    )
+    return rec
+
+
+def run_generate(d: Path, model: Path, args) -> dict:
+    cmd = [sys.executable, str(HERE / "_generate.py"), "--model", str(model), "--rows",
+           str(args.prompts * args.generations), "--prompt", str(args.prompt), "--completion",
+           str(args.completion), "--out", str(d / "generate.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rec = {"system": "transformers generate", "command": " ".join(cmd[1:]), "rc": proc.returncode}
+    if proc.returncode != 0 or not (d / "generate.json").exists():
+        rec["error"] = (proc.stdout + proc.stderr)[-3000:]
+        return rec
+    return rec | json.loads((d / "generate.json").read_text())
+
+
+def table(runs: list[dict]) -> str:
+    gib = lambda b: f"{b / 2**30:.1f}" if b else "-"  # noqa: E731
+    lines = []
+    for r in runs:
+        if r.get("error"):
+            lines.append(f"{r['system']}: failed (see the json)\n")
+            continue
+        if r["system"] == "megatrain":
+            p, m = r.get("predicted") or {}, r.get("measured") or {}
+            lines += [
+                "| step | wall s | rollout s | scoring s | update s | tokens (prompt + completion) | tokens/s | reward |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for i, s in enumerate(r["steps"], 1):
+                lines.append(f"| {i}{' (warm-up)' if i <= WARMUP else ''} | {s['step_s']:.1f} | {s['rollout_s']:.1f} | "
+                             f"{s['scoring_s']:.2f} | {s['update_s']:.1f} | {s['tokens']:,.0f} | "
+                             f"{s['tokens'] / s['step_s']:,.0f} | {s['reward']:.3f} |")  # fmt: skip
+            lines += [
+                "",
+                f"megatrain GRPO: **{r['tokens_per_s']:,.0f} tokens/s** over the steps after the first; "
+                f"sampling {r['decode_tokens_per_s']:,.0f} completion tokens/s of rollout time",
+                f"GPU peak of the update {gib(m.get('gpu_peak_allocated'))} GiB (plan {gib(p.get('gpu_peak_allocated'))}); "
+                f"the rollout added {gib(m.get('rollout_gpu_added'))} GiB (plan keeps {gib(p.get('rollout_gpu_added'))}); "
+                f"host {gib(m.get('host_peak_rss'))} GiB (plan {gib(p.get('host_peak_rss'))})",
+                "",
+            ]  # fmt: skip
+        else:
+            lines.append(f"transformers `generate` alone (same model in bf16, same batch): "
+                         f"{r['decode_tokens_per_s']:,.0f} completion tokens/s ({r['s']:.1f} s for "
+                         f"{r['rows']} x {r['completion']} tokens), GPU peak {gib(r['gpu_peak_bytes'])} GiB")  # fmt: skip
+    mine = next((r for r in runs if r["system"] == "megatrain" and not r.get("error")), None)
+    peer = next((r for r in runs if r["system"] != "megatrain" and not r.get("error")), None)
+    if mine and peer:
+        lines.append(f"\nsampling inside megatrain / `generate` alone: "
+                     f"{mine['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="Q7")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per optimizer step")
+    p.add_argument("--generations", type=int, default=8, help="num_generations")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    p.add_argument("--completion", type=int, default=512, help="max_completion_length")
+    p.add_argument("--rows-per-micro-batch", type=int, default=16, help="per_device_train_batch_size")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--systems", default="megatrain,generate")
+    p.add_argument("--megatrain", nargs="*", default=[], help="extra key=value for megatrain")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tag", default="grpo")
+    args = p.parse_args()
+    import torch
+
+    shape = DENSE_SHAPES[args.shape]
+    runs = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        d = Path(tmp)
+        model, data = write_inputs(d, shape, args)
+        for system in args.systems.split(","):
+            runs.append(
+                run_megatrain(d, model, data, args) if system == "megatrain" else run_generate(d, model, args)
+            )
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)
+    from megatrain.models.config import ModelConfig
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "cpus": os.cpu_count(),
+        "command": "python bench/grpo.py " + " ".join(sys.argv[1:]),
+        "shape": args.shape,
+        "num_params": ModelConfig.from_hf(model_config({"shape": shape, "seq": 4096})).num_params,
+        "completions_per_step": args.prompts * args.generations,
+    }
+    text = table(runs)
+    print(text)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M")
+    base = Path(args.out) / f"{stamp}_{args.tag}"
+    base.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
+    header = f"# {base.name}: GRPO\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items())
+    base.with_suffix(".md").write_text(header + "\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
