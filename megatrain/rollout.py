@@ -51,7 +51,9 @@ class Rollout:
         self.completions_file = None if out is None else Path(out) / "completions.jsonl"
         self.log_every = log_every
         eos = tokenizer.eos_token_id if tokenizer is not None else model.cfg.hf_config.eos_token_id
-        stops = [t for t in (eos if isinstance(eos, list) else [eos]) if t is not None]  # pre-tokenised: the model's
+        stops = [
+            t for t in (eos if isinstance(eos, list) else [eos]) if t is not None
+        ]  # pre-tokenised: the model's
         eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
         self.stops = stops + ([eot] if eot is not None and eot not in stops else [])
         self.metrics: dict[str, float] = {}

@@ -365,7 +365,9 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                 if evaluator.due(step + 1):
                     run.evaluate(step + 1)
                     t_last = time.perf_counter()  # evaluation is not step time
-                run.memory.measure(step + 1, **(run.rollout.memory if run.rollout else {}))  # evaluation's too
+                run.memory.measure(
+                    step + 1, **(run.rollout.memory if run.rollout else {})
+                )  # evaluation's too
 
                 # Read once (a signal during the save is acted on below), and by every rank alike.
                 stopping = world.any(stop.requested)
@@ -397,7 +399,9 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     inputs = _check_inputs(cfg, world, device, compute_dtype)
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
-    rollout = sum(rollout_memory(cfg, model_cfg, compute_dtype.itemsize).values()) if device.type == "cuda" else 0
+    rollout = (
+        sum(rollout_memory(cfg, model_cfg, compute_dtype.itemsize).values()) if device.type == "cuda" else 0
+    )
     model_info = {"model_type": model_cfg.model_type, "path": runs_on}
     memory = MemoryRecord(inputs.plan, inputs.machine, model_info, rollout_gpu=rollout)
     progress = show_progress(cfg.disable_tqdm) and main

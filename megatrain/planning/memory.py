@@ -90,7 +90,11 @@ class MemoryRecord:
 
     def summary(self) -> str:
         parts = []
-        names = (("gpu_peak_allocated", "GPU peak"), ("rollout_gpu_added", "rollout"), ("host_peak_rss", "host peak"))
+        names = (
+            ("gpu_peak_allocated", "GPU peak"),
+            ("rollout_gpu_added", "rollout"),
+            ("host_peak_rss", "host peak"),
+        )
         for key, name in names:
             got, want = self.measured.get(key), self.predicted.get(key)
             if got is not None and want:
