@@ -329,6 +329,13 @@ class TrainConfig:
     max_host_memory: str | int | None = None
     """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start); the plan keeps
     5% of it free for the kernel and the driver."""
+    offload_dir: str | None = None
+    """A local disk's folder (DeepSpeed's `nvme_path`) for the disk tier: where host memory cannot
+    hold the state, the plan puts the AdamW moments of the fewest last units that make the run fit
+    there, in files made and deleted by the run (scratch: a resume rebuilds them from its
+    checkpoint). Relative to the working directory. One process per machine for now."""
+    max_disk_memory: str | int | None = None
+    """Disk the tier may take in offload_dir, e.g. "500GB" (default: the free space at start)."""
     nproc_per_node: int = 1
     """Data parallel over this many processes (GPUs) per machine, started by `megatrain train`
     itself, one copy of the host state for all of a machine's; the global batch is
@@ -434,7 +441,7 @@ class TrainConfig:
             isinstance(self.gpu_step_units, str) or self.gpu_step_units < 0
         ):
             bad("gpu_step_units", "must be auto or a number of units >= 0 (0: none)")
-        for k in ("max_gpu_memory", "max_host_memory"):
+        for k in ("max_gpu_memory", "max_host_memory", "max_disk_memory"):
             if getattr(self, k) is not None:
                 try:
                     parse_size(getattr(self, k))
@@ -445,6 +452,13 @@ class TrainConfig:
         if self.nnodes is not None and self.nnodes < 1:
             bad("nnodes", "must be >= 1")
         self.world()  # a ddp_traffic that the machines cannot have is refused now
+        if self.offload_dir is not None and self.world().ranks > 1:
+            bad(
+                "offload_dir",
+                "the disk tier is built for one process per machine (nproc_per_node 1, one machine)",
+            )
+        if self.max_disk_memory is not None and self.offload_dir is None:
+            bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
         if self.stage not in ("sft", "grpo", *STAGES):
             bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner

@@ -9,7 +9,9 @@ sequence may have (`longest_context`).
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from .checks import beyond_positions
 from .errors import MegatrainError
@@ -79,7 +81,18 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     def size(v):
         return None if v is None else parse_size(v)
 
-    return measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory), world or cfg.world())
+    machine = measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory), world or cfg.world())
+    if cfg.offload_dir is None:
+        return machine
+    return replace(machine, disk_bytes=size(cfg.max_disk_memory) or disk_free(cfg.offload_dir))
+
+
+def disk_free(folder: str) -> int:
+    """Free bytes where `folder` is (or would be made: its nearest existing parent)."""
+    path = Path(folder).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 @dataclass

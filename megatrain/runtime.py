@@ -14,6 +14,7 @@ from .engine.engine import Engine
 from .engine.optim import AdamWConfig, HostAdamW
 from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
+from .host.disk import DiskTier
 from .host.state import HostState, build_units
 from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
@@ -152,6 +153,7 @@ def build_model(
     collective: Collective | None = None,
     after_load: Callable[[HostState], None] | None = None,
     objective: Objective | None = None,
+    offload_dir: str | Path | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
@@ -162,7 +164,8 @@ def build_model(
     partitioned over machines), filled by one of them.
     `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
     transport copies any of it to the device. `objective`: the loss the engine computes
-    (objectives/; default: next-token cross-entropy)."""
+    (objectives/; default: next-token cross-entropy). `offload_dir`: where the plan's disk tier
+    (`plan.disk_units`) goes (host/disk.py)."""
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
@@ -182,6 +185,10 @@ def build_model(
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
     state = collective.host_state(build_units(cfg))
+    if plan.disk_units and state.exp_avg is not None:  # before anything is written to the moments
+        if collective.world_size > 1:
+            raise ConfigError("offload_dir: the disk tier is built for one process per machine")
+        DiskTier(state, plan.disk_units, offload_dir)
     if collective.holds_state:
         if weights is not None:
             load_hf_weights(state, weights, cfg, progress=progress)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..host.activations import HostActivations
+from ..host.disk import MOMENT_BYTES
 from ..host.state import STATE_BYTES
 from ..models.attention import mask_bytes
 from ..models.config import ModelConfig
@@ -323,7 +324,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     measure for the further processes)."""
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
-    host = {"fp32 weights + AdamW moments": STATE_BYTES * state}
+    host = {"fp32 weights + AdamW moments": STATE_BYTES * state - disk_tier_bytes(s, plan.disk_units, world)}
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -351,6 +352,11 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     pinned += host["gradient staging (page-locked)"]
     host["runtime"] = _runtime(plan.device, world)
     return host, pinned
+
+
+def disk_tier_bytes(s: Shape, units: int, world: Layout) -> int:
+    """The AdamW moments a disk tier of the last `units` units holds (a plan's `disk_units`)."""
+    return MOMENT_BYTES * world.held(s.units[len(s.units) - units :]) if units else 0
 
 
 def _runtime(device: str, world: Layout) -> int:
@@ -409,7 +415,10 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     if plan.device == "cuda":
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
-    plan.step_time_s = step_time(s, b, plan, m)
+    # The tier is read before and written after the optimizer's pass over it, not yet overlapped.
+    plan.step_time_s = (
+        step_time(s, b, plan, m) + 2 * disk_tier_bytes(s, plan.disk_units, m.world) / m.disk_bytes_s
+    )
     return plan
 
 

@@ -50,6 +50,7 @@ from ..parallel.layout import Layout
 from .costmodel import ADAM_IN_STEP
 from .footprint import (
     CUDA_CONTEXT,
+    disk_tier_bytes,
     evaluate,
     fits,
     fmt_bytes,
@@ -117,7 +118,60 @@ def plan(
     layer_mem: LayerMemory | None = None,
 ) -> Plan:
     """The placement of a run, or PlanError naming what does not fit (see the module docstring).
-    `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula)."""
+    `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula).
+    Where host memory cannot hold the state and the machine has a disk tier (`disk_bytes`), the
+    AdamW moments of the fewest trailing units that make the run fit go to disk."""
+    try:
+        return _in_memory(cfg, batch, machine, choices, layer_mem)
+    except PlanError as e:
+        if machine.disk_bytes is None or machine.host_bytes is None:
+            raise
+        return _with_disk_tier(cfg, batch, machine, choices, layer_mem, str(e))
+
+
+def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: str) -> Plan:
+    """The plan with the fewest trailing units' moments on disk, or PlanError."""
+    s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
+    n = len(s.units)
+
+    def with_tier(k: int) -> Plan | None:
+        tier = disk_tier_bytes(s, k, m.world)
+        if tier > m.disk_bytes:
+            return None
+        try:  # the moments on disk free their bytes of host memory for the rest of the plan
+            p = _in_memory(cfg, batch, replace(m, host_bytes=m.host_bytes + tier), choices, layer_mem)
+        except PlanError:
+            return None
+        if p.resident_units + p.gpu_stepped_units > n - k:
+            return None  # GPU-resident and GPU-stepped units need their moments page-locked
+        p = evaluate(s, batch, replace(p, disk_units=k, notes=list(p.notes)), m)
+        if not fits(p, m):
+            return None
+        p.notes.append(
+            f"disk tier: the AdamW moments of the last {k} of {n} units in offload_dir ({fmt_bytes(tier)})"
+        )
+        return p
+
+    if with_tier(n) is None:
+        whole = disk_tier_bytes(s, n, m.world)
+        raise PlanError(f"{problem}; with the disk tier: the AdamW moments of every unit take "
+                        f"{fmt_bytes(whole)} of disk ({fmt_bytes(m.disk_bytes)} free in offload_dir) "
+                        "and the rest must fit host memory")  # fmt: skip
+    lo, hi = 1, n  # the fewest units that fit: more units on disk only free more host memory
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if with_tier(mid) is not None else (mid + 1, hi)
+    return with_tier(lo)
+
+
+def _in_memory(
+    cfg: ModelConfig,
+    batch: Batch,
+    machine: Machine,
+    choices: Choices | None = None,
+    layer_mem: LayerMemory | None = None,
+) -> Plan:
+    """The placement with the whole state in host memory (and on the GPU), or PlanError."""
     c, m = choices or Choices(), machine
     check_gpu_stepping(c.gpu_step_units or 0, m.device)
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))

@@ -22,6 +22,9 @@ EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
 # training step (costmodel.py says where the figures come from)
 PCIE_BYTES_S = 45e9
 ADAM_PARAMS_S = 3e9
+# The disk tier's rate, each way, where nothing was measured: one NVMe drive read and written
+# through the page cache (a conservative figure, not a measurement of this project's)
+DISK_BYTES_S = 2e9
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class Machine:
     world: Layout = Layout()
     """The data-parallel world this machine belongs to: partitioned over several machines, its
     host memory holds only its part of the state (layout.py); sharded, no state on the GPU."""
+    disk_bytes: int | None = None
+    """Room for the disk tier in `offload_dir` (None: no disk tier)."""
+    disk_bytes_s: float = DISK_BYTES_S
 
     @classmethod
     def from_json(cls, d: dict) -> Machine:
@@ -89,6 +95,9 @@ class Plan:
     on the GPU for the step (`prestaged`); False: it comes in after the clip, through scratch (the
     schedule bench/results/2026-11-23_0402_gpustep.json measured). The plan takes the faster that
     fits (placement.py)."""
+    disk_units: int = 0
+    """Trailing units whose AdamW moments live on disk (host/disk.py), where host memory cannot
+    hold the whole state."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
