@@ -136,3 +136,14 @@ def test_offload_dir_needs_one_process_and_max_disk_memory_needs_offload_dir(bas
         TrainConfig(**base, offload_dir=str(tmp_path), nproc_per_node=2)
     with pytest.raises(ConfigError, match="max_disk_memory: needs offload_dir"):
         TrainConfig(**base, max_disk_memory="10GB")
+
+
+def test_megatrain_plan_shows_the_tier(tmp_path, base, capsys):
+    from test_checkpoint import write_yaml
+    from test_cli import run_cli
+
+    settings = base | dict(offload_dir=str(tmp_path / "nvme"), max_host_memory=host_budget(base, 3))
+    rc, out, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "run.yaml", settings))
+    assert rc == 0, out
+    line = next(x for x in out.splitlines() if "disk tier" in x)
+    assert "AdamW moments of the last" in line and "offload_dir" in line
