@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .checks import beyond_positions
 from .errors import MegatrainError
+from .host.disk import measure_rate
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
@@ -84,7 +85,8 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     machine = measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory), world or cfg.world())
     if cfg.offload_dir is None:
         return machine
-    return replace(machine, disk_bytes=size(cfg.max_disk_memory) or disk_free(cfg.offload_dir))
+    room = size(cfg.max_disk_memory) or disk_free(cfg.offload_dir)
+    return replace(machine, disk_bytes=room, disk_bytes_s=measure_rate(cfg.offload_dir))
 
 
 def disk_free(folder: str) -> int:

@@ -146,4 +146,10 @@ def test_megatrain_plan_shows_the_tier(tmp_path, base, capsys):
     rc, out, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "run.yaml", settings))
     assert rc == 0, out
     line = next(x for x in out.splitlines() if "disk tier" in x)
-    assert "AdamW moments of the last" in line and "offload_dir" in line
+    assert "AdamW moments of the last" in line and "offload_dir" in line and "GB/s each way" in line
+
+
+def test_the_disk_rate_is_measured_where_the_tier_goes(tmp_path):
+    rate = disk.measure_rate(tmp_path / "nvme", nbytes=16 * 2**20)
+    assert 1e6 < rate < 1e12
+    assert os.listdir(tmp_path / "nvme") == []

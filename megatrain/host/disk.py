@@ -23,7 +23,10 @@ import errno
 import mmap
 import os
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 from ..errors import MegatrainError
 from .state import HostState
@@ -31,6 +34,7 @@ from .state import HostState
 GiB = 2**30
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 8  # per parameter: the two fp32 moments the tier holds
+RATE_PROBE_BYTES = 256 * 2**20  # large enough for a drive's sequential rate, ~0.3 s on NVMe
 
 
 class DiskTierError(MegatrainError):
@@ -50,6 +54,36 @@ def _libc():
     ]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
+
+
+def measure_rate(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> float:
+    """Bytes per second the tier moves each way on average here (harmonic mean of a write and a
+    read of `nbytes`), measured as the tier moves them: through a shared mapping of a scratch
+    file, written back (msync) and, its pages dropped from the page cache, read again."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="megatrain-rate-", suffix=".tier", dir=directory)
+    try:
+        os.unlink(path)
+        os.posix_fallocate(fd, 0, nbytes)
+        mem = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        data = torch.frombuffer(mem, dtype=torch.float32)
+        t0 = time.perf_counter()
+        data.fill_(1.0)
+        mem.flush()
+        write = time.perf_counter() - t0
+        mem.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # clean now: the next read is the disk's
+        t0 = time.perf_counter()
+        intact = bool(data.eq(1.0).all())
+        read = time.perf_counter() - t0
+        del data
+        mem.close()
+    finally:
+        os.close(fd)
+    if not intact:
+        raise DiskTierError(f"offload_dir: {directory}: read back other values than written")
+    return 2 * nbytes / (write + read)
 
 
 def tier_elements(state: HostState, units: int) -> tuple[int, int]:

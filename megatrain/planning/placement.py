@@ -147,9 +147,8 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
         p = evaluate(s, batch, replace(p, disk_units=k, notes=list(p.notes)), m)
         if not fits(p, m):
             return None
-        p.notes.append(
-            f"disk tier: the AdamW moments of the last {k} of {n} units in offload_dir ({fmt_bytes(tier)})"
-        )
+        p.notes.append(f"disk tier: the AdamW moments of the last {k} of {n} units in offload_dir ({fmt_bytes(tier)}; "
+                       f"the disk moves {m.disk_bytes_s / 1e9:.1f} GB/s each way)")  # fmt: skip
         return p
 
     if with_tier(n) is None:
