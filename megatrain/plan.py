@@ -9,13 +9,13 @@ sequence may have (`longest_context`).
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .checks import beyond_positions
 from .errors import MegatrainError
 from .host.disk import measure_rate
+from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
@@ -85,16 +85,8 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     machine = measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory), world or cfg.world())
     if cfg.offload_dir is None:
         return machine
-    room = size(cfg.max_disk_memory) or disk_free(cfg.offload_dir)
+    room = size(cfg.max_disk_memory) or free_bytes(Path(cfg.offload_dir))
     return replace(machine, disk_bytes=room, disk_bytes_s=measure_rate(cfg.offload_dir))
-
-
-def disk_free(folder: str) -> int:
-    """Free bytes where `folder` is (or would be made: its nearest existing parent)."""
-    path = Path(folder).absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 @dataclass

@@ -190,7 +190,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     )
     saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
     outputs.check_names(saves)  # refuses a checkpoint-N the run saves that is not megatrain's
-    outputs.check_disk_space(model_cfg.num_params, saves)  # refuses a run the disk cannot hold
+    outputs.check_disk_space(model_cfg.num_params, saves, plan.disk)  # refuses a run the disk cannot hold
     return _Inputs(
         model_cfg,
         resume,

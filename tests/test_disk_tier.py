@@ -153,3 +153,15 @@ def test_the_disk_rate_is_measured_where_the_tier_goes(tmp_path):
     rate = disk.measure_rate(tmp_path / "nvme", nbytes=16 * 2**20)
     assert 1e6 < rate < 1e12
     assert os.listdir(tmp_path / "nvme") == []
+
+
+def test_the_tier_counts_in_output_dirs_disk_space_where_they_share_a_file_system(tmp_path, base, monkeypatch):
+    from megatrain.io import outputs
+
+    cfg = TrainConfig(**base, output_dir=str(tmp_path / "out"), offload_dir=str(tmp_path / "nvme"),
+                      max_host_memory=host_budget(base, 2))  # fmt: skip
+    final = ModelConfig.from_json(cfg.model_config).num_params * 4  # save_dtype float32, no checkpoint
+    monkeypatch.setattr(outputs, "free_bytes", lambda path: final + 64)  # final/ fits, the tier does not
+    with pytest.raises(MegatrainError, match="the disk tier in offload_dir") as e:
+        train(cfg)
+    assert "\n" not in str(e.value)

@@ -52,7 +52,7 @@ from .checkpoint import (
     remove_temporaries,
     run_id_of,
 )
-from .writing import AtomicDir, free_bytes
+from .writing import AtomicDir, free_bytes, same_file_system
 
 METRICS, FINAL = "metrics.jsonl", "final"
 RUN_FILES = (METRICS, TRAIN_CONFIG, PLAN_FILE)  # one run's own files, kept aside together
@@ -208,9 +208,10 @@ class OutputDir:
         except CheckpointError:
             return False  # not a megatrain checkpoint: check_names refused it
 
-    def check_disk_space(self, num_params: int, schedule: SaveSchedule, warn=print) -> None:
+    def check_disk_space(self, num_params: int, schedule: SaveSchedule, tier: int = 0, warn=print) -> None:
         """Refuse (warn, with preflight_check=false) a run whose checkpoints and final/ would not
-        fit in the free space of output_dir's file system."""
+        fit in the free space of output_dir's file system; `tier`: the disk tier's bytes, which
+        share it where offload_dir is on the same file system."""
         cfg = self.cfg
         ckpt = checkpoint_bytes(num_params, cfg.save_only_model)
         saves = schedule.count(self.resume.trainer_state.global_step if self.resume else 0)
@@ -218,13 +219,16 @@ class OutputDir:
         # Pruning runs after a new checkpoint is committed: keep + 1 exist for a moment.
         at_once = min(saves, max(1, cfg.save_total_limit + 1 - existing)) if cfg.save_total_limit else saves
         final = num_params * (2 if cfg.save_dtype == "bfloat16" else 4)
-        need, free = at_once * ckpt + final, free_bytes(self.path)
+        shared = tier if tier and same_file_system(self.path, Path(cfg.offload_dir)) else 0
+        need, free = at_once * ckpt + final + shared, free_bytes(self.path)
         if need <= free:
             return
         msg = (
             f"not enough disk space in {self.path}: this run writes up to {fmt_bytes(need)} "
             f"({at_once} checkpoint(s) of {fmt_bytes(ckpt)} at once, final/ {fmt_bytes(final)} in "
-            f"{cfg.save_dtype}), {fmt_bytes(free)} free; lower save_total_limit, set save_only_model=true "
+            f"{cfg.save_dtype}"
+            + (f", the disk tier in offload_dir {fmt_bytes(shared)}" if shared else "")
+            + f"), {fmt_bytes(free)} free; lower save_total_limit, set save_only_model=true "
             "or save_strategy=no, or choose another output_dir (preflight_check=false runs anyway)"
         )
         if cfg.preflight_check:

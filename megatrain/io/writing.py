@@ -58,12 +58,22 @@ def dtype_of(dtype: DType) -> Callable[[str], torch.dtype]:
     return dtype if callable(dtype) else lambda key: dtype
 
 
-def free_bytes(path: Path) -> int:
-    """Free bytes on the file system that holds `path` (or would: its nearest existing parent)."""
+def _existing(path: Path) -> Path:
+    """`path`, or where it would be made: its nearest existing parent."""
     p = Path(os.path.abspath(path))
     while not p.exists() and p != p.parent:
         p = p.parent
-    return shutil.disk_usage(p).free
+    return p
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or would)."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def same_file_system(a: Path, b: Path) -> bool:
+    """Whether `a` and `b` are (or would be) on one file system."""
+    return _existing(a).stat().st_dev == _existing(b).stat().st_dev
 
 
 # ---------------------------------------------------------------------------- safetensors

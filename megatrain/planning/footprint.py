@@ -415,10 +415,9 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     if plan.device == "cuda":
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
+    plan.disk = disk_tier_bytes(s, plan.disk_units, m.world)
     # The tier is read before and written after the optimizer's pass over it, not yet overlapped.
-    plan.step_time_s = (
-        step_time(s, b, plan, m) + 2 * disk_tier_bytes(s, plan.disk_units, m.world) / m.disk_bytes_s
-    )
+    plan.step_time_s = step_time(s, b, plan, m) + 2 * plan.disk / m.disk_bytes_s
     return plan
 
 

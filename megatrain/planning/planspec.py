@@ -98,6 +98,8 @@ class Plan:
     disk_units: int = 0
     """Trailing units whose AdamW moments live on disk (host/disk.py), where host memory cannot
     hold the whole state."""
+    disk: int = 0
+    """Bytes those moments take in offload_dir."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
