@@ -155,7 +155,9 @@ def test_the_disk_rate_is_measured_where_the_tier_goes(tmp_path):
     assert os.listdir(tmp_path / "nvme") == []
 
 
-def test_the_tier_counts_in_output_dirs_disk_space_where_they_share_a_file_system(tmp_path, base, monkeypatch):
+def test_the_tier_counts_in_output_dirs_disk_space_where_they_share_a_file_system(
+    tmp_path, base, monkeypatch
+):
     from megatrain.io import outputs
 
     cfg = TrainConfig(**base, output_dir=str(tmp_path / "out"), offload_dir=str(tmp_path / "nvme"),
