@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from ..errors import MegatrainError
 from .state import HostState
 
@@ -35,6 +33,7 @@ GiB = 2**30
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 8  # per parameter: the two fp32 moments the tier holds
 RATE_PROBE_BYTES = 256 * 2**20  # large enough for a drive's sequential rate, ~0.3 s on NVMe
+RATE_PROBE_BLOCK = 16 * 2**20
 
 
 class DiskTierError(MegatrainError):
@@ -58,32 +57,31 @@ def _libc():
 
 def measure_rate(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> float:
     """Bytes per second the tier moves each way on average here (harmonic mean of a write and a
-    read of `nbytes`), measured as the tier moves them: through a shared mapping of a scratch
-    file, written back (msync) and, its pages dropped from the page cache, read again."""
+    read of `nbytes`), through the page cache as the tier's pages move: written and synced, then,
+    dropped from the cache, read again. A block of RATE_PROBE_BLOCK bytes is all it holds in
+    memory."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    block = bytearray(b"\x5a" * RATE_PROBE_BLOCK)
+    count = max(1, nbytes // len(block))
     fd, path = tempfile.mkstemp(prefix="megatrain-rate-", suffix=".tier", dir=directory)
     try:
         os.unlink(path)
-        os.posix_fallocate(fd, 0, nbytes)
-        mem = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        data = torch.frombuffer(mem, dtype=torch.float32)
         t0 = time.perf_counter()
-        data.fill_(1.0)
-        mem.flush()
+        for i in range(count):
+            os.pwrite(fd, block, i * len(block))
+        os.fsync(fd)
         write = time.perf_counter() - t0
-        mem.madvise(mmap.MADV_DONTNEED)
-        os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # clean now: the next read is the disk's
+        os.posix_fadvise(fd, 0, count * len(block), os.POSIX_FADV_DONTNEED)  # clean now: reads hit the disk
+        back = bytearray(len(block))
         t0 = time.perf_counter()
-        intact = bool(data.eq(1.0).all())
+        intact = all(os.preadv(fd, [back], i * len(block)) == len(block) for i in range(count))
         read = time.perf_counter() - t0
-        del data
-        mem.close()
     finally:
         os.close(fd)
-    if not intact:
-        raise DiskTierError(f"offload_dir: {directory}: read back other values than written")
-    return 2 * nbytes / (write + read)
+    if not intact or back != block:
+        raise DiskTierError(f"offload_dir: {directory}: read back other bytes than written")
+    return 2 * count * len(block) / (write + read)
 
 
 def tier_elements(state: HostState, units: int) -> tuple[int, int]:

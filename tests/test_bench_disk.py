@@ -1,0 +1,47 @@
+"""bench/disk.py end to end on the CPU: a tiny Llama trained through the command line with the
+whole state in memory, then under a host budget that only a disk tier meets; the report shows
+the tier the plan chose and the run that trained with it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain.planning.footprint import HOST_RESERVE
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = ["--model", "tiny", "--doc", "128", "--tokens-per-step", "512", "--steps", "3"]
+
+
+def bench(tmp_path: Path, tag: str, *more: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_TMP": str(tmp_path)}
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "bench/disk.py", *ARGS, *more, "--tag", tag, "--out", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    [js] = out.glob(f"*_{tag}.json")
+    [md] = out.glob(f"*_{tag}.md")
+    assert "| run | disk tier |" in md.read_text()
+    return json.loads(js.read_text())
+
+
+@pytest.mark.slow
+def test_disk_bench_trains_past_its_host_budget_with_a_tier(tmp_path):
+    [ram] = bench(tmp_path, "ram", "--runs", "ram")["runs"]
+    assert not ram.get("error") and ram["plan"]["disk_units"] == 0
+    state = ram["plan"]["host"]["fp32 weights + AdamW moments"]
+    budget = math.ceil((sum(ram["plan"]["host"].values()) - state // 3) / (1 - HOST_RESERVE))
+    tier = tmp_path / "tier"
+    [disk] = bench(
+        tmp_path, "disk", "--runs", "disk", "--max-host-memory", str(budget), "--offload-dir", str(tier)
+    )["runs"]
+    assert not disk.get("error"), disk
+    assert disk["plan"]["disk_units"] >= 1 and disk["plan"]["disk"] > 0
+    assert disk["machine"]["disk_bytes_s"] > 0 and disk["tokens_per_s"] > 0
+    assert os.listdir(tier) == []
