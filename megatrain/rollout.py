@@ -50,6 +50,9 @@ from .objectives.grpo import OLD_LOGP, REF_LOGP, GRPOConfig, advantages, log_pro
 from .rewards import RewardFunc, score
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
+# The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
+# (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
+REFERENCE_LOGIT_BYTES = 2**30
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -234,23 +237,37 @@ class Rollout:
 
     @torch.no_grad()
     def _reference_logps(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
-        """Each micro-batch's per-token log-probs under the reference weights at logits /
-        temperature, aligned with its shifted labels, by a transformers model built on the device
-        and freed after."""
-        out = []
+        """Each micro-batch's per-token log-probs under the reference weights, by a transformers
+        model built on the device and freed after."""
         with self._measured():  # the reference model is freed before the step, as the sampling one
             model = self._on_device(self.reference.items())
-            for mb in batches:
-                mask = torch.ones_like(mb.input_ids) if mb.attention_mask is None else mb.attention_mask
-                ids = mb.input_ids.to(self.device)
-                logits = model(ids, attention_mask=mask.to(self.device), use_cache=False).logits.float()
-                following = torch.zeros_like(ids)
-                following[:, :-1] = ids[:, 1:]
-                logp = log_probs(logits, following, self.cfg.temperature)[1]
-                logp[:, -1] = 0.0  # the last position predicts nothing
-                out.append(logp.cpu())
-                del logits
+            out = [self._token_logps(model, mb) for mb in batches]
             del model
+        return out
+
+    def _token_logps(self, model, mb: MicroBatch) -> torch.Tensor:
+        """[rows, length] log-probs of each next token at logits / temperature under `model`, aligned
+        with the shifted labels, from the first position that predicts a completion token on (0
+        before it and at the last). Only those positions' logits are made, for as many rows at a
+        time as REFERENCE_LOGIT_BYTES allow."""
+        rows, length = mb.input_ids.shape
+        out = torch.zeros(rows, length)
+        labelled = (mb.labels != IGNORE_INDEX).any(0).nonzero()
+        if len(labelled) == 0:  # every completion left out of the loss
+            return out
+        first = int(labelled[0]) - 1
+        keep = length - first
+        mask = torch.ones_like(mb.input_ids) if mb.attention_mask is None else mb.attention_mask
+        following = torch.zeros_like(mb.input_ids)
+        following[:, :-1] = mb.input_ids[:, 1:]
+        step = max(1, REFERENCE_LOGIT_BYTES // (keep * self.model.cfg.vocab_size * 4))
+        for a in range(0, rows, step):
+            ids, real = mb.input_ids[a : a + step].to(self.device), mask[a : a + step].to(self.device)
+            logits = model(ids, attention_mask=real, use_cache=False, logits_to_keep=keep).logits.float()
+            tokens = following[a : a + step, first:].to(self.device)
+            out[a : a + step, first:] = log_probs(logits, tokens, self.cfg.temperature)[1].cpu()
+            del logits
+        out[:, -1] = 0.0  # the last position predicts nothing
         return out
 
     # ------------------------------------------------------------------ checkpoints
