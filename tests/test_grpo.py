@@ -18,9 +18,11 @@ from test_parity import _decay_groups
 
 from megatrain import rollout
 from megatrain.config import TrainConfig
+from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
-from megatrain.objectives.grpo import reference_copy_bytes
+from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
+from megatrain.objectives.losshead import Head
 from megatrain.rewards import RewardError
 from megatrain.rollout import ROLLOUT_FILE, samples_at, sampling_seed
 from megatrain.stages import grpo_reference
@@ -370,3 +372,26 @@ def test_the_reference_copy_is_the_initial_weights_in_the_compute_dtype(setup):
     assert grpo_reference(TrainConfig(**args), model_cfg, torch.bfloat16) is None
     assert reference_copy_bytes(model_cfg.num_params, 2, TrainConfig(**args).grpo()) == 0
     assert reference_copy_bytes(model_cfg.num_params, 2, None) == 0  # another stage
+
+
+def test_tokens_outside_the_loss_cannot_make_it_nan():
+    """Positions outside the loss whose log-prob is far below the value stored there (exp of the
+    difference overflows) leave the loss finite."""
+
+    class Project(torch.nn.Module):
+        def forward(self, x, W):
+            return x @ W.T
+
+    vocab, width = 8, 6
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0]])
+    labels = torch.tensor([[-100, -100, -100, 4, 5, -100]])  # a prompt of three, two completion tokens
+    objective = GRPO(GRPOConfig(num_generations=2, beta=0.04, num_iterations=2), micro_batches=1)
+    mb = MicroBatch(
+        ids, labels, extra=torch.ones(1, 1, dtype=torch.float64), token_extra=torch.zeros(1, width, 2)
+    )
+    mb.token_extra[0, 2:4] = -2.0  # stored log-probs of the completion tokens; 0 elsewhere
+    hidden = torch.zeros(1, width, vocab)
+    hidden[0, :2, 1] = 1e3  # in the prompt, the log-prob taken (of token 0) is about -1000
+    head = Head(Project(), {}, torch.eye(vocab), chunk=4)
+    loss = objective.loss_sum(head, [hidden], [objective.targets(mb, torch.device("cpu"))])
+    assert torch.isfinite(loss)

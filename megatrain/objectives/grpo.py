@@ -221,13 +221,16 @@ class GRPO(Objective):
         n, cfg = logits.shape[0], self.cfg
         logp_all, logp = log_probs(logits, t.tokens[a : a + n], cfg.temperature)
         old = logp.detach() if t.old is None else t.old[a : a + n]
-        ratio = torch.exp(logp - old)
         adv, mask = t.adv[a : a + n], t.mask[a : a + n]
+        # Prompt and padding tokens have no stored log-probs: left out before exp, which could
+        # overflow there, rather than after (inf x 0 is NaN, in the loss and its gradient).
+        real = mask > 0
+        ratio = torch.exp(torch.where(real, logp - old, 0.0))
         low, high = 1 - cfg.epsilon, 1 + cfg.epsilon_high
         per_token = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)
         kl = torch.zeros_like(logp)
         if t.ref is not None:
-            d = t.ref[a : a + n] - logp
+            d = torch.where(real, t.ref[a : a + n] - logp, 0.0)
             kl = torch.exp(d) - d - 1
             per_token = per_token + cfg.beta * kl
         loss = (per_token * mask * t.weight[a : a + n]).sum() / scale
@@ -256,8 +259,7 @@ class GRPO(Objective):
         tokens = torch.tensor([max(t.tokens_in_mb, 1) for t in targets], device=stats.device)
         means = dict(zip(STATS, (stats / tokens[:, None]).T.tolist()))
         clips = list(zip(means["clip_ratio/low_mean"], means["clip_ratio/high_mean"]))
-        c = self.collective
-        ranks = c.each(clips) if c is not None and c.world_size > 1 else [clips]
+        ranks = self.collective.each(clips) if self.collective is not None else [clips]
         for m in range(len(targets)):
             record = {k: v[m] for k, v in means.items() if k != "kl" or self.cfg.needs_reference}
             record["clip_ratio/low_min"] = min(r[m][0] for r in ranks)
