@@ -124,7 +124,8 @@ class TrainConfig:
     reward_funcs; per_device_train_batch_size counts completions)."""
     beta: float | None = None
     """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
-    0.1; grpo: the KL coefficient, default 0."""
+    0.1; grpo: the coefficient of the per-token KL term to the reference policy (the initial
+    one, or ref_model_name_or_path), default 0."""
     loss_type: str | list[str] | None = None
     """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard,
     discopop, apo_zero, apo_down, sft, or a list of them summed with loss_weights; kto: kto
@@ -160,8 +161,8 @@ class TrainConfig:
     before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
     precomputes (a frozen reference gives the same numbers every step); false is accepted."""
     ref_model_name_or_path: str | None = None
-    """dpo/kto: the reference model's local directory (the same architecture); default: the
-    initial policy (model_name_or_path)."""
+    """dpo/kto, and grpo with beta > 0: the reference model's local directory (the same
+    architecture); default: the initial policy (model_name_or_path)."""
     num_generations: int = 8
     """grpo: completions sampled per prompt (a group)."""
     temperature: float = 1.0
@@ -180,7 +181,8 @@ class TrainConfig:
     mask_truncated_completions: bool = False
     """grpo: leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
-    """grpo: optimizer passes over each rollout (only 1 so far)."""
+    """grpo: optimizer steps each rollout is trained for (the first samples it; the ratio's
+    denominator is the sampling policy's log-probs, stored with the rollout)."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or

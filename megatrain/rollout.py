@@ -14,6 +14,18 @@ ends at its first end token (the tokenizer's EOS or the chat template's end of t
 one that reaches max_completion_length is truncated. Rank r takes the r-th block of a step's
 prompts; advantages see every rank's rewards.
 
+A rollout is trained for num_iterations optimizer steps (TRL's buffered generation): the first of
+them samples it (with that step's seed) and the others train on it again; their records carry the
+loss's metrics only, as TRL logs a rollout's with the step that sampled it. Where the loss needs
+them, each rollout carries per-token log-probs, computed once after sampling
+(MicroBatch.token_extra): the sampling policy's (num_iterations > 1) by the engine's own forward
+sweep over the rollout's micro-batches, the loss's computation, so the first step's ratio is 1;
+the reference policy's (beta > 0) by a transformers model built on the device from the reference
+weights (stages.grpo_reference), as the sampling model is, and freed before the step. A
+checkpoint taken before a rollout's last step holds it (ROLLOUT_FILE, every rank's micro-batches
+with their advantages and log-probs), and a resume trains on it: the weights moved since it was
+sampled, so sampling it again would not give it back.
+
 Not built yet: layers streamed per decode step for models whose bf16 weights and cache do not fit
 the device beside the plan's allocations (the plan does not count the rollout model yet), and
 a compiled or static-cache decode.
@@ -22,8 +34,10 @@ a compiled or static-cache decode.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,8 +45,14 @@ import torch
 from .data.batch import IGNORE_INDEX, MicroBatch
 from .data.chat import end_of_turn_id
 from .data.prompts import Prompt
-from .objectives.grpo import GRPOConfig, advantages
+from .errors import CheckpointError
+from .objectives.grpo import OLD_LOGP, REF_LOGP, GRPOConfig, advantages, log_probs
 from .rewards import RewardFunc, score
+
+ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
+# The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
+# (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
+REFERENCE_LOGIT_BYTES = 2**30
 
 
 def sampling_seed(seed: int, step: int) -> int:
@@ -40,11 +60,39 @@ def sampling_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
+def samples_at(step: int, num_iterations: int) -> bool:
+    """Whether optimizer step `step` (1-based) samples a new rollout: the first of each
+    num_iterations steps."""
+    return (step - 1) % num_iterations == 0
+
+
+def resumed_rollout(checkpoint: Path, step: int, cfg: GRPOConfig, world) -> list[MicroBatch] | None:
+    """This rank's micro-batches of the rollout a checkpoint after step `step` holds, where the
+    next step trains on it again; None where it samples (or the checkpoint has none: one of
+    another num_iterations, and the next step samples)."""
+    path = Path(checkpoint) / ROLLOUT_FILE
+    if samples_at(step + 1, cfg.num_iterations) or not path.is_file():
+        return None
+    try:
+        ranks = torch.load(path, weights_only=True)
+    except Exception as e:  # pickle/zip errors of a corrupt file; their messages run to pages
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__})") from None
+    if len(ranks) != world.world_size:
+        raise CheckpointError(
+            f"{path}: a rollout of {len(ranks)} processes with steps left to train; resume it with "
+            f"{len(ranks)} processes, or from a checkpoint taken after a rollout's last step"
+        )
+    return [MicroBatch(**fields) for fields in ranks[world.rank]]
+
+
 class Rollout:
     def __init__(self, grpo: GRPOConfig, prompts: list[Prompt], funcs: list[RewardFunc], tokenizer,
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
-                 seed: int):  # fmt: skip
+                 seed: int, reference: dict[str, torch.Tensor] | None = None,
+                 batches: list[MicroBatch] | None = None):  # fmt: skip
         self.seed = seed
+        self.reference = reference  # beta > 0: the reference policy's weights (stages.grpo_reference)
+        self.batches = batches  # the rollout being trained on (a resume's: `resumed_rollout`)
         self.cfg, self.prompts, self.funcs, self.tokenizer = grpo, prompts, funcs, tokenizer
         self.model, self.device, self.dtype, self.world = model, device, dtype, world
         self.batch_size, self.pad_id = batch_size, pad_id
@@ -61,8 +109,18 @@ class Rollout:
         """The most GPU memory a rollout added to the engine's (`rollout_gpu_added`), for plan.json."""
 
     # ------------------------------------------------------------------ one step
-    def step(self, prompt_batches: list[MicroBatch], step: int) -> list[MicroBatch]:
-        """The micro-batches of optimizer step `step` from its prompt batch (this rank's prompts)."""
+    def step(self, step: int, draw: Callable[[], list[MicroBatch]]) -> list[MicroBatch]:
+        """The micro-batches of optimizer step `step`: a rollout of this rank's next prompts
+        (`draw()`, the Batcher's next prompt batch) on the first of num_iterations steps, else the
+        current rollout again (sampled again where a resume has none)."""
+        if samples_at(step, self.cfg.num_iterations) or self.batches is None:
+            self.batches = self._sample_step(draw(), step)
+        else:
+            self.metrics = {}  # a rollout's metrics go with the step that sampled it
+        return self.batches
+
+    def _sample_step(self, prompt_batches: list[MicroBatch], step: int) -> list[MicroBatch]:
+        """A rollout of `prompt_batches` (this rank's prompts) at step `step`, as micro-batches."""
         (pb,) = prompt_batches
         prompts = [self.prompts[i] for i in pb.units for _ in range(self.cfg.num_generations)]
         t0 = time.perf_counter()
@@ -79,10 +137,15 @@ class Rollout:
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
             self._write(step, prompts, completions, truncated, rewards, adv)
         rows = [(p.ids, c, bool(t)) for p, c, t in zip(prompts, completions, truncated)]
-        return [
+        batches = [
             self._micro_batch(rows[a : a + self.batch_size], adv[a : a + self.batch_size])
             for a in range(0, len(rows), self.batch_size)
         ]
+        if self.cfg.needs_old_logps or self.cfg.needs_reference:
+            t3 = time.perf_counter()
+            self._attach_logps(batches)
+            self.metrics["time/logps_s"] = time.perf_counter() - t3
+        return batches
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], seed: int) -> tuple[list[list[int]], list[bool]]:
@@ -140,17 +203,84 @@ class Rollout:
 
     def _policy(self):
         """A transformers model of the host state's current weights, on the device."""
+        self.model.transport.synchronize()  # the optimizer may still be writing the last step
+        return self._on_device(self.model.state.named_parameters())
+
+    def _on_device(self, weights):
+        """A transformers model of `weights` ((name, tensor) pairs), on the device in the compute
+        dtype."""
         import transformers
 
-        self.model.transport.synchronize()  # the optimizer may still be writing the last step
         cfg = self.model.cfg.hf_config
         with torch.device(self.device):  # its random initialisation is overwritten below
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
         own = model.state_dict()  # the model's tensors (a tied head is the embedding's)
-        # One tensor at a time, converted on the way: never a second copy of the policy on the device.
-        for name, value in self.model.state.named_parameters():
+        # One tensor at a time, converted on the way: never a second copy of the weights on the device.
+        for name, value in weights:
             own[name].copy_(value, non_blocking=True)
         return model.eval()
+
+    # ------------------------------------------------------------------ log-probs
+    def _attach_logps(self, batches: list[MicroBatch]) -> None:
+        """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP) and the
+        reference policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
+        engine = self.model.engine
+        ref = self._reference_logps(batches) if self.cfg.needs_reference else None
+        old = engine.head_outputs(batches, engine.objective.token_logps) if self.cfg.needs_old_logps else None
+        for i, mb in enumerate(batches):
+            values = torch.zeros(*mb.input_ids.shape, 2)
+            if old is not None:
+                values[..., OLD_LOGP] = old[i].view(mb.input_ids.shape).cpu()
+            if ref is not None:
+                values[..., REF_LOGP] = ref[i]
+            mb.token_extra = values
+
+    @torch.no_grad()
+    def _reference_logps(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Each micro-batch's per-token log-probs under the reference weights, by a transformers
+        model built on the device and freed after."""
+        with self._measured():  # the reference model is freed before the step, as the sampling one
+            model = self._on_device(self.reference.items())
+            out = [self._token_logps(model, mb) for mb in batches]
+            del model
+        return out
+
+    def _token_logps(self, model, mb: MicroBatch) -> torch.Tensor:
+        """[rows, length] log-probs of each next token at logits / temperature under `model`, aligned
+        with the shifted labels, from the first position that predicts a completion token on (0
+        before it and at the last). Only those positions' logits are made, for as many rows at a
+        time as REFERENCE_LOGIT_BYTES allow."""
+        rows, length = mb.input_ids.shape
+        out = torch.zeros(rows, length)
+        labelled = (mb.labels != IGNORE_INDEX).any(0).nonzero()
+        if len(labelled) == 0:  # every completion left out of the loss
+            return out
+        first = int(labelled[0]) - 1
+        keep = length - first
+        mask = torch.ones_like(mb.input_ids) if mb.attention_mask is None else mb.attention_mask
+        following = torch.zeros_like(mb.input_ids)
+        following[:, :-1] = mb.input_ids[:, 1:]
+        step = max(1, REFERENCE_LOGIT_BYTES // (keep * self.model.cfg.vocab_size * 4))
+        for a in range(0, rows, step):
+            ids, real = mb.input_ids[a : a + step].to(self.device), mask[a : a + step].to(self.device)
+            logits = model(ids, attention_mask=real, use_cache=False, logits_to_keep=keep).logits.float()
+            tokens = following[a : a + step, first:].to(self.device)
+            out[a : a + step, first:] = log_probs(logits, tokens, self.cfg.temperature)[1].cpu()
+            del logits
+        out[:, -1] = 0.0  # the last position predicts nothing
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, step: int) -> bytes | None:
+        """What a checkpoint after step `step` holds of the rollouts (ROLLOUT_FILE): every rank's
+        micro-batches of the current rollout when the next step trains on it again, else None.
+        Called by every rank."""
+        if samples_at(step + 1, self.cfg.num_iterations) or self.batches is None:
+            return None
+        mine = [{k: v for k, v in vars(mb).items() if v is not None} for mb in self.batches]
+        buffer = io.BytesIO()
+        torch.save(self.world.each(mine) if self.world.world_size > 1 else [mine], buffer)
+        return buffer.getvalue()
 
     # ------------------------------------------------------------------ scoring
     def _score(self, prompts: list[Prompt], completions: list[list[int]]) -> torch.Tensor:

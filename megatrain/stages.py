@@ -1,6 +1,7 @@
 """What the training stage (`stage`) changes in a run: the samples it reads and how they are
 batched, the objective the engine computes, and, for the preference stages that compare with a
-reference model (dpo, kto), the reference pass. (grpo's rollouts: rollout.py.)
+reference model (dpo, kto), the reference pass; for grpo with a KL term, the reference policy's
+weights (`grpo_reference`). (grpo's rollouts: rollout.py.)
 
 The reference pass: before the first step, one forward-only sweep over the training and eval
 samples computes each sample's summed completion log-probs under the reference model, the initial
@@ -41,7 +42,9 @@ from .data.samples import Sample
 from .data.sources import resolve_dataset
 from .errors import CheckpointError, ConfigError
 from .io import manifest
+from .io.weights import parameters_in
 from .io.writing import AtomicDir
+from .models.config import ModelConfig
 from .objectives.base import Objective
 from .objectives.grpo import GRPO
 from .objectives.sequence_sums import Preference
@@ -90,6 +93,28 @@ def batch_shape(cfg) -> tuple[int, int]:
     return b * ga // grpo.num_generations, 1
 
 
+def steps_per_batch(cfg) -> int:
+    """Optimizer steps a batch of the training data's Batcher is trained for: grpo's
+    num_iterations (each rollout trained that many steps), else 1."""
+    grpo = cfg.grpo()
+    return 1 if grpo is None else grpo.num_iterations
+
+
+def grpo_reference(cfg, model_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """grpo with a KL term (beta > 0): the reference policy's weights in the compute dtype, kept in
+    host memory (objectives/grpo.py: `reference_copy_bytes`) for its per-token log-probs:
+    ref_model_name_or_path's, else the initial policy's (model_name_or_path's, or the random
+    initialisation of the seed). Never a checkpoint's: a resumed run has the reference the run
+    started with. None without a KL term."""
+    grpo = cfg.grpo()
+    if grpo is None or not grpo.needs_reference:
+        return None
+    path = cfg.ref_model_name_or_path
+    if path:
+        same_architecture(model_cfg, ModelConfig.from_json(path), path)
+    return parameters_in(model_cfg, path or cfg.model_name_or_path, cfg.seed, dtype)
+
+
 def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batcher:
     """A Batcher over every sample once, in file order, shaped as training's (max_length,
     packing, gradient_accumulation_steps micro-batches a chunk): evaluation's and the reference
@@ -109,7 +134,7 @@ def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batche
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
     if (grpo := cfg.grpo()) is not None:
-        return GRPO(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size)
+        return GRPO(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size, collective=world)
     pref = cfg.preference()
     return None if pref is None else Preference(pref, collective=world)
 

@@ -47,16 +47,18 @@ from .parallel.processgroup import start
 from .plan import preflight, rollout_memory
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
-from .rollout import Rollout
+from .rollout import ROLLOUT_FILE, Rollout, resumed_rollout
 from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
 from .stages import (
     Reference,
     batch_shape,
     build_stage_samples,
     grpo_prompts,
+    grpo_reference,
     objective_of,
     reference_model_pass,
     same_architecture,
+    steps_per_batch,
 )
 from .trackers import RunInfo
 
@@ -114,6 +116,7 @@ class _Inputs:
     samples: list
     prompts: list | None  # grpo: the prompts the samples are, with their columns
     reward_funcs: list | None  # grpo
+    resumed_rollout: list | None  # grpo: the rollout a resume trains on again
     batcher: Batcher
     total_steps: int
     warmup: int
@@ -142,13 +145,15 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
-    prompts, reward_funcs = None, None
+    prompts, reward_funcs, resumed = None, None, None
     if cfg.stage == "grpo":
         prompts, reward_funcs = (
             grpo_prompts(cfg, tokenizer, model_cfg.vocab_size),
             rewards.load(cfg.reward_funcs),
         )
         samples = prompt_samples(prompts)
+        if resume:  # taken in the middle of a rollout's num_iterations steps, it holds the rollout
+            resumed = resumed_rollout(resume.path, resume.trainer_state.global_step, cfg.grpo(), world)
     else:
         samples = build_stage_samples(
             cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, warn=say
@@ -167,9 +172,8 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
             tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None)
         ),
     )
-    total_steps = (
-        cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * batcher.steps_per_epoch)
-    )
+    steps_per_epoch = batcher.steps_per_epoch * steps_per_batch(cfg)  # grpo: num_iterations a rollout
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     if resume and resume.trainer_state.global_step > total_steps:
         raise ConfigError(
             f"max_steps: {resume.path} is at step {resume.trainer_state.global_step}, past the {total_steps} "
@@ -177,7 +181,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         )
     # Tokenizes eval_dataset now: bad eval data stops the run before anything is written.
     evaluator = Evaluator(
-        cfg, tokenizer, total_steps, batcher.steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
+        cfg, tokenizer, total_steps, steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
     )
     warmup = warmup_of(cfg, total_steps)
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
@@ -188,7 +192,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     plan, machine = preflight(
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )
-    saves = SaveSchedule.of(cfg, total_steps, batcher.steps_per_epoch)
+    saves = SaveSchedule.of(cfg, total_steps, steps_per_epoch)
     outputs.check_names(saves)  # refuses a checkpoint-N the run saves that is not megatrain's
     outputs.check_disk_space(model_cfg.num_params, saves, plan.disk)  # refuses a run the disk cannot hold
     return _Inputs(
@@ -199,6 +203,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         samples,
         prompts,
         reward_funcs,
+        resumed,
         batcher,
         total_steps,
         warmup,
@@ -278,6 +283,7 @@ class _Run(_Inputs):
             **self.evaluator.state(),
         )
         replacing = main and self.outputs.of_another_run(step)  # announced at the start, unless a signal's
+        rollout = self.rollout.state(step) if self.rollout is not None and not weights_only else None
         # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
         path = save_checkpoint(
             self.world,
@@ -290,6 +296,7 @@ class _Run(_Inputs):
             generation_from=cfg.model_name_or_path,
             max_shard_bytes=parse_size(cfg.max_shard_size),
             progress=self.log.interactive,
+            files={ROLLOUT_FILE: rollout} if rollout is not None else None,
         )
         if main:
             prune_checkpoints(
@@ -351,9 +358,10 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
                 run.evaluate(0)  # eval_on_start: a baseline before the first step
             t_last = time.perf_counter()
             for step in range(run.start, total_steps):
-                micro_batches = batcher.next_step(world.rank)
-                if run.rollout is not None:  # grpo: the step's prompts -> sampled completions
-                    micro_batches = run.rollout.step(micro_batches, step + 1)
+                if run.rollout is not None:  # grpo: sampled completions, a rollout every num_iterations steps
+                    micro_batches = run.rollout.step(step + 1, lambda: batcher.next_step(world.rank))
+                else:
+                    micro_batches = batcher.next_step(world.rank)
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, run.warmup, total_steps)
                 outcome = _optimizer_step(
                     run.model.engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1
@@ -427,6 +435,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         )
 
     reference = _reference(cfg, inputs, world, build, progress)
+    initial = grpo_reference(cfg, model_cfg, compute_dtype)  # before the policy: its fp32 read is freed
     # a checkpoint holds HF-keyed fp32 weights
     model = build(resume.path if resume else cfg.model_name_or_path, resume.load_moments if resume else None)
     if reference is not None and reference.missing:  # a fresh run: the policy is still the reference
@@ -462,6 +471,12 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         if main
         else SilentLogger()
     )
+    rollout = None
+    if inputs.prompts is not None:
+        rollout = Rollout(
+            cfg.grpo(), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
+            cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
+        )  # fmt: skip
     run = _Run(
         **vars(inputs),
         cfg=cfg,
@@ -475,23 +490,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         history=deque(ts.log_history if ts else [], maxlen=HISTORY),
         run_config=run_config,
         start=start,
-        rollout=None
-        if inputs.prompts is None
-        else Rollout(
-            cfg.grpo(),
-            inputs.prompts,
-            inputs.reward_funcs,
-            inputs.tokenizer,
-            model,
-            device,
-            compute_dtype,
-            world,
-            cfg.per_device_train_batch_size,
-            batcher.pad_id,
-            out,
-            every,
-            cfg.seed,
-        ),  # fmt: skip
+        rollout=rollout,
     )
     _announce(run, device, runs_on, notes, ts)
     if reference is not None:

@@ -16,14 +16,21 @@ from helpers import saved_parameters, tiny_hf_model, tiny_tokenizer
 from safetensors.torch import load_file
 from test_parity import _decay_groups
 
+from megatrain import rollout
 from megatrain.config import TrainConfig
+from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
+from megatrain.models.config import ModelConfig
+from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
+from megatrain.objectives.losshead import Head
 from megatrain.rewards import RewardError
-from megatrain.rollout import sampling_seed
+from megatrain.rollout import ROLLOUT_FILE, samples_at, sampling_seed
+from megatrain.stages import grpo_reference
 from megatrain.trainer import train
 
 B, GA, G, STEPS, MAX_NEW = 4, 2, 4, 3, 10
 LR, WD, MAX_NORM = 5e-3, 0.01, 0.5
+LR_AGAIN = 2e-4  # rollouts trained again: the clip acts on a share of the tokens, not all
 EPS = 1e-4  # AdamW's: well above the rounding of the smallest gradients, which Adam would amplify
 
 
@@ -76,8 +83,9 @@ def trl_advantages(rewards_per_func, weights, scale):
     return adv / (std + 1e-4) if scale != "none" else adv
 
 
-def trl_loss(hf, rows, adv, loss_type, num_items, mask_truncated, temperature=1.0, eps=0.2):
-    """GRPOTrainer._compute_loss for one micro-batch of (prompt ids, completion ids, truncated)."""
+def trl_inputs(rows, mask_truncated):
+    """(ids, attention mask, completion mask) of one micro-batch of (prompt ids, completion ids,
+    truncated), right-padded; the completion mask aligned with the logits of positions :-1."""
     width = max(len(p) + len(c) for p, c, _ in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -87,19 +95,49 @@ def trl_loss(hf, rows, adv, loss_type, num_items, mask_truncated, temperature=1.
         attn[i, : len(p) + len(c)] = 1
         if not (cut and mask_truncated):
             cmask[i, len(p) - 1 : len(p) + len(c) - 1] = 1
-    logits = hf(ids, attention_mask=attn).logits[:, :-1] / temperature
-    logps = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    coef_1 = torch.exp(logps - logps.detach())
+    return ids, attn, cmask
+
+
+def trl_logps(hf, ids, attn, temperature):
+    """GRPOTrainer._get_per_token_logps_and_entropies: the log-probs at logits / temperature and
+    the entropies."""
+    logp_all = (hf(ids, attention_mask=attn).logits[:, :-1] / temperature).log_softmax(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
+    return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
+
+
+def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=None, beta=0.0, eps=0.2):
+    """GRPOTrainer._compute_loss for one micro-batch: its loss and its metrics (masked means)."""
+    coef_1 = torch.exp(logps - (logps.detach() if old is None else old))
     coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
     a = adv[:, None]
     per_token = -torch.min(coef_1 * a, coef_2 * a)
+    kl = torch.zeros_like(logps)
+    if beta != 0.0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        per_token = per_token + beta * kl
     if loss_type == "grpo":
-        return ((per_token * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).mean() / GA
-    if loss_type == "bnpo":
-        return (per_token * cmask).sum() / cmask.sum().clamp(min=1.0) / GA
-    if loss_type == "dr_grpo":
-        return (per_token * cmask).sum() / (per_token.size(0) * MAX_NEW) / GA
-    return (per_token * cmask).sum() / num_items  # dapo
+        loss = ((per_token * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).mean() / GA
+    elif loss_type == "bnpo":
+        loss = (per_token * cmask).sum() / cmask.sum().clamp(min=1.0) / GA
+    elif loss_type == "dr_grpo":
+        loss = (per_token * cmask).sum() / (per_token.size(0) * MAX_NEW) / GA
+    else:
+        loss = (per_token * cmask).sum() / num_items  # dapo
+
+    def mean(x):
+        return float((x * cmask).sum() / cmask.sum().clamp(min=1.0))
+
+    low, high = (coef_1 < 1 - eps) & (a < 0), (coef_1 > 1 + eps) & (a > 0)
+    metrics = {
+        "entropy": mean(entropy),
+        "clip_ratio/low_mean": mean(low.float()),
+        "clip_ratio/high_mean": mean(high.float()),
+        "clip_ratio/region_mean": mean((low | high).float()),
+    }
+    if beta != 0.0:
+        metrics["kl"] = mean(kl.detach())
+    return loss, metrics
 
 
 def reward_table(rollouts):
@@ -112,57 +150,112 @@ def reward_table(rollouts):
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [dict(), dict(loss_type="grpo"), dict(loss_type="bnpo", scale_rewards="batch"),
-     dict(loss_type="dr_grpo", scale_rewards="none"), dict(mask_truncated_completions=True),
-     dict(temperature=0.7, top_k=20)],
-    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "dapo",
-)  # fmt: skip
-def test_grpo_trains_as_trl(setup, kw):
-    tmp_path, tok = setup
-    records, rollouts, final = run(tmp_path, **kw)
-    steps = [r for r in records if "loss" in r]
+def trl_run(tok, rollouts, steps, ref_model, kw):
+    """GRPOTrainer's training on the completions megatrain sampled: each step's loss and metrics,
+    and the trained model. A rollout is trained num_iterations steps, with the log-probs of the
+    policy that sampled it (num_iterations > 1) and of `ref_model` (beta > 0) taken once."""
     hf = model(len(tok))
-    opt = torch.optim.AdamW(_decay_groups(hf, WD), lr=LR, betas=(0.9, 0.999), eps=EPS)
+    lr, k, beta = kw.get("learning_rate", LR), kw.get("num_iterations", 1), kw.get("beta", 0.0)
+    opt = torch.optim.AdamW(_decay_groups(hf, WD), lr=lr, betas=(0.9, 0.999), eps=EPS)
     loss_type, scale = kw.get("loss_type", "dapo"), kw.get("scale_rewards", "group")
-    mask_truncated = kw.get("mask_truncated_completions", False)
-    for step in range(1, STEPS + 1):
-        batch = [r for r in rollouts if r["step"] == step]
-        assert len(batch) == B * GA
-        rewards = reward_table(batch)
-        for r, got in zip(rewards, batch):
-            assert [got["rewards"]["length"], got["rewards"]["exact_match"]] == r.tolist()
-        adv = trl_advantages(rewards, [-0.05, 1.0], scale).float()
-        torch.testing.assert_close(adv, torch.tensor([r["advantage"] for r in batch]), rtol=1e-5, atol=1e-6)
-        rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in batch]
-        for _, c, cut in rows:  # cut: max_completion_length tokens and no end token
-            assert cut == (
-                len(c) == MAX_NEW and c[-1] not in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+    mask_truncated, temperature = kw.get("mask_truncated_completions", False), kw.get("temperature", 1.0)
+    out = []
+    for step in range(1, steps + 1):
+        if samples_at(step, k):
+            batch = [r for r in rollouts if r["step"] == step]
+            assert len(batch) == B * GA
+            rewards = reward_table(batch)
+            for r, got in zip(rewards, batch):
+                assert [got["rewards"]["length"], got["rewards"]["exact_match"]] == r.tolist()
+            adv = trl_advantages(rewards, [-0.05, 1.0], scale).float()
+            torch.testing.assert_close(
+                adv, torch.tensor([r["advantage"] for r in batch]), rtol=1e-5, atol=1e-6
             )
-        num_items = sum(len(c) for _, c, cut in rows if not (cut and mask_truncated))
-        assert num_items > 0
-        if mask_truncated:  # some completions in the loss, some left out
-            assert any(cut for *_, cut in rows) and not all(cut for *_, cut in rows)
-        loss = 0.0
-        for m in range(GA):
-            mb = slice(m * B, (m + 1) * B)
-            lm = trl_loss(
-                hf, rows[mb], adv[mb], loss_type, num_items, mask_truncated, kw.get("temperature", 1.0)
-            )
+            rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in batch]
+            for _, c, cut in rows:  # cut: max_completion_length tokens and no end token
+                assert cut == (
+                    len(c) == MAX_NEW
+                    and c[-1] not in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+                )
+            num_items = sum(len(c) for _, c, cut in rows if not (cut and mask_truncated))
+            assert num_items > 0
+            if mask_truncated:  # some completions in the loss, some left out
+                assert any(cut for *_, cut in rows) and not all(cut for *_, cut in rows)
+            mbs = [trl_inputs(rows[m * B : (m + 1) * B], mask_truncated) for m in range(GA)]
+            with torch.no_grad():  # _generate_and_score_completions: once per rollout
+                old = [trl_logps(hf, ids, attn, temperature)[0] if k > 1 else None for ids, attn, _ in mbs]
+                ref = [
+                    trl_logps(ref_model, ids, attn, temperature)[0] if beta else None for ids, attn, _ in mbs
+                ]
+            record = {
+                "reward": float((rewards * torch.tensor([-0.05, 1.0], dtype=torch.float64)).sum(1).mean()),
+                "completions/mean_length": sum(len(c) for _, c, _ in rows) / len(rows),
+            }
+        else:
+            record = {}
+        loss, metrics = 0.0, []
+        for m, (ids, attn, cmask) in enumerate(mbs):
+            logps, entropy = trl_logps(hf, ids, attn, temperature)
+            a = adv[m * B : (m + 1) * B]
+            lm, mm = trl_loss(logps, entropy, cmask, a, loss_type, num_items, old[m], ref[m], beta)
             lm.backward()
             loss += lm.item()
+            metrics.append(mm)
         torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
-        rec = steps[step - 1]
-        assert rec["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
-        assert rec["reward"] == pytest.approx(
-            float((rewards * torch.tensor([-0.05, 1.0], dtype=torch.float64)).sum(1).mean())
-        )
-        assert rec["completions/mean_length"] == pytest.approx(sum(len(c) for _, c, _ in rows) / len(rows))
+        means = {name: sum(mm[name] for mm in metrics) / GA for name in metrics[0]}
+        out.append(record | means | {"loss": loss})
+    return hf, out
+
+
+# TRL's formulas over each loss type, with the rollout trained once and again (num_iterations),
+# with and without the KL term to the initial policy or to another model. Rollouts trained
+# again need a learning rate at which the clip acts on the later steps.
+CASES = [
+    dict(), dict(loss_type="grpo"), dict(loss_type="bnpo", scale_rewards="batch"),
+    dict(loss_type="dr_grpo", scale_rewards="none"), dict(mask_truncated_completions=True),
+    dict(temperature=0.7, top_k=20), dict(beta=0.04), dict(beta=0.04, ref_model_name_or_path="other"),
+    *(dict(loss_type=t, num_iterations=3, learning_rate=LR_AGAIN) for t in ("dapo", "grpo", "bnpo", "dr_grpo")),
+    *(dict(loss_type=t, num_iterations=2, beta=0.04, learning_rate=LR_AGAIN) for t in ("dapo", "grpo", "bnpo", "dr_grpo")),
+    dict(num_iterations=2, beta=0.04, temperature=0.7, learning_rate=LR_AGAIN),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "dapo")
+def test_grpo_trains_as_trl(setup, kw, monkeypatch):
+    tmp_path, tok = setup
+    if kw.get("ref_model_name_or_path") == "other":  # a reference that is not the initial policy
+        monkeypatch.setattr(rollout, "REFERENCE_LOGIT_BYTES", 1)  # and its pass a row at a time
+        other = model(len(tok))
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(torch.randn_like(p) * 0.02, alpha=1.0)
+        other.save_pretrained(tmp_path / "other")
+        kw = kw | dict(ref_model_name_or_path=str(tmp_path / "other"))
+    steps = STEPS + (kw.get("num_iterations", 1) > 1)  # a rollout trained again, and the next one
+    records, rollouts, final = run(tmp_path, max_steps=steps, **kw)
+    got = [r for r in records if "loss" in r]
+    ref_model = model(len(tok)) if "ref_model_name_or_path" not in kw else other
+    hf, want = trl_run(tok, rollouts, steps, ref_model, kw)
+    for rec, expected in zip(got, want, strict=True):
+        step = rec["step"]
+        assert rec["loss"] == pytest.approx(expected.pop("loss"), rel=1e-4, abs=1e-6), step
+        for name, value in expected.items():
+            assert rec[name] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, name)
+        # A rollout's own metrics go with the step that sampled it.
+        assert ("reward" in rec) == samples_at(step, kw.get("num_iterations", 1))
+        assert rec["clip_ratio/low_min"] == rec["clip_ratio/low_mean"]  # one process: its own
+        assert rec["clip_ratio/high_max"] == rec["clip_ratio/high_mean"]
+        assert ("kl" in rec) == ("beta" in kw)
+    if kw.get("num_iterations", 1) > 1:  # the first step on a rollout: ratio 1; the later: clipped
+        assert all(r["clip_ratio/region_mean"] == 0 for r in got if "reward" in r)
+        assert any(r["clip_ratio/region_mean"] > 0 for r in got if "reward" not in r)
+    if "ref_model_name_or_path" in kw:  # far from the reference from the start
+        assert got[0]["kl"] > 1e-3
+    atol = 1e-4 * kw.get("learning_rate", LR) / LR  # a share of what the steps move each weight
     for k, p in saved_parameters(hf).items():
-        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
     start = saved_parameters(model(len(tok)))
     assert any(not torch.equal(final[k], start[k].detach()) for k in final)
 
@@ -203,7 +296,8 @@ def test_a_failing_reward_function_is_one_line(setup):
         (dict(reward_funcs=None), "reward_funcs: stage grpo needs at least one"),
         (dict(reward_funcs=["nosuchmodule:f"]), "reward_funcs: cannot load 'nosuchmodule:f'"),
         (dict(num_generations=3), "num_generations: 3 must divide"),
-        (dict(beta=0.04), "beta: a KL term"),
+        (dict(beta=-0.04), "beta: must be >= 0"),
+        (dict(num_iterations=0), "num_iterations: must be >= 1"),
         (dict(loss_type="sigmoid"), "loss_type: must be one of dapo"),
     ],
 )
@@ -227,3 +321,77 @@ def test_resume_samples_and_trains_as_the_uninterrupted_run(setup):
     assert third[0] == third[1] and third[0]
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
+
+
+def test_the_first_step_on_a_rollout_is_exact(setup):
+    """The sampling policy's log-probs come from the engine's forward sweep, computed as the loss
+    computes its own: the ratio of a rollout's first step is exactly 1, so with num_iterations 2
+    that step gives bitwise the weights of num_iterations 1."""
+    tmp_path, _ = setup
+    records, _, once = run(tmp_path, "once", max_steps=1, beta=0.04)
+    again_records, _, again = run(tmp_path, "again", max_steps=1, beta=0.04, num_iterations=2)
+    assert records[0]["loss"] == again_records[0]["loss"]
+    for k in once:
+        assert torch.equal(once[k], again[k]), k
+
+
+def test_resume_in_the_middle_of_a_rollout_trains_as_the_uninterrupted_run(setup):
+    """num_iterations 3 with a KL term: a run stopped after step 2, one step before its rollout's
+    last, resumes on the rollout its checkpoint holds and with the reference of the initial
+    weights (not the checkpoint's): bitwise the uninterrupted run's losses and weights, and the
+    next rollout (step 4) samples the same completions."""
+    tmp_path, _ = setup
+    kw = dict(num_iterations=3, beta=0.04, learning_rate=LR_AGAIN, save_strategy="steps", save_steps=1)
+    whole_records, whole_rollouts, whole = run(tmp_path, "whole", max_steps=5, **kw)
+    held = [(tmp_path / "whole" / f"checkpoint-{s}" / ROLLOUT_FILE).is_file() for s in range(1, 6)]
+    assert held == [True, True, False, True, True]  # not where the next step samples
+    run(tmp_path, "cut", max_steps=2, **kw)
+    records, rollouts, resumed = run(tmp_path, "cut", max_steps=5, resume_from_checkpoint=True, **kw)
+    assert [r["loss"] for r in records] == [r["loss"] for r in whole_records]
+    assert [r.get("kl") for r in records] == [r.get("kl") for r in whole_records]
+    fourth = [[r["completion_ids"] for r in rs if r["step"] == 4] for rs in (whole_rollouts, rollouts)]
+    assert fourth[0] == fourth[1] and fourth[0]
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
+
+
+def test_the_reference_copy_is_the_initial_weights_in_the_compute_dtype(setup):
+    """stages.grpo_reference: the initial weights, in bf16 as on a GPU, as many bytes as
+    reference_copy_bytes counts for the plan; nothing without a KL term."""
+    tmp_path, tok = setup
+    args = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset="x", stage="grpo", reward_funcs=["length"]
+    )
+    cfg = TrainConfig(**args, beta=0.04)
+    model_cfg = ModelConfig.from_json(tmp_path / "model")
+    copy = grpo_reference(cfg, model_cfg, torch.bfloat16)
+    for k, p in model(len(tok)).named_parameters():
+        assert torch.equal(copy[k], p.detach().to(torch.bfloat16)), k
+    size = sum(v.numel() * v.element_size() for v in copy.values())
+    assert size == reference_copy_bytes(model_cfg.num_params, 2, cfg.grpo()) > 0
+    assert grpo_reference(TrainConfig(**args), model_cfg, torch.bfloat16) is None
+    assert reference_copy_bytes(model_cfg.num_params, 2, TrainConfig(**args).grpo()) == 0
+    assert reference_copy_bytes(model_cfg.num_params, 2, None) == 0  # another stage
+
+
+def test_tokens_outside_the_loss_cannot_make_it_nan():
+    """Positions outside the loss whose log-prob is far below the value stored there (exp of the
+    difference overflows) leave the loss finite."""
+
+    class Project(torch.nn.Module):
+        def forward(self, x, W):
+            return x @ W.T
+
+    vocab, width = 8, 6
+    ids = torch.tensor([[1, 2, 3, 4, 5, 0]])
+    labels = torch.tensor([[-100, -100, -100, 4, 5, -100]])  # a prompt of three, two completion tokens
+    objective = GRPO(GRPOConfig(num_generations=2, beta=0.04, num_iterations=2), micro_batches=1)
+    mb = MicroBatch(
+        ids, labels, extra=torch.ones(1, 1, dtype=torch.float64), token_extra=torch.zeros(1, width, 2)
+    )
+    mb.token_extra[0, 2:4] = -2.0  # stored log-probs of the completion tokens; 0 elsewhere
+    hidden = torch.zeros(1, width, vocab)
+    hidden[0, :2, 1] = 1e3  # in the prompt, the log-prob taken (of token 0) is about -1000
+    head = Head(Project(), {}, torch.eye(vocab), chunk=4)
+    loss = objective.loss_sum(head, [hidden], [objective.targets(mb, torch.device("cpu"))])
+    assert torch.isfinite(loss)

@@ -35,6 +35,10 @@ class MicroBatch:
     """The indices of the micro-batch's samples in their dataset, in order."""
     extra: torch.Tensor | None = None
     """[units, k] float64: each sample's `Sample.extra`; None where samples carry none."""
+    token_extra: torch.Tensor | None = None
+    """[B, S, k] float32, aligned with `shifted_labels` (value t belongs to the token predicted at
+    position t): per-token values an objective reads (grpo: the sampling and reference policies'
+    log-probs); None where there are none."""
 
     def __post_init__(self):
         if self.input_ids.shape != self.labels.shape:

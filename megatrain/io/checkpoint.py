@@ -19,6 +19,8 @@ Layout of `output_dir/checkpoint-{step}/` (format 1):
     rng_state.pt                 python `random`, torch CPU and CUDA generator states
     train_config.json            the run's configuration
     tokenizer files              when the run has a tokenizer (chat template included)
+    rollout.pt                   grpo, taken before a rollout's last step: the rollout
+                                 (rollout.py), which the resumed run trains on again
     megatrain_manifest.json      size and CRC-32 of every file above (manifest.py), verified at
                                  resume; checkpoints written before it existed resume unverified
 
@@ -299,12 +301,14 @@ def save_checkpoint(
     max_shard_bytes: int = 5 * 10**9,
     progress: bool = False,
     write_tensors: Callable[[AtomicDir], None] | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write `output_dir/checkpoint-{global_step}` atomically (see the module docstring) and
     return it; `trainer_state.weights_only` leaves the optimizer and RNG state out. An existing
     directory of that name is replaced only if it is a megatrain checkpoint. The host state
     must be current: call `transport.synchronize()` first. `write_tensors(d)` writes the weights
-    and moments in place of the whole state's (a state partitioned over machines: partition.py)."""
+    and moments in place of the whole state's (a state partitioned over machines: partition.py).
+    `files`: more files, name -> contents, that a resume reads (grpo's rollout)."""
     nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
     with checkpoint_target(output_dir, trainer_state.global_step, nbytes, progress) as d:
         if write_tensors is not None:
@@ -328,6 +332,8 @@ def save_checkpoint(
             buffer = io.BytesIO()
             torch.save(rng_state(), buffer)
             (d.path / RNG_STATE).write_bytes(buffer.getvalue())
+        for name, contents in (files or {}).items():
+            (d.path / name).write_bytes(contents)
         (d.path / TRAIN_CONFIG).write_text(json.dumps(train_config, indent=2) + "\n")
         (d.path / TRAINER_STATE).write_text(json.dumps(trainer_state.to_json(), indent=2) + "\n")
         return d.commit()

@@ -102,6 +102,21 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
     _per_unit(fill, state.units, "initialising weights", progress)
 
 
+def parameters_in(
+    cfg: ModelConfig, model_dir: str | Path | None, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Every parameter by transformers' name, in `dtype`, in host memory: `model_dir`'s weights,
+    or (None) the random initialisation of `seed`, as build_model fills a host state. Read
+    through an fp32 state of the weights alone, freed on return unless `dtype` is fp32 (the
+    parameters are then its views)."""
+    state = HostState(build_units(cfg), with_optimizer=False)
+    if model_dir is not None:
+        load_hf_weights(state, model_dir, cfg, progress=False)
+    else:
+        init_random(state, cfg, seed)
+    return {name: value.to(dtype) for name, value in state.named_parameters()}
+
+
 def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progress: bool) -> None:
     """Each unit's template materialised on the host and initialised by the model's own
     `_init_weights` (it draws from the global generator: units in turn, each seeded)."""

@@ -29,7 +29,7 @@ gradient that flows back into the hidden states token by token.
   log-sigmoid of the margins), then `backward` with each chunk's term the sum of w times each
   token's log-probability, which sends every token its gradient. A step's micro-batches arrive
   together, so a pair may span micro-batches, not ranks (each rank's loss is its own pairs').
-* Group-relative policy optimisation (GRPO, built: grpo.py, without a KL term yet): `targets` carries per-token advantages, the
+* Group-relative policy optimisation (GRPO, built: grpo.py): `targets` carries per-token advantages, the
   sampling policy's log-probabilities (the ratio's denominator), a reference model's where a KL
   term is wanted, and the mask of generated tokens; `count` the tokens (or sequences) the loss is
   averaged over. Every term is per token, so one `backward` pass computes it chunk by chunk.

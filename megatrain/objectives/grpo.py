@@ -6,18 +6,25 @@ reward functions' (rewards.py); its advantage is its reward less its group's mea
 group's standard deviation (`scale_rewards: group`), the batch's (`batch`) or not scaled
 (`none`). Every completion token then has the loss
 
-    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A),   r = pi(token) / pi_old(token),
+    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * kl,   r = pi(token) / pi_old(token),
+    kl = exp(ref - logp) - (ref - logp) - 1,
 
-pi the policy's probability of the token at logits / temperature, pi_old the sampling policy's
-(with `num_iterations` 1, the policy itself: r is 1 with the policy's gradient). The per-token
-losses are aggregated as `loss_type` says: `grpo` the mean over each completion's tokens, then
-over completions; `bnpo` over a micro-batch's tokens; `dr_grpo` over completions x
-max_completion_length; `dapo` (TRL's default) over every completion token of the step; the
-first three then averaged over the step's micro-batches, as TRL's gradient accumulation does.
+logp = log pi(token), pi the policy's probability of the token at logits / temperature, pi_old
+the sampling policy's, ref the reference policy's log-probability (the initial policy's, or
+ref_model_name_or_path's). A rollout is trained for `num_iterations` optimizer steps; with 1,
+pi_old is the policy itself (r is 1 with the policy's gradient), else its log-probs were computed
+once after sampling (MicroBatch.token_extra, column OLD_LOGP), so r is 1 on the first step and
+the clip acts on the later ones. The per-token losses are aggregated as `loss_type` says: `grpo`
+the mean over each completion's tokens, then over completions; `bnpo` over a micro-batch's
+tokens; `dr_grpo` over completions x max_completion_length; `dapo` (TRL's default) over every
+completion token of the step; the first three then averaged over the step's micro-batches, as
+TRL's gradient accumulation does.
 
-Not built yet: `beta` > 0 (a KL term to the initial policy, which needs its per-token log-probs)
-and `num_iterations` > 1 (reusing a rollout with its stored log-probs); both are refused in one
-line.
+The metrics are TRL's, each a micro-batch's mean over its completion tokens, averaged over the
+step's micro-batches and ranks: `entropy`, `kl` (beta > 0), `clip_ratio/low_mean` (r below
+1 - epsilon where A < 0), `clip_ratio/high_mean` (r above 1 + epsilon_high where A > 0),
+`clip_ratio/region_mean` (either), and `clip_ratio/low_min`, `clip_ratio/high_max`, the least
+and most over the ranks of each micro-batch's.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from .base import Objective
 from .losshead import Head
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+OLD_LOGP, REF_LOGP = 0, 1  # the columns of MicroBatch.token_extra: sampling policy's, reference's
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
@@ -56,11 +64,12 @@ class GRPOConfig:
     epsilon_high: float | None = None
     """The clip's upper bound (None: epsilon)."""
     beta: float = 0.0
-    """KL coefficient to the initial policy (0: no reference; > 0 not built yet)."""
+    """The KL term's coefficient (0: no reference policy)."""
     scale_rewards: str | bool = "group"
     mask_truncated_completions: bool = False
     """Leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
+    """Optimizer steps each rollout is trained for."""
     reward_weights: list[float] | None = None
 
     def __post_init__(self):
@@ -93,10 +102,34 @@ class GRPOConfig:
             self.scale_rewards = "none"
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"must be one of {', '.join(SCALE_REWARDS)}")
-        if self.beta != 0:
-            bad("beta", "a KL term (beta > 0) is not supported yet with stage grpo; use 0 (TRL's default)")
-        if self.num_iterations != 1:
-            bad("num_iterations", "reusing a rollout (num_iterations > 1) is not supported yet; use 1")
+        if self.beta < 0:
+            bad("beta", "must be >= 0 with stage grpo (0: no KL term)")
+        if self.num_iterations < 1:
+            bad("num_iterations", "must be >= 1")
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Whether a rollout carries the sampling policy's log-probs (a policy that moves before its
+        last step on it)."""
+        return self.num_iterations > 1
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a rollout carries the reference policy's log-probs (the KL term)."""
+        return self.beta > 0
+
+
+def reference_copy_bytes(num_params: int, compute_bytes: int, grpo: GRPOConfig | None) -> int:
+    """Host memory of the reference policy's weights a run keeps (stages.grpo_reference), per
+    process: the compute dtype's copy of every parameter where grpo (`TrainConfig.grpo()`, None
+    for the other stages) has a KL term, else 0."""
+    return num_params * compute_bytes if grpo is not None and grpo.needs_reference else 0
+
+
+def log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """(log-softmax of logits / temperature, its value at each token): TRL's per-token log-probs."""
+    logp_all = torch.log_softmax(logits if temperature == 1 else logits / temperature, -1)
+    return logp_all, logp_all.gather(-1, tokens[..., None]).squeeze(-1)
 
 
 # ------------------------------------------------------------------------ advantages
@@ -124,24 +157,32 @@ def advantages(cfg: GRPOConfig, rewards_per_func: Tensor) -> tuple[Tensor, Tenso
 
 
 # ------------------------------------------------------------------------ the objective
+# A chunk's sums over its completion tokens, in this order (the metrics' numerators).
+STATS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
+
+
 @dataclass
 class _Targets:
     tokens: Tensor  # [N] the token each position predicts
     mask: Tensor  # [N] float: 1 on completion tokens in the loss
     adv: Tensor  # [N] each token's completion's advantage
     weight: Tensor  # [N] each token's share of its micro-batch's aggregate (not dapo)
+    old: Tensor | None  # [N] the sampling policy's log-prob of the token (None: the policy's own)
+    ref: Tensor | None  # [N] the reference policy's (None: no KL term)
     tokens_in_mb: int
 
 
 class GRPO(Objective):
     """TRL's GRPO loss over micro-batches of sampled completions: each row is prompt +
     completion, labels on the completion tokens in the loss, `MicroBatch.extra[:, 0]` its
-    advantage. `micro_batches` is the step's count over every rank (TRL's accumulation)."""
+    advantage, `MicroBatch.token_extra` the sampling and reference policies' log-probs where the
+    config needs them. `micro_batches` is the step's count over every rank (TRL's accumulation);
+    `collective` the ranks, for the least and most clip ratios over them."""
 
     empty_step_ok = True  # every completion masked (mask_truncated_completions): TRL's loss is 0
 
-    def __init__(self, cfg: GRPOConfig, micro_batches: int):
-        self.cfg, self.micro_batches = cfg, micro_batches
+    def __init__(self, cfg: GRPOConfig, micro_batches: int, collective=None):
+        self.cfg, self.micro_batches, self.collective = cfg, micro_batches, collective
 
     def targets(self, mb: MicroBatch, device: torch.device) -> _Targets:
         labels = mb.shifted_labels
@@ -162,7 +203,11 @@ class GRPO(Objective):
         def dev(t):
             return t.reshape(-1).to(device, non_blocking=True)
 
-        return _Targets(dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), int(mask.sum()))
+        def column(c: int, wanted: bool):  # absent while the rollout computes them (token_logps)
+            return dev(mb.token_extra[..., c]) if wanted and mb.token_extra is not None else None
+
+        old, ref = column(OLD_LOGP, self.cfg.needs_old_logps), column(REF_LOGP, self.cfg.needs_reference)
+        return _Targets(dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), old, ref, int(mask.sum()))
 
     def count(self, mb: MicroBatch) -> int:
         return mb.num_label_tokens  # dapo's normaliser: every completion token of the step
@@ -171,36 +216,66 @@ class GRPO(Objective):
         """What each micro-batch's aggregate is divided by over the step."""
         return max(total, 1) if self.cfg.loss_type == "dapo" else self.micro_batches
 
-    def _chunk(self, t: _Targets, a: int, logits: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        """(the chunk's loss, its entropy sum, its clipped-token count) over its completion tokens."""
-        n = logits.shape[0]
-        temp = self.cfg.temperature
-        logp_all = torch.log_softmax(logits if temp == 1 else logits / temp, -1)
-        logp = logp_all.gather(-1, t.tokens[a : a + n, None]).squeeze(-1)
-        ratio = torch.exp(logp - logp.detach())  # num_iterations 1: the sampling policy is this one
+    def _chunk(self, t: _Targets, a: int, logits: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """(the chunk's loss, its STATS summed over its completion tokens)."""
+        n, cfg = logits.shape[0], self.cfg
+        logp_all, logp = log_probs(logits, t.tokens[a : a + n], cfg.temperature)
+        old = logp.detach() if t.old is None else t.old[a : a + n]
         adv, mask = t.adv[a : a + n], t.mask[a : a + n]
-        clipped = torch.clamp(ratio, 1 - self.cfg.epsilon, 1 + self.cfg.epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
+        # Prompt and padding tokens have no stored log-probs: left out before exp, which could
+        # overflow there, rather than after (inf x 0 is NaN, in the loss and its gradient).
+        real = mask > 0
+        ratio = torch.exp(torch.where(real, logp - old, 0.0))
+        low, high = 1 - cfg.epsilon, 1 + cfg.epsilon_high
+        per_token = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)
+        kl = torch.zeros_like(logp)
+        if t.ref is not None:
+            d = torch.where(real, t.ref[a : a + n] - logp, 0.0)
+            kl = torch.exp(d) - d - 1
+            per_token = per_token + cfg.beta * kl
         loss = (per_token * mask * t.weight[a : a + n]).sum() / scale
         with torch.no_grad():  # one more chunk x vocab tensor, reused in place
             entropy = -logp_all.exp().mul_(logp_all).sum(-1)
-            out = ((ratio < 1 - self.cfg.epsilon) | (ratio > 1 + self.cfg.epsilon_high)).float()
-        return loss, (entropy * mask).sum(), (out * mask).sum()
+            below, above = (ratio < low) & (adv < 0), (ratio > high) & (adv > 0)  # where the clip binds
+            stats = torch.stack([entropy, below.float(), above.float(), (below | above).float(), kl.detach()])
+        return loss, stats @ mask
 
     def loss_and_grads(self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int):
         scale = self._scale(total)
-        stats = torch.zeros(2, device=head.W.device)
+        stats = torch.zeros(len(targets), len(STATS), device=head.W.device)
 
         def chunk_loss(m: int, a: int, logits: Tensor):
-            loss, entropy, clipped = self._chunk(targets[m], a, logits, scale)
-            stats[0] += entropy
-            stats[1] += clipped
+            loss, sums = self._chunk(targets[m], a, logits, scale)
+            stats[m] += sums
             return loss, loss.detach()
 
         loss, dh = head.backward(hidden, chunk_loss)
-        tokens = max(sum(t.tokens_in_mb for t in targets), 1)
-        self.record({"entropy": float(stats[0]) / tokens, "clip_ratio/region_mean": float(stats[1]) / tokens})
+        self._record(stats, targets)
         return loss, dh
+
+    def _record(self, stats: Tensor, targets: list[_Targets]) -> None:
+        """Each micro-batch's metrics: its STATS over its completion tokens (TRL's masked means),
+        with the least low and most high clip ratio over the ranks of the micro-batch."""
+        tokens = torch.tensor([max(t.tokens_in_mb, 1) for t in targets], device=stats.device)
+        means = dict(zip(STATS, (stats / tokens[:, None]).T.tolist()))
+        clips = list(zip(means["clip_ratio/low_mean"], means["clip_ratio/high_mean"]))
+        ranks = self.collective.each(clips) if self.collective is not None else [clips]
+        for m in range(len(targets)):
+            record = {k: v[m] for k, v in means.items() if k != "kl" or self.cfg.needs_reference}
+            record["clip_ratio/low_min"] = min(r[m][0] for r in ranks)
+            record["clip_ratio/high_max"] = max(r[m][1] for r in ranks)
+            self.record(record)
+
+    @torch.no_grad()
+    def token_logps(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> list[Tensor]:
+        """Forward only (`Engine.head_outputs`): each micro-batch's per-token log-probs at
+        logits / temperature, flat as its targets, in the chunks of the loss: the sampling policy's
+        equal the loss's first ones bit for bit."""
+        out = [torch.zeros_like(t.mask) for t in targets]
+        for m, a, logits in head.forward(hidden):
+            n = logits.shape[0]
+            out[m][a : a + n] = log_probs(logits, targets[m].tokens[a : a + n], self.cfg.temperature)[1]
+        return out
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
         loss = torch.zeros((), device=head.W.device)
