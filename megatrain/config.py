@@ -714,8 +714,13 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 pass
         if origin is str and isinstance(value, str):
             return value
-        if origin is list and isinstance(value, list) and all(isinstance(x, str) for x in value):
-            return value
+        if origin is list and isinstance(value, list):
+            (item,) = typing.get_args(opt) or (str,)
+            try:
+                return [_coerce(f"{key}[{i}]", x, item) for i, x in enumerate(value)]
+            except ConfigError:
+                if sum(o is not type(None) for o in options) == 1:  # the item is the problem
+                    raise
         if origin is dict and isinstance(value, dict):
             return value
     names = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))

@@ -2,17 +2,18 @@
 `num_generations` times by the policy as it is, scored by the reward functions, turned into
 advantages and micro-batches of prompt + completion for the engine (objectives/grpo.py).
 
-Sampling is transformers' `generate` (do_sample, temperature, top_p, top_k, max_new_tokens =
-max_completion_length) on a transformers model built on the device in the compute dtype from the
-host state's current weights, freed after the rollout: the whole policy visits the device once a
-step. The prompts of a step are left-padded into one batch, each repeated num_generations times in
-a row (TRL's order). Step s samples from torch's generator seeded with `sampling_seed(seed, s)`
-(the run's own generators untouched), so a step's completions are a function of the seed, the
-step and the weights: `generate` after `torch.manual_seed(sampling_seed(seed, s))` gives the same,
-and a resumed run samples what the uninterrupted one did. A completion
-ends at its first end token (the tokenizer's EOS or the chat template's end of turn), included;
-one that reaches max_completion_length is truncated. Rank r takes the r-th block of a step's
-prompts; advantages see every rank's rewards.
+Sampling is transformers' `generate` (max_new_tokens = max_completion_length) on a transformers
+model built on the device in the compute dtype from the host state's current weights, freed
+after the rollout: the whole policy visits the device once a step. The prompts of a step are
+left-padded into one batch, each repeated num_generations times in a row (TRL's order). Each
+completion is sampled from a stream of its own (sampling.RowSampler: temperature, top_k, top_p
+as transformers' warpers apply them), seeded with `row_seed(seed, step, the prompt's index in the
+dataset, the completion's index in its group)`: a completion is a function of the seed, the step,
+its prompt and the weights, whatever else is in the batch. So a resumed run samples what the
+uninterrupted one did, and any number of processes sample what one does. A completion ends at its
+first end token (the tokenizer's EOS or the chat template's end of turn), included; one that
+reaches max_completion_length is truncated. Rank r takes the r-th block of a step's prompts;
+advantages see every rank's rewards.
 
 A rollout is trained for num_iterations optimizer steps (TRL's buffered generation): the first of
 them samples it (with that step's seed) and the others train on it again; their records carry the
@@ -48,16 +49,12 @@ from .data.prompts import Prompt
 from .errors import CheckpointError
 from .objectives.grpo import OLD_LOGP, REF_LOGP, GRPOConfig, advantages, log_probs
 from .rewards import RewardFunc, score
+from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
-
-
-def sampling_seed(seed: int, step: int) -> int:
-    """The seed step `step` (1-based) samples its completions with."""
-    return (seed * 1_000_003 + step) % 2**63
 
 
 def samples_at(step: int, num_iterations: int) -> bool:
@@ -124,7 +121,8 @@ class Rollout:
         (pb,) = prompt_batches
         prompts = [self.prompts[i] for i in pb.units for _ in range(self.cfg.num_generations)]
         t0 = time.perf_counter()
-        completions, truncated = self.generate([p.ids for p in prompts], sampling_seed(self.seed, step))
+        seeds = [row_seed(self.seed, step, i, j) for i in pb.units for j in range(self.cfg.num_generations)]
+        completions, truncated = self.generate([p.ids for p in prompts], seeds)
         t1 = time.perf_counter()
         rewards = self._score(prompts, completions)
         t2 = time.perf_counter()
@@ -148,14 +146,13 @@ class Rollout:
         return batches
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], seed: int) -> tuple[list[list[int]], list[bool]]:
-        """Sampled completions (each cut after its first end token) and whether each was cut at
-        max_completion_length instead."""
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], list[bool]]:
+        """Completions of the prompts, each sampled from its own stream (`seeds`, sampling.py),
+        each cut after its first end token, and whether each was cut at max_completion_length
+        instead."""
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self._measured():
-            model = self._policy()
-            torch.manual_seed(seed)
-            return self._sample(model, prompt_ids)
+        with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
+            return self._sample(self._policy(), prompt_ids, seeds)
 
     @contextlib.contextmanager
     def _measured(self):
@@ -175,7 +172,9 @@ class Rollout:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _sample(self, model, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
+    def _sample(
+        self, model, prompt_ids: list[list[int]], seeds: list[int]
+    ) -> tuple[list[list[int]], list[bool]]:
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -185,10 +184,10 @@ class Rollout:
         out = model.generate(
             ids.to(self.device),
             attention_mask=mask.to(self.device),
-            do_sample=True,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            top_k=self.cfg.top_k or 0,
+            do_sample=False,  # RowSampler leaves each row its sampled token only
+            logits_processor=[
+                RowSampler(seeds, self.device, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+            ],
             max_new_tokens=self.cfg.max_completion_length,
             eos_token_id=self.stops or None,
             pad_token_id=self.pad_id,
@@ -298,19 +297,23 @@ class Rollout:
         )
 
     def _metrics(self, rewards: torch.Tensor, completions, truncated) -> dict[str, float]:
-        """TRL's per-function rewards and completion lengths (this rank's lengths)."""
+        """TRL's per-function rewards (`rewards`: every rank's) and completion lengths, over every
+        rank's completions, as TRL gathers them."""
         out = {}
         for j, f in enumerate(self.funcs):
             col = rewards[:, j]
             out[f"rewards/{f.name}/mean"] = float(col.nanmean())
             out[f"rewards/{f.name}/std"] = float(col[~col.isnan()].std()) if (~col.isnan()).sum() > 1 else 0.0
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-        done = lengths[~torch.tensor(truncated)]
+        mine = [(len(c), bool(t)) for c, t in zip(completions, truncated)]
+        every = [x for rank in self.world.each(mine) for x in rank] if self.world.world_size > 1 else mine
+        lengths = torch.tensor([n for n, _ in every], dtype=torch.float64)
+        cut = torch.tensor([t for _, t in every])
+        done = lengths[~cut]
         out.update({
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(sum(truncated)) / len(truncated),
+            "completions/clipped_ratio": float(cut.double().mean()),
             "completions/mean_terminated_length": float(done.mean()) if len(done) else 0.0,
         })  # fmt: skip
         return out

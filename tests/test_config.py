@@ -233,3 +233,15 @@ def test_fractional_logging_and_warmup_steps_in_a_run(tmp_path, capsys):
     assert logged == ["2/4", "4/4"]
     lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert lrs == pytest.approx([0.0, 1.5e-3, 3e-3, 3e-3])
+
+
+def test_lists_of_numbers_load_from_yaml_and_a_bad_item_is_named(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model_config: m\ndataset: d\nstage: grpo\nreward_funcs: [length, format]\n"
+                    "reward_weights: [-0.05, 1]\n")  # fmt: skip
+    assert TrainConfig.load(path).reward_weights == [-0.05, 1.0]
+    dpo = TrainConfig.load(path, ["stage=dpo", "reward_funcs=null", "reward_weights=null",
+                                  "loss_type=[sigmoid, sft]", "loss_weights=[1, 0.5]"])  # fmt: skip
+    assert dpo.loss_weights == [1.0, 0.5] and dpo.loss_type == ["sigmoid", "sft"]
+    with pytest.raises(ConfigError, match=r"^reward_weights\[1\]: expected float, got 'a'$"):
+        TrainConfig.load(path, ["reward_weights=[1, a]"])

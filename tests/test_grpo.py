@@ -24,7 +24,8 @@ from megatrain.models.config import ModelConfig
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
 from megatrain.rewards import RewardError
-from megatrain.rollout import ROLLOUT_FILE, samples_at, sampling_seed
+from megatrain.rollout import ROLLOUT_FILE, samples_at
+from megatrain.sampling import RowSampler, row_seed
 from megatrain.stages import grpo_reference
 from megatrain.trainer import train
 
@@ -260,23 +261,24 @@ def test_grpo_trains_as_trl(setup, kw, monkeypatch):
     assert any(not torch.equal(final[k], start[k].detach()) for k in final)
 
 
-def test_first_rollout_is_transformers_generate(setup):
-    """With the run's seed, the first step's completions are `generate`'s (left-padded prompts,
-    each repeated num_generations times, sampled), cut after the first end token."""
+def test_each_completion_is_transformers_generate_of_its_prompt_alone(setup):
+    """With the run's seed, each of the first step's completions is `generate`'s for its prompt
+    alone, sampled from its own stream (row_seed(seed, step, prompt, completion)), cut after the
+    first end token: the batch it was sampled in changes nothing."""
     tmp_path, tok = setup
     _, rollouts, _ = run(tmp_path, max_steps=1, seed=7)
     first = [r for r in rollouts if r["step"] == 1]
-    prompts = [tok(r["prompt"])["input_ids"] for r in first]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    assert len(first) == B * GA
     hf = model(len(tok)).eval()
-    torch.manual_seed(sampling_seed(7, 1))
-    out = hf.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                      max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
-    for row, r in zip(out[:, width:].tolist(), first):
+    for n, r in enumerate(first):  # shuffle off: prompt n // G of the dataset, completion n % G
+        ids = torch.tensor([tok(r["prompt"])["input_ids"]])
+        sampler = RowSampler([row_seed(7, 1, n // G, n % G)], "cpu")
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
+                          max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+        row = out[0, ids.shape[1] :].tolist()
         end = next((i for i, t in enumerate(row) if t == tok.eos_token_id), None)
         assert r["completion_ids"] == (row if end is None else row[: end + 1])
+    assert len({tuple(r["completion_ids"]) for r in first[:G]}) > 1  # a group's completions differ
 
 
 def failing_reward(completions, **_):
@@ -395,3 +397,47 @@ def test_tokens_outside_the_loss_cannot_make_it_nan():
     head = Head(Project(), {}, torch.eye(vocab), chunk=4)
     loss = objective.loss_sum(head, [hidden], [objective.targets(mb, torch.device("cpu"))])
     assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(setup):
+    """The step's prompts split over two gloo processes (each samples its half from the
+    completions' own streams, advantages over both halves, reused for num_iterations steps with a
+    KL term): the same completions, losses, metrics and weights as one process with the same
+    global batch."""
+    from test_checkpoint import write_yaml
+    from test_distributed import assert_close_weights, launch
+
+    tmp_path, _ = setup
+    kw = dict(num_iterations=2, beta=0.04, loss_type="grpo")
+    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
+    base = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
+        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0], num_generations=G,
+        max_completion_length=MAX_NEW, per_device_train_batch_size=B, max_steps=STEPS, learning_rate=LR,
+        lr_scheduler_type="constant", weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no",
+        save_dtype="float32", disable_tqdm=True, logging_steps=1, adam_epsilon=EPS, **kw,
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", base), f"gradient_accumulation_steps={GA // 2}",
+                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
+        mine = [r["completion_ids"] for r in two_rollouts if r["step"] == step]
+        assert mine == [r["completion_ids"] for r in one_rollouts if r["step"] == step][: len(mine)]
+    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
+    assert len(got) == len(want) == STEPS
+    for a, b in zip(got, want):
+        for k in (
+            "loss",
+            "grad_norm",
+            "kl",
+            "reward",
+            "reward_std",
+            "completions/mean_length",
+            "clip_ratio/region_mean",
+        ):
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
