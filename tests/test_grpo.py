@@ -436,7 +436,10 @@ def test_two_processes_equal_one(setup):
             "reward",
             "reward_std",
             "completions/mean_length",
+            "completions/clipped_ratio",
+            "entropy",
             "clip_ratio/region_mean",
+            "clip_ratio/low_mean",  # (low_min, high_max: the extreme over processes, as in TRL)
         ):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
