@@ -19,6 +19,7 @@ from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .models.family import describe
+from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
 from .planning.footprint import rollout_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
@@ -200,12 +201,27 @@ def _less_rollout(machine: Machine, rollout: dict[str, int]) -> Machine:
 def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem, span=None):
     """The placement of `cfg` with some batch knobs changed (PlanError when none fits)."""
 
+    extra = stage_host_memory(cfg, model_cfg, compute_bytes, machine.world)
+    host = (
+        machine
+        if not extra or machine.host_bytes is None
+        else replace(machine, host_bytes=machine.host_bytes - sum(extra.values()))
+    )
+
     def attempt(**knobs: int) -> Plan:
         batch = batch_of(cfg, model_cfg, compute_bytes, span, **knobs)
-        trains_on = _less_rollout(machine, rollout_memory(cfg, model_cfg, compute_bytes, **knobs))
-        return make_placement(model_cfg, batch, trains_on, choices_of(cfg), layer_mem)
+        trains_on = _less_rollout(host, rollout_memory(cfg, model_cfg, compute_bytes, **knobs))
+        p = make_placement(model_cfg, batch, trains_on, choices_of(cfg), layer_mem)
+        return replace(p, host={**p.host, **extra}) if extra else p
 
     return attempt
+
+
+def stage_host_memory(cfg, model_cfg: ModelConfig, compute_bytes: int, world: Layout) -> dict[str, int]:
+    """Host memory a stage keeps beside the plan's on one machine of `world`: grpo's reference
+    weights (a KL term, beta > 0) in the compute dtype, a copy per process."""
+    ref = reference_copy_bytes(model_cfg.num_params, compute_bytes, cfg.grpo())
+    return {"reference weights (grpo, beta > 0)": ref * world.ranks_per_machine} if ref else {}
 
 
 def _largest(fits, start: int) -> int | None:

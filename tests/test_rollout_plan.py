@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from megatrain import plan as planning
 from megatrain.config import TrainConfig
 from megatrain.models.config import ModelConfig
-from megatrain.planning.footprint import usable_gpu
+from megatrain.planning.footprint import HOST_RESERVE, usable_gpu
 from megatrain.planning.placement import Machine
 from megatrain.planning.placement import plan as make_placement
 
@@ -59,3 +59,16 @@ def test_the_update_is_planned_in_the_gpu_less_the_rollout_and_too_large_a_rollo
 
     small = planning.check(model_cfg, cfg, Machine("cuda", rollout - GiB // 4, 64 * GiB), 2)
     assert not small.fits and "the rollout alone needs" in small.problem and "\n" not in small.problem
+
+
+def test_a_kl_term_keeps_the_reference_weights_in_host_memory_in_the_plan():
+    model_cfg, cfg = shapes()
+    machine = Machine("cuda", 80 * GiB, 64 * GiB)
+    plain = planning.check(model_cfg, cfg, machine, 2).plan
+    kl = planning.check(model_cfg, replace(cfg, beta=0.04), machine, 2).plan
+    ref = kl.host["reference weights (grpo, beta > 0)"]
+    assert ref == model_cfg.num_params * 2
+    assert kl.host_total == plain.host_total + ref
+    tight = Machine("cuda", 80 * GiB, int((plain.host_total + ref // 2) / (1 - HOST_RESERVE)))
+    assert planning.check(model_cfg, cfg, tight, 2).fits
+    assert not planning.check(model_cfg, replace(cfg, beta=0.04), tight, 2).fits
