@@ -126,6 +126,10 @@ def plan(
     except PlanError as e:
         if machine.disk_bytes is None or machine.host_bytes is None:
             raise
+        try:  # would any amount of host memory do? If not, the GPU is what does not fit
+            _in_memory(cfg, batch, replace(machine, host_bytes=None), choices, layer_mem)
+        except PlanError:
+            raise e from None
         return _with_disk_tier(cfg, batch, machine, choices, layer_mem, str(e))
 
 
