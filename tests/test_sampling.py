@@ -74,3 +74,17 @@ def test_generate_gives_a_prompt_the_same_completion_alone_and_in_a_padded_batch
                                  logits_processor=[RowSampler([seeds[i]], "cpu")], **kw)  # fmt: skip
             assert batch[i, width:].tolist() == one[0, len(p) :].tolist()
     assert len({tuple(r) for r in batch[:, width:].tolist()}) == 3  # sampled, not one greedy answer
+
+
+def test_top_k_1_is_transformers_greedy_generate():
+    model = tiny_hf_model(
+        "llama", seed=1, num_hidden_layers=2, hidden_size=64, intermediate_size=96, vocab_size=97
+    )
+    ids = torch.tensor([[5, 9, 13, 2, 40], [7, 3, 3, 8, 1]])
+    kw = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        greedy = model.generate(ids, do_sample=False, **kw)
+        ours = model.generate(
+            ids, do_sample=False, logits_processor=[RowSampler([1, 2], "cpu", top_k=1)], **kw
+        )
+    assert torch.equal(ours, greedy)
