@@ -5,15 +5,18 @@ in one batch or in many (vLLM's per-request seeds serve the same end).
 
 `RowSampler` is a transformers logits processor for `generate(..., do_sample=False)`: it filters
 each row's logits with transformers' own warpers (temperature, then top-k, then top-p, as
-`generate` applies them when it samples), draws the row's token by the Gumbel-max rule with
-uniform noise from the row's own `torch.Generator`, and leaves only that token for the greedy
-pick. Gumbel-max samples exactly from the softmax of the filtered logits.
+`generate` applies them when it samples), draws the row's token by inverting the cumulative
+distribution of their softmax at a uniform number of the row's own, and leaves only that token for
+the greedy pick. The uniform number of a row's n-th token is a counter-based hash of (the row's
+seed, n) made on the host for every row at once: one small copy and a few batched kernels per
+decoding step, whatever the number of rows.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import (
@@ -32,8 +35,25 @@ def row_seed(*parts: int) -> int:
     return int.from_bytes(digest.digest(), "little") & (2**63 - 1)
 
 
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: uint64 in, well-mixed uint64 out (numpy's uint64 wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seeds: np.ndarray, n: int) -> np.ndarray:
+    """The uniform number in (0, 1) of each row's n-th token (float64), from its seed alone."""
+    with np.errstate(over="ignore"):
+        x = _mix(seeds + np.uint64(n + 1) * np.uint64(GOLDEN))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
 class RowSampler(LogitsProcessor):
-    """Each row sampled from its own generator (seeded with `seeds[i]`, on `device`)."""
+    """Each row sampled from its own stream (seeded with `seeds[i]`), its tokens on `device`."""
 
     def __init__(self, seeds: list[int], device, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float = 1.0):  # fmt: skip
@@ -45,15 +65,16 @@ class RowSampler(LogitsProcessor):
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
         self.device = torch.device(device)
-        self.generators = [torch.Generator(self.device).manual_seed(s) for s in seeds]
+        self.seeds = np.array(seeds, dtype=np.uint64)
+        self.drawn = 0  # tokens drawn per row so far: generate calls once per new token
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if scores.shape[0] != len(self.generators):
-            raise ValueError(f"{scores.shape[0]} rows to sample, seeds for {len(self.generators)}")
-        logp = torch.log_softmax(self.warpers(input_ids, scores.float()), dim=-1)
-        vocab = scores.shape[-1]
-        noise = torch.stack([torch.rand(vocab, generator=g, device=self.device) for g in self.generators])
-        gumbel = -torch.log(-torch.log(noise.clamp_(min=torch.finfo(noise.dtype).tiny)))
-        choice = (logp + gumbel).argmax(dim=-1, keepdim=True)
+        if scores.shape[0] != len(self.seeds):
+            raise ValueError(f"{scores.shape[0]} rows to sample, seeds for {len(self.seeds)}")
+        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
+        cdf = probs.double().cumsum_(dim=-1)
+        u = torch.from_numpy(uniforms(self.seeds, self.drawn)).to(self.device, non_blocking=True)
+        self.drawn += 1
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=scores.shape[-1] - 1)
         out = torch.full_like(scores, -float("inf"))
         return out.scatter_(1, choice, 0.0)
