@@ -37,11 +37,11 @@ def mapped_from_tier(t: torch.Tensor) -> bool:
     return False
 
 
-def host_budget(base: dict, units: int) -> int:
+def host_budget(base: dict, units: int, device: str = "cpu") -> int:
     """A max_host_memory that holds the whole run but the moments of its last `units` units."""
     cfg = TrainConfig(**base)
     model_cfg = ModelConfig.from_json(cfg.model_config)
-    plan, _ = planning.preflight(model_cfg, cfg, "cpu", 4)
+    plan, _ = planning.preflight(model_cfg, cfg, device, 4)
     state = HostState(build_units(model_cfg), with_optimizer=False)
     tail = state.units[len(state.units) - units :]
     need = plan.host_total - MOMENT_BYTES * sum(u.numel for u in tail)
@@ -167,3 +167,16 @@ def test_the_tier_counts_in_output_dirs_disk_space_where_they_share_a_file_syste
     with pytest.raises(MegatrainError, match="the disk tier in offload_dir") as e:
         train(cfg)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_tier_trains_bitwise_as_in_memory(tmp_path, base):
+    """The GPU's schedule (page-locked master weights, the CPU AdamW overlapping the sweeps) with
+    the moments of the last units mapped from disk: the same weights as without the tier."""
+    base = base | dict(device="cuda", compute_dtype="float32", gpu_state="off")
+    train(TrainConfig(**base, output_dir=str(tmp_path / "ram")))
+    max_host = host_budget(base, 2, "cuda")
+    train(TrainConfig(**base, output_dir=str(tmp_path / "disk"), offload_dir=str(tmp_path / "nvme"),
+                      max_host_memory=max_host))  # fmt: skip
+    assert json.loads((tmp_path / "disk" / "plan.json").read_text())["plan"]["disk_units"] >= 1
+    assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))

@@ -444,3 +444,22 @@ def test_two_processes_equal_one(setup):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
     assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+
+
+@pytest.mark.gpu
+def test_on_cuda_each_completion_is_generate_of_its_prompt_alone(setup):
+    """The rollout on the GPU (the policy built on the device from the host state, one batch of
+    left-padded prompts, fp32): each completion of the first step is `generate`'s on the GPU for
+    its prompt alone with its own stream."""
+    tmp_path, tok = setup
+    _, rollouts, _ = run(tmp_path, max_steps=1, seed=7, device="cuda", compute_dtype="float32")
+    first = [r for r in rollouts if r["step"] == 1]
+    hf = model(len(tok)).cuda().eval()
+    for n, r in enumerate(first):
+        ids = torch.tensor([tok(r["prompt"])["input_ids"]], device="cuda")
+        sampler = RowSampler([row_seed(7, 1, n // G, n % G)], "cuda")
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
+                          max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+        row = out[0, ids.shape[1] :].tolist()
+        end = next((i for i, t in enumerate(row) if t == tok.eos_token_id), None)
+        assert r["completion_ids"] == (row if end is None else row[: end + 1])
