@@ -167,8 +167,8 @@ def test_the_14b_run_with_all_state_in_host_memory_is_predicted_within_ten_perce
 
 # ---------------------------------------------------------------------------- auto against none
 def _schedule(r: dict) -> tuple[int, bool]:
-    """A run's GPU-stepped units and whether their state was prestaged (records made before it
-    was loaded it after the clip)."""
+    """A run's GPU-stepped units and whether their state was prestaged (the records made before
+    prestaging was built loaded it after the clip)."""
     p = r["plan"]
     k = p.get("gpu_stepped_units") or 0
     return k, bool(k and p["grad_mode"] == "stored" and p.get("prestage", False))
