@@ -1,12 +1,13 @@
-"""Replay recorded bench/memory.py runs through the current memory model.
+"""Replay recorded bench/ runs through the current memory and step-time models.
 
-Each run recorded its plan, the layer memory the probe measured and the peak of allocated GPU
-memory in each phase of a step (forward sweep, loss head, backward sweep). This recomputes the
-model's prediction for each phase from the same inputs, so a change to placement.py can be
-checked against every measurement taken so far without a GPU:
+Each bench/memory.py run recorded its plan, the layer memory the probe measured and the peak of
+allocated GPU memory in each phase of a step (forward sweep, loss head, backward sweep). This
+recomputes the model's prediction for each phase from the same inputs, so a change to
+placement.py can be checked against every measurement taken so far without a GPU:
 
     python bench/replay.py bench/results/*_memory.json bench/results/*_x2.json
     python bench/replay.py --units bench/results/<file>.json   # per unit of the backward sweep
+    python bench/replay.py --steps bench/results/*.json         # step time, every run that can
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from memory import batch_of, plan_str, shape_of  # noqa: E402
 
-from megatrain.planning.placement import Plan, phase_peaks, unit_peaks  # noqa: E402
+from megatrain.planning.footprint import evaluate  # noqa: E402
+from megatrain.planning.placement import Machine, Plan, phase_peaks, unit_peaks  # noqa: E402
+from megatrain.planning.planspec import PCIE_BYTES_S, model_shape  # noqa: E402
 from megatrain.planning.probe import LayerMemory  # noqa: E402
 
 GiB = 2**30
@@ -32,6 +35,37 @@ def _plan(record: dict) -> Plan:
     """The record's plan; records made before GPU-stepped state was prestaged measured it loaded
     after the clip."""
     return replace(Plan.from_json(record["plan"]), prestage=record["plan"].get("prestage", False))
+
+
+def machine_of(record: dict) -> Machine:
+    """The machine a run was planned for, at today's PCIe rate: the plan never measures the link,
+    so a record holds the constant of its day, not a measurement (its GPU and host budgets, layer
+    and AdamW rates were measured where the run happened)."""
+    return replace(Machine.from_json(record["machine"]), pcie_bytes_s=PCIE_BYTES_S)
+
+
+def run_of(record: dict) -> dict | None:
+    """memory.py's run spec of a record: memory.py's own, or bench.py's shape and step (None for
+    a record without a plan to replay)."""
+    if "run" in record:
+        return record.get("resolved_run") or record["run"]
+    if not isinstance(record.get("plan"), dict) or "model" not in record:
+        return None  # early bench.py records wrote the plan as text
+    return {
+        "model": record["model"],
+        "tokens": record["tokens_per_step"],
+        "seq": record["seq_len"],
+        "mbs": record["mbs"],
+    }
+
+
+def step_time(record: dict) -> tuple[float, Plan]:
+    """(predicted step seconds, the plan as evaluated) of a run that recorded its plan, machine and
+    measured layer: the current cost model on the run's own inputs."""
+    run = run_of(record)
+    shape = model_shape(shape_of(run)[0], LayerMemory(**record["layer_mem"]))
+    p = evaluate(shape, batch_of(run), _plan(record), machine_of(record))
+    return p.step_time_s, p
 
 
 def replay(record: dict) -> dict[str, tuple[int, int]]:
@@ -51,7 +85,28 @@ def replay_units(record: dict) -> dict[int, tuple[int, int]]:
     return {int(u): (v, predicted[int(u)]) for u, v in record.get("unit_peaks", {}).items()}
 
 
+def _steps(paths: list[str]) -> None:
+    """Each run's measured step beside the cost model's, for every record that can be replayed."""
+    print("| file | run | plan | measured s | predicted s | error |")
+    print("|---|---|---|---|---|---|")
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for r in data.get("runs", []) if isinstance(data, dict) else data:
+            if not isinstance(r, dict) or not r.get("step_s") or "layer_mem" not in r or not run_of(r):
+                continue
+            t, _ = step_time(r)
+            name = r.get("name") or r.get("system")
+            print(
+                f"| {os.path.basename(path)} | {name} | {plan_str(r['plan'])} | {r['step_s']:.3f} | "
+                f"{t:.3f} | {100 * (t / r['step_s'] - 1):+.1f}% |"
+            )
+
+
 def main() -> None:
+    if "--steps" in sys.argv:
+        sys.argv.remove("--steps")
+        return _steps(sys.argv[1:])
     if "--units" in sys.argv:  # each unit of each run that measured them: where model and allocator part
         sys.argv.remove("--units")
         print("| file | run | unit | measured GiB | predicted GiB | measured - predicted |")

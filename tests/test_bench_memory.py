@@ -201,6 +201,8 @@ def test_the_cost_model_predicts_the_steps_whose_gradients_land_in_the_backward_
     each step is predicted within 10% (at the stored mode's rate, 18-22% slow on each)."""
     import json
 
+    import replay
+
     from megatrain.planning import costmodel, footprint, planspec
     from megatrain.planning.planspec import Plan
     from megatrain.planning.probe import LayerMemory
@@ -211,7 +213,7 @@ def test_the_cost_model_predicts_the_steps_whose_gradients_land_in_the_backward_
         for r in json.loads((results / name).read_text())["runs"]:
             if "plan" not in r or r["plan"]["grad_mode"] == "stored":
                 continue
-            p, m = Plan.from_json(r["plan"]), Machine.from_json(r["machine"])
+            p, m = Plan.from_json(r["plan"]), replay.machine_of(r)
             shape = planspec.model_shape(memory.shape_of(r["run"])[0], LayerMemory(**r["layer_mem"]))
             t = footprint.evaluate(shape, memory.batch_of(r["run"]), p, m).step_time_s
             assert t == pytest.approx(r["step_s"], rel=0.10), (name, r["name"], t, r["step_s"])

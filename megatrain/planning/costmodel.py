@@ -18,9 +18,10 @@ apart: at long context attention is most of the work and runs slower than the ma
 the rate of a matmul shaped like the layer's, `probe.cpu_layer_memory`) instead of GPU_FLOPS, and
 this host's AdamW rate
 (`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S; PCIE_BYTES_S is always the
-constant (both are the `Machine`'s defaults, planspec.py). bench/host-only.md has the model's
-terms for GPU-stepped units, and tests/test_gpustep.py checks it against the committed H100 runs
-of them (model A, 16k tokens).
+constant (both are the `Machine`'s defaults, planspec.py; the figures' sources are below).
+bench/host-only.md has the model's terms for GPU-stepped units; tests/test_costmodel_replay.py
+replays the recorded runs of them (`python bench/replay.py --steps bench/results/*.json` lists
+every run's measured and predicted step).
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ from .planspec import Batch, Machine, Plan, Shape
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
 GPU_FLOPS = {"cuda": 550e12, "cpu": 0.5e12}  # where nothing was measured (a CPU run measures its own)
+# The link's rate one way (planspec.PCIE_BYTES_S, the plan never measures it): 55 GB/s, what whole
+# units' page-locked copies moved alone on an H200 host (55.5 host->device, 55.4 back; bench/link.py,
+# results/2026-11-23_2217_link.md). At 45, the figure of the earlier schedules, today's prestaged
+# schedule was predicted 20-35% slow with model A at 24-30 units and 8B at 16k tokens
+# (2026-11-23_2217_a16-count.json, _2224_auto.json, _2228_a16-count2.json, _2234_b16-auto.json,
+# _2236_auto-repeat.json); at 55 no plan of the recorded runs without GPU-stepped units changes.
 # Both directions at once move more than one, but not twice. Page-locked copies alone moved 102
-# GB/s both ways together on an H200 host, 70 beside the CPU AdamW on 15 threads (bench/link.py,
-# results/2026-11-23_2217_link.md). Since the GPU-stepped units' write-backs queue behind all their
-# kernels (gpustep.py), the steps carry both directions at once: 84 GB/s together at 26 units
-# (results/2026-11-23_2217_a16-count.json), where the earlier schedule never passed 56.6-59.5.
+# GB/s both ways together on an H200 host, 70 beside the CPU AdamW on 15 threads (the same
+# results). Since the GPU-stepped units' write-backs queue behind all their kernels (gpustep.py),
+# the steps carry both directions at once: 84-89 GB/s together at 26-28 units (the runs above),
+# where the earlier schedule never passed 56.6-59.5. 1.6 x 55 = 88 GB/s.
 PCIE_DUPLEX_GAIN = 1.6
 # The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
 # (it shares host memory bandwidth with the copies and cores with the launching thread), and even
@@ -94,7 +101,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
         window = forward
     else:
         window = 3 * forward  # the backward sweep that lands the gradients
-    stretch, gpu_step = _gpu_stepping(s, plan, backward, act_bytes, rate)
+    stretch, gpu_step = _gpu_stepping(s, plan, backward, forward, act_bytes, rate)
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
     return max(gpu + stretch + waits, pcie + idle, duplex) + OPT_INTERFERENCE * min(cpu, window)
@@ -114,25 +121,34 @@ def _rates(s: Shape, m: Machine) -> tuple[float, float]:
 
 
 def _gpu_stepping(
-    s: Shape, plan: Plan, backward_s: float, act_bytes: int, rate: float
+    s: Shape, plan: Plan, backward_s: float, forward_s: float, act_bytes: int, rate: float
 ) -> tuple[float, float]:
-    """The GPU-stepped units' time on the critical path: how much longer the backward sweep takes
-    with their state coming in beside its own fetches (prestaged), and the GPU's wait after the
-    clip before the next forward sweep has their updated weights. Their way back overlaps the
-    next sweeps; the link's total traffic bounds it."""
+    """The GPU-stepped units' time on the critical path: how long the GPU waits for their state
+    beyond the sweeps it comes in beside (prestaged), and its wait after the clip before the next
+    forward sweep has their updated weights. Their way back overlaps the next sweeps; the link's
+    total traffic bounds it."""
     stepped = sum(s.units[u] for u in plan.stepped)
     prestaged = sum(s.units[u] for u in plan.prestaged)
     if not prestaged:
-        # The state comes in after the clip. Measured (model A, 16k tokens, H100): the GPU waits for
-        # its whole way in and out; the next forward sweep hides none of it (it shares the link
-        # with its own fetches): 30 such units took 1.85 s a step, where hiding a forward's
-        # length of it predicted 1.67 and this 1.88.
-        return 0.0, STATE_BYTES * stepped / rate
+        # The state comes in after the clip through two scratch slots, one loading while the other
+        # is written back: both ways at once, at the link's joint rate. The GPU waits for all of
+        # it; the next forward sweep hides none of it (it shares the link with its own fetches).
+        # Measured (model A, 16k tokens, H100, results/2026-11-23_0402_gpustep.json): 30 such
+        # units took 1.85 s a step, where hiding a forward's length of it predicted 1.67 and this
+        # 1.90 (15 and 22 units within 4%); the 14.77B shape with 39 (`auto`'s count there, too
+        # many to prestage) 6.42 s, this 6.80 (PERFORMANCE.md, 2026-11-26).
+        return 0.0, 2 * STATE_BYTES * stepped / (PCIE_DUPLEX_GAIN * rate)
     # Prestaged: the backward sweep carries its fetches (fp32 weights of the recomputed streamed
-    # layers but the prestaged ones), the parked activations and the state: it takes the longer of
-    # its compute and that.
+    # layers but the prestaged ones), the parked activations and the state. The step stream takes
+    # the units in forward order, each once its state is in, and the next forward sweep waits
+    # only for the unit it reaches: the state has the backward sweep and the next forward sweep
+    # up to the last stepped unit. Counted over the backward sweep alone, model A at 16k tokens
+    # with 26-30 of 30 units was predicted 8-18% slow even at 55 GB/s, where the GPU was busy
+    # 90-96% of the step (results/2026-11-23_2224_auto.json, _2228_a16-count2.json,
+    # _2236_auto-repeat.json); counted so, -2% to +11%.
     skip = set(plan.kept_fresh(s.layers, s.tied))
     recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
     fetched = sum(s.units[u] for u in recomputed if u not in skip)
     link = (4 * fetched + act_bytes + STATE_BYTES * prestaged) / rate
-    return max(0.0, link - backward_s), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S
+    reach = forward_s * min(plan.stepped.stop - 1, s.layers) / max(1, s.layers)
+    return max(0.0, link - backward_s - reach), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S

@@ -82,11 +82,11 @@ MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units id
 MAX_MLP_TILE = 16384
 STEPPING_GAIN = 0.05  # the share of a step GPU stepping must save before the plan chooses it
 # `gpu_step_units: auto` takes the fewest units whose step the cost model puts within this share
-# of the fastest count's. Closer than that the model cannot rank counts (its error on the measured
-# runs is 2-19%), and fewer units hold less GPU memory: 8B at 64k tokens on an H200, 34 units (the
-# model's fastest, 1-2% ahead of 30) ran 7,054-7,376 tokens/s in five runs (three of them with
-# schedule variants not kept), 30 units 8,429-8,771 in four (two), the allocator's reserve at the
-# card's limit at 34 (bench/host-only.md). Those runs predate the reordered write-backs of
+# of the fastest count's. Closer than that the model cannot rank counts (its error on the recorded
+# runs of today's schedule is -7% to +11%, tests/test_costmodel_replay.py), and fewer units hold
+# less GPU memory: 8B at 64k tokens on an H200, 34 units (the model's fastest, 1-2% ahead of 30)
+# ran 7,054-7,376 tokens/s in five runs (three of them with schedule variants not kept), 30 units
+# 8,429-8,771 in four (two), the allocator's reserve at the card's limit at 34 (bench/host-only.md). Those runs predate the reordered write-backs of
 # gpustep.py, which removed a per-step allocator retry; 34 units are not measured since.
 STEPPING_TOLERANCE = 0.02
 

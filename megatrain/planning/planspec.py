@@ -20,7 +20,7 @@ INFLIGHT_UNITS = 2  # gradients on their way to the host optimizer (immediate, t
 EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
 # A machine's rates where they are not measured: the link's, one way, and the CPU AdamW's inside a
 # training step (costmodel.py says where the figures come from)
-PCIE_BYTES_S = 45e9
+PCIE_BYTES_S = 55e9
 ADAM_PARAMS_S = 3e9
 # The disk tier's rate, each way, where nothing was measured: one NVMe drive read and written
 # through the page cache (a conservative figure, not a measurement of this project's)
