@@ -80,6 +80,8 @@ def test_a_run_with_a_disk_tier_trains_bitwise_as_in_memory_and_leaves_nothing(t
 
     monkeypatch.setattr(DiskTier, "__init__", watched)
     tier = tmp_path / "nvme"
+    tier.mkdir()
+    (tier / "notes.txt").write_text("the user's")  # offload_dir may hold the user's files
     max_host = host_budget(base, 2)
     train(
         TrainConfig(
@@ -91,7 +93,7 @@ def test_a_run_with_a_disk_tier_trains_bitwise_as_in_memory_and_leaves_nothing(t
     recorded = json.loads((tmp_path / "disk" / "plan.json").read_text())["plan"]
     assert recorded["disk_units"] == seen[0][0]
     assert any("disk tier" in n for n in recorded["notes"])
-    assert os.listdir(tier) == []
+    assert os.listdir(tier) == ["notes.txt"] and (tier / "notes.txt").read_text() == "the user's"
 
 
 def test_a_resume_rebuilds_the_tier_from_its_checkpoint(tmp_path, base):
