@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,28 @@ def test_on_cuda_a_tier_trains_bitwise_as_in_memory(tmp_path, base):
                       max_host_memory=max_host))  # fmt: skip
     assert json.loads((tmp_path / "disk" / "plan.json").read_text())["plan"]["disk_units"] >= 1
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
+
+
+def test_a_killed_process_leaves_no_tier_file(tmp_path):
+    """SIGKILL while the tier holds moments: its files were unlinked when made, so nothing is
+    left in offload_dir (the kernel frees their blocks with the process)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; sys.path.insert(0, 'tests')\n"
+        "from helpers import tiny_config\n"
+        "from megatrain.host.disk import DiskTier\n"
+        "from megatrain.host.state import HostState, build_units\n"
+        "from megatrain.models.config import ModelConfig\n"
+        "s = HostState(build_units(ModelConfig.from_hf(tiny_config('llama'))))\n"
+        f"DiskTier(s, 2, {str(tmp_path / 'nvme')!r}); s.exp_avg.fill_(1.0)\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert os.listdir(tmp_path / "nvme") == []
