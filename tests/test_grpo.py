@@ -463,3 +463,16 @@ def test_on_cuda_each_completion_is_generate_of_its_prompt_alone(setup):
         row = out[0, ids.shape[1] :].tolist()
         end = next((i for i, t in enumerate(row) if t == tok.eos_token_id), None)
         assert r["completion_ids"] == (row if end is None else row[: end + 1])
+
+
+def test_a_resume_with_other_stage_settings_says_which(setup, capsys):
+    """A resume may change the stage's settings, with a warning naming each (the continuation is
+    then not the uninterrupted run's)."""
+    tmp_path, _ = setup
+    run(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    capsys.readouterr()
+    run(tmp_path, max_steps=3, resume_from_checkpoint=True, beta=0.04, temperature=0.9)
+    line = next(
+        x for x in capsys.readouterr().out.splitlines() if "settings changed since the checkpoint" in x
+    )
+    assert "beta: None -> 0.04" in line and "temperature: 1.0 -> 0.9" in line  # None: the stage default
