@@ -83,16 +83,19 @@ def md_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_once(out: str, name: str, title: str, meta: dict[str, Any], rows: list[dict], table: str) -> str:
-    """`<out>/<minute>_<name>.json` (meta and rows) and `.md` (title, meta, table); exits naming the
-    file instead where either exists: nothing is overwritten. Returns the path without suffix."""
+def write_once(out: str, name: str, title: str, meta: dict[str, Any], rows: list[dict], table: str,
+               key: str = "rows", stamp: str | None = None) -> str:  # fmt: skip
+    """`<out>/<minute>_<name>.json` (meta, and the rows under `key`) and `.md` (title, meta,
+    table); exits naming the file instead where either exists: nothing is overwritten. `stamp`:
+    the minute (default now, as `%Y-%m-%d_%H%M`). Returns the path without suffix."""
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, datetime.datetime.now().strftime("%Y-%m-%d_%H%M") + "_" + name)
+    stamp = stamp or datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
+    stem = os.path.join(out, stamp + "_" + name)
     for path in (stem + ".json", stem + ".md"):
         if os.path.exists(path):
-            sys.exit(f"{name}.py: {path} exists; nothing is overwritten")
+            sys.exit(f"{path} exists; nothing is overwritten")
     with open(stem + ".json", "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
+        json.dump({**meta, key: rows}, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(f"# {title}\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n" + table + "\n")
     return stem

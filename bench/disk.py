@@ -25,6 +25,7 @@ import tempfile
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 import packed  # noqa: E402  (a sibling module; bench/ is not a package)
+from _report import write_once  # noqa: E402
 
 GiB = 2**30
 
@@ -85,6 +86,8 @@ def main() -> None:
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M")
     base = os.path.join(args.out, f"{stamp}_{args.tag}")
+    if os.path.exists(base + "_logs"):
+        sys.exit(f"{base}_logs exists; nothing is overwritten")
     runs = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as work:
         config, vocab, params = packed.write_model(args.model, args.doc, os.path.join(work, "model"))
@@ -113,13 +116,9 @@ def main() -> None:
     }
     text = table(runs)
     print(text)
-    with open(base + ".json", "w") as f:
-        json.dump({**meta, "runs": runs}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(
-            f"# {stamp}_{args.tag}: the disk tier\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items())
-        )
-        f.write("\n" + text + "\n")
+    write_once(
+        args.out, args.tag, f"{stamp}_{args.tag}: the disk tier", meta, runs, text, key="runs", stamp=stamp
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
 from _systems import model_config  # noqa: E402
 
@@ -167,20 +168,20 @@ def main() -> None:
         "num_params": n,
         "tokens_per_step": args.pairs * 2 * (args.prompt + args.completion),
     }
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M")
-    write(Path(args.out) / f"{stamp}_{args.tag}", meta, runs)
+    write(
+        Path(args.out),
+        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M"),
+        args.tag,
+        meta,
+        runs,
+    )
 
 
-def write(base: Path, meta: dict, runs: list[dict]) -> None:
+def write(out: Path, stamp: str, tag: str, meta: dict, runs: list[dict]) -> None:
     text = table(runs, meta["num_params"])
     print(text)
-    base.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
-    base.with_suffix(".md").write_text(
-        f"# {base.name}: DPO, megatrain beside TRL\n\n"
-        + "".join(f"- {k}: {v}\n" for k, v in meta.items())
-        + "\n"
-        + text
-        + "\n"
+    write_once(
+        str(out), tag, f"{stamp}_{tag}: DPO, megatrain beside TRL", meta, runs, text, key="runs", stamp=stamp
     )
 
 
@@ -195,8 +196,7 @@ def combine(megatrain: Path, trl: Path, out: Path, tag: str) -> None:
     meta["note"] = (
         "two calls on the same machine, one after the other: megatrain's (command), TRL's (peer_command)"
     )
-    stamp = datetime.datetime.fromisoformat(mine["date"]).strftime("%Y-%m-%d_%H%M")
-    write(out / f"{stamp}_{tag}", meta, runs)
+    write(out, datetime.datetime.fromisoformat(mine["date"]).strftime("%Y-%m-%d_%H%M"), tag, meta, runs)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # the repository
+from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
 from _systems import model_config  # noqa: E402
 
@@ -180,11 +181,8 @@ def main() -> None:
     }
     text = table(runs)
     print(text)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M")
-    base = Path(args.out) / f"{stamp}_{args.tag}"
-    base.with_suffix(".json").write_text(json.dumps({**meta, "runs": runs}, indent=1))
-    header = f"# {base.name}: GRPO\n\n" + "".join(f"- {k}: {v}\n" for k, v in meta.items())
-    base.with_suffix(".md").write_text(header + "\n" + text + "\n")
+    write_once(args.out, args.tag, f"{args.tag}: GRPO", meta, runs, text, key="runs",
+               stamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M"))  # fmt: skip
 
 
 if __name__ == "__main__":
