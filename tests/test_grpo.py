@@ -261,6 +261,20 @@ def test_grpo_trains_as_trl(setup, kw, monkeypatch):
     assert any(not torch.equal(final[k], start[k].detach()) for k in final)
 
 
+def assert_each_is_generate_alone(first, tok, hf, device):
+    """Each recorded completion of step 1 (run with seed 7, shuffle off: row n is prompt n // G of
+    the dataset, completion n % G) is `generate`'s for its prompt alone with its own stream, cut
+    after the first end token."""
+    for n, r in enumerate(first):
+        ids = torch.tensor([tok(r["prompt"])["input_ids"]], device=device)
+        sampler = RowSampler([row_seed(7, 1, n // G, n % G)], device)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
+                          max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+        row = out[0, ids.shape[1] :].tolist()
+        end = next((i for i, t in enumerate(row) if t == tok.eos_token_id), None)
+        assert r["completion_ids"] == (row if end is None else row[: end + 1])
+
+
 def test_each_completion_is_transformers_generate_of_its_prompt_alone(setup):
     """With the run's seed, each of the first step's completions is `generate`'s for its prompt
     alone, sampled from its own stream (row_seed(seed, step, prompt, completion)), cut after the
@@ -270,14 +284,7 @@ def test_each_completion_is_transformers_generate_of_its_prompt_alone(setup):
     first = [r for r in rollouts if r["step"] == 1]
     assert len(first) == B * GA
     hf = model(len(tok)).eval()
-    for n, r in enumerate(first):  # shuffle off: prompt n // G of the dataset, completion n % G
-        ids = torch.tensor([tok(r["prompt"])["input_ids"]])
-        sampler = RowSampler([row_seed(7, 1, n // G, n % G)], "cpu")
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
-                          max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
-        row = out[0, ids.shape[1] :].tolist()
-        end = next((i for i, t in enumerate(row) if t == tok.eos_token_id), None)
-        assert r["completion_ids"] == (row if end is None else row[: end + 1])
+    assert_each_is_generate_alone(first, tok, hf, "cpu")
     assert len({tuple(r["completion_ids"]) for r in first[:G]}) > 1  # a group's completions differ
 
 
@@ -455,14 +462,7 @@ def test_on_cuda_each_completion_is_generate_of_its_prompt_alone(setup):
     _, rollouts, _ = run(tmp_path, max_steps=1, seed=7, device="cuda", compute_dtype="float32")
     first = [r for r in rollouts if r["step"] == 1]
     hf = model(len(tok)).cuda().eval()
-    for n, r in enumerate(first):
-        ids = torch.tensor([tok(r["prompt"])["input_ids"]], device="cuda")
-        sampler = RowSampler([row_seed(7, 1, n // G, n % G)], "cuda")
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
-                          max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
-        row = out[0, ids.shape[1] :].tolist()
-        end = next((i for i, t in enumerate(row) if t == tok.eos_token_id), None)
-        assert r["completion_ids"] == (row if end is None else row[: end + 1])
+    assert_each_is_generate_alone(first, tok, hf, "cuda")
 
 
 def test_a_resume_with_other_stage_settings_says_which(setup, capsys):
