@@ -97,6 +97,9 @@ RUNS = {
     "x4-Q14-64k": "Q14:65536:max_host_memory=480GiB",
     "x4-Q14-64k-off": "Q14:65536:gpu_state=off,max_host_memory=480GiB",
     "x4-B18-16k-70GiB": "B18:16384:max_gpu_memory=70GiB,max_host_memory=480GiB,steps=4",
+    # the deepest model of Qwen2.5-32B's width the plan accepts on that host, and one layer more
+    "x4-largest-16k": "Q32:16384:layers=max,max_host_memory=480GiB,steps=3",
+    "x4-largest+1-16k": "Q32:16384:layers=max,layers_extra=1,max_host_memory=480GiB,steps=3",
     "tiny": "tiny:1024:gpu_state=auto,seq=256,steps=3",
     # 64k tokens per micro-batch: sixteen 4k rows (flash kernel) against one row of sixteen packed
     # 4k documents (FlexAttention block mask)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,6 @@ from megatrain.host import disk
 from megatrain.host.disk import MOMENT_BYTES, DiskTier, DiskTierError
 from megatrain.host.state import HostState, build_units
 from megatrain.models.config import ModelConfig
-from megatrain.planning.footprint import HOST_RESERVE
 from megatrain.trainer import train
 
 
@@ -39,14 +38,25 @@ def mapped_from_tier(t: torch.Tensor) -> bool:
 
 
 def host_budget(base: dict, units: int, device: str = "cpu") -> int:
-    """A max_host_memory that holds the whole run but the moments of its last `units` units."""
+    """A max_host_memory under which the run fits only with the moments of its last `units` units
+    on disk: the least host memory any in-memory placement needs, less those moments. Found by
+    bisection, not from the default plan's total: on a GPU the plan meets a tighter budget by
+    moving gradients to the device, so the default plan's total less the moments still fits."""
     cfg = TrainConfig(**base)
     model_cfg = ModelConfig.from_json(cfg.model_config)
-    plan, _ = planning.preflight(model_cfg, cfg, device, 4)
+    machine = planning.machine_of(cfg, device)
+    layer_mem = planning.layer_memory(model_cfg, cfg, device, 4)
+
+    def fits(host: int) -> bool:
+        return planning.check(model_cfg, cfg, replace(machine, host_bytes=host), 4, layer_mem=layer_mem).fits
+
+    lo, hi = 0, 1 << 40  # max_host_memory (the plan keeps its reserve): lo does not fit, hi does
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     state = HostState(build_units(model_cfg), with_optimizer=False)
     tail = state.units[len(state.units) - units :]
-    need = plan.host_total - MOMENT_BYTES * sum(u.numel for u in tail)
-    return math.ceil(need / (1 - HOST_RESERVE)) + 4096
+    return hi - MOMENT_BYTES * sum(u.numel for u in tail) + 4096  # the tier adds its bytes back
 
 
 @pytest.fixture
