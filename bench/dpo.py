@@ -180,9 +180,10 @@ def main() -> None:
 def write(out: Path, stamp: str, tag: str, meta: dict, runs: list[dict]) -> None:
     text = table(runs, meta["num_params"])
     print(text)
-    write_once(
-        str(out), tag, f"{stamp}_{tag}: DPO, megatrain beside TRL", meta, runs, text, key="runs", stamp=stamp
+    title = " beside ".join(
+        dict.fromkeys("TRL" if r["system"].startswith("trl") else r["system"] for r in runs)
     )
+    write_once(str(out), tag, f"{stamp}_{tag}: DPO, {title}", meta, runs, text, key="runs", stamp=stamp)
 
 
 def combine(megatrain: Path, trl: Path, out: Path, tag: str) -> None:
