@@ -4,6 +4,8 @@ that never overwrite earlier ones."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,6 +59,49 @@ def test_every_pass_is_timed_and_written_once(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="exists; nothing is overwritten"):
         adamw.main([*ARGS, "--out", str(tmp_path)])
     assert js.read_text() == text
+
+
+ENGINE_ARGS = ["--engine", "--shape", "tiny", "--engine-params", "1e6", "--repeats", "2"]
+
+
+@pytest.mark.slow
+def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
+    """`--engine` at a tiny size, as a user runs it: the JSON holds the kernel's and the engine's
+    rates over the same elements, their ratio, the first pass apart, the threads the worker
+    ran on, and the command; the Markdown its table."""
+    p = subprocess.run(
+        [sys.executable, "bench/adamw.py", *ENGINE_ARGS, "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    [js] = tmp_path.glob("*_adamw-engine.json")
+    record = json.loads(js.read_text())
+    assert record["command"] == "python bench/adamw.py " + " ".join([*ENGINE_ARGS, "--out", str(tmp_path)])
+    assert (
+        record["device"]
+        and record["date"]
+        and record["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    )
+    rows = {(r["pass"], r["thread"]): r for r in record["rows"]}
+    assert list(rows) == [
+        ("kernel", "calling"),
+        ("kernel", "worker"),
+        ("engine, clipped", "worker"),
+        ("engine, coefficient 1", "worker"),
+        ("engine, unclipped", "worker"),
+    ]
+    for r in rows.values():  # the best of the repeats after the first pass, in G params/s
+        assert len(r["times_s"]) == 2 and r["seconds"] == min(r["times_s"]) and r["first_s"] > 0
+        assert r["gparams_per_s"] == pytest.approx(record["engine_params"] / r["seconds"] / 1e9)
+    kernel = max(rows["kernel", w]["gparams_per_s"] for w in ("calling", "worker"))
+    engine = rows["engine, clipped", "worker"]
+    assert record["kernel_gparams_per_s"] == kernel
+    assert record["engine_gparams_per_s"] == engine["gparams_per_s"]
+    assert record["ratio"] == pytest.approx(engine["gparams_per_s"] / kernel)
+    assert record["engine_first_pass_s"] == engine["first_s"]
+    assert record["threads_on_worker"] == record["threads"]  # the optimizer's threads, on its thread
+    assert 0 < record["engine_params"] < 2e6 and record["layers"] >= 1
+    assert "| engine, clipped | worker |" in js.with_suffix(".md").read_text()
 
 
 class _Frozen:

@@ -124,6 +124,16 @@ class HostAdamW:
         p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
         adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=st.part(unit)[0])
 
+    def step_held(
+        self, unit: Unit, grad: torch.Tensor, coef: torch.Tensor | None, lr: float, step: int, chunk: int
+    ) -> None:
+        """Update this process's span of `unit` from its gradient held in host memory (`grad`
+        covers the span; scaled in place), times the clip coefficient (a host tensor; None: not
+        clipped), `chunk` elements at a time: the optimizer worker's pass over held gradients."""
+        lo, hi = self.span(unit)
+        for a, b in chunk_ranges(unit, chunk, (lo, hi)):
+            self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based), as transformers' schedulers give it."""

@@ -370,10 +370,7 @@ class StreamingTransport:
                 if coef is not None and coef_host is None:
                     done.synchronize()  # the clip coefficient is computed on the compute stream
                     coef_host = coef.to("cpu")
-                span = self.optimizer.span(unit)
-                for a, b in chunk_ranges(unit, self.chunk_elems, span):
-                    gh = _scaled(slot[a - span[0] : b - span[0]], coef_host)
-                    self.optimizer.step_range(unit, a, b, gh, lr, step)
+                self.optimizer.step_held(unit, slot, coef_host, lr, step, self.chunk_elems)
             del g
             self.optimizer.published(unit)  # every rank's part of it is in the shared state
             self._ready[unit.index].set()
