@@ -1,0 +1,89 @@
+"""The host AdamW against torch's own: bitwise the same weights and moments as
+`torch.optim.AdamW(fused=True)` over the same parameters, however the optimizer's pass is cut."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from megatrain.engine.optim import AdamWConfig, HostAdamW
+from megatrain.host.state import HostState, build_units
+from megatrain.io.weights import init_random
+from megatrain.models.config import ModelConfig
+
+ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# (clip coefficient, learning rate, elements a piece) of each step: a clip that fires, a norm under
+# the threshold (a coefficient of exactly one), no clipping; pieces that cut parameters, and whole
+# units. The engine cuts at multiples of 64 elements (pages, chunks of 32M): the kernel's vector loop
+# then covers the elements it covers in a whole tensor (a cut elsewhere moves some into its scalar
+# tail, whose rounding may differ).
+STEPS = [(0.37, 1e-2, 1024), (1.0, 5e-3, 192), (None, 2e-3, 10**9)]
+
+
+def _state():
+    """A tiny Qwen2 (biases: undecayed parameters between decayed ones, and padding after them)
+    with one frozen tensor in its first layer, its state initialised and its moments warm."""
+    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    units = build_units(cfg)
+    layer = units[1]
+    frozen = [dataclasses.replace(p, train=p.name != "self_attn.k_proj.weight") for p in layer.params]
+    units[1] = dataclasses.replace(layer, params=tuple(frozen))
+    state = HostState(units)
+    init_random(state, cfg, seed=0)
+    return state
+
+
+def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched():
+    state = _state()
+    opt = HostAdamW(state, ADAMW)
+    specs = [(u, p) for u in state.units for p in u.params]
+    ref = {p.key: torch.nn.Parameter(state.flat(u)[p.offset : p.offset + p.numel].clone()) for u, p in specs}
+    groups = [
+        {"params": [ref[p.key] for u, p in specs if p.train and p.decay], "weight_decay": ADAMW.weight_decay},
+        {"params": [ref[p.key] for u, p in specs if p.train and not p.decay], "weight_decay": 0.0},
+    ]
+    assert groups[0]["params"] and groups[1]["params"]
+    torch_opt = torch.optim.AdamW(groups, lr=ADAMW.lr, betas=ADAMW.betas, eps=ADAMW.eps, fused=True)
+    g = torch.Generator().manual_seed(0)
+    for step, (coef, lr, piece) in enumerate(STEPS, start=1):
+        grads = [torch.randn(u.numel, generator=g) for u in state.units]  # padding too
+        for u, p in specs:
+            gr = grads[u.index][p.offset : p.offset + p.numel]
+            ref[p.key].grad = gr.clone() if coef is None else gr * torch.tensor(coef)
+        for group in torch_opt.param_groups:
+            group["lr"] = lr
+        torch_opt.step()
+        for u in state.units:
+            opt.step_held(u, grads[u.index], None if coef is None else torch.tensor(coef), lr, step, piece)
+        for u, p in specs:
+            m, v = (state.flat(u, w)[p.offset : p.offset + p.numel] for w in ("exp_avg", "exp_avg_sq"))
+            assert torch.equal(state.flat(u)[p.offset : p.offset + p.numel], ref[p.key].detach()), (
+                step,
+                p.key,
+            )
+            if p.train:
+                assert torch.equal(m, torch_opt.state[ref[p.key]]["exp_avg"]), (step, p.key)
+                assert torch.equal(v, torch_opt.state[ref[p.key]]["exp_avg_sq"]), (step, p.key)
+            else:  # frozen: never stepped, its moments never written
+                assert not m.any() and not v.any()
+        for which in ("master", "exp_avg", "exp_avg_sq"):  # the alignment padding is no parameter's
+            flat = getattr(state, which).clone()
+            for u, p in specs:
+                flat[state.starts[u.index] + p.offset :][: p.numel] = 0
+            assert not flat.any(), (step, which)
+
+
+@pytest.mark.parametrize("coef", [0.37, 1.0])
+def test_the_clip_multiplies_the_held_gradient_in_place(coef):
+    """The pass scales the held gradient where it lies (the transport's buffer is scratch), as a
+    multiply would: by a coefficient of one, it is left as it was."""
+    state = _state()
+    opt = HostAdamW(state, ADAMW)
+    unit = state.units[1]
+    grad = torch.randn(unit.numel, generator=torch.Generator().manual_seed(1))
+    before = grad.clone()
+    opt.step_held(unit, grad, torch.tensor(coef), 1e-2, 1, 1000)
+    assert torch.equal(grad, before * torch.tensor(coef))
