@@ -24,9 +24,10 @@ STEPS = [(0.37, 1e-2, 1024), (1.0, 5e-3, 192), (None, 2e-3, 10**9)]
 
 
 def _state():
-    """A tiny Qwen2 (biases: undecayed parameters between decayed ones, and padding after them)
-    with one frozen tensor in its first layer, its state initialised and its moments warm."""
-    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    """A tiny Qwen2 with one frozen tensor in its first layer, its weights initialised. Its
+    biases are undecayed parameters between decayed ones; its hidden size (48) leaves padding
+    after each bias and between the two norms of a layer."""
+    cfg = ModelConfig.from_hf(tiny_config("qwen2", hidden_size=48))
     units = build_units(cfg)
     layer = units[1]
     frozen = [dataclasses.replace(p, train=p.name != "self_attn.k_proj.weight") for p in layer.params]

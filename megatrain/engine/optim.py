@@ -3,8 +3,11 @@
 The update is torch's fused CPU AdamW kernel (`torch._fused_adamw_`, what
 `torch.optim.AdamW(fused=True)` calls), applied to any sub-range of a unit's flat state: AdamW
 is elementwise, so stepping a unit in chunks as its gradients arrive gives bitwise the same
-result as stepping it whole. Semantics follow the Hugging Face Trainer: no weight decay on biases
-and norm weights, one global step count.
+result as stepping it whole, where the chunks are cut at multiples of 64 elements (the kernel
+runs a tensor's last few elements through a scalar loop whose rounding may differ from its
+vector loop's; parameters start on 64-element boundaries, and every cut the engine makes is on
+one). Semantics follow the Hugging Face Trainer: no weight decay on biases and norm weights, one
+global step count.
 """
 
 from __future__ import annotations
@@ -35,8 +38,13 @@ def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None
 
 def clip_scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
     """The gradient times the clip coefficient (None: not clipped), in place: an fp32 multiply,
-    the same on either device."""
-    return g if coef is None else g.mul_(coef.to(g.device))
+    the same on either device. A coefficient of exactly one in host memory (the norm under the
+    threshold) multiplies nothing: x * 1.0 is x, bitwise, and the pass over the gradient (8 bytes
+    a parameter moved beside the kernel's 28) is skipped. A device coefficient is not read: that
+    would wait for the GPU."""
+    if coef is None or (coef.device.type == "cpu" and coef.item() == 1.0):
+        return g
+    return g.mul_(coef.to(g.device))
 
 
 def adamw_range(
@@ -56,12 +64,21 @@ def adamw_range(
     """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the unit's flat state from
     element `base` on (the whole unit, a machine's part of it, or a chunk of it in a GPU scratch)
     and `g` exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag
-    on the same device) makes the kernel leave everything unchanged."""
+    on the same device) makes the kernel leave everything unchanged.
+
+    Parameters that follow each other with no padding between them (sizes in multiples of 64, as
+    a layer's matrices are) and with the same weight decay are stepped as one tensor: the kernel
+    runs each tensor in a parallel region of its own, and their starts and ends cost threads idle
+    at the barrier; the elements its vector loop covers stay the same."""
     groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
     for spec in unit.params:
         a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
         if a < b and spec.train:  # frozen tensors are not stepped
-            groups[spec.decay].append((a, b))
+            spans = groups[spec.decay]
+            if spans and spans[-1][1] == a:
+                spans[-1] = (spans[-1][0], b)
+            else:
+                spans.append((a, b))
     for decay, spans in groups.items():
         if not spans:
             continue
