@@ -1,5 +1,6 @@
 """The host AdamW against torch's own: bitwise the same weights and moments as
-`torch.optim.AdamW(fused=True)` over the same parameters, however the optimizer's pass is cut."""
+`torch.optim.AdamW(fused=True)` over the same parameters, however the optimizer's pass is cut;
+and the moments' pages mapped before a unit's first step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 from helpers import tiny_config
 
+from megatrain.engine import optim
 from megatrain.engine.optim import AdamWConfig, HostAdamW
+from megatrain.host.disk import DiskTier
+from megatrain.host.hostmem import PAGE, host_buffer, populate
 from megatrain.host.state import HostState, build_units
 from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
@@ -88,3 +92,41 @@ def test_the_clip_multiplies_the_held_gradient_in_place(coef):
     before = grad.clone()
     opt.step_held(unit, grad, torch.tensor(coef), 1e-2, 1, 1000)
     assert torch.equal(grad, before * torch.tensor(coef))
+
+
+def _resident() -> int:
+    """Bytes of this process resident in memory."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def test_populate_maps_the_pages_and_keeps_what_they_hold():
+    """Fresh memory is mapped (resident) after `populate`, still zero; memory already written
+    keeps its values, to the last element of a tensor that ends mid-page."""
+    n = 4 * 2**20  # 16 MiB
+    fresh = host_buffer(n)
+    before = _resident()
+    assert populate([fresh[: n // 2], fresh[n // 2 :]], threads=3)
+    assert _resident() - before >= 0.9 * n * 4 and not fresh.any()
+    written = host_buffer(n)
+    written.copy_(torch.arange(n, dtype=torch.float32))
+    assert populate([written[5 : n - 7]], threads=2) and populate([written[:0]], threads=2)
+    assert torch.equal(written, torch.arange(n, dtype=torch.float32))
+
+
+def test_the_first_step_of_a_unit_populates_its_moments_once_and_not_the_disk_tiers(tmp_path, monkeypatch):
+    state = _state()
+    DiskTier(state, 2, tmp_path)
+    calls = []
+    monkeypatch.setattr(optim, "populate", lambda tensors, threads: calls.append((tensors, threads)) or True)
+    opt = HostAdamW(state, ADAMW)
+    for step in (1, 2):
+        for u in state.units:
+            opt.step_held(u, torch.randn(u.numel), torch.tensor(0.5), 1e-2, step, 192)
+    stepped = state.units[: state.disk_from]
+    assert state.disk_from == len(state.units) - 2
+    assert [[t.data_ptr() for t in tensors] for tensors, _ in calls] == [
+        [state.flat(u, w).data_ptr() for w in ("exp_avg", "exp_avg_sq")] for u in stepped
+    ]
+    assert all(len(tensors) == 2 and tensors[0].numel() == u.numel for (tensors, _), u in zip(calls, stepped))
+    assert {threads for _, threads in calls} == {torch.get_num_threads()}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host.hostmem import populate
 from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
 
@@ -115,6 +116,7 @@ class HostAdamW:
     def __init__(self, state: HostState, cfg: AdamWConfig, world: Collective | None = None):
         self.state, self.cfg = state, cfg
         self.world = world or Single()
+        self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this process steps."""
@@ -137,9 +139,25 @@ class HostAdamW:
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""
+        if unit.index not in self._populated:
+            self._populate(unit)
         st = self.state
         p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
         adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=st.part(unit)[0])
+
+    def _populate(self, unit: Unit) -> None:
+        """Before the first update of `unit`, the pages of this process's span of its moments
+        mapped writable on the optimizer's threads (hostmem.populate: the kernel reads the fresh
+        moments before it writes them, two faults a page), contents kept (a resumed state's
+        moments are in place already). Not the disk tier's files: their pages come and go as the
+        pass walks them."""
+        self._populated.add(unit.index)
+        if self.state.exp_avg is None or unit.index >= self.state.disk_from:
+            return
+        lo, hi = self.span(unit)
+        populate(
+            [self.state.range(unit, lo, hi, w) for w in ("exp_avg", "exp_avg_sq")], torch.get_num_threads()
+        )
 
     def step_held(
         self, unit: Unit, grad: torch.Tensor, coef: torch.Tensor | None, lr: float, step: int, chunk: int

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from ..errors import MegatrainError
+from .hostmem import libc
 from .state import HostState
 
 GiB = 2**30
@@ -38,21 +39,6 @@ RATE_PROBE_BLOCK = 16 * 2**20
 
 class DiskTierError(MegatrainError):
     """The disk tier could not be made (no space, a bad offload_dir)."""
-
-
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
 
 
 def measure_rate(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> float:
@@ -103,12 +89,12 @@ class DiskTier:
         lo, hi = tier_elements(state, units)
         self.nbytes = len(MOMENTS) * (hi - lo) * 4
         self._check_space()
-        libc = _libc()
         for name in MOMENTS:
             buf = getattr(state, name)
             if buf.data_ptr() % mmap.PAGESIZE or (lo * 4) % mmap.PAGESIZE:
                 raise ValueError("the moment buffers must be page-aligned at unit boundaries")
-            self._map(libc, buf.data_ptr() + lo * 4, (hi - lo) * 4, name)
+            self._map(buf.data_ptr() + lo * 4, (hi - lo) * 4, name)
+        state.disk_from = len(state.units) - units
 
     def _check_space(self) -> None:
         try:
@@ -125,7 +111,7 @@ class DiskTier:
             f"(AdamW moments of the last {self.units} units), {free / GiB:.2f} GiB free"
         )
 
-    def _map(self, libc, address: int, nbytes: int, name: str) -> None:
+    def _map(self, address: int, nbytes: int, name: str) -> None:
         """Map a fresh file of `nbytes` over [address, address + nbytes), then unlink it."""
         fd, path = tempfile.mkstemp(prefix=f"megatrain-{name}-", suffix=".tier", dir=self.directory)
         try:
@@ -138,12 +124,12 @@ class DiskTier:
                     raise DiskTierError(self._no_space(free.f_bavail * free.f_frsize)) from None
                 raise DiskTierError(f"offload_dir: {self.directory}: {e.strerror or e}") from None
             prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
-            got = libc.mmap(address, nbytes, prot, flags, fd, 0)
+            got = libc().mmap(address, nbytes, prot, flags, fd, 0)
             if got != address:
                 err = ctypes.get_errno()
                 raise DiskTierError(
                     f"offload_dir: {self.directory}: mapping the tier failed: {os.strerror(err)}"
                 )
-            libc.madvise(address, nbytes, 2)  # MADV_SEQUENTIAL: read ahead, drop behind
+            libc().madvise(address, nbytes, 2)  # MADV_SEQUENTIAL: read ahead, drop behind
         finally:
             os.close(fd)  # the mapping keeps the file

@@ -18,15 +18,36 @@ Two facts shape this module:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 PAGE = mmap.PAGESIZE
 MAX_REGISTRATION = 64 * 2**30  # bytes per cudaHostRegister call, well under the drivers' limit
+MADV_POPULATE_WRITE = 23  # Linux 5.14 on; Python's mmap module does not name it
+
+
+@functools.cache
+def libc():
+    """The C library, with the signatures of the memory calls made through it."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
 
 
 def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -37,6 +58,27 @@ def host_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     t = torch.frombuffer(mem, dtype=torch.uint8, count=numel * dtype.itemsize).view(dtype)
     t._megatrain_mmap = mem  # the tensor keeps its mapping alive
     return t
+
+
+def populate(tensors: Sequence[torch.Tensor], threads: int) -> bool:
+    """Map every page under `tensors` writable now, contents kept (MADV_POPULATE_WRITE), split
+    over `threads` threads (each call releases the GIL). Untouched memory that is read before it
+    is written, as AdamW reads its moments, faults twice a page: the read maps the shared zero
+    page, the write then copies it. Populated first, the first pass over fresh moments took 1.33 s
+    against 1.88 (2 GiB of them, two cores, the median of six). False where the kernel refuses
+    (before Linux 5.14): the pages are then mapped as they are touched, as before."""
+    pieces = []
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        start = t.data_ptr() // PAGE * PAGE
+        end = t.data_ptr() + t.numel() * t.element_size()
+        step = -(-(end - start) // threads // PAGE) * PAGE
+        pieces += [(a, min(end, a + step) - a) for a in range(start, end, step)]
+    if not pieces:
+        return True
+    with ThreadPoolExecutor(min(threads, len(pieces))) as pool:
+        return all(rc == 0 for rc in pool.map(lambda p: libc().madvise(*p, MADV_POPULATE_WRITE), pieces))
 
 
 def shared_buffer(path: Path, numel: int, create: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -144,6 +144,7 @@ class HostState:
         self.exp_avg = alloc(self.numel) if with_optimizer else None
         self.exp_avg_sq = alloc(self.numel) if with_optimizer else None
         self.step = 0  # optimizer steps taken
+        self.disk_from = len(units)  # units from this index on keep their moments in files (disk.py)
 
     @property
     def nbytes(self) -> int:
