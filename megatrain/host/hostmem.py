@@ -14,6 +14,9 @@ Two facts shape this module:
 * Registrations are tracked per page: two pieces may not share one. `host_buffer` therefore
   maps anonymous memory (page-aligned, and zero pages that cost nothing until written) rather
   than using the allocator, whose large blocks start mid-page.
+
+Untouched pages cost nothing, but a pass that reads them before it writes them faults twice a
+page; `populate` maps them ahead of it, on several threads.
 """
 
 from __future__ import annotations
