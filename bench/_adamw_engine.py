@@ -1,0 +1,160 @@
+"""The engine's host AdamW pass in a step beside torch's fused kernel at the same size:
+`bench/adamw.py --engine` (its docstring says what is timed)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from megatrain.engine.optim import AdamWConfig, HostAdamW
+from megatrain.host.hostmem import host_buffer
+from megatrain.host.state import HostState, build_units
+from megatrain.models.config import ModelConfig
+from megatrain.models.family import count_params
+from megatrain.planning.planspec import STAGING_CHUNK
+
+LR, BETAS, WEIGHT_DECAY = 1e-5, (0.9, 0.95), 0.1
+CLIPPED = 0.9  # a clip that fires; the gradients shrink 10% a pass, far from subnormals over the repeats
+PATTERN = 1 << 20  # elements of the random block that fills a buffer, repeated
+
+
+def fill(t: torch.Tensor, scale: float, seed: int) -> None:
+    """`t` filled with a random block repeated (one parallel copy: a generator would take minutes
+    at 8e9 elements); AdamW's rate does not depend on the values."""
+    block = torch.randn(PATTERN, generator=torch.Generator().manual_seed(seed)).mul_(scale)
+    k, n = divmod(t.numel(), PATTERN)
+    t[: k * PATTERN].view(k, PATTERN).copy_(block.expand(k, PATTERN))
+    t[k * PATTERN :].copy_(block[:n])
+
+
+def llama(shape: str, params: float, vocab: int | None = None) -> ModelConfig:
+    """A Llama with `shape`'s layers (bench/_shapes.py) and as many of them as bring it nearest
+    `params` parameters, at least one; `vocab` in place of the shape's (a small host's size)."""
+    from _shapes import DENSE_SHAPES
+    from _systems import model_config
+
+    if shape not in DENSE_SHAPES:
+        sys.exit(f"adamw.py: --shape {shape!r} is not one of {', '.join(DENSE_SHAPES)}")
+
+    def at(layers: int) -> ModelConfig:
+        m = {**DENSE_SHAPES[shape], "layers": layers, "vocab": vocab or DENSE_SHAPES[shape]["vocab"]}
+        return ModelConfig.from_hf(model_config({"shape": m, "seq": 4096}))
+
+    one, two = count_params(at(1)), count_params(at(2))
+    return at(max(1, round((params - one) / (two - one)) + 1))
+
+
+class EnginePass:
+    """The engine's host state of `cfg`, its optimizer, and gradients held in host memory as the
+    transport holds them (one buffer, each unit's span in turn). The moments stay untouched until
+    the first pass, as in a run."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.state = HostState(build_units(cfg))
+        self.opt = HostAdamW(self.state, AdamWConfig(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY))
+        spans = [self.opt.span(u) for u in self.state.units]
+        buf, self.held, off = host_buffer(sum(hi - lo for lo, hi in spans)), [], 0
+        for lo, hi in spans:
+            self.held.append(buf[off : off + hi - lo])
+            off += hi - lo
+        fill(self.state.master, 0.02, 0)
+        fill(buf, 1e-3, 1)
+        self.chunk = min(STAGING_CHUNK, max(u.numel for u in self.state.units))  # the transport's
+        self.numel = sum(p.numel for u in self.state.units for p in u.params if p.train)
+        self.steps = 0
+
+    def run(self, coef: torch.Tensor | None) -> None:
+        self.steps += 1
+        for u in self.state.units:
+            self.opt.step_held(u, self.held[u.index], coef, LR, self.steps, self.chunk)
+
+
+class KernelPass:
+    """torch's fused AdamW over flat fp32 arrays of `n` elements, `chunk` at a time."""
+
+    def __init__(self, n: int, chunk: int):
+        self.p, self.g, self.m, self.v = (torch.empty(n) for _ in range(4))
+        fill(self.p, 0.02, 2)
+        fill(self.g, 1e-3, 3)
+        self.m.zero_(), self.v.zero_()
+        self.n, self.chunk, self.step_no = n, chunk, torch.zeros(())
+
+    def run(self) -> None:
+        self.step_no += 1
+        for a in range(0, self.n, self.chunk):
+            b = min(self.n, a + self.chunk)
+            torch._fused_adamw_(
+                [self.p[a:b]], [self.g[a:b]], [self.m[a:b]], [self.v[a:b]], [], [self.step_no], amsgrad=False,
+                lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=1e-8, maximize=False,
+            )  # fmt: skip
+
+
+def measure_engine(cfg: ModelConfig, repeats: int) -> tuple[list[dict], dict]:
+    """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
+    falls on all alike); the best of each, G params/s over the engine's stepped elements."""
+    t0 = time.perf_counter()
+    engine = EnginePass(cfg)
+    kernel = KernelPass(engine.numel, engine.chunk)
+    setup_s = time.perf_counter() - t0
+    # The transport sets the optimizer's threads on the calling thread before its worker starts;
+    # the worker takes that count at its first parallel op.
+    worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-optimizer")
+    on_worker = lambda fn: lambda: worker.submit(_clock, fn).result()  # noqa: E731
+    here = lambda fn: lambda: _clock(fn)  # noqa: E731
+    clipped, one = torch.tensor(CLIPPED), torch.tensor(1.0)
+    passes = [
+        ("kernel", "calling", here(kernel.run)),
+        ("kernel", "worker", on_worker(kernel.run)),
+        ("engine, clipped", "worker", on_worker(lambda: engine.run(clipped))),
+        ("engine, coefficient 1", "worker", on_worker(lambda: engine.run(one))),
+        ("engine, unclipped", "worker", on_worker(lambda: engine.run(None))),
+    ]
+    times: dict[str, list[float]] = {name + where: [] for name, where, _ in passes}
+    for _ in range(repeats + 1):
+        for name, where, fn in passes:
+            times[name + where].append(fn())
+            print(f"{name:22s} {where:8s} {times[name + where][-1]:7.3f} s", flush=True)
+    threads_on_worker = worker.submit(torch.get_num_threads).result()
+    worker.shutdown()
+    n = engine.numel
+    rows = []
+    for name, where, _ in passes:
+        first, *rest = times[name + where]
+        best = min(rest)
+        rows.append({"pass": name, "thread": where, "first_s": first, "seconds": best,
+                     "gparams_per_s": n / best / 1e9, "times_s": rest})  # fmt: skip
+    kernel_rate = max(r["gparams_per_s"] for r in rows if r["pass"] == "kernel")
+    for r in rows:
+        r["vs_kernel"] = r["gparams_per_s"] / kernel_rate
+    engine_row = next(r for r in rows if r["pass"] == "engine, clipped")
+    summary = {
+        "engine_params": n,
+        "layers": cfg.num_hidden_layers,
+        "chunk": engine.chunk,
+        "threads_on_worker": threads_on_worker,
+        "setup_s": setup_s,
+        "kernel_gparams_per_s": kernel_rate,
+        "engine_gparams_per_s": engine_row["gparams_per_s"],
+        "ratio": engine_row["vs_kernel"],
+        "engine_first_pass_s": engine_row["first_s"],
+    }
+    return rows, summary
+
+
+def _clock(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def engine_table(rows: list[dict]) -> str:
+    out = ["| pass | thread | first pass s | best s | G params/s | vs kernel |", "|---|---|---|---|---|---|"]
+    out += [
+        f"| {r['pass']} | {r['thread']} | {r['first_s']:.3f} | {r['seconds']:.3f} | "
+        f"{r['gparams_per_s']:.2f} | {r['vs_kernel']:.0%} |"
+        for r in rows
+    ]
+    return "\n".join(out)
