@@ -170,7 +170,7 @@ def _plan(args) -> int:
     import torch
 
     from . import plan
-    from .checks import beyond_positions, config_warnings
+    from .checks import config_warnings
     from .config import TrainConfig
     from .models.config import ModelConfig
 
@@ -196,13 +196,7 @@ def _plan(args) -> int:
         print(f"megatrain: warning: {warning}")
     print(plan.report(model_cfg, result, name, dtype, cfg, data))
     if result.fits:
-        lim = plan.limits(model_cfg, cfg, result.machine, compute_bytes, layer_mem)
-        caveat = beyond_positions(lim["max_length"] or 0, model_cfg)
-        print(
-            "largest that fit, the other settings as configured: "
-            + ", ".join(f"{k}={v}" for k, v in lim.items())
-            + (f" (max_length {caveat})" if caveat else "")
-        )
+        print(plan.limits_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     print(plan.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     return 0 if result.fits else 1
 

@@ -181,8 +181,19 @@ class TrainConfig:
     mask_truncated_completions: bool = False
     """grpo: leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
-    """grpo: optimizer steps each rollout is trained for (the first samples it; the ratio's
-    denominator is the sampling policy's log-probs, stored with the rollout)."""
+    """grpo: times each generation batch is trained on, each time over its steps_per_generation
+    micro-batches (the ratio's denominator is then the sampling policy's log-probs, stored with
+    the rollout)."""
+    steps_per_generation: int | None = None
+    """grpo: micro-batches of per_device_train_batch_size completions a generation batch is split
+    into, as TRL counts them; default gradient_accumulation_steps (one generation batch an
+    optimizer step). 2 x gradient_accumulation_steps: one sampling for two optimizer steps; 1:
+    gradient_accumulation_steps samplings a step, each of per_device_train_batch_size
+    completions (less GPU memory for the rollout). Not with generation_batch_size."""
+    generation_batch_size: int | None = None
+    """grpo: completions sampled at a time over all processes, a multiple of
+    per_device_train_batch_size x processes (TRL's); default per_device_train_batch_size x
+    processes x steps_per_generation. Not with steps_per_generation."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
@@ -474,11 +485,12 @@ class TrainConfig:
             return None
         return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
 
-    def grpo(self) -> GRPOConfig | None:
-        """GRPO's settings; None for the other stages."""
+    def grpo(self, processes: int | None = None) -> GRPOConfig | None:
+        """GRPO's settings for a world of `processes` (default: the world these settings
+        describe; under torchrun, pass the run's); None for the other stages."""
         if self.stage != "grpo":
             return None
-        return GRPOConfig(**_stage_keys(self, GRPOConfig))
+        return GRPOConfig(**_stage_keys(self, GRPOConfig), processes=processes or self.world().ranks)
 
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of
