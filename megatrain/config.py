@@ -288,7 +288,8 @@ class TrainConfig:
     are saved in the checkpoints' and final/'s config.json."""
     # --- evaluation
     eval_dataset: str | list[str] | None = None
-    """Held-out data in any form `dataset` takes (same format, chat handling and packing)."""
+    """Held-out data in any form `dataset` takes (same format, chat handling and packing); grpo:
+    prompts, each sampled num_generations times and scored (eval_reward, ...; no eval_loss)."""
     eval_strategy: str | None = None
     """no, steps or epoch; default: steps when eval_dataset is set, else no (YAML's no/false: no)."""
     eval_steps: int | float | None = None
@@ -297,14 +298,16 @@ class TrainConfig:
     eval_on_start: bool = False
     """Also evaluate before the first step (a baseline; not repeated on resume)."""
     per_device_eval_batch_size: int | None = None
-    """Sequences per evaluation micro-batch; default: per_device_train_batch_size."""
+    """Sequences per evaluation micro-batch (grpo: completions sampled at a time); default:
+    per_device_train_batch_size."""
     load_best_model_at_end: bool = False
     """Export final/ from the checkpoint with the best metric_for_best_model (its checksums
     verified first). Needs save_strategy equal to eval_strategy and, with steps, save_steps a
     multiple of eval_steps."""
     metric_for_best_model: str | None = None
-    """eval_loss (or loss): track best_metric and best_model_checkpoint, which save_total_limit
-    never deletes; default eval_loss with load_best_model_at_end."""
+    """eval_loss (or loss; grpo: eval_reward or reward): track best_metric and
+    best_model_checkpoint, which save_total_limit never deletes; default eval_loss (grpo:
+    eval_reward) with load_best_model_at_end."""
     greater_is_better: bool | None = None
     """Whether a larger metric is better; default: false for a loss (transformers' rule)."""
     # --- hardware
@@ -476,8 +479,6 @@ class TrainConfig:
             bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
-        if self.stage == "grpo" and self.eval_dataset:
-            bad("eval_dataset", "is not used with stage grpo yet (its rewards come from sampling)")
 
     def preference(self) -> PreferenceConfig | None:
         """The preference stage's settings; None for sft and grpo."""
@@ -529,11 +530,17 @@ class TrainConfig:
             bad("per_device_eval_batch_size", "must be >= 1")
         if self.load_best_model_at_end and (why := self._best_model_schedule_problem()):
             raise ConfigError(f"load_best_model_at_end: {why}")
+        # grpo's evaluation samples and scores (TRL's eval_reward); the other stages' take a loss.
+        computed = "reward" if self.stage == "grpo" else "loss"
         if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.metric_for_best_model = "eval_loss"
+            self.metric_for_best_model = f"eval_{computed}"
         if self.metric_for_best_model is not None:
-            if self.metric_for_best_model not in ("eval_loss", "loss"):
-                bad("metric_for_best_model", "must be eval_loss (the metric evaluation computes)")
+            if self.metric_for_best_model not in (f"eval_{computed}", computed):
+                stage = " with stage grpo" if self.stage == "grpo" else ""
+                bad(
+                    "metric_for_best_model",
+                    f"must be eval_{computed} (the metric evaluation computes{stage})",
+                )
             if not evaluating:
                 bad("metric_for_best_model", "needs evaluation (set eval_dataset)")
             if self.greater_is_better is None:

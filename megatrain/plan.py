@@ -271,12 +271,15 @@ def rollout_memory(
     cfg, model_cfg: ModelConfig, compute_bytes: int, processes: int | None = None
 ) -> dict[str, int]:
     """stage grpo: the GPU memory a rollout adds, by part (footprint.rollout_bytes), for the most
-    completions a process samples at a time, per_device_train_batch_size x steps_per_generation
-    (over `processes`: default, the config's world); the training plan gets the GPU less this.
-    Empty for the other stages."""
+    completions a process samples at a time: a generation batch, per_device_train_batch_size x
+    steps_per_generation (over `processes`: default, the config's world), or an evaluation's
+    per_device_eval_batch_size; the training plan gets the GPU less this. Empty for the other
+    stages."""
     if (grpo := cfg.grpo(processes)) is None:
         return {}
     rows = cfg.per_device_train_batch_size * grpo.steps_per_generation
+    if cfg.eval_strategy != "no":
+        rows = max(rows, cfg.per_device_eval_batch_size)
     prompt = cfg.max_prompt_length or cfg.max_length
     return rollout_bytes(model_cfg, rows, prompt, grpo.max_completion_length, compute_bytes)
 

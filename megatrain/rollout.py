@@ -70,6 +70,7 @@ from .rewards import RewardFunc, score
 from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
+EVAL_STREAM = -1  # row_seed's step for evaluation's completions: no optimizer step has it
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
@@ -190,13 +191,50 @@ class Rollout:
         return batches
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], list[bool]]:
+    def generate(
+        self, prompt_ids: list[list[int]], seeds: list[int], batch_size: int | None = None, bar=None
+    ) -> tuple[list[list[int]], list[bool]]:
         """Completions of the prompts, each sampled from its own stream (`seeds`, sampling.py),
-        each cut after its first end token, and whether each was cut at max_completion_length
-        instead."""
+        `batch_size` at a time (default: all at once) by one model of the policy, each cut after
+        its first end token, and whether each was cut at max_completion_length instead. `bar` is
+        told of each batch."""
+        if not prompt_ids:
+            return [], []
+        size, completions, truncated = batch_size or len(prompt_ids), [], []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
-            return self._sample(self._policy(), prompt_ids, seeds)
+            model = self._policy()
+            for a in range(0, len(prompt_ids), size):
+                c, t = self._sample(model, prompt_ids[a : a + size], seeds[a : a + size])
+                completions, truncated = completions + c, truncated + t
+                if bar is not None:
+                    bar.update(1)
+            del model  # before the allocator's peak is read
+        return completions, truncated
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, prompts: list[Prompt], batch_size: int, progress) -> dict[str, float]:
+        """TRL's eval metrics of the policy as it is (without the eval_ prefix): each of `prompts`
+        sampled num_generations times, `batch_size` completions at a time, and scored; the reward
+        and completion metrics over every rank's completions (rank r samples the r-th block of the
+        prompts). Each completion has a stream of evaluation's own, `row_seed(seed, EVAL_STREAM,
+        the prompt's index, the completion's index)`: no training stream, and the same at every
+        evaluation, so that two evaluations differ by the weights alone. Nothing of the training
+        run changes: no random number is drawn from its generators, no rollout state is touched.
+        `progress(total)` makes a tqdm-like bar over the batches."""
+        g, n, world = self.cfg.num_generations, len(prompts), self.world
+        mine = range(world.rank * n // world.world_size, (world.rank + 1) * n // world.world_size)
+        rows = [(i, j) for i in mine for j in range(g)]
+        seeds = [row_seed(self.seed, EVAL_STREAM, i, j) for i, j in rows]
+        with progress(-(-len(rows) // batch_size)) as bar:
+            completions, truncated = self.generate([prompts[i].ids for i, _ in rows], seeds, batch_size, bar)
+        rewards = (
+            self._score([prompts[i] for i, _ in rows], completions)
+            if rows
+            else torch.zeros(0, len(self.funcs), dtype=torch.float64)
+        )
+        every = torch.cat(world.each(rewards)) if world.world_size > 1 else rewards
+        return advantages(self.cfg, every)[2] | self._metrics(every, completions, truncated)
 
     @contextlib.contextmanager
     def _measured(self):
@@ -236,7 +274,6 @@ class Rollout:
             eos_token_id=self.stops or None,
             pad_token_id=self.pad_id,
         )[:, width:].cpu()
-        del model
         completions, truncated = [], []
         for row in out.tolist():
             end = next((i for i, t in enumerate(row) if t in self.stops), None)

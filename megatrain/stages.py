@@ -70,10 +70,10 @@ def build_stage_samples(
     return [pair_sample(p) for p in build_preference_pairs(paths, tokenizer, limits, vocab_size)]
 
 
-def grpo_prompts(cfg, tokenizer, vocab_size: int | None) -> list[Prompt]:
-    """grpo: the dataset's prompts."""
+def grpo_prompts(cfg, tokenizer, vocab_size: int | None, key: str = "dataset") -> list[Prompt]:
+    """grpo: the prompts of `cfg.<key>` (dataset or eval_dataset)."""
     return build_prompts(
-        [f.path for f in resolve_dataset(cfg, "dataset")], tokenizer, cfg.max_prompt_length, vocab_size
+        [f.path for f in resolve_dataset(cfg, key)], tokenizer, cfg.max_prompt_length, vocab_size
     )
 
 

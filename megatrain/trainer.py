@@ -255,8 +255,11 @@ class _Run(_Inputs):
         self.history.append(record)
 
     def evaluate(self, step: int) -> None:
-        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
-        record = self.evaluator.evaluate(self.model.engine, step, self.batcher.epoch, self.log.progress)
+        """Eval loss (grpo: eval rewards) after `step` optimizer steps, to the metrics and the log
+        history."""
+        record = self.evaluator.evaluate(
+            self.model.engine, step, self.batcher.epoch, self.log.progress, self.rollout
+        )
         self.log.log_eval(record)
         self.log.exclude_pause()  # the ETA counts training steps only
         self.history.append(record)

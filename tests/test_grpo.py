@@ -9,6 +9,7 @@ transformers' `generate` with the run's seed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ from megatrain.models.config import ModelConfig
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
 from megatrain.rewards import RewardError
-from megatrain.rollout import ROLLOUT_FILE
+from megatrain.rollout import EVAL_STREAM, ROLLOUT_FILE
 from megatrain.sampling import RowSampler, row_seed
 from megatrain.stages import grpo_reference
+from megatrain.trackers import is_eval
 from megatrain.trainer import train
 
 B, GA, G, STEPS, MAX_NEW = 4, 2, 4, 3, 10
@@ -328,6 +330,124 @@ def test_each_completion_is_transformers_generate_of_its_prompt_alone(setup):
     assert len({tuple(r["completion_ids"]) for r in first[:G]}) > 1  # a group's completions differ
 
 
+# ------------------------------------------------------------------------ evaluation
+def write_eval_prompts(tmp_path, numbers=(20, 21, 22)):
+    with open(tmp_path / "eval.jsonl", "w") as f:
+        for i in numbers:
+            f.write(json.dumps({"prompt": f"Say {i} once:", "answer": f"{i}"}) + "\n")
+    return str(tmp_path / "eval.jsonl")
+
+
+def plain_eval(hf, tok, path, seed=42):
+    """TRL's eval metrics of `hf`, plainly: each eval prompt sampled G times by `generate` alone,
+    each completion from its stream of evaluation's (row_seed(seed, EVAL_STREAM, prompt, n)),
+    cut after the first end token, scored by the run's reward functions; the rewards' group
+    statistics as TRL's `_generate_and_score_completions` takes them."""
+    prompts = [json.loads(x) for x in Path(path).read_text().splitlines()]
+    completions, truncated, answers = [], [], []
+    for i, rec in enumerate(prompts):
+        ids = torch.tensor([tok(rec["prompt"])["input_ids"]])
+        for n in range(G):
+            sampler = RowSampler([row_seed(seed, EVAL_STREAM, i, n)], "cpu")
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
+                              max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+            row = out[0, ids.shape[1] :].tolist()
+            end = next((k for k, t in enumerate(row) if t == tok.eos_token_id), None)
+            completions.append(row if end is None else row[: end + 1])
+            truncated.append(end is None)
+            answers.append(rec["answer"])
+    texts = tok.batch_decode(completions, skip_special_tokens=True)
+    per_func = torch.tensor(
+        [[float(len(t)), float(t.strip() == a)] for t, a in zip(texts, answers)], dtype=torch.float64
+    )
+    rewards = per_func @ torch.tensor([-0.05, 1.0], dtype=torch.float64)
+    group_std = rewards.view(-1, G).std(1)
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    return {
+        "eval_reward": float(rewards.mean()), "eval_reward_std": float(group_std.mean()),
+        "eval_frac_reward_zero_std": float((group_std < 1e-6).double().mean()),
+        "eval_rewards/length/mean": float(per_func[:, 0].mean()), "eval_rewards/length/std": float(per_func[:, 0].std()),
+        "eval_rewards/exact_match/mean": float(per_func[:, 1].mean()),
+        "eval_completions/mean_length": float(lengths.mean()), "eval_completions/max_length": float(lengths.max()),
+        "eval_completions/clipped_ratio": sum(truncated) / len(truncated),
+    }  # fmt: skip
+
+
+def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(setup):
+    """eval_dataset with stage grpo: at eval_on_start, every eval_steps and the last step, each
+    eval prompt is sampled num_generations times (batches of per_device_eval_batch_size
+    completions, here cutting groups) and scored: TRL's eval_ metrics, each as `generate` alone
+    and the reward functions give them for the weights of that step (the initial ones, the final
+    ones). The run trains bitwise as one without evaluation: the same completions, losses and
+    weights."""
+    import transformers
+
+    tmp_path, tok = setup
+    path = write_eval_prompts(tmp_path)
+    kw = dict(
+        eval_dataset=path,
+        eval_steps=2,
+        eval_on_start=True,
+        per_device_eval_batch_size=5,
+        save_dtype="float32",
+    )
+    records, rollouts, final = run(tmp_path, "eval", **kw)
+    plain_records, plain_rollouts, plain_final = run(tmp_path, "plain")
+    evals = [r for r in records if is_eval(r)]
+    assert [r["step"] for r in evals] == [0, 2, STEPS]
+    assert not any("eval_loss" in r for r in evals)
+
+    def training(rs):  # the step records less their timings
+        return [
+            {k: v for k, v in r.items() if "time" not in k and "_per_s" not in k}
+            for r in rs
+            if not is_eval(r)
+        ]
+
+    assert training(records) == training(plain_records) and rollouts == plain_rollouts
+    for k in plain_final:
+        assert torch.equal(final[k], plain_final[k]), k
+    start = model(len(tok)).eval()
+    end = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "eval" / "final", dtype=torch.float32
+    ).eval()
+    for got, hf in ((evals[0], start), (evals[-1], end)):
+        for name, value in plain_eval(hf, tok, path).items():
+            assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], name)
+    assert evals[0]["eval_reward"] != evals[-1]["eval_reward"]  # the weights moved between them
+
+
+def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
+    """load_best_model_at_end with stage grpo: eval_reward, greater is better (TRL's; a tie keeps
+    the earlier); final/ is the checkpoint whose evaluation had the most reward, here not the
+    last one."""
+    tmp_path, _ = setup
+    kw = dict(eval_dataset=write_eval_prompts(tmp_path), eval_steps=1, save_steps=1, load_best_model_at_end=True,
+              save_dtype="float32", learning_rate=0.05)  # fmt: skip
+    records, _, final = run(tmp_path, "best", **kw, save_strategy="steps")
+    rewards = {r["step"]: r["eval_reward"] for r in records if is_eval(r)}
+    best = min(s for s in rewards if rewards[s] == max(rewards.values()))
+    state = json.loads((tmp_path / "best" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    assert (state["best_global_step"], state["best_metric"]) == (best, rewards[best])
+    kept, last = (
+        load_file(tmp_path / "best" / f"checkpoint-{s}" / "model.safetensors") for s in (best, STEPS)
+    )
+    assert all(torch.equal(final[k], kept[k]) for k in final)
+    assert any(not torch.equal(final[k], last[k]) for k in final)  # the choice changed final/
+
+
+def test_grpo_evaluation_settings():
+    """The best model's metric with stage grpo is eval_reward (by default with
+    load_best_model_at_end); eval_loss is refused by name."""
+    args = dict(model_config="unused", stage="grpo", reward_funcs=["length"], per_device_train_batch_size=8,
+                eval_dataset="unused", eval_steps=2, save_steps=2)  # fmt: skip
+    cfg = TrainConfig(**args, load_best_model_at_end=True)
+    assert (cfg.metric_for_best_model, cfg.greater_is_better) == ("eval_reward", True)
+    with pytest.raises(ConfigError, match=r"^metric_for_best_model: must be eval_reward \(the metric evaluation "
+                       r"computes with stage grpo\) \(got 'eval_loss'\)$"):  # fmt: skip
+        TrainConfig(**args, metric_for_best_model="eval_loss")
+
+
 def failing_reward(completions, **_):
     raise KeyError("no such column")
 
@@ -509,13 +629,15 @@ def test_tokens_outside_the_loss_cannot_make_it_nan():
 def test_two_processes_equal_one(setup):
     """The step's prompts split over two gloo processes (each samples its half from the
     completions' own streams, advantages over both halves, reused for num_iterations steps with a
-    KL term): the same completions, losses, metrics and weights as one process with the same
-    global batch."""
+    KL term), and the eval prompts (one to the first, two to the second): the same completions,
+    losses, metrics, eval metrics and weights as one process with the same global batch."""
     from test_checkpoint import write_yaml
     from test_distributed import assert_close_weights, launch
 
     tmp_path, _ = setup
-    kw = dict(num_iterations=2, beta=0.04, loss_type="grpo")
+    kw = dict(
+        num_iterations=2, beta=0.04, loss_type="grpo", eval_dataset=write_eval_prompts(tmp_path), eval_steps=2
+    )
     one, one_rollouts, final_one = run(tmp_path, "one", **kw)
     base = dict(
         model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
@@ -550,6 +672,11 @@ def test_two_processes_equal_one(setup):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
     assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
+    for a, b in zip(got, want):
+        for k in [k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac"))]:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
 
 
 @pytest.mark.slow

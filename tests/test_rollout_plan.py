@@ -158,16 +158,19 @@ def test_a_grpo_run_that_does_not_fit_is_told_grpo_settings_that_would(tmp_path)
 
 def test_the_rollout_samples_a_generation_batch_at_a_time():
     """The rollout's room is for per_device_train_batch_size x steps_per_generation completions
-    (by default gradient_accumulation_steps: a step's), as generation_batch_size makes it too."""
+    (by default gradient_accumulation_steps: a step's), as generation_batch_size makes it too, or
+    for an evaluation's per_device_eval_batch_size where that is more."""
     model_cfg, cfg = shapes()
-    kv = planning.rollout_memory(cfg, model_cfg, 2)["KV cache"]
+
+    def kv(changed, processes=None):
+        return planning.rollout_memory(changed, model_cfg, 2, processes)["KV cache"]
+
     for changed in (replace(cfg, steps_per_generation=1), replace(cfg, generation_batch_size=8)):
-        assert planning.rollout_memory(changed, model_cfg, 2)["KV cache"] * 4 == kv
-    assert (
-        planning.rollout_memory(replace(cfg, generation_batch_size=16), model_cfg, 2, processes=2)["KV cache"]
-        * 4
-        == kv
-    )
+        assert kv(changed) * 4 == kv(cfg)
+    assert kv(replace(cfg, generation_batch_size=16), processes=2) * 4 == kv(cfg)
+    evaluating = replace(cfg, eval_dataset="unused", eval_strategy="steps")
+    assert kv(replace(evaluating, per_device_eval_batch_size=64)) == 2 * kv(cfg)
+    assert kv(replace(evaluating, per_device_eval_batch_size=8)) == kv(cfg)
 
 
 def test_the_plan_of_dpo_counts_pairs(tmp_path, capsys):
