@@ -169,7 +169,7 @@ def _number(kind: type, low: float, high: float | None = None, closed: bool = Tr
 def _plan(args) -> int:
     import torch
 
-    from . import plan
+    from . import plan, planreport
     from .checks import config_warnings
     from .config import TrainConfig
     from .models.config import ModelConfig
@@ -194,10 +194,10 @@ def _plan(args) -> int:
     result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
     for warning in config_warnings(cfg, model_cfg):  # as train warns
         print(f"megatrain: warning: {warning}")
-    print(plan.report(model_cfg, result, name, dtype, cfg, data))
+    print(planreport.report(model_cfg, result, name, dtype, cfg, data))
     if result.fits:
-        print(plan.limits_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
-    print(plan.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
+        print(planreport.limits_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
+    print(planreport.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     return 0 if result.fits else 1
 
 

@@ -1,11 +1,12 @@
-"""The memory plan of a run, before anything is allocated: `megatrain plan` prints it, `train`
-makes the same plan and refuses a run that no placement fits, naming the settings that would.
+"""The memory plan of a run, before anything is allocated: `megatrain plan` prints it
+(planreport.py), `train` makes the same plan and refuses a run that no placement fits, naming the
+settings that would.
 
 The decisions and the memory model are placement.py's; this module turns a training config into
-its inputs (the largest step: rows padded to the stage's row length, `stages.row_length`), reports
-the result, and searches the stage's batch settings (`knobs_of`) for the largest that fit
-(`limits`) and the longest sequence the smallest step may have (`longest_context`): for grpo, the
-longest completion.
+its inputs (the largest step: rows padded to the stage's row length, `stages.row_length`) and
+searches the stage's batch settings (`knobs_of`) for the largest that fit (`limits`) and the
+longest sequence the smallest step may have (`longest_context`): for grpo, the longest
+completion.
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .checks import beyond_positions
 from .errors import ConfigError, MegatrainError
 from .host.disk import measure_rate
 from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
-from .models.family import describe
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
 from .planning.footprint import rollout_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
-from .stages import row_length, row_length_text
+from .stages import row_length
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
 DATA_BYTES_PER_FILE_BYTE = {".parquet": 40, ".gz": 50, ".zst": 50, ".arrow": 15}
@@ -123,7 +122,7 @@ def check(
     try:
         return Check(attempt(), machine, None)
     except PlanError as e:
-        base = _searchable(cfg, machine.world.ranks)
+        base = with_knobs(cfg, machine.world.ranks)
         fixes = [f"{k}={v}" for k in knobs_of(cfg) if (v := _search(attempt, base, k, below=True))]
         hint = (
             "would fit with " + " or ".join(fixes)
@@ -138,13 +137,18 @@ def knobs_of(cfg) -> tuple[str, ...]:
     return GRPO_KNOBS if cfg.stage == "grpo" else KNOBS
 
 
+def length_knob(cfg) -> str:
+    """The batch setting of the row length: max_length, or grpo's max_completion_length."""
+    return knobs_of(cfg)[-1]
+
+
 def limits(
     model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None
 ) -> dict[str, int | None]:
     """The largest value of each of the stage's batch knobs (the others as configured) that a
     placement fits (searched up to 2**24 steps of its unit)."""
     attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    base = _searchable(cfg, machine.world.ranks)
+    base = with_knobs(cfg, machine.world.ranks)
     return {name: _search(attempt, base, name, below=False) for name in knobs_of(cfg)}
 
 
@@ -161,24 +165,7 @@ def _search(attempt, cfg, name: str, below: bool) -> int | None:
     return None if found is None else found * unit
 
 
-def limits_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None) -> str:
-    """`megatrain plan`'s answer to "how far may each batch setting go on this machine"."""
-    lim = limits(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    counts = cfg.stage + " samples" if cfg.preference() else "completions" if cfg.grpo() else None
-    parts = [
-        f"{k}={v}" + (f" ({counts})" if k == "per_device_train_batch_size" and counts and v else "")
-        for k, v in lim.items()
-    ]
-    length = "max_completion_length" if cfg.grpo() else "max_length"
-    caveat = None
-    if lim[length]:
-        longest = _searchable(cfg, machine.world.ranks, **{length: lim[length]})
-        caveat = beyond_positions(row_length(longest), model_cfg)
-    line = "largest that fit, the other settings as configured: " + ", ".join(parts)
-    return line + (f" ({row_length_text(longest)}: {caveat})" if caveat else "")
-
-
-def _smallest_step(cfg) -> dict[str, int]:
+def smallest_step(cfg) -> dict[str, int]:
     """The smallest step of the stage: one sequence (one preference sample); for grpo one
     completion a step, of a generation batch of one group."""
     one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1)
@@ -189,52 +176,17 @@ def _smallest_step(cfg) -> dict[str, int]:
 def longest_context(
     model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None
 ) -> tuple[int, Plan] | None:
-    """The most tokens one sequence may have (the smallest step, `_smallest_step`, the other
+    """The most tokens one sequence may have (the smallest step, `smallest_step`, the other
     settings as configured) that a placement fits, with that placement; None when not even one
     token fits. For grpo, the most tokens a completion may have after a prompt of
     max_prompt_length. MLP tiles and parked activations count as the plan would choose them."""
     attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    one, name = _smallest_step(cfg), "max_completion_length" if cfg.grpo() else "max_length"
+    one, name = smallest_step(cfg), length_knob(cfg)
     n = _largest(lambda v: _fits(attempt, **{name: v}, **one), _value(cfg, name))
     return None if n is None else (n, attempt(**{name: n}, **one))
 
 
-def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None) -> str:
-    """`megatrain plan`'s answer to "how long may a sequence be on this machine"."""
-    found = longest_context(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    grpo, pref = cfg.grpo(), cfg.preference()
-    what = "longest completion" if grpo else "longest context"
-    if found is None:
-        return f"{what}: none (not one token per sequence fits)"
-    n, p = found
-    how = [f"MLP tiles of {p.mlp_tile_tokens:,} tokens" if 0 < p.mlp_tile_tokens < n else "MLP untiled"]
-    if p.device == "cuda":
-        layers = model_cfg.num_hidden_layers
-        how.append(f"{p.parked_layers} of {layers} layers' boundary activations in host memory")
-    how.append(f"gradients {p.grad_mode}")
-    if p.device == "cuda":
-        how.append(f"GPU peak ~{fmt_bytes(p.gpu_peak)}")
-    how.append(f"host ~{fmt_bytes(p.host_total)}")
-    name = "max_completion_length" if grpo else "max_length"
-    longest = _searchable(cfg, machine.world.ranks, **{name: n}, **_smallest_step(cfg))
-    caveat = beyond_positions(row_length(longest), model_cfg)
-    if grpo:
-        step = ", ".join(f"{k}={v}" for k, v in _smallest_step(cfg).items())
-        line = (
-            f"{what}: {n:,} tokens after a prompt of up to {row_length(longest) - n:,} (one completion a step, "
-            f"a generation batch of one group: {step}; {', '.join(how)})"
-        )
-    else:
-        step = (
-            f"one {cfg.stage} sample per step, {pref.sequences} sequences"
-            if pref
-            else "one sequence per step"
-        )
-        line = f"{what}: {n:,} tokens per sequence ({step}; {', '.join(how)})"
-    return line + (f"; {caveat}" if caveat else "")
-
-
-def _searchable(cfg, processes: int | None = None, **knobs: int):
+def with_knobs(cfg, processes: int | None = None, **knobs: int):
     """`cfg` with some batch settings changed (checked again, as a config file's), its
     generation_batch_size, where set, given as the steps_per_generation it makes over `processes`
     (default: the config's world), so that the knobs are independent settings."""
@@ -307,7 +259,7 @@ def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, 
     )
 
     def attempt(**knobs: int) -> Plan:
-        c = _searchable(cfg, machine.world.ranks, **knobs)
+        c = with_knobs(cfg, machine.world.ranks, **knobs)
         batch = batch_of(c, model_cfg, compute_bytes, span)
         trains_on = _less_rollout(host, rollout_memory(c, model_cfg, compute_bytes))
         p = make_placement(model_cfg, batch, trains_on, choices_of(cfg), layer_mem)
@@ -413,78 +365,3 @@ def data_bytes(cfg) -> int:
         factor = DATA_BYTES_PER_FILE_BYTE.get(f.path.suffix, DATA_BYTES_DEFAULT)
         total += f.path.stat().st_size * factor
     return total
-
-
-# ---------------------------------------------------------------------------- report
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def report(
-    model_cfg: ModelConfig, result: Check, device_name: str, dtype_name: str, cfg, data: int = 0
-) -> str:
-    """The text `megatrain plan` prints."""
-    m = result.machine
-    b = batch_of(cfg, model_cfg, 2 if dtype_name == "bfloat16" else 4)
-    lines = [
-        f"model: {model_cfg.model_type}, {_count(model_cfg.num_params)} parameters ({model_cfg.num_params:,}), "
-        f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, vocab {model_cfg.vocab_size}",
-        f"runs on: {describe(model_cfg)}",
-        f"device: {device_name}, {dtype_name} compute",
-        f"tokens: {b.rows} x {b.seq_len} per micro-batch"
-        + (f" ({cfg.per_device_train_batch_size} {cfg.stage} samples)" if cfg.preference() else "")
-        + (" (completions: prompt + max_completion_length)" if cfg.stage == "grpo" else "")
-        + ", "
-        f"x {cfg.gradient_accumulation_steps} accumulation = {b.tokens:,} per optimizer step "
-        f"(upper bound: rows padded to {row_length_text(cfg)})",
-        "budget: GPU "
-        + (
-            "unknown (no CUDA device visible here: set max_gpu_memory)"
-            if m.device == "cuda" and m.gpu_bytes is None
-            else f"{fmt_bytes(m.gpu_bytes)} ({'max_gpu_memory' if m.gpu_capped else 'free now'})"
-            if m.device == "cuda"
-            else "none (CPU run)"
-        )
-        + ", host "
-        + ("unknown" if m.host_bytes is None else fmt_bytes(m.host_bytes + data))
-        + (
-            ""
-            if cfg.max_host_memory is not None
-            else " (MemAvailable: set max_host_memory to plan for another machine)"
-        ),
-    ]
-    w = m.world
-    if w.ranks > 1:
-        lines.append(
-            f"world: {w.ranks} processes on {w.machines} machine(s), {'sharded' if w.sharded else 'plain'} traffic"
-            + (", host state partitioned (memory below: one machine's part)" if w.partitioned else "")
-        )
-    lines.append("")
-    p = result.plan
-    if p is None:
-        lines.append("does not fit: " + result.problem)
-        return "\n".join(lines)
-    lines += [f"plan: {note}" for note in p.notes] or ["plan: all state in host memory"]
-    rollout = rollout_memory(cfg, model_cfg, b.compute_bytes, m.world.ranks)
-    if rollout and p.device == "cuda":
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rollout.items())
-        lines.append(f"rollout: ~{fmt_bytes(sum(rollout.values()))} of the GPU kept for sampling ({parts}); "
-                     "the memory below is the update's")  # fmt: skip
-    lines.append("")
-    if p.device == "cuda":
-        lines.append("GPU memory at its peak (predicted torch.cuda.max_memory_allocated)")
-        lines.extend(f"  {k:<50}{fmt_bytes(v):>12}" for k, v in p.gpu.items())
-        lines.append(f"  {'total':<50}{fmt_bytes(p.gpu_peak):>12}")
-    lines.append("host memory (growth of the resident set)")
-    host = dict(p.host)
-    if data:
-        host["tokenized data (estimate)"] = data
-    lines.extend(f"  {k:<50}{fmt_bytes(v):>12}" for k, v in host.items())
-    lines.append(f"  {'total':<50}{fmt_bytes(sum(host.values())):>12}")
-    if p.device == "cuda":
-        lines.append(f"  {'of which page-locked':<50}{fmt_bytes(p.pinned):>12}")
-    lines.append("")
-    tps = b.tokens / p.step_time_s if p.step_time_s else 0
-    lines.append(f"estimated step: {p.step_time_s:.2f} s ({tps:,.0f} tokens/s; a cost-model projection)")
-    lines.append("fits")
-    return "\n".join(lines)

@@ -82,12 +82,6 @@ def new_generation(micro: int, cfg: GRPOConfig) -> bool:
     return micro % cfg.micro_batches_per_generation == 0
 
 
-def samples_at(step: int, cfg: GRPOConfig) -> bool:
-    """Whether optimizer step `step` (1-based) samples a generation batch."""
-    ga = cfg.gradient_accumulation_steps
-    return any(new_generation(m, cfg) for m in range((step - 1) * ga, step * ga))
-
-
 def continues(step: int, cfg: GRPOConfig) -> bool:
     """Whether the step after `step` trains on the generation batch `step` trained on."""
     return not new_generation(step * cfg.gradient_accumulation_steps, cfg)

@@ -11,6 +11,7 @@ from dataclasses import replace
 from transformers import LlamaConfig
 
 from megatrain import plan as planning
+from megatrain import planreport
 from megatrain.config import TrainConfig
 from megatrain.models.config import ModelConfig
 from megatrain.planning.footprint import HOST_RESERVE, usable_gpu
@@ -56,7 +57,7 @@ def test_the_update_is_planned_in_the_gpu_less_the_rollout_and_too_large_a_rollo
     assert got.plan.gpu_peak == alone.gpu_peak < wants
     assert got.plan.gpu_peak + rollout <= usable_gpu(machine)  # the update and the rollout fit at once
 
-    text = planning.report(model_cfg, got, "a GPU", "bfloat16", cfg)
+    text = planreport.report(model_cfg, got, "a GPU", "bfloat16", cfg)
     assert "rollout: ~" in text and "KV cache" in text
 
     small = planning.check(model_cfg, cfg, Machine("cuda", rollout - GiB // 4, 64 * GiB), 2)
