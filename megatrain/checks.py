@@ -9,6 +9,7 @@ from pathlib import Path
 from .engine.optim import lr_at
 from .errors import ConfigError
 from .models.config import ModelConfig
+from .stages import row_length, row_length_text
 from .trackers import check_installed
 
 
@@ -44,8 +45,8 @@ def beyond_positions(length: int, model_cfg: ModelConfig) -> str | None:
 def config_warnings(cfg, model_cfg: ModelConfig) -> list[str]:
     """Settings that are legal but probably not what was meant, known from the config and the
     model alone (`megatrain plan` prints them too)."""
-    why = beyond_positions(cfg.max_length, model_cfg)
-    return [f"max_length {cfg.max_length} is {why}"] if why else []
+    why = beyond_positions(row_length(cfg), model_cfg)
+    return [f"{row_length_text(cfg)} is {why}"] if why else []
 
 
 def run_warnings(cfg, model_cfg: ModelConfig, total_steps: int, warmup_steps: int) -> list[str]:

@@ -169,8 +169,8 @@ def _number(kind: type, low: float, high: float | None = None, closed: bool = Tr
 def _plan(args) -> int:
     import torch
 
-    from . import plan
-    from .checks import beyond_positions, config_warnings
+    from . import plan, planreport
+    from .checks import config_warnings
     from .config import TrainConfig
     from .models.config import ModelConfig
 
@@ -194,16 +194,10 @@ def _plan(args) -> int:
     result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
     for warning in config_warnings(cfg, model_cfg):  # as train warns
         print(f"megatrain: warning: {warning}")
-    print(plan.report(model_cfg, result, name, dtype, cfg, data))
+    print(planreport.report(model_cfg, result, name, dtype, cfg, data))
     if result.fits:
-        lim = plan.limits(model_cfg, cfg, result.machine, compute_bytes, layer_mem)
-        caveat = beyond_positions(lim["max_length"] or 0, model_cfg)
-        print(
-            "largest that fit, the other settings as configured: "
-            + ", ".join(f"{k}={v}" for k, v in lim.items())
-            + (f" (max_length {caveat})" if caveat else "")
-        )
-    print(plan.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
+        print(planreport.limits_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
+    print(planreport.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     return 0 if result.fits else 1
 
 

@@ -181,8 +181,19 @@ class TrainConfig:
     mask_truncated_completions: bool = False
     """grpo: leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
-    """grpo: optimizer steps each rollout is trained for (the first samples it; the ratio's
-    denominator is the sampling policy's log-probs, stored with the rollout)."""
+    """grpo: times each generation batch is trained on, each time over its steps_per_generation
+    micro-batches (the ratio's denominator is then the sampling policy's log-probs, stored with
+    the rollout)."""
+    steps_per_generation: int | None = None
+    """grpo: micro-batches of per_device_train_batch_size completions a generation batch is split
+    into, as TRL counts them; default gradient_accumulation_steps (one generation batch an
+    optimizer step). 2 x gradient_accumulation_steps: one sampling for two optimizer steps; 1:
+    gradient_accumulation_steps samplings a step, each of per_device_train_batch_size
+    completions (less GPU memory for the rollout). Not with generation_batch_size."""
+    generation_batch_size: int | None = None
+    """grpo: completions sampled at a time over all processes, a multiple of
+    per_device_train_batch_size x processes (TRL's); default per_device_train_batch_size x
+    processes x steps_per_generation. Not with steps_per_generation."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
@@ -277,7 +288,8 @@ class TrainConfig:
     are saved in the checkpoints' and final/'s config.json."""
     # --- evaluation
     eval_dataset: str | list[str] | None = None
-    """Held-out data in any form `dataset` takes (same format, chat handling and packing)."""
+    """Held-out data in any form `dataset` takes (same format, chat handling and packing); grpo:
+    prompts, each sampled num_generations times and scored (eval_reward, ...; no eval_loss)."""
     eval_strategy: str | None = None
     """no, steps or epoch; default: steps when eval_dataset is set, else no (YAML's no/false: no)."""
     eval_steps: int | float | None = None
@@ -286,14 +298,16 @@ class TrainConfig:
     eval_on_start: bool = False
     """Also evaluate before the first step (a baseline; not repeated on resume)."""
     per_device_eval_batch_size: int | None = None
-    """Sequences per evaluation micro-batch; default: per_device_train_batch_size."""
+    """Sequences per evaluation micro-batch (grpo: completions sampled at a time); default:
+    per_device_train_batch_size."""
     load_best_model_at_end: bool = False
     """Export final/ from the checkpoint with the best metric_for_best_model (its checksums
     verified first). Needs save_strategy equal to eval_strategy and, with steps, save_steps a
     multiple of eval_steps."""
     metric_for_best_model: str | None = None
-    """eval_loss (or loss): track best_metric and best_model_checkpoint, which save_total_limit
-    never deletes; default eval_loss with load_best_model_at_end."""
+    """eval_loss (or loss; grpo: eval_reward or reward): track best_metric and
+    best_model_checkpoint, which save_total_limit never deletes; default eval_loss (grpo:
+    eval_reward) with load_best_model_at_end."""
     greater_is_better: bool | None = None
     """Whether a larger metric is better; default: false for a loss (transformers' rule)."""
     # --- hardware
@@ -465,8 +479,6 @@ class TrainConfig:
             bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
-        if self.stage == "grpo" and self.eval_dataset:
-            bad("eval_dataset", "is not used with stage grpo yet (its rewards come from sampling)")
 
     def preference(self) -> PreferenceConfig | None:
         """The preference stage's settings; None for sft and grpo."""
@@ -474,11 +486,12 @@ class TrainConfig:
             return None
         return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
 
-    def grpo(self) -> GRPOConfig | None:
-        """GRPO's settings; None for the other stages."""
+    def grpo(self, processes: int | None = None) -> GRPOConfig | None:
+        """GRPO's settings for a world of `processes` (default: the world these settings
+        describe; under torchrun, pass the run's); None for the other stages."""
         if self.stage != "grpo":
             return None
-        return GRPOConfig(**_stage_keys(self, GRPOConfig))
+        return GRPOConfig(**_stage_keys(self, GRPOConfig), processes=processes or self.world().ranks)
 
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of
@@ -517,11 +530,17 @@ class TrainConfig:
             bad("per_device_eval_batch_size", "must be >= 1")
         if self.load_best_model_at_end and (why := self._best_model_schedule_problem()):
             raise ConfigError(f"load_best_model_at_end: {why}")
+        # grpo's evaluation samples and scores (TRL's eval_reward); the other stages' take a loss.
+        computed = "reward" if self.stage == "grpo" else "loss"
         if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.metric_for_best_model = "eval_loss"
+            self.metric_for_best_model = f"eval_{computed}"
         if self.metric_for_best_model is not None:
-            if self.metric_for_best_model not in ("eval_loss", "loss"):
-                bad("metric_for_best_model", "must be eval_loss (the metric evaluation computes)")
+            if self.metric_for_best_model not in (f"eval_{computed}", computed):
+                stage = " with stage grpo" if self.stage == "grpo" else ""
+                bad(
+                    "metric_for_best_model",
+                    f"must be eval_{computed} (the metric evaluation computes{stage})",
+                )
             if not evaluating:
                 bad("metric_for_best_model", "needs evaluation (set eval_dataset)")
             if self.greater_is_better is None:

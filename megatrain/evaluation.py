@@ -1,6 +1,7 @@
 """Evaluation during training, with Hugging Face Trainer semantics: when to evaluate
-(eval_strategy, eval_steps), the loss over the whole eval set, and which checkpoint is the best
-(metric_for_best_model, for load_best_model_at_end and pruning).
+(eval_strategy, eval_steps), the loss over the whole eval set (grpo: completions sampled for its
+prompts and scored, TRL's eval metrics, `rollout.Rollout.evaluate`), and which checkpoint is the
+best (metric_for_best_model, for load_best_model_at_end and pruning).
 
 eval_loss is the training loss's definition over the eval set: (sum of token losses) / (number
 of label tokens); eval_perplexity = exp(eval_loss). The eval set is batched as the training data
@@ -31,7 +32,7 @@ from .io.reader import checkpoint_files
 from .io.weights import load_hf_weights
 from .metrics import mean_metrics
 from .models.config import ModelConfig
-from .stages import build_stage_samples, in_order
+from .stages import build_stage_samples, grpo_prompts, in_order
 
 
 class Evaluator:
@@ -51,13 +52,19 @@ class Evaluator:
         """`vocab_size` bounds the eval data's token ids (the model's); `pad_id` pads its
         micro-batches (the training data's); `warn` hears of rows dropped from it."""
         self.batcher: Batcher | None = None
+        self.prompts = None  # grpo: the eval prompts, sampled and scored
+        self.batch_size = cfg.per_device_eval_batch_size
         self.interval = 0
-        if cfg.eval_strategy != "no":
+        if cfg.eval_strategy != "no" and cfg.stage == "grpo":
+            self.prompts = grpo_prompts(cfg, tokenizer, vocab_size, "eval_dataset")
+            self.num_samples = len(self.prompts)
+        elif cfg.eval_strategy != "no":
             samples = build_stage_samples(
                 cfg, tokenizer, vocab_size, "eval_dataset", cfg.per_device_eval_batch_size, warn=warn
             )
             self.num_samples = len(samples)
             self.batcher = in_order(cfg, samples, cfg.per_device_eval_batch_size, pad_id)
+        if self.enabled:
             if cfg.eval_strategy == "epoch":
                 self.interval = steps_per_epoch
             else:
@@ -77,7 +84,7 @@ class Evaluator:
 
     @property
     def enabled(self) -> bool:
-        return self.batcher is not None
+        return self.batcher is not None or self.prompts is not None
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after `step` optimizer steps: every interval and after the last
@@ -88,9 +95,14 @@ class Evaluator:
             return self.on_start
         return step % self.interval == 0 or step == self.total_steps
 
-    def evaluate(self, engine, step: int, epoch: float, progress: Callable[[int], Any]) -> dict[str, Any]:
-        """The eval loss of the model as it is after `step` steps, as a metrics record with
-        Hugging Face names. `progress(total)` makes a tqdm-like bar over the eval chunks."""
+    def evaluate(
+        self, engine, step: int, epoch: float, progress: Callable[[int], Any], rollout=None
+    ) -> dict[str, Any]:
+        """The eval loss of the model as it is after `step` steps (grpo: its eval rewards, sampled
+        by `rollout`), as a metrics record with Hugging Face names. `progress(total)` makes a
+        tqdm-like bar over the eval chunks."""
+        if self.prompts is not None:
+            return self._evaluate_rollouts(rollout, step, epoch, progress)
         t0 = time.perf_counter()
         # In a data-parallel world rank r takes every r-th chunk; the sums meet at the end.
         world = engine.collective
@@ -125,6 +137,21 @@ class Evaluator:
             "eval_tokens_per_s": n_tokens / dt,
             "eval_label_tokens": n_label,
             **metrics,
+        }
+        self._last = record
+        return record
+
+    def _evaluate_rollouts(self, rollout, step: int, epoch: float, progress) -> dict[str, Any]:
+        """grpo: the eval prompts' completions sampled and scored (TRL's eval_ metrics)."""
+        t0 = time.perf_counter()
+        metrics = rollout.evaluate(self.prompts, self.batch_size, progress)
+        dt = time.perf_counter() - t0
+        record = {
+            "step": step,
+            "epoch": epoch,
+            **{f"eval_{k}": v for k, v in metrics.items()},
+            "eval_runtime": dt,
+            "eval_samples_per_second": self.num_samples / dt,
         }
         self._last = record
         return record

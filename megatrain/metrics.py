@@ -4,7 +4,8 @@ bars for long saves and reads.
 
 metrics.jsonl holds two kinds of records, both with a `step`: one per optimizer step (`loss`,
 `grad_norm`, `lr`, ...) and one per evaluation (`eval_loss`, `eval_perplexity`, ...; Hugging
-Face's names), written after the step it evaluates; `is_eval` tells them apart."""
+Face's names; grpo's `eval_reward`, ..., TRL's), written after the step it evaluates;
+`trackers.is_eval` tells them apart."""
 
 from __future__ import annotations
 
@@ -26,11 +27,6 @@ def show_progress(disable_tqdm: bool | None) -> bool:
     """Whether progress bars are drawn: on a terminal unless `disable_tqdm` says otherwise. A bar
     redrawn with carriage returns is noise in a log file, so without a terminal there is none."""
     return sys.stderr.isatty() if disable_tqdm is None else not disable_tqdm
-
-
-def is_eval(record: dict) -> bool:
-    """Whether a metrics.jsonl record is an evaluation's (else it is an optimizer step's)."""
-    return "eval_loss" in record
 
 
 # A post-training stage's figures beside the loss (TRL's metrics): name in the line -> record key.
@@ -70,7 +66,7 @@ class MetricsLogger:
         )
         self.interactive = interactive
         self._step_seconds, self._steps = 0.0, 0  # the training steps' own time: the ETA's rate
-        self._eval_loss: str | None = None  # the latest, shown in the bar's postfix
+        self._eval_shown: dict[str, str] = {}  # the latest evaluation's figure, in the bar's postfix
 
     def _keep_until(self, step: int) -> None:
         """On resume, drop records of steps after the checkpoint (they will be redone). The
@@ -120,7 +116,7 @@ class MetricsLogger:
         self.bar.update(1)
         shown = {k: f"{record[n]:.3g}" for k, n in STAGE_SHOWN.items() if record.get(n) is not None}
         if self.interactive:
-            extra = {"eval_loss": self._eval_loss} if self._eval_loss else {}
+            extra = self._eval_shown
             self.bar.set_postfix(
                 loss=loss, **shown, tok_s=f"{record['tokens_per_s']:.0f}", **extra, refresh=False
             )
@@ -138,13 +134,22 @@ class MetricsLogger:
     def log_eval(self, record: dict) -> None:
         """An evaluation record: to metrics.jsonl, as a line for the user, to the trackers."""
         self._append(record)
-        loss, ppl = record["eval_loss"], record["eval_perplexity"]
-        self._eval_loss = "nan" if loss is None else f"{loss:.4f}"
-        self.message(
-            f"eval step {record['step']}/{self.total} eval_loss {self._eval_loss} "
-            f"perplexity {'-' if ppl is None else f'{ppl:.3f}'} ({record['eval_runtime']:.1f}s, "
-            f"{record['eval_tokens_per_s']:.0f} tokens/s)"
-        )
+        if "eval_reward" in record:  # grpo's: sampled and scored
+            shown = f"{record['eval_reward']:.4f}"
+            self._eval_shown = {"eval_reward": shown}
+            self.message(
+                f"eval step {record['step']}/{self.total} eval_reward {shown} (std {record['eval_reward_std']:.3f}, "
+                f"completions of {record['eval_completions/mean_length']:.1f} tokens; {record['eval_runtime']:.1f}s)"
+            )
+        else:
+            loss, ppl = record["eval_loss"], record["eval_perplexity"]
+            shown = "nan" if loss is None else f"{loss:.4f}"
+            self._eval_shown = {"eval_loss": shown}
+            self.message(
+                f"eval step {record['step']}/{self.total} eval_loss {shown} "
+                f"perplexity {'-' if ppl is None else f'{ppl:.3f}'} ({record['eval_runtime']:.1f}s, "
+                f"{record['eval_tokens_per_s']:.0f} tokens/s)"
+            )
         self._report(record)
 
     def _report(self, record: dict) -> None:

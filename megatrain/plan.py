@@ -1,59 +1,62 @@
-"""The memory plan of a run, before anything is allocated: `megatrain plan` prints it, `train`
-makes the same plan and refuses a run that no placement fits, naming the settings that would.
+"""The memory plan of a run, before anything is allocated: `megatrain plan` prints it
+(planreport.py), `train` makes the same plan and refuses a run that no placement fits, naming the
+settings that would.
 
 The decisions and the memory model are placement.py's; this module turns a training config into
-its inputs (the largest step: rows padded to max_length), reports the result, and searches the
-batch settings for the largest that fit (`limits`) and the longest sequence a step of one
-sequence may have (`longest_context`).
+its inputs (the largest step: rows padded to the stage's row length, `stages.row_length`) and
+searches the stage's batch settings (`knobs_of`) for the largest that fit (`limits`) and the
+longest sequence the smallest step may have (`longest_context`): for grpo, the longest
+completion.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .checks import beyond_positions
-from .errors import MegatrainError
+from .errors import ConfigError, MegatrainError
 from .host.disk import measure_rate
 from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
-from .models.family import describe
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
 from .planning.footprint import rollout_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
+from .stages import row_length
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
 DATA_BYTES_PER_FILE_BYTE = {".parquet": 40, ".gz": 50, ".zst": 50, ".arrow": 15}
 DATA_BYTES_DEFAULT = 12  # host bytes per byte of JSON/JSONL once tokenized (Python lists of ints)
+# The batch settings the searches change: a row is max_length tokens, but grpo's is a prompt and a
+# completion (max_completion_length), sampled per_device_train_batch_size x steps_per_generation
+# at a time (the rollout's batch). num_generations takes no memory: it only groups completions.
 KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_length")
+GRPO_KNOBS = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "max_completion_length",
+)  # fmt: skip
 
 
 class InsufficientMemory(MegatrainError):
     """No placement of the run fits the memory it may use."""
 
 
-def batch_of(
-    cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: float | None = None, **knobs: int
-) -> Batch:
-    """The largest optimizer step of a training config (knobs override its batch settings);
-    `attention_span` as the packed data gives it (`attention.span`), None: whole rows (under the
-    model's windows)."""
-    k = {name: knobs.get(name, getattr(cfg, name)) for name in KNOBS}
+def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: float | None = None) -> Batch:
+    """The largest optimizer step of a training config; `attention_span` as the packed data gives
+    it (`attention.span`), None: whole rows (under the model's windows)."""
+    seq_len = row_length(cfg)
     if attention_span is None:
-        attention_span = span([k["max_length"]], model_cfg.windows)
+        attention_span = span([seq_len], model_cfg.windows)
     # A preference sample is several sequences (a pair: two): rows of their own, or one packed row.
     g = cfg.preference().sequences if cfg.preference() else 1
-    rows, seq_len = k["per_device_train_batch_size"] * g, k["max_length"]
-    if (grpo := cfg.grpo()) is not None:  # a row: a prompt and a completion sampled for it
-        seq_len = (cfg.max_prompt_length or k["max_length"]) + grpo.max_completion_length
+    rows = cfg.per_device_train_batch_size * g
     if cfg.packing:
         rows, seq_len = rows // g, seq_len * g
     return Batch(
         micro_batch_tokens=rows * seq_len,
-        micro_batches=k["gradient_accumulation_steps"],
+        micro_batches=cfg.gradient_accumulation_steps,
         seq_len=seq_len,
         compute_bytes=compute_bytes,
         clip=cfg.max_grad_norm > 0,
@@ -119,11 +122,8 @@ def check(
     try:
         return Check(attempt(), machine, None)
     except PlanError as e:
-        fixes = []
-        for name in KNOBS:
-            best = _largest_fitting(lambda v, name=name: _fits(attempt, **{name: v}), getattr(cfg, name) - 1)
-            if best:
-                fixes.append(f"{name}={best}")
+        base = with_knobs(cfg, machine.world.ranks)
+        fixes = [f"{k}={v}" for k in knobs_of(cfg) if (v := _search(attempt, base, k, below=True))]
         hint = (
             "would fit with " + " or ".join(fixes)
             if fixes
@@ -132,57 +132,107 @@ def check(
         return Check(None, machine, f"{e}; {hint}")
 
 
+def knobs_of(cfg) -> tuple[str, ...]:
+    """The batch settings `check`, `limits` and `megatrain plan` speak in, the stage's."""
+    return GRPO_KNOBS if cfg.stage == "grpo" else KNOBS
+
+
+def length_knob(cfg) -> str:
+    """The batch setting of the row length: max_length, or grpo's max_completion_length."""
+    return knobs_of(cfg)[-1]
+
+
 def limits(
     model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None
 ) -> dict[str, int | None]:
-    """The largest value of each batch knob (the others as configured) that a placement fits
-    (searched up to 2**24)."""
+    """The largest value of each of the stage's batch knobs (the others as configured) that a
+    placement fits (searched up to 2**24 steps of its unit)."""
     attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    out = {}
-    for name in KNOBS:
-        out[name] = _largest(lambda v, name=name: _fits(attempt, **{name: v}), getattr(cfg, name))
-    return out
+    base = with_knobs(cfg, machine.world.ranks)
+    return {name: _search(attempt, base, name, below=False) for name in knobs_of(cfg)}
+
+
+def _search(attempt, cfg, name: str, below: bool) -> int | None:
+    """The largest value of batch knob `name` (in steps of its unit) that `attempt` fits: below
+    its value in `cfg` (what would fit), or from it up (how far it may go)."""
+    unit = _unit(cfg, name)
+
+    def fits(m: int) -> bool:
+        return _fits(attempt, **{name: m * unit})
+
+    start = _value(cfg, name)
+    found = _largest_fitting(fits, (start - 1) // unit) if below else _largest(fits, start // unit)
+    return None if found is None else found * unit
+
+
+def smallest_step(cfg) -> dict[str, int]:
+    """The smallest step of the stage: one sequence (one preference sample); for grpo one
+    completion a step, of a generation batch of one group."""
+    one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    grpo = cfg.grpo()
+    return one if grpo is None else one | dict(steps_per_generation=grpo.num_generations)
 
 
 def longest_context(
     model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None
 ) -> tuple[int, Plan] | None:
-    """The most tokens one sequence may have (one sequence per optimizer step, the other settings
-    as configured) that a placement fits, with that placement; None when not even one token fits.
-    MLP tiles and parked activations count as the plan would choose them."""
+    """The most tokens one sequence may have (the smallest step, `smallest_step`, the other
+    settings as configured) that a placement fits, with that placement; None when not even one
+    token fits. For grpo, the most tokens a completion may have after a prompt of
+    max_prompt_length. MLP tiles and parked activations count as the plan would choose them."""
     attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1)
-    n = _largest(lambda v: _fits(attempt, max_length=v, **one), cfg.max_length)
-    return None if n is None else (n, attempt(max_length=n, **one))
+    one, name = smallest_step(cfg), length_knob(cfg)
+    n = _largest(lambda v: _fits(attempt, **{name: v}, **one), _value(cfg, name))
+    return None if n is None else (n, attempt(**{name: n}, **one))
 
 
-def context_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None) -> str:
-    """`megatrain plan`'s answer to "how long may a sequence be on this machine"."""
-    found = longest_context(model_cfg, cfg, machine, compute_bytes, layer_mem)
-    if found is None:
-        return "longest context: none (not one token per sequence fits)"
-    n, p = found
-    how = [f"MLP tiles of {p.mlp_tile_tokens:,} tokens" if 0 < p.mlp_tile_tokens < n else "MLP untiled"]
-    if p.device == "cuda":
-        layers = model_cfg.num_hidden_layers
-        how.append(f"{p.parked_layers} of {layers} layers' boundary activations in host memory")
-    how.append(f"gradients {p.grad_mode}")
-    if p.device == "cuda":
-        how.append(f"GPU peak ~{fmt_bytes(p.gpu_peak)}")
-    how.append(f"host ~{fmt_bytes(p.host_total)}")
-    caveat = beyond_positions(n, model_cfg)
-    line = f"longest context: {n:,} tokens per sequence (one sequence per step; {', '.join(how)})"
-    return line + (f"; {caveat}" if caveat else "")
+def with_knobs(cfg, processes: int | None = None, **knobs: int):
+    """`cfg` with some batch settings changed (checked again, as a config file's), its
+    generation_batch_size, where set, given as the steps_per_generation it makes over `processes`
+    (default: the config's world), so that the knobs are independent settings."""
+    if cfg.generation_batch_size is not None:
+        slices = cfg.grpo(processes).steps_per_generation
+        cfg = replace(cfg, generation_batch_size=None, steps_per_generation=slices)
+    return replace(cfg, **knobs) if knobs else cfg
 
 
-def rollout_memory(cfg, model_cfg: ModelConfig, compute_bytes: int, **knobs: int) -> dict[str, int]:
-    """stage grpo: the GPU memory a step's rollout adds, by part (footprint.rollout_bytes); the
-    training plan gets the GPU less this. Empty for the other stages. `knobs` as in batch_of."""
-    if (grpo := cfg.grpo()) is None:
+def _value(cfg, name: str) -> int:
+    """A batch knob's value in `cfg`, as the stage resolves it."""
+    grpo = cfg.grpo()
+    return getattr(grpo, name) if grpo is not None and hasattr(grpo, name) else getattr(cfg, name)
+
+
+def _unit(cfg, name: str) -> int:
+    """The step of a batch knob's values: 1, but a grpo generation batch holds whole groups (its
+    per_device_train_batch_size x steps_per_generation a multiple of num_generations), and
+    steps_per_generation follows gradient_accumulation_steps where it is not set."""
+    grpo = cfg.grpo()
+    if grpo is None:
+        return 1
+    g = grpo.num_generations
+    if name == "per_device_train_batch_size":
+        return g // math.gcd(g, grpo.steps_per_generation)
+    if name == "steps_per_generation" or (
+        name == "gradient_accumulation_steps" and cfg.steps_per_generation is None
+    ):
+        return g // math.gcd(g, grpo.per_device_train_batch_size)
+    return 1
+
+
+def rollout_memory(
+    cfg, model_cfg: ModelConfig, compute_bytes: int, processes: int | None = None
+) -> dict[str, int]:
+    """stage grpo: the GPU memory a rollout adds, by part (footprint.rollout_bytes), for the most
+    completions a process samples at a time: a generation batch, per_device_train_batch_size x
+    steps_per_generation (over `processes`: default, the config's world), or an evaluation's
+    per_device_eval_batch_size; the training plan gets the GPU less this. Empty for the other
+    stages."""
+    if (grpo := cfg.grpo(processes)) is None:
         return {}
-    k = {name: knobs.get(name, getattr(cfg, name)) for name in KNOBS}
-    rows = k["per_device_train_batch_size"] * k["gradient_accumulation_steps"]
-    prompt = cfg.max_prompt_length or k["max_length"]
+    rows = cfg.per_device_train_batch_size * grpo.steps_per_generation
+    if cfg.eval_strategy != "no":
+        rows = max(rows, cfg.per_device_eval_batch_size)
+    prompt = cfg.max_prompt_length or cfg.max_length
     return rollout_bytes(model_cfg, rows, prompt, grpo.max_completion_length, compute_bytes)
 
 
@@ -209,8 +259,9 @@ def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, 
     )
 
     def attempt(**knobs: int) -> Plan:
-        batch = batch_of(cfg, model_cfg, compute_bytes, span, **knobs)
-        trains_on = _less_rollout(host, rollout_memory(cfg, model_cfg, compute_bytes, **knobs))
+        c = with_knobs(cfg, machine.world.ranks, **knobs)
+        batch = batch_of(c, model_cfg, compute_bytes, span)
+        trains_on = _less_rollout(host, rollout_memory(c, model_cfg, compute_bytes))
         p = make_placement(model_cfg, batch, trains_on, choices_of(cfg), layer_mem)
         return replace(p, host={**p.host, **extra}) if extra else p
 
@@ -243,7 +294,7 @@ def _fits(attempt, **knobs: int) -> bool:
     try:
         attempt(**knobs)
         return True
-    except PlanError:
+    except (PlanError, ConfigError):  # a setting the config refuses fits nothing
         return False
 
 
@@ -269,9 +320,8 @@ def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
     from .planning.probe import layer_memory_for
 
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
-    tokens = cfg.per_device_train_batch_size * cfg.max_length
-    masked = uses_mask(bool(cfg.packing), model_cfg.sliding_window, cfg.max_length)
-    return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, tokens, masked)
+    b = batch_of(cfg, model_cfg, compute_bytes)
+    return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, b.micro_batch_tokens, b.masked)
 
 
 def preflight(
@@ -315,78 +365,3 @@ def data_bytes(cfg) -> int:
         factor = DATA_BYTES_PER_FILE_BYTE.get(f.path.suffix, DATA_BYTES_DEFAULT)
         total += f.path.stat().st_size * factor
     return total
-
-
-# ---------------------------------------------------------------------------- report
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def report(
-    model_cfg: ModelConfig, result: Check, device_name: str, dtype_name: str, cfg, data: int = 0
-) -> str:
-    """The text `megatrain plan` prints."""
-    m = result.machine
-    b = batch_of(cfg, model_cfg, 2 if dtype_name == "bfloat16" else 4)
-    lines = [
-        f"model: {model_cfg.model_type}, {_count(model_cfg.num_params)} parameters ({model_cfg.num_params:,}), "
-        f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, vocab {model_cfg.vocab_size}",
-        f"runs on: {describe(model_cfg)}",
-        f"device: {device_name}, {dtype_name} compute",
-        f"tokens: {b.rows} x {b.seq_len} per micro-batch"
-        + (f" ({cfg.per_device_train_batch_size} {cfg.stage} samples)" if cfg.preference() else "")
-        + (" (completions: prompt + max_completion_length)" if cfg.stage == "grpo" else "")
-        + ", "
-        f"x {cfg.gradient_accumulation_steps} accumulation = {b.tokens:,} per optimizer step "
-        "(upper bound: rows padded to max_length)",
-        "budget: GPU "
-        + (
-            "unknown (no CUDA device visible here: set max_gpu_memory)"
-            if m.device == "cuda" and m.gpu_bytes is None
-            else f"{fmt_bytes(m.gpu_bytes)} ({'max_gpu_memory' if m.gpu_capped else 'free now'})"
-            if m.device == "cuda"
-            else "none (CPU run)"
-        )
-        + ", host "
-        + ("unknown" if m.host_bytes is None else fmt_bytes(m.host_bytes + data))
-        + (
-            ""
-            if cfg.max_host_memory is not None
-            else " (MemAvailable: set max_host_memory to plan for another machine)"
-        ),
-    ]
-    w = m.world
-    if w.ranks > 1:
-        lines.append(
-            f"world: {w.ranks} processes on {w.machines} machine(s), {'sharded' if w.sharded else 'plain'} traffic"
-            + (", host state partitioned (memory below: one machine's part)" if w.partitioned else "")
-        )
-    lines.append("")
-    p = result.plan
-    if p is None:
-        lines.append("does not fit: " + result.problem)
-        return "\n".join(lines)
-    lines += [f"plan: {note}" for note in p.notes] or ["plan: all state in host memory"]
-    rollout = rollout_memory(cfg, model_cfg, b.compute_bytes)
-    if rollout and p.device == "cuda":
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rollout.items())
-        lines.append(f"rollout: ~{fmt_bytes(sum(rollout.values()))} of the GPU kept for sampling ({parts}); "
-                     "the memory below is the update's")  # fmt: skip
-    lines.append("")
-    if p.device == "cuda":
-        lines.append("GPU memory at its peak (predicted torch.cuda.max_memory_allocated)")
-        lines.extend(f"  {k:<50}{fmt_bytes(v):>12}" for k, v in p.gpu.items())
-        lines.append(f"  {'total':<50}{fmt_bytes(p.gpu_peak):>12}")
-    lines.append("host memory (growth of the resident set)")
-    host = dict(p.host)
-    if data:
-        host["tokenized data (estimate)"] = data
-    lines.extend(f"  {k:<50}{fmt_bytes(v):>12}" for k, v in host.items())
-    lines.append(f"  {'total':<50}{fmt_bytes(sum(host.values())):>12}")
-    if p.device == "cuda":
-        lines.append(f"  {'of which page-locked':<50}{fmt_bytes(p.pinned):>12}")
-    lines.append("")
-    tps = b.tokens / p.step_time_s if p.step_time_s else 0
-    lines.append(f"estimated step: {p.step_time_s:.2f} s ({tps:,.0f} tokens/s; a cost-model projection)")
-    lines.append("fits")
-    return "\n".join(lines)

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 from .errors import MegatrainError
-from .metrics import is_eval
 from .plotfile import check_target, format_of, write_plot
+from .trackers import is_eval
 
 PANELS = (
     ("loss", "training loss", "loss"),

@@ -1,35 +1,44 @@
-"""GRPO's rollouts (`stage: grpo`): per optimizer step, the step's prompts sampled
-`num_generations` times by the policy as it is, scored by the reward functions, turned into
-advantages and micro-batches of prompt + completion for the engine (objectives/grpo.py).
+"""GRPO's rollouts (`stage: grpo`): a generation batch of prompts sampled `num_generations`
+times by the policy as it is, scored by the reward functions, turned into advantages and
+micro-batches of prompt + completion for the engine (objectives/grpo.py); and evaluation's
+sampling (`evaluate`).
+
+A generation batch is per_device_train_batch_size x steps_per_generation completions a process
+(TRL's; by default gradient_accumulation_steps slices, one generation batch an optimizer step),
+split into steps_per_generation micro-batches in order (TRL shuffles them first) and trained on
+num_iterations times over (TRL's buffered generation): micro-batch m of the run (0-based,
+gradient_accumulation_steps a step) starts a new one where m is a multiple of
+steps_per_generation x num_iterations, and is its slice m mod steps_per_generation. A step's
+generation batches are all sampled before it trains, with the weights it starts from; their
+metrics go with the step that sampled them (their mean where it sampled several), as TRL logs
+them.
 
 Sampling is transformers' `generate` (max_new_tokens = max_completion_length) on a transformers
 model built on the device in the compute dtype from the host state's current weights, freed
-after the rollout: the whole policy visits the device once a step. The prompts of a step are
+after the rollout: the whole policy visits the device once a generation batch. Its prompts are
 left-padded into one batch, each repeated num_generations times in a row (TRL's order). Each
 completion is sampled from a stream of its own (sampling.RowSampler: temperature, top_k, top_p
 as transformers' warpers apply them), seeded with `row_seed(seed, step, the prompt's index in the
-dataset, the completion's index in its group)`: a completion is a function of the seed, the step,
-its prompt and the weights, whatever else is in the batch. So a resumed run samples what the
-uninterrupted one did, and any number of processes sample what one does. A completion ends at its
-first end token (the tokenizer's EOS or the chat template's end of turn), included; one that
-reaches max_completion_length is truncated. Rank r takes the r-th block of a step's prompts;
-advantages see every rank's rewards.
+dataset, the completion's index in its group)` (with, after the step, the micro-batch it starts
+at for a generation batch that does not start its step): a completion is a function of the seed,
+the step, its prompt and the weights, whatever else is in the batch. So a resumed run samples what
+the uninterrupted one did, and any number of processes sample what one does. A completion ends at
+its first end token (the tokenizer's EOS or the chat template's end of turn), included; one that
+reaches max_completion_length is truncated. Rank r takes the r-th block of a generation batch's
+prompts; advantages see every rank's rewards.
 
-A rollout is trained for num_iterations optimizer steps (TRL's buffered generation): the first of
-them samples it (with that step's seed) and the others train on it again; their records carry the
-loss's metrics only, as TRL logs a rollout's with the step that sampled it. Where the loss needs
-them, each rollout carries per-token log-probs, computed once after sampling
-(MicroBatch.token_extra): the sampling policy's (num_iterations > 1) by the engine's own forward
-sweep over the rollout's micro-batches, the loss's computation, so the first step's ratio is 1;
-the reference policy's (beta > 0) by a transformers model built on the device from the reference
-weights (stages.grpo_reference), as the sampling model is, and freed before the step. A
-checkpoint taken before a rollout's last step holds it (ROLLOUT_FILE, every rank's micro-batches
-with their advantages and log-probs), and a resume trains on it: the weights moved since it was
-sampled, so sampling it again would not give it back.
+Where the loss needs them, each generation batch carries per-token log-probs, computed once after
+sampling (MicroBatch.token_extra): the sampling policy's (where the policy moves before its last
+micro-batch: `GRPOConfig.needs_old_logps`) by the engine's own forward sweep over its
+micro-batches, the loss's computation, so the ratio is 1 until the policy moves; the reference
+policy's (beta > 0) by a transformers model built on the device from the reference weights
+(stages.grpo_reference), as the sampling model is, and freed before the step. A checkpoint taken
+where the next step goes on with a generation batch holds it (ROLLOUT_FILE, every rank's
+micro-batches with their advantages and log-probs), and a resume trains on it: the weights moved
+since it was sampled, so sampling it again would not give it back.
 
 Not built yet: layers streamed per decode step for models whose bf16 weights and cache do not fit
-the device beside the plan's allocations (the plan does not count the rollout model yet), and
-a compiled or static-cache decode.
+the device, and a compiled or static-cache decode.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,28 +57,42 @@ from .data.batch import IGNORE_INDEX, MicroBatch
 from .data.chat import end_of_turn_id
 from .data.prompts import Prompt
 from .errors import CheckpointError
-from .objectives.grpo import OLD_LOGP, REF_LOGP, GRPOConfig, advantages, log_probs
+from .objectives.grpo import (
+    ADVANTAGE,
+    OLD_LOGP,
+    REF_LOGP,
+    TOKENS_PER_STEP,
+    GRPOConfig,
+    advantages,
+    log_probs,
+)
 from .rewards import RewardFunc, score
 from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
+EVAL_STREAM = -1  # row_seed's step for evaluation's completions: no optimizer step has it
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
 
 
-def samples_at(step: int, num_iterations: int) -> bool:
-    """Whether optimizer step `step` (1-based) samples a new rollout: the first of each
-    num_iterations steps."""
-    return (step - 1) % num_iterations == 0
+def new_generation(micro: int, cfg: GRPOConfig) -> bool:
+    """Whether micro-batch `micro` of the run (0-based, gradient_accumulation_steps a step) is
+    the first on a new generation batch: one every steps_per_generation x num_iterations."""
+    return micro % cfg.micro_batches_per_generation == 0
+
+
+def continues(step: int, cfg: GRPOConfig) -> bool:
+    """Whether the step after `step` trains on the generation batch `step` trained on."""
+    return not new_generation(step * cfg.gradient_accumulation_steps, cfg)
 
 
 def resumed_rollout(checkpoint: Path, step: int, cfg: GRPOConfig, world) -> list[MicroBatch] | None:
     """This rank's micro-batches of the rollout a checkpoint after step `step` holds, where the
     next step trains on it again; None where it samples (or the checkpoint has none: one of
-    another num_iterations, and the next step samples)."""
+    another num_iterations or steps_per_generation, and the next step samples)."""
     path = Path(checkpoint) / ROLLOUT_FILE
-    if samples_at(step + 1, cfg.num_iterations) or not path.is_file():
+    if not continues(step, cfg) or not path.is_file():
         return None
     try:
         ranks = torch.load(path, weights_only=True)
@@ -107,21 +131,30 @@ class Rollout:
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int, draw: Callable[[], list[MicroBatch]]) -> list[MicroBatch]:
-        """The micro-batches of optimizer step `step`: a rollout of this rank's next prompts
-        (`draw()`, the Batcher's next prompt batch) on the first of num_iterations steps, else the
-        current rollout again (sampled again where a resume has none)."""
-        if samples_at(step, self.cfg.num_iterations) or self.batches is None:
-            self.batches = self._sample_step(draw(), step)
-        else:
-            self.metrics = {}  # a rollout's metrics go with the step that sampled it
-        return self.batches
+        """The gradient_accumulation_steps micro-batches of optimizer step `step`, each the next
+        slice of a generation batch (TRL's buffered generation): a new one of this rank's next
+        prompts (`draw()`, the Batcher's next prompt batch) where a micro-batch starts one, or
+        where a resume has none; else the current one's. A step's metrics are the mean of its
+        generation batches' (their times summed), as TRL logs them."""
+        ga, slices = self.cfg.gradient_accumulation_steps, self.cfg.steps_per_generation
+        sampled, out = [], []
+        for micro in range((step - 1) * ga, step * ga):
+            if new_generation(micro, self.cfg) or self.batches is None:
+                self.batches = self._sample_step(draw(), step, micro % ga)
+                sampled.append(self.metrics)
+            out.append(self.batches[micro % slices])
+        self.metrics = _mean_metrics(sampled)
+        return out
 
-    def _sample_step(self, prompt_batches: list[MicroBatch], step: int) -> list[MicroBatch]:
-        """A rollout of `prompt_batches` (this rank's prompts) at step `step`, as micro-batches."""
+    def _sample_step(self, prompt_batches: list[MicroBatch], step: int, offset: int) -> list[MicroBatch]:
+        """A generation batch of `prompt_batches` (this rank's prompts) sampled at step `step`
+        for its micro-batch `offset` on, as steps_per_generation micro-batches."""
         (pb,) = prompt_batches
         prompts = [self.prompts[i] for i in pb.units for _ in range(self.cfg.num_generations)]
         t0 = time.perf_counter()
-        seeds = [row_seed(self.seed, step, i, j) for i in pb.units for j in range(self.cfg.num_generations)]
+        # A second generation batch of a step has streams of its own (a prompt may be in both).
+        where = (step, offset) if offset else (step,)
+        seeds = [row_seed(self.seed, *where, i, j) for i in pb.units for j in range(self.cfg.num_generations)]
         completions, truncated = self.generate([p.ids for p in prompts], seeds)
         t1 = time.perf_counter()
         rewards = self._score(prompts, completions)
@@ -139,6 +172,12 @@ class Rollout:
             self._micro_batch(rows[a : a + self.batch_size], adv[a : a + self.batch_size])
             for a in range(0, len(rows), self.batch_size)
         ]
+        # dapo's divisor (TRL's): the generation batch's loss tokens, every rank's, per optimizer step.
+        tokens = max(self.world.sum_count(sum(mb.num_label_tokens for mb in batches)), 1)
+        for mb in batches:
+            mb.extra[:, TOKENS_PER_STEP] = (
+                tokens * self.cfg.gradient_accumulation_steps / self.cfg.steps_per_generation
+            )
         if self.cfg.needs_old_logps or self.cfg.needs_reference:
             t3 = time.perf_counter()
             self._attach_logps(batches)
@@ -146,13 +185,50 @@ class Rollout:
         return batches
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], list[bool]]:
+    def generate(
+        self, prompt_ids: list[list[int]], seeds: list[int], batch_size: int | None = None, bar=None
+    ) -> tuple[list[list[int]], list[bool]]:
         """Completions of the prompts, each sampled from its own stream (`seeds`, sampling.py),
-        each cut after its first end token, and whether each was cut at max_completion_length
-        instead."""
+        `batch_size` at a time (default: all at once) by one model of the policy, each cut after
+        its first end token, and whether each was cut at max_completion_length instead. `bar` is
+        told of each batch."""
+        if not prompt_ids:
+            return [], []
+        size, completions, truncated = batch_size or len(prompt_ids), [], []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
-            return self._sample(self._policy(), prompt_ids, seeds)
+            model = self._policy()
+            for a in range(0, len(prompt_ids), size):
+                c, t = self._sample(model, prompt_ids[a : a + size], seeds[a : a + size])
+                completions, truncated = completions + c, truncated + t
+                if bar is not None:
+                    bar.update(1)
+            del model  # before the allocator's peak is read
+        return completions, truncated
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, prompts: list[Prompt], batch_size: int, progress) -> dict[str, float]:
+        """TRL's eval metrics of the policy as it is (without the eval_ prefix): each of `prompts`
+        sampled num_generations times, `batch_size` completions at a time, and scored; the reward
+        and completion metrics over every rank's completions (rank r samples the r-th block of the
+        prompts). Each completion has a stream of evaluation's own, `row_seed(seed, EVAL_STREAM,
+        the prompt's index, the completion's index)`: no training stream, and the same at every
+        evaluation, so that two evaluations differ by the weights alone. Nothing of the training
+        run changes: no random number is drawn from its generators, no rollout state is touched.
+        `progress(total)` makes a tqdm-like bar over the batches."""
+        g, n, world = self.cfg.num_generations, len(prompts), self.world
+        mine = range(world.rank * n // world.world_size, (world.rank + 1) * n // world.world_size)
+        rows = [(i, j) for i in mine for j in range(g)]
+        seeds = [row_seed(self.seed, EVAL_STREAM, i, j) for i, j in rows]
+        with progress(-(-len(rows) // batch_size)) as bar:
+            completions, truncated = self.generate([prompts[i].ids for i, _ in rows], seeds, batch_size, bar)
+        rewards = (
+            self._score([prompts[i] for i, _ in rows], completions)
+            if rows
+            else torch.zeros(0, len(self.funcs), dtype=torch.float64)
+        )
+        every = torch.cat(world.each(rewards)) if world.world_size > 1 else rewards
+        return advantages(self.cfg, every)[2] | self._metrics(every, completions, truncated)
 
     @contextlib.contextmanager
     def _measured(self):
@@ -192,7 +268,6 @@ class Rollout:
             eos_token_id=self.stops or None,
             pad_token_id=self.pad_id,
         )[:, width:].cpu()
-        del model
         completions, truncated = [], []
         for row in out.tolist():
             end = next((i for i, t in enumerate(row) if t in self.stops), None)
@@ -223,9 +298,14 @@ class Rollout:
     def _attach_logps(self, batches: list[MicroBatch]) -> None:
         """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP) and the
         reference policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
-        engine = self.model.engine
+        engine, ga = self.model.engine, self.cfg.gradient_accumulation_steps
         ref = self._reference_logps(batches) if self.cfg.needs_reference else None
-        old = engine.head_outputs(batches, engine.objective.token_logps) if self.cfg.needs_old_logps else None
+        old = None
+        if self.cfg.needs_old_logps:  # a step's micro-batches at a time, the sweep the plan is made for
+            fn = engine.objective.token_logps
+            old = [
+                x for a in range(0, len(batches), ga) for x in engine.head_outputs(batches[a : a + ga], fn)
+            ]
         for i, mb in enumerate(batches):
             values = torch.zeros(*mb.input_ids.shape, 2)
             if old is not None:
@@ -274,7 +354,7 @@ class Rollout:
         """What a checkpoint after step `step` holds of the rollouts (ROLLOUT_FILE): every rank's
         micro-batches of the current rollout when the next step trains on it again, else None.
         Called by every rank."""
-        if samples_at(step + 1, self.cfg.num_iterations) or self.batches is None:
+        if not continues(step, self.cfg) or self.batches is None:
             return None
         mine = [{k: v for k, v in vars(mb).items() if v is not None} for mb in self.batches]
         buffer = io.BytesIO()
@@ -352,9 +432,19 @@ class Rollout:
             )
             real.append([1] * (len(p) + len(c)) + [0] * pad)
         mask = torch.tensor(real)
+        extra = torch.zeros(len(rows), 2, dtype=torch.float64)
+        extra[:, ADVANTAGE] = adv.double()
         return MicroBatch(
             torch.tensor(ids),
             torch.tensor(labels),
             attention_mask=None if bool(mask.all()) else mask,
-            extra=adv.double()[:, None],
+            extra=extra,
         )
+
+
+def _mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of a step from those of the generation batches it sampled: none, one's, or
+    each one's mean over them (TRL's log), but the times, summed."""
+    if len(parts) < 2:
+        return parts[0] if parts else {}
+    return {k: (sum if k.startswith("time/") else statistics.fmean)(p[k] for p in parts) for k in parts[0]}

@@ -46,7 +46,7 @@ from .io.weights import parameters_in
 from .io.writing import AtomicDir
 from .models.config import ModelConfig
 from .objectives.base import Objective
-from .objectives.grpo import GRPO
+from .objectives.grpo import GRPO, GRPOConfig
 from .objectives.sequence_sums import Preference
 
 REFERENCE_DIR = "reference"
@@ -70,34 +70,51 @@ def build_stage_samples(
     return [pair_sample(p) for p in build_preference_pairs(paths, tokenizer, limits, vocab_size)]
 
 
-def grpo_prompts(cfg, tokenizer, vocab_size: int | None) -> list[Prompt]:
-    """grpo: the dataset's prompts."""
+def grpo_prompts(cfg, tokenizer, vocab_size: int | None, key: str = "dataset") -> list[Prompt]:
+    """grpo: the prompts of `cfg.<key>` (dataset or eval_dataset)."""
     return build_prompts(
-        [f.path for f in resolve_dataset(cfg, "dataset")], tokenizer, cfg.max_prompt_length, vocab_size
+        [f.path for f in resolve_dataset(cfg, key)], tokenizer, cfg.max_prompt_length, vocab_size
     )
 
 
-def batch_shape(cfg) -> tuple[int, int]:
-    """(samples per micro-batch, micro-batches per step) of the training data's Batcher: grpo
-    draws one batch of prompts a step, each sampled num_generations times into
-    per_device_train_batch_size x gradient_accumulation_steps completions."""
-    b, ga = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+def row_length(cfg) -> int:
+    """The most tokens a sequence of the run has: max_length, but for grpo a prompt and a
+    completion sampled for it, max_prompt_length (max_length where that is null: no bound) +
+    max_completion_length."""
     grpo = cfg.grpo()
     if grpo is None:
-        return b, ga
-    if (b * ga) % grpo.num_generations:
-        raise ConfigError(
-            f"num_generations: {grpo.num_generations} must divide per_device_train_batch_size x "
-            f"gradient_accumulation_steps ({b} x {ga} completions a step)"
-        )
-    return b * ga // grpo.num_generations, 1
+        return cfg.max_length
+    return (cfg.max_prompt_length or cfg.max_length) + grpo.max_completion_length
 
 
-def steps_per_batch(cfg) -> int:
-    """Optimizer steps a batch of the training data's Batcher is trained for: grpo's
-    num_iterations (each rollout trained that many steps), else 1."""
-    grpo = cfg.grpo()
-    return 1 if grpo is None else grpo.num_iterations
+def row_length_text(cfg) -> str:
+    """`row_length` as a message names it, with the keys it comes from."""
+    if cfg.stage != "grpo":
+        return f"max_length {cfg.max_length}"
+    prompt = (
+        f"max_prompt_length {cfg.max_prompt_length}"
+        if cfg.max_prompt_length
+        else f"max_length {cfg.max_length}"
+    )
+    return f"{prompt} + max_completion_length {cfg.grpo().max_completion_length} = {row_length(cfg)}"
+
+
+def batch_shape(cfg, grpo: GRPOConfig | None) -> tuple[int, int]:
+    """(samples per micro-batch, micro-batches per step) of the training data's Batcher; grpo
+    (`cfg.grpo(processes)`) draws one batch of prompts a generation batch, each sampled
+    num_generations times into per_device_train_batch_size x steps_per_generation completions."""
+    if grpo is None:
+        return cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    return cfg.per_device_train_batch_size * grpo.steps_per_generation // grpo.num_generations, 1
+
+
+def steps_of_epoch(cfg, grpo: GRPOConfig | None, batches: int) -> int:
+    """Optimizer steps of an epoch of `batches` Batcher batches: one a batch, but for grpo, whose
+    batches (generation batches) are trained for steps_per_generation x num_iterations
+    micro-batches, gradient_accumulation_steps a step (TRL's count: whole steps, at least one)."""
+    if grpo is None:
+        return batches
+    return max(1, batches * grpo.micro_batches_per_generation // cfg.gradient_accumulation_steps)
 
 
 def grpo_reference(cfg, model_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
@@ -133,7 +150,7 @@ def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batche
 
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
-    if (grpo := cfg.grpo()) is not None:
+    if (grpo := cfg.grpo(world.world_size)) is not None:
         return GRPO(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size, collective=world)
     pref = cfg.preference()
     return None if pref is None else Preference(pref, collective=world)

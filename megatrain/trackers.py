@@ -50,8 +50,9 @@ TRAIN_SCALARS = (
     "aux_loss",
     "expert_load_max",
     "expert_load_min",
+    "reward",  # grpo's
 )
-EVAL_SCALARS = ("loss", "perplexity", "runtime", "tokens_per_s")
+EVAL_SCALARS = ("loss", "perplexity", "runtime", "tokens_per_s", "reward", "reward_std")  # reward: grpo's
 
 
 def reporters(value: str | list[str]) -> list[str]:
@@ -111,9 +112,15 @@ class RunInfo:
         return self.project or (os.environ.get(env) if env else None) or DEFAULT_PROJECT
 
 
+def is_eval(record: dict) -> bool:
+    """Whether a metrics.jsonl record is an evaluation's (its keys start with eval_: eval_loss, or
+    grpo's eval_reward, ...), else an optimizer step's."""
+    return any(k.startswith("eval_") for k in record)
+
+
 def scalars(record: dict) -> dict[str, float]:
     """A metrics.jsonl record as the trackers' scalars (absent and null values left out)."""
-    prefix, keys = ("eval", EVAL_SCALARS) if "eval_loss" in record else ("train", TRAIN_SCALARS)
+    prefix, keys = ("eval", EVAL_SCALARS) if is_eval(record) else ("train", TRAIN_SCALARS)
     source = "eval_" if prefix == "eval" else ""
     out = {}
     for k in keys:

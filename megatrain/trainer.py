@@ -58,7 +58,7 @@ from .stages import (
     objective_of,
     reference_model_pass,
     same_architecture,
-    steps_per_batch,
+    steps_of_epoch,
 )
 from .trackers import RunInfo
 
@@ -77,7 +77,7 @@ RESUME_SENSITIVE = (
     "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight", "max_prompt_length",
     "max_completion_length", "truncation_mode", "ref_model_name_or_path", "num_generations", "num_iterations",
     "temperature", "top_p", "top_k", "epsilon", "epsilon_high", "scale_rewards", "mask_truncated_completions",
-    "reward_funcs", "reward_weights",
+    "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
 )
 # fmt: on
 
@@ -152,19 +152,20 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
     prompts, reward_funcs, resumed = None, None, None
-    if cfg.stage == "grpo":
+    grpo = cfg.grpo(world.world_size)  # the generation batch is counted over the run's processes
+    if grpo is not None:
         prompts, reward_funcs = (
             grpo_prompts(cfg, tokenizer, model_cfg.vocab_size),
             rewards.load(cfg.reward_funcs),
         )
         samples = prompt_samples(prompts)
         if resume:  # taken in the middle of a rollout's num_iterations steps, it holds the rollout
-            resumed = resumed_rollout(resume.path, resume.trainer_state.global_step, cfg.grpo(), world)
+            resumed = resumed_rollout(resume.path, resume.trainer_state.global_step, grpo, world)
     else:
         samples = build_stage_samples(
             cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, warn=say
         )
-    batch_size, grad_accum = batch_shape(cfg)
+    batch_size, grad_accum = batch_shape(cfg, grpo)
     batcher = Batcher(
         samples,
         batch_size=batch_size,
@@ -178,7 +179,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
             tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None)
         ),
     )
-    steps_per_epoch = batcher.steps_per_epoch * steps_per_batch(cfg)  # grpo: num_iterations a rollout
+    steps_per_epoch = steps_of_epoch(cfg, grpo, batcher.steps_per_epoch)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     if resume and resume.trainer_state.global_step > total_steps:
         raise ConfigError(
@@ -254,8 +255,11 @@ class _Run(_Inputs):
         self.history.append(record)
 
     def evaluate(self, step: int) -> None:
-        """Eval loss after `step` optimizer steps, to the metrics and the log history."""
-        record = self.evaluator.evaluate(self.model.engine, step, self.batcher.epoch, self.log.progress)
+        """Eval loss (grpo: eval rewards) after `step` optimizer steps, to the metrics and the log
+        history."""
+        record = self.evaluator.evaluate(
+            self.model.engine, step, self.batcher.epoch, self.log.progress, self.rollout
+        )
         self.log.log_eval(record)
         self.log.exclude_pause()  # the ETA counts training steps only
         self.history.append(record)
@@ -414,7 +418,9 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
     rollout = (
-        sum(rollout_memory(cfg, model_cfg, compute_dtype.itemsize).values()) if device.type == "cuda" else 0
+        sum(rollout_memory(cfg, model_cfg, compute_dtype.itemsize, world.world_size).values())
+        if device.type == "cuda"
+        else 0
     )
     model_info = {"model_type": model_cfg.model_type, "path": runs_on}
     memory = MemoryRecord(inputs.plan, inputs.machine, model_info, rollout_gpu=rollout)
@@ -480,7 +486,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     rollout = None
     if inputs.prompts is not None:
         rollout = Rollout(
-            cfg.grpo(), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
+            cfg.grpo(world.world_size), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
         )  # fmt: skip
     run = _Run(

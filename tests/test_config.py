@@ -237,7 +237,7 @@ def test_fractional_logging_and_warmup_steps_in_a_run(tmp_path, capsys):
 
 def test_lists_of_numbers_load_from_yaml_and_a_bad_item_is_named(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("model_config: m\ndataset: d\nstage: grpo\nreward_funcs: [length, format]\n"
+    path.write_text("model_config: m\ndataset: d\nstage: grpo\nreward_funcs: [length, format]\nper_device_train_batch_size: 8\n"
                     "reward_weights: [-0.05, 1]\n")  # fmt: skip
     assert TrainConfig.load(path).reward_weights == [-0.05, 1.0]
     dpo = TrainConfig.load(path, ["stage=dpo", "reward_funcs=null", "reward_weights=null",

@@ -21,11 +21,12 @@ from megatrain.errors import CheckpointError, ConfigError
 from megatrain.evaluation import Evaluator
 from megatrain.guard import TrainingInterrupted
 from megatrain.io.checkpoint import TRAINER_STATE, TrainerState, list_checkpoints, prune_checkpoints
-from megatrain.metrics import MetricsLogger, is_eval
+from megatrain.metrics import MetricsLogger
 from megatrain.models.config import ModelConfig
 from megatrain.planning.placement import Choices
 from megatrain.plot import draw, read_metrics
 from megatrain.runtime import build_model, make_plan
+from megatrain.trackers import is_eval
 from megatrain.trainer import train
 
 
@@ -349,8 +350,8 @@ def scripted_eval(monkeypatch):
     """Evaluations report SCRIPTED[step] as eval_loss (a real evaluation still runs)."""
     real = Evaluator.evaluate
 
-    def evaluate(self, engine, step, epoch, progress):
-        record = real(self, engine, step, epoch, progress)
+    def evaluate(self, engine, step, epoch, progress, rollout=None):
+        record = real(self, engine, step, epoch, progress, rollout)
         record["eval_loss"] = SCRIPTED[step]
         return record
 
@@ -406,12 +407,12 @@ def test_a_corrupt_best_checkpoint_is_refused_by_name(tmp_path, scripted_eval, m
     out = tmp_path / "out"
     scripted = Evaluator.evaluate
 
-    def evaluate(self, engine, step, epoch, progress):
+    def evaluate(self, engine, step, epoch, progress, rollout=None):
         if step == 8:  # checkpoint-4 (the best) goes bad on disk before final/ is written
             data = bytearray((out / "checkpoint-4" / "model.safetensors").read_bytes())
             data[-1] ^= 0x10
             (out / "checkpoint-4" / "model.safetensors").write_bytes(bytes(data))
-        return scripted(self, engine, step, epoch, progress)
+        return scripted(self, engine, step, epoch, progress, rollout)
 
     monkeypatch.setattr(Evaluator, "evaluate", evaluate)
     with pytest.raises(CheckpointError, match="checkpoint-4/model.safetensors: checksum mismatch"):

@@ -9,6 +9,7 @@ transformers' `generate` with the run's seed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +25,10 @@ from megatrain.models.config import ModelConfig
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
 from megatrain.rewards import RewardError
-from megatrain.rollout import ROLLOUT_FILE, samples_at
+from megatrain.rollout import EVAL_STREAM, ROLLOUT_FILE
 from megatrain.sampling import RowSampler, row_seed
 from megatrain.stages import grpo_reference
+from megatrain.trackers import is_eval
 from megatrain.trainer import train
 
 B, GA, G, STEPS, MAX_NEW = 4, 2, 4, 3, 10
@@ -151,68 +153,90 @@ def reward_table(rollouts):
     return torch.tensor(out, dtype=torch.float64)
 
 
+def slices_of(kw):
+    """TRL's steps_per_generation: set, derived from generation_batch_size (one process), or
+    gradient_accumulation_steps."""
+    if "generation_batch_size" in kw:
+        return kw["generation_batch_size"] // B
+    return kw.get("steps_per_generation", GA)
+
+
 def trl_run(tok, rollouts, steps, ref_model, kw):
-    """GRPOTrainer's training on the completions megatrain sampled: each step's loss and metrics,
-    and the trained model. A rollout is trained num_iterations steps, with the log-probs of the
-    policy that sampled it (num_iterations > 1) and of `ref_model` (beta > 0) taken once."""
+    """GRPOTrainer's training on the completions megatrain sampled, micro-batch by micro-batch as
+    its `_prepare_inputs` buffers them: each step's loss and metrics, and the trained model. A
+    generation batch of B x steps_per_generation completions is sampled every steps_per_generation
+    x num_iterations micro-batches and split in order into steps_per_generation micro-batches; the
+    log-probs of the policy that sampled it (where the policy moves before its last micro-batch)
+    and of `ref_model` (beta > 0) are taken once."""
     hf = model(len(tok))
     lr, k, beta = kw.get("learning_rate", LR), kw.get("num_iterations", 1), kw.get("beta", 0.0)
+    slices = slices_of(kw)
     opt = torch.optim.AdamW(_decay_groups(hf, WD), lr=lr, betas=(0.9, 0.999), eps=EPS)
     loss_type, scale = kw.get("loss_type", "dapo"), kw.get("scale_rewards", "group")
     mask_truncated, temperature = kw.get("mask_truncated_completions", False), kw.get("temperature", 1.0)
+    pending = iter(rollouts)  # in the order they were sampled
     out = []
     for step in range(1, steps + 1):
-        if samples_at(step, k):
-            batch = [r for r in rollouts if r["step"] == step]
-            assert len(batch) == B * GA
-            rewards = reward_table(batch)
-            for r, got in zip(rewards, batch):
-                assert [got["rewards"]["length"], got["rewards"]["exact_match"]] == r.tolist()
-            adv = trl_advantages(rewards, [-0.05, 1.0], scale).float()
-            torch.testing.assert_close(
-                adv, torch.tensor([r["advantage"] for r in batch]), rtol=1e-5, atol=1e-6
-            )
-            rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in batch]
-            for _, c, cut in rows:  # cut: max_completion_length tokens and no end token
-                assert cut == (
-                    len(c) == MAX_NEW
-                    and c[-1] not in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+        sampled, loss, metrics = [], 0.0, []
+        for micro in range((step - 1) * GA, step * GA):
+            if micro % (slices * k) == 0:  # _prepare_inputs: generate_every
+                batch = [next(pending) for _ in range(B * slices)]
+                assert all(r["step"] == step for r in batch)
+                rewards = reward_table(batch)
+                for r, got in zip(rewards, batch):
+                    assert [got["rewards"]["length"], got["rewards"]["exact_match"]] == r.tolist()
+                adv = trl_advantages(rewards, [-0.05, 1.0], scale).float()
+                torch.testing.assert_close(
+                    adv, torch.tensor([r["advantage"] for r in batch]), rtol=1e-5, atol=1e-6
                 )
-            num_items = sum(len(c) for _, c, cut in rows if not (cut and mask_truncated))
-            assert num_items > 0
-            if mask_truncated:  # some completions in the loss, some left out
-                assert any(cut for *_, cut in rows) and not all(cut for *_, cut in rows)
-            mbs = [trl_inputs(rows[m * B : (m + 1) * B], mask_truncated) for m in range(GA)]
-            with torch.no_grad():  # _generate_and_score_completions: once per rollout
-                old = [trl_logps(hf, ids, attn, temperature)[0] if k > 1 else None for ids, attn, _ in mbs]
-                ref = [
-                    trl_logps(ref_model, ids, attn, temperature)[0] if beta else None for ids, attn, _ in mbs
-                ]
-            record = {
-                "reward": float((rewards * torch.tensor([-0.05, 1.0], dtype=torch.float64)).sum(1).mean()),
-                "completions/mean_length": sum(len(c) for _, c, _ in rows) / len(rows),
-            }
-        else:
-            record = {}
-        loss, metrics = 0.0, []
-        for m, (ids, attn, cmask) in enumerate(mbs):
+                rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in batch]
+                for _, c, cut in rows:  # cut: max_completion_length tokens and no end token
+                    assert cut == (
+                        len(c) == MAX_NEW
+                        and c[-1] not in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+                    )
+                num_items = sum(len(c) for _, c, cut in rows if not (cut and mask_truncated))
+                assert num_items > 0
+                if mask_truncated:  # some completions in the loss, some left out
+                    assert any(cut for *_, cut in rows) and not all(cut for *_, cut in rows)
+                mbs = [trl_inputs(rows[m * B : (m + 1) * B], mask_truncated) for m in range(slices)]
+                stale = GA % (slices * k) != 0  # TRL's test for old_per_token_logps
+                with torch.no_grad():  # _generate_and_score_completions: once per generation batch
+                    old = [
+                        trl_logps(hf, ids, attn, temperature)[0] if stale else None for ids, attn, _ in mbs
+                    ]
+                    ref = [
+                        trl_logps(ref_model, ids, attn, temperature)[0] if beta else None
+                        for ids, attn, _ in mbs
+                    ]
+                sampled.append({
+                    "reward": float((rewards * torch.tensor([-0.05, 1.0], dtype=torch.float64)).sum(1).mean()),
+                    "completions/mean_length": sum(len(c) for _, c, _ in rows) / len(rows),
+                })  # fmt: skip
+            m = micro % slices
+            ids, attn, cmask = mbs[m]
             logps, entropy = trl_logps(hf, ids, attn, temperature)
             a = adv[m * B : (m + 1) * B]
-            lm, mm = trl_loss(logps, entropy, cmask, a, loss_type, num_items, old[m], ref[m], beta)
+            normaliser = num_items * GA / slices  # dapo: num_items_in_batch x GA / steps_per_generation
+            lm, mm = trl_loss(logps, entropy, cmask, a, loss_type, normaliser, old[m], ref[m], beta)
             lm.backward()
             loss += lm.item()
             metrics.append(mm)
         torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM)
         opt.step()
         opt.zero_grad()
+        record = {name: sum(g[name] for g in sampled) / len(sampled) for name in (sampled or [{}])[0]}
         means = {name: sum(mm[name] for mm in metrics) / GA for name in metrics[0]}
         out.append(record | means | {"loss": loss})
+    assert next(pending, None) is None  # every completion sampled was trained on
     return hf, out
 
 
 # TRL's formulas over each loss type, with the rollout trained once and again (num_iterations),
-# with and without the KL term to the initial policy or to another model. Rollouts trained
-# again need a learning rate at which the clip acts on the later steps.
+# with and without the KL term to the initial policy or to another model, and with generation
+# batches split over several steps, several in a step, or straddling steps (steps_per_generation,
+# generation_batch_size). Rollouts trained after the policy moved need a learning rate at which
+# the clip acts on a share of the tokens.
 CASES = [
     dict(), dict(loss_type="grpo"), dict(loss_type="bnpo", scale_rewards="batch"),
     dict(loss_type="dr_grpo", scale_rewards="none"), dict(mask_truncated_completions=True),
@@ -220,7 +244,19 @@ CASES = [
     *(dict(loss_type=t, num_iterations=3, learning_rate=LR_AGAIN) for t in ("dapo", "grpo", "bnpo", "dr_grpo")),
     *(dict(loss_type=t, num_iterations=2, beta=0.04, learning_rate=LR_AGAIN) for t in ("dapo", "grpo", "bnpo", "dr_grpo")),
     dict(num_iterations=2, beta=0.04, temperature=0.7, learning_rate=LR_AGAIN),
+    dict(steps_per_generation=2 * GA),
+    dict(steps_per_generation=2 * GA, loss_type="bnpo", scale_rewards="batch"),
+    dict(generation_batch_size=2 * B * GA, num_iterations=2, beta=0.04, loss_type="grpo", learning_rate=LR_AGAIN),
+    dict(steps_per_generation=1, scale_rewards="batch"), dict(steps_per_generation=1, num_iterations=2),
+    dict(steps_per_generation=3), dict(steps_per_generation=3, loss_type="dr_grpo", beta=0.04),
 ]  # fmt: skip
+
+
+def sampling_steps(kw, steps):
+    """The steps (1-based) that sample a generation batch: those holding a micro-batch that is a
+    multiple of steps_per_generation x num_iterations."""
+    every = slices_of(kw) * kw.get("num_iterations", 1)
+    return {s for s in range(1, steps + 1) if any(m % every == 0 for m in range((s - 1) * GA, s * GA))}
 
 
 @pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "dapo")
@@ -234,7 +270,10 @@ def test_grpo_trains_as_trl(setup, kw, monkeypatch):
                 p.add_(torch.randn_like(p) * 0.02, alpha=1.0)
         other.save_pretrained(tmp_path / "other")
         kw = kw | dict(ref_model_name_or_path=str(tmp_path / "other"))
-    steps = STEPS + (kw.get("num_iterations", 1) > 1)  # a rollout trained again, and the next one
+    # A rollout trained again, and the next one; two generation batches at least.
+    steps = max(
+        STEPS + (kw.get("num_iterations", 1) > 1), -(-2 * slices_of(kw) * kw.get("num_iterations", 1) // GA)
+    )
     records, rollouts, final = run(tmp_path, max_steps=steps, **kw)
     got = [r for r in records if "loss" in r]
     ref_model = model(len(tok)) if "ref_model_name_or_path" not in kw else other
@@ -245,13 +284,16 @@ def test_grpo_trains_as_trl(setup, kw, monkeypatch):
         for name, value in expected.items():
             assert rec[name] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, name)
         # A rollout's own metrics go with the step that sampled it.
-        assert ("reward" in rec) == samples_at(step, kw.get("num_iterations", 1))
+        assert ("reward" in rec) == (step in sampling_steps(kw, steps))
         assert rec["clip_ratio/low_min"] == rec["clip_ratio/low_mean"]  # one process: its own
         assert rec["clip_ratio/high_max"] == rec["clip_ratio/high_mean"]
         assert ("kl" in rec) == ("beta" in kw)
-    if kw.get("num_iterations", 1) > 1:  # the first step on a rollout: ratio 1; the later: clipped
+    every = slices_of(kw) * kw.get("num_iterations", 1)
+    if every % GA == 0 and every > GA:  # the first step on a rollout: ratio 1; the later: clipped
         assert all(r["clip_ratio/region_mean"] == 0 for r in got if "reward" in r)
         assert any(r["clip_ratio/region_mean"] > 0 for r in got if "reward" not in r)
+    if GA % every and every % GA:  # generation batches straddle steps: clipped on the stale ones
+        assert any(r["clip_ratio/region_mean"] > 0 for r in got)
     if "ref_model_name_or_path" in kw:  # far from the reference from the start
         assert got[0]["kl"] > 1e-3
     atol = 1e-4 * kw.get("learning_rate", LR) / LR  # a share of what the steps move each weight
@@ -288,6 +330,124 @@ def test_each_completion_is_transformers_generate_of_its_prompt_alone(setup):
     assert len({tuple(r["completion_ids"]) for r in first[:G]}) > 1  # a group's completions differ
 
 
+# ------------------------------------------------------------------------ evaluation
+def write_eval_prompts(tmp_path, numbers=(20, 21, 22)):
+    with open(tmp_path / "eval.jsonl", "w") as f:
+        for i in numbers:
+            f.write(json.dumps({"prompt": f"Say {i} once:", "answer": f"{i}"}) + "\n")
+    return str(tmp_path / "eval.jsonl")
+
+
+def plain_eval(hf, tok, path, seed=42):
+    """TRL's eval metrics of `hf`, plainly: each eval prompt sampled G times by `generate` alone,
+    each completion from its stream of evaluation's (row_seed(seed, EVAL_STREAM, prompt, n)),
+    cut after the first end token, scored by the run's reward functions; the rewards' group
+    statistics as TRL's `_generate_and_score_completions` takes them."""
+    prompts = [json.loads(x) for x in Path(path).read_text().splitlines()]
+    completions, truncated, answers = [], [], []
+    for i, rec in enumerate(prompts):
+        ids = torch.tensor([tok(rec["prompt"])["input_ids"]])
+        for n in range(G):
+            sampler = RowSampler([row_seed(seed, EVAL_STREAM, i, n)], "cpu")
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
+                              max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+            row = out[0, ids.shape[1] :].tolist()
+            end = next((k for k, t in enumerate(row) if t == tok.eos_token_id), None)
+            completions.append(row if end is None else row[: end + 1])
+            truncated.append(end is None)
+            answers.append(rec["answer"])
+    texts = tok.batch_decode(completions, skip_special_tokens=True)
+    per_func = torch.tensor(
+        [[float(len(t)), float(t.strip() == a)] for t, a in zip(texts, answers)], dtype=torch.float64
+    )
+    rewards = per_func @ torch.tensor([-0.05, 1.0], dtype=torch.float64)
+    group_std = rewards.view(-1, G).std(1)
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    return {
+        "eval_reward": float(rewards.mean()), "eval_reward_std": float(group_std.mean()),
+        "eval_frac_reward_zero_std": float((group_std < 1e-6).double().mean()),
+        "eval_rewards/length/mean": float(per_func[:, 0].mean()), "eval_rewards/length/std": float(per_func[:, 0].std()),
+        "eval_rewards/exact_match/mean": float(per_func[:, 1].mean()),
+        "eval_completions/mean_length": float(lengths.mean()), "eval_completions/max_length": float(lengths.max()),
+        "eval_completions/clipped_ratio": sum(truncated) / len(truncated),
+    }  # fmt: skip
+
+
+def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(setup):
+    """eval_dataset with stage grpo: at eval_on_start, every eval_steps and the last step, each
+    eval prompt is sampled num_generations times (batches of per_device_eval_batch_size
+    completions, here cutting groups) and scored: TRL's eval_ metrics, each as `generate` alone
+    and the reward functions give them for the weights of that step (the initial ones, the final
+    ones). The run trains bitwise as one without evaluation: the same completions, losses and
+    weights."""
+    import transformers
+
+    tmp_path, tok = setup
+    path = write_eval_prompts(tmp_path)
+    kw = dict(
+        eval_dataset=path,
+        eval_steps=2,
+        eval_on_start=True,
+        per_device_eval_batch_size=5,
+        save_dtype="float32",
+    )
+    records, rollouts, final = run(tmp_path, "eval", **kw)
+    plain_records, plain_rollouts, plain_final = run(tmp_path, "plain")
+    evals = [r for r in records if is_eval(r)]
+    assert [r["step"] for r in evals] == [0, 2, STEPS]
+    assert not any("eval_loss" in r for r in evals)
+
+    def training(rs):  # the step records less their timings
+        return [
+            {k: v for k, v in r.items() if "time" not in k and "_per_s" not in k}
+            for r in rs
+            if not is_eval(r)
+        ]
+
+    assert training(records) == training(plain_records) and rollouts == plain_rollouts
+    for k in plain_final:
+        assert torch.equal(final[k], plain_final[k]), k
+    start = model(len(tok)).eval()
+    end = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "eval" / "final", dtype=torch.float32
+    ).eval()
+    for got, hf in ((evals[0], start), (evals[-1], end)):
+        for name, value in plain_eval(hf, tok, path).items():
+            assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], name)
+    assert evals[0]["eval_reward"] != evals[-1]["eval_reward"]  # the weights moved between them
+
+
+def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
+    """load_best_model_at_end with stage grpo: eval_reward, greater is better (TRL's; a tie keeps
+    the earlier); final/ is the checkpoint whose evaluation had the most reward, here not the
+    last one."""
+    tmp_path, _ = setup
+    kw = dict(eval_dataset=write_eval_prompts(tmp_path), eval_steps=1, save_steps=1, load_best_model_at_end=True,
+              save_dtype="float32", learning_rate=0.05)  # fmt: skip
+    records, _, final = run(tmp_path, "best", **kw, save_strategy="steps")
+    rewards = {r["step"]: r["eval_reward"] for r in records if is_eval(r)}
+    best = min(s for s in rewards if rewards[s] == max(rewards.values()))
+    state = json.loads((tmp_path / "best" / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    assert (state["best_global_step"], state["best_metric"]) == (best, rewards[best])
+    kept, last = (
+        load_file(tmp_path / "best" / f"checkpoint-{s}" / "model.safetensors") for s in (best, STEPS)
+    )
+    assert all(torch.equal(final[k], kept[k]) for k in final)
+    assert any(not torch.equal(final[k], last[k]) for k in final)  # the choice changed final/
+
+
+def test_grpo_evaluation_settings():
+    """The best model's metric with stage grpo is eval_reward (by default with
+    load_best_model_at_end); eval_loss is refused by name."""
+    args = dict(model_config="unused", stage="grpo", reward_funcs=["length"], per_device_train_batch_size=8,
+                eval_dataset="unused", eval_steps=2, save_steps=2)  # fmt: skip
+    cfg = TrainConfig(**args, load_best_model_at_end=True)
+    assert (cfg.metric_for_best_model, cfg.greater_is_better) == ("eval_reward", True)
+    with pytest.raises(ConfigError, match=r"^metric_for_best_model: must be eval_reward \(the metric evaluation "
+                       r"computes with stage grpo\) \(got 'eval_loss'\)$"):  # fmt: skip
+        TrainConfig(**args, metric_for_best_model="eval_loss")
+
+
 def failing_reward(completions, **_):
     raise KeyError("no such column")
 
@@ -304,7 +464,22 @@ def test_a_failing_reward_function_is_one_line(setup):
     [
         (dict(reward_funcs=None), "reward_funcs: stage grpo needs at least one"),
         (dict(reward_funcs=["nosuchmodule:f"]), "reward_funcs: cannot load 'nosuchmodule:f'"),
-        (dict(num_generations=3), "num_generations: 3 must divide"),
+        (
+            dict(num_generations=3),
+            r"num_generations: must divide the completions a process samples at a "
+            r"time, per_device_train_batch_size x steps_per_generation \(4 x 2\) \(got 3\)",
+        ),
+        (dict(steps_per_generation=1, num_generations=8), r"num_generations: must divide .* \(4 x 1\)"),
+        (
+            dict(steps_per_generation=2, generation_batch_size=8),
+            "steps_per_generation: cannot be set with generation_batch_size",
+        ),
+        (
+            dict(generation_batch_size=6),
+            r"generation_batch_size: must be a multiple of "
+            r"per_device_train_batch_size x processes \(4 x 1 = 4\) \(got 6\)",
+        ),
+        (dict(steps_per_generation=0), "steps_per_generation: must be >= 1"),
         (dict(beta=-0.04), "beta: must be >= 0"),
         (dict(num_iterations=0), "num_iterations: must be >= 1"),
         (dict(loss_type="sigmoid"), "loss_type: must be one of dapo"),
@@ -315,6 +490,35 @@ def test_bad_settings_are_one_line_and_nothing_is_written(setup, kw, match):
     with pytest.raises(ConfigError, match=match):
         run(tmp_path, **kw)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(), dict(steps_per_generation=8), dict(steps_per_generation=1, num_generations=2),
+        dict(generation_batch_size=24, num_generations=6), dict(generation_batch_size=4, num_generations=4),
+    ],
+)  # fmt: skip
+def test_the_generation_batch_is_derived_as_trl_derives_it(kw):
+    """steps_per_generation and generation_batch_size from each other and the step's shape, as
+    TRL's own GRPOConfig derives them (one process)."""
+    trl = pytest.importorskip("trl")
+    shape = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2) | kw
+    theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, report_to="none", **shape)
+    ours = TrainConfig(model_config="unused", stage="grpo", reward_funcs=["length"], **shape).grpo()
+    assert ours.steps_per_generation == theirs.steps_per_generation
+    assert ours.generation_batch_size == theirs.generation_batch_size
+
+
+def test_the_generation_batch_is_counted_over_the_processes():
+    """generation_batch_size counts every process's completions (TRL's): with 4 processes of 4
+    completions a micro-batch, 32 is 2 micro-batches each; 24 is no whole number of them."""
+    cfg = TrainConfig(model_config="unused", stage="grpo", reward_funcs=["length"], num_generations=2,
+                      per_device_train_batch_size=4, generation_batch_size=32)  # fmt: skip
+    assert cfg.grpo().steps_per_generation == 8  # one process: the config's world
+    assert cfg.grpo(processes=4).steps_per_generation == 2
+    with pytest.raises(ConfigError, match=r"generation_batch_size: .* \(4 x 3 = 12\) \(got 32\)"):
+        cfg.grpo(processes=3)
 
 
 def test_resume_samples_and_trains_as_the_uninterrupted_run(setup):
@@ -344,22 +548,33 @@ def test_the_first_step_on_a_rollout_is_exact(setup):
         assert torch.equal(once[k], again[k]), k
 
 
-def test_resume_in_the_middle_of_a_rollout_trains_as_the_uninterrupted_run(setup):
-    """num_iterations 3 with a KL term: a run stopped after step 2, one step before its rollout's
-    last, resumes on the rollout its checkpoint holds and with the reference of the initial
-    weights (not the checkpoint's): bitwise the uninterrupted run's losses and weights, and the
-    next rollout (step 4) samples the same completions."""
+@pytest.mark.parametrize(
+    "kw,stop,held",
+    [
+        (dict(num_iterations=3, beta=0.04), 2, [True, True, False, True, True]),
+        (dict(steps_per_generation=3, beta=0.04), 2, [True, True, False, True, True]),
+        (dict(steps_per_generation=2 * GA), 3, [True, False, True, False, True]),
+    ],
+    ids=["num_iterations", "straddling", "over-two-steps"],
+)
+def test_resume_in_the_middle_of_a_rollout_trains_as_the_uninterrupted_run(setup, kw, stop, held):
+    """A run stopped where the next step goes on with a generation batch (num_iterations 3 with a
+    KL term: one step before its rollout's last; steps_per_generation 3 with 2 micro-batches a
+    step: inside a generation batch that straddles steps; steps_per_generation 4: between its two
+    steps) resumes on the rollout its checkpoint holds, with the reference of the initial weights
+    (not the checkpoint's): bitwise the uninterrupted run's losses and weights, and the next
+    rollout samples the same completions."""
     tmp_path, _ = setup
-    kw = dict(num_iterations=3, beta=0.04, learning_rate=LR_AGAIN, save_strategy="steps", save_steps=1)
+    kw = kw | dict(learning_rate=LR_AGAIN, save_strategy="steps", save_steps=1)
     whole_records, whole_rollouts, whole = run(tmp_path, "whole", max_steps=5, **kw)
-    held = [(tmp_path / "whole" / f"checkpoint-{s}" / ROLLOUT_FILE).is_file() for s in range(1, 6)]
-    assert held == [True, True, False, True, True]  # not where the next step samples
-    run(tmp_path, "cut", max_steps=2, **kw)
+    got = [(tmp_path / "whole" / f"checkpoint-{s}" / ROLLOUT_FILE).is_file() for s in range(1, 6)]
+    assert got == held  # not where the next step starts a generation batch
+    run(tmp_path, "cut", max_steps=stop, **kw)
     records, rollouts, resumed = run(tmp_path, "cut", max_steps=5, resume_from_checkpoint=True, **kw)
     assert [r["loss"] for r in records] == [r["loss"] for r in whole_records]
     assert [r.get("kl") for r in records] == [r.get("kl") for r in whole_records]
-    fourth = [[r["completion_ids"] for r in rs if r["step"] == 4] for rs in (whole_rollouts, rollouts)]
-    assert fourth[0] == fourth[1] and fourth[0]
+    later = [[r["completion_ids"] for r in rs if r["step"] > stop] for rs in (whole_rollouts, rollouts)]
+    assert later[0] == later[1] and later[0]
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
 
@@ -369,7 +584,11 @@ def test_the_reference_copy_is_the_initial_weights_in_the_compute_dtype(setup):
     reference_copy_bytes counts for the plan; nothing without a KL term."""
     tmp_path, tok = setup
     args = dict(
-        model_name_or_path=str(tmp_path / "model"), dataset="x", stage="grpo", reward_funcs=["length"]
+        model_name_or_path=str(tmp_path / "model"),
+        dataset="x",
+        stage="grpo",
+        reward_funcs=["length"],
+        per_device_train_batch_size=8,
     )
     cfg = TrainConfig(**args, beta=0.04)
     model_cfg = ModelConfig.from_json(tmp_path / "model")
@@ -410,13 +629,15 @@ def test_tokens_outside_the_loss_cannot_make_it_nan():
 def test_two_processes_equal_one(setup):
     """The step's prompts split over two gloo processes (each samples its half from the
     completions' own streams, advantages over both halves, reused for num_iterations steps with a
-    KL term): the same completions, losses, metrics and weights as one process with the same
-    global batch."""
+    KL term), and the eval prompts (one to the first, two to the second): the same completions,
+    losses, metrics, eval metrics and weights as one process with the same global batch."""
     from test_checkpoint import write_yaml
     from test_distributed import assert_close_weights, launch
 
     tmp_path, _ = setup
-    kw = dict(num_iterations=2, beta=0.04, loss_type="grpo")
+    kw = dict(
+        num_iterations=2, beta=0.04, loss_type="grpo", eval_dataset=write_eval_prompts(tmp_path), eval_steps=2
+    )
     one, one_rollouts, final_one = run(tmp_path, "one", **kw)
     base = dict(
         model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
@@ -451,6 +672,45 @@ def test_two_processes_equal_one(setup):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
     assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
+    for a, b in zip(got, want):
+        for k in [k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac"))]:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+
+
+@pytest.mark.slow
+def test_generation_batch_size_counts_every_process(setup):
+    """generation_batch_size 16 with 4 completions a micro-batch: one process splits each
+    generation batch over 4 micro-batches (2 steps of 2), two processes of one micro-batch a step
+    each over 2: generation batches at the same steps, the first sampled alike (each completion
+    from its own stream), with the same rewards over both processes."""
+    from test_checkpoint import write_yaml
+    from test_distributed import launch
+
+    tmp_path, _ = setup
+    kw = dict(generation_batch_size=4 * B, max_steps=4, learning_rate=LR_AGAIN)
+    one, one_rollouts, _ = run(tmp_path, "one", **kw)
+    base = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
+        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0], num_generations=G,
+        max_completion_length=MAX_NEW, per_device_train_batch_size=B, lr_scheduler_type="constant",
+        shuffle=False, save_strategy="no", disable_tqdm=True, logging_steps=1, **kw,
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", base), "gradient_accumulation_steps=1",
+                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in one if "reward" in r] == [r["step"] for r in two if "reward" in r] == [1, 3]
+    # The first generation batch (the initial weights; the steps after train on other slices of
+    # it): the main process writes its half, the first.
+    mine = [r["completion_ids"] for r in two_rollouts if r["step"] == 1]
+    assert (
+        len(mine) == 2 * B and mine == [r["completion_ids"] for r in one_rollouts if r["step"] == 1][: 2 * B]
+    )
+    for k in ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio"):
+        assert two[0][k] == pytest.approx(one[0][k], rel=1e-6), k
 
 
 @pytest.mark.gpu

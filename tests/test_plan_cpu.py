@@ -32,7 +32,8 @@ def test_plan_warns_as_train_does_and_caveats_long_contexts(tmp_path, capsys):
     n = int(re.match(r"longest context: ([\d,]+) tokens", context).group(1).replace(",", ""))
     assert n > 256 and context.endswith(f"; {BEYOND}")
     largest = next(line for line in stdout.splitlines() if line.startswith("largest that fit"))
-    assert largest.endswith(f"(max_length {BEYOND})")
+    longest = re.search(r"max_length=(\d+)", largest).group(1)
+    assert largest.endswith(f"(max_length {longest}: {BEYOND})")
     rc, stdout, _ = run_cli(capsys, "plan", _plan_yaml(tmp_path, max_length=256))
     assert rc == 0 and "warning" not in stdout
 

@@ -390,7 +390,8 @@ def test_the_config_leaves_each_stage_its_own_defaults(stage):
     from megatrain.objectives.grpo import GRPOConfig
     from megatrain.objectives.preference import PreferenceConfig
 
-    extra = {"reward_funcs": ["length"]} if stage == "grpo" else {}
+    # grpo: TRL's per_device_train_batch_size, whose generation batch holds num_generations' 8.
+    extra = {"reward_funcs": ["length"], "per_device_train_batch_size": 8} if stage == "grpo" else {}
     cfg = TrainConfig(model_config="unused", stage=stage, **extra)
     got = cfg.grpo() if stage == "grpo" else cfg.preference()
     want = GRPOConfig() if stage == "grpo" else PreferenceConfig(stage=stage)

@@ -30,9 +30,9 @@ from megatrain.cli import main
 from megatrain.config import TrainConfig
 from megatrain.data import build_samples, load_tokenizer
 from megatrain.data.batch import IGNORE_INDEX, MicroBatch
-from megatrain.metrics import is_eval
 from megatrain.models.config import ModelConfig
 from megatrain.runtime import build_model
+from megatrain.trackers import is_eval
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

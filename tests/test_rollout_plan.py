@@ -4,11 +4,14 @@ completions, the prefill) is kept out of the GPU budget the update is planned in
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import replace
 
 from transformers import LlamaConfig
 
 from megatrain import plan as planning
+from megatrain import planreport
 from megatrain.config import TrainConfig
 from megatrain.models.config import ModelConfig
 from megatrain.planning.footprint import HOST_RESERVE, usable_gpu
@@ -54,7 +57,7 @@ def test_the_update_is_planned_in_the_gpu_less_the_rollout_and_too_large_a_rollo
     assert got.plan.gpu_peak == alone.gpu_peak < wants
     assert got.plan.gpu_peak + rollout <= usable_gpu(machine)  # the update and the rollout fit at once
 
-    text = planning.report(model_cfg, got, "a GPU", "bfloat16", cfg)
+    text = planreport.report(model_cfg, got, "a GPU", "bfloat16", cfg)
     assert "rollout: ~" in text and "KV cache" in text
 
     small = planning.check(model_cfg, cfg, Machine("cuda", rollout - GiB // 4, 64 * GiB), 2)
@@ -72,3 +75,117 @@ def test_a_kl_term_keeps_the_reference_weights_in_host_memory_in_the_plan():
     tight = Machine("cuda", 80 * GiB, int((plain.host_total + ref // 2) / (1 - HOST_RESERVE)))
     assert planning.check(model_cfg, cfg, tight, 2).fits
     assert not planning.check(model_cfg, replace(cfg, beta=0.04), tight, 2).fits
+
+
+# ---------------------------------------------------------------------------- `megatrain plan`
+def _plan_cli(tmp_path, capsys, **settings) -> tuple[TrainConfig, ModelConfig, list[str]]:
+    """`megatrain plan` of a run of the `shapes()` model, whose positions are PROMPT + COMPLETION,
+    on a GPU named but not present; the config, the model and the printed lines."""
+    from test_checkpoint import write_yaml
+    from test_cli import run_cli
+
+    hf = LlamaConfig(hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
+                     intermediate_size=2816, vocab_size=32000, max_position_embeddings=PROMPT + COMPLETION)  # fmt: skip
+    hf.save_pretrained(tmp_path / "model")
+    (tmp_path / "data.jsonl").write_text('{"prompt_input_ids": [1, 2, 3]}\n')
+    run = dict(model_config=str(tmp_path / "model"), dataset=str(tmp_path / "data.jsonl"), device="cuda",
+               max_gpu_memory="4GiB", max_host_memory="16GiB") | settings  # fmt: skip
+    path = write_yaml(tmp_path / "run.yaml", run)
+    rc, stdout, _ = run_cli(capsys, "plan", path)
+    assert rc == 0, stdout
+    return TrainConfig.load(path), ModelConfig.from_json(tmp_path / "model"), stdout.splitlines()
+
+
+def _fits(cfg: TrainConfig, model_cfg: ModelConfig, **settings) -> bool:
+    """Whether `megatrain plan` would say the run with these settings fits (the data counted)."""
+    changed = replace(cfg, **settings)
+    machine = planning.machine_of(changed, "cuda")
+    return planning.check(model_cfg, changed, machine, 2, data=planning.data_bytes(changed)).fits
+
+
+def _settings(line: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", line)}
+
+
+GRPO_RUN = dict(stage="grpo", reward_funcs=["length"], num_generations=4, per_device_train_batch_size=8,
+                gradient_accumulation_steps=4, max_prompt_length=PROMPT, max_completion_length=COMPLETION)  # fmt: skip
+
+
+def test_the_plan_of_grpo_speaks_in_its_settings(tmp_path, capsys):
+    """A grpo row is a prompt and a completion: no max_length anywhere (nor a warning that it passes
+    the model's positions); the largest settings that fit are grpo's, each the largest (one unit
+    more does not fit: per_device_train_batch_size in steps that keep whole groups); the longest
+    completion fits in the smallest step and one token more does not."""
+    cfg, model_cfg, lines = _plan_cli(tmp_path, capsys, **GRPO_RUN)
+    assert not any("max_length" in line or "warning" in line for line in lines), lines
+    largest = _settings(next(x for x in lines if x.startswith("largest that fit")))
+    assert list(largest) == ["per_device_train_batch_size", "gradient_accumulation_steps",
+                             "steps_per_generation", "max_completion_length"]  # fmt: skip
+    units = {"per_device_train_batch_size": 4 // math.gcd(4, 4)}  # num_generations / gcd(it, slices)
+    for key, value in largest.items():
+        assert value >= {**GRPO_RUN, "steps_per_generation": 4}[key]  # the configured run fits
+        assert _fits(cfg, model_cfg, **{key: value})
+        assert not _fits(cfg, model_cfg, **{key: value + units.get(key, 1)}), key
+    line = next(x for x in lines if x.startswith("longest completion: "))
+    n = int(
+        re.match(r"longest completion: ([\d,]+) tokens after a prompt of up to 96 ", line)
+        .group(1)
+        .replace(",", "")
+    )
+    smallest = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, steps_per_generation=4)
+    assert _fits(cfg, model_cfg, max_completion_length=n, **smallest)
+    assert not _fits(cfg, model_cfg, max_completion_length=n + 1, **smallest)
+    assert line.endswith("never trained")  # the longest completion passes the model's positions
+
+    _, _, lines = _plan_cli(tmp_path, capsys, **GRPO_RUN | dict(max_completion_length=COMPLETION + 1))
+    assert lines[0] == (f"megatrain: warning: max_prompt_length {PROMPT} + max_completion_length {COMPLETION + 1} "
+                        f"= {PROMPT + COMPLETION + 1} is beyond the model's max_position_embeddings "
+                        f"{PROMPT + COMPLETION}: positions past it were never trained")  # fmt: skip
+
+
+def test_a_grpo_run_that_does_not_fit_is_told_grpo_settings_that_would(tmp_path):
+    """Too small a GPU for long completions: the settings that would fit are grpo's (the
+    generation batch, the completion length), each one fits, whole groups kept."""
+    model_cfg, cfg = shapes()
+    cfg, machine = replace(cfg, max_completion_length=4096), Machine("cuda", 4 * GiB, 64 * GiB)
+    result = planning.check(model_cfg, cfg, machine, 2)
+    assert not result.fits and "max_length" not in result.problem
+    fixes = _settings(result.problem.split("would fit with ")[1])
+    assert {"steps_per_generation", "max_completion_length"} <= set(fixes)
+    for key, value in fixes.items():
+        changed = replace(cfg, **{key: value})  # a config it accepts: whole groups
+        assert planning.check(model_cfg, changed, machine, 2).fits, key
+
+
+def test_the_rollout_samples_a_generation_batch_at_a_time():
+    """The rollout's room is for per_device_train_batch_size x steps_per_generation completions
+    (by default gradient_accumulation_steps: a step's), as generation_batch_size makes it too, or
+    for an evaluation's per_device_eval_batch_size where that is more."""
+    model_cfg, cfg = shapes()
+
+    def kv(changed, processes=None):
+        return planning.rollout_memory(changed, model_cfg, 2, processes)["KV cache"]
+
+    for changed in (replace(cfg, steps_per_generation=1), replace(cfg, generation_batch_size=8)):
+        assert kv(changed) * 4 == kv(cfg)
+    assert kv(replace(cfg, generation_batch_size=16), processes=2) * 4 == kv(cfg)
+    evaluating = replace(cfg, eval_dataset="unused", eval_strategy="steps")
+    assert kv(replace(evaluating, per_device_eval_batch_size=64)) == 2 * kv(cfg)
+    assert kv(replace(evaluating, per_device_eval_batch_size=8)) == kv(cfg)
+
+
+def test_the_plan_of_dpo_counts_pairs(tmp_path, capsys):
+    """dpo: per_device_train_batch_size counts pairs, and the longest context is that of one pair
+    (two sequences) a step: it fits, one token more does not."""
+    (tmp_path / "pairs.jsonl").write_text(
+        '{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}\n'
+    )
+    cfg, model_cfg, lines = _plan_cli(tmp_path, capsys, stage="dpo", dataset=str(tmp_path / "pairs.jsonl"),
+                                      max_length=256, per_device_train_batch_size=4)  # fmt: skip
+    largest = next(x for x in lines if x.startswith("largest that fit"))
+    assert re.search(r"per_device_train_batch_size=\d+ \(dpo samples\)", largest)
+    line = next(x for x in lines if x.startswith("longest context: "))
+    n = int(re.match(r"longest context: ([\d,]+) tokens per sequence \(one dpo sample per step, 2 sequences;", line)
+            .group(1).replace(",", ""))  # fmt: skip
+    one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    assert _fits(cfg, model_cfg, max_length=n, **one) and not _fits(cfg, model_cfg, max_length=n + 1, **one)

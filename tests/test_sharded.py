@@ -15,6 +15,7 @@ from test_checkpoint import make_run, metrics, tensors, write_yaml
 from test_distributed import assert_close_weights, assert_same_run, launch
 
 from megatrain import plan as planning
+from megatrain import planreport
 from megatrain.config import TrainConfig
 from megatrain.errors import CheckpointError, ConfigError, OutputError
 from megatrain.host.state import HostState, build_units
@@ -234,7 +235,7 @@ def test_the_preflight_checks_one_machines_part(tmp_path):
     result = planning.check(model_cfg, two, planning.machine_of(two, "cpu"), 4)
     assert result.fits
     assert result.plan.host["fp32 weights + AdamW moments"] < 0.55 * state
-    report = planning.report(model_cfg, result, "cpu", "float32", two)
+    report = planreport.report(model_cfg, result, "cpu", "float32", two)
     assert "world: 2 processes on 2 machine(s), sharded traffic, host state partitioned" in report
     assert isinstance(result.machine, Machine) and result.machine.world.machines == 2
 

@@ -191,6 +191,10 @@ def test_scalars_use_hugging_face_names():
         "eval/runtime": 0.5,
         "eval/tokens_per_s": 900.0,
     }
+    # grpo's: rewards, in training and in evaluation (which has no eval_loss).
+    grpo_eval = {"step": 2, "eval_reward": 0.5, "eval_reward_std": 0.25, "eval_runtime": 1.5}
+    assert trackers.scalars(grpo_eval) == {"eval/reward": 0.5, "eval/reward_std": 0.25, "eval/runtime": 1.5}
+    assert trackers.scalars({**STEPS[0], "reward": 0.75})["train/reward"] == 0.75
 
 
 # ---------------------------------------------------------------------------- each tracker

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, ConfigError, OutputError
-from ..metrics import is_eval
 from ..planning.memory import PLAN_FILE
 from ..planning.placement import fmt_bytes
+from ..trackers import is_eval
 from . import manifest
 from .checkpoint import (
     TRAIN_CONFIG,

@@ -11,14 +11,17 @@ group's standard deviation (`scale_rewards: group`), the batch's (`batch`) or no
 
 logp = log pi(token), pi the policy's probability of the token at logits / temperature, pi_old
 the sampling policy's, ref the reference policy's log-probability (the initial policy's, or
-ref_model_name_or_path's). A rollout is trained for `num_iterations` optimizer steps; with 1,
-pi_old is the policy itself (r is 1 with the policy's gradient), else its log-probs were computed
-once after sampling (MicroBatch.token_extra, column OLD_LOGP), so r is 1 on the first step and
-the clip acts on the later ones. The per-token losses are aggregated as `loss_type` says: `grpo`
-the mean over each completion's tokens, then over completions; `bnpo` over a micro-batch's
-tokens; `dr_grpo` over completions x max_completion_length; `dapo` (TRL's default) over every
-completion token of the step; the first three then averaged over the step's micro-batches, as
-TRL's gradient accumulation does.
+ref_model_name_or_path's). A generation batch (a rollout) is split into `steps_per_generation`
+micro-batches and trained on `num_iterations` times; where all of that happens inside one
+optimizer step, pi_old is the policy itself (r is 1 with the policy's gradient), else its
+log-probs were computed once after sampling (MicroBatch.token_extra, column OLD_LOGP), so r is 1
+until the policy moves and the clip acts after. The per-token losses are aggregated as
+`loss_type` says: `grpo` the mean over each completion's tokens, then over completions; `bnpo`
+over a micro-batch's tokens; `dr_grpo` over completions x max_completion_length; the three then
+averaged over the step's micro-batches, as TRL's gradient accumulation does; `dapo` (TRL's
+default) summed over the step's completion tokens and divided by its generation batch's
+completion tokens per optimizer step (MicroBatch.extra, column TOKENS_PER_STEP): with one
+generation batch a step, TRL's default, every completion token of the step.
 
 The metrics are TRL's, each a micro-batch's mean over its completion tokens, averaged over the
 step's micro-batches and ranks: `entropy`, `kl` (beta > 0), `clip_ratio/low_mean` (r below
@@ -42,6 +45,7 @@ from .losshead import Head
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 OLD_LOGP, REF_LOGP = 0, 1  # the columns of MicroBatch.token_extra: sampling policy's, reference's
+ADVANTAGE, TOKENS_PER_STEP = 0, 1  # the columns of MicroBatch.extra (rows: completions)
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
@@ -69,8 +73,20 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """Leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
-    """Optimizer steps each rollout is trained for."""
+    """Times each generation batch is trained on."""
     reward_weights: list[float] | None = None
+    generation_batch_size: int | None = None
+    """Completions sampled at a time over every process (TRL's; default: per_device_train_batch_size
+    x processes x steps_per_generation)."""
+    steps_per_generation: int | None = None
+    """Micro-batches a generation batch is split into (TRL's; default gradient_accumulation_steps:
+    one generation an optimizer step)."""
+    # The step's shape, which the generation batch is counted in: the training config's keys
+    # (TrainConfig.grpo), here with TRL's GRPOConfig defaults.
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    processes: int = 1
+    """The data-parallel world's processes (not a key: the run's)."""
 
     def __post_init__(self):
         def bad(key, why):
@@ -106,12 +122,40 @@ class GRPOConfig:
             bad("beta", "must be >= 0 with stage grpo (0: no KL term)")
         if self.num_iterations < 1:
             bad("num_iterations", "must be >= 1")
+        self._generation_batch(bad)
+
+    def _generation_batch(self, bad) -> None:
+        """generation_batch_size and steps_per_generation from each other, as TRL derives them:
+        one of the two, or neither (one generation batch an optimizer step)."""
+        b, world = self.per_device_train_batch_size, self.per_device_train_batch_size * self.processes
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            bad("steps_per_generation", "cannot be set with generation_batch_size (set one of the two)")
+        if self.generation_batch_size is not None:
+            if self.generation_batch_size < 1 or self.generation_batch_size % world:
+                bad("generation_batch_size", f"must be a multiple of per_device_train_batch_size x processes "
+                    f"({b} x {self.processes} = {world})")  # fmt: skip
+            self.steps_per_generation = self.generation_batch_size // world
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.steps_per_generation < 1:
+            bad("steps_per_generation", "must be >= 1")
+        self.generation_batch_size = world * self.steps_per_generation
+        if (b * self.steps_per_generation) % self.num_generations:
+            bad("num_generations", f"must divide the completions a process samples at a time, "
+                f"per_device_train_batch_size x steps_per_generation ({b} x {self.steps_per_generation})")  # fmt: skip
+
+    @property
+    def micro_batches_per_generation(self) -> int:
+        """The micro-batches trained on one generation batch: its steps_per_generation slices,
+        num_iterations times."""
+        return self.steps_per_generation * self.num_iterations
 
     @property
     def needs_old_logps(self) -> bool:
-        """Whether a rollout carries the sampling policy's log-probs (a policy that moves before its
-        last step on it)."""
-        return self.num_iterations > 1
+        """Whether a rollout carries the sampling policy's log-probs: where some generation batch
+        is trained on by more than one optimizer step (reused, or split over steps), so the policy
+        moves between its sampling and some of its micro-batches (TRL's test)."""
+        return self.gradient_accumulation_steps % self.micro_batches_per_generation > 0
 
     @property
     def needs_reference(self) -> bool:
@@ -170,6 +214,7 @@ class _Targets:
     old: Tensor | None  # [N] the sampling policy's log-prob of the token (None: the policy's own)
     ref: Tensor | None  # [N] the reference policy's (None: no KL term)
     tokens_in_mb: int
+    per_step: float | None  # dapo's divisor: its generation batch's loss tokens per optimizer step
 
 
 class GRPO(Objective):
@@ -188,7 +233,7 @@ class GRPO(Objective):
         labels = mb.shifted_labels
         mask = (labels != IGNORE_INDEX).float()
         rows = labels.shape[0]
-        adv = mb.extra[:, 0].float()[:, None].expand_as(mask)
+        adv = mb.extra[:, ADVANTAGE].float()[:, None].expand_as(mask)
         lengths = mask.sum(1, keepdim=True).clamp(min=1)
         if self.cfg.loss_type == "grpo":
             weight = 1 / (lengths * rows)
@@ -207,14 +252,22 @@ class GRPO(Objective):
             return dev(mb.token_extra[..., c]) if wanted and mb.token_extra is not None else None
 
         old, ref = column(OLD_LOGP, self.cfg.needs_old_logps), column(REF_LOGP, self.cfg.needs_reference)
-        return _Targets(dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), old, ref, int(mask.sum()))
+        per_step = float(mb.extra[0, TOKENS_PER_STEP]) if mb.extra.shape[1] > TOKENS_PER_STEP else None
+        return _Targets(
+            dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), old, ref, int(mask.sum()), per_step
+        )
 
     def count(self, mb: MicroBatch) -> int:
         return mb.num_label_tokens  # dapo's normaliser: every completion token of the step
 
-    def _scale(self, total: int) -> float:
-        """What each micro-batch's aggregate is divided by over the step."""
-        return max(total, 1) if self.cfg.loss_type == "dapo" else self.micro_batches
+    def _scale(self, t: _Targets, total: int) -> float:
+        """What a micro-batch's aggregate is divided by: dapo, its generation batch's loss tokens
+        (every rank's, at least 1) x gradient_accumulation_steps / steps_per_generation, TRL's
+        normaliser (with one generation batch a step: the step's tokens; `total` where a
+        checkpoint's rollout predates the column); the others, the step's micro-batches."""
+        if self.cfg.loss_type != "dapo":
+            return self.micro_batches
+        return max(total, 1) if t.per_step is None else t.per_step
 
     def _chunk(self, t: _Targets, a: int, logits: Tensor, scale: float) -> tuple[Tensor, Tensor]:
         """(the chunk's loss, its STATS summed over its completion tokens)."""
@@ -241,11 +294,10 @@ class GRPO(Objective):
         return loss, stats @ mask
 
     def loss_and_grads(self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int):
-        scale = self._scale(total)
         stats = torch.zeros(len(targets), len(STATS), device=head.W.device)
 
         def chunk_loss(m: int, a: int, logits: Tensor):
-            loss, sums = self._chunk(targets[m], a, logits, scale)
+            loss, sums = self._chunk(targets[m], a, logits, self._scale(targets[m], total))
             stats[m] += sums
             return loss, loss.detach()
 
