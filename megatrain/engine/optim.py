@@ -119,10 +119,18 @@ class HostAdamW:
         self.world.updated(unit)
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
-        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""
-        st = self.state
-        p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
-        adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=st.part(unit)[0])
+        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range. A unit of the disk
+        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py)."""
+        st, base = self.state, self.state.part(unit)[0]
+        p, tier = st.flat(unit), st.tier
+        if tier is None or not tier.holds(unit):
+            m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
+            adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=base)
+            return
+        for a, b in tier.blocks(unit, lo, hi):
+            with tier.staged(unit, a, b) as (m, v):
+                g = grad[a - lo : b - lo]
+                adamw_range(unit, a, b, p[a - base :], g, m, v, self.cfg, lr, step, base=a)
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
