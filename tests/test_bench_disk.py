@@ -43,5 +43,6 @@ def test_disk_bench_trains_past_its_host_budget_with_a_tier(tmp_path):
     )["runs"]
     assert not disk.get("error"), disk
     assert disk["plan"]["disk_units"] >= 1 and disk["plan"]["disk"] > 0
-    assert disk["machine"]["disk_bytes_s"] > 0 and disk["tokens_per_s"] > 0
+    assert disk["machine"]["disk_read_bytes_s"] > 0 and disk["machine"]["disk_write_bytes_s"] > 0
+    assert disk["measured"]["disk_written_bytes"] > 0 and disk["tokens_per_s"] > 0
     assert os.listdir(tier) == []
