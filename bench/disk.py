@@ -8,7 +8,7 @@ run with the whole state in host memory where that fits (the step the disk costs
 
 The model is a Llama shape of bench/memory.py, random init from a config.json, trained on random
 pre-tokenised documents of `--doc` tokens. Each run records the plan's disk tier (units, bytes,
-the disk's read and write rates as measured at start, O_DIRECT or buffered), the bytes the tier
+the disk's read, write and both-at-once rates as measured at start, O_DIRECT or buffered), the bytes the tier
 read and wrote per step and the seconds the optimizer waited for its reads (plan.json's
 measured counters over the run's steps), its predicted step time beside the measured one,
 tokens/s over the steps after the first, and the GPU and host peaks beside the plan's; with both
@@ -54,7 +54,8 @@ def row(r: dict) -> str:
     rates, moved, wait = "-", "-", "-"
     if tier:
         io = "O_DIRECT" if machine.get("disk_direct", True) else "buffered"
-        rates = f"{machine['disk_read_bytes_s'] / 1e9:.2f} / {machine['disk_write_bytes_s'] / 1e9:.2f} ({io})"
+        rates = (f"{machine['disk_read_bytes_s'] / 1e9:.2f} / {machine['disk_write_bytes_s'] / 1e9:.2f} / "
+                 f"{machine['disk_duplex_bytes_s'] / 1e9:.2f} ({io})")  # fmt: skip
         steps = max(1, r.get("steps") or 1)  # the tier's counters run from its start: every step's
         if "disk_read_bytes" in m:
             moved = f"{m['disk_read_bytes'] / steps / GiB:.2f} / {m['disk_written_bytes'] / steps / GiB:.2f}"
@@ -65,7 +66,7 @@ def row(r: dict) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| run | disk tier | disk read / write GB/s (at start) | read / written GiB per step | optimizer's wait for reads s/step "
+    lines = ["| run | disk tier | disk GB/s at start: read / write / both at once | read / written GiB per step | optimizer's wait for reads s/step "
              "| step s (plan) | tokens/s | GPU peak GiB (plan) | host peak GiB (plan) |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [row(r) for r in runs]

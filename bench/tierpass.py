@@ -4,8 +4,9 @@ behind), beside the same AdamW with the moments in host memory, and beside the t
 (every block read and written back through the ring, no AdamW). Each pass takes the units last
 first, as a step whose gradients land in the backward sweep does.
 
-The cost model (costmodel.py) says a pass over the tier takes the longer of its AdamW and its read
-plus write at the rates measured at start; the table puts that beside what the passes took. Before
+The cost model (costmodel.py) says a pass over the tier takes the longer of its AdamW and its I/O
+(`tier_io_s`: each way at its rate, both together at their rate at once, as measured at start);
+the table puts that beside what the passes took. Before
 the table it checks that the tier's passes leave bitwise the master weights and moments of the
 in-memory ones (`exact`).
 
@@ -35,6 +36,8 @@ from megatrain.engine.optim import AdamWConfig, HostAdamW  # noqa: E402
 from megatrain.host.disk import RING_SLOTS, DiskTier, measure_rates  # noqa: E402
 from megatrain.host.state import HostState, build_units  # noqa: E402
 from megatrain.models.config import ModelConfig  # noqa: E402
+from megatrain.planning.costmodel import tier_io_s  # noqa: E402
+from megatrain.planning.planspec import Machine  # noqa: E402
 
 GB = 1e9
 
@@ -97,14 +100,16 @@ def main() -> None:
     )
     tier.close()
     med = {k: statistics.median(r[k] for r in rows) for k in ("ram_s", "tier_s", "io_s")}
-    io_model = tier.nbytes / rates.read_bytes_s + tier.nbytes / rates.write_bytes_s
+    machine = Machine("cpu", disk_read_bytes_s=rates.read_bytes_s, disk_write_bytes_s=rates.write_bytes_s,
+                      disk_duplex_bytes_s=rates.duplex_bytes_s)  # fmt: skip
+    io_model = tier_io_s(tier.nbytes, machine)
     predicted = max(med["ram_s"], io_model)
     tier_params = sum(u.numel for u in order)
     lines = [
         f"tier: {len(order)} units, {tier_params / 1e6:.0f}M params, {tier.nbytes / GB:.2f} GB of moments "
         f"({'O_DIRECT' if tier.direct else 'buffered'}), blocks of {tier.block_elems:,} elements, "
         f"a ring of {RING_SLOTS}; disk at start: read {rates.read_bytes_s / GB:.2f} GB/s, "
-        f"written {rates.write_bytes_s / GB:.2f} GB/s",
+        f"written {rates.write_bytes_s / GB:.2f}, both at once {rates.duplex_bytes_s / GB:.2f}",
         "",
         "| pass | AdamW, moments in memory s | AdamW, moments in the tier s | tier I/O alone s |",
         "|---|---|---|---|",
@@ -112,7 +117,7 @@ def main() -> None:
         "",
         f"median: in memory {med['ram_s']:.3f} s, in the tier {med['tier_s']:.3f} s, I/O alone "
         f"{med['io_s']:.3f} s ({2 * tier.nbytes / med['io_s'] / GB:.2f} GB/s read and written together)",
-        f"cost model: max(AdamW {med['ram_s']:.3f}, read + write {io_model:.3f}) = {predicted:.3f} s; "
+        f"cost model: max(AdamW {med['ram_s']:.3f}, I/O {io_model:.3f}) = {predicted:.3f} s; "
         f"measured {med['tier_s']:.3f} s ({100 * (med['tier_s'] / predicted - 1):+.0f}%)",
         f"exact (the tier's passes leave bitwise the in-memory ones' weights and moments): {exact}",
     ]
@@ -130,6 +135,7 @@ def main() -> None:
         "direct": tier.direct,
         "read_bytes_s": rates.read_bytes_s,
         "write_bytes_s": rates.write_bytes_s,
+        "duplex_bytes_s": rates.duplex_bytes_s,
         "median": med,
         "predicted_s": predicted,
         "exact": exact,

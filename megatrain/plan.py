@@ -93,6 +93,7 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
         disk_bytes=room,
         disk_read_bytes_s=rates.read_bytes_s,
         disk_write_bytes_s=rates.write_bytes_s,
+        disk_duplex_bytes_s=rates.duplex_bytes_s,
         disk_direct=rates.direct,
     )
 

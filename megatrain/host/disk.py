@@ -84,15 +84,20 @@ def ring_bytes(unit_numels: Sequence[int]) -> int:
 class DiskRates:
     read_bytes_s: float
     write_bytes_s: float
+    duplex_bytes_s: float
+    """Bytes per second read and written together, reads and writes in flight at once (as the
+    ring keeps them): a drive may serve both at once, or in turn."""
     direct: bool
     """O_DIRECT (False: the file system refuses it, the tier's I/O is buffered)."""
 
 
 def measure_rates(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> DiskRates:
     """The rates the tier moves data at here, as it moves them: blocks of MOMENT_BYTES x
-    BLOCK_ELEMS on IO_THREADS threads, O_DIRECT where the file system takes it; `nbytes` written
-    (and synced), then read back (buffered: dropped from the page cache first). Holds a block per
-    thread in memory; leaves nothing in `directory`."""
+    BLOCK_ELEMS on IO_THREADS threads, O_DIRECT where the file system takes it. `nbytes` are
+    written, then timed: written again (the tier overwrites its blocks from its second step on,
+    and a first write of reserved blocks can be slower), read back (buffered: from the drive, the
+    page cache dropped), and read and written at once. Holds a block per thread in memory; leaves
+    nothing in `directory`."""
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -108,24 +113,31 @@ def measure_rates(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> Disk
     f = TierFile(directory, need, no_space)
     # Every block alike: two transfers that share a buffer at a moment cannot mix anything up.
     bufs = [host_buffer(block // 4).fill_(0.5) for _ in range(IO_THREADS)]
+    writes = [(f.write, i) for i in range(count)]
+    reads = [(f.read, i) for i in range(count)]
     try:
         with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-disk") as pool:
-            t0 = time.perf_counter()
-            list(pool.map(lambda i: f.write(bufs[i % IO_THREADS], i * block), range(count)))
-            os.fsync(f.fd)
-            write = time.perf_counter() - t0
+
+            def timed(ops) -> float:
+                t0 = time.perf_counter()
+                list(pool.map(lambda op: op[0](bufs[op[1] % IO_THREADS], op[1] * block), ops))
+                os.fsync(f.fd)
+                return time.perf_counter() - t0
+
+            timed(writes)
+            write = timed(writes)
             for b in bufs:
                 b.zero_()
-            t0 = time.perf_counter()
-            list(pool.map(lambda i: f.read(bufs[i % IO_THREADS], i * block), range(count)))
-            read = time.perf_counter() - t0
+            read = timed(reads)
+            intact = all(bool((b == 0.5).all()) for b in bufs[: min(count, IO_THREADS)])
+            both = timed([op for pair in zip(reads, writes) for op in pair])
     except OSError as e:
         raise tier_error(directory, "measuring the disk's rates", e) from None
     finally:
         f.close()
-    if any(not bool((b == 0.5).all()) for b in bufs[: min(count, IO_THREADS)]):
+    if not intact:
         raise DiskTierError(f"offload_dir: {directory}: read back other bytes than written")
-    return DiskRates(need / read, need / write, f.direct)
+    return DiskRates(need / read, need / write, 2 * need / both, f.direct)
 
 
 @dataclass

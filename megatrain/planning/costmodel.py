@@ -110,18 +110,23 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     return max(gpu + stretch + waits, pcie + idle, duplex) + OPT_INTERFERENCE * min(cpu, window)
 
 
+def tier_io_s(disk: int, m: Machine) -> float:
+    """Seconds the disk tier takes to read `disk` bytes and write them back: each way at most at
+    its rate, both together at most at the rate they reached at once (the rates measured at start,
+    host/disk.py)."""
+    return max(disk / m.disk_read_bytes_s, disk / m.disk_write_bytes_s, 2 * disk / m.disk_duplex_bytes_s)
+
+
 def _tier_wait(plan: Plan, m: Machine, adam_params_s: float) -> float:
     """Seconds the optimizer's pass waits for the disk tier beyond its AdamW on the tier's units.
-    Their moments are read and written once a step (`plan.disk` bytes each way) at the rates
-    measured at start, one after the other (a drive serves both in turn). The ring reads ahead
-    of the pass and writes behind it (host/disk.py), so the I/O overlaps the AdamW and the pass
-    over a block takes the longer of the two; the blocks are alike, so over the tier too. Not
-    counted: the first block's read and the last one's write, which nothing hides, nor the
+    Their moments are read and written once a step (`plan.disk` bytes each way). The ring reads
+    ahead of the pass and writes behind it (host/disk.py), so the I/O overlaps the AdamW and the
+    pass over a block takes the longer of the two; the blocks are alike, so over the tier too.
+    Not counted: the first block's read and the last one's write, which nothing hides, nor the
     blocks the ring still holds from the step before (a few of a tier of hundreds)."""
     if not plan.disk_units:
         return 0.0
-    io = plan.disk / m.disk_read_bytes_s + plan.disk / m.disk_write_bytes_s
-    return max(0.0, io - plan.disk / MOMENT_BYTES / adam_params_s)
+    return max(0.0, tier_io_s(plan.disk, m) - plan.disk / MOMENT_BYTES / adam_params_s)
 
 
 def _rates(s: Shape, m: Machine) -> tuple[float, float]:

@@ -46,6 +46,8 @@ class Machine:
     """Room for the disk tier in `offload_dir` (None: no disk tier)."""
     disk_read_bytes_s: float = DISK_BYTES_S
     disk_write_bytes_s: float = DISK_BYTES_S
+    disk_duplex_bytes_s: float = DISK_BYTES_S
+    """Read and written together, at once (by default as if in turn)."""
     disk_direct: bool = True
     """The tier's I/O is O_DIRECT (False: offload_dir's file system refuses it; buffered)."""
 
@@ -55,7 +57,9 @@ class Machine:
         and write rates were apart, one rate for both)."""
         d = dict(d)
         if "disk_bytes_s" in d:
-            d["disk_read_bytes_s"] = d["disk_write_bytes_s"] = d.pop("disk_bytes_s")
+            d["disk_read_bytes_s"] = d["disk_write_bytes_s"] = d["disk_duplex_bytes_s"] = d.pop(
+                "disk_bytes_s"
+            )
         return cls(**{**d, "world": Layout(**d.get("world", {}))})
 
 
