@@ -27,6 +27,8 @@ DENSE_SHAPES: dict[str, dict[str, int]] = {
     "X120-full": dict(hidden=12288, layers=86, heads=96, kv=8, ffn=28672, vocab=128256),
     "L70": dict(hidden=8192, layers=80, heads=64, kv=8, ffn=28672, vocab=128256),  # Llama-3.1-70B's
     "tiny": dict(hidden=128, layers=2, heads=4, kv=2, ffn=256, vocab=512),
+    # 0.25 B: large enough for whole 64 MiB blocks of the disk tier, small enough to train on a CPU
+    "S": dict(hidden=1024, layers=12, heads=16, kv=4, ffn=4096, vocab=32000),
 }
 
 MOE_SHAPES: dict[str, dict[str, Any]] = {

@@ -8,8 +8,11 @@ run with the whole state in host memory where that fits (the step the disk costs
 
 The model is a Llama shape of bench/memory.py, random init from a config.json, trained on random
 pre-tokenised documents of `--doc` tokens. Each run records the plan's disk tier (units, bytes,
-the disk's rate as measured at start), its predicted step time beside the measured one, tokens/s
-over the steps after the first, and the GPU and host peaks beside the plan's. Writes
+the disk's read, write and both-at-once rates as measured at start, O_DIRECT or buffered), the bytes the tier
+read and wrote per step and the seconds the optimizer waited for its reads (plan.json's
+measured counters over the run's steps), its predicted step time beside the measured one,
+tokens/s over the steps after the first, and the GPU and host peaks beside the plan's; with both
+runs, the share of the step the tier costs. Writes
 `<stamp>_<tag>.json` and `.md` in --out, each run's log and plan under `<stamp>_<tag>_logs/`.
 """
 
@@ -43,21 +46,29 @@ def overrides(args, run: str) -> list[str]:
 def row(r: dict) -> str:
     gib = lambda b: f"{b / GiB:.1f}" if b else "-"  # noqa: E731
     if r.get("error"):
-        return f"| {r['name']} | failed: {r['error'][:120]} | | | | | | |"
+        return f"| {r['name']} | failed: {r['error'][:120]} | | | | | | | | |"
     plan, machine = r.get("plan") or {}, r.get("machine") or {}
     p, m = r.get("predicted") or {}, r.get("measured") or {}
-    disk = (
-        f"{plan.get('disk_units', 0)} units, {gib(plan.get('disk'))} GiB" if plan.get("disk_units") else "-"
-    )
-    rate = f"{machine['disk_bytes_s'] / 1e9:.2f}" if plan.get("disk_units") else "-"
-    return (f"| {r['name']} | {disk} | {rate} | {r['step_s']:.2f} ({plan.get('step_time_s', 0):.2f}) | "
+    tier = plan.get("disk_units")
+    disk = f"{tier} units, {gib(plan.get('disk'))} GiB" if tier else "-"
+    rates, moved, wait = "-", "-", "-"
+    if tier:
+        io = "O_DIRECT" if machine.get("disk_direct", True) else "buffered"
+        rates = (f"{machine['disk_read_bytes_s'] / 1e9:.2f} / {machine['disk_write_bytes_s'] / 1e9:.2f} / "
+                 f"{machine['disk_duplex_bytes_s'] / 1e9:.2f} ({io})")  # fmt: skip
+        steps = max(1, r.get("steps") or 1)  # the tier's counters run from its start: every step's
+        if "disk_read_bytes" in m:
+            moved = f"{m['disk_read_bytes'] / steps / GiB:.2f} / {m['disk_written_bytes'] / steps / GiB:.2f}"
+            wait = f"{m['disk_wait_s'] / steps:.2f}"
+    return (f"| {r['name']} | {disk} | {rates} | {moved} | {wait} | {r['step_s']:.2f} ({plan.get('step_time_s', 0):.2f}) | "
             f"{r['tokens_per_s']:,.0f} | {gib(m.get('gpu_peak_allocated'))} ({gib(p.get('gpu_peak_allocated'))}) | "
             f"{gib(m.get('host_peak_rss'))} ({gib(p.get('host_peak_rss'))}) |")  # fmt: skip
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| run | disk tier | disk GB/s (at start) | step s (plan) | tokens/s | GPU peak GiB (plan) | host peak GiB (plan) |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| run | disk tier | disk GB/s at start: read / write / both at once | read / written GiB per step | optimizer's wait for reads s/step "
+             "| step s (plan) | tokens/s | GPU peak GiB (plan) | host peak GiB (plan) |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [row(r) for r in runs]
     done = {r["name"]: r for r in runs if not r.get("error")}
     if "disk" in done and "ram" in done:

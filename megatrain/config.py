@@ -348,8 +348,9 @@ class TrainConfig:
     offload_dir: str | None = None
     """A local disk's folder (DeepSpeed's `nvme_path`) for the disk tier: where host memory cannot
     hold the state, the plan puts the AdamW moments of the fewest last units that make the run fit
-    there, in files made and deleted by the run (scratch: a resume rebuilds them from its
-    checkpoint). Relative to the working directory. One process per machine for now."""
+    there, in a file that never has a name in it (scratch: nothing is left behind, and a resume
+    rebuilds it from its checkpoint), read and written with O_DIRECT where its file system takes
+    it. Relative to the working directory. One process per machine for now."""
     max_disk_memory: str | int | None = None
     """Disk the tier may take in offload_dir, e.g. "500GB" (default: the free space at start)."""
     nproc_per_node: int = 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConfigError, MegatrainError
-from .host.disk import measure_rate
+from .host.disk import measure_rates
 from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
@@ -90,7 +90,15 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     if cfg.offload_dir is None:
         return machine
     room = size(cfg.max_disk_memory) or free_bytes(Path(cfg.offload_dir))
-    return replace(machine, disk_bytes=room, disk_bytes_s=measure_rate(cfg.offload_dir))
+    rates = measure_rates(cfg.offload_dir)
+    return replace(
+        machine,
+        disk_bytes=room,
+        disk_read_bytes_s=rates.read_bytes_s,
+        disk_write_bytes_s=rates.write_bytes_s,
+        disk_duplex_bytes_s=rates.duplex_bytes_s,
+        disk_direct=rates.direct,
+    )
 
 
 @dataclass

@@ -97,6 +97,8 @@ class TrainableModel:
         self.transport.close()
         if self.engine.host_acts is not None:
             self.engine.host_acts.close()
+        if self.state.tier is not None:
+            self.state.tier.close()
 
 
 def make_plan(
@@ -214,4 +216,6 @@ def build_model(
     engine = Engine(
         cfg, state, transport, device, dtype, plan, objective, compile=compile, collective=collective
     )
+    if state.tier is not None:  # its blocks are read ahead in the optimizer's order
+        state.tier.expect(engine.step_order())
     return TrainableModel(cfg, state, engine, transport, opt, plan)

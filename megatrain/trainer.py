@@ -457,6 +457,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     notes = outputs.take_over() if main else []  # creates output_dir; a previous run's metrics kept aside
     # What each machine holds of the host state (one part of it each, when partitioned).
     memory.state_bytes = [b for b in world.each(model.state.nbytes if world.holds_state else None) if b]
+    memory.tier = model.state.tier
     if main:
         memory.write(out)
         if reference is not None and reference.computed:

@@ -1,6 +1,7 @@
 """bench/disk.py end to end on the CPU: a tiny Llama trained through the command line with the
 whole state in memory, then under a host budget that only a disk tier meets; the report shows
-the tier the plan chose and the run that trained with it."""
+the tier the plan chose and the run that trained with it; and bench/tierpass.py, the tier's
+optimizer pass alone on the tiny shape."""
 
 from __future__ import annotations
 
@@ -43,5 +44,21 @@ def test_disk_bench_trains_past_its_host_budget_with_a_tier(tmp_path):
     )["runs"]
     assert not disk.get("error"), disk
     assert disk["plan"]["disk_units"] >= 1 and disk["plan"]["disk"] > 0
-    assert disk["machine"]["disk_bytes_s"] > 0 and disk["tokens_per_s"] > 0
+    assert disk["machine"]["disk_read_bytes_s"] > 0 and disk["machine"]["disk_write_bytes_s"] > 0
+    assert disk["measured"]["disk_written_bytes"] > 0 and disk["tokens_per_s"] > 0
     assert os.listdir(tier) == []
+
+
+@pytest.mark.slow
+def test_tierpass_times_the_tiers_pass_and_finds_it_exact(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "bench/tierpass.py", "--model", "tiny", "--units", "2", "--passes", "2",
+                        "--offload-dir", str(tmp_path / "tier"), "--out", str(out), "--tag", "pass"],
+                       cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    [js] = out.glob("*_pass.json")
+    rec = json.loads(js.read_text())
+    assert rec["exact"] and len(rec["passes"]) == 2 and rec["tier_bytes"] > 0 and rec["predicted_s"] > 0
+    assert all(r["tier_s"] > 0 and r["io_s"] > 0 for r in rec["passes"])
+    assert os.listdir(tmp_path / "tier") == []

@@ -163,6 +163,13 @@ class Engine:
         """Layers whose weights the backward sweep fetches: all but the kept ones, last first."""
         return self.layer_units[: len(self.layer_units) - self.keep_layers][::-1]
 
+    def step_order(self) -> list[Unit]:
+        """The order a step hands units to the optimizer: forward order where gradients wait for
+        the clip (the transport steps the held ones in order), last first where they land in the
+        backward sweep. What the disk tier reads ahead in (host/disk.py)."""
+        units = self.state.units
+        return list(units) if self.plan.grad_mode == "stored" else units[::-1]
+
     def _prepare(self, mb: MicroBatch) -> _Prepared:
         dev = self.device
         ids = mb.input_ids.to(dev, non_blocking=True)

@@ -138,12 +138,20 @@ class HostAdamW:
         self.world.updated(unit)
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
-        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range."""
+        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range. A unit of the disk
+        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py)."""
         if unit.index not in self._populated:
             self._populate(unit)
-        st = self.state
-        p, m, v = (st.flat(unit, w) for w in ("master", "exp_avg", "exp_avg_sq"))
-        adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=st.part(unit)[0])
+        st, base = self.state, self.state.part(unit)[0]
+        p, tier = st.flat(unit), st.tier
+        if tier is None or not tier.holds(unit):
+            m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
+            adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=base)
+            return
+        for a, b in tier.blocks(unit, lo, hi):
+            with tier.staged(unit, a, b) as (m, v):
+                g = grad[a - lo : b - lo]
+                adamw_range(unit, a, b, p[a - base :], g, m, v, self.cfg, lr, step, base=a)
 
     def _populate(self, unit: Unit) -> None:
         """Before the first update of `unit`, the pages of this process's span of its moments
@@ -152,7 +160,7 @@ class HostAdamW:
         moments are in place already). Not the disk tier's files: their pages come and go as the
         pass walks them."""
         self._populated.add(unit.index)
-        if self.state.exp_avg is None or unit.index >= self.state.disk_from:
+        if self.state.exp_avg is None or (self.state.tier is not None and self.state.tier.holds(unit)):
             return
         lo, hi = self.span(unit)
         populate(

@@ -1,16 +1,33 @@
-"""The disk tier: AdamW moments of the model's last units in files on local disk (`offload_dir`),
+"""The disk tier: AdamW moments of the model's last units in a file on local disk (`offload_dir`),
 where host memory cannot hold the whole state.
 
-The moments stay where every reader expects them: the tier maps a file over the tail of each
-moment buffer (`HostState.exp_avg`, `exp_avg_sq`) at the same addresses, so the optimizer,
-checkpoints and resume read and write them as before and a run with a tier is bitwise the run
-without one. The kernel moves the pages between the page cache and the disk: read ahead as the
-optimizer's pass walks a unit (the mapping is advised sequential), written back behind it.
+Where the moments are. One file holds the tier's units back to back, each cut in blocks of at
+most `BLOCK_ELEMS` elements (fewer in a small tier: `block_elems`), a block's two moments side by
+side (its exp_avg, then its exp_avg_sq), so that staging a block is one read and one write of one
+extent. One file, not one
+per unit or per thread: offload_dir is one file system, and what keeps a drive busy is large
+requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at once, and the I/O
+threads keep several of them going), not a number of files; one file is one reservation and one
+descriptor. Several drives would be a file on each, blocks striped over them (not built).
 
-The files are scratch. Each is created in `offload_dir`, its blocks reserved at once (so the disk
-cannot run out later, when a write-back would have nowhere to report it), mapped, and unlinked
-before any state is written: nothing is left on disk when the process ends, however it ends, and
-a resume rebuilds the tier from its checkpoint.
+How they move. The optimizer steps a block of a tier unit on a *staged* copy of its moments
+(`staged`), one of `RING_SLOTS` page-aligned host buffers. Its pass takes the tier's units in an
+order known up front (`expect`: the engine's `step_order`), so `IO_THREADS` threads read the
+next `AHEAD` blocks while the current one is stepped, and write each block back as soon as its
+step is done, beside the AdamW (torch's threads). The I/O is O_DIRECT where the file system
+takes it, else buffered (tierfile.py; `direct` says which, and so does the plan's note). A block
+still in the ring is not read again, and the ring keeps those the pass reaches again soonest: a
+tier of a few blocks is read once.
+
+Exact. A block's elements are stepped by the same fused AdamW as in host memory, and AdamW is
+elementwise: a unit stepped block by block is bitwise the unit stepped whole, so a run with a
+tier is bitwise the run without one. Checkpoints read the tier's moments from the file a block at
+a time (`pieces`, after the writes in flight) and a resume writes them in through the ring
+(`fill`): the tier is never held whole in memory.
+
+Scratch. The file never has a name in offload_dir and its blocks are reserved up front
+(tierfile.py): nothing is left when the process ends, however it ends, a full disk is one line
+when the tier is made, and a resume rebuilds the tier from its checkpoint.
 
 The tier's units are the last ones (the plan keeps GPU-resident and GPU-stepped units, which need
 page-locked moments, at the front).
@@ -18,118 +35,353 @@ page-locked moments, at the front).
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import os
-import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import MegatrainError
-from .hostmem import libc
-from .state import HostState
+import torch
 
-GiB = 2**30
+from .hostmem import PAGE, host_buffer
+from .state import UNIT_ALIGN, HostState, Unit, fill_range
+from .tierfile import ALIGN_ELEMS, DiskTierError, TierFile, free_bytes, tier_error
+
+GiB, MiB = 2**30, 2**20
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 8  # per parameter: the two fp32 moments the tier holds
-RATE_PROBE_BYTES = 256 * 2**20  # large enough for a drive's sequential rate, ~0.3 s on NVMe
-RATE_PROBE_BLOCK = 16 * 2**20
+BLOCK_ELEMS = 8 * 2**20  # elements of each moment in a block: 64 MiB read and written at once
+RING_SLOTS = 6  # blocks staged in host memory: one stepped, AHEAD read ahead, the rest written back
+AHEAD = 3
+RING_SHARE = 4  # a small tier's blocks are smaller: its ring takes at most ~1/4 of what it frees
+IO_THREADS = 4
+RATE_PROBE_BYTES = 256 * MiB  # large enough for a drive's sequential rates, ~0.3 s on NVMe
 
 
-class DiskTierError(MegatrainError):
-    """The disk tier could not be made (no space, a bad offload_dir)."""
+def block_elems(unit_numels: Sequence[int]) -> int:
+    """Elements of each moment in a block of a tier of units of these lengths: BLOCK_ELEMS, or
+    fewer in a small tier, so that its ring takes at most about 1/RING_SHARE of the host memory
+    the tier frees; whole pages."""
+    share = -(-sum(unit_numels) // (RING_SHARE * RING_SLOTS))
+    return max(UNIT_ALIGN, min(BLOCK_ELEMS, -(-share // UNIT_ALIGN) * UNIT_ALIGN))
 
 
-def measure_rate(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> float:
-    """Bytes per second the tier moves each way on average here (harmonic mean of a write and a
-    read of `nbytes`), through the page cache as the tier's pages move: written and synced, then,
-    dropped from the cache, read again. A block of RATE_PROBE_BLOCK bytes is all it holds in
-    memory."""
+def ring_bytes(unit_numels: Sequence[int]) -> int:
+    """Host bytes of the staging ring of a tier of units of these lengths (elements): RING_SLOTS
+    blocks, or as many as the tier has, each of the largest block's size."""
+    if not unit_numels:
+        return 0
+    block = block_elems(unit_numels)
+    blocks = sum(-(-n // block) for n in unit_numels)
+    return min(RING_SLOTS, blocks) * MOMENT_BYTES * min(block, max(unit_numels))
+
+
+@dataclass(frozen=True)
+class DiskRates:
+    read_bytes_s: float
+    write_bytes_s: float
+    duplex_bytes_s: float
+    """Bytes per second read and written together, reads and writes in flight at once (as the
+    ring keeps them): a drive may serve both at once, or in turn."""
+    direct: bool
+    """O_DIRECT (False: the file system refuses it, the tier's I/O is buffered)."""
+
+
+def measure_rates(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> DiskRates:
+    """The rates the tier moves data at here, as it moves them: blocks of MOMENT_BYTES x
+    BLOCK_ELEMS on IO_THREADS threads, O_DIRECT where the file system takes it. `nbytes` are
+    written, then timed: written again (the tier overwrites its blocks from its second step on,
+    and a first write of reserved blocks can be slower), read back (buffered: from the drive, the
+    page cache dropped), and read and written at once. Holds a block per thread in memory; leaves
+    nothing in `directory`."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    block = bytearray(b"\x5a" * RATE_PROBE_BLOCK)
-    count = max(1, nbytes // len(block))
-    fd, path = tempfile.mkstemp(prefix="megatrain-rate-", suffix=".tier", dir=directory)
     try:
-        os.unlink(path)
-        t0 = time.perf_counter()
-        for i in range(count):
-            os.pwrite(fd, block, i * len(block))
-        os.fsync(fd)
-        write = time.perf_counter() - t0
-        os.posix_fadvise(fd, 0, count * len(block), os.POSIX_FADV_DONTNEED)  # clean now: reads hit the disk
-        back = bytearray(len(block))
-        t0 = time.perf_counter()
-        intact = all(os.preadv(fd, [back], i * len(block)) == len(block) for i in range(count))
-        read = time.perf_counter() - t0
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise tier_error(directory, "making it", e) from None
+    block = min(max(nbytes, PAGE), MOMENT_BYTES * BLOCK_ELEMS) // PAGE * PAGE
+    count = max(1, nbytes // block)
+    need = count * block
+
+    def no_space(free: int) -> str:
+        return f"offload_dir: {directory}: measuring the disk's rates needs {need / MiB:.0f} MiB, {free / MiB:.0f} MiB free"
+
+    f = TierFile(directory, need, no_space)
+    # Every block alike: two transfers that share a buffer at a moment cannot mix anything up.
+    bufs = [host_buffer(block // 4).fill_(0.5) for _ in range(IO_THREADS)]
+    writes = [(f.write, i) for i in range(count)]
+    reads = [(f.read, i) for i in range(count)]
+    try:
+        with ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-disk") as pool:
+
+            def timed(ops) -> float:
+                t0 = time.perf_counter()
+                list(pool.map(lambda op: op[0](bufs[op[1] % IO_THREADS], op[1] * block), ops))
+                os.fsync(f.fd)
+                return time.perf_counter() - t0
+
+            timed(writes)
+            write = timed(writes)
+            for b in bufs:
+                b.zero_()
+            read = timed(reads)
+            intact = all(bool((b == 0.5).all()) for b in bufs[: min(count, IO_THREADS)])
+            both = timed([op for pair in zip(reads, writes) for op in pair])
+    except OSError as e:
+        raise tier_error(directory, "measuring the disk's rates", e) from None
     finally:
-        os.close(fd)
-    if not intact or back != block:
+        f.close()
+    if not intact:
         raise DiskTierError(f"offload_dir: {directory}: read back other bytes than written")
-    return 2 * count * len(block) / (write + read)
+    return DiskRates(need / read, need / write, 2 * need / both, f.direct)
 
 
-def tier_elements(state: HostState, units: int) -> tuple[int, int]:
-    """The elements [lo, hi) of each moment buffer that the last `units` units take."""
-    if not 0 < units <= len(state.units):
-        raise ValueError(f"a disk tier of {units} units; the model has {len(state.units)}")
-    first = state.units[len(state.units) - units]
-    return state.starts[first.index], state.numel
+@dataclass
+class _Slot:
+    """A ring buffer: a block's two moments, and the last read or write of it (queued or done)."""
+
+    buf: torch.Tensor
+    block: int | None = None
+    io: Future | None = None
+    busy: bool = False
+    """Staged: the optimizer is stepping it."""
 
 
 class DiskTier:
-    """The moments of `state`'s last `units` units mapped from files in `directory`."""
+    """The AdamW moments of `state`'s last `units` units in a file in `directory`, moved through a
+    ring of host buffers (see the module docstring). Made before anything is written to the
+    moments: it takes their host memory away (`state.exp_avg` and `exp_avg_sq` stop where its
+    units start) and becomes `state.tier`."""
 
     def __init__(self, state: HostState, units: int, directory: str | Path):
         if state.exp_avg is None:
             raise ValueError("a disk tier holds AdamW moments; this state has none")
-        self.units = units
+        if not state.whole:
+            raise ValueError("a disk tier holds whole units (one process per machine)")
+        if not 0 < units <= len(state.units):
+            raise ValueError(f"a disk tier of {units} units; the model has {len(state.units)}")
+        self.units = state.units[len(state.units) - units :]
+        self.first = self.units[0].index
         self.directory = Path(directory)
-        lo, hi = tier_elements(state, units)
-        self.nbytes = len(MOMENTS) * (hi - lo) * 4
-        self._check_space()
-        for name in MOMENTS:
-            buf = getattr(state, name)
-            if buf.data_ptr() % mmap.PAGESIZE or (lo * 4) % mmap.PAGESIZE:
-                raise ValueError("the moment buffers must be page-aligned at unit boundaries")
-            self._map(buf.data_ptr() + lo * 4, (hi - lo) * 4, name)
-        state.disk_from = len(state.units) - units
-
-    def _check_space(self) -> None:
+        B = self.block_elems = block_elems([u.numel for u in self.units])
+        if B % UNIT_ALIGN or B % ALIGN_ELEMS:
+            raise ValueError(f"a block of {B} elements does not end on a page")
+        self._blocks: list[tuple[int, int, int]] = []  # (lo, hi) of a unit, its offset in the file
+        self._first_block: dict[int, int] = {}
+        offset = 0
+        for u in self.units:
+            self._first_block[u.index] = len(self._blocks)
+            for a in range(0, u.numel, B):
+                b = min(a + B, u.numel)
+                self._blocks.append((a, b, offset))
+                offset += MOMENT_BYTES * (b - a)
+        self.nbytes = offset
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            free = os.statvfs(self.directory)
+            free = free_bytes(self.directory)
         except OSError as e:
-            raise DiskTierError(f"offload_dir: {self.directory}: {e.strerror or e}") from None
-        if free.f_bavail * free.f_frsize < self.nbytes:
-            raise DiskTierError(self._no_space(free.f_bavail * free.f_frsize))
+            raise tier_error(self.directory, "the disk tier's folder", e) from None
+        if free < self.nbytes:
+            raise DiskTierError(self._no_space(free))
+        self.file = TierFile(self.directory, self.nbytes, self._no_space)
+        self.direct = self.file.direct
+        lo = state.starts[self.first]
+        state.exp_avg, state.exp_avg_sq = state.exp_avg[:lo], state.exp_avg_sq[:lo]
+        state.tier = self
+        slot_elems = min(B, max(u.numel for u in self.units))
+        self._slots = [_Slot(host_buffer(2 * slot_elems)) for _ in range(min(RING_SLOTS, len(self._blocks)))]
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-disk")
+        self._lock = threading.Lock()
+        self._written: dict[int, Future] = {}  # each block's last write
+        self._order = list(range(len(self._blocks)))
+        self._pos = {b: i for i, b in enumerate(self._order)}
+        self._at = -1  # the position in `_order` of the block last staged
+        self.counters = {"disk_read_bytes": 0, "disk_written_bytes": 0, "disk_wait_s": 0.0, "disk_misses": 0}
+        """Bytes read and written, seconds the optimizer waited for reads, blocks it found
+        unread (not read ahead): since the tier was made."""
 
     def _no_space(self, free: int) -> str:
         return (
             f"offload_dir: {self.directory}: the disk tier needs {self.nbytes / GiB:.2f} GiB "
-            f"(AdamW moments of the last {self.units} units), {free / GiB:.2f} GiB free"
+            f"(AdamW moments of the last {len(self.units)} units), {free / GiB:.2f} GiB free"
         )
 
-    def _map(self, address: int, nbytes: int, name: str) -> None:
-        """Map a fresh file of `nbytes` over [address, address + nbytes), then unlink it."""
-        fd, path = tempfile.mkstemp(prefix=f"megatrain-{name}-", suffix=".tier", dir=self.directory)
+    # ------------------------------------------------------------- where the moments are
+    def holds(self, unit: Unit) -> bool:
+        return unit.index >= self.first
+
+    def blocks(self, unit: Unit, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi) of `unit` cut where its blocks end."""
+        B = self.block_elems
+        return [(a, min((a // B + 1) * B, hi)) for a in _starts(lo, hi, B)]
+
+    def _block(self, unit: Unit, lo: int, hi: int) -> int:
+        if not self.holds(unit):
+            raise ValueError(f"{unit.name} is not in the disk tier")
+        block = self._first_block[unit.index] + lo // self.block_elems
+        a, b, _ = self._blocks[block]
+        if not (a <= lo < hi <= b):
+            raise ValueError(f"{unit.name}[{lo}:{hi}] is not within one block of the disk tier")
+        return block
+
+    def expect(self, units: Sequence[Unit]) -> None:
+        """The order the optimizer's passes take units in (those outside the tier are ignored):
+        its blocks are read ahead in this order, the first ones from now on."""
+        order = [b for u in units if self.holds(u) for b in self._unit_blocks(u)]
+        named = set(order)
+        order += [b for b in range(len(self._blocks)) if b not in named]
+        with self._lock:
+            self._order, self._pos, self._at = order, {b: i for i, b in enumerate(order)}, -1
+            self._ahead()
+
+    def _unit_blocks(self, unit: Unit) -> range:
+        first = self._first_block[unit.index]
+        return range(first, first + -(-unit.numel // self.block_elems))
+
+    # ------------------------------------------------------------- the optimizer's pass
+    @contextmanager
+    def staged(self, unit: Unit, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(exp_avg, exp_avg_sq) of elements [lo, hi) of `unit`, which lie in one block: views of
+        its ring slot, read from disk (ahead of the call, as a rule) and written back on leaving.
+        One block is staged at a time."""
+        block = self._block(unit, lo, hi)
+        slot = self._acquire(block)
+        a, b, _ = self._blocks[block]
+        n = b - a
         try:
-            os.unlink(path)  # scratch from the start: gone with the process, however it ends
+            yield slot.buf[lo - a : hi - a], slot.buf[n + lo - a : n + hi - a]
+        except BaseException:
+            with self._lock:  # half stepped: dropped, not written (the run fails anyway)
+                slot.busy, slot.block = False, None
+            raise
+        self._release(slot)
+
+    def _acquire(self, block: int) -> _Slot:
+        t0 = time.perf_counter()
+        with self._lock:
+            if any(s.busy for s in self._slots):
+                raise RuntimeError("the disk tier stages one block at a time")
+            self._at = self._pos[block]
+            slot = self._holding(block)
+            if slot is None:
+                slot = self._victim({block})
+                self._read(slot, block)
+                self.counters["disk_misses"] += 1
+            slot.busy = True
+            io = slot.io
+            self._ahead()
+        if io is not None:
+            self._wait(io, "reading")
+        self.counters["disk_wait_s"] += time.perf_counter() - t0
+        return slot
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            block = slot.block
+            a, b, offset = self._blocks[block]
+            buf = slot.buf[: 2 * (b - a)]
+            slot.io = self._written[block] = self._pool.submit(self.file.write, buf, offset)
+            slot.busy = False
+            self.counters["disk_written_bytes"] += buf.numel() * 4
+
+    def _holding(self, block: int) -> _Slot | None:
+        return next((s for s in self._slots if s.block == block), None)
+
+    def _upcoming(self) -> list[int]:
+        N = len(self._order)
+        count = min(AHEAD, N - 1 if self._at >= 0 else N)  # not the block staged now
+        return [self._order[(self._at + i) % N] for i in range(1, count + 1)]
+
+    def _ahead(self) -> None:
+        """Queue reads of the next AHEAD blocks of the pass that the ring does not hold."""
+        upcoming = self._upcoming()
+        keep = set(upcoming) | ({self._order[self._at]} if self._at >= 0 else set())
+        for block in upcoming:
+            if self._holding(block) is None:
+                slot = self._victim(keep)
+                if slot is None:
+                    return
+                self._read(slot, block)
+
+    def _victim(self, keep: set[int]) -> _Slot | None:
+        """A slot to read another block into: an empty one, else the one whose block the pass
+        reaches again last (never a staged one, nor one holding a block of `keep`)."""
+        free = [s for s in self._slots if not s.busy and s.block not in keep]
+        N = len(self._order)
+        return max(
+            free, key=lambda s: N if s.block is None else (self._pos[s.block] - self._at) % N, default=None
+        )
+
+    def _read(self, slot: _Slot, block: int) -> None:
+        """Queue the read of `block` into `slot`, after the slot's last I/O and the block's last
+        write (which another slot may still be doing)."""
+        a, b, offset = self._blocks[block]
+        buf = slot.buf[: 2 * (b - a)]
+        after = [f for f in (slot.io, self._written.get(block)) if f is not None]
+        slot.block = block
+        slot.io = self._pool.submit(_after, after, self.file.read, buf, offset)
+        self.counters["disk_read_bytes"] += buf.numel() * 4
+
+    def _wait(self, io: Future, doing: str) -> None:
+        try:
+            io.result()
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskTierError(self._no_space(free_bytes(self.directory))) from None
+            raise tier_error(self.directory, f"{doing} the disk tier", e) from None
+
+    # ------------------------------------------------------------- checkpoints
+    def pieces(self, unit: Unit, which: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
+        """Elements [lo, hi) of `unit`'s moment `which` (exp_avg, exp_avg_sq), read from the file
+        a block at most at a time once the block's writes are done: each piece a tensor of its
+        own. What a checkpoint writes; not while a block is staged."""
+        half = MOMENTS.index(which)
+        for a, b in self.blocks(unit, lo, hi):
+            block = self._block(unit, a, b)
+            with self._lock:
+                if any(s.busy for s in self._slots):
+                    raise RuntimeError("the disk tier is read while the optimizer steps it")
+                written = self._written.get(block)
+            if written is not None:
+                self._wait(written, "writing")
+            ba, bb, offset = self._blocks[block]
+            s = (a - ba) // ALIGN_ELEMS * ALIGN_ELEMS  # whole pages around [a, b)
+            e = -(-(b - ba) // ALIGN_ELEMS) * ALIGN_ELEMS
+            buf = host_buffer(e - s)
             try:
-                os.posix_fallocate(fd, 0, nbytes)  # every block now, so no write-back can fail later
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    free = os.statvfs(self.directory)
-                    raise DiskTierError(self._no_space(free.f_bavail * free.f_frsize)) from None
-                raise DiskTierError(f"offload_dir: {self.directory}: {e.strerror or e}") from None
-            prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10  # MAP_FIXED
-            got = libc().mmap(address, nbytes, prot, flags, fd, 0)
-            if got != address:
-                err = ctypes.get_errno()
-                raise DiskTierError(
-                    f"offload_dir: {self.directory}: mapping the tier failed: {os.strerror(err)}"
-                )
-            libc().madvise(address, nbytes, 2)  # MADV_SEQUENTIAL: read ahead, drop behind
-        finally:
-            os.close(fd)  # the mapping keeps the file
+                self.file.read(buf, offset + 4 * (half * (bb - ba) + s))
+            except OSError as err:
+                raise tier_error(self.directory, "reading the disk tier", err) from None
+            yield buf[a - ba - s : b - ba - s]
+
+    def fill(
+        self, unit: Unit, entries: dict[str, list], read: Callable[[str, int, int], torch.Tensor]
+    ) -> None:
+        """Write `unit`'s moments from tensors, a block at a time through the ring: `entries[which]`
+        and `read` as `HostState.load` takes them (a resumed checkpoint's moments)."""
+        for a, b in self.blocks(unit, 0, unit.numel):
+            with self.staged(unit, a, b) as views:
+                for which, view in zip(MOMENTS, views):
+                    fill_range(view, a, b, entries[which], read)
+
+    def close(self) -> None:
+        """Finish the I/O in flight and close the file (it is gone then: it has no name)."""
+        self._pool.shutdown(wait=True)
+        self.file.close()
+
+
+def _starts(lo: int, hi: int, block: int) -> list[int]:
+    """Where the pieces of [lo, hi) cut at multiples of `block` start."""
+    return [lo] + list(range((lo // block + 1) * block, hi, block)) if lo < hi else []
+
+
+def _after(futures: list[Future], fn, *args) -> None:
+    """`fn(*args)` once `futures` are done. They were queued before this task, to a pool that starts
+    tasks in order, so each is running or done: the wait cannot deadlock."""
+    for f in futures:
+        f.result()
+    fn(*args)

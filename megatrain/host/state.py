@@ -144,13 +144,16 @@ class HostState:
         self.exp_avg = alloc(self.numel) if with_optimizer else None
         self.exp_avg_sq = alloc(self.numel) if with_optimizer else None
         self.step = 0  # optimizer steps taken
-        self.disk_from = len(units)  # units from this index on keep their moments in files (disk.py)
+        self.tier = None
+        """The disk tier holding the AdamW moments of the last units (host/disk.py's `DiskTier`),
+        or None. Their moments are read and written through it only: the moment buffers stop
+        where its units start."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the state takes (weights, and moments where there are)."""
-        buffers = 3 if self.exp_avg is not None else 1
-        return buffers * self.numel * self.master.element_size()
+        buffers = [b for b in (self.master, self.exp_avg, self.exp_avg_sq) if b is not None]
+        return sum(b.numel() for b in buffers) * self.master.element_size()
 
     def part(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` held here."""
@@ -158,6 +161,8 @@ class HostState:
 
     def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:
         """The unit's part held here (the whole unit in a whole state)."""
+        if which != "master" and self.tier is not None and self.tier.holds(unit):
+            raise ValueError(f"{unit.name}: its AdamW moments are in the disk tier, not in host memory")
         lo, hi = self.parts[unit.index]
         start = self.starts[unit.index]
         return getattr(self, which)[start : start + hi - lo]
@@ -169,7 +174,6 @@ class HostState:
             raise ValueError(f"{unit.name}[{lo}:{hi}] is outside the part held here [{a}:{b}]")
         return self.flat(unit, which)[lo - a : hi - a]
 
-    @torch.no_grad()
     def load(self, unit: Unit, which: str, entries, read: Callable[[str, int, int], torch.Tensor]) -> None:
         """Fill the part of `unit` held here from tensors: `entries` are (key, start in the unit,
         shape) as `tensor_entries` gives them, `read(key, a, b)` the elements [a, b) of the
@@ -177,11 +181,7 @@ class HostState:
         tensor that requires grad (a module's parameter) would make the whole buffer a node of
         its graph, holding every such source alive (a second fp32 copy of the model)."""
         lo, hi = self.parts[unit.index]
-        flat = self.flat(unit, which)
-        for key, start, shape in entries:
-            a, b = max(lo, start), min(hi, start + math.prod(shape))
-            if a < b:
-                flat[a - lo : b - lo].copy_(read(key, a - start, b - start))
+        fill_range(self.flat(unit, which), lo, hi, entries, read)
 
     def _whole(self) -> None:
         if not self.whole:
@@ -212,6 +212,18 @@ class HostState:
     @property
     def num_params(self) -> int:
         return sum(p.numel for u in self.units for p in u.params)
+
+
+@torch.no_grad()
+def fill_range(
+    flat: torch.Tensor, lo: int, hi: int, entries, read: Callable[[str, int, int], torch.Tensor]
+) -> None:
+    """Fill `flat`, elements [lo, hi) of a unit, from the tensors of `entries` (key, start in the
+    unit, shape) that meet it; `read(key, a, b)`: the elements [a, b) of the tensor flattened."""
+    for key, start, shape in entries:
+        a, b = max(lo, start), min(hi, start + math.prod(shape))
+        if a < b:
+            flat[a - lo : b - lo].copy_(read(key, a - start, b - start))
 
 
 def tensor_entries(unit: Unit, per: str = "piece") -> Iterable[tuple[str, int, tuple[int, ...]]]:

@@ -50,6 +50,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -248,15 +249,24 @@ def remove_temporaries(output_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- saving
-def _moments(state: HostState) -> dict[str, torch.Tensor]:
-    """`exp_avg.<key>` / `exp_avg_sq.<key>` -> views of the host moments, parameter by parameter."""
-    out = {}
+def _moments(state: HostState) -> tuple[list[tuple[str, tuple[int, ...]]], Callable[[str], Any]]:
+    """(key, shape) of every AdamW moment, `exp_avg.<key>` / `exp_avg_sq.<key>` parameter by
+    parameter, and what gives each: a view of the host moments, or the pieces the disk tier reads
+    from its file a block at a time (host/disk.py)."""
+    entries, gets = [], {}
+    tier = state.tier
     for unit in state.units:
+        on_disk = tier is not None and tier.holds(unit)
         for which in ("exp_avg", "exp_avg_sq"):
-            flat = state.flat(unit, which)
+            flat = None if on_disk else state.flat(unit, which)
             for p in unit.params:
-                out[f"{which}.{p.key}"] = flat[p.offset : p.offset + p.numel].view(p.shape)
-    return out
+                key, a, b = f"{which}.{p.key}", p.offset, p.offset + p.numel
+                entries.append((key, p.shape))
+                if on_disk:
+                    gets[key] = partial(tier.pieces, unit, which, a, b)
+                else:
+                    gets[key] = partial(torch.Tensor.view, flat[a:b], p.shape)
+    return entries, lambda key: gets[key]()
 
 
 def rng_state() -> dict[str, Any]:
@@ -315,11 +325,11 @@ def save_checkpoint(
             write_tensors(d)
         else:
             params = dict(state.checkpoint_tensors())
-            moments = {} if trainer_state.weights_only else _moments(state)
-            for prefix, tensors in (("model", params), ("optimizer", moments)):
-                if tensors:
-                    entries = [(k, tuple(v.shape)) for k, v in tensors.items()]
-                    d.write_tensors(prefix, entries, torch.float32, tensors.__getitem__, max_shard_bytes)
+            entries = [(k, tuple(v.shape)) for k, v in params.items()]
+            d.write_tensors("model", entries, torch.float32, params.__getitem__, max_shard_bytes)
+            if not trainer_state.weights_only:
+                entries, get = _moments(state)
+                d.write_tensors("optimizer", entries, torch.float32, get, max_shard_bytes)
         write_model_config(
             d.path, model_cfg, torch.float32, read_generation_config(generation_from), tokenizer
         )
@@ -387,13 +397,19 @@ class Checkpoint:
     def load_moments(self, state: HostState) -> None:
         """Load the AdamW moments into `state` (the part of the model it holds), whose master
         weights build_model loaded from this checkpoint's model.safetensors; build_model calls it
-        before the transport copies any state to the device (the units the plan keeps there)."""
-        for which in ("exp_avg", "exp_avg_sq"):
-            for unit in state.units:
-                entries = [
-                    (f"{which}.{k}", start, shape) for k, start, shape in tensor_entries(unit, "param")
-                ]
-                state.load(unit, which, entries, self.optimizer.get_range)
+        before the transport copies any state to the device (the units the plan keeps there).
+        The disk tier's units' moments go to its file, a block at a time (host/disk.py)."""
+        tier = state.tier
+        for unit in state.units:
+            entries = {
+                which: [(f"{which}.{k}", start, shape) for k, start, shape in tensor_entries(unit, "param")]
+                for which in ("exp_avg", "exp_avg_sq")
+            }
+            if tier is not None and tier.holds(unit):
+                tier.fill(unit, entries, self.optimizer.get_range)
+                continue
+            for which, each in entries.items():
+                state.load(unit, which, each, self.optimizer.get_range)
 
     def restore(self, state: HostState, batcher) -> TrainerState:
         """The rest of what a resume restores, in every process: the optimizer step count, the

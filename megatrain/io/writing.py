@@ -79,7 +79,8 @@ def same_file_system(a: Path, b: Path) -> bool:
 # ---------------------------------------------------------------------------- safetensors
 @dataclass
 class Shard:
-    """One safetensors file to write: its tensors, in order, fetched by `get(key)`."""
+    """One safetensors file to write: its tensors, in order, fetched by `get(key)`: a tensor, or
+    an iterable of flat tensors, its pieces in order (a tensor read from disk a piece at a time)."""
 
     name: str
     entries: Entries
@@ -150,16 +151,24 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
             for key, shape in shard.entries:
                 if stop.is_set():
                     raise _Stopped
-                t = shard.get(key).to(shard.dtype(key)).contiguous()
-                if tuple(t.shape) != tuple(shape):
-                    raise ValueError(f"{key}: shape {tuple(t.shape)}, announced {shape}")
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                for i in range(0, len(data), CHUNK):
-                    chunk = data[i : i + CHUNK]
-                    crc = zlib.crc32(chunk, crc)
-                    f.write(chunk)
-                    progress.update(len(chunk))
-                del t, data  # one tensor per writer
+                got = shard.get(key)
+                if isinstance(got, torch.Tensor):
+                    if tuple(got.shape) != tuple(shape):
+                        raise ValueError(f"{key}: shape {tuple(got.shape)}, announced {shape}")
+                    got = iter((got,))  # which lets go of it once it is written
+                numel = 0
+                for t in got:  # the tensor, or its pieces in order
+                    t = t.to(shard.dtype(key)).contiguous()
+                    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    for i in range(0, len(data), CHUNK):
+                        chunk = data[i : i + CHUNK]
+                        crc = zlib.crc32(chunk, crc)
+                        f.write(chunk)
+                        progress.update(len(chunk))
+                    numel += t.numel()
+                    del t, data  # one tensor (or piece) per writer
+                if numel != math.prod(shape):
+                    raise ValueError(f"{key}: {numel} elements, announced {shape}")
             f.flush()
             os.fsync(f.fileno())  # here, so the writers' flushes overlap too (commit's is then cheap)
     except OSError as e:

@@ -7,9 +7,10 @@ two-pass step, the MLP tiles recomputed in each backward, causal attention over 
 covers), the PCIe traffic (weights in, gradients out, parked activations, the fp32 state of
 GPU-stepped units both ways), the CPU AdamW and how much of it the overlap hides (the next
 forward sweep; in two-pass and immediate steps the backward sweep that lands the gradients), the
-GPU's wait for the GPU-stepped state, and the optimizer's interference with the sweep it hides
-behind. The plan only compares choices with it and projects step times: an estimate, not a
-promise. It decides nothing; footprint.py's `evaluate` calls it beside the memory model.
+GPU's wait for the GPU-stepped state, the optimizer's interference with the sweep it hides
+behind, and the disk tier's reads and writes beyond the AdamW they overlap. The plan only compares
+choices with it and projects step times: an estimate, not a promise. It decides nothing;
+footprint.py's `evaluate` calls it beside the memory model.
 
 The rates below were measured on H100/H200 with 16-core hosts (bench/README.md). Where the run
 happens, the plan uses the layer's rate measured on the device by probe.py
@@ -17,8 +18,10 @@ happens, the plan uses the layer's rate measured on the device by probe.py
 apart: at long context attention is most of the work and runs slower than the matmuls; on the CPU,
 the rate of a matmul shaped like the layer's, `probe.cpu_layer_memory`) instead of GPU_FLOPS, and
 this host's AdamW rate
-(`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S; PCIE_BYTES_S is always the
-constant (both are the `Machine`'s defaults, planspec.py; the figures' sources are below).
+(`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S, and the disk tier's read and
+write rates measured in offload_dir at start (`host.disk.measure_rates`) instead of DISK_BYTES_S;
+PCIE_BYTES_S is always the constant (all are the `Machine`'s defaults, planspec.py; the figures'
+sources are below).
 bench/host-only.md has the model's terms for GPU-stepped units; tests/test_costmodel_replay.py
 replays the recorded runs of them (`python bench/replay.py --steps bench/results/*.json` lists
 every run's measured and predicted step).
@@ -26,6 +29,7 @@ every run's measured and predicted step).
 
 from __future__ import annotations
 
+from ..host.disk import MOMENT_BYTES
 from ..host.state import STATE_BYTES
 from .planspec import Batch, Machine, Plan, Shape
 
@@ -76,7 +80,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
         gpu += passes * tiles
         backward += tiles
     if m.device == "cpu":
-        return gpu + s.total / m.adam_params_s
+        return gpu + s.total / m.adam_params_s + _tier_wait(plan, m, m.adam_params_s)
     rate = m.pcie_bytes_s
     streamed = sum(s.units[plan.resident_units :])
     gpu_stepped = sum(s.units[u] for u in plan.stepped)
@@ -91,9 +95,8 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
     duplex = (h2d + d2h) / (PCIE_DUPLEX_GAIN * rate)  # the link's two directions together
-    cpu = (streamed - gpu_stepped) / m.adam_params_s
-    if plan.grad_mode != "stored":
-        cpu /= ADAM_LANDING_GAIN
+    adam = m.adam_params_s * (ADAM_LANDING_GAIN if plan.grad_mode != "stored" else 1)
+    cpu = (streamed - gpu_stepped) / adam + _tier_wait(plan, m, adam)
     forward = L * layer_fwd  # the next forward sweep
     if plan.grad_mode == "stored":
         held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
@@ -105,6 +108,25 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
     return max(gpu + stretch + waits, pcie + idle, duplex) + OPT_INTERFERENCE * min(cpu, window)
+
+
+def tier_io_s(disk: int, m: Machine) -> float:
+    """Seconds the disk tier takes to read `disk` bytes and write them back: each way at most at
+    its rate, both together at most at the rate they reached at once (the rates measured at start,
+    host/disk.py)."""
+    return max(disk / m.disk_read_bytes_s, disk / m.disk_write_bytes_s, 2 * disk / m.disk_duplex_bytes_s)
+
+
+def _tier_wait(plan: Plan, m: Machine, adam_params_s: float) -> float:
+    """Seconds the optimizer's pass waits for the disk tier beyond its AdamW on the tier's units.
+    Their moments are read and written once a step (`plan.disk` bytes each way). The ring reads
+    ahead of the pass and writes behind it (host/disk.py), so the I/O overlaps the AdamW and the
+    pass over a block takes the longer of the two; the blocks are alike, so over the tier too.
+    Not counted: the first block's read and the last one's write, which nothing hides, nor the
+    blocks the ring still holds from the step before (a few of a tier of hundreds)."""
+    if not plan.disk_units:
+        return 0.0
+    return max(0.0, tier_io_s(plan.disk, m) - plan.disk / MOMENT_BYTES / adam_params_s)
 
 
 def _rates(s: Shape, m: Machine) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..host.activations import HostActivations
-from ..host.disk import MOMENT_BYTES
+from ..host.disk import MOMENT_BYTES, ring_bytes
 from ..host.state import STATE_BYTES
 from ..models.attention import mask_bytes
 from ..models.config import ModelConfig
@@ -325,6 +325,8 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
     host = {"fp32 weights + AdamW moments": STATE_BYTES * state - disk_tier_bytes(s, plan.disk_units, world)}
+    if plan.disk_units:  # the tier's moments pass through it a block at a time
+        host["disk tier staging (host buffers)"] = ring_bytes(s.units[len(s.units) - plan.disk_units :])
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -416,8 +418,7 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
     plan.disk = disk_tier_bytes(s, plan.disk_units, m.world)
-    # The tier is read before and written after the optimizer's pass over it, not yet overlapped.
-    plan.step_time_s = step_time(s, b, plan, m) + 2 * plan.disk / m.disk_bytes_s
+    plan.step_time_s = step_time(s, b, plan, m)
     return plan
 
 

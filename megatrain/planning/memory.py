@@ -41,12 +41,16 @@ class MemoryRecord:
         self.measured: dict[str, int | None] = {}
         self.state_bytes: list[int] = []
         """The host state each machine of the run holds (the whole on one machine)."""
+        self.tier = None
+        """The disk tier (host/disk.py), whose I/O so far each measurement records."""
 
     def measure(self, step: int, **more: int) -> None:
         """Read the peaks so far (cheap: no device synchronisation); `more`: other measured
         values (a rollout's `rollout_gpu_added`). The GPU's are the largest read: a rollout
         starts the allocator's counter again after itself."""
         m = {"step": step, "host_peak_rss": _status_bytes("VmHWM"), **more}
+        if self.tier is not None:
+            m.update(self.tier.counters)
         if self.plan.device == "cuda":
             import torch
 

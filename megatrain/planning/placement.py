@@ -151,8 +151,10 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
         p = evaluate(s, batch, replace(p, disk_units=k, notes=list(p.notes)), m)
         if not fits(p, m):
             return None
+        io = "O_DIRECT" if m.disk_direct else "buffered: its file system refuses O_DIRECT"
         p.notes.append(f"disk tier: the AdamW moments of the last {k} of {n} units in offload_dir ({fmt_bytes(tier)}; "
-                       f"the disk moves {m.disk_bytes_s / 1e9:.1f} GB/s each way)")  # fmt: skip
+                       f"read at {m.disk_read_bytes_s / 1e9:.2f} GB/s, written at {m.disk_write_bytes_s / 1e9:.2f}, "
+                       f"both at once {m.disk_duplex_bytes_s / 1e9:.2f}, {io})")  # fmt: skip
         return p
 
     if with_tier(n) is None:

@@ -22,8 +22,8 @@ EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
 # training step (costmodel.py says where the figures come from)
 PCIE_BYTES_S = 55e9
 ADAM_PARAMS_S = 3e9
-# The disk tier's rate, each way, where nothing was measured: one NVMe drive read and written
-# through the page cache (a conservative figure, not a measurement of this project's)
+# The disk tier's rates, read and written, where nothing was measured: one NVMe drive (a
+# conservative figure, not a measurement of this project's; a run measures its own, host/disk.py)
 DISK_BYTES_S = 2e9
 
 
@@ -44,11 +44,22 @@ class Machine:
     host memory holds only its part of the state (layout.py); sharded, no state on the GPU."""
     disk_bytes: int | None = None
     """Room for the disk tier in `offload_dir` (None: no disk tier)."""
-    disk_bytes_s: float = DISK_BYTES_S
+    disk_read_bytes_s: float = DISK_BYTES_S
+    disk_write_bytes_s: float = DISK_BYTES_S
+    disk_duplex_bytes_s: float = DISK_BYTES_S
+    """Read and written together, at once (by default as if in turn)."""
+    disk_direct: bool = True
+    """The tier's I/O is O_DIRECT (False: offload_dir's file system refuses it; buffered)."""
 
     @classmethod
     def from_json(cls, d: dict) -> Machine:
-        """The machine `dataclasses.asdict` wrote (records of bench/ runs)."""
+        """The machine `dataclasses.asdict` wrote (records of bench/ runs; before the disk's read
+        and write rates were apart, one rate for both)."""
+        d = dict(d)
+        if "disk_bytes_s" in d:
+            d["disk_read_bytes_s"] = d["disk_write_bytes_s"] = d["disk_duplex_bytes_s"] = d.pop(
+                "disk_bytes_s"
+            )
         return cls(**{**d, "world": Layout(**d.get("world", {}))})
 
 
