@@ -4,11 +4,11 @@ where host memory cannot hold the whole state.
 Where the moments are. One file holds the tier's units back to back, each cut in blocks of at
 most `BLOCK_ELEMS` elements (fewer in a small tier: `block_elems`), a block's two moments side by
 side (its exp_avg, then its exp_avg_sq), so that staging a block is one read and one write of one
-extent. One file, not one
-per unit or per thread: offload_dir is one file system, and what keeps a drive busy is large
-requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at once, and the I/O
-threads keep several of them going), not a number of files; one file is one reservation and one
-descriptor. Several drives would be a file on each, blocks striped over them (not built).
+extent. One file, not one per unit or per thread: offload_dir is one file system, and what keeps a
+drive busy is large requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at
+once, and the I/O threads keep several of them going), not a number of files; one file is one
+reservation and one descriptor. Several drives would be a file on each, blocks striped over them
+(not built).
 
 How they move. The optimizer steps a block of a tier unit on a *staged* copy of its moments
 (`staged`), one of `RING_SLOTS` page-aligned host buffers. Its pass takes the tier's units in an
@@ -16,8 +16,7 @@ order known up front (`expect`: the engine's `step_order`), so `IO_THREADS` thre
 next `AHEAD` blocks while the current one is stepped, and write each block back as soon as its
 step is done, beside the AdamW (torch's threads). The I/O is O_DIRECT where the file system
 takes it, else buffered (tierfile.py; `direct` says which, and so does the plan's note). A block
-still in the ring is not read again, and the ring keeps those the pass reaches again soonest: a
-tier of a few blocks is read once.
+still in the ring is not read again, and the ring keeps those the pass reaches again soonest.
 
 Exact. A block's elements are stepped by the same fused AdamW as in host memory, and AdamW is
 elementwise: a unit stepped block by block is bitwise the unit stepped whole, so a run with a

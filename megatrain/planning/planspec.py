@@ -56,10 +56,9 @@ class Machine:
         """The machine `dataclasses.asdict` wrote (records of bench/ runs; before the disk's read
         and write rates were apart, one rate for both)."""
         d = dict(d)
-        if "disk_bytes_s" in d:
-            d["disk_read_bytes_s"] = d["disk_write_bytes_s"] = d["disk_duplex_bytes_s"] = d.pop(
-                "disk_bytes_s"
-            )
+        if "disk_bytes_s" in d:  # one rate each way, the two in turn
+            rate = d.pop("disk_bytes_s")
+            d |= {"disk_read_bytes_s": rate, "disk_write_bytes_s": rate, "disk_duplex_bytes_s": rate}
         return cls(**{**d, "world": Layout(**d.get("world", {}))})
 
 
