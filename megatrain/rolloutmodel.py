@@ -1,0 +1,197 @@
+"""The rollout's transformers model of a policy on the device (rollout.py samples with it and
+computes the reference log-probs with it): the embedding, the final norm, the LM head and the
+first `resident` decoder layers in the compute dtype on the device, and the other decoder layers
+streamed through the device during every forward (the prefill and each decode step of
+transformers' `generate`, which stays the decode loop).
+
+A streamed layer's weights are fetched one layer ahead, on a copy stream of their own, into one
+of SLOTS rotating device buffers: the layer waits for its fetch's event before it computes, and a
+buffer is written again only after the layer that read it has finished (an event recorded on the
+compute stream). The fetch after the last streamed layer is the first one's, for the next
+forward: it overlaps the head, the sampling and the next step's resident layers. The KV cache of
+every layer stays on the device, as the whole policy's does. The weights are the same numbers in
+the same ops as a resident model's, so the completions are bitwise the same; on the CPU the
+fetches are plain copies, so the same code runs (and is tested) there.
+
+The source of the streamed weights is the one the caller holds: for the policy, the host state's
+fp32 master weights themselves, converted to the compute dtype on the device after the copy (the
+engine's transport page-locks them in place for its own fetches). The other choice, a
+page-locked copy in the compute dtype made once a rollout, would halve the PCIe bytes but cost 2
+bytes a parameter of host memory (64 GB for a 32B model, beside its 12 bytes a parameter of
+state) and a pass over the whole state each rollout; the models that stream are the ones where
+host memory is scarcest, so the bytes cross twice as wide instead. The reference policy's
+weights (beta > 0) are already a host copy in the compute dtype (stages.grpo_reference), fetched
+as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+SLOTS = 2  # a double buffer: one layer computes while the next one's weights arrive
+ALIGN = 256  # elements: every view in a buffer starts 512-byte aligned in bf16, as an allocation
+
+
+@dataclass
+class _Param:
+    module: torch.nn.Module
+    name: str
+    offset: int  # in the layer's buffer
+    source: torch.Tensor  # in host memory
+    placeholder: torch.nn.Parameter  # on the meta device: the module's between its forwards
+
+
+class PolicyModel:
+    """A transformers model of `weights` ((name, tensor) pairs, transformers' names) for `hf_config`,
+    on `device` in `dtype`, its decoder layers from `resident` on streamed (None: none streamed).
+    Use it in a `with` block: leaving it waits for the last fetch and frees the buffers."""
+
+    def __init__(self, hf_config, weights: Iterable[tuple[str, torch.Tensor]], device, dtype,
+                 resident: int | None = None):  # fmt: skip
+        import transformers
+
+        self.device, self.dtype = torch.device(device), dtype
+        with _parameters_on_meta(), torch.device(self.device):  # buffers (RoPE's) made as usual
+            self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+        layers = list(self.model.get_decoder().layers)
+        resident = len(layers) if resident is None else min(resident, len(layers))
+        streamed = layers[resident:]
+        self.streamed_layers = len(streamed)
+        owner = {id(m): i for i, layer in enumerate(streamed) for m in layer.modules()}
+        unwritten = self._materialize(owner)
+        self.layers: list[list[_Param]] = [[] for _ in streamed]
+        ends = [0] * len(streamed)
+        with torch.no_grad():
+            for name, value in weights:
+                path, _, attr = name.rpartition(".")
+                module = self.model.get_submodule(path)
+                i = owner.get(id(module))
+                if i is None or attr not in module._parameters:  # resident, or a buffer (made on the device)
+                    target = getattr(module, attr)
+                    target.copy_(value, non_blocking=True)
+                    unwritten.pop(id(target), None)
+                    continue
+                self.layers[i].append(_Param(module, attr, ends[i], value, module._parameters[attr]))
+                ends[i] += -(-value.numel() // ALIGN) * ALIGN
+        if unwritten:
+            raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
+        self.fetched_bytes = 0
+        self.stream = _LayerStream(self, max(ends, default=0)) if streamed else None
+        for i, layer in enumerate(streamed):
+            layer.register_forward_pre_hook(lambda m, args, i=i: self.stream.before(i))
+            layer.register_forward_hook(lambda m, args, out, i=i: self.stream.after(i))
+
+    def _materialize(self, streamed: dict[int, int]) -> dict[int, str]:
+        """Every parameter outside the streamed layers allocated on the device (a tied head keeps
+        its embedding's); the streamed layers' stay on the meta device between their forwards.
+        Returns the new ones, by id, with their names: the weights must write each."""
+        made: dict[int, torch.nn.Parameter] = {}
+        names: dict[int, str] = {}
+        for path, module in self.model.named_modules():
+            if id(module) in streamed:
+                continue
+            for name, p in module._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(
+                        torch.empty_like(p, device=self.device), requires_grad=False
+                    )
+                    names[id(made[id(p)])] = f"{path}.{name}".lstrip(".")
+                module._parameters[name] = made[id(p)]
+        return names
+
+    def __enter__(self):
+        return self.model
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+class _LayerStream:
+    """The streamed layers' fetches (see the module docstring): the n-th fetch of a rollout goes to
+    buffer n mod SLOTS, issued as the layer before it starts."""
+
+    def __init__(self, policy: PolicyModel, numel: int):
+        self.policy, self.layers = policy, policy.layers
+        device, dtype = policy.device, policy.dtype
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(SLOTS)]
+        # The fp32 master crosses as it is and is converted on the device: one staging buffer, as
+        # the copies and the conversions are in order on the copy stream.
+        sources = {p.source.dtype for layer in self.layers for p in layer}
+        self.stage = {s: torch.empty(numel, dtype=s, device=device) for s in sources if s != dtype}
+        self.copies = torch.cuda.Stream(device) if self.cuda else None
+        self.compute = torch.cuda.current_stream(device) if self.cuda else None
+        self.free: list[torch.cuda.Event | None] = [None] * SLOTS  # when each buffer's reader finished
+        self.slot = 0  # the buffer of the next fetch
+        self.pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer, ready)
+        self.current: int | None = None
+
+    def before(self, i: int) -> None:
+        """Layer `i` (of the streamed ones) is about to compute: its weights in place, the next
+        layer's fetch issued."""
+        if self.pending is None or self.pending[0] != i:
+            self._fetch(i)
+        _, slot, ready = self.pending
+        if ready is not None:
+            self.compute.wait_event(ready)
+        buf = self.buffers[slot]
+        for p in self.layers[i]:
+            view = buf[p.offset : p.offset + p.source.numel()].view(p.source.shape)
+            p.module._parameters[p.name] = torch.nn.Parameter(view, requires_grad=False)
+        self.current = slot
+        self._fetch((i + 1) % len(self.layers))
+
+    def after(self, i: int) -> None:
+        """Layer `i` has computed: its buffer may be written once the compute stream gets here."""
+        if self.cuda:
+            self.free[self.current] = self.compute.record_event()
+        for p in self.layers[i]:  # no view of a buffer outlives its layer's forward
+            p.module._parameters[p.name] = p.placeholder
+
+    def _fetch(self, i: int) -> None:
+        slot, self.slot = self.slot, (self.slot + 1) % SLOTS
+        buf = self.buffers[slot]
+        with torch.cuda.stream(self.copies) if self.cuda else contextlib.nullcontext():
+            if self.free[slot] is not None:
+                self.copies.wait_event(self.free[slot])
+            for p in self.layers[i]:
+                n = p.source.numel()
+                stage = self.stage.get(p.source.dtype, buf)
+                stage[p.offset : p.offset + n].copy_(p.source.view(-1), non_blocking=True)
+                if stage is not buf:
+                    buf[p.offset : p.offset + n].copy_(stage[p.offset : p.offset + n])
+                self.policy.fetched_bytes += n * p.source.element_size()
+            ready = self.copies.record_event() if self.cuda else None
+        self.pending = (i, slot, ready)
+
+    def close(self) -> None:
+        if self.cuda:
+            self.copies.synchronize()  # the last fetch (the next forward's) still writes a buffer
+        self.buffers, self.stage = [], {}
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter a module registers inside goes to the meta device (no memory, no random
+    initialisation); buffers are made where the default device says. A tied head registers its
+    embedding's meta parameter again, which stays itself."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register

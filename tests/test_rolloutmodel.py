@@ -1,0 +1,101 @@
+"""The rollout's policy with streamed decoder layers (rolloutmodel.py) samples exactly what the
+resident transformers model does: same weights, same ops, so greedy and seeded completions are
+bitwise equal, whatever number of layers stays on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers import tiny_hf_model
+
+from megatrain.rolloutmodel import PolicyModel
+from megatrain.sampling import RowSampler
+
+LAYERS, NEW = 3, 6
+
+
+def prompts(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (4, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = mask[3, :5] = 0  # left-padded, as the rollout pads them
+    return ids, mask
+
+
+def sample(model, ids, mask, device, sampled: bool):
+    processors = [RowSampler([11, 12, 13, 14], device, 0.9, 20, 0.95)] if sampled else []
+    return model.generate(
+        ids.to(device), attention_mask=mask.to(device), do_sample=False, logits_processor=processors,
+        max_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+    ).cpu()  # fmt: skip
+
+
+def fp32_weights(hf):
+    """The host state's view of the weights: fp32 tensors under transformers' names."""
+    return [(n, p.detach().float().clone()) for n, p in hf.named_parameters()]
+
+
+def whole_model(hf, device, dtype):
+    """The whole policy on the device, as transformers builds it in the compute dtype (RoPE's
+    frequencies stay fp32), the weights copied in."""
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf.config, dtype=dtype)
+    model.load_state_dict(hf.state_dict())
+    return model.eval()
+
+
+def check_same(device, dtype, tied=False):
+    hf = tiny_hf_model("llama", tied=tied, num_hidden_layers=LAYERS, attn_implementation="sdpa")
+    ids, mask = prompts(hf.config.vocab_size)
+    resident = whole_model(hf, device, dtype)
+    for sampled in (False, True):
+        want = sample(resident, ids, mask, device, sampled)
+        for r in (0, 1, LAYERS):
+            policy = PolicyModel(hf.config, fp32_weights(hf), device, dtype, resident=r)
+            with policy as model:
+                got = sample(model, ids, mask, device, sampled)
+            assert policy.streamed_layers == LAYERS - r
+            layer = sum(p.numel() for p in hf.model.layers[0].parameters()) * 4
+            # A forward (prefill, each step) fetches each streamed layer once, and the last one the
+            # first's again, for the next forward.
+            assert policy.fetched_bytes == (NEW * (LAYERS - r) + (r < LAYERS)) * layer
+            assert torch.equal(got, want), (r, sampled, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_layers_sample_what_the_resident_model_does(dtype):
+    check_same("cpu", dtype)
+
+
+def test_a_tied_head_and_missing_weights():
+    check_same("cpu", torch.float32, tied=True)
+    hf = tiny_hf_model("llama", num_hidden_layers=LAYERS)
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        PolicyModel(
+            hf.config, [w for w in fp32_weights(hf) if w[0] != "lm_head.weight"], "cpu", torch.float32, 1
+        )
+
+
+@pytest.mark.gpu
+def test_on_cuda_streamed_layers_sample_the_same_in_less_memory():
+    """On the GPU, bf16 from the fp32 weights: the same completions, and a peak while sampling
+    below the resident policy's by about the streamed layers' bytes (less the two buffers)."""
+    check_same("cuda", torch.bfloat16)
+    hf = tiny_hf_model(
+        "llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1536, attn_implementation="sdpa"
+    )
+    ids, mask = prompts(hf.config.vocab_size)
+    weights = fp32_weights(hf)
+    peaks = {}
+    for r in (None, 2):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with PolicyModel(hf.config, weights, "cuda", torch.bfloat16, resident=r) as model:
+            sample(model, ids, mask, "cuda", True)
+        peaks[r] = torch.cuda.max_memory_allocated() - base
+    layer = sum(p.numel() for p in hf.model.layers[0].parameters())
+    # 6 layers streamed, 2 bf16 buffers and an fp32 stage in their place: 4 layers' bf16 bytes less.
+    saved = peaks[None] - peaks[2]
+    assert 0.8 * 4 * layer * 2 < saved < 1.2 * 4 * layer * 2, (peaks, layer)
