@@ -194,6 +194,11 @@ class TrainConfig:
     """grpo: completions sampled at a time over all processes, a multiple of
     per_device_train_batch_size x processes (TRL's); default per_device_train_batch_size x
     processes x steps_per_generation. Not with steps_per_generation."""
+    rollout_resident_layers: int | str = "auto"
+    """grpo: decoder layers the rollout's policy keeps on the GPU in the compute dtype; the others
+    are streamed through it in every forward (the prefill and each decode step), the KV cache on
+    the GPU. auto: every layer where the update's plan still fits beside the whole policy, else
+    the most that leave it one (`megatrain plan` says how many stream); a number caps it."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
@@ -458,6 +463,10 @@ class TrainConfig:
             isinstance(self.gpu_step_units, str) or self.gpu_step_units < 0
         ):
             bad("gpu_step_units", "must be auto or a number of units >= 0 (0: none)")
+        if self.rollout_resident_layers != "auto" and (
+            isinstance(self.rollout_resident_layers, str) or self.rollout_resident_layers < 0
+        ):
+            bad("rollout_resident_layers", "must be auto or a number of layers >= 0")
         for k in ("max_gpu_memory", "max_host_memory", "max_disk_memory"):
             if getattr(self, k) is not None:
                 try:

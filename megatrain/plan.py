@@ -228,20 +228,50 @@ def _unit(cfg, name: str) -> int:
 
 
 def rollout_memory(
-    cfg, model_cfg: ModelConfig, compute_bytes: int, processes: int | None = None
+    cfg,
+    model_cfg: ModelConfig,
+    compute_bytes: int,
+    processes: int | None = None,
+    resident_layers: int | None = None,
 ) -> dict[str, int]:
     """stage grpo: the GPU memory a rollout adds, by part (footprint.rollout_bytes), for the most
     completions a process samples at a time: a generation batch, per_device_train_batch_size x
     steps_per_generation (over `processes`: default, the config's world), or an evaluation's
-    per_device_eval_batch_size; the training plan gets the GPU less this. Empty for the other
-    stages."""
+    per_device_eval_batch_size, the policy's layers from `resident_layers` on streamed (a plan's
+    `rollout_layers`); the training plan gets the GPU less this. Empty for the other stages."""
     if (grpo := cfg.grpo(processes)) is None:
         return {}
     rows = cfg.per_device_train_batch_size * grpo.steps_per_generation
     if cfg.eval_strategy != "no":
         rows = max(rows, cfg.per_device_eval_batch_size)
     prompt = cfg.max_prompt_length or cfg.max_length
-    return rollout_bytes(model_cfg, rows, prompt, grpo.max_completion_length, compute_bytes)
+    return rollout_bytes(model_cfg, rows, prompt, grpo.max_completion_length, compute_bytes, resident_layers)
+
+
+def rollout_split(update, cfg, layers: int, device: str) -> Plan:
+    """The one rule for how many of the policy's `layers` decoder layers a grpo rollout keeps on
+    the GPU (`Plan.rollout_layers`; None: all), given `update(resident)`, the update's plan beside a
+    rollout keeping `resident` (PlanError where none fits). The rollout and the update take turns
+    on the GPU, the update planned for the GPU less the rollout's room (`_less_rollout`): the whole
+    policy where the update still fits beside it (every run that fitted before streaming existed
+    keeps its plan), else the most layers that leave the update a plan that fits. Each layer kept
+    saves its fetch in every decode step, and a decode step is bound by those fetches, so the
+    rollout takes what it can; the update's plan makes the best of the rest. On the CPU every
+    layer stays (nothing to save). `rollout_resident_layers: N` caps the count instead."""
+    cap = cfg.rollout_resident_layers
+    if cfg.stage != "grpo" or (cap == "auto" and device != "cuda"):
+        return update(None)
+    if cap != "auto":
+        return update(cap if cap < layers else None)
+    try:
+        return update(None)
+    except PlanError as e:
+        whole = e
+    # Fewer resident layers leave the update more: the largest count that fits, bisected (v = r + 1).
+    best = _largest_fitting(lambda v: _fits(update, resident=v - 1), layers)
+    if best is None:
+        raise whole
+    return update(best - 1)
 
 
 def _less_rollout(machine: Machine, rollout: dict[str, int]) -> Machine:
@@ -269,8 +299,13 @@ def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, 
     def attempt(**knobs: int) -> Plan:
         c = with_knobs(cfg, machine.world.ranks, **knobs)
         batch = batch_of(c, model_cfg, compute_bytes, span)
-        trains_on = _less_rollout(host, rollout_memory(c, model_cfg, compute_bytes))
-        p = make_placement(model_cfg, batch, trains_on, choices_of(cfg), layer_mem)
+
+        def update(resident: int | None) -> Plan:
+            rollout = rollout_memory(c, model_cfg, compute_bytes, resident_layers=resident)
+            p = make_placement(model_cfg, batch, _less_rollout(host, rollout), choices_of(cfg), layer_mem)
+            return replace(p, rollout_layers=resident)
+
+        p = rollout_split(update, c, model_cfg.num_hidden_layers, machine.device)
         return replace(p, host={**p.host, **extra}) if extra else p
 
     return attempt
@@ -357,7 +392,13 @@ def preflight(
     unlimited = Machine(machine.device, world=machine.world)
     batch = batch_of(cfg, model_cfg, compute_bytes, attention_span)
     choices = replace(choices_of(cfg), gpu_state="off")
-    return make_placement(model_cfg, batch, unlimited, choices, layer_mem), unlimited
+    p = rollout_split(
+        lambda r: replace(make_placement(model_cfg, batch, unlimited, choices, layer_mem), rollout_layers=r),
+        cfg,
+        model_cfg.num_hidden_layers,
+        machine.device,
+    )
+    return p, unlimited
 
 
 def data_bytes(cfg) -> int:

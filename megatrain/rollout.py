@@ -15,7 +15,9 @@ them.
 
 Sampling is transformers' `generate` (max_new_tokens = max_completion_length) on a transformers
 model built on the device in the compute dtype from the host state's current weights, freed
-after the rollout: the whole policy visits the device once a generation batch. Its prompts are
+after the rollout (rolloutmodel.py): the whole policy, or where the plan says it does not fit
+beside the cache (`Plan.rollout_layers`), its first layers, the others streamed through the
+device in every forward, each decode step advancing every completion by a token. Its prompts are
 left-padded into one batch, each repeated num_generations times in a row (TRL's order). Each
 completion is sampled from a stream of its own (sampling.RowSampler: temperature, top_k, top_p
 as transformers' warpers apply them), seeded with `row_seed(seed, step, the prompt's index in the
@@ -32,13 +34,13 @@ sampling (MicroBatch.token_extra): the sampling policy's (where the policy moves
 micro-batch: `GRPOConfig.needs_old_logps`) by the engine's own forward sweep over its
 micro-batches, the loss's computation, so the ratio is 1 until the policy moves; the reference
 policy's (beta > 0) by a transformers model built on the device from the reference weights
-(stages.grpo_reference), as the sampling model is, and freed before the step. A checkpoint taken
+(stages.grpo_reference), as the sampling model is (its layers streamed as the sampling model's),
+and freed before the step. A checkpoint taken
 where the next step goes on with a generation batch holds it (ROLLOUT_FILE, every rank's
 micro-batches with their advantages and log-probs), and a resume trains on it: the weights moved
 since it was sampled, so sampling it again would not give it back.
 
-Not built yet: layers streamed per decode step for models whose bf16 weights and cache do not fit
-the device, and a compiled or static-cache decode.
+Not built yet: a compiled or static-cache decode.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from .objectives.grpo import (
     log_probs,
 )
 from .rewards import RewardFunc, score
+from .rolloutmodel import PolicyModel
 from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
@@ -110,8 +113,9 @@ class Rollout:
     def __init__(self, grpo: GRPOConfig, prompts: list[Prompt], funcs: list[RewardFunc], tokenizer,
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
-                 batches: list[MicroBatch] | None = None):  # fmt: skip
+                 batches: list[MicroBatch] | None = None, resident_layers: int | None = None):  # fmt: skip
         self.seed = seed
+        self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
         self.reference = reference  # beta > 0: the reference policy's weights (stages.grpo_reference)
         self.batches = batches  # the rollout being trained on (a resume's: `resumed_rollout`)
         self.cfg, self.prompts, self.funcs, self.tokenizer = grpo, prompts, funcs, tokenizer
@@ -126,6 +130,7 @@ class Rollout:
         eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
         self.stops = stops + ([eot] if eot is not None and eot not in stops else [])
         self.metrics: dict[str, float] = {}
+        self.streamed = (0, 0)  # the last `generate`'s streamed layers and bytes they fetched
         self.memory: dict[str, int] = {}
         """The most GPU memory a rollout added to the engine's (`rollout_gpu_added`), for plan.json."""
 
@@ -165,6 +170,8 @@ class Rollout:
         adv = adv[first : first + len(rewards)]
         self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
         self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1})
+        # What streaming costs (rolloutmodel.py): layers fetched every forward, and their bytes.
+        self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
             self._write(step, prompts, completions, truncated, rewards, adv)
         rows = [(p.ids, c, bool(t)) for p, c, t in zip(prompts, completions, truncated)]
@@ -197,13 +204,15 @@ class Rollout:
         size, completions, truncated = batch_size or len(prompt_ids), [], []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
-            model = self._policy()
-            for a in range(0, len(prompt_ids), size):
-                c, t = self._sample(model, prompt_ids[a : a + size], seeds[a : a + size])
-                completions, truncated = completions + c, truncated + t
-                if bar is not None:
-                    bar.update(1)
-            del model  # before the allocator's peak is read
+            policy = self._policy()
+            with policy as model:
+                for a in range(0, len(prompt_ids), size):
+                    c, t = self._sample(model, prompt_ids[a : a + size], seeds[a : a + size])
+                    completions, truncated = completions + c, truncated + t
+                    if bar is not None:
+                        bar.update(1)
+            self.streamed = (policy.streamed_layers, policy.fetched_bytes)
+            del model, policy  # before the allocator's peak is read
         return completions, truncated
 
     # ------------------------------------------------------------------ evaluation
@@ -275,24 +284,15 @@ class Rollout:
             truncated.append(end is None)
         return completions, truncated
 
-    def _policy(self):
+    def _policy(self) -> PolicyModel:
         """A transformers model of the host state's current weights, on the device."""
         self.model.transport.synchronize()  # the optimizer may still be writing the last step
         return self._on_device(self.model.state.named_parameters())
 
-    def _on_device(self, weights):
+    def _on_device(self, weights) -> PolicyModel:
         """A transformers model of `weights` ((name, tensor) pairs), on the device in the compute
-        dtype."""
-        import transformers
-
-        cfg = self.model.cfg.hf_config
-        with torch.device(self.device):  # its random initialisation is overwritten below
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=self.dtype)
-        own = model.state_dict()  # the model's tensors (a tied head is the embedding's)
-        # One tensor at a time, converted on the way: never a second copy of the weights on the device.
-        for name, value in weights:
-            own[name].copy_(value, non_blocking=True)
-        return model.eval()
+        dtype, the layers after the plan's `rollout_layers` streamed (a `with` block frees it)."""
+        return PolicyModel(self.model.cfg.hf_config, weights, self.device, self.dtype, self.resident_layers)
 
     # ------------------------------------------------------------------ log-probs
     def _attach_logps(self, batches: list[MicroBatch]) -> None:
@@ -319,9 +319,10 @@ class Rollout:
         """Each micro-batch's per-token log-probs under the reference weights, by a transformers
         model built on the device and freed after."""
         with self._measured():  # the reference model is freed before the step, as the sampling one
-            model = self._on_device(self.reference.items())
-            out = [self._token_logps(model, mb) for mb in batches]
-            del model
+            reference = self._on_device(self.reference.items())
+            with reference as model:
+                out = [self._token_logps(model, mb) for mb in batches]
+            del model, reference
         return out
 
     def _token_logps(self, model, mb: MicroBatch) -> torch.Tensor:

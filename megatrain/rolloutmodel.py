@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-SLOTS = 2  # a double buffer: one layer computes while the next one's weights arrive
+from .planning.footprint import ROLLOUT_BUFFERS as SLOTS
+
 ALIGN = 256  # elements: every view in a buffer starts 512-byte aligned in bf16, as an allocation
 
 

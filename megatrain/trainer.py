@@ -418,7 +418,11 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
     rollout = (
-        sum(rollout_memory(cfg, model_cfg, compute_dtype.itemsize, world.world_size).values())
+        sum(
+            rollout_memory(
+                cfg, model_cfg, compute_dtype.itemsize, world.world_size, inputs.plan.rollout_layers
+            ).values()
+        )
         if device.type == "cuda"
         else 0
     )
@@ -489,6 +493,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         rollout = Rollout(
             cfg.grpo(world.world_size), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
+            inputs.plan.rollout_layers,
         )  # fmt: skip
     run = _Run(
         **vars(inputs),

@@ -713,6 +713,26 @@ def test_generation_batch_size_counts_every_process(setup):
         assert two[0][k] == pytest.approx(one[0][k], rel=1e-6), k
 
 
+def test_streamed_rollout_layers_train_as_resident_ones(setup):
+    """A run whose rollouts stream the policy's layers through the device (none kept, one kept)
+    samples, trains and ends bitwise as one that keeps them all, with beta > 0 (the reference
+    policy's layers streamed too); the metrics say how many layers streamed and what they cost."""
+    tmp_path, _ = setup
+    kw = dict(max_steps=2, beta=0.04, num_iterations=2)
+    resident = run(tmp_path, "resident", **kw)
+    for kept in (0, 1):
+        records, rollouts, weights = run(tmp_path, f"kept{kept}", rollout_resident_layers=kept, **kw)
+        assert rollouts == resident[1]
+        sampled = [r for r in records if "loss" in r and "rollout/streamed_layers" in r]
+        assert sampled and all(r["rollout/streamed_layers"] == 2 - kept for r in sampled)
+        assert all(r["rollout/fetched_bytes"] > 0 for r in sampled)
+        losses = [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+        assert losses == [(r["loss"], r["grad_norm"]) for r in resident[0] if "loss" in r]
+        assert weights.keys() == resident[2].keys()
+        assert all(torch.equal(weights[k], resident[2][k]) for k in weights)
+    assert all(r.get("rollout/streamed_layers", 0) == 0 for r in resident[0])
+
+
 @pytest.mark.gpu
 def test_on_cuda_each_completion_is_generate_of_its_prompt_alone(setup):
     """The rollout on the GPU (the policy built on the device from the host state, one batch of

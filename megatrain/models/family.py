@@ -76,5 +76,14 @@ def count_params(cfg: ModelConfig) -> int:
     """Parameters of the model, from its templates (tied tables counted once; frozen tensors,
     buffers in transformers, are not parameters)."""
     t = templates(cfg)
-    n = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
-    return sum(n(t["layers"][k]) for k in t["keys"]) + n(t["embed"]) + n(t["head"])
+    return sum(layer_params(cfg)) + _trained(t["embed"]) + _trained(t["head"])
+
+
+def layer_params(cfg: ModelConfig) -> list[int]:
+    """Each decoder layer's parameters, counted as `count_params` counts them."""
+    t = templates(cfg)
+    return [_trained(t["layers"][k]) for k in t["keys"]]
+
+
+def _trained(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

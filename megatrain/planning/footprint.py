@@ -17,6 +17,7 @@ from ..host.disk import MOMENT_BYTES, ring_bytes
 from ..host.state import STATE_BYTES
 from ..models.attention import mask_bytes
 from ..models.config import ModelConfig
+from ..models.family import layer_params
 from ..parallel.layout import Layout
 from .costmodel import step_time
 from .planspec import EMBED_GRAD_ROWS, Batch, Machine, Plan, Shape, model_shape
@@ -380,21 +381,37 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
 # holds a few fp32 copies of the last position's logits (the logits, the processors', softmax).
 ROLLOUT_PREFILL_TOKEN_H = 6
 ROLLOUT_LOGIT_COPIES = 4
+# A rollout whose policy streams its last layers (rolloutmodel.py) fetches them, in every forward,
+# a layer ahead into this many rotating buffers in the compute dtype (a double buffer), through one
+# fp32 staging buffer where the fp32 master weights are converted on the GPU.
+ROLLOUT_BUFFERS = 2
 
 
 def rollout_bytes(
-    cfg: ModelConfig, rows: int, prompt_tokens: int, completion_tokens: int, compute_bytes: int
+    cfg: ModelConfig,
+    rows: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    compute_bytes: int,
+    resident_layers: int | None = None,
 ) -> dict[str, int]:
     """The GPU memory a rollout adds to what the engine holds between steps, by part: `rows`
-    completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long."""
+    completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long, the policy's
+    decoder layers from `resident_layers` on streamed (None: none)."""
     if cfg.mla is not None:  # transformers' DeepSeek caches each head's whole key and value
         kv = cfg.num_attention_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
     else:
         kv = 2 * cfg.num_key_value_heads * cfg.head_dim
     ffn = cfg.moe.token_ffn if cfg.moe is not None else cfg.intermediate_size
     prefill_h = 3 * ffn + ROLLOUT_PREFILL_TOKEN_H * cfg.hidden_size
+    streamed = layer_params(cfg)[resident_layers:] if resident_layers is not None else []
+    buffers = {}
+    if streamed:
+        stage = 4 if compute_bytes != 4 else 0
+        buffers = {"streamed layers' buffers": max(streamed) * (ROLLOUT_BUFFERS * compute_bytes + stage)}
     return {
-        "policy weights": cfg.num_params * compute_bytes,
+        "policy weights": (cfg.num_params - sum(streamed)) * compute_bytes,
+        **buffers,
         "KV cache": rows * (prompt_tokens + completion_tokens) * cfg.num_hidden_layers * kv * compute_bytes,
         "prefill (one layer, every prompt)": rows * prompt_tokens * prefill_h * compute_bytes,
         "sampling logits": rows * cfg.vocab_size * 4 * ROLLOUT_LOGIT_COPIES,
