@@ -8,11 +8,13 @@ import math
 import re
 from dataclasses import replace
 
+import pytest
 from transformers import LlamaConfig
 
 from megatrain import plan as planning
 from megatrain import planreport
 from megatrain.config import TrainConfig
+from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
 from megatrain.planning.footprint import HOST_RESERVE, usable_gpu
 from megatrain.planning.placement import Machine
@@ -189,3 +191,62 @@ def test_the_plan_of_dpo_counts_pairs(tmp_path, capsys):
             .group(1).replace(",", ""))  # fmt: skip
     one = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1)
     assert _fits(cfg, model_cfg, max_length=n, **one) and not _fits(cfg, model_cfg, max_length=n + 1, **one)
+
+
+# ---------------------------------------------------------------------------- streamed layers
+def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_it_must():
+    """On a GPU where the update fits beside the rollout only if some of the policy's layers
+    stream: the plan keeps the most layers that leave the update a plan that fits (one more does
+    not), the rollout's room counts them and two buffers, and `megatrain plan` says how many
+    stream. `rollout_resident_layers: N` keeps N; a bad value is a one-line error naming it."""
+    hf = LlamaConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                     intermediate_size=2816, vocab_size=32000, tie_word_embeddings=False)  # fmt: skip
+    model_cfg, (_, cfg) = ModelConfig.from_hf(hf), shapes()
+    cfg = replace(cfg, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=32)
+    layer = (
+        model_cfg.num_params
+        - planning.rollout_memory(cfg, model_cfg, 2, resident_layers=0)["policy weights"] // 2
+    ) // 24
+    half = sum(planning.rollout_memory(cfg, model_cfg, 2, resident_layers=12).values())
+
+    def fits(gpu, **kw):
+        return planning.check(model_cfg, replace(cfg, **kw), Machine("cuda", gpu, 64 * GiB), 2).fits
+
+    lo, hi = half, 64 * GiB  # the smallest GPU where keeping 12 layers fits
+    while hi - lo > 2**20:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid, rollout_resident_layers=12) else (mid, hi)
+    machine = Machine("cuda", hi, 64 * GiB)
+    got = planning.check(model_cfg, cfg, machine, 2)
+    assert got.fits and got.plan.rollout_layers == 12
+
+    batch, choices = planning.batch_of(cfg, model_cfg, 2), planning.choices_of(cfg)
+
+    def update_fits(resident):
+        rollout = sum(planning.rollout_memory(cfg, model_cfg, 2, resident_layers=resident).values())
+        try:
+            make_placement(model_cfg, batch, replace(machine, gpu_bytes=machine.gpu_bytes - rollout), choices)
+            return True
+        except planning.PlanError:
+            return False
+
+    assert update_fits(12) and not update_fits(13) and not update_fits(None)
+    parts = planning.rollout_memory(cfg, model_cfg, 2, resident_layers=12)
+    whole = planning.rollout_memory(cfg, model_cfg, 2)
+    assert whole["policy weights"] - parts["policy weights"] == 12 * layer * 2
+    assert parts["streamed layers' buffers"] == layer * (2 * 2 + 4)  # two bf16 buffers, an fp32 stage
+    text = planreport.report(model_cfg, got, "a GPU", "bfloat16", cfg)
+    assert (
+        "rollout: 12 of 24 layers streamed through the GPU in every decode step (the first 12 resident)"
+        in text
+    )
+
+    roomy = Machine("cuda", 64 * GiB, 64 * GiB)
+    assert planning.check(model_cfg, cfg, roomy, 2).plan.rollout_layers is None  # the whole policy fits
+    assert (
+        planning.check(model_cfg, replace(cfg, rollout_resident_layers=5), roomy, 2).plan.rollout_layers == 5
+    )
+    with pytest.raises(
+        ConfigError, match=r"^rollout_resident_layers: must be auto or a number of layers >= 0"
+    ):
+        replace(cfg, rollout_resident_layers="some")
