@@ -5,6 +5,10 @@ same call, transformers' `generate` alone on the same GPU, model and batch (benc
 
     python bench/grpo.py --shape Q7 --prompts 32 --generations 8 --prompt 256 --completion 512 --steps 3
 
+The rollout's policy keeps the layers the plan gives it on the GPU and streams the rest in every
+forward; `--megatrain rollout_resident_layers=N` keeps N (the same run with N = 0 and without it
+compares streamed against resident sampling).
+
 Random weights rarely sample the end token, so every completion runs to --completion tokens: the
 longest rollout the settings allow. The reward (`_grpo_reward.py`: the parity of a completion's
 token sum) only has to vary within a group. Rates are over the steps after the first (whose
@@ -78,7 +82,9 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         rollout, scoring = r["time/rollout_s"], r["time/scoring_s"]
         per_step.append(dict(step_s=r["step_time_s"], tokens=tokens, rollout_s=rollout, scoring_s=scoring,
                              update_s=r["step_time_s"] - rollout - scoring, reward=r["reward"],
-                             mean_length=r["completions/mean_length"]))  # fmt: skip
+                             mean_length=r["completions/mean_length"],
+                             streamed_layers=r.get("rollout/streamed_layers", 0),
+                             fetched_bytes=r.get("rollout/fetched_bytes", 0)))  # fmt: skip
     timed = per_step[WARMUP:]
     rec.update(
         steps=per_step,
@@ -125,6 +131,8 @@ def table(runs: list[dict]) -> str:
                 "",
                 f"megatrain GRPO: **{r['tokens_per_s']:,.0f} tokens/s** over the steps after the first; "
                 f"sampling {r['decode_tokens_per_s']:,.0f} completion tokens/s of rollout time",
+                f"{r['steps'][-1]['streamed_layers']} layers streamed in every forward of the rollout "
+                f"({gib(r['steps'][-1]['fetched_bytes'])} GiB fetched a rollout); "
                 f"GPU peak of the update {gib(m.get('gpu_peak_allocated'))} GiB (plan {gib(p.get('gpu_peak_allocated'))}); "
                 f"the rollout added {gib(m.get('rollout_gpu_added'))} GiB (plan keeps {gib(p.get('rollout_gpu_added'))}); "
                 f"host {gib(m.get('host_peak_rss'))} GiB (plan {gib(p.get('host_peak_rss'))})",

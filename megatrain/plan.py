@@ -11,6 +11,7 @@ completion.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -263,15 +264,12 @@ def rollout_split(update, cfg, layers: int, device: str) -> Plan:
         return update(None)
     if cap != "auto":
         return update(cap if cap < layers else None)
-    try:
+    with contextlib.suppress(PlanError):
         return update(None)
-    except PlanError as e:
-        whole = e
     # Fewer resident layers leave the update more: the largest count that fits, bisected (v = r + 1).
+    # Where none does, the error is that of every layer streamed, the least the rollout can take.
     best = _largest_fitting(lambda v: _fits(update, resident=v - 1), layers)
-    if best is None:
-        raise whole
-    return update(best - 1)
+    return update(0 if best is None else best - 1)
 
 
 def _less_rollout(machine: Machine, rollout: dict[str, int]) -> Machine:
