@@ -77,6 +77,7 @@ class PolicyModel:
                     unwritten.pop(id(target), None)
                     continue
                 self.layers[i].append(_Param(module, attr, ends[i], value, module._parameters[attr]))
+                unwritten.pop(id(module._parameters[attr]), None)
                 ends[i] += -(-value.numel() // ALIGN) * ALIGN
         if unwritten:
             raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
@@ -89,14 +90,15 @@ class PolicyModel:
     def _materialize(self, streamed: dict[int, int]) -> dict[int, str]:
         """Every parameter outside the streamed layers allocated on the device (a tied head keeps
         its embedding's); the streamed layers' stay on the meta device between their forwards.
-        Returns the new ones, by id, with their names: the weights must write each."""
+        Returns every parameter, by id, with its name: the weights must give each."""
         made: dict[int, torch.nn.Parameter] = {}
         names: dict[int, str] = {}
         for path, module in self.model.named_modules():
-            if id(module) in streamed:
-                continue
             for name, p in module._parameters.items():
                 if p is None:
+                    continue
+                if id(module) in streamed:  # stays on the meta device
+                    names[id(p)] = f"{path}.{name}"
                     continue
                 if id(p) not in made:
                     made[id(p)] = torch.nn.Parameter(

@@ -73,10 +73,9 @@ def test_streamed_layers_sample_what_the_resident_model_does(dtype):
 def test_a_tied_head_and_missing_weights():
     check_same("cpu", torch.float32, tied=True)
     hf = tiny_hf_model("llama", num_hidden_layers=LAYERS)
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        PolicyModel(
-            hf.config, [w for w in fp32_weights(hf) if w[0] != "lm_head.weight"], "cpu", torch.float32, 1
-        )
+    for missing in ("lm_head.weight", "model.layers.2.mlp.up_proj.weight"):  # resident, streamed
+        with pytest.raises(ValueError, match=missing):
+            PolicyModel(hf.config, [w for w in fp32_weights(hf) if w[0] != missing], "cpu", torch.float32, 1)
 
 
 @pytest.mark.gpu
