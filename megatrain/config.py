@@ -198,7 +198,8 @@ class TrainConfig:
     """grpo: decoder layers the rollout's policy keeps on the GPU in the compute dtype; the others
     are streamed through it in every forward (the prefill and each decode step), the KV cache on
     the GPU. auto: every layer where the update's plan still fits beside the whole policy, else
-    the most that leave it one (`megatrain plan` says how many stream); a number caps it."""
+    the most that leave it one (`megatrain plan` says how many stream); a number keeps that many
+    (every layer where it is more)."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or

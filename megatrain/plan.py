@@ -256,9 +256,9 @@ def rollout_split(update, cfg, layers: int, device: str) -> Plan:
     on the GPU, the update planned for the GPU less the rollout's room (`_less_rollout`): the whole
     policy where the update still fits beside it (every run that fitted before streaming existed
     keeps its plan), else the most layers that leave the update a plan that fits. Each layer kept
-    saves its fetch in every decode step, and a decode step is bound by those fetches, so the
-    rollout takes what it can; the update's plan makes the best of the rest. On the CPU every
-    layer stays (nothing to save). `rollout_resident_layers: N` caps the count instead."""
+    saves its fetch over PCIe in every decode step, so the rollout takes what it can; the update's
+    plan makes the best of the rest. On the CPU every layer stays (nothing to save).
+    `rollout_resident_layers: N` keeps N instead (every layer where N is more)."""
     cap = cfg.rollout_resident_layers
     if cfg.stage != "grpo" or (cap == "auto" and device != "cuda"):
         return update(None)
