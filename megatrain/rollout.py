@@ -5,7 +5,7 @@ sampling (`evaluate`).
 
 A generation batch is per_device_train_batch_size x steps_per_generation completions a process
 (TRL's; by default gradient_accumulation_steps slices, one generation batch an optimizer step),
-split into steps_per_generation micro-batches in order (TRL shuffles them first) and trained on
+shuffled and split into steps_per_generation micro-batches (`generation_order`) and trained on
 num_iterations times over (TRL's buffered generation): micro-batch m of the run (0-based,
 gradient_accumulation_steps a step) starts a new one where m is a multiple of
 steps_per_generation x num_iterations, and is its slice m mod steps_per_generation. A step's
@@ -71,6 +71,7 @@ from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
 EVAL_STREAM = -1  # row_seed's step for evaluation's completions: no optimizer step has it
+SHUFFLE_STREAM = -2  # row_seed's step for the order a generation batch is split in
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
@@ -80,6 +81,16 @@ def new_generation(micro: int, cfg: GRPOConfig) -> bool:
     """Whether micro-batch `micro` of the run (0-based, gradient_accumulation_steps a step) is
     the first on a new generation batch: one every steps_per_generation x num_iterations."""
     return micro % cfg.micro_batches_per_generation == 0
+
+
+def generation_order(seed: int, generation: int, rows: int) -> torch.Tensor:
+    """The order a process's `rows` rows of generation batch `generation` (its index in the run:
+    micro-batch // micro_batches_per_generation) are trained in, before the split into
+    steps_per_generation micro-batches: TRL's shuffle_sequence_dict, a random permutation, drawn
+    from a generator of its own seeded by (the run's seed, the generation batch), never the global
+    one, so a resume and every process draw it alike."""
+    g = torch.Generator().manual_seed(row_seed(seed, SHUFFLE_STREAM, generation))
+    return torch.randperm(rows, generator=g)
 
 
 def continues(step: int, cfg: GRPOConfig) -> bool:
@@ -140,15 +151,19 @@ class Rollout:
         sampled, out = [], []
         for micro in range((step - 1) * ga, step * ga):
             if new_generation(micro, self.cfg) or self.batches is None:
-                self.batches = self._sample_step(draw(), step, micro % ga)
+                generation = micro // self.cfg.micro_batches_per_generation
+                self.batches = self._sample_step(draw(), step, micro % ga, generation)
                 sampled.append(self.metrics)
             out.append(self.batches[micro % slices])
         self.metrics = _mean_metrics(sampled)
         return out
 
-    def _sample_step(self, prompt_batches: list[MicroBatch], step: int, offset: int) -> list[MicroBatch]:
-        """A generation batch of `prompt_batches` (this rank's prompts) sampled at step `step`
-        for its micro-batch `offset` on, as steps_per_generation micro-batches."""
+    def _sample_step(
+        self, prompt_batches: list[MicroBatch], step: int, offset: int, generation: int
+    ) -> list[MicroBatch]:
+        """Generation batch `generation` of `prompt_batches` (this rank's prompts) sampled at step
+        `step` for its micro-batch `offset` on, as steps_per_generation micro-batches of its rows
+        in `generation_order`."""
         (pb,) = prompt_batches
         prompts = [self.prompts[i] for i in pb.units for _ in range(self.cfg.num_generations)]
         t0 = time.perf_counter()
@@ -167,7 +182,9 @@ class Rollout:
         self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1})
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
             self._write(step, prompts, completions, truncated, rewards, adv)
-        rows = [(p.ids, c, bool(t)) for p, c, t in zip(prompts, completions, truncated)]
+        order = generation_order(self.seed, generation, len(prompts))
+        rows = [(prompts[i].ids, completions[i], bool(truncated[i])) for i in order.tolist()]
+        adv = adv[order]
         batches = [
             self._micro_batch(rows[a : a + self.batch_size], adv[a : a + self.batch_size])
             for a in range(0, len(rows), self.batch_size)
