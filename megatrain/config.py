@@ -165,6 +165,9 @@ class TrainConfig:
     architecture); default: the initial policy (model_name_or_path)."""
     num_generations: int = 8
     """grpo: completions sampled per prompt (a group)."""
+    num_generations_eval: int | None = None
+    """grpo: completions sampled per eval prompt at an evaluation (1 allowed: its group's std is
+    then 0, as in TRL); default num_generations."""
     temperature: float = 1.0
     """grpo: the sampling temperature (the loss divides the logits by it too)."""
     top_p: float = 1.0
@@ -289,7 +292,7 @@ class TrainConfig:
     # --- evaluation
     eval_dataset: str | list[str] | None = None
     """Held-out data in any form `dataset` takes (same format, chat handling and packing); grpo:
-    prompts, each sampled num_generations times and scored (eval_reward, ...; no eval_loss)."""
+    prompts, each sampled num_generations_eval times and scored (eval_reward, ...; no eval_loss)."""
     eval_strategy: str | None = None
     """no, steps or epoch; default: steps when eval_dataset is set, else no (YAML's no/false: no)."""
     eval_steps: int | float | None = None

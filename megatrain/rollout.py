@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -57,6 +56,8 @@ from .data.batch import IGNORE_INDEX, MicroBatch
 from .data.chat import end_of_turn_id
 from .data.prompts import Prompt
 from .errors import CheckpointError
+from .io.outputs import COMPLETIONS, EVAL_COMPLETIONS
+from .metrics import RecordFile
 from .objectives.grpo import (
     ADVANTAGE,
     OLD_LOGP,
@@ -121,14 +122,17 @@ class Rollout:
     def __init__(self, grpo: GRPOConfig, prompts: list[Prompt], funcs: list[RewardFunc], tokenizer,
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
-                 batches: list[MicroBatch] | None = None):  # fmt: skip
+                 batches: list[MicroBatch] | None = None, start: int = 0):  # fmt: skip
         self.seed = seed
         self.reference = reference  # beta > 0: the reference policy's weights (stages.grpo_reference)
         self.batches = batches  # the rollout being trained on (a resume's: `resumed_rollout`)
         self.cfg, self.prompts, self.funcs, self.tokenizer = grpo, prompts, funcs, tokenizer
         self.model, self.device, self.dtype, self.world = model, device, dtype, world
         self.batch_size, self.pad_id = batch_size, pad_id
-        self.completions_file = None if out is None else Path(out) / "completions.jsonl"
+        # The main rank's record files; a resume after step `start` drops their later records.
+        keep = out is not None and world.is_main
+        self.completions_file = RecordFile(Path(out) / COMPLETIONS, start) if keep else None
+        self.eval_completions_file = RecordFile(Path(out) / EVAL_COMPLETIONS, start) if keep else None
         self.log_every = log_every
         eos = tokenizer.eos_token_id if tokenizer is not None else model.cfg.hf_config.eos_token_id
         stops = [
@@ -181,7 +185,8 @@ class Rollout:
         self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
         self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1})
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
-            self._write(step, prompts, completions, truncated, rewards, adv)
+            for rec in self._records(step, prompts, completions, truncated, rewards, adv):
+                self.completions_file.append(rec)
         order = generation_order(self.seed, generation, len(prompts))
         rows = [(prompts[i].ids, completions[i], bool(truncated[i])) for i in order.tolist()]
         adv = adv[order]
@@ -224,28 +229,37 @@ class Rollout:
         return completions, truncated
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, prompts: list[Prompt], batch_size: int, progress) -> dict[str, float]:
+    def evaluate(self, prompts: list[Prompt], batch_size: int, progress, step: int) -> dict[str, float]:
         """TRL's eval metrics of the policy as it is (without the eval_ prefix): each of `prompts`
-        sampled num_generations times, `batch_size` completions at a time, and scored; the reward
+        sampled num_generations_eval times, `batch_size` completions at a time, and scored; the reward
         and completion metrics over every rank's completions (rank r samples the r-th block of the
         prompts). Each completion has a stream of evaluation's own, `row_seed(seed, EVAL_STREAM,
         the prompt's index, the completion's index)`: no training stream, and the same at every
         evaluation, so that two evaluations differ by the weights alone. Nothing of the training
         run changes: no random number is drawn from its generators, no rollout state is touched.
-        `progress(total)` makes a tqdm-like bar over the batches."""
-        g, n, world = self.cfg.num_generations, len(prompts), self.world
+        Every rank's completions go to output_dir/eval_completions.jsonl, each with the optimizer
+        step evaluated (`step`). `progress(total)` makes a tqdm-like bar over the batches."""
+        g, n, world = self.cfg.num_generations_eval, len(prompts), self.world
         mine = range(world.rank * n // world.world_size, (world.rank + 1) * n // world.world_size)
         rows = [(i, j) for i in mine for j in range(g)]
         seeds = [row_seed(self.seed, EVAL_STREAM, i, j) for i, j in rows]
         with progress(-(-len(rows) // batch_size)) as bar:
             completions, truncated = self.generate([prompts[i].ids for i, _ in rows], seeds, batch_size, bar)
+        sampled = [prompts[i] for i, _ in rows]
         rewards = (
-            self._score([prompts[i] for i, _ in rows], completions)
+            self._score(sampled, completions)
             if rows
             else torch.zeros(0, len(self.funcs), dtype=torch.float64)
         )
-        every = torch.cat(world.each(rewards)) if world.world_size > 1 else rewards
-        return advantages(self.cfg, every)[2] | self._metrics(every, completions, truncated)
+        ranks = world.each(rewards) if world.world_size > 1 else [rewards]
+        every = torch.cat(ranks)
+        _, adv, metrics = advantages(self.cfg, every, g)
+        first = sum(len(r) for r in ranks[: world.rank])
+        mine = self._records(step, sampled, completions, truncated, rewards, adv[first : first + len(rows)])
+        records = [r for rank in world.each(mine) for r in rank] if world.world_size > 1 else mine
+        for rec in records if self.eval_completions_file is not None else []:
+            self.eval_completions_file.append(rec)
+        return metrics | self._metrics(every, completions, truncated)
 
     @contextlib.contextmanager
     def _measured(self):
@@ -415,25 +429,31 @@ class Rollout:
         })  # fmt: skip
         return out
 
-    def _write(self, step, prompts, completions, truncated, rewards, adv) -> None:
-        """Sample completions with their rewards to output_dir/completions.jsonl (the main rank's)."""
-        if not self.world.is_main:
-            return
+    def _records(self, step, prompts, completions, truncated, rewards, adv) -> list[dict]:
+        """The records of completions.jsonl and eval_completions.jsonl: each completion with its
+        prompt, text, token ids, rewards and advantage, and the optimizer step (the one that
+        sampled it; an evaluation's, the one evaluated)."""
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True) if self.tokenizer else None
-        with open(self.completions_file, "a") as f:
-            for i, p in enumerate(prompts):
-                rec = {
-                    "step": step,
-                    "prompt": p.prompt,
-                    "completion": texts[i] if texts else None,
-                    "completion_ids": completions[i],
-                    "truncated": truncated[i],
-                    "rewards": {
-                        fn.name: (None if r != r else r) for fn, r in zip(self.funcs, rewards[i].tolist())
-                    },
-                    "advantage": float(adv[i]),
-                }
-                f.write(json.dumps(rec) + "\n")
+        return [
+            {
+                "step": step,
+                "prompt": p.prompt,
+                "completion": texts[i] if texts else None,
+                "completion_ids": completions[i],
+                "truncated": truncated[i],
+                "rewards": {
+                    fn.name: (None if r != r else r) for fn, r in zip(self.funcs, rewards[i].tolist())
+                },
+                "advantage": float(adv[i]),
+            }
+            for i, p in enumerate(prompts)
+        ]
+
+    def close(self) -> None:
+        """Close the record files."""
+        for f in (self.completions_file, self.eval_completions_file):
+            if f is not None:
+                f.close()
 
     # ------------------------------------------------------------------ batches
     def _micro_batch(self, rows, adv: torch.Tensor) -> MicroBatch:

@@ -75,11 +75,11 @@ def run(tmp_path, name="out", **kw):
 
 
 # ------------------------------------------------------------------------ TRL, transcribed
-def trl_advantages(rewards_per_func, weights, scale):
+def trl_advantages(rewards_per_func, weights, scale, g=G):
     rewards = (rewards_per_func * torch.tensor(weights, dtype=rewards_per_func.dtype)[None]).nansum(1)
-    mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
+    mean = rewards.view(-1, g).mean(1).repeat_interleave(g)
     std = (
-        rewards.view(-1, G).std(1).repeat_interleave(G)
+        rewards.view(-1, g).std(1).repeat_interleave(g)
         if scale in ("group", "none")
         else rewards.std().expand_as(rewards)
     )
@@ -343,16 +343,17 @@ def write_eval_prompts(tmp_path, numbers=(20, 21, 22)):
     return str(tmp_path / "eval.jsonl")
 
 
-def plain_eval(hf, tok, path, seed=42):
-    """TRL's eval metrics of `hf`, plainly: each eval prompt sampled G times by `generate` alone,
-    each completion from its stream of evaluation's (row_seed(seed, EVAL_STREAM, prompt, n)),
-    cut after the first end token, scored by the run's reward functions; the rewards' group
-    statistics as TRL's `_generate_and_score_completions` takes them."""
+def plain_eval(hf, tok, path, seed=SEED, g=G):
+    """TRL's eval metrics of `hf`, plainly, and its completions: each eval prompt sampled g
+    (num_generations_eval) times by `generate` alone, each completion from its stream of
+    evaluation's (row_seed(seed, EVAL_STREAM, prompt, n)), cut after the first end token, scored
+    by the run's reward functions; the rewards' group statistics as TRL's
+    `_generate_and_score_completions` takes them (a group of one: std 0)."""
     prompts = [json.loads(x) for x in Path(path).read_text().splitlines()]
     completions, truncated, answers = [], [], []
     for i, rec in enumerate(prompts):
         ids = torch.tensor([tok(rec["prompt"])["input_ids"]])
-        for n in range(G):
+        for n in range(g):
             sampler = RowSampler([row_seed(seed, EVAL_STREAM, i, n)], "cpu")
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
                               max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
@@ -366,9 +367,9 @@ def plain_eval(hf, tok, path, seed=42):
         [[float(len(t)), float(t.strip() == a)] for t, a in zip(texts, answers)], dtype=torch.float64
     )
     rewards = per_func @ torch.tensor([-0.05, 1.0], dtype=torch.float64)
-    group_std = rewards.view(-1, G).std(1)
+    group_std = rewards.view(-1, g).std(1) if g > 1 else torch.zeros(len(prompts), dtype=torch.float64)
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-    return {
+    return completions, {
         "eval_reward": float(rewards.mean()), "eval_reward_std": float(group_std.mean()),
         "eval_frac_reward_zero_std": float((group_std < 1e-6).double().mean()),
         "eval_rewards/length/mean": float(per_func[:, 0].mean()), "eval_rewards/length/std": float(per_func[:, 0].std()),
@@ -416,10 +417,69 @@ def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(set
     end = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "eval" / "final", dtype=torch.float32
     ).eval()
+    samples = eval_completions(tmp_path / "eval")
+    assert [r["step"] for r in samples] == [s for s in (0, 2, STEPS) for _ in range(3 * G)]
     for got, hf in ((evals[0], start), (evals[-1], end)):
-        for name, value in plain_eval(hf, tok, path).items():
+        completions, metrics = plain_eval(hf, tok, path)
+        for name, value in metrics.items():
             assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], name)
+        assert [r["completion_ids"] for r in samples if r["step"] == got["step"]] == completions
     assert evals[0]["eval_reward"] != evals[-1]["eval_reward"]  # the weights moved between them
+    assert not (tmp_path / "plain" / "eval_completions.jsonl").exists()
+
+
+def eval_completions(out):
+    return [json.loads(x) for x in (out / "eval_completions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("g", [2, 1])
+def test_num_generations_eval_is_the_completions_per_eval_prompt(setup, g):
+    """num_generations_eval (TRL's): each eval prompt sampled that many times (1: groups of one,
+    whose std is 0); the eval metrics are the plain computation's over those completions, and
+    eval_completions.jsonl holds each with the fields of completions.jsonl: its prompt, text, the
+    rewards and the advantage in its group, the step evaluated."""
+    tmp_path, tok = setup
+    path = write_eval_prompts(tmp_path)
+    records, rollouts, _ = run(
+        tmp_path, max_steps=1, eval_dataset=path, eval_on_start=True, num_generations_eval=g
+    )
+    (got,) = [r for r in records if is_eval(r) and r["step"] == 0]
+    completions, metrics = plain_eval(model(len(tok)).eval(), tok, path, g=g)
+    for name, value in metrics.items():
+        assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+    samples = [r for r in eval_completions(tmp_path / "out") if r["step"] == 0]
+    assert [r["completion_ids"] for r in samples] == completions and len(samples) == 3 * g
+    assert set(samples[0]) == set(rollouts[0])
+    assert [r["prompt"] for r in samples] == [f"Say {i} once:" for i in (20, 21, 22) for _ in range(g)]
+    rewards = reward_table(samples)
+    assert [[r["rewards"]["length"], r["rewards"]["exact_match"]] for r in samples] == rewards.tolist()
+    adv = (
+        trl_advantages(rewards, [-0.05, 1.0], "group", g)
+        if g > 1
+        else torch.zeros(3 * g, dtype=torch.float64)
+    )
+    assert [r["advantage"] for r in samples] == pytest.approx(adv.tolist(), abs=1e-6)
+    assert len(samples[0]["completion"]) > 0
+
+
+def test_the_completion_files_survive_a_resume_without_duplicates_or_cut_lines(setup):
+    """A run killed after step 2's checkpoint, having written step 3's records and half a line to
+    completions.jsonl and eval_completions.jsonl, resumes with both files trimmed to whole
+    records of the checkpoint's steps: at the end they are the uninterrupted run's, byte for
+    byte."""
+    tmp_path, _ = setup
+    kw = dict(eval_dataset=write_eval_prompts(tmp_path), eval_steps=1, save_strategy="steps", save_steps=1)
+    run(tmp_path, "whole", **kw)
+    run(tmp_path, "cut", **kw, max_steps=2)
+    names = ("completions.jsonl", "eval_completions.jsonl")
+    for name in names:
+        with open(tmp_path / "cut" / name, "a") as f:  # what the killed run wrote after step 2
+            f.write(json.dumps({"step": 3, "prompt": "stale"}) + "\n" + '{"step": 3, "prompt": "cut sh')
+    run(tmp_path, "cut", **kw, resume_from_checkpoint=True)
+    for name in names:
+        whole = (tmp_path / "whole" / name).read_text()
+        assert (tmp_path / "cut" / name).read_text() == whole, name
+        assert {json.loads(x)["step"] for x in whole.splitlines()} >= {1, 2, 3}
 
 
 def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
@@ -487,6 +547,7 @@ def test_a_failing_reward_function_is_one_line(setup):
         (dict(steps_per_generation=0), "steps_per_generation: must be >= 1"),
         (dict(beta=-0.04), "beta: must be >= 0"),
         (dict(num_iterations=0), "num_iterations: must be >= 1"),
+        (dict(num_generations_eval=0), r"^num_generations_eval: must be >= 1 \(got 0\)$"),
         (dict(loss_type="sigmoid"), "loss_type: must be one of dapo"),
     ],
 )

@@ -55,7 +55,9 @@ from .checkpoint import (
 from .writing import AtomicDir, free_bytes, same_file_system
 
 METRICS, FINAL = "metrics.jsonl", "final"
-RUN_FILES = (METRICS, TRAIN_CONFIG, PLAN_FILE)  # one run's own files, kept aside together
+COMPLETIONS, EVAL_COMPLETIONS = "completions.jsonl", "eval_completions.jsonl"  # grpo's samples
+# One run's own files, kept aside together.
+RUN_FILES = (METRICS, TRAIN_CONFIG, PLAN_FILE, COMPLETIONS, EVAL_COMPLETIONS)
 
 
 def new_run_id() -> str:

@@ -56,6 +56,8 @@ class GRPOConfig:
 
     num_generations: int = 8
     """Completions sampled per prompt (a group)."""
+    num_generations_eval: int | None = None
+    """Completions sampled per eval prompt (None: num_generations; 1: a group's std is 0)."""
     max_completion_length: int | None = 256
     """Tokens a completion may have; one cut there is truncated (`completions/clipped_ratio`)."""
     temperature: float = 1.0
@@ -98,6 +100,10 @@ class GRPOConfig:
                 bad(f.name, "must be a finite number")
         if self.num_generations < 2:
             bad("num_generations", "must be >= 2 (advantages compare completions of one prompt)")
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        if self.num_generations_eval < 1:
+            bad("num_generations_eval", "must be >= 1")
         if self.max_completion_length is None or self.max_completion_length < 1:
             bad("max_completion_length", "must be a number of tokens >= 1 for grpo")
         if self.temperature <= 0:
@@ -177,18 +183,24 @@ def log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tenso
 
 
 # ------------------------------------------------------------------------ advantages
-def advantages(cfg: GRPOConfig, rewards_per_func: Tensor) -> tuple[Tensor, Tensor, dict[str, float]]:
+def advantages(
+    cfg: GRPOConfig, rewards_per_func: Tensor, group: int | None = None
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """(rewards, advantages, metrics) of a generation batch: `rewards_per_func` [completions,
-    functions] (NaN where a function gave None), groups of num_generations consecutive rows."""
+    functions] (NaN where a function gave None), groups of `group` (default num_generations;
+    an evaluation's: num_generations_eval) consecutive rows. The std of one reward is 0 (TRL's,
+    where an evaluation has groups of one)."""
     n, k = rewards_per_func.shape
+    g = group or cfg.num_generations
     weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
     if len(weights) != k:
         raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
     rewards = (rewards_per_func * weights[None]).nansum(1)
-    grouped = rewards.view(-1, cfg.num_generations)
-    mean = grouped.mean(1).repeat_interleave(cfg.num_generations)
-    group_std = grouped.std(1).repeat_interleave(cfg.num_generations)
-    std = rewards.std().expand_as(rewards) if cfg.scale_rewards == "batch" else group_std
+    grouped = rewards.view(-1, g)
+    mean = grouped.mean(1).repeat_interleave(g)
+    group_std = grouped.std(1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
+    batch_std = rewards.std() if n > 1 else torch.zeros((), dtype=rewards.dtype)
+    std = batch_std.expand_as(rewards) if cfg.scale_rewards == "batch" else group_std
     adv = rewards - mean
     if cfg.scale_rewards != "none":
         adv = adv / (std + STD_EPS)
