@@ -756,6 +756,8 @@ def test_two_processes_equal_one(setup):
     assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
     got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
+    # Every process's eval completions, in the prompts' order, with their group's advantages.
+    assert eval_completions(tmp_path / "two") == eval_completions(tmp_path / "one")
     for a, b in zip(got, want):
         for k in [k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac"))]:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
