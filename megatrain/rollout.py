@@ -65,6 +65,7 @@ from .objectives.grpo import (
     TOKENS_PER_STEP,
     GRPOConfig,
     advantages,
+    eval_metrics,
     log_probs,
 )
 from .rewards import RewardFunc, score
@@ -259,7 +260,27 @@ class Rollout:
         records = [r for rank in world.each(mine) for r in rank] if world.world_size > 1 else mine
         for rec in records if self.eval_completions_file is not None else []:
             self.eval_completions_file.append(rec)
-        return metrics | self._metrics(every, completions, truncated)
+        pairs = [(p.ids, c, bool(t)) for p, c, t in zip(sampled, completions, truncated)]
+        losses = self._eval_loss(pairs, adv[first : first + len(rows)], batch_size)
+        return metrics | self._metrics(every, completions, truncated) | losses
+
+    def _eval_loss(self, rows, adv: torch.Tensor, batch_size: int) -> dict[str, float]:
+        """TRL's loss metrics at an evaluation (objectives/grpo.py: eval_metrics): this rank's
+        (prompt ids, completion, truncated) rows in micro-batches of `batch_size` in order (TRL's
+        eval batches), with their advantages and, where beta > 0, the reference's log-probs,
+        forwarded by the engine gradient_accumulation_steps micro-batches a sweep (as evaluation
+        does for the other stages)."""
+        engine, world, ga = self.model.engine, self.world, self.cfg.gradient_accumulation_steps
+        size = range(0, len(rows), batch_size)
+        batches = [self._micro_batch(rows[a : a + batch_size], adv[a : a + batch_size]) for a in size]
+        if self.cfg.needs_reference and batches:
+            self._attach_logps(batches, sampling=False)
+        chunks = [batches[a : a + ga] for a in range(0, len(batches), ga)]
+        sums = [x for c in chunks for x in engine.head_outputs(c, engine.objective.eval_sums).cpu().tolist()]
+        for _ in range((max(world.each(len(chunks))) if world.world_size > 1 else 0) - len(chunks)):
+            engine.keep_pace()  # the ranks' sweeps pair up (sharded: their weight gathers do)
+        mine = [(mb.input_ids.shape[0], s) for mb, s in zip(batches, sums)]
+        return eval_metrics(self.cfg, world.each(mine) if world.world_size > 1 else [mine])
 
     @contextlib.contextmanager
     def _measured(self):
@@ -326,13 +347,14 @@ class Rollout:
         return model.eval()
 
     # ------------------------------------------------------------------ log-probs
-    def _attach_logps(self, batches: list[MicroBatch]) -> None:
-        """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP) and the
-        reference policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
+    def _attach_logps(self, batches: list[MicroBatch], sampling: bool = True) -> None:
+        """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP; not with
+        `sampling` False: an evaluation's, whose sampling policy is the policy) and the reference
+        policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
         engine, ga = self.model.engine, self.cfg.gradient_accumulation_steps
         ref = self._reference_logps(batches) if self.cfg.needs_reference else None
         old = None
-        if self.cfg.needs_old_logps:  # a step's micro-batches at a time, the sweep the plan is made for
+        if sampling and self.cfg.needs_old_logps:  # a step's micro-batches at a time, as the plan's sweep
             fn = engine.objective.token_logps
             old = [
                 x for a in range(0, len(batches), ga) for x in engine.head_outputs(batches[a : a + ga], fn)

@@ -110,8 +110,9 @@ def trl_logps(hf, ids, attn, temperature):
     return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
 
 
-def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=None, beta=0.0, eps=0.2):
-    """GRPOTrainer._compute_loss for one micro-batch: its loss and its metrics (masked means)."""
+def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=None, beta=0.0, eps=0.2, ga=GA):
+    """GRPOTrainer._compute_loss for one micro-batch: its loss and its metrics (masked means);
+    `ga`: its normaliser, but dapo's (1 at evaluation)."""
     coef_1 = torch.exp(logps - (logps.detach() if old is None else old))
     coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
     a = adv[:, None]
@@ -121,11 +122,11 @@ def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=Non
         kl = torch.exp(ref - logps) - (ref - logps) - 1
         per_token = per_token + beta * kl
     if loss_type == "grpo":
-        loss = ((per_token * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).mean() / GA
+        loss = ((per_token * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).mean() / ga
     elif loss_type == "bnpo":
-        loss = (per_token * cmask).sum() / cmask.sum().clamp(min=1.0) / GA
+        loss = (per_token * cmask).sum() / cmask.sum().clamp(min=1.0) / ga
     elif loss_type == "dr_grpo":
-        loss = (per_token * cmask).sum() / (per_token.size(0) * MAX_NEW) / GA
+        loss = (per_token * cmask).sum() / (per_token.size(0) * MAX_NEW) / ga
     else:
         loss = (per_token * cmask).sum() / num_items  # dapo
 
@@ -401,7 +402,6 @@ def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(set
     plain_records, plain_rollouts, plain_final = run(tmp_path, "plain")
     evals = [r for r in records if is_eval(r)]
     assert [r["step"] for r in evals] == [0, 2, STEPS]
-    assert not any("eval_loss" in r for r in evals)
 
     def training(rs):  # the step records less their timings
         return [
@@ -426,6 +426,63 @@ def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(set
         assert [r["completion_ids"] for r in samples if r["step"] == got["step"]] == completions
     assert evals[0]["eval_reward"] != evals[-1]["eval_reward"]  # the weights moved between them
     assert not (tmp_path / "plain" / "eval_completions.jsonl").exists()
+
+
+def plain_eval_loss(hf, ref, tok, samples, kw, size):
+    """TRL's loss metrics at evaluation (prediction_step -> _compute_loss in eval mode, the
+    Trainer's eval_loss), plainly: the eval completions in batches of `size` in order, each
+    batch's loss with the policy as its own sampling policy, not accumulated (dapo: over the
+    batch's tokens), weighted by the batch's rows; its metrics' masked means averaged over the
+    batches."""
+    loss_type, beta = kw.get("loss_type", "dapo"), kw.get("beta", 0.0)
+    rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in samples]
+    adv = trl_advantages(reward_table(samples), [-0.05, 1.0], "group").float()
+    losses, metrics = [], []
+    for a in range(0, len(rows), size):
+        ids, attn, cmask = trl_inputs(rows[a : a + size], False)
+        with torch.no_grad():
+            logps, entropy = trl_logps(hf, ids, attn, 1.0)
+            ref_logps = trl_logps(ref, ids, attn, 1.0)[0] if beta else None
+            loss, m = trl_loss(logps, entropy, cmask, adv[a : a + size], loss_type, cmask.sum(), ref=ref_logps,
+                               beta=beta, ga=1)  # fmt: skip
+        losses.append((len(ids), float(loss)))
+        metrics.append(
+            m
+            | {
+                "clip_ratio/low_min": m["clip_ratio/low_mean"],
+                "clip_ratio/high_max": m["clip_ratio/high_mean"],
+            }
+        )
+    out = {"eval_loss": sum(n * x for n, x in losses) / len(rows)}
+    return out | {f"eval_{k}": sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(beta=0.04), dict(loss_type="bnpo", num_iterations=2, beta=0.04)],
+    ids=["dapo-beta", "bnpo-stale"],
+)
+def test_the_eval_loss_and_its_metrics_are_trls(setup, kw):
+    """At an evaluation, TRL's GRPOTrainer also computes the loss on the eval completions
+    (prediction_step): eval_loss, eval_entropy, eval_kl (beta > 0) and the clip ratios (0: the
+    ratio is 1, even where training keeps the sampling policy's log-probs), each as a plain
+    computation with the weights evaluated (the last step's, per_device_eval_batch_size 5 cutting
+    groups, the last batch short) and the reference."""
+    import transformers
+
+    tmp_path, tok = setup
+    path = write_eval_prompts(tmp_path)
+    records, _, _ = run(tmp_path, max_steps=1, eval_dataset=path, per_device_eval_batch_size=5, **kw)
+    (got,) = [r for r in records if is_eval(r)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out" / "final", dtype=torch.float32
+    ).eval()
+    want = plain_eval_loss(hf, model(len(tok)).eval(), tok, eval_completions(tmp_path / "out"), kw, size=5)
+    assert ("eval_kl" in got) == ("beta" in kw) and set(want) <= set(got)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    if "beta" in kw:
+        assert got["eval_kl"] > 0  # the weights moved from the reference
 
 
 def eval_completions(out):
@@ -503,14 +560,16 @@ def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
 
 def test_grpo_evaluation_settings():
     """The best model's metric with stage grpo is eval_reward (by default with
-    load_best_model_at_end); eval_loss is refused by name."""
+    load_best_model_at_end) or eval_loss (lower is better); another is refused by name."""
     args = dict(model_config="unused", stage="grpo", reward_funcs=["length"], per_device_train_batch_size=8,
                 eval_dataset="unused", eval_steps=2, save_steps=2)  # fmt: skip
     cfg = TrainConfig(**args, load_best_model_at_end=True)
     assert (cfg.metric_for_best_model, cfg.greater_is_better) == ("eval_reward", True)
-    with pytest.raises(ConfigError, match=r"^metric_for_best_model: must be eval_reward \(the metric evaluation "
-                       r"computes with stage grpo\) \(got 'eval_loss'\)$"):  # fmt: skip
-        TrainConfig(**args, metric_for_best_model="eval_loss")
+    cfg = TrainConfig(**args, load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    assert (cfg.metric_for_best_model, cfg.greater_is_better) == ("eval_loss", False)
+    with pytest.raises(ConfigError, match=r"^metric_for_best_model: must be eval_reward or eval_loss \(the metrics "
+                       r"evaluation computes with stage grpo\) \(got 'eval_entropy'\)$"):  # fmt: skip
+        TrainConfig(**args, metric_for_best_model="eval_entropy")
 
 
 def failing_reward(completions, **_):
@@ -758,8 +817,12 @@ def test_two_processes_equal_one(setup):
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
     # Every process's eval completions, in the prompts' order, with their group's advantages.
     assert eval_completions(tmp_path / "two") == eval_completions(tmp_path / "one")
+    assert all("eval_loss" in r for r in got + want)
     for a, b in zip(got, want):
-        for k in [k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac"))]:
+        # (grpo's eval_loss is a mean over completions, whichever batches they are in)
+        for k in [
+            k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac", "eval_loss"))
+        ]:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
 
 

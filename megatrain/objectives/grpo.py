@@ -33,7 +33,7 @@ and most over the ranks of each micro-batch's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -217,6 +217,30 @@ def advantages(
 STATS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
 
 
+def eval_metrics(cfg: GRPOConfig, ranks: list[list[tuple[int, list[float]]]]) -> dict[str, float]:
+    """TRL's loss metrics at an evaluation from every rank's eval micro-batches, each (its rows,
+    its `GRPO.eval_sums` row): `loss` the mean of their losses weighted by their rows (the
+    Trainer's eval_loss), the STATS the mean over them of their masked means (TRL's log of one
+    value an eval batch), `clip_ratio/low_min` and `high_max` the least and most over the ranks
+    of each micro-batch's index. Empty where there is no eval completion."""
+    every = [x for rank in ranks for x in rank]
+    if not every:
+        return {}
+
+    def means(name):  # each micro-batch's masked mean of a STATS entry
+        return [s[2 + STATS.index(name)] / max(s[1], 1.0) for _, s in every]
+
+    out = {"loss": sum(n * s[0] for n, s in every) / sum(n for n, _ in every)}
+    out |= {k: sum(means(k)) / len(every) for k in STATS if k != "kl" or cfg.needs_reference}
+    low, high = STATS.index("clip_ratio/low_mean"), STATS.index("clip_ratio/high_mean")
+    index = [[r[i][1] for r in ranks if i < len(r)] for i in range(max(len(r) for r in ranks))]
+    out["clip_ratio/low_min"] = sum(min(s[2 + low] / max(s[1], 1.0) for s in at) for at in index) / len(index)
+    out["clip_ratio/high_max"] = sum(max(s[2 + high] / max(s[1], 1.0) for s in at) for at in index) / len(
+        index
+    )
+    return out
+
+
 @dataclass
 class _Targets:
     tokens: Tensor  # [N] the token each position predicts
@@ -339,6 +363,24 @@ class GRPO(Objective):
         for m, a, logits in head.forward(hidden):
             n = logits.shape[0]
             out[m][a : a + n] = log_probs(logits, targets[m].tokens[a : a + n], self.cfg.temperature)[1]
+        return out
+
+    @torch.no_grad()
+    def eval_sums(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
+        """Forward only (`Engine.head_outputs`), TRL's evaluation (`prediction_step`): each
+        micro-batch's [loss, completion tokens, STATS summed over them] ([micro-batches, 2 +
+        len(STATS)]) with the policy as its own sampling policy (the ratio is 1: TRL's old
+        log-probs at evaluation are the policy's), the loss aggregated by loss_type over the
+        micro-batch alone, not accumulated (dapo: over its own completion tokens)."""
+        out = torch.zeros(len(targets), 2 + len(STATS), device=head.W.device)
+        targets = [replace(t, old=None) for t in targets]
+        for m, a, logits in head.forward(hidden):
+            t = targets[m]
+            scale = max(t.tokens_in_mb, 1) if self.cfg.loss_type == "dapo" else 1.0
+            loss, sums = self._chunk(t, a, logits, scale)
+            out[m, 0] += loss
+            out[m, 2:] += sums
+        out[:, 1] = torch.tensor([float(t.tokens_in_mb) for t in targets])
         return out
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
