@@ -210,8 +210,9 @@ class TrainConfig:
     overwrite_output_dir: bool = False
     """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
     Nothing is deleted: its checkpoints stay (this run never prunes them; one of a step this run
-    saves is replaced, as the run says when it starts), metrics.jsonl and train_config.json are
-    renamed aside, its final/ is replaced at the end. (transformers 5 dropped this key; megatrain
+    saves is replaced, as the run says when it starts), metrics.jsonl, train_config.json (and
+    grpo's completions.jsonl, eval_completions.jsonl) are renamed aside, its final/ is replaced at
+    the end. (transformers 5 dropped this key; megatrain
     keeps it.)"""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""

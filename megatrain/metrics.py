@@ -5,7 +5,8 @@ bars for long saves and reads.
 metrics.jsonl holds two kinds of records, both with a `step`: one per optimizer step (`loss`,
 `grad_norm`, `lr`, ...) and one per evaluation (`eval_loss`, `eval_perplexity`, ...; Hugging
 Face's names; grpo's `eval_reward`, ..., TRL's), written after the step it evaluates;
-`trackers.is_eval` tells them apart."""
+`trackers.is_eval` tells them apart. Every such JSON-lines file of records by step (also grpo's
+completions) is a `RecordFile`: whole records appended, trimmed to a resume's step."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GRPO's rollouts (`stage: grpo`): a generation batch of prompts sampled `num_generations`
 times by the policy as it is, scored by the reward functions, turned into advantages and
-micro-batches of prompt + completion for the engine (objectives/grpo.py); and evaluation's
-sampling (`evaluate`).
+micro-batches of prompt + completion for the engine (objectives/grpo.py); and evaluation
+(`evaluate`).
 
 A generation batch is per_device_train_batch_size x steps_per_generation completions a process
 (TRL's; by default gradient_accumulation_steps slices, one generation batch an optimizer step),
@@ -36,6 +36,10 @@ policy's (beta > 0) by a transformers model built on the device from the referen
 where the next step goes on with a generation batch holds it (ROLLOUT_FILE, every rank's
 micro-batches with their advantages and log-probs), and a resume trains on it: the weights moved
 since it was sampled, so sampling it again would not give it back.
+
+Evaluation (`evaluate`) samples the eval prompts num_generations_eval times from streams of its
+own, scores them, writes them to eval_completions.jsonl, and takes TRL's eval-mode loss of them
+by the engine's forward sweep (objectives/grpo.py: GRPO.eval_sums, eval_metrics).
 
 Not built yet: layers streamed per decode step for models whose bf16 weights and cache do not fit
 the device, and a compiled or static-cache decode.
