@@ -260,12 +260,13 @@ class Rollout:
         every = torch.cat(ranks)
         _, adv, metrics = advantages(self.cfg, every, g)
         first = sum(len(r) for r in ranks[: world.rank])
-        mine = self._records(step, sampled, completions, truncated, rewards, adv[first : first + len(rows)])
-        records = [r for rank in world.each(mine) for r in rank] if world.world_size > 1 else mine
-        for rec in records if self.eval_completions_file is not None else []:
-            self.eval_completions_file.append(rec)
+        adv = adv[first : first + len(rows)]  # this rank's
+        records = self._records(step, sampled, completions, truncated, rewards, adv)
+        for rec in [r for rank in world.each(records) for r in rank] if world.world_size > 1 else records:
+            if self.eval_completions_file is not None:  # the main rank's, every rank's records
+                self.eval_completions_file.append(rec)
         pairs = [(p.ids, c, bool(t)) for p, c, t in zip(sampled, completions, truncated)]
-        losses = self._eval_loss(pairs, adv[first : first + len(rows)], batch_size)
+        losses = self._eval_loss(pairs, adv, batch_size)
         return metrics | self._metrics(every, completions, truncated) | losses
 
     def _eval_loss(self, rows, adv: torch.Tensor, batch_size: int) -> dict[str, float]:
@@ -281,7 +282,8 @@ class Rollout:
             self._attach_logps(batches, sampling=False)
         chunks = [batches[a : a + ga] for a in range(0, len(batches), ga)]
         sums = [x for c in chunks for x in engine.head_outputs(c, engine.objective.eval_sums).cpu().tolist()]
-        for _ in range((max(world.each(len(chunks))) if world.world_size > 1 else 0) - len(chunks)):
+        most = max(world.each(len(chunks))) if world.world_size > 1 else len(chunks)
+        for _ in range(most - len(chunks)):
             engine.keep_pace()  # the ranks' sweeps pair up (sharded: their weight gathers do)
         mine = [(mb.input_ids.shape[0], s) for mb, s in zip(batches, sums)]
         return eval_metrics(self.cfg, world.each(mine) if world.world_size > 1 else [mine])

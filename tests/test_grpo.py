@@ -523,7 +523,7 @@ def test_the_completion_files_survive_a_resume_without_duplicates_or_cut_lines(s
     """A run killed after step 2's checkpoint, having written step 3's records and half a line to
     completions.jsonl and eval_completions.jsonl, resumes with both files trimmed to whole
     records of the checkpoint's steps: at the end they are the uninterrupted run's, byte for
-    byte."""
+    byte. A new run in that output_dir keeps them aside."""
     tmp_path, _ = setup
     kw = dict(eval_dataset=write_eval_prompts(tmp_path), eval_steps=1, save_strategy="steps", save_steps=1)
     run(tmp_path, "whole", **kw)
@@ -537,6 +537,13 @@ def test_the_completion_files_survive_a_resume_without_duplicates_or_cut_lines(s
         whole = (tmp_path / "whole" / name).read_text()
         assert (tmp_path / "cut" / name).read_text() == whole, name
         assert {json.loads(x)["step"] for x in whole.splitlines()} >= {1, 2, 3}
+    # A new run there keeps them aside with metrics.jsonl, and starts its own.
+    run(tmp_path, "cut", **kw, max_steps=1, overwrite_output_dir=True)
+    for name in names:
+        stem, suffix = name.split(".")
+        (aside,) = (tmp_path / "cut").glob(f"{stem}-*.{suffix}")
+        assert aside.read_text() == (tmp_path / "whole" / name).read_text(), name
+        assert {json.loads(x)["step"] for x in (tmp_path / "cut" / name).read_text().splitlines()} <= {0, 1}
 
 
 def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
