@@ -227,17 +227,17 @@ def eval_metrics(cfg: GRPOConfig, ranks: list[list[tuple[int, list[float]]]]) ->
     if not every:
         return {}
 
-    def means(name):  # each micro-batch's masked mean of a STATS entry
-        return [s[2 + STATS.index(name)] / max(s[1], 1.0) for _, s in every]
+    def mean(s: list[float], name: str) -> float:  # a micro-batch's masked mean of a STATS entry
+        return s[2 + STATS.index(name)] / max(s[1], 1.0)
 
     out = {"loss": sum(n * s[0] for n, s in every) / sum(n for n, _ in every)}
-    out |= {k: sum(means(k)) / len(every) for k in STATS if k != "kl" or cfg.needs_reference}
-    low, high = STATS.index("clip_ratio/low_mean"), STATS.index("clip_ratio/high_mean")
-    index = [[r[i][1] for r in ranks if i < len(r)] for i in range(max(len(r) for r in ranks))]
-    out["clip_ratio/low_min"] = sum(min(s[2 + low] / max(s[1], 1.0) for s in at) for at in index) / len(index)
-    out["clip_ratio/high_max"] = sum(max(s[2 + high] / max(s[1], 1.0) for s in at) for at in index) / len(
-        index
-    )
+    out |= {
+        k: sum(mean(s, k) for _, s in every) / len(every) for k in STATS if k != "kl" or cfg.needs_reference
+    }
+    index = [[r[i][1] for r in ranks if i < len(r)] for i in range(max(map(len, ranks)))]
+    for name, of, pick in (("clip_ratio/low_min", "clip_ratio/low_mean", min),
+                           ("clip_ratio/high_max", "clip_ratio/high_mean", max)):  # fmt: skip
+        out[name] = sum(pick(mean(s, of) for s in at) for at in index) / len(index)
     return out
 
 
