@@ -165,6 +165,9 @@ class TrainConfig:
     architecture); default: the initial policy (model_name_or_path)."""
     num_generations: int = 8
     """grpo: completions sampled per prompt (a group)."""
+    num_generations_eval: int | None = None
+    """grpo: completions sampled per eval prompt at an evaluation (1 allowed: its group's std is
+    then 0, as in TRL); default num_generations."""
     temperature: float = 1.0
     """grpo: the sampling temperature (the loss divides the logits by it too)."""
     top_p: float = 1.0
@@ -213,8 +216,9 @@ class TrainConfig:
     overwrite_output_dir: bool = False
     """Start a new run in an output_dir that holds a previous run's outputs (refused otherwise).
     Nothing is deleted: its checkpoints stay (this run never prunes them; one of a step this run
-    saves is replaced, as the run says when it starts), metrics.jsonl and train_config.json are
-    renamed aside, its final/ is replaced at the end. (transformers 5 dropped this key; megatrain
+    saves is replaced, as the run says when it starts), metrics.jsonl, train_config.json (and
+    grpo's completions.jsonl, eval_completions.jsonl) are renamed aside, its final/ is replaced at
+    the end. (transformers 5 dropped this key; megatrain
     keeps it.)"""
     max_steps: int = -1
     """Optimizer steps; overrides num_train_epochs when > 0."""
@@ -295,7 +299,8 @@ class TrainConfig:
     # --- evaluation
     eval_dataset: str | list[str] | None = None
     """Held-out data in any form `dataset` takes (same format, chat handling and packing); grpo:
-    prompts, each sampled num_generations times and scored (eval_reward, ...; no eval_loss)."""
+    prompts, each sampled num_generations_eval times and scored (eval_reward, ...), and TRL's loss
+    of those completions (eval_loss, eval_entropy, ...)."""
     eval_strategy: str | None = None
     """no, steps or epoch; default: steps when eval_dataset is set, else no (YAML's no/false: no)."""
     eval_steps: int | float | None = None
@@ -311,7 +316,7 @@ class TrainConfig:
     verified first). Needs save_strategy equal to eval_strategy and, with steps, save_steps a
     multiple of eval_steps."""
     metric_for_best_model: str | None = None
-    """eval_loss (or loss; grpo: eval_reward or reward): track best_metric and
+    """eval_loss (or loss; grpo also eval_reward or reward): track best_metric and
     best_model_checkpoint, which save_total_limit never deletes; default eval_loss (grpo:
     eval_reward) with load_best_model_at_end."""
     greater_is_better: bool | None = None
@@ -541,17 +546,20 @@ class TrainConfig:
             bad("per_device_eval_batch_size", "must be >= 1")
         if self.load_best_model_at_end and (why := self._best_model_schedule_problem()):
             raise ConfigError(f"load_best_model_at_end: {why}")
-        # grpo's evaluation samples and scores (TRL's eval_reward); the other stages' take a loss.
-        computed = "reward" if self.stage == "grpo" else "loss"
+        # grpo's evaluation samples and scores (TRL's eval_reward, the default), then takes the
+        # loss of what it sampled; the other stages' take a loss.
+        computed = ("reward", "loss") if self.stage == "grpo" else ("loss",)
         if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.metric_for_best_model = f"eval_{computed}"
+            self.metric_for_best_model = f"eval_{computed[0]}"
         if self.metric_for_best_model is not None:
-            if self.metric_for_best_model not in (f"eval_{computed}", computed):
-                stage = " with stage grpo" if self.stage == "grpo" else ""
-                bad(
-                    "metric_for_best_model",
-                    f"must be eval_{computed} (the metric evaluation computes{stage})",
+            if self.metric_for_best_model not in [f"eval_{c}" for c in computed] + list(computed):
+                stage = (
+                    "s evaluation computes with stage grpo"
+                    if self.stage == "grpo"
+                    else " evaluation computes"
                 )
+                names = " or ".join(f"eval_{c}" for c in computed)
+                bad("metric_for_best_model", f"must be {names} (the metric{stage})")
             if not evaluating:
                 bad("metric_for_best_model", "needs evaluation (set eval_dataset)")
             if self.greater_is_better is None:

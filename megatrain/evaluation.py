@@ -144,7 +144,7 @@ class Evaluator:
     def _evaluate_rollouts(self, rollout, step: int, epoch: float, progress) -> dict[str, Any]:
         """grpo: the eval prompts' completions sampled and scored (TRL's eval_ metrics)."""
         t0 = time.perf_counter()
-        metrics = rollout.evaluate(self.prompts, self.batch_size, progress)
+        metrics = rollout.evaluate(self.prompts, self.batch_size, progress, step)
         dt = time.perf_counter() - t0
         record = {
             "step": step,

@@ -5,7 +5,8 @@ bars for long saves and reads.
 metrics.jsonl holds two kinds of records, both with a `step`: one per optimizer step (`loss`,
 `grad_norm`, `lr`, ...) and one per evaluation (`eval_loss`, `eval_perplexity`, ...; Hugging
 Face's names; grpo's `eval_reward`, ..., TRL's), written after the step it evaluates;
-`trackers.is_eval` tells them apart."""
+`trackers.is_eval` tells them apart. Every such JSON-lines file of records by step (also grpo's
+completions) is a `RecordFile`: whole records appended, trimmed to a resume's step."""
 
 from __future__ import annotations
 
@@ -33,45 +34,26 @@ def show_progress(disable_tqdm: bool | None) -> bool:
 STAGE_SHOWN = {"accuracy": "rewards/accuracies", "margin": "rewards/margins", "reward": "reward"}
 
 
-class MetricsLogger:
-    """Appends one JSON record per optimizer step to `output_dir/metrics.jsonl` (records of
-    skipped steps carry `"skipped": true` and null loss/grad_norm) and one per evaluation, and
-    reports progress."""
+class RecordFile:
+    """A JSON-lines file of a run's records, each with a `step` (metrics.jsonl, grpo's
+    completions.jsonl and eval_completions.jsonl), appended one whole record at a time. A run
+    resumed after step `start_step` first drops the records of later steps (they will be redone)
+    and any line a kill cut short, so the resumed run appends after whole records only. (Whether
+    the file is this run's is outputs.py's decision, made before.)"""
 
-    def __init__(
-        self,
-        output_dir: Path,
-        total_steps: int,
-        start_step: int = 0,
-        logging_steps: int = 1,
-        report_to: list[str] | tuple[str, ...] = (),
-        disable_tqdm: bool | None = None,
-        run: RunInfo | None = None,
-    ):
-        self.path = Path(output_dir) / "metrics.jsonl"
-        self.logging_steps = logging_steps
-        self.total = total_steps
-        self.start = start_step
+    def __init__(self, path: Path, start_step: int = 0):
+        self.path = Path(path)
+        self._f = None
         self._keep_until(start_step)
-        # Before the file and the bar: a tracker that cannot start leaves nothing open.
-        self.trackers: list[Tracker] = open_trackers(
-            list(report_to), Path(output_dir), start_step, run or RunInfo()
-        )
-        # Unbuffered: a record reaches the file in one write, or is cut off by `_append`.
+
+    def open(self) -> None:
+        # Unbuffered: a record reaches the file in one write, or is cut off by `append`.
         self._f = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
-        interactive = show_progress(disable_tqdm)
-        # tqdm shows step/total, elapsed and ETA itself; loss and tokens/s go in the postfix.
-        self.bar = tqdm(
-            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not interactive
-        )
-        self.interactive = interactive
-        self._step_seconds, self._steps = 0.0, 0  # the training steps' own time: the ETA's rate
-        self._eval_shown: dict[str, str] = {}  # the latest evaluation's figure, in the bar's postfix
 
     def _keep_until(self, step: int) -> None:
-        """On resume, drop records of steps after the checkpoint (they will be redone). The
-        trimmed file replaces the old one by rename, so a kill at any moment leaves one of the
-        two complete. (Whether the file belongs to this run is outputs.py's decision, made before.)"""
+        """Drop records of steps after `step` and lines that are not whole records. The trimmed
+        file replaces the old one by rename, so a kill at any moment leaves one of the two
+        complete."""
         if not self.path.exists() or step == 0:
             return
         kept = []
@@ -93,9 +75,12 @@ class MetricsLogger:
                 tmp.unlink(missing_ok=True)
                 raise
 
-    def _append(self, record: dict) -> None:
+    def append(self, record: dict) -> None:
         """One record, whole: a write that fails part way (a full disk) is cut off again, so
-        the file holds whole records only, and the error names the file."""
+        the file holds whole records only, and the error names the file. Opens the file first if
+        need be."""
+        if self._f is None:
+            self.open()
         data = memoryview((json.dumps(record) + "\n").encode())
         with self._naming_errors():
             end = self._f.seek(0, os.SEEK_END)
@@ -107,8 +92,57 @@ class MetricsLogger:
                     self._f.truncate(end)
                 raise
 
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()  # unbuffered: nothing left to write
+            self._f = None
+
+    @contextlib.contextmanager
+    def _naming_errors(self):
+        """A failed write() (a full disk) names no file; name this one, for cli.py's one line."""
+        try:
+            yield
+        except OSError as e:
+            e.filename = e.filename or str(self.path)
+            raise
+
+
+class MetricsLogger:
+    """Appends one JSON record per optimizer step to `output_dir/metrics.jsonl` (records of
+    skipped steps carry `"skipped": true` and null loss/grad_norm) and one per evaluation, and
+    reports progress."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        logging_steps: int = 1,
+        report_to: list[str] | tuple[str, ...] = (),
+        disable_tqdm: bool | None = None,
+        run: RunInfo | None = None,
+    ):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.logging_steps = logging_steps
+        self.total = total_steps
+        self.start = start_step
+        self._records = RecordFile(self.path, start_step)
+        # Before the file and the bar: a tracker that cannot start leaves nothing open.
+        self.trackers: list[Tracker] = open_trackers(
+            list(report_to), Path(output_dir), start_step, run or RunInfo()
+        )
+        self._records.open()
+        interactive = show_progress(disable_tqdm)
+        # tqdm shows step/total, elapsed and ETA itself; loss and tokens/s go in the postfix.
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, disable=not interactive
+        )
+        self.interactive = interactive
+        self._step_seconds, self._steps = 0.0, 0  # the training steps' own time: the ETA's rate
+        self._eval_shown: dict[str, str] = {}  # the latest evaluation's figure, in the bar's postfix
+
     def log(self, record: dict) -> None:
-        self._append(record)
+        self._records.append(record)
         step = record["step"]
         loss = "skipped" if record.get("skipped") else f"{record['loss']:.4f}"
         self._step_seconds += record.get("step_time_s", 0.0)
@@ -133,7 +167,7 @@ class MetricsLogger:
 
     def log_eval(self, record: dict) -> None:
         """An evaluation record: to metrics.jsonl, as a line for the user, to the trackers."""
-        self._append(record)
+        self._records.append(record)
         if "eval_reward" in record:  # grpo's: sampled and scored
             shown = f"{record['eval_reward']:.4f}"
             self._eval_shown = {"eval_reward": shown}
@@ -196,7 +230,7 @@ class MetricsLogger:
             for t in self.trackers:
                 self._close(t, failed)
         finally:
-            self._f.close()  # unbuffered: nothing left to write
+            self._records.close()
 
     def _close(self, tracker: Tracker, failed: bool) -> None:
         """Close a tracker; a failure to is a warning (the run's outputs are already written)."""
@@ -206,15 +240,6 @@ class MetricsLogger:
             self.message(
                 f"megatrain: warning: report_to {tracker.name} did not close cleanly ({first_line(e)})"
             )
-
-    @contextlib.contextmanager
-    def _naming_errors(self):
-        """A failed write() (a full disk) names no file; name metrics.jsonl, for cli.py's one line."""
-        try:
-            yield
-        except OSError as e:
-            e.filename = e.filename or str(self.path)
-            raise
 
 
 class ByteProgress:

@@ -1,11 +1,11 @@
 """GRPO's rollouts (`stage: grpo`): a generation batch of prompts sampled `num_generations`
 times by the policy as it is, scored by the reward functions, turned into advantages and
-micro-batches of prompt + completion for the engine (objectives/grpo.py); and evaluation's
-sampling (`evaluate`).
+micro-batches of prompt + completion for the engine (objectives/grpo.py); and evaluation
+(`evaluate`).
 
 A generation batch is per_device_train_batch_size x steps_per_generation completions a process
 (TRL's; by default gradient_accumulation_steps slices, one generation batch an optimizer step),
-split into steps_per_generation micro-batches in order (TRL shuffles them first) and trained on
+shuffled and split into steps_per_generation micro-batches (`generation_order`) and trained on
 num_iterations times over (TRL's buffered generation): micro-batch m of the run (0-based,
 gradient_accumulation_steps a step) starts a new one where m is a multiple of
 steps_per_generation x num_iterations, and is its slice m mod steps_per_generation. A step's
@@ -40,6 +40,10 @@ where the next step goes on with a generation batch holds it (ROLLOUT_FILE, ever
 micro-batches with their advantages and log-probs), and a resume trains on it: the weights moved
 since it was sampled, so sampling it again would not give it back.
 
+Evaluation (`evaluate`) samples the eval prompts num_generations_eval times from streams of its
+own, scores them, writes them to eval_completions.jsonl, and takes TRL's eval-mode loss of them
+by the engine's forward sweep (objectives/grpo.py: GRPO.eval_sums, eval_metrics).
+
 Not built yet: a compiled or static-cache decode.
 """
 
@@ -47,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -59,6 +62,8 @@ from .data.batch import IGNORE_INDEX, MicroBatch
 from .data.chat import end_of_turn_id
 from .data.prompts import Prompt
 from .errors import CheckpointError
+from .io.outputs import COMPLETIONS, EVAL_COMPLETIONS
+from .metrics import RecordFile
 from .objectives.grpo import (
     ADVANTAGE,
     OLD_LOGP,
@@ -66,6 +71,7 @@ from .objectives.grpo import (
     TOKENS_PER_STEP,
     GRPOConfig,
     advantages,
+    eval_metrics,
     log_probs,
 )
 from .rewards import RewardFunc, score
@@ -74,6 +80,7 @@ from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
 EVAL_STREAM = -1  # row_seed's step for evaluation's completions: no optimizer step has it
+SHUFFLE_STREAM = -2  # row_seed's step for the order a generation batch is split in
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
@@ -83,6 +90,16 @@ def new_generation(micro: int, cfg: GRPOConfig) -> bool:
     """Whether micro-batch `micro` of the run (0-based, gradient_accumulation_steps a step) is
     the first on a new generation batch: one every steps_per_generation x num_iterations."""
     return micro % cfg.micro_batches_per_generation == 0
+
+
+def generation_order(seed: int, generation: int, rows: int) -> torch.Tensor:
+    """The order a process's `rows` rows of generation batch `generation` (its index in the run:
+    micro-batch // micro_batches_per_generation) are trained in, before the split into
+    steps_per_generation micro-batches: TRL's shuffle_sequence_dict, a random permutation, drawn
+    from a generator of its own seeded by (the run's seed, the generation batch), never the global
+    one, so a resume and every process draw it alike."""
+    g = torch.Generator().manual_seed(row_seed(seed, SHUFFLE_STREAM, generation))
+    return torch.randperm(rows, generator=g)
 
 
 def continues(step: int, cfg: GRPOConfig) -> bool:
@@ -113,7 +130,8 @@ class Rollout:
     def __init__(self, grpo: GRPOConfig, prompts: list[Prompt], funcs: list[RewardFunc], tokenizer,
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
-                 batches: list[MicroBatch] | None = None, resident_layers: int | None = None):  # fmt: skip
+                 batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
+                 start: int = 0):  # fmt: skip
         self.seed = seed
         self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
         self.reference = reference  # beta > 0: the reference policy's weights (stages.grpo_reference)
@@ -121,7 +139,10 @@ class Rollout:
         self.cfg, self.prompts, self.funcs, self.tokenizer = grpo, prompts, funcs, tokenizer
         self.model, self.device, self.dtype, self.world = model, device, dtype, world
         self.batch_size, self.pad_id = batch_size, pad_id
-        self.completions_file = None if out is None else Path(out) / "completions.jsonl"
+        # The main rank's record files; a resume after step `start` drops their later records.
+        keep = out is not None and world.is_main
+        self.completions_file = RecordFile(Path(out) / COMPLETIONS, start) if keep else None
+        self.eval_completions_file = RecordFile(Path(out) / EVAL_COMPLETIONS, start) if keep else None
         self.log_every = log_every
         eos = tokenizer.eos_token_id if tokenizer is not None else model.cfg.hf_config.eos_token_id
         stops = [
@@ -145,15 +166,19 @@ class Rollout:
         sampled, out = [], []
         for micro in range((step - 1) * ga, step * ga):
             if new_generation(micro, self.cfg) or self.batches is None:
-                self.batches = self._sample_step(draw(), step, micro % ga)
+                generation = micro // self.cfg.micro_batches_per_generation
+                self.batches = self._sample_step(draw(), step, micro % ga, generation)
                 sampled.append(self.metrics)
             out.append(self.batches[micro % slices])
         self.metrics = _mean_metrics(sampled)
         return out
 
-    def _sample_step(self, prompt_batches: list[MicroBatch], step: int, offset: int) -> list[MicroBatch]:
-        """A generation batch of `prompt_batches` (this rank's prompts) sampled at step `step`
-        for its micro-batch `offset` on, as steps_per_generation micro-batches."""
+    def _sample_step(
+        self, prompt_batches: list[MicroBatch], step: int, offset: int, generation: int
+    ) -> list[MicroBatch]:
+        """Generation batch `generation` of `prompt_batches` (this rank's prompts) sampled at step
+        `step` for its micro-batch `offset` on, as steps_per_generation micro-batches of its rows
+        in `generation_order`."""
         (pb,) = prompt_batches
         prompts = [self.prompts[i] for i in pb.units for _ in range(self.cfg.num_generations)]
         t0 = time.perf_counter()
@@ -173,8 +198,11 @@ class Rollout:
         # What streaming costs (rolloutmodel.py): layers fetched every forward, and their bytes.
         self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
-            self._write(step, prompts, completions, truncated, rewards, adv)
-        rows = [(p.ids, c, bool(t)) for p, c, t in zip(prompts, completions, truncated)]
+            for rec in self._records(step, prompts, completions, truncated, rewards, adv):
+                self.completions_file.append(rec)
+        order = generation_order(self.seed, generation, len(prompts))
+        rows = [(prompts[i].ids, completions[i], bool(truncated[i])) for i in order.tolist()]
+        adv = adv[order]
         batches = [
             self._micro_batch(rows[a : a + self.batch_size], adv[a : a + self.batch_size])
             for a in range(0, len(rows), self.batch_size)
@@ -216,28 +244,59 @@ class Rollout:
         return completions, truncated
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, prompts: list[Prompt], batch_size: int, progress) -> dict[str, float]:
+    def evaluate(self, prompts: list[Prompt], batch_size: int, progress, step: int) -> dict[str, float]:
         """TRL's eval metrics of the policy as it is (without the eval_ prefix): each of `prompts`
-        sampled num_generations times, `batch_size` completions at a time, and scored; the reward
+        sampled num_generations_eval times, `batch_size` completions at a time, and scored; the reward
         and completion metrics over every rank's completions (rank r samples the r-th block of the
         prompts). Each completion has a stream of evaluation's own, `row_seed(seed, EVAL_STREAM,
         the prompt's index, the completion's index)`: no training stream, and the same at every
         evaluation, so that two evaluations differ by the weights alone. Nothing of the training
         run changes: no random number is drawn from its generators, no rollout state is touched.
-        `progress(total)` makes a tqdm-like bar over the batches."""
-        g, n, world = self.cfg.num_generations, len(prompts), self.world
+        Every rank's completions go to output_dir/eval_completions.jsonl, each with the optimizer
+        step evaluated (`step`). `progress(total)` makes a tqdm-like bar over the batches."""
+        g, n, world = self.cfg.num_generations_eval, len(prompts), self.world
         mine = range(world.rank * n // world.world_size, (world.rank + 1) * n // world.world_size)
         rows = [(i, j) for i in mine for j in range(g)]
         seeds = [row_seed(self.seed, EVAL_STREAM, i, j) for i, j in rows]
         with progress(-(-len(rows) // batch_size)) as bar:
             completions, truncated = self.generate([prompts[i].ids for i, _ in rows], seeds, batch_size, bar)
+        sampled = [prompts[i] for i, _ in rows]
         rewards = (
-            self._score([prompts[i] for i, _ in rows], completions)
+            self._score(sampled, completions)
             if rows
             else torch.zeros(0, len(self.funcs), dtype=torch.float64)
         )
-        every = torch.cat(world.each(rewards)) if world.world_size > 1 else rewards
-        return advantages(self.cfg, every)[2] | self._metrics(every, completions, truncated)
+        ranks = world.each(rewards) if world.world_size > 1 else [rewards]
+        every = torch.cat(ranks)
+        _, adv, metrics = advantages(self.cfg, every, g)
+        first = sum(len(r) for r in ranks[: world.rank])
+        adv = adv[first : first + len(rows)]  # this rank's
+        records = self._records(step, sampled, completions, truncated, rewards, adv)
+        for rec in [r for rank in world.each(records) for r in rank] if world.world_size > 1 else records:
+            if self.eval_completions_file is not None:  # the main rank's, every rank's records
+                self.eval_completions_file.append(rec)
+        pairs = [(p.ids, c, bool(t)) for p, c, t in zip(sampled, completions, truncated)]
+        losses = self._eval_loss(pairs, adv, batch_size)
+        return metrics | self._metrics(every, completions, truncated) | losses
+
+    def _eval_loss(self, rows, adv: torch.Tensor, batch_size: int) -> dict[str, float]:
+        """TRL's loss metrics at an evaluation (objectives/grpo.py: eval_metrics): this rank's
+        (prompt ids, completion, truncated) rows in micro-batches of `batch_size` in order (TRL's
+        eval batches), with their advantages and, where beta > 0, the reference's log-probs,
+        forwarded by the engine gradient_accumulation_steps micro-batches a sweep (as evaluation
+        does for the other stages)."""
+        engine, world, ga = self.model.engine, self.world, self.cfg.gradient_accumulation_steps
+        size = range(0, len(rows), batch_size)
+        batches = [self._micro_batch(rows[a : a + batch_size], adv[a : a + batch_size]) for a in size]
+        if self.cfg.needs_reference and batches:
+            self._attach_logps(batches, sampling=False)
+        chunks = [batches[a : a + ga] for a in range(0, len(batches), ga)]
+        sums = [x for c in chunks for x in engine.head_outputs(c, engine.objective.eval_sums).cpu().tolist()]
+        most = max(world.each(len(chunks))) if world.world_size > 1 else len(chunks)
+        for _ in range(most - len(chunks)):
+            engine.keep_pace()  # the ranks' sweeps pair up (sharded: their weight gathers do)
+        mine = [(mb.input_ids.shape[0], s) for mb, s in zip(batches, sums)]
+        return eval_metrics(self.cfg, world.each(mine) if world.world_size > 1 else [mine])
 
     @contextlib.contextmanager
     def _measured(self):
@@ -295,13 +354,14 @@ class Rollout:
         return PolicyModel(self.model.cfg.hf_config, weights, self.device, self.dtype, self.resident_layers)
 
     # ------------------------------------------------------------------ log-probs
-    def _attach_logps(self, batches: list[MicroBatch]) -> None:
-        """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP) and the
-        reference policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
+    def _attach_logps(self, batches: list[MicroBatch], sampling: bool = True) -> None:
+        """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP; not with
+        `sampling` False: an evaluation's, whose sampling policy is the policy) and the reference
+        policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
         engine, ga = self.model.engine, self.cfg.gradient_accumulation_steps
         ref = self._reference_logps(batches) if self.cfg.needs_reference else None
         old = None
-        if self.cfg.needs_old_logps:  # a step's micro-batches at a time, the sweep the plan is made for
+        if sampling and self.cfg.needs_old_logps:  # a step's micro-batches at a time, as the plan's sweep
             fn = engine.objective.token_logps
             old = [
                 x for a in range(0, len(batches), ga) for x in engine.head_outputs(batches[a : a + ga], fn)
@@ -399,25 +459,31 @@ class Rollout:
         })  # fmt: skip
         return out
 
-    def _write(self, step, prompts, completions, truncated, rewards, adv) -> None:
-        """Sample completions with their rewards to output_dir/completions.jsonl (the main rank's)."""
-        if not self.world.is_main:
-            return
+    def _records(self, step, prompts, completions, truncated, rewards, adv) -> list[dict]:
+        """The records of completions.jsonl and eval_completions.jsonl: each completion with its
+        prompt, text, token ids, rewards and advantage, and the optimizer step (the one that
+        sampled it; an evaluation's, the one evaluated)."""
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True) if self.tokenizer else None
-        with open(self.completions_file, "a") as f:
-            for i, p in enumerate(prompts):
-                rec = {
-                    "step": step,
-                    "prompt": p.prompt,
-                    "completion": texts[i] if texts else None,
-                    "completion_ids": completions[i],
-                    "truncated": truncated[i],
-                    "rewards": {
-                        fn.name: (None if r != r else r) for fn, r in zip(self.funcs, rewards[i].tolist())
-                    },
-                    "advantage": float(adv[i]),
-                }
-                f.write(json.dumps(rec) + "\n")
+        return [
+            {
+                "step": step,
+                "prompt": p.prompt,
+                "completion": texts[i] if texts else None,
+                "completion_ids": completions[i],
+                "truncated": truncated[i],
+                "rewards": {
+                    fn.name: (None if r != r else r) for fn, r in zip(self.funcs, rewards[i].tolist())
+                },
+                "advantage": float(adv[i]),
+            }
+            for i, p in enumerate(prompts)
+        ]
+
+    def close(self) -> None:
+        """Close the record files."""
+        for f in (self.completions_file, self.eval_completions_file):
+            if f is not None:
+                f.close()
 
     # ------------------------------------------------------------------ batches
     def _micro_batch(self, rows, adv: torch.Tensor) -> MicroBatch:

@@ -351,10 +351,14 @@ class _Run(_Inputs):
         return final
 
     def close(self, failed: bool) -> None:
-        """Write the memory record, close the logger and the model, every step tried."""
+        """Write the memory record, close the logger, grpo's record files and the model, every step
+        tried."""
         # After an error, what closing meets (the same full disk, most often) is not the one to report.
         record = [lambda: self.memory.write(self.out)] if self.main else []
-        _close_all([*record, lambda: self.log.close(failed=failed), self.model.close], quietly=failed)
+        rollout = [self.rollout.close] if self.rollout is not None else []
+        _close_all(
+            [*record, lambda: self.log.close(failed=failed), *rollout, self.model.close], quietly=failed
+        )
 
 
 def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
@@ -493,7 +497,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         rollout = Rollout(
             cfg.grpo(world.world_size), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
-            inputs.plan.rollout_layers,
+            resident_layers=inputs.plan.rollout_layers, start=start,
         )  # fmt: skip
     run = _Run(
         **vars(inputs),

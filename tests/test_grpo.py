@@ -25,13 +25,14 @@ from megatrain.models.config import ModelConfig
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
 from megatrain.rewards import RewardError
-from megatrain.rollout import EVAL_STREAM, ROLLOUT_FILE
+from megatrain.rollout import EVAL_STREAM, ROLLOUT_FILE, generation_order
 from megatrain.sampling import RowSampler, row_seed
 from megatrain.stages import grpo_reference
 from megatrain.trackers import is_eval
 from megatrain.trainer import train
 
 B, GA, G, STEPS, MAX_NEW = 4, 2, 4, 3, 10
+SEED = TrainConfig.seed  # the runs' unless a test sets one
 LR, WD, MAX_NORM = 5e-3, 0.01, 0.5
 LR_AGAIN = 2e-4  # rollouts trained again: the clip acts on a share of the tokens, not all
 EPS = 1e-4  # AdamW's: well above the rounding of the smallest gradients, which Adam would amplify
@@ -74,11 +75,11 @@ def run(tmp_path, name="out", **kw):
 
 
 # ------------------------------------------------------------------------ TRL, transcribed
-def trl_advantages(rewards_per_func, weights, scale):
+def trl_advantages(rewards_per_func, weights, scale, g=G):
     rewards = (rewards_per_func * torch.tensor(weights, dtype=rewards_per_func.dtype)[None]).nansum(1)
-    mean = rewards.view(-1, G).mean(1).repeat_interleave(G)
+    mean = rewards.view(-1, g).mean(1).repeat_interleave(g)
     std = (
-        rewards.view(-1, G).std(1).repeat_interleave(G)
+        rewards.view(-1, g).std(1).repeat_interleave(g)
         if scale in ("group", "none")
         else rewards.std().expand_as(rewards)
     )
@@ -109,8 +110,9 @@ def trl_logps(hf, ids, attn, temperature):
     return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
 
 
-def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=None, beta=0.0, eps=0.2):
-    """GRPOTrainer._compute_loss for one micro-batch: its loss and its metrics (masked means)."""
+def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=None, beta=0.0, eps=0.2, ga=GA):
+    """GRPOTrainer._compute_loss for one micro-batch: its loss and its metrics (masked means);
+    `ga`: its normaliser, but dapo's (1 at evaluation)."""
     coef_1 = torch.exp(logps - (logps.detach() if old is None else old))
     coef_2 = torch.clamp(coef_1, 1 - eps, 1 + eps)
     a = adv[:, None]
@@ -120,11 +122,11 @@ def trl_loss(logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=Non
         kl = torch.exp(ref - logps) - (ref - logps) - 1
         per_token = per_token + beta * kl
     if loss_type == "grpo":
-        loss = ((per_token * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).mean() / GA
+        loss = ((per_token * cmask).sum(-1) / cmask.sum(-1).clamp(min=1.0)).mean() / ga
     elif loss_type == "bnpo":
-        loss = (per_token * cmask).sum() / cmask.sum().clamp(min=1.0) / GA
+        loss = (per_token * cmask).sum() / cmask.sum().clamp(min=1.0) / ga
     elif loss_type == "dr_grpo":
-        loss = (per_token * cmask).sum() / (per_token.size(0) * MAX_NEW) / GA
+        loss = (per_token * cmask).sum() / (per_token.size(0) * MAX_NEW) / ga
     else:
         loss = (per_token * cmask).sum() / num_items  # dapo
 
@@ -165,7 +167,8 @@ def trl_run(tok, rollouts, steps, ref_model, kw):
     """GRPOTrainer's training on the completions megatrain sampled, micro-batch by micro-batch as
     its `_prepare_inputs` buffers them: each step's loss and metrics, and the trained model. A
     generation batch of B x steps_per_generation completions is sampled every steps_per_generation
-    x num_iterations micro-batches and split in order into steps_per_generation micro-batches; the
+    x num_iterations micro-batches, shuffled (by the run's permutation: `generation_order`) and
+    split into steps_per_generation micro-batches; the
     log-probs of the policy that sampled it (where the policy moves before its last micro-batch)
     and of `ref_model` (beta > 0) are taken once."""
     hf = model(len(tok))
@@ -190,6 +193,9 @@ def trl_run(tok, rollouts, steps, ref_model, kw):
                     adv, torch.tensor([r["advantage"] for r in batch]), rtol=1e-5, atol=1e-6
                 )
                 rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in batch]
+                # _prepare_inputs: shuffle_sequence_dict, with the run's permutation of this batch
+                order = generation_order(kw.get("seed", SEED), micro // (slices * k), len(rows))
+                rows, adv = [rows[i] for i in order.tolist()], adv[order]
                 for _, c, cut in rows:  # cut: max_completion_length tokens and no end token
                     assert cut == (
                         len(c) == MAX_NEW
@@ -338,16 +344,17 @@ def write_eval_prompts(tmp_path, numbers=(20, 21, 22)):
     return str(tmp_path / "eval.jsonl")
 
 
-def plain_eval(hf, tok, path, seed=42):
-    """TRL's eval metrics of `hf`, plainly: each eval prompt sampled G times by `generate` alone,
-    each completion from its stream of evaluation's (row_seed(seed, EVAL_STREAM, prompt, n)),
-    cut after the first end token, scored by the run's reward functions; the rewards' group
-    statistics as TRL's `_generate_and_score_completions` takes them."""
+def plain_eval(hf, tok, path, seed=SEED, g=G):
+    """TRL's eval metrics of `hf`, plainly, and its completions: each eval prompt sampled g
+    (num_generations_eval) times by `generate` alone, each completion from its stream of
+    evaluation's (row_seed(seed, EVAL_STREAM, prompt, n)), cut after the first end token, scored
+    by the run's reward functions; the rewards' group statistics as TRL's
+    `_generate_and_score_completions` takes them (a group of one: std 0)."""
     prompts = [json.loads(x) for x in Path(path).read_text().splitlines()]
     completions, truncated, answers = [], [], []
     for i, rec in enumerate(prompts):
         ids = torch.tensor([tok(rec["prompt"])["input_ids"]])
-        for n in range(G):
+        for n in range(g):
             sampler = RowSampler([row_seed(seed, EVAL_STREAM, i, n)], "cpu")
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, logits_processor=[sampler],
                               max_new_tokens=MAX_NEW, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
@@ -361,9 +368,9 @@ def plain_eval(hf, tok, path, seed=42):
         [[float(len(t)), float(t.strip() == a)] for t, a in zip(texts, answers)], dtype=torch.float64
     )
     rewards = per_func @ torch.tensor([-0.05, 1.0], dtype=torch.float64)
-    group_std = rewards.view(-1, G).std(1)
+    group_std = rewards.view(-1, g).std(1) if g > 1 else torch.zeros(len(prompts), dtype=torch.float64)
     lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
-    return {
+    return completions, {
         "eval_reward": float(rewards.mean()), "eval_reward_std": float(group_std.mean()),
         "eval_frac_reward_zero_std": float((group_std < 1e-6).double().mean()),
         "eval_rewards/length/mean": float(per_func[:, 0].mean()), "eval_rewards/length/std": float(per_func[:, 0].std()),
@@ -395,7 +402,6 @@ def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(set
     plain_records, plain_rollouts, plain_final = run(tmp_path, "plain")
     evals = [r for r in records if is_eval(r)]
     assert [r["step"] for r in evals] == [0, 2, STEPS]
-    assert not any("eval_loss" in r for r in evals)
 
     def training(rs):  # the step records less their timings
         return [
@@ -411,10 +417,133 @@ def test_evaluation_samples_and_scores_and_leaves_the_training_run_as_it_was(set
     end = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "eval" / "final", dtype=torch.float32
     ).eval()
+    samples = eval_completions(tmp_path / "eval")
+    assert [r["step"] for r in samples] == [s for s in (0, 2, STEPS) for _ in range(3 * G)]
     for got, hf in ((evals[0], start), (evals[-1], end)):
-        for name, value in plain_eval(hf, tok, path).items():
+        completions, metrics = plain_eval(hf, tok, path)
+        for name, value in metrics.items():
             assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (got["step"], name)
+        assert [r["completion_ids"] for r in samples if r["step"] == got["step"]] == completions
     assert evals[0]["eval_reward"] != evals[-1]["eval_reward"]  # the weights moved between them
+    assert not (tmp_path / "plain" / "eval_completions.jsonl").exists()
+
+
+def plain_eval_loss(hf, ref, tok, samples, kw, size):
+    """TRL's loss metrics at evaluation (prediction_step -> _compute_loss in eval mode, the
+    Trainer's eval_loss), plainly: the eval completions in batches of `size` in order, each
+    batch's loss with the policy as its own sampling policy, not accumulated (dapo: over the
+    batch's tokens), weighted by the batch's rows; its metrics' masked means averaged over the
+    batches."""
+    loss_type, beta = kw.get("loss_type", "dapo"), kw.get("beta", 0.0)
+    rows = [(tok(r["prompt"])["input_ids"], r["completion_ids"], r["truncated"]) for r in samples]
+    adv = trl_advantages(reward_table(samples), [-0.05, 1.0], "group").float()
+    losses, metrics = [], []
+    for a in range(0, len(rows), size):
+        ids, attn, cmask = trl_inputs(rows[a : a + size], False)
+        with torch.no_grad():
+            logps, entropy = trl_logps(hf, ids, attn, 1.0)
+            ref_logps = trl_logps(ref, ids, attn, 1.0)[0] if beta else None
+            loss, m = trl_loss(logps, entropy, cmask, adv[a : a + size], loss_type, cmask.sum(), ref=ref_logps,
+                               beta=beta, ga=1)  # fmt: skip
+        losses.append((len(ids), float(loss)))
+        metrics.append(
+            m
+            | {
+                "clip_ratio/low_min": m["clip_ratio/low_mean"],
+                "clip_ratio/high_max": m["clip_ratio/high_mean"],
+            }
+        )
+    out = {"eval_loss": sum(n * x for n, x in losses) / len(rows)}
+    return out | {f"eval_{k}": sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(beta=0.04), dict(loss_type="bnpo", num_iterations=2, beta=0.04)],
+    ids=["dapo-beta", "bnpo-stale"],
+)
+def test_the_eval_loss_and_its_metrics_are_trls(setup, kw):
+    """At an evaluation, TRL's GRPOTrainer also computes the loss on the eval completions
+    (prediction_step): eval_loss, eval_entropy, eval_kl (beta > 0) and the clip ratios (0: the
+    ratio is 1, even where training keeps the sampling policy's log-probs), each as a plain
+    computation with the weights evaluated (the last step's, per_device_eval_batch_size 5 cutting
+    groups, the last batch short) and the reference."""
+    import transformers
+
+    tmp_path, tok = setup
+    path = write_eval_prompts(tmp_path)
+    records, _, _ = run(tmp_path, max_steps=1, eval_dataset=path, per_device_eval_batch_size=5, **kw)
+    (got,) = [r for r in records if is_eval(r)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out" / "final", dtype=torch.float32
+    ).eval()
+    want = plain_eval_loss(hf, model(len(tok)).eval(), tok, eval_completions(tmp_path / "out"), kw, size=5)
+    assert ("eval_kl" in got) == ("beta" in kw) and set(want) <= set(got)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    if "beta" in kw:
+        assert got["eval_kl"] > 0  # the weights moved from the reference
+
+
+def eval_completions(out):
+    return [json.loads(x) for x in (out / "eval_completions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("g", [2, 1])
+def test_num_generations_eval_is_the_completions_per_eval_prompt(setup, g):
+    """num_generations_eval (TRL's): each eval prompt sampled that many times (1: groups of one,
+    whose std is 0); the eval metrics are the plain computation's over those completions, and
+    eval_completions.jsonl holds each with the fields of completions.jsonl: its prompt, text, the
+    rewards and the advantage in its group, the step evaluated."""
+    tmp_path, tok = setup
+    path = write_eval_prompts(tmp_path)
+    records, rollouts, _ = run(
+        tmp_path, max_steps=1, eval_dataset=path, eval_on_start=True, num_generations_eval=g
+    )
+    (got,) = [r for r in records if is_eval(r) and r["step"] == 0]
+    completions, metrics = plain_eval(model(len(tok)).eval(), tok, path, g=g)
+    for name, value in metrics.items():
+        assert got[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
+    samples = [r for r in eval_completions(tmp_path / "out") if r["step"] == 0]
+    assert [r["completion_ids"] for r in samples] == completions and len(samples) == 3 * g
+    assert set(samples[0]) == set(rollouts[0])
+    assert [r["prompt"] for r in samples] == [f"Say {i} once:" for i in (20, 21, 22) for _ in range(g)]
+    rewards = reward_table(samples)
+    assert [[r["rewards"]["length"], r["rewards"]["exact_match"]] for r in samples] == rewards.tolist()
+    adv = (
+        trl_advantages(rewards, [-0.05, 1.0], "group", g)
+        if g > 1
+        else torch.zeros(3 * g, dtype=torch.float64)
+    )
+    assert [r["advantage"] for r in samples] == pytest.approx(adv.tolist(), abs=1e-6)
+    assert len(samples[0]["completion"]) > 0
+
+
+def test_the_completion_files_survive_a_resume_without_duplicates_or_cut_lines(setup):
+    """A run killed after step 2's checkpoint, having written step 3's records and half a line to
+    completions.jsonl and eval_completions.jsonl, resumes with both files trimmed to whole
+    records of the checkpoint's steps: at the end they are the uninterrupted run's, byte for
+    byte. A new run in that output_dir keeps them aside."""
+    tmp_path, _ = setup
+    kw = dict(eval_dataset=write_eval_prompts(tmp_path), eval_steps=1, save_strategy="steps", save_steps=1)
+    run(tmp_path, "whole", **kw)
+    run(tmp_path, "cut", **kw, max_steps=2)
+    names = ("completions.jsonl", "eval_completions.jsonl")
+    for name in names:
+        with open(tmp_path / "cut" / name, "a") as f:  # what the killed run wrote after step 2
+            f.write(json.dumps({"step": 3, "prompt": "stale"}) + "\n" + '{"step": 3, "prompt": "cut sh')
+    run(tmp_path, "cut", **kw, resume_from_checkpoint=True)
+    for name in names:
+        whole = (tmp_path / "whole" / name).read_text()
+        assert (tmp_path / "cut" / name).read_text() == whole, name
+        assert {json.loads(x)["step"] for x in whole.splitlines()} >= {1, 2, 3}
+    # A new run there keeps them aside with metrics.jsonl, and starts its own.
+    run(tmp_path, "cut", **kw, max_steps=1, overwrite_output_dir=True)
+    for name in names:
+        stem, suffix = name.split(".")
+        (aside,) = (tmp_path / "cut").glob(f"{stem}-*.{suffix}")
+        assert aside.read_text() == (tmp_path / "whole" / name).read_text(), name
+        assert {json.loads(x)["step"] for x in (tmp_path / "cut" / name).read_text().splitlines()} <= {0, 1}
 
 
 def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
@@ -438,14 +567,16 @@ def test_the_best_grpo_checkpoint_is_the_one_with_the_most_eval_reward(setup):
 
 def test_grpo_evaluation_settings():
     """The best model's metric with stage grpo is eval_reward (by default with
-    load_best_model_at_end); eval_loss is refused by name."""
+    load_best_model_at_end) or eval_loss (lower is better); another is refused by name."""
     args = dict(model_config="unused", stage="grpo", reward_funcs=["length"], per_device_train_batch_size=8,
                 eval_dataset="unused", eval_steps=2, save_steps=2)  # fmt: skip
     cfg = TrainConfig(**args, load_best_model_at_end=True)
     assert (cfg.metric_for_best_model, cfg.greater_is_better) == ("eval_reward", True)
-    with pytest.raises(ConfigError, match=r"^metric_for_best_model: must be eval_reward \(the metric evaluation "
-                       r"computes with stage grpo\) \(got 'eval_loss'\)$"):  # fmt: skip
-        TrainConfig(**args, metric_for_best_model="eval_loss")
+    cfg = TrainConfig(**args, load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    assert (cfg.metric_for_best_model, cfg.greater_is_better) == ("eval_loss", False)
+    with pytest.raises(ConfigError, match=r"^metric_for_best_model: must be eval_reward or eval_loss \(the metrics "
+                       r"evaluation computes with stage grpo\) \(got 'eval_entropy'\)$"):  # fmt: skip
+        TrainConfig(**args, metric_for_best_model="eval_entropy")
 
 
 def failing_reward(completions, **_):
@@ -482,6 +613,7 @@ def test_a_failing_reward_function_is_one_line(setup):
         (dict(steps_per_generation=0), "steps_per_generation: must be >= 1"),
         (dict(beta=-0.04), "beta: must be >= 0"),
         (dict(num_iterations=0), "num_iterations: must be >= 1"),
+        (dict(num_generations_eval=0), r"^num_generations_eval: must be >= 1 \(got 0\)$"),
         (dict(loss_type="sigmoid"), "loss_type: must be one of dapo"),
     ],
 )
@@ -579,6 +711,22 @@ def test_resume_in_the_middle_of_a_rollout_trains_as_the_uninterrupted_run(setup
         assert torch.equal(whole[k], resumed[k]), k
 
 
+def test_the_generation_order_is_a_permutation_of_the_seed_and_the_generation_batch_alone():
+    """generation_order draws from a generator of its own: the global generator's state changes
+    nothing, and nothing is drawn from it; each generation batch has an order of its own."""
+    torch.manual_seed(0)
+    first = generation_order(SEED, 3, 16)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(1)
+    assert torch.equal(generation_order(SEED, 3, 16), first)
+    torch.manual_seed(0)
+    generation_order(SEED, 3, 16)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert sorted(first.tolist()) == list(range(16)) and first.tolist() != list(range(16))
+    assert not torch.equal(generation_order(SEED, 4, 16), first)
+    assert not torch.equal(generation_order(SEED + 1, 3, 16), first)
+
+
 def test_the_reference_copy_is_the_initial_weights_in_the_compute_dtype(setup):
     """stages.grpo_reference: the initial weights, in bf16 as on a GPU, as many bytes as
     reference_copy_bytes counts for the plan; nothing without a KL term."""
@@ -630,7 +778,11 @@ def test_two_processes_equal_one(setup):
     """The step's prompts split over two gloo processes (each samples its half from the
     completions' own streams, advantages over both halves, reused for num_iterations steps with a
     KL term), and the eval prompts (one to the first, two to the second): the same completions,
-    losses, metrics, eval metrics and weights as one process with the same global batch."""
+    losses, rewards, eval metrics and weights as one process with the same global batch. The
+    per-micro-batch means (entropy, kl, clip ratios) are not compared: one process shuffles its 8
+    completions into two micro-batches, two processes each shuffle their 4 into one (as TRL's
+    processes do), so the micro-batches hold other completions; grpo's loss, a mean over
+    completions of micro-batches of one size, is the same."""
     from test_checkpoint import write_yaml
     from test_distributed import assert_close_weights, launch
 
@@ -660,22 +812,24 @@ def test_two_processes_equal_one(setup):
         for k in (
             "loss",
             "grad_norm",
-            "kl",
             "reward",
             "reward_std",
             "completions/mean_length",
             "completions/clipped_ratio",
-            "entropy",
-            "clip_ratio/region_mean",
-            "clip_ratio/low_mean",  # (low_min, high_max: the extreme over processes, as in TRL)
         ):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
     assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
     got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
+    # Every process's eval completions, in the prompts' order, with their group's advantages.
+    assert eval_completions(tmp_path / "two") == eval_completions(tmp_path / "one")
+    assert all("eval_loss" in r for r in got + want)
     for a, b in zip(got, want):
-        for k in [k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac"))]:
+        # (grpo's eval_loss is a mean over completions, whichever batches they are in)
+        for k in [
+            k for k in b if k.startswith(("eval_reward", "eval_completions/", "eval_frac", "eval_loss"))
+        ]:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
 
 

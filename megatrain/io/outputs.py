@@ -5,7 +5,7 @@
   `overwrite_output_dir: true`. Even then nothing is deleted silently: the previous
   checkpoints stay (pruning only ever touches this run's lineage; a checkpoint of a step this
   run also saves is replaced), the run's own files (metrics.jsonl, train_config.json,
-  plan.json) are renamed aside (`metrics-<time>.jsonl`), and final/ is replaced at the end; a
+  plan.json; grpo's completions.jsonl, eval_completions.jsonl) are renamed aside (`metrics-<time>.jsonl`), and final/ is replaced at the end; a
   message lists all of this, naming each checkpoint that stays and each that is replaced (so
   does a resume, for another run's checkpoints beside its own). train_config.json and
   plan.json alone do not make a directory a used one (a fresh run keeps them aside as well).
@@ -55,7 +55,9 @@ from .checkpoint import (
 from .writing import AtomicDir, free_bytes, same_file_system
 
 METRICS, FINAL = "metrics.jsonl", "final"
-RUN_FILES = (METRICS, TRAIN_CONFIG, PLAN_FILE)  # one run's own files, kept aside together
+COMPLETIONS, EVAL_COMPLETIONS = "completions.jsonl", "eval_completions.jsonl"  # grpo's samples
+# One run's own files, kept aside together.
+RUN_FILES = (METRICS, TRAIN_CONFIG, PLAN_FILE, COMPLETIONS, EVAL_COMPLETIONS)
 
 
 def new_run_id() -> str:

@@ -33,7 +33,7 @@ and most over the ranks of each micro-batch's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -56,6 +56,8 @@ class GRPOConfig:
 
     num_generations: int = 8
     """Completions sampled per prompt (a group)."""
+    num_generations_eval: int | None = None
+    """Completions sampled per eval prompt (None: num_generations; 1: a group's std is 0)."""
     max_completion_length: int | None = 256
     """Tokens a completion may have; one cut there is truncated (`completions/clipped_ratio`)."""
     temperature: float = 1.0
@@ -98,6 +100,10 @@ class GRPOConfig:
                 bad(f.name, "must be a finite number")
         if self.num_generations < 2:
             bad("num_generations", "must be >= 2 (advantages compare completions of one prompt)")
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        if self.num_generations_eval < 1:
+            bad("num_generations_eval", "must be >= 1")
         if self.max_completion_length is None or self.max_completion_length < 1:
             bad("max_completion_length", "must be a number of tokens >= 1 for grpo")
         if self.temperature <= 0:
@@ -177,18 +183,24 @@ def log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tenso
 
 
 # ------------------------------------------------------------------------ advantages
-def advantages(cfg: GRPOConfig, rewards_per_func: Tensor) -> tuple[Tensor, Tensor, dict[str, float]]:
+def advantages(
+    cfg: GRPOConfig, rewards_per_func: Tensor, group: int | None = None
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """(rewards, advantages, metrics) of a generation batch: `rewards_per_func` [completions,
-    functions] (NaN where a function gave None), groups of num_generations consecutive rows."""
+    functions] (NaN where a function gave None), groups of `group` (default num_generations;
+    an evaluation's: num_generations_eval) consecutive rows. The std of one reward is 0 (TRL's,
+    where an evaluation has groups of one)."""
     n, k = rewards_per_func.shape
+    g = group or cfg.num_generations
     weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
     if len(weights) != k:
         raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
     rewards = (rewards_per_func * weights[None]).nansum(1)
-    grouped = rewards.view(-1, cfg.num_generations)
-    mean = grouped.mean(1).repeat_interleave(cfg.num_generations)
-    group_std = grouped.std(1).repeat_interleave(cfg.num_generations)
-    std = rewards.std().expand_as(rewards) if cfg.scale_rewards == "batch" else group_std
+    grouped = rewards.view(-1, g)
+    mean = grouped.mean(1).repeat_interleave(g)
+    group_std = grouped.std(1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
+    batch_std = rewards.std() if n > 1 else torch.zeros((), dtype=rewards.dtype)
+    std = batch_std.expand_as(rewards) if cfg.scale_rewards == "batch" else group_std
     adv = rewards - mean
     if cfg.scale_rewards != "none":
         adv = adv / (std + STD_EPS)
@@ -203,6 +215,30 @@ def advantages(cfg: GRPOConfig, rewards_per_func: Tensor) -> tuple[Tensor, Tenso
 # ------------------------------------------------------------------------ the objective
 # A chunk's sums over its completion tokens, in this order (the metrics' numerators).
 STATS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
+
+
+def eval_metrics(cfg: GRPOConfig, ranks: list[list[tuple[int, list[float]]]]) -> dict[str, float]:
+    """TRL's loss metrics at an evaluation from every rank's eval micro-batches, each (its rows,
+    its `GRPO.eval_sums` row): `loss` the mean of their losses weighted by their rows (the
+    Trainer's eval_loss), the STATS the mean over them of their masked means (TRL's log of one
+    value an eval batch), `clip_ratio/low_min` and `high_max` the least and most over the ranks
+    of each micro-batch's index. Empty where there is no eval completion."""
+    every = [x for rank in ranks for x in rank]
+    if not every:
+        return {}
+
+    def mean(s: list[float], name: str) -> float:  # a micro-batch's masked mean of a STATS entry
+        return s[2 + STATS.index(name)] / max(s[1], 1.0)
+
+    out = {"loss": sum(n * s[0] for n, s in every) / sum(n for n, _ in every)}
+    out |= {
+        k: sum(mean(s, k) for _, s in every) / len(every) for k in STATS if k != "kl" or cfg.needs_reference
+    }
+    index = [[r[i][1] for r in ranks if i < len(r)] for i in range(max(map(len, ranks)))]
+    for name, of, pick in (("clip_ratio/low_min", "clip_ratio/low_mean", min),
+                           ("clip_ratio/high_max", "clip_ratio/high_mean", max)):  # fmt: skip
+        out[name] = sum(pick(mean(s, of) for s in at) for at in index) / len(index)
+    return out
 
 
 @dataclass
@@ -327,6 +363,24 @@ class GRPO(Objective):
         for m, a, logits in head.forward(hidden):
             n = logits.shape[0]
             out[m][a : a + n] = log_probs(logits, targets[m].tokens[a : a + n], self.cfg.temperature)[1]
+        return out
+
+    @torch.no_grad()
+    def eval_sums(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
+        """Forward only (`Engine.head_outputs`), TRL's evaluation (`prediction_step`): each
+        micro-batch's [loss, completion tokens, STATS summed over them] ([micro-batches, 2 +
+        len(STATS)]) with the policy as its own sampling policy (the ratio is 1: TRL's old
+        log-probs at evaluation are the policy's), the loss aggregated by loss_type over the
+        micro-batch alone, not accumulated (dapo: over its own completion tokens)."""
+        out = torch.zeros(len(targets), 2 + len(STATS), device=head.W.device)
+        targets = [replace(t, old=None) for t in targets]
+        for m, a, logits in head.forward(hidden):
+            t = targets[m]
+            scale = max(t.tokens_in_mb, 1) if self.cfg.loss_type == "dapo" else 1.0
+            loss, sums = self._chunk(t, a, logits, scale)
+            out[m, 0] += loss
+            out[m, 2:] += sums
+        out[:, 1] = torch.tensor([float(t.tokens_in_mb) for t in targets])
         return out
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
