@@ -167,15 +167,20 @@ def main() -> None:
     import torch
 
     shape = DENSE_SHAPES[args.shape]
-    runs = []
+    runs, stopped = [], None
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         d = Path(tmp)
         model, data = write_inputs(d, shape, args)
-        for system in args.systems.split(","):
-            runs.append(
-                run_megatrain(d, model, data, args) if system == "megatrain" else run_generate(d, model, args)
-            )
-            print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)
+        try:
+            for system in args.systems.split(","):
+                runs.append(
+                    run_megatrain(d, model, data, args)
+                    if system == "megatrain"
+                    else run_generate(d, model, args)
+                )
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)
+        except KeyboardInterrupt:  # a time limit's SIGINT: the systems that finished are still written
+            stopped = f"stopped by SIGINT during {system}; the systems before it finished"
     from megatrain.models.config import ModelConfig
 
     meta = {
@@ -187,6 +192,8 @@ def main() -> None:
         "num_params": ModelConfig.from_hf(model_config({"shape": shape, "seq": 4096})).num_params,
         "completions_per_step": args.prompts * args.generations,
     }
+    if stopped:
+        meta["stopped"] = stopped
     text = table(runs)
     print(text)
     write_once(args.out, args.tag, f"{args.tag}: GRPO", meta, runs, text, key="runs",
