@@ -166,8 +166,8 @@ def run_megatrain(spec: dict, res: Result) -> None:
         batch = Batch(tokens, accum, spec["seq"], dt.itemsize, True, rows=spec["mbs"])
         lm = layer_memory_for(mcfg, dev, dt, None, tokens)
         res.update(
-            phase_predicted=phase_peaks(mcfg, batch, plan, lm),
-            unit_predicted=unit_peaks(mcfg, batch, plan, lm),
+            phase_predicted=phase_peaks(mcfg, batch, plan, lm, world.layout),
+            unit_predicted=unit_peaks(mcfg, batch, plan, lm, world.layout),
             layer_mem=lm.__dict__,
         )
     model = build_model(

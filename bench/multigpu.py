@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 "system": system,
                 "design": design,
                 "gpus": gpus,
+                "model": a.model,
                 **pc,
                 "seq_len": a.seq,
                 "tokens_per_step": a.tokens,

@@ -8,6 +8,8 @@ placement.py can be checked against every measurement taken so far without a GPU
     python bench/replay.py bench/results/*_memory.json bench/results/*_x2.json
     python bench/replay.py --units bench/results/<file>.json   # per unit of the backward sweep
     python bench/replay.py --steps bench/results/*.json         # step time, every run that can
+
+A record of several GPUs (bench/multigpu.py) is replayed for one of its processes, in its world.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from memory import batch_of, plan_str, shape_of  # noqa: E402
 
+from megatrain.parallel.layout import Layout  # noqa: E402
 from megatrain.planning.footprint import evaluate  # noqa: E402
 from megatrain.planning.placement import Machine, Plan, phase_peaks, unit_peaks  # noqa: E402
 from megatrain.planning.planspec import PCIE_BYTES_S, model_shape  # noqa: E402
@@ -44,19 +47,46 @@ def machine_of(record: dict) -> Machine:
     return replace(Machine.from_json(record["machine"]), pcie_bytes_s=PCIE_BYTES_S)
 
 
+def runs_in(path: str) -> list[dict]:
+    """The records of a results file: memory.py's and bench.py's {"runs": [...]}, multigpu.py's
+    list."""
+    with open(path) as f:
+        data = json.load(f)
+    runs = data.get("runs", []) if isinstance(data, dict) else data
+    return [r for r in runs if isinstance(r, dict)]
+
+
+def _model(record: dict) -> str | None:
+    """A record's shape preset: its own key, or (multigpu.py's records before they had one) the
+    `--model` of its command, multigpu.py's default B where the command names none."""
+    if "model" in record or "multigpu.py" not in record.get("command", ""):
+        return record.get("model")
+    args = record["command"].split()
+    return args[args.index("--model") + 1] if "--model" in args else "B"
+
+
 def run_of(record: dict) -> dict | None:
-    """memory.py's run spec of a record: memory.py's own, or bench.py's shape and step (None for
-    a record without a plan to replay)."""
+    """memory.py's run spec of a record: memory.py's own, or bench.py's and multigpu.py's shape and
+    step, a process's share of it (None for a record without a plan to replay)."""
     if "run" in record:
         return record.get("resolved_run") or record["run"]
-    if not isinstance(record.get("plan"), dict) or "model" not in record:
+    model = _model(record)
+    if not isinstance(record.get("plan"), dict) or model is None:
         return None  # early bench.py records wrote the plan as text
     return {
-        "model": record["model"],
-        "tokens": record["tokens_per_step"],
+        "model": model,
+        "tokens": record["tokens_per_step"] // record.get("gpus", 1),
         "seq": record["seq_len"],
         "mbs": record["mbs"],
     }
+
+
+def world_of(record: dict) -> Layout:
+    """The data-parallel world a run's processes formed: its machine's, or multigpu.py's GPUs and
+    design (one process where a record says neither)."""
+    if "machine" in record:
+        return machine_of(record).world
+    return Layout(ranks=record.get("gpus", 1), sharded=record.get("design") == "sharded")
 
 
 def step_time(record: dict) -> tuple[float, Plan]:
@@ -70,19 +100,33 @@ def step_time(record: dict) -> tuple[float, Plan]:
 
 def replay(record: dict) -> dict[str, tuple[int, int]]:
     """phase -> (measured, predicted) peak bytes."""
-    run = record.get("resolved_run") or record["run"]  # seq=limit / layers=max: as resolved
-    plan = _plan(record)
-    predicted = phase_peaks(shape_of(run)[0], batch_of(run), plan, LayerMemory(**record["layer_mem"]))
+    run = run_of(record)  # seq=limit / layers=max: as resolved
+    lm, world = LayerMemory(**record["layer_mem"]), world_of(record)
+    predicted = phase_peaks(shape_of(run)[0], batch_of(run), _plan(record), lm, world)
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items() if isinstance(v, int)}
 
 
 def replay_units(record: dict) -> dict[int, tuple[int, int]]:
     """unit -> (measured, predicted) peak bytes while it is differentiated, for a record that
     measured them (bench/_phases.py)."""
-    run = record.get("resolved_run") or record["run"]
-    plan = _plan(record)
-    predicted = unit_peaks(shape_of(run)[0], batch_of(run), plan, LayerMemory(**record["layer_mem"]))
+    run = run_of(record)
+    lm, world = LayerMemory(**record["layer_mem"]), world_of(record)
+    predicted = unit_peaks(shape_of(run)[0], batch_of(run), _plan(record), lm, world)
     return {int(u): (v, predicted[int(u)]) for u, v in record.get("unit_peaks", {}).items()}
+
+
+def _name(record: dict) -> str:
+    """A record's run: memory.py's name, or the system (and data-parallel design) and its GPUs."""
+    if "name" in record:
+        return record["name"]
+    design = f"-{record['design']}" if record.get("design") else ""
+    return f"{record.get('system')}{design}" + (f" x{record['gpus']}" if record.get("gpus", 1) > 1 else "")
+
+
+def _replayable(record: dict, key: str) -> bool:
+    """The record measured `key` and holds what a replay needs: the plan, step and probed layer
+    (multigpu.py's records before 2026-11-27 kept no layer)."""
+    return key in record and "layer_mem" in record and run_of(record) is not None
 
 
 def _steps(paths: list[str]) -> None:
@@ -90,15 +134,12 @@ def _steps(paths: list[str]) -> None:
     print("| file | run | plan | measured s | predicted s | error |")
     print("|---|---|---|---|---|---|")
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        for r in data.get("runs", []) if isinstance(data, dict) else data:
-            if not isinstance(r, dict) or not r.get("step_s") or "layer_mem" not in r or not run_of(r):
+        for r in runs_in(path):
+            if not r.get("step_s") or not _replayable(r, "plan"):
                 continue
             t, _ = step_time(r)
-            name = r.get("name") or r.get("system")
             print(
-                f"| {os.path.basename(path)} | {name} | {plan_str(r['plan'])} | {r['step_s']:.3f} | "
+                f"| {os.path.basename(path)} | {_name(r)} | {plan_str(r['plan'])} | {r['step_s']:.3f} | "
                 f"{t:.3f} | {100 * (t / r['step_s'] - 1):+.1f}% |"
             )
 
@@ -112,32 +153,29 @@ def main() -> None:
         print("| file | run | unit | measured GiB | predicted GiB | measured - predicted |")
         print("|---|---|---|---|---|---|")
         for path in sys.argv[1:]:
-            with open(path) as f:
-                for r in json.load(f)["runs"]:
-                    for u, (m, q) in (
-                        sorted(replay_units(r).items(), reverse=True) if "unit_peaks" in r else ()
-                    ):
-                        name = os.path.basename(path)
-                        print(
-                            f"| {name} | {r['name']} | {u} | {m / GiB:.2f} | {q / GiB:.2f} | {(m - q) / GiB:+.2f} |"
-                        )
+            for r in runs_in(path):
+                for u, (m, q) in (
+                    sorted(replay_units(r).items(), reverse=True) if _replayable(r, "unit_peaks") else ()
+                ):
+                    print(
+                        f"| {os.path.basename(path)} | {_name(r)} | {u} | {m / GiB:.2f} | {q / GiB:.2f} | "
+                        f"{(m - q) / GiB:+.2f} |"
+                    )
         return
     print(
         "| file | run | plan | forward | head | backward | peak measured GiB | peak predicted GiB | error |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for path in sys.argv[1:]:
-        with open(path) as f:
-            runs = json.load(f)["runs"]
-        for r in runs:
-            if "phase_peaks" not in r:
+        for r in runs_in(path):
+            if not _replayable(r, "phase_peaks"):
                 continue
             ph = replay(r)
             mode = plan_str(r["plan"])
             cells = [f"{m / GiB:.2f} / {q / GiB:.2f}" for m, q in ph.values()]
             meas, pred = max(m for m, _ in ph.values()), max(q for _, q in ph.values())
             print(
-                f"| {os.path.basename(path)} | {r['name']} | {mode} | {' | '.join(cells)} | "
+                f"| {os.path.basename(path)} | {_name(r)} | {mode} | {' | '.join(cells)} | "
                 f"{meas / GiB:.2f} | {pred / GiB:.2f} | {100 * (pred / meas - 1):+.1f}% |"
             )
 

@@ -24,6 +24,7 @@ from .planspec import EMBED_GRAD_ROWS, Batch, Machine, Plan, Shape, model_shape
 from .probe import LayerMemory, formula_layer_memory
 
 GiB, MiB = 2**30, 2**20
+ALONE = Layout()  # a world of one process
 
 # --- measured constants (bench/calibrate.py, bench/memory.py; bf16, compiled layer, Hopper); one
 # layer's activations are probe.py's (measured, or its formula)
@@ -57,6 +58,15 @@ HOST_RUNTIME = {"cuda": 1 * GiB, "cpu": 256 * MiB}
 # only) one runtime's worth, not measured.
 PROCESS_HOST = {"cuda": 5 * GiB, "cpu": 256 * MiB}
 CUDA_CONTEXT = 600 * MiB
+# Several processes, a streamed backward sweep (two_pass, immediate): processgroup.py's
+# `reduce_then` starts a unit's all-reduce and hands its gradient on only when the next unit's
+# starts, so while a unit is differentiated the previous unit's fp32 gradient is still alive (the
+# stored mode counts it already, as the gradient on its way to be held). Unit by unit, the
+# two-pass runs stood a plateau of one layer's fp32 gradient above the model without it: 1.45 GiB
+# of 18.7B on two H200s (bench/results/2026-11-23_0929_multigpu.json, +1.20 GiB measured; _0942_,
+# +2.05, whose forward sweep stood 0.9 GiB above the model too), 0.81 GiB of 8B on four H100s
+# (2026-11-27_0122_x4-multigpu-B64k.json, +0.80); one-GPU two-pass runs show no such plateau.
+REDUCING_UNITS = 1
 GPU_RESERVE = 0.03  # of the GPU budget, against allocator fragmentation
 # Of the host budget: the kernel's and the GPU driver's own memory for page-locked pages, the page
 # tables of a state of 100+ GB. An 8B run planned to within 0.1% of MemAvailable (124.8 GiB) was
@@ -130,9 +140,9 @@ class _Phase:
         return {**self.rest, "weight buffers": self.window[0], **self.work}
 
 
-def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
-    """Replay one optimizer step: the GPU memory alive at each point (forward at each layer, the
-    loss head, backward at each layer, the embedding), by kind."""
+def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phase]:
+    """Replay one optimizer step of one process of `world`: the GPU memory alive at each point
+    (forward at each layer, the loss head, backward at each layer, the embedding), by kind."""
     cb, L, h, lm = b.compute_bytes, s.layers, s.hidden, s.layer_mem
     T, Tm = b.tokens, b.micro_batch_tokens
     act = T * h * cb  # one layer's boundary activations, all micro-batches
@@ -184,11 +194,18 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         return act * max(0, min(j, L - k) - p)
 
     head_grad = 4 * s.units[-1] + (4 * s.units[0] if s.tied else 0)
+    reducing = REDUCING_UNITS if world.ranks > 1 else 0
+
+    def reduced(u: int) -> int:
+        """Several processes: the gradient of the unit differentiated before unit u, still being
+        reduced (the head's is reduced before the sweep)."""
+        return sum(4 * s.units[v] for v in range(u + 1, min(n - 1, u + 1 + reducing)))
 
     def inflight(u: int) -> int:
         """immediate, two_pass: gradients of the units stepped just before unit u (backward
-        order: head, last layer, ..., embedding) that the host optimizer has not taken yet."""
-        return sum(4 * s.units[v] for v in range(u + 1, min(n, u + 1 + plan.inflight_units)))
+        order: head, last layer, ..., embedding) that the host optimizer has not taken yet, behind
+        the one still being reduced on several processes."""
+        return sum(4 * s.units[v] for v in range(u + 1, min(n, u + 1 + plan.inflight_units + reducing)))
 
     phases: list[_Phase] = []
     # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
@@ -238,7 +255,7 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
         if stored:
             held = suffix[u + 1] + (0 if on_gpu[u + 1] else 4 * s.units[u + 1])  # + one on its way out
         elif two_pass:  # the first pass holds the head's gradient; the second streams
-            held = max(head_grad, inflight(u))
+            held = max(head_grad + reduced(u), inflight(u))
         else:
             held = inflight(u)
         rest = {
@@ -262,10 +279,13 @@ def _phases(s: Shape, b: Batch, plan: Plan) -> list[_Phase]:
     # allocates beside it, and a masked or scaled copy in compute dtype; beside them its fp32
     # gradient buffer (counted with the held gradients where those are the stored mode's) and,
     # in a norm-only first pass, every boundary activation, kept for the second.
+    # A norm-only first pass holds the head's gradient here too, and on several processes the
+    # first layer's still being reduced beside it (on one GPU not counted: docs/open-work.md).
+    first_pass = head_grad + reduced(0) if two_pass and reducing else 0
     rest = {
         "boundary activations": acts_before(L) if two_pass else 0,
         "activation gradients": T * h * cb,
-        "gradients": suffix[0] if stored else inflight(0),
+        "gradients": suffix[0] if stored else max(first_pass, inflight(0)),
         "GPU-stepped weights": 0 if stored else stepped_weights(1),
         "GPU-stepped state (prestaged)": prestaged_state(0),
     }
@@ -286,21 +306,25 @@ def _step_scratch(s: Shape, plan: Plan) -> int:
     return STEP_SLOTS * STATE_BYTES * chunk
 
 
-def _gpu_peak(s: Shape, b: Batch, plan: Plan) -> tuple[int, dict[str, int]]:
-    """The most GPU memory alive at once in one step, with its parts."""
-    worst = max(_phases(s, b, plan), key=lambda ph: ph.total)
+def _gpu_peak(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[int, dict[str, int]]:
+    """The most GPU memory alive at once in one step of one process, with its parts."""
+    worst = max(_phases(s, b, plan, world), key=lambda ph: ph.total)
     return worst.total, {name: v for name, v in worst.parts().items() if v}
 
 
 def phase_peaks(
-    cfg: ModelConfig, batch: Batch, plan: Plan, layer_mem: LayerMemory | None = None
+    cfg: ModelConfig,
+    batch: Batch,
+    plan: Plan,
+    layer_mem: LayerMemory | None = None,
+    world: Layout = ALONE,
 ) -> dict[str, int]:
     """The predicted GPU peak of each phase of a step (forward, head, backward; and the
-    embedding's gradient, the backward sweep's last stretch), for comparing the memory model with
-    the allocator's counters phase by phase."""
+    embedding's gradient, the backward sweep's last stretch) on each GPU of `world`, for comparing
+    the memory model with the allocator's counters phase by phase."""
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
     out: dict[str, int] = {}
-    phases = _phases(s, batch, plan)
+    phases = _phases(s, batch, plan, world)
     for ph in phases:
         out[ph.name] = max(out.get(ph.name, 0), ph.total)
     out["embedding"] = phases[-1].total
@@ -308,13 +332,17 @@ def phase_peaks(
 
 
 def unit_peaks(
-    cfg: ModelConfig, batch: Batch, plan: Plan, layer_mem: LayerMemory | None = None
+    cfg: ModelConfig,
+    batch: Batch,
+    plan: Plan,
+    layer_mem: LayerMemory | None = None,
+    world: Layout = ALONE,
 ) -> dict[int, int]:
     """The predicted GPU peak while each unit is differentiated in the backward sweep (the last
-    layer's first, the embedding's last), by unit index: where within the sweep the model and the
-    allocator part, where they do."""
+    layer's first, the embedding's last), by unit index, on each GPU of `world`: where within the
+    sweep the model and the allocator part, where they do."""
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
-    return {ph.unit: ph.total for ph in _phases(s, batch, plan) if ph.unit is not None}
+    return {ph.unit: ph.total for ph in _phases(s, batch, plan, world) if ph.unit is not None}
 
 
 # ---------------------------------------------------------------------------- host memory model
@@ -432,7 +460,7 @@ def usable_host(m: Machine) -> int | None:
 def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     plan = replace(plan)
     if plan.device == "cuda":
-        plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan)
+        plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan, m.world)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
     plan.disk = disk_tier_bytes(s, plan.disk_units, m.world)
     plan.step_time_s = step_time(s, b, plan, m)
