@@ -453,3 +453,32 @@ def test_a_killed_process_leaves_no_tier_file(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
     assert os.listdir(tmp_path / "nvme") == []
+
+
+def test_a_host_that_holds_all_but_the_moments_takes_them_all_on_disk():
+    """The moments on disk free all their bytes of host memory: the host's reserve is a share of
+    its own memory, not of the tier (counted at 95%, a 122B tier lost 45 GiB of a 512 GiB host)."""
+    import math
+
+    from transformers import LlamaConfig
+
+    from megatrain.planning import footprint, placement
+    from megatrain.planning.planspec import Batch, Machine, model_shape
+    from megatrain.planning.probe import formula_layer_memory
+
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=16)
+    cfg = ModelConfig.from_hf(LlamaConfig(**shape, num_hidden_layers=24, vocab_size=32000))
+    batch = Batch(micro_batch_tokens=256, micro_batches=1, seq_len=256, compute_bytes=4, clip=True)
+    s = model_shape(cfg, formula_layer_memory(cfg, 4))
+    m = Machine("cpu", disk_bytes=2**42)
+    n = len(s.units)
+    two_pass = placement.Choices(gradient_placement="two_pass")
+    whole = footprint.evaluate(s, batch, replace(placement.plan(cfg, batch, m, two_pass), disk_units=n), m)
+    assert whole.disk > 20 * disk.ring_bytes(s.units)  # a tier whose reserve share outweighs its ring
+    host = math.ceil(whole.host_total / (1 - footprint.HOST_RESERVE))
+    p = placement.plan(cfg, batch, replace(m, host_bytes=host), two_pass)
+    assert p.disk_units == n and p.host_total == whole.host_total <= footprint.usable_host(
+        replace(m, host_bytes=host)
+    )
+    with pytest.raises(placement.PlanError, match="with the disk tier"):
+        placement.plan(cfg, batch, replace(m, host_bytes=host - 2**20), two_pass)

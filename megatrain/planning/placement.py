@@ -38,6 +38,7 @@ costmodel.py (step time, which footprint's `evaluate` adds to each plan).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from functools import partial
@@ -50,6 +51,7 @@ from ..parallel.layout import Layout
 from .costmodel import ADAM_IN_STEP
 from .footprint import (
     CUDA_CONTEXT,
+    HOST_RESERVE,
     disk_tier_bytes,
     evaluate,
     fits,
@@ -142,8 +144,13 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
         tier = disk_tier_bytes(s, k, m.world)
         if tier > m.disk_bytes:
             return None
-        try:  # the moments on disk free their bytes of host memory for the rest of the plan
-            p = _in_memory(cfg, batch, replace(m, host_bytes=m.host_bytes + tier), choices, layer_mem)
+        # The moments on disk free their bytes of host memory for the rest of the plan: all of
+        # them, the reserve being a share of the host's memory, not of bytes it no longer holds
+        # (`fits` below checks the tiered plan against the machine's own budget). Counted at 95%,
+        # a 122B tier of 910 GiB lost 45 GiB and refused a run that fits 512 GiB.
+        freed = math.ceil(tier / (1 - HOST_RESERVE))
+        try:
+            p = _in_memory(cfg, batch, replace(m, host_bytes=m.host_bytes + freed), choices, layer_mem)
         except PlanError:
             return None
         if p.resident_units + p.gpu_stepped_units > n - k:
