@@ -505,3 +505,4 @@ def test_gpu_state_auto_keeps_the_gpus_state_off_the_tiers_units():
     assert roomy.resident_units > 0  # with host memory to spare, auto holds state on the GPU
     p = placement.plan(cfg, batch, m, auto)
     assert p.disk_units == whole.disk_units and p.resident_units + p.gpu_stepped_units == 0
+    assert any("the disk tier takes the units" in note for note in p.notes)

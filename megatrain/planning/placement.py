@@ -157,6 +157,7 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
                 # graphs: `off` turns both off) and with the user's GPU-stepped units, if any.
                 off = replace(c, gpu_state="off", gpu_step_units=c.gpu_step_units or 0)
                 p = _in_memory(cfg, batch, room, off, layer_mem)
+                p.notes.append("gpu_state: no state on the GPU: the disk tier takes the units it would hold")
         except PlanError:
             return None
         if p.resident_units + p.gpu_stepped_units > n - k:
