@@ -453,3 +453,56 @@ def test_a_killed_process_leaves_no_tier_file(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=30)
     assert os.listdir(tmp_path / "nvme") == []
+
+
+def _tiered_host(device: str, choices):
+    """A ~1.3B Llama, its batch, and a machine on `device` whose host holds all but the moments
+    (as little as the plan with every unit's moments on disk needs): the plan's inputs."""
+    import math
+
+    from transformers import LlamaConfig
+
+    from megatrain.planning import footprint, placement
+    from megatrain.planning.planspec import Batch, Machine, model_shape
+    from megatrain.planning.probe import formula_layer_memory
+
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=16)
+    cfg = ModelConfig.from_hf(LlamaConfig(**shape, num_hidden_layers=24, vocab_size=32000))
+    batch = Batch(micro_batch_tokens=256, micro_batches=1, seq_len=256, compute_bytes=4, clip=True)
+    s = model_shape(cfg, formula_layer_memory(cfg, 4))
+    m = Machine(device, gpu_bytes=80 * 2**30, disk_bytes=2**42)
+    # without state on the GPU the tier may take every unit
+    bare = placement.plan(cfg, batch, m, replace(choices, gpu_state="off"))
+    whole = footprint.evaluate(s, batch, replace(bare, disk_units=len(s.units)), m)
+    assert whole.disk > 20 * disk.ring_bytes(s.units)  # its reserve share would outweigh its ring
+    host = math.ceil(whole.host_total / (1 - footprint.HOST_RESERVE))
+    return cfg, batch, replace(m, host_bytes=host), whole
+
+
+def test_a_host_that_holds_all_but_the_moments_takes_them_all_on_disk():
+    """The moments on disk free all their bytes of host memory: the host's reserve is a share of
+    its own memory, not of the tier (counted at 95%, a 122B tier lost 45 GiB of a 512 GiB host)."""
+    from megatrain.planning import footprint, placement
+
+    two_pass = placement.Choices(gradient_placement="two_pass")
+    cfg, batch, m, whole = _tiered_host("cpu", two_pass)
+    p = placement.plan(cfg, batch, m, two_pass)
+    assert p.disk_units == whole.disk_units
+    assert p.host_total == whole.host_total <= footprint.usable_host(m)
+    with pytest.raises(placement.PlanError, match="with the disk tier"):
+        placement.plan(cfg, batch, replace(m, host_bytes=m.host_bytes - 2**20), two_pass)
+
+
+def test_gpu_state_auto_keeps_the_gpus_state_off_the_tiers_units():
+    """`gpu_state: auto` spends free GPU memory on resident units, whose moments must stay
+    page-locked: where the tier needs every unit, the plan holds no state on the GPU instead of
+    refusing the run."""
+    from megatrain.planning import placement
+
+    auto = placement.Choices(gradient_placement="two_pass")
+    cfg, batch, m, whole = _tiered_host("cuda", auto)
+    roomy = placement.plan(cfg, batch, replace(m, host_bytes=None), auto)
+    assert roomy.resident_units > 0  # with host memory to spare, auto holds state on the GPU
+    p = placement.plan(cfg, batch, m, auto)
+    assert p.disk_units == whole.disk_units and p.resident_units + p.gpu_stepped_units == 0
+    assert any("the disk tier takes the units" in note for note in p.notes)

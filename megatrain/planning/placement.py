@@ -38,6 +38,7 @@ costmodel.py (step time, which footprint's `evaluate` adds to each plan).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from functools import partial
@@ -50,6 +51,7 @@ from ..parallel.layout import Layout
 from .costmodel import ADAM_IN_STEP
 from .footprint import (
     CUDA_CONTEXT,
+    HOST_RESERVE,
     disk_tier_bytes,
     evaluate,
     fits,
@@ -136,18 +138,30 @@ def plan(
 def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: str) -> Plan:
     """The plan with the fewest trailing units' moments on disk, or PlanError."""
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
-    n = len(s.units)
+    n, c = len(s.units), choices or Choices()
 
     def with_tier(k: int) -> Plan | None:
         tier = disk_tier_bytes(s, k, m.world)
         if tier > m.disk_bytes:
             return None
-        try:  # the moments on disk free their bytes of host memory for the rest of the plan
-            p = _in_memory(cfg, batch, replace(m, host_bytes=m.host_bytes + tier), choices, layer_mem)
+        # The moments on disk free their bytes of host memory for the rest of the plan: all of
+        # them, the reserve being a share of the host's memory, not of bytes it no longer holds
+        # (`fits` below checks the tiered plan against the machine's own budget). Counted at 95%,
+        # a 122B tier of 910 GiB lost 45 GiB and refused a run that fits 512 GiB.
+        room = replace(m, host_bytes=m.host_bytes + math.ceil(tier / (1 - HOST_RESERVE)))
+        try:
+            p = _in_memory(cfg, batch, room, choices, layer_mem)
+            if p.resident_units + p.gpu_stepped_units > n - k and c.gpu_state == "auto":
+                # GPU-resident and GPU-stepped units need their moments page-locked: where `auto`
+                # spends free GPU memory on the tier's units, the plan without GPU state (nor kept
+                # graphs: `off` turns both off) and with the user's GPU-stepped units, if any.
+                off = replace(c, gpu_state="off", gpu_step_units=c.gpu_step_units or 0)
+                p = _in_memory(cfg, batch, room, off, layer_mem)
+                p.notes.append("gpu_state: no state on the GPU: the disk tier takes the units it would hold")
         except PlanError:
             return None
         if p.resident_units + p.gpu_stepped_units > n - k:
-            return None  # GPU-resident and GPU-stepped units need their moments page-locked
+            return None
         p = evaluate(s, batch, replace(p, disk_units=k, notes=list(p.notes)), m)
         if not fits(p, m):
             return None
