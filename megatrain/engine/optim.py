@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..host.hostmem import populate
-from ..host.state import HostState, Unit
+from ..host.state import ALIGN, HostState, Unit
 from ..parallel.distributed import Collective, Single
 
 
@@ -28,6 +28,28 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+
+# Elements per optimizer thread of a piece that the clip's multiply scales just before the kernel
+# steps it (`HostAdamW.clip_piece_per_thread`). The multiply (`mul_`, one parallel loop) and the
+# kernel split a contiguous range over the same OpenMP threads the same static way (the kernel in
+# 16-element units, the multiply from 32K elements a thread on), so each thread steps the slice it
+# has just scaled: where that slice stays in the core's own cache (2 MiB of L2 on the hosts
+# measured), the kernel reads the gradient from there, not from memory. 256K elements is 1 MiB of
+# gradient a thread: half the L2, the rest for the lines of the master and moments streaming
+# through. Scaled by the thread count, not fixed: a fixed piece leaves each of 63 threads a sliver,
+# and the two parallel regions a piece costs (fork and join, Python's calls) then outweigh the
+# work, as 256K-element pieces on two threads did (0.57 of the kernel's rate, against 0.83 at 1M).
+CLIP_PIECE_PER_THREAD = 1 << 18
+# Whether the pass scales held gradients in those pieces by default: not yet measured on a big
+# host (docs/open-work.md, "The CPU AdamW at scale").
+CLIP_IN_PIECES = False
+
+
+def clip_piece(threads: int, per_thread: int = CLIP_PIECE_PER_THREAD) -> int:
+    """Elements of a piece the clip scales before stepping it on `threads` threads, a multiple of
+    64 (every cut the pass makes is on one: the module docstring says why)."""
+    return max(ALIGN, per_thread * threads // ALIGN * ALIGN)
 
 
 def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None) -> list[tuple[int, int]]:
@@ -43,9 +65,12 @@ def clip_scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
     threshold) multiplies nothing: x * 1.0 is x, bitwise, and the pass over the gradient (8 bytes
     a parameter moved beside the kernel's 28) is skipped. A device coefficient is not read: that
     would wait for the GPU."""
-    if coef is None or (coef.device.type == "cpu" and coef.item() == 1.0):
-        return g
-    return g.mul_(coef.to(g.device))
+    return g.mul_(coef.to(g.device)) if multiplies(coef) else g
+
+
+def multiplies(coef: torch.Tensor | None) -> bool:
+    """Whether `clip_scaled` multiplies by `coef` (`clip_scaled` says when it does not)."""
+    return coef is not None and (coef.device.type != "cpu" or coef.item() != 1.0)
 
 
 def adamw_range(
@@ -117,6 +142,10 @@ class HostAdamW:
         self.state, self.cfg = state, cfg
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
+        # Elements a thread of each piece `step_held` scales just before stepping it, where the
+        # clip multiplies (CLIP_PIECE_PER_THREAD says why); None: a chunk scaled whole, then
+        # stepped.
+        self.clip_piece_per_thread = CLIP_PIECE_PER_THREAD if CLIP_IN_PIECES else None
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this process steps."""
@@ -172,10 +201,24 @@ class HostAdamW:
     ) -> None:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
         covers the span; scaled in place), times the clip coefficient (a host tensor; None: not
-        clipped), `chunk` elements at a time: the optimizer worker's pass over held gradients."""
+        clipped), `chunk` elements at a time (or a piece, `_held_piece`): the optimizer worker's
+        pass over held gradients."""
         lo, hi = self.span(unit)
-        for a, b in chunk_ranges(unit, chunk, (lo, hi)):
+        for a, b in chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi)):
             self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+
+    def _held_piece(self, unit: Unit, coef: torch.Tensor | None, chunk: int) -> int:
+        """Elements `step_held` scales and steps at a time: `chunk`, or a smaller piece of
+        `clip_piece_per_thread` elements a thread where set and the clip multiplies. Not on the
+        disk tier's units: each range stepped there stages its block and writes it back whole."""
+        tier = self.state.tier
+        if (
+            self.clip_piece_per_thread is None
+            or not multiplies(coef)
+            or (tier is not None and tier.holds(unit))
+        ):
+            return chunk
+        return min(chunk, clip_piece(torch.get_num_threads(), self.clip_piece_per_thread))
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
