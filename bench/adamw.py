@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", default=None, help="thread counts: time the step alone at each")
     ap.add_argument("--engine", action="store_true", help="the engine's pass beside the kernel")
     ap.add_argument("--engine-params", type=float, default=1e9, help="--engine: the model's size")
-    ap.add_argument("--clip-pieces", default="65536,262144,1048576", help="--engine: elements a thread")
+    ap.add_argument("--clip-pieces", default="65536,131072,262144", help="--engine: elements a thread")
     ap.add_argument("--shape", default="B", help="--engine: the layer shape (bench/_shapes.py)")
     ap.add_argument("--vocab", type=int, default=None, help="--engine: in place of the shape's")
     ap.add_argument("--out", default=None)

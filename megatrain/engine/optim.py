@@ -5,9 +5,11 @@ The update is torch's fused CPU AdamW kernel (`torch._fused_adamw_`, what
 is elementwise, so stepping a unit in chunks as its gradients arrive gives bitwise the same
 result as stepping it whole, where the chunks are cut at multiples of 64 elements (the kernel
 runs a tensor's last few elements through a scalar loop whose rounding may differ from its
-vector loop's; parameters start on 64-element boundaries, and every cut the engine makes is on
-one). Semantics follow the Hugging Face Trainer: no weight decay on biases and norm weights, one
-global step count.
+vector loop's; its threads split a tensor at multiples of 16 elements, so that loop takes the
+tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut at a multiple of
+64 leaves every element in the loop it takes in the whole tensor; parameters start on 64-element
+boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
+Trainer: no weight decay on biases and norm weights, one global step count.
 """
 
 from __future__ import annotations
@@ -31,18 +33,24 @@ class AdamWConfig:
 
 
 # Elements per optimizer thread of a piece that the clip's multiply scales just before the kernel
-# steps it (`HostAdamW.clip_piece_per_thread`). The multiply (`mul_`, one parallel loop) and the
-# kernel split a contiguous range over the same OpenMP threads the same static way (the kernel in
-# 16-element units, the multiply from 32K elements a thread on), so each thread steps the slice it
-# has just scaled: where that slice stays in the core's own cache (2 MiB of L2 on the hosts
-# measured), the kernel reads the gradient from there, not from memory. 256K elements is 1 MiB of
-# gradient a thread: half the L2, the rest for the lines of the master and moments streaming
-# through. Scaled by the thread count, not fixed: a fixed piece leaves each of 63 threads a sliver,
-# and the two parallel regions a piece costs (fork and join, Python's calls) then outweigh the
-# work, as 256K-element pieces on two threads did (0.57 of the kernel's rate, against 0.83 at 1M).
-CLIP_PIECE_PER_THREAD = 1 << 18
-# Whether the pass scales held gradients in those pieces by default: not yet measured on a big
-# host (docs/open-work.md, "The CPU AdamW at scale").
+# steps it (`HostAdamW.clip_piece_per_thread`), so that the kernel reads the scaled gradient from
+# the core's cache rather than from memory. The multiply (`mul_`: one parallel loop, from 32K
+# elements a thread on) and the kernel (its threads' ranges in 16-element units) split a piece over
+# the same OpenMP threads the same static way: each thread steps the slice it has just scaled. That
+# slice stays in the core's L2 (2 MiB on the development host's cores) only while the kernel's own
+# streams leave room: it reads the master and both moments beside the gradient, 16 bytes an
+# element, so 128K elements (512 KiB of gradient) fill the L2 once. Scaled by the thread count, not
+# fixed: each piece costs two parallel regions and the pass's Python (~80 us a piece on the 2-core
+# development host), so a fixed piece split over 63 threads leaves each a sliver whose overheads
+# outweigh the traffic saved. The cache saves the kernel's read of the gradient, 4 of the 36 bytes
+# an element the multiply and the kernel move (the product is written back all the same): where
+# memory's bandwidth bounds the pass, 28/32 of the kernel's rate at best, against 28/36 for the
+# multiply's pass of its own.
+CLIP_PIECE_PER_THREAD = 1 << 17
+# Whether the pass scales held gradients in those pieces by default: no, as measured on the
+# 2-core development host, where no piece size was faster than a chunk scaled whole beyond the
+# runs' spread (`bench/adamw.py --engine`, docs/open-work.md "The CPU AdamW at scale"); not yet
+# measured on a big host, where memory's bandwidth, not a core, bounds the pass.
 CLIP_IN_PIECES = False
 
 
