@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megatrain.engine.optim import AdamWConfig, HostAdamW
+from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_piece
 from megatrain.host.hostmem import host_buffer
 from megatrain.host.state import HostState, build_units
 from megatrain.models.config import ModelConfig
@@ -66,7 +66,10 @@ class EnginePass:
         self.numel = sum(p.numel for u in self.state.units for p in u.params if p.train)
         self.steps = 0
 
-    def run(self, coef: torch.Tensor | None) -> None:
+    def run(self, coef: torch.Tensor | None, piece_per_thread: int | None = None) -> None:
+        """One pass; a clip that fires scales each chunk whole, or `piece_per_thread` elements a
+        thread at a time just before stepping them (`HostAdamW.clip_piece_per_thread`)."""
+        self.opt.clip_piece_per_thread = piece_per_thread
         self.steps += 1
         for u in self.state.units:
             self.opt.step_held(u, self.held[u.index], coef, LR, self.steps, self.chunk)
@@ -92,9 +95,10 @@ class KernelPass:
             )  # fmt: skip
 
 
-def measure_engine(cfg: ModelConfig, repeats: int) -> tuple[list[dict], dict]:
+def measure_engine(cfg: ModelConfig, repeats: int, pieces: list[int]) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
-    falls on all alike); the best of each, G params/s over the engine's stepped elements."""
+    falls on all alike); the best of each, G params/s over the engine's stepped elements. The
+    clipped pass scales each chunk whole, and in pieces of each of `pieces` elements a thread."""
     t0 = time.perf_counter()
     engine = EnginePass(cfg)
     kernel = KernelPass(engine.numel, engine.chunk)
@@ -105,10 +109,12 @@ def measure_engine(cfg: ModelConfig, repeats: int) -> tuple[list[dict], dict]:
     on_worker = lambda fn: lambda: worker.submit(_clock, fn).result()  # noqa: E731
     here = lambda fn: lambda: _clock(fn)  # noqa: E731
     clipped, one = torch.tensor(CLIPPED), torch.tensor(1.0)
+    in_pieces = {f"engine, clipped in pieces of {k:,} a thread": k for k in pieces}
     passes = [
         ("kernel", "calling", here(kernel.run)),
         ("kernel", "worker", on_worker(kernel.run)),
         ("engine, clipped", "worker", on_worker(lambda: engine.run(clipped))),
+        *[(name, "worker", on_worker(lambda k=k: engine.run(clipped, k))) for name, k in in_pieces.items()],
         ("engine, coefficient 1", "worker", on_worker(lambda: engine.run(one))),
         ("engine, unclipped", "worker", on_worker(lambda: engine.run(None))),
     ]
@@ -124,7 +130,13 @@ def measure_engine(cfg: ModelConfig, repeats: int) -> tuple[list[dict], dict]:
     for name, where, _ in passes:
         first, *rest = times[name + where]
         best = min(rest)
-        rows.append({"pass": name, "thread": where, "first_s": first, "seconds": best,
+        # the elements stepped at a time: a piece as step_held cuts it, else a chunk
+        piece = (
+            min(engine.chunk, clip_piece(threads_on_worker, in_pieces[name]))
+            if name in in_pieces
+            else engine.chunk
+        )
+        rows.append({"pass": name, "piece": piece, "thread": where, "first_s": first, "seconds": best,
                      "gparams_per_s": n / best / 1e9, "times_s": rest})  # fmt: skip
     kernel_rate = max(r["gparams_per_s"] for r in rows if r["pass"] == "kernel")
     for r in rows:
@@ -140,6 +152,7 @@ def measure_engine(cfg: ModelConfig, repeats: int) -> tuple[list[dict], dict]:
         "engine_gparams_per_s": engine_row["gparams_per_s"],
         "ratio": engine_row["vs_kernel"],
         "engine_first_pass_s": engine_row["first_s"],
+        "pieces_ratio": {in_pieces[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in in_pieces},
     }
     return rows, summary
 
@@ -151,9 +164,12 @@ def _clock(fn) -> float:
 
 
 def engine_table(rows: list[dict]) -> str:
-    out = ["| pass | thread | first pass s | best s | G params/s | vs kernel |", "|---|---|---|---|---|---|"]
+    out = [
+        "| pass | piece | thread | first pass s | best s | G params/s | vs kernel |",
+        "|---|---|---|---|---|---|---|",
+    ]
     out += [
-        f"| {r['pass']} | {r['thread']} | {r['first_s']:.3f} | {r['seconds']:.3f} | "
+        f"| {r['pass']} | {r['piece']:,} | {r['thread']} | {r['first_s']:.3f} | {r['seconds']:.3f} | "
         f"{r['gparams_per_s']:.2f} | {r['vs_kernel']:.0%} |"
         for r in rows
     ]

@@ -61,14 +61,25 @@ def test_every_pass_is_timed_and_written_once(tmp_path, monkeypatch):
     assert js.read_text() == text
 
 
-ENGINE_ARGS = ["--engine", "--shape", "tiny", "--engine-params", "1e6", "--repeats", "2"]
+ENGINE_ARGS = [
+    "--engine",
+    "--shape",
+    "tiny",
+    "--engine-params",
+    "1e6",
+    "--repeats",
+    "2",
+    "--clip-pieces",
+    "100,4000000",
+]
 
 
 @pytest.mark.slow
 def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     """`--engine` at a tiny size, as a user runs it: the JSON holds the kernel's and the engine's
     rates over the same elements, their ratio, the first pass apart, the threads the worker
-    ran on, and the command; the Markdown its table."""
+    ran on, the clipped pass in pieces of each size asked (a multiple of 64 elements, at most a
+    chunk), and the command; the Markdown its table."""
     p = subprocess.run(
         [sys.executable, "bench/adamw.py", *ENGINE_ARGS, "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -87,6 +98,8 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
         ("kernel", "calling"),
         ("kernel", "worker"),
         ("engine, clipped", "worker"),
+        ("engine, clipped in pieces of 100 a thread", "worker"),
+        ("engine, clipped in pieces of 4,000,000 a thread", "worker"),
         ("engine, coefficient 1", "worker"),
         ("engine, unclipped", "worker"),
     ]
@@ -101,7 +114,15 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     assert record["engine_first_pass_s"] == engine["first_s"]
     assert record["threads_on_worker"] == record["threads"]  # the optimizer's threads, on its thread
     assert 0 < record["engine_params"] < 2e6 and record["layers"] >= 1
-    assert "| engine, clipped | worker |" in js.with_suffix(".md").read_text()
+    chunk, threads = record["chunk"], record["threads_on_worker"]
+    assert {r["piece"] for k, r in rows.items() if "pieces" not in k[0]} == {chunk}
+    assert rows["engine, clipped in pieces of 100 a thread", "worker"]["piece"] == 100 * threads // 64 * 64
+    assert rows["engine, clipped in pieces of 4,000,000 a thread", "worker"]["piece"] == chunk
+    assert record["pieces_ratio"] == {
+        str(k): rows[f"engine, clipped in pieces of {k:,} a thread", "worker"]["vs_kernel"]
+        for k in (100, 4000000)
+    }
+    assert f"| engine, clipped | {chunk:,} | worker |" in js.with_suffix(".md").read_text()
 
 
 class _Frozen:

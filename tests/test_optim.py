@@ -19,12 +19,12 @@ from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
 
 ADAMW = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-# (clip coefficient, learning rate, elements a piece) of each step: a clip that fires, a norm under
-# the threshold (a coefficient of exactly one), no clipping; pieces that cut parameters, and whole
-# units. The engine cuts at multiples of 64 elements (pages, chunks of 32M): the kernel's vector loop
+# (clip coefficient, learning rate, elements a chunk) of each step: a clip that fires, a norm under
+# the threshold (a coefficient of exactly one), no clipping, a clip that fires again; chunks that
+# cut parameters, and whole units. The engine cuts at multiples of 64 elements (pages, chunks of 32M): the kernel's vector loop
 # then covers the elements it covers in a whole tensor (a cut elsewhere moves some into its scalar
 # tail, whose rounding may differ).
-STEPS = [(0.37, 1e-2, 1024), (1.0, 5e-3, 192), (None, 2e-3, 10**9)]
+STEPS = [(0.37, 1e-2, 1024), (1.0, 5e-3, 192), (None, 2e-3, 10**9), (0.6, 1e-3, 10**9)]
 
 
 def _state():
@@ -41,9 +41,17 @@ def _state():
     return state
 
 
-def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched():
+# Elements a thread of the pieces the clip scales just before stepping them (None: each chunk
+# scaled whole): 100 is cut to a multiple of 64 (64 on one thread, 192 on two), 5 * 64 divides no
+# parameter of the tiny model's (48-wide rows) on one thread or two.
+PIECES = [None, 100, 5 * 64]
+
+
+@pytest.mark.parametrize("per_thread", PIECES)
+def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched(per_thread):
     state = _state()
     opt = HostAdamW(state, ADAMW)
+    opt.clip_piece_per_thread = per_thread
     specs = [(u, p) for u in state.units for p in u.params]
     ref = {p.key: torch.nn.Parameter(state.flat(u)[p.offset : p.offset + p.numel].clone()) for u, p in specs}
     groups = [
@@ -92,6 +100,35 @@ def test_the_clip_multiplies_the_held_gradient_in_place(coef):
     before = grad.clone()
     opt.step_held(unit, grad, torch.tensor(coef), 1e-2, 1, 1000)
     assert torch.equal(grad, before * torch.tensor(coef))
+
+
+def test_the_clip_scales_and_steps_pieces_of_the_held_gradient_where_set(tmp_path, monkeypatch):
+    """With `clip_piece_per_thread` set, a clip that fires steps the held gradient in pieces of
+    that many elements a thread (a multiple of 64, at most a chunk); a coefficient of one, no clip,
+    and the disk tier's units (staged a block at a time) a chunk at a time."""
+    state = _state()
+    DiskTier(state, 1, tmp_path)
+    opt = HostAdamW(state, ADAMW)
+    opt.clip_piece_per_thread = 100
+    ranges = []
+    monkeypatch.setattr(opt, "step_range", lambda unit, a, b, *rest: ranges.append((unit.index, a, b)))
+    piece, chunk = optim.clip_piece(torch.get_num_threads(), 100), 1000
+    assert piece % 64 == 0 and 0 < piece < chunk
+    in_memory, on_disk = state.units[1], state.units[-1]
+    assert not state.tier.holds(in_memory) and state.tier.holds(on_disk)
+    for unit, coef, size in [
+        (in_memory, torch.tensor(0.37), piece),
+        (in_memory, torch.tensor(1.0), chunk),
+        (in_memory, None, chunk),
+        (on_disk, torch.tensor(0.37), chunk),
+    ]:
+        ranges.clear()
+        opt.step_held(unit, torch.randn(unit.numel), coef, 1e-2, 1, chunk)
+        assert ranges == [(unit.index, a, min(a + size, unit.numel)) for a in range(0, unit.numel, size)]
+    opt.clip_piece_per_thread = 10**9  # a piece is at most a chunk
+    ranges.clear()
+    opt.step_held(in_memory, torch.randn(in_memory.numel), torch.tensor(0.37), 1e-2, 1, chunk)
+    assert len(ranges) == -(-in_memory.numel // chunk)
 
 
 def _resident() -> int:

@@ -5,9 +5,11 @@ The update is torch's fused CPU AdamW kernel (`torch._fused_adamw_`, what
 is elementwise, so stepping a unit in chunks as its gradients arrive gives bitwise the same
 result as stepping it whole, where the chunks are cut at multiples of 64 elements (the kernel
 runs a tensor's last few elements through a scalar loop whose rounding may differ from its
-vector loop's; parameters start on 64-element boundaries, and every cut the engine makes is on
-one). Semantics follow the Hugging Face Trainer: no weight decay on biases and norm weights, one
-global step count.
+vector loop's; its threads split a tensor at multiples of 16 elements, so that loop takes the
+tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut at a multiple of
+64 leaves every element in the loop it takes in the whole tensor; parameters start on 64-element
+boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
+Trainer: no weight decay on biases and norm weights, one global step count.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..host.hostmem import populate
-from ..host.state import HostState, Unit
+from ..host.state import ALIGN, HostState, Unit
 from ..parallel.distributed import Collective, Single
 
 
@@ -28,6 +30,34 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+
+# Elements per optimizer thread of a piece that the clip's multiply scales just before the kernel
+# steps it (`HostAdamW.clip_piece_per_thread`), so that the kernel reads the scaled gradient from
+# the core's cache rather than from memory. The multiply (`mul_`: one parallel loop, from 32K
+# elements a thread on) and the kernel (its threads' ranges in 16-element units) split a piece over
+# the same OpenMP threads the same static way: each thread steps the slice it has just scaled. That
+# slice stays in the core's L2 (2 MiB on the development host's cores) only while the kernel's own
+# streams leave room: it reads the master and both moments beside the gradient, 16 bytes an
+# element, so 128K elements (512 KiB of gradient) fill the L2 once. Scaled by the thread count, not
+# fixed: each piece costs two parallel regions and the pass's Python (~80 us a piece on the 2-core
+# development host), so a fixed piece split over 63 threads leaves each a sliver whose overheads
+# outweigh the traffic saved. The cache saves the kernel's read of the gradient, 4 of the 36 bytes
+# an element the multiply and the kernel move (the product is written back all the same): where
+# memory's bandwidth bounds the pass, 28/32 of the kernel's rate at best, against 28/36 for the
+# multiply's pass of its own.
+CLIP_PIECE_PER_THREAD = 1 << 17
+# Whether the pass scales held gradients in those pieces by default: no, as measured on the
+# 2-core development host, where no piece size was faster than a chunk scaled whole beyond the
+# runs' spread (`bench/adamw.py --engine`, docs/open-work.md "The CPU AdamW at scale"); not yet
+# measured on a big host, where memory's bandwidth, not a core, bounds the pass.
+CLIP_IN_PIECES = False
+
+
+def clip_piece(threads: int, per_thread: int = CLIP_PIECE_PER_THREAD) -> int:
+    """Elements of a piece the clip scales before stepping it on `threads` threads, a multiple of
+    64 (every cut the pass makes is on one: the module docstring says why)."""
+    return max(ALIGN, per_thread * threads // ALIGN * ALIGN)
 
 
 def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None) -> list[tuple[int, int]]:
@@ -43,9 +73,12 @@ def clip_scaled(g: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
     threshold) multiplies nothing: x * 1.0 is x, bitwise, and the pass over the gradient (8 bytes
     a parameter moved beside the kernel's 28) is skipped. A device coefficient is not read: that
     would wait for the GPU."""
-    if coef is None or (coef.device.type == "cpu" and coef.item() == 1.0):
-        return g
-    return g.mul_(coef.to(g.device))
+    return g.mul_(coef.to(g.device)) if multiplies(coef) else g
+
+
+def multiplies(coef: torch.Tensor | None) -> bool:
+    """Whether `clip_scaled` multiplies by `coef` (`clip_scaled` says when it does not)."""
+    return coef is not None and (coef.device.type != "cpu" or coef.item() != 1.0)
 
 
 def adamw_range(
@@ -117,6 +150,10 @@ class HostAdamW:
         self.state, self.cfg = state, cfg
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
+        # Elements a thread of each piece `step_held` scales just before stepping it, where the
+        # clip multiplies (CLIP_PIECE_PER_THREAD says why); None: a chunk scaled whole, then
+        # stepped.
+        self.clip_piece_per_thread = CLIP_PIECE_PER_THREAD if CLIP_IN_PIECES else None
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this process steps."""
@@ -172,10 +209,24 @@ class HostAdamW:
     ) -> None:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
         covers the span; scaled in place), times the clip coefficient (a host tensor; None: not
-        clipped), `chunk` elements at a time: the optimizer worker's pass over held gradients."""
+        clipped), `chunk` elements at a time (or a piece, `_held_piece`): the optimizer worker's
+        pass over held gradients."""
         lo, hi = self.span(unit)
-        for a, b in chunk_ranges(unit, chunk, (lo, hi)):
+        for a, b in chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi)):
             self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+
+    def _held_piece(self, unit: Unit, coef: torch.Tensor | None, chunk: int) -> int:
+        """Elements `step_held` scales and steps at a time: `chunk`, or a smaller piece of
+        `clip_piece_per_thread` elements a thread where set and the clip multiplies. Not on the
+        disk tier's units: each range stepped there stages its block and writes it back whole."""
+        tier = self.state.tier
+        if (
+            self.clip_piece_per_thread is None
+            or not multiplies(coef)
+            or (tier is not None and tier.holds(unit))
+        ):
+            return chunk
+        return min(chunk, clip_piece(torch.get_num_threads(), self.clip_piece_per_thread))
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
