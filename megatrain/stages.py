@@ -1,7 +1,7 @@
 """What the training stage (`stage`) changes in a run: the samples it reads and how they are
 batched, the objective the engine computes, and, for the preference stages that compare with a
 reference model (dpo, kto), the reference pass; for grpo with a KL term, the reference policy's
-weights (`grpo_reference`). (grpo's rollouts: rollout.py.)
+weights (`grpo_reference`). (grpo's rollouts: rl/rollout.py.)
 
 The reference pass: before the first step, one forward-only sweep over the training and eval
 samples computes each sample's summed completion log-probs under the reference model, the initial

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import rewards
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, interval_steps, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
@@ -47,7 +46,8 @@ from .parallel.processgroup import start
 from .plan import preflight, rollout_memory
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
-from .rollout import ROLLOUT_FILE, Rollout, resumed_rollout
+from .rl import rewards
+from .rl.rollout import ROLLOUT_FILE, Rollout, resumed_rollout
 from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
 from .stages import (
     Reference,

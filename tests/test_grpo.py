@@ -17,16 +17,16 @@ from helpers import saved_parameters, tiny_hf_model, tiny_tokenizer
 from safetensors.torch import load_file
 from test_parity import _decay_groups
 
-from megatrain import rollout
 from megatrain.config import TrainConfig
 from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
-from megatrain.rewards import RewardError
-from megatrain.rollout import EVAL_STREAM, ROLLOUT_FILE, generation_order
-from megatrain.sampling import RowSampler, row_seed
+from megatrain.rl import rollout
+from megatrain.rl.rewards import RewardError
+from megatrain.rl.rollout import EVAL_STREAM, ROLLOUT_FILE, generation_order
+from megatrain.rl.sampling import RowSampler, row_seed
 from megatrain.stages import grpo_reference
 from megatrain.trackers import is_eval
 from megatrain.trainer import train

@@ -29,6 +29,7 @@ LAYERS = [
     ("megatrain.io",),  # weights, checkpoints, output directories
     ("megatrain.objectives",),  # what a step's loss is
     ("megatrain.engine",),  # the step: sweeps, transport, optimizer
+    ("megatrain.rl",),  # rollouts: sampling, the policy on the device, rewards
     ("megatrain",),
 ]
 

@@ -1,4 +1,4 @@
-"""megatrain/sampling.py: each row sampled from its own stream. A row's tokens do not depend on
+"""megatrain/rl/sampling.py: each row sampled from its own stream. A row's tokens do not depend on
 the rows beside it; the tokens follow the softmax of the logits as transformers' warpers filter
 them (temperature, top-k, top-p); the rule inside `generate` gives the same completion to a
 prompt sampled alone and in a padded batch."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import tiny_hf_model
 
-from megatrain.sampling import RowSampler, row_seed
+from megatrain.rl.sampling import RowSampler, row_seed
 
 
 def draw(sampler: RowSampler, logits: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ Layout of `output_dir/checkpoint-{step}/` (format 1):
     train_config.json            the run's configuration
     tokenizer files              when the run has a tokenizer (chat template included)
     rollout.pt                   grpo, taken before a rollout's last step: the rollout
-                                 (rollout.py), which the resumed run trains on again
+                                 (rl/rollout.py), which the resumed run trains on again
     megatrain_manifest.json      size and CRC-32 of every file above (manifest.py), verified at
                                  resume; checkpoints written before it existed resume unverified
 

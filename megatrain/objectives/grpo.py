@@ -2,7 +2,7 @@
 megatrain sampled itself, with its names, defaults and metrics.
 
 Each prompt is sampled `num_generations` times; a completion's reward is the weighted sum of the
-reward functions' (rewards.py); its advantage is its reward less its group's mean, over the
+reward functions' (rl/rewards.py); its advantage is its reward less its group's mean, over the
 group's standard deviation (`scale_rewards: group`), the batch's (`batch`) or not scaled
 (`none`). Every completion token then has the loss
 

@@ -409,7 +409,7 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
 # holds a few fp32 copies of the last position's logits (the logits, the processors', softmax).
 ROLLOUT_PREFILL_TOKEN_H = 6
 ROLLOUT_LOGIT_COPIES = 4
-# A rollout whose policy streams its last layers (rolloutmodel.py) fetches them, in every forward,
+# A rollout whose policy streams its last layers (rl/policy.py) fetches them, in every forward,
 # a layer ahead into this many rotating buffers in the compute dtype (a double buffer), through one
 # fp32 staging buffer where the fp32 master weights are converted on the GPU.
 ROLLOUT_BUFFERS = 2

@@ -112,7 +112,7 @@ class Plan:
     """Bytes those moments take in offload_dir."""
     rollout_layers: int | None = None
     """stage grpo: the decoder layers the rollout's policy keeps on the GPU, the others streamed
-    through it in every forward (rolloutmodel.py); None: every layer (plan.py's `rollout_split`)."""
+    through it in every forward (rl/policy.py); None: every layer (plan.py's `rollout_split`)."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .planning.footprint import ROLLOUT_BUFFERS as SLOTS
+from ..planning.footprint import ROLLOUT_BUFFERS as SLOTS
 
 ALIGN = 256  # elements: every view in a buffer starts 512-byte aligned in bf16, as an allocation
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError, MegatrainError
+from ..errors import ConfigError, MegatrainError
 
 
 class RewardError(MegatrainError):

@@ -15,7 +15,7 @@ them.
 
 Sampling is transformers' `generate` (max_new_tokens = max_completion_length) on a transformers
 model built on the device in the compute dtype from the host state's current weights, freed
-after the rollout (rolloutmodel.py): the whole policy, or where the plan says it does not fit
+after the rollout (rl/policy.py): the whole policy, or where the plan says it does not fit
 beside the cache (`Plan.rollout_layers`), its first layers, the others streamed through the
 device in every forward, each decode step advancing every completion by a token. Its prompts are
 left-padded into one batch, each repeated num_generations times in a row (TRL's order). Each
@@ -58,13 +58,13 @@ from pathlib import Path
 
 import torch
 
-from .data.batch import IGNORE_INDEX, MicroBatch
-from .data.chat import end_of_turn_id
-from .data.prompts import Prompt
-from .errors import CheckpointError
-from .io.outputs import COMPLETIONS, EVAL_COMPLETIONS
-from .metrics import RecordFile
-from .objectives.grpo import (
+from ..data.batch import IGNORE_INDEX, MicroBatch
+from ..data.chat import end_of_turn_id
+from ..data.prompts import Prompt
+from ..errors import CheckpointError
+from ..io.outputs import COMPLETIONS, EVAL_COMPLETIONS
+from ..metrics import RecordFile
+from ..objectives.grpo import (
     ADVANTAGE,
     OLD_LOGP,
     REF_LOGP,
@@ -74,8 +74,8 @@ from .objectives.grpo import (
     eval_metrics,
     log_probs,
 )
+from .policy import PolicyModel
 from .rewards import RewardFunc, score
-from .rolloutmodel import PolicyModel
 from .sampling import RowSampler, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
@@ -195,7 +195,7 @@ class Rollout:
         adv = adv[first : first + len(rewards)]
         self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
         self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1})
-        # What streaming costs (rolloutmodel.py): layers fetched every forward, and their bytes.
+        # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
         self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
             for rec in self._records(step, prompts, completions, truncated, rewards, adv):

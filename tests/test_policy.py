@@ -1,4 +1,4 @@
-"""The rollout's policy with streamed decoder layers (rolloutmodel.py) samples exactly what the
+"""The rollout's policy with streamed decoder layers (rl/policy.py) samples exactly what the
 resident transformers model does: same weights, same ops, so greedy and seeded completions are
 bitwise equal, whatever number of layers stays on the device."""
 
@@ -9,8 +9,8 @@ import torch
 import transformers
 from helpers import tiny_hf_model
 
-from megatrain.rolloutmodel import PolicyModel
-from megatrain.sampling import RowSampler
+from megatrain.rl.policy import PolicyModel
+from megatrain.rl.sampling import RowSampler
 
 LAYERS, NEW = 3, 6
 
