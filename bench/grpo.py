@@ -83,6 +83,8 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         per_step.append(dict(step_s=r["step_time_s"], tokens=tokens, rollout_s=rollout, scoring_s=scoring,
                              update_s=r["step_time_s"] - rollout - scoring, reward=r["reward"],
                              mean_length=r["completions/mean_length"],
+                             wait_s=r.get("time/rollout_wait_s"), build_s=r.get("time/rollout_build_s"),
+                             sample_s=r.get("time/rollout_sample_s"),
                              streamed_layers=r.get("rollout/streamed_layers", 0),
                              fetched_bytes=r.get("rollout/fetched_bytes", 0)))  # fmt: skip
     timed = per_step[WARMUP:]
@@ -110,6 +112,15 @@ def run_generate(d: Path, model: Path, args) -> dict:
     return rec | json.loads((d / "generate.json").read_text())
 
 
+# A rollout's time by part (Rollout.generate): the last step's host AdamW it waits for, building
+# the policy on the device from host memory, sampling.
+ROLLOUT_PARTS = (
+    ("waiting for the optimizer", "wait_s"),
+    ("building the policy", "build_s"),
+    ("sampling", "sample_s"),
+)
+
+
 def table(runs: list[dict]) -> str:
     gib = lambda b: f"{b / 2**30:.1f}" if b else "-"  # noqa: E731
     lines = []
@@ -131,6 +142,9 @@ def table(runs: list[dict]) -> str:
                 "",
                 f"megatrain GRPO: **{r['tokens_per_s']:,.0f} tokens/s** over the steps after the first; "
                 f"sampling {r['decode_tokens_per_s']:,.0f} completion tokens/s of rollout time",
+                "the last step's rollout: "
+                + ", ".join(f"{what} {r['steps'][-1][k]:.1f} s" for what, k in ROLLOUT_PARTS
+                            if r['steps'][-1].get(k) is not None),
                 f"{r['steps'][-1]['streamed_layers']} layers streamed in every forward of the rollout "
                 f"({gib(r['steps'][-1]['fetched_bytes'])} GiB fetched a rollout); "
                 f"GPU peak of the update {gib(m.get('gpu_peak_allocated'))} GiB (plan {gib(p.get('gpu_peak_allocated'))}); "

@@ -294,6 +294,9 @@ def test_grpo_trains_as_trl(setup, kw, monkeypatch):
         assert rec["clip_ratio/low_min"] == rec["clip_ratio/low_mean"]  # one process: its own
         assert rec["clip_ratio/high_max"] == rec["clip_ratio/high_mean"]
         assert ("kl" in rec) == ("beta" in kw)
+        if "reward" in rec:  # the rollout's time, by part: within its whole (summed over batches)
+            parts = [rec[f"time/rollout_{p}_s"] for p in ("wait", "build", "sample")]
+            assert min(parts) >= 0 and sum(parts) <= rec["time/rollout_s"]
     every = slices_of(kw) * kw.get("num_iterations", 1)
     if every % GA == 0 and every > GA:  # the first step on a rollout: ratio 1; the later: clipped
         assert all(r["clip_ratio/region_mean"] == 0 for r in got if "reward" in r)

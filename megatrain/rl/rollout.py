@@ -152,6 +152,7 @@ class Rollout:
         self.stops = stops + ([eot] if eot is not None and eot not in stops else [])
         self.metrics: dict[str, float] = {}
         self.streamed = (0, 0)  # the last `generate`'s streamed layers and bytes they fetched
+        self.timing: dict[str, float] = {}  # the last `generate`'s time, by part
         self.memory: dict[str, int] = {}
         """The most GPU memory a rollout added to the engine's (`rollout_gpu_added`), for plan.json."""
 
@@ -194,7 +195,7 @@ class Rollout:
         first = sum(len(r) for r in every[: self.world.rank])
         adv = adv[first : first + len(rewards)]
         self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
-        self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1})
+        self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1} | self.timing)
         # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
         self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
@@ -232,7 +233,13 @@ class Rollout:
         size, completions, truncated = batch_size or len(prompt_ids), [], []
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
-            policy = self._policy()
+            t0 = time.perf_counter()
+            self.model.transport.synchronize()  # the optimizer may still be writing the last step
+            t1 = time.perf_counter()
+            policy = self._on_device(self.model.state.named_parameters())
+            if self.device.type == "cuda":  # its copies done: the build's time, not the sampling's
+                torch.cuda.synchronize(self.device)
+            t2 = time.perf_counter()
             with policy as model:
                 for a in range(0, len(prompt_ids), size):
                     c, t = self._sample(model, prompt_ids[a : a + size], seeds[a : a + size])
@@ -241,6 +248,10 @@ class Rollout:
                         bar.update(1)
             self.streamed = (policy.streamed_layers, policy.fetched_bytes)
             del model, policy  # before the allocator's peak is read
+        # Where a rollout's time goes: the last step's host AdamW it waits for, the policy's build
+        # from host memory, and the sampling itself (the rest of time/rollout_s is the cutting).
+        self.timing = {"time/rollout_wait_s": t1 - t0, "time/rollout_build_s": t2 - t1,
+                       "time/rollout_sample_s": time.perf_counter() - t2}  # fmt: skip
         return completions, truncated
 
     # ------------------------------------------------------------------ evaluation
@@ -342,11 +353,6 @@ class Rollout:
             completions.append(row if end is None else row[: end + 1])
             truncated.append(end is None)
         return completions, truncated
-
-    def _policy(self) -> PolicyModel:
-        """A transformers model of the host state's current weights, on the device."""
-        self.model.transport.synchronize()  # the optimizer may still be writing the last step
-        return self._on_device(self.model.state.named_parameters())
 
     def _on_device(self, weights) -> PolicyModel:
         """A transformers model of `weights` ((name, tensor) pairs), on the device in the compute
