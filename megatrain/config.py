@@ -31,6 +31,7 @@ from .errors import ConfigError
 from .io.outputs import interval_steps
 from .objectives.grpo import GRPOConfig
 from .objectives.preference import STAGES, PreferenceConfig
+from .rl.rollout import ROLLOUT_CACHES
 from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
@@ -203,6 +204,13 @@ class TrainConfig:
     the GPU. auto: every layer where the update's plan still fits beside the whole policy, else
     the most that leave it one (`megatrain plan` says how many stream); a number keeps that many
     (every layer where it is more)."""
+    rollout_cache: str = "dynamic"
+    """grpo: the rollout's KV cache. dynamic: transformers' default, grown a token at a time.
+    static: transformers' StaticCache, allocated up front for every completion at its batch's
+    prompt width + max_completion_length (the plan counts that already), with which `generate`
+    compiles the decoding step on CUDA (torch.compile, CUDA graphs): the whole policy on the GPU
+    only (not with streamed rollout layers), models whose transformers class takes a static cache
+    and compiles. Not measured on a GPU yet (docs/grpo.md)."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
@@ -473,6 +481,8 @@ class TrainConfig:
             isinstance(self.rollout_resident_layers, str) or self.rollout_resident_layers < 0
         ):
             bad("rollout_resident_layers", "must be auto or a number of layers >= 0")
+        if self.rollout_cache not in ROLLOUT_CACHES:
+            bad("rollout_cache", f"must be one of {', '.join(ROLLOUT_CACHES)}")
         for k in ("max_gpu_memory", "max_host_memory", "max_disk_memory"):
             if getattr(self, k) is not None:
                 try:

@@ -47,7 +47,7 @@ from .plan import preflight, rollout_memory
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
 from .rl import rewards
-from .rl.rollout import ROLLOUT_FILE, Rollout, resumed_rollout
+from .rl.rollout import ROLLOUT_FILE, Rollout, check_cache, resumed_rollout
 from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
 from .stages import (
     Reference,
@@ -199,6 +199,8 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     plan, machine = preflight(
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )
+    if grpo is not None:
+        check_cache(cfg.rollout_cache, model_cfg.hf_config, streamed=plan.rollout_layers is not None)
     saves = SaveSchedule.of(cfg, total_steps, steps_per_epoch)
     outputs.check_names(saves)  # refuses a checkpoint-N the run saves that is not megatrain's
     outputs.check_disk_space(model_cfg.num_params, saves, plan.disk)  # refuses a run the disk cannot hold
@@ -497,7 +499,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         rollout = Rollout(
             cfg.grpo(world.world_size), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
-            resident_layers=inputs.plan.rollout_layers, start=start,
+            resident_layers=inputs.plan.rollout_layers, start=start, cache=cfg.rollout_cache,
         )  # fmt: skip
     run = _Run(
         **vars(inputs),

@@ -44,7 +44,14 @@ Evaluation (`evaluate`) samples the eval prompts num_generations_eval times from
 own, scores them, writes them to eval_completions.jsonl, and takes TRL's eval-mode loss of them
 by the engine's forward sweep (objectives/grpo.py: GRPO.eval_sums, eval_metrics).
 
-Not built yet: a compiled or static-cache decode.
+The decode's KV cache is `rollout_cache` (`check_cache` says where each applies): dynamic,
+transformers' default, grown a token at a time; or static, transformers' StaticCache, allocated up
+front for every row at the batch's prompt width + max_completion_length (what the plan counts for
+the KV cache: footprint.rollout_bytes), with which `generate` itself compiles the decoding step on
+CUDA (torch.compile of the model's forward, transformers' default CompileConfig: mode
+reduce-overhead, CUDA graphs; the prefill stays eager). The sampler, the stop tokens and the cut
+are the same either way; on the CPU nothing is compiled, and the completions are the dynamic
+cache's (tests/test_decode.py).
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import torch
 from ..data.batch import IGNORE_INDEX, MicroBatch
 from ..data.chat import end_of_turn_id
 from ..data.prompts import Prompt
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..io.outputs import COMPLETIONS, EVAL_COMPLETIONS
 from ..metrics import RecordFile
 from ..objectives.grpo import (
@@ -84,6 +91,31 @@ SHUFFLE_STREAM = -2  # row_seed's step for the order a generation batch is split
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
+ROLLOUT_CACHES = ("dynamic", "static")  # the `rollout_cache` values
+
+
+def check_cache(cache: str, hf_config, streamed: bool) -> None:
+    """Refuse a static rollout cache (`rollout_cache: static`) where it cannot apply, in one line:
+    beside streamed layers (`streamed`: the plan's rollout_layers keep fewer than all), whose fetches
+    are forward hooks with stream and event calls that a compiled, CUDA-graphed decoding step would
+    trace or replay without them; and for a model whose transformers class does not take a
+    StaticCache or compile (transformers 5 has no `_supports_static_cache`: a class that builds its
+    own cache drops `cache_implementation`, one with `_can_compile_fullgraph` False is not held to
+    compiling)."""
+    if cache != "static":
+        return
+    if streamed:
+        raise ConfigError(
+            "rollout_cache: static needs the whole policy on the GPU, and this plan streams some of its "
+            "layers (rollout_resident_layers); use rollout_cache: dynamic"
+        )
+    import transformers
+
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(hf_config)]
+    if not (cls._supports_default_dynamic_cache() and cls._can_compile_fullgraph):
+        raise ConfigError(
+            f"rollout_cache: static is not supported by transformers' {hf_config.model_type}; use dynamic"
+        )
 
 
 def new_generation(micro: int, cfg: GRPOConfig) -> bool:
@@ -131,8 +163,9 @@ class Rollout:
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
                  batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
-                 start: int = 0):  # fmt: skip
+                 start: int = 0, cache: str = "dynamic"):  # fmt: skip
         self.seed = seed
+        self.cache = cache  # rollout_cache (check_cache has allowed it)
         self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
         self.reference = reference  # beta > 0: the reference policy's weights (stages.grpo_reference)
         self.batches = batches  # the rollout being trained on (a resume's: `resumed_rollout`)
@@ -346,6 +379,8 @@ class Rollout:
             max_new_tokens=self.cfg.max_completion_length,
             eos_token_id=self.stops or None,
             pad_token_id=self.pad_id,
+            # static: generate sizes it at width + max_new_tokens and, on CUDA, compiles the decode
+            **({"cache_implementation": "static"} if self.cache == "static" else {}),
         )[:, width:].cpu()
         completions, truncated = [], []
         for row in out.tolist():
