@@ -1,7 +1,9 @@
 """Worker of bench/grpo.py: transformers' `generate` alone, the peer of megatrain's rollout: the
 model of --model (a config.json; random weights) in bf16 on the GPU, `rows` random prompts of
 --prompt tokens, sampled (temperature 1) to exactly --completion new tokens (no end token), timed
-over --repeats calls after one warm-up. Writes one JSON record to --out."""
+over --repeats calls after one warm-up. --cache static: transformers' static KV cache, with which
+`generate` compiles the decoding step on CUDA (the warm-up call compiles; the peak is of the timed
+calls), as megatrain's `rollout_cache: static`. Writes one JSON record to --out."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--completion", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     cfg = transformers.AutoConfig.from_pretrained(a.model)
@@ -31,6 +34,8 @@ def main() -> None:
     ids = torch.randint(3, cfg.vocab_size, (a.rows, a.prompt), generator=g).to(device)
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=a.completion,
               min_new_tokens=a.completion, pad_token_id=0)  # fmt: skip
+    if a.cache == "static":
+        kw["cache_implementation"] = "static"
 
     def once() -> float:
         if device.type == "cuda":
@@ -48,7 +53,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     s = min(once() for _ in range(a.repeats))
     rec = {
-        "rows": a.rows, "prompt": a.prompt, "completion": a.completion, "s": s,
+        "rows": a.rows, "prompt": a.prompt, "completion": a.completion, "cache": a.cache, "s": s,
         "decode_tokens_per_s": a.rows * a.completion / s,
         "gpu_peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "transformers": transformers.__version__, "torch": torch.__version__,

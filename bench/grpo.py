@@ -7,7 +7,9 @@ same call, transformers' `generate` alone on the same GPU, model and batch (benc
 
 The rollout's policy keeps the layers the plan gives it on the GPU and streams the rest in every
 forward; `--megatrain rollout_resident_layers=N` keeps N (the same run with N = 0 and without it
-compares streamed against resident sampling).
+compares streamed against resident sampling); `--megatrain rollout_cache=static` samples with
+transformers' static KV cache and compiled decode. `--systems megatrain,generate,generate-static`
+times `generate` alone both ways (eager with the dynamic cache; the static cache, compiled).
 
 Random weights rarely sample the end token, so every completion runs to --completion tokens: the
 longest rollout the settings allow. The reward (`_grpo_reward.py`: the parity of a completion's
@@ -100,16 +102,18 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
     return rec
 
 
-def run_generate(d: Path, model: Path, args) -> dict:
+def run_generate(d: Path, model: Path, args, cache: str = "dynamic") -> dict:
+    out = d / f"generate-{cache}.json"
     cmd = [sys.executable, str(HERE / "_generate.py"), "--model", str(model), "--rows",
            str(args.prompts * args.generations), "--prompt", str(args.prompt), "--completion",
-           str(args.completion), "--out", str(d / "generate.json")]  # fmt: skip
+           str(args.completion), "--cache", cache, "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    rec = {"system": "transformers generate", "command": " ".join(cmd[1:]), "rc": proc.returncode}
-    if proc.returncode != 0 or not (d / "generate.json").exists():
+    system = "transformers generate" + (" (static cache, compiled)" if cache == "static" else "")
+    rec = {"system": system, "command": " ".join(cmd[1:]), "rc": proc.returncode}
+    if proc.returncode != 0 or not out.exists():
         rec["error"] = (proc.stdout + proc.stderr)[-3000:]
         return rec
-    return rec | json.loads((d / "generate.json").read_text())
+    return rec | json.loads(out.read_text())
 
 
 # A rollout's time by part (Rollout.generate): the last step's host AdamW it waits for, building
@@ -153,7 +157,7 @@ def table(runs: list[dict]) -> str:
                 "",
             ]  # fmt: skip
         else:
-            lines.append(f"transformers `generate` alone (same model in bf16, same batch): "
+            lines.append(f"{r['system']} alone (same model in bf16, same batch, {r['cache']} cache): "
                          f"{r['decode_tokens_per_s']:,.0f} completion tokens/s ({r['s']:.1f} s for "
                          f"{r['rows']} x {r['completion']} tokens), GPU peak {gib(r['gpu_peak_bytes'])} GiB")  # fmt: skip
     mine = next((r for r in runs if r["system"] == "megatrain" and not r.get("error")), None)
@@ -190,7 +194,7 @@ def main() -> None:
                 runs.append(
                     run_megatrain(d, model, data, args)
                     if system == "megatrain"
-                    else run_generate(d, model, args)
+                    else run_generate(d, model, args, "static" if system == "generate-static" else "dynamic")
                 )
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)
         except KeyboardInterrupt:  # a time limit's SIGINT: the systems that finished are still written
