@@ -397,22 +397,32 @@ def _padded(seqs):
     return ids, attn, mask
 
 
+def _trl_logps(m, ids, attn, mask):
+    return trl_get_batch_logps(m(ids, attention_mask=attn).logits, torch.where(mask, ids, -100), False)
+
+
+def trl_kl(model, ref_model, kl_seqs):
+    """One process's KL estimate of a batch (KTOTrainer's `kl` before the gather)."""
+    with torch.no_grad():
+        return (_trl_logps(model, *kl_seqs) - _trl_logps(ref_model, *kl_seqs)).mean().detach()
+
+
 def trl_kto(
-    model, ref_model, seqs, kl_seqs, beta, loss_type, desirable_weight, undesirable_weight, labels=LABELS
-):
-    """KTOTrainer.forward, kto_loss and get_batch_loss_metrics (the metrics' sums over counts)."""
-
-    def logps(m, ids, attn, mask):
-        return trl_get_batch_logps(m(ids, attention_mask=attn).logits, torch.where(mask, ids, -100), False)
-
+    model, ref_model, seqs, kl_seqs, beta, loss_type, desirable_weight, undesirable_weight, labels=LABELS,
+    gathered=None,
+):  # fmt: skip
+    """KTOTrainer.forward, kto_loss and get_batch_loss_metrics (the metrics' sums over counts).
+    `gathered`: the KL estimates of every process's batch (accelerator.gather(kl)); None: one
+    process."""
+    logps = _trl_logps
     labels = torch.tensor(labels)
     with torch.no_grad():
-        policy_kl = logps(model, *kl_seqs)
-        ref_all, ref_kl = logps(ref_model, *seqs), logps(ref_model, *kl_seqs)
+        ref_all = logps(ref_model, *seqs)
     all_logps = logps(model, *seqs)
     chosen, rejected = all_logps[labels], all_logps[~labels]
     if loss_type == "kto":
-        kl = (policy_kl - ref_kl).mean().detach().clamp(min=0)
+        kl = trl_kl(model, ref_model, kl_seqs) if gathered is None else gathered.mean()
+        kl = kl.clamp(min=0)
     else:
         kl = torch.zeros(1)
     cl, rl = chosen - ref_all[labels], rejected - ref_all[~labels]

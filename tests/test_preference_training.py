@@ -18,7 +18,7 @@ import torch
 from helpers import saved_parameters, tiny_hf_model
 from safetensors.torch import load_file
 from test_parity import _decay_groups
-from test_preference_losses import DPO_CASES, TrlDpo, _padded, trl_kto, trl_orpo, trl_simpo
+from test_preference_losses import DPO_CASES, TrlDpo, _padded, trl_kl, trl_kto, trl_orpo, trl_simpo
 
 from megatrain.config import TrainConfig
 from megatrain.errors import CheckpointError, ConfigError
@@ -81,17 +81,18 @@ def run(tmp_path: Path, data: str, name="out", **kw) -> tuple[list[dict], dict[s
     return [r for r in records if "loss" in r], load_file(out / "final" / "model.safetensors"), out
 
 
-def plain_loop(hf, batch_loss, batches):
-    """TRL's step over the transformers model: the mean of the micro-batches' losses, clipped,
-    torch AdamW (Hugging Face's decay groups). Per step: the loss, the micro-batches' metrics."""
+def plain_loop(hf, batch_loss, batches, per_step=GA):
+    """TRL's step over the transformers model: the mean of the micro-batches' losses (`per_step`
+    of them: every process's), clipped, torch AdamW (Hugging Face's decay groups). Per step: the
+    loss, the micro-batches' metrics."""
     opt = torch.optim.AdamW(_decay_groups(hf, WD), lr=LR, betas=(0.9, 0.999), eps=1e-8)
     steps, norms = [], []
     for step in range(STEPS):
         loss, metrics = 0.0, []
-        for m in range(GA):
-            mb_loss, mb_metrics = batch_loss(batches[step * GA + m])
-            (mb_loss / GA).backward()
-            loss += mb_loss.item() / GA
+        for m in range(per_step):
+            mb_loss, mb_metrics = batch_loss(batches[step * per_step + m])
+            (mb_loss / per_step).backward()
+            loss += mb_loss.item() / per_step
             metrics.append({k: float(torch.as_tensor(v).detach()) for k, v in mb_metrics.items()})
         norms.append(torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM).item())
         opt.step()
@@ -101,7 +102,7 @@ def plain_loop(hf, batch_loss, batches):
     return steps
 
 
-def compare(records, final, hf, steps, metric_names):
+def compare(records, final, hf, steps, metric_names, weight_tol=1e-4):
     assert len(records) == STEPS
     for rec, (loss, metrics) in zip(records, steps):
         assert rec["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
@@ -111,7 +112,9 @@ def compare(records, final, hf, steps, metric_names):
     ref = saved_parameters(hf)
     assert final.keys() == ref.keys()
     for k, p in ref.items():
-        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            final[k], p.detach(), rtol=1e-4, atol=weight_tol, msg=lambda m, k=k: f"{k}: {m}"
+        )
     start = saved_parameters(model())
     assert any(not torch.equal(final[k], start[k].detach()) for k in final)  # it trained
 
@@ -165,23 +168,34 @@ def test_simpo_trains_as_trl(setup, kw):
     compare(records, final, hf, steps, PAIR_METRICS[:6])
 
 
+def kto_rows(path: Path, n: int, seed: int) -> tuple[list, str]:
+    """(prompt, completion, label) examples written as a KTO file; the rows and the file."""
+    rng = random.Random(seed)
+    rows = [(p, c, rng.random() < 0.5) for p, c, _ in pairs(n, seed=seed)]
+    with open(path, "w") as f:
+        for p, c, label in rows:
+            f.write(json.dumps({"prompt_input_ids": p, "completion_input_ids": c, "label": label}) + "\n")
+    return rows, str(path)
+
+
+def kto_tensors(mb):
+    """TRL's KTO batch: the examples and their KL pairs (each prompt with the previous example's
+    completion, within the batch), right-padded; the labels."""
+    seqs = [(torch.tensor(p), torch.tensor(c)) for p, c, _ in mb]
+    kl = [(torch.tensor(p), torch.tensor(mb[i - 1][1])) for i, (p, _, _) in enumerate(mb)]
+    return _padded(seqs), _padded(kl), [label for _, _, label in mb]
+
+
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_kto_trains_as_trl(tmp_path, loss_type):
     model().save_pretrained(tmp_path / "model")
-    rng = random.Random(3)
-    rows = [(p, c, rng.random() < 0.5) for p, c, _ in pairs(seed=3)]
-    with open(tmp_path / "kto.jsonl", "w") as f:
-        for p, c, label in rows:
-            f.write(json.dumps({"prompt_input_ids": p, "completion_input_ids": c, "label": label}) + "\n")
-    records, final, _ = run(tmp_path, str(tmp_path / "kto.jsonl"), stage="kto", loss_type=loss_type)
+    rows, data = kto_rows(tmp_path / "kto.jsonl", B * GA * STEPS, seed=3)
+    records, final, _ = run(tmp_path, data, stage="kto", loss_type=loss_type)
     hf, ref = model(), model()
 
     def batch_loss(mb):
-        seqs = [(torch.tensor(p), torch.tensor(c)) for p, c, _ in mb]
-        # TRL's KL pairs: each prompt with the previous example's completion, within the batch
-        kl = [(torch.tensor(p), torch.tensor(mb[i - 1][1])) for i, (p, _, _) in enumerate(mb)]
-        labels = [label for _, _, label in mb]
-        return trl_kto(hf, ref, _padded(seqs), _padded(kl), 0.1, loss_type, 1.0, 1.0, labels=labels)
+        seqs, kl, labels = kto_tensors(mb)
+        return trl_kto(hf, ref, seqs, kl, 0.1, loss_type, 1.0, 1.0, labels=labels)
 
     compare(records, final, hf, plain_loop(hf, batch_loss, micro_batches(rows)), [])
 
@@ -294,6 +308,52 @@ def test_two_processes_equal_one(setup):
     one_ref = load_file(tmp_path / "one" / "reference" / "logps.safetensors")
     for k in one_ref:
         torch.testing.assert_close(two_ref[k], one_ref[k], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_kto_processes_gather_the_kl_term_as_trl(tmp_path):
+    """loss_type kto over two gloo processes of two micro-batches each: each micro-batch's KL is
+    the mean of its own estimate and that of the other process's micro-batch of the same place in
+    the step, clamped at 0 (KTOTrainer's accelerator.gather(kl).mean().clamp(min=0) at each
+    forward). The reference is another model, so the micro-batches' estimates differ and the
+    gathered KL is none of them: the losses, the KL metric and the weights must be TRL's."""
+    from test_checkpoint import write_yaml
+    from test_distributed import launch
+
+    ranks, per_step = 2, 2 * GA
+    model().save_pretrained(tmp_path / "model")
+    model(seed=7).save_pretrained(tmp_path / "ref")
+    rows, data = kto_rows(tmp_path / "kto.jsonl", B * per_step * STEPS, seed=5)
+    cfg = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset=data, per_device_train_batch_size=B,
+        gradient_accumulation_steps=GA, max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
+        weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
+        disable_tqdm=True, max_length=64, stage="kto", ref_model_name_or_path=str(tmp_path / "ref"),
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", cfg), f"output_dir={tmp_path / 'two'}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    final = load_file(tmp_path / "two" / "final" / "model.safetensors")
+
+    hf, ref = model(), model(seed=7)
+    mbs = micro_batches(rows)
+    apart = []  # |gathered KL - the micro-batch's own| after the clamp
+
+    def batch_loss(i):
+        # rank r's m-th micro-batch of a step is the step's (r * GA + m)-th; it meets every rank's m-th
+        first, m = i - i % per_step, i % GA
+        seqs, kl, labels = kto_tensors(mbs[i])
+        gathered = torch.stack(
+            [trl_kl(hf, ref, kto_tensors(mbs[first + r * GA + m])[1]) for r in range(ranks)]
+        )
+        apart.append(abs(gathered.mean().clamp(min=0) - trl_kl(hf, ref, kl).clamp(min=0)).item())
+        return trl_kto(hf, ref, seqs, kl, 0.1, "kto", 1.0, 1.0, labels=labels, gathered=gathered)
+
+    steps = plain_loop(hf, batch_loss, list(range(len(mbs))), per_step=per_step)
+    assert max(apart) > 0.1, "the micro-batches' own KL estimates should differ from the gathered ones"
+    # Two processes sum the gradients in another order than one loop; AdamW's first steps magnify
+    # that in the odd weight whose gradient is near 0 (one element of 4096 by 1.1e-4 here).
+    compare([r for r in records if "loss" in r], final, hf, steps, ["kl"], weight_tol=2e-4)
 
 
 def test_packed_pairs_train_as_trl(setup):

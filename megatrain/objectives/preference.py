@@ -206,6 +206,10 @@ class UnpairedLogps:
     ref_kl_logps: Tensor | None = None
     logits: Tensor | None = None
     """Metrics only, as PairedLogps.chosen_logits."""
+    shared_kl: Tensor | None = None
+    """loss_type kto over several processes: the mean of `kl_estimate` over this micro-batch and
+    its counterparts on the other processes (TRL gathers the estimate at each forward); None: this
+    micro-batch's own estimate."""
 
 
 POLICY_FIELDS = ("chosen_logps", "rejected_logps", "chosen_prompt_logps", "logps")
@@ -387,9 +391,7 @@ def _log1mexp(x: Tensor) -> Tensor:
 def _kto(cfg: PreferenceConfig, b: UnpairedLogps) -> tuple[Tensor, dict[str, float]]:
     ratio = b.logps - b.ref_logps.detach().float()
     if cfg.needs_kl:
-        if b.kl_logps is None or b.ref_kl_logps is None:
-            raise ValueError("loss_type kto needs kl_logps and ref_kl_logps (the mismatched pairs)")
-        kl = (b.kl_logps.detach().float() - b.ref_kl_logps.detach().float()).mean().clamp(min=0)
+        kl = (kl_estimate(b) if b.shared_kl is None else b.shared_kl).clamp(min=0)
         desirable = 1 - torch.sigmoid(cfg.beta * (ratio - kl))
         undesirable = 1 - torch.sigmoid(cfg.beta * (kl - ratio))
     else:  # apo_zero_unpaired
@@ -409,6 +411,14 @@ def _kto(cfg: PreferenceConfig, b: UnpairedLogps) -> tuple[Tensor, dict[str, flo
     if labels.any() and not labels.all():
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
     return losses.mean(), metrics
+
+
+def kl_estimate(b: UnpairedLogps) -> Tensor:
+    """KTO's KL estimate of one micro-batch, before the clamp: the mean log-ratio of its KL
+    sequences to the reference, a constant of the loss."""
+    if b.kl_logps is None or b.ref_kl_logps is None:
+        raise ValueError("loss_type kto needs kl_logps and ref_kl_logps (the mismatched pairs)")
+    return (b.kl_logps.detach().float() - b.ref_kl_logps.detach().float()).mean()
 
 
 def _pair_metrics(chosen_rewards, rejected_rewards, c: Tensor, r: Tensor, b: PairedLogps) -> dict[str, float]:

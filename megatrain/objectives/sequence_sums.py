@@ -13,11 +13,15 @@ rule. The full logits never exist; the second pass costs one more head forward.
 The step's loss is TRL's under gradient accumulation: each micro-batch's loss is the mean over its
 samples (TRL's batch), and the step's is their mean over every micro-batch of the step on every
 rank (`count` is 1 a micro-batch). bco_pair's running mean is updated once per micro-batch in the
-step's order, the other ranks' micro-batches included, so several processes equal one.
+step's order, the other ranks' micro-batches included, so several processes equal one. KTO's KL
+term is TRL's over several processes: each micro-batch's estimate is averaged with the other
+ranks' micro-batches of the same place in the step (evaluation keeps each micro-batch's own: its
+ranks take different steps).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,7 @@ from .preference import (
     RunningMean,
     UnpairedLogps,
     bco_reward_mean,
+    kl_estimate,
     loss_and_grads,
     preference_loss,
 )
@@ -105,12 +110,21 @@ class Preference(Objective):
         return loss / total, dh
 
     def _losses(self, batches: list) -> list[PreferenceResult]:
-        """Each micro-batch's loss and gradients, in the step's order. bco_pair in a world of
-        several ranks: the other ranks' micro-batches update the running mean where they come in
-        the step (rank r's are its r-th block), so every rank holds the one-process state."""
+        """Each micro-batch's loss and gradients, in the step's order. In a world of several ranks
+        what couples the micro-batches of a step is shared first: KTO's KL term, bco_pair's
+        running mean."""
         c = self.collective
-        if "bco_pair" not in self.cfg.loss_type or c is None or c.world_size == 1:
-            return [loss_and_grads(self.cfg, b, self.running) for b in batches]
+        several = c is not None and c.world_size > 1
+        if several and self.cfg.needs_kl:
+            return [loss_and_grads(self.cfg, b) for b in self._shared_kl(batches)]
+        if several and "bco_pair" in self.cfg.loss_type:
+            return self._shared_running(batches)
+        return [loss_and_grads(self.cfg, b, self.running) for b in batches]
+
+    def _shared_running(self, batches: list[PairedLogps]) -> list[PreferenceResult]:
+        """bco_pair: the other ranks' micro-batches update the running mean where they come in the
+        step (rank r's are its r-th block), so every rank holds the one-process state."""
+        c = self.collective
         shared = c.each([bco_reward_mean(self.cfg, b) for b in batches])
         out = []
         for rank, values in enumerate(shared):
@@ -120,6 +134,19 @@ class Preference(Objective):
                 for v in values:
                     self.running.update(v)
         return out
+
+    def _shared_kl(self, batches: list[UnpairedLogps]) -> list[UnpairedLogps]:
+        """KTO's KL term as TRL takes it in a world of several ranks: at each forward every rank's
+        micro-batch estimate is gathered and their mean is the KL (clamped at 0 by the loss). A
+        rank's m-th micro-batch of the step meets the other ranks' m-th, as TRL's processes meet at
+        their m-th forward under gradient accumulation. Every rank computes the same means."""
+        shared = self.collective.each([float(kl_estimate(b)) for b in batches])
+        return [
+            dataclasses.replace(
+                b, shared_kl=torch.tensor([values[m] for values in shared], device=b.logps.device).mean()
+            )
+            for m, b in enumerate(batches)
+        ]
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
         loss = torch.zeros((), device=head.W.device)
