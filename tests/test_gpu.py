@@ -155,6 +155,52 @@ def test_resident_units_overlapped_equal_serial():
         assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
 
 
+def test_the_step_stream_reads_the_callers_flags_after_it_lets_them_go():
+    """The GPU stepper's stream runs behind the caller (here its loads are held back on purpose):
+    the clip coefficient and the skip flag it reads must keep the caller's values after the caller
+    drops them and the compute stream reuses their memory. (The immediate mode's skip flag, made
+    and dropped per unit during the backward sweep, was once read after the compute stream had
+    written a later tensor there: an update skipped, or applied with another tensor's bytes.)"""
+    from test_gpustep import _copy, _state
+
+    from megatrain.engine.gpustep import GpuStepper
+
+    cfg = ModelConfig.from_hf(tiny_config("qwen2"))
+    state = _state(cfg, 0)
+    ref, before = _copy(state), _copy(state)
+    units = state.units[:2]
+    grads = [torch.randn(u.numel, generator=torch.Generator().manual_seed(u.index)).cuda() for u in units]
+    compute = torch.cuda.current_stream()
+
+    def flags():
+        return torch.full((), 0.37, device="cuda"), torch.zeros((), dtype=torch.bool, device="cuda")
+
+    # the reference: everything in program order on the compute stream
+    serial = GpuStepper(ref, ADAMW, ref.units[:2], torch.float32, 1000, compute, compute, overlap=False)
+    c, k = flags()
+    serial.step([(u, g.clone()) for u, g in zip(units, grads)], c, 1e-2, 1, k)
+    torch.cuda.synchronize()
+    serial.close()
+    pinned = hostmem.Registration(state.master)
+    load = torch.cuda.Stream()
+    stepper = GpuStepper(state, ADAMW, units, torch.float32, 1000, compute, load)
+    with torch.cuda.stream(load):
+        torch.cuda._sleep(1_000_000_000)  # the step stream waits for its loads: ~0.5 s behind
+    coef, skip = flags()
+    stepper.step([(u, g.clone()) for u, g in zip(units, grads)], coef, 1e-2, 1, skip)
+    del coef, skip  # the caller lets them go; the compute stream writes what it allocates next
+    junk = [torch.full((), 1e30, device="cuda") for _ in range(64)]
+    junk += [torch.ones((), dtype=torch.bool, device="cuda") for _ in range(64)]
+    stepper.wait()
+    torch.cuda.synchronize()
+    stepper.close()
+    pinned.close()
+    assert not torch.equal(ref.master, before.master)  # the reference stepped at all
+    for w in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(getattr(state, w), getattr(ref, w)), w
+    del junk
+
+
 def test_gpu_stepped_units_equal_serial_and_resident_ones():
     """The first units' state streamed to the GPU for each step and back (stored: during the
     backward sweep into buffers held for the step; two-pass and immediate: after the clip, in many

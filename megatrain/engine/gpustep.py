@@ -165,6 +165,10 @@ class GpuStepper:
             return
         self.prestage(1.0)  # whatever the sweep has not brought in yet
         _wait(self.stream, _mark(self.compute))
+        if self.overlap:  # read on this stream after the caller lets them go (immediate: per unit)
+            for flag in (coef, skip):
+                if isinstance(flag, torch.Tensor) and flag.is_cuda:
+                    flag.record_stream(self.stream)
         stepped = []
         while items:
             unit, grad = items.pop(0)
