@@ -83,9 +83,16 @@ class PolicyModel:
             raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
         self.fetched_bytes = 0
         self.stream = _LayerStream(self, max(ends, default=0)) if streamed else None
-        for i, layer in enumerate(streamed):
-            layer.register_forward_pre_hook(lambda m, args, i=i: self.stream.before(i))
-            layer.register_forward_hook(lambda m, args, out, i=i: self.stream.after(i))
+        # Removed on leaving: they refer to this object, which holds the model, and a cycle would
+        # keep the model's device memory until the garbage collector ran (into the update's).
+        self.hooks = [
+            hook
+            for i, layer in enumerate(streamed)
+            for hook in (
+                layer.register_forward_pre_hook(lambda m, args, i=i: self.stream.before(i)),
+                layer.register_forward_hook(lambda m, args, out, i=i: self.stream.after(i)),
+            )
+        ]
 
     def _materialize(self, streamed: dict[int, int]) -> dict[int, str]:
         """Every parameter outside the streamed layers allocated on the device (a tied head keeps
@@ -112,9 +119,12 @@ class PolicyModel:
         return self.model
 
     def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
         if self.stream is not None:
             self.stream.close()
-            self.stream = None
+            self.stream = None  # it refers back to this object
 
 
 class _LayerStream:
