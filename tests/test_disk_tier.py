@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import mmap
 import os
 import signal
@@ -506,3 +507,28 @@ def test_gpu_state_auto_keeps_the_gpus_state_off_the_tiers_units():
     p = placement.plan(cfg, batch, m, auto)
     assert p.disk_units == whole.disk_units and p.resident_units + p.gpu_stepped_units == 0
     assert any("the disk tier takes the units" in note for note in p.notes)
+
+
+def test_a_disk_smaller_than_all_the_moments_still_takes_the_units_it_holds():
+    """The tier takes the fewest last units that make the run fit; a disk that cannot hold every
+    unit's moments (a 24B model's 179 GiB on a 128 GiB drive) may still hold enough of them. Such
+    a run was refused once, the search starting from the tier of every unit; it is refused only
+    where the most units the disk holds leave too much for host memory, and says so in one line."""
+    from megatrain.planning import footprint, placement
+    from megatrain.planning.planspec import model_shape
+    from megatrain.planning.probe import formula_layer_memory
+
+    two_pass = placement.Choices(gradient_placement="two_pass")
+    cfg, batch, m, whole = _tiered_host("cpu", two_pass)
+    s = model_shape(cfg, formula_layer_memory(cfg, 4))
+    n = len(s.units)
+    host = math.ceil(footprint.evaluate(s, batch, replace(whole, disk_units=n // 2), m).host_total
+                     / (1 - footprint.HOST_RESERVE))  # fmt: skip
+    half = footprint.disk_tier_bytes(s, n // 2, m.world)
+    small = replace(m, host_bytes=host, disk_bytes=half)  # holds the last half's moments, not all
+    assert footprint.disk_tier_bytes(s, n, m.world) > small.disk_bytes
+    p = placement.plan(cfg, batch, small, two_pass)
+    assert p.disk_units == n // 2 and p.host_total <= footprint.usable_host(small)
+    with pytest.raises(placement.PlanError, match=f"the last {n // 2} of {n} units'") as e:
+        placement.plan(cfg, batch, replace(small, host_bytes=host - 2**20), two_pass)
+    assert "\n" not in str(e.value)

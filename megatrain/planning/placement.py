@@ -171,12 +171,15 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
                        f"both at once {m.disk_duplex_bytes_s / 1e9:.2f}, {io})")  # fmt: skip
         return p
 
-    if with_tier(n) is None:
-        whole = disk_tier_bytes(s, n, m.world)
-        raise PlanError(f"{problem}; with the disk tier: the AdamW moments of every unit take "
-                        f"{fmt_bytes(whole)} of disk ({fmt_bytes(m.disk_bytes)} free in offload_dir) "
-                        "and the rest must fit host memory")  # fmt: skip
-    lo, hi = 1, n  # the fewest units that fit: more units on disk only free more host memory
+    # The most units whose moments the disk holds; more units on disk only free more host memory,
+    # so if that many do not make the rest fit, no fewer do.
+    most = max((k for k in range(1, n + 1) if disk_tier_bytes(s, k, m.world) <= m.disk_bytes), default=0)
+    if not most or with_tier(most) is None:
+        held = f"the last {most} of {n} units', " if most < n else "every unit's, "
+        raise PlanError(f"{problem}; with the disk tier: the AdamW moments of the most units offload_dir holds "
+                        f"({held}{fmt_bytes(disk_tier_bytes(s, most, m.world))}; {fmt_bytes(m.disk_bytes)} free) "
+                        "leave too much for host memory")  # fmt: skip
+    lo, hi = 1, most  # the fewest units that fit
     while lo < hi:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if with_tier(mid) is not None else (mid + 1, hi)
