@@ -36,7 +36,7 @@ GiB = 2**30
 def overrides(args, run: str) -> list[str]:
     rows = args.tokens_per_step // args.doc
     out = [f"max_length={args.doc}", f"per_device_train_batch_size={rows}", f"max_steps={args.steps}",
-           "save_strategy=no", "disable_tqdm=true", "logging_steps=1", "learning_rate=1e-5", *args.set]  # fmt: skip
+           "save_strategy=no", "save_final_model=false", "disable_tqdm=true", "logging_steps=1", "learning_rate=1e-5", *args.set]  # fmt: skip
     if run == "disk":
         out += [f"offload_dir={args.offload_dir}"]
         out += [f"max_host_memory={args.max_host_memory}"] if args.max_host_memory else []

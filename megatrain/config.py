@@ -283,6 +283,10 @@ class TrainConfig:
     (metric_for_best_model) is never deleted, nor another run's."""
     save_dtype: str = "bfloat16"
     """dtype of the exported Hugging Face weights: bfloat16 or float32."""
+    save_final_model: bool = True
+    """Export the model to output_dir/final after the last step (false: the checkpoints, if any,
+    hold the run's weights; for a disk with room for the checkpoints or a disk tier but not for
+    another copy of the model, and for benchmarks)."""
     resume_from_checkpoint: str | bool | None = None
     """true: continue from the newest checkpoint of the run that saved last in output_dir; a path:
     from that checkpoint. Resume is exact."""
@@ -554,6 +558,10 @@ class TrainConfig:
             self.per_device_eval_batch_size = self.per_device_train_batch_size
         if self.per_device_eval_batch_size < 1:
             bad("per_device_eval_batch_size", "must be >= 1")
+        if self.load_best_model_at_end and not self.save_final_model:
+            raise ConfigError(
+                "load_best_model_at_end: exports the best checkpoint's weights; needs save_final_model"
+            )
         if self.load_best_model_at_end and (why := self._best_model_schedule_problem()):
             raise ConfigError(f"load_best_model_at_end: {why}")
         # grpo's evaluation samples and scores (TRL's eval_reward, the default), then takes the

@@ -88,8 +88,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Train as `cfg` says; returns the exported model directory (`output_dir/final`).
+def train(cfg: TrainConfig) -> Path | None:
+    """Train as `cfg` says; returns the exported model directory (`output_dir/final`; None with
+    save_final_model false).
 
     Raises MegatrainError subclasses for bad inputs (before anything is written),
     guard.TrainingInterrupted after a signal (its checkpoint saved) and guard.DivergedError
@@ -320,12 +321,16 @@ class _Run(_Inputs):
         self.log.exclude_pause()
         return path
 
-    def export(self) -> Path:
+    def export(self) -> Path | None:
         """After the last step: the model (the best checkpoint's, with load_best_model_at_end) to
-        output_dir/final."""
+        output_dir/final; None with save_final_model false."""
         world, log = self.world, self.log
         self.model.transport.synchronize()
         world.barrier()
+        if not self.cfg.save_final_model:
+            if self.main:
+                log.message(self.memory.summary())
+            return None
         # load_best_model_at_end: every machine's state (part) holds the best checkpoint's weights.
         note = (
             self.evaluator.load_best(self.model.state, self.model_cfg, log.interactive)
@@ -363,7 +368,7 @@ class _Run(_Inputs):
         )
 
 
-def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path:
+def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path | None:
     run = _setup(cfg, world, device)
     batcher, evaluator, nonfinite, total_steps = run.batcher, run.evaluator, run.nonfinite, run.total_steps
     failed = False

@@ -356,6 +356,22 @@ def test_disk_space_is_checked_before_training(tmp_path, capsys, monkeypatch):
     shutil.rmtree(out)
     free["bytes"] = need
     assert run_cli(capsys, "train", cfg)[0] == 0
+    assert (out / "final" / "model.safetensors").exists()
+    # Without final/ the checkpoints alone must fit; nothing is exported, the checkpoints stay.
+    shutil.rmtree(out)
+    free["bytes"] = need - 4 * n
+    rc, stdout, err = run_cli(capsys, "train", cfg, "save_final_model=false")
+    assert rc == 0, err
+    assert not (out / "final").exists() and (out / "checkpoint-4" / "optimizer.safetensors").exists()
+    assert "megatrain: memory:" in stdout
+
+
+def test_load_best_model_at_end_needs_the_final_export(tmp_path):
+    base = make_run(tmp_path)
+    with pytest.raises(ConfigError, match="^load_best_model_at_end: .* needs save_final_model$"):
+        TrainConfig(**base, eval_dataset=base["dataset"], eval_strategy="steps", save_steps=1,
+                    eval_steps=1, metric_for_best_model="eval_loss", load_best_model_at_end=True,
+                    save_final_model=False)  # fmt: skip
 
 
 class FullDisk:

@@ -220,15 +220,15 @@ class OutputDir:
         existing = len(lineages(self.path).get(self.run_id, [])) if self.resume else 0
         # Pruning runs after a new checkpoint is committed: keep + 1 exist for a moment.
         at_once = min(saves, max(1, cfg.save_total_limit + 1 - existing)) if cfg.save_total_limit else saves
-        final = num_params * (2 if cfg.save_dtype == "bfloat16" else 4)
+        final = num_params * (2 if cfg.save_dtype == "bfloat16" else 4) if cfg.save_final_model else 0
         shared = tier if tier and same_file_system(self.path, Path(cfg.offload_dir)) else 0
         need, free = at_once * ckpt + final + shared, free_bytes(self.path)
         if need <= free:
             return
         msg = (
             f"not enough disk space in {self.path}: this run writes up to {fmt_bytes(need)} "
-            f"({at_once} checkpoint(s) of {fmt_bytes(ckpt)} at once, final/ {fmt_bytes(final)} in "
-            f"{cfg.save_dtype}"
+            f"({at_once} checkpoint(s) of {fmt_bytes(ckpt)} at once"
+            + (f", final/ {fmt_bytes(final)} in {cfg.save_dtype}" if final else "")
             + (f", the disk tier in offload_dir {fmt_bytes(shared)}" if shared else "")
             + f"), {fmt_bytes(free)} free; lower save_total_limit, set save_only_model=true "
             "or save_strategy=no, or choose another output_dir (preflight_check=false runs anyway)"
