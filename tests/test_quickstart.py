@@ -31,7 +31,7 @@ from megatrain.config import TrainConfig
 from megatrain.data import build_samples, load_tokenizer
 from megatrain.data.batch import IGNORE_INDEX, MicroBatch
 from megatrain.models.config import ModelConfig
-from megatrain.runtime import build_model
+from megatrain.runtime import build_model, cpu_threads
 from megatrain.trackers import is_eval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,7 +235,18 @@ def cli(*argv) -> None:
 
 
 @pytest.fixture(scope="module")
-def whole_quickstart(tmp_path_factory):
+def run_threads():
+    """The example runs below compute on the threads a run of the command line picks
+    (runtime.cpu_threads: every core here), not the suite's one: the quickstart's model is large
+    enough to gain from them, and nothing else runs beside these tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads())  # OMP_NUM_THREADS is set (conftest): runs keep it
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def whole_quickstart(tmp_path_factory, run_threads):
     """The README's quickstart as it ships (200 steps): its output directory."""
     quick = tmp_path_factory.mktemp("whole") / "quick"
     cli("train", EXAMPLES / "quickstart.yaml", f"output_dir={quick}", "disable_tqdm=true", "device=cpu")
