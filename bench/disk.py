@@ -11,8 +11,9 @@ pre-tokenised documents of `--doc` tokens. Each run records the plan's disk tier
 the disk's read, write and both-at-once rates as measured at start, O_DIRECT or buffered), the bytes the tier
 read and wrote per step and the seconds the optimizer waited for its reads (plan.json's
 measured counters over the run's steps), its predicted step time beside the measured one,
-tokens/s over the steps after the first, and the GPU and host peaks beside the plan's; with both
-runs, the share of the step the tier costs. Writes
+tokens/s over the steps after the first, and the GPU and host peaks beside the plan's; the model's
+fp32 weights and moments against the host memory the plan had, and the share of the step the
+optimizer waited for the tier; with both runs, the share of the step the tier costs. Writes
 `<stamp>_<tag>.json` and `.md` in --out, each run's log and plan under `<stamp>_<tag>_logs/`.
 """
 
@@ -65,12 +66,30 @@ def row(r: dict) -> str:
             f"{gib(m.get('host_peak_rss'))} ({gib(p.get('host_peak_rss'))}) |")  # fmt: skip
 
 
+def past_host(r: dict) -> str | None:
+    """How far past host memory the tiered run went: the model's fp32 weights and AdamW moments
+    (in host memory and in the tier) against the host memory the plan had, and the share of the
+    step the optimizer waited for the tier's reads."""
+    plan, machine, m = r.get("plan") or {}, r.get("machine") or {}, r.get("measured") or {}
+    state = (plan.get("host") or {}).get("fp32 weights + AdamW moments", 0) + (plan.get("disk") or 0)
+    if not state or not machine.get("host_bytes"):
+        return None
+    line = (f"the model's fp32 weights and AdamW moments: {state / GiB:.1f} GiB, "
+            f"{state / machine['host_bytes']:.2f}x the host memory the plan had ({machine['host_bytes'] / GiB:.1f} GiB)")  # fmt: skip
+    if "disk_wait_s" in m and r.get("step_s"):
+        wait = m["disk_wait_s"] / max(1, r.get("steps") or 1)
+        line += f"; the optimizer waited {wait:.2f} s a step for the tier's reads ({100 * wait / r['step_s']:.0f}% of the step)"
+    return line
+
+
 def table(runs: list[dict]) -> str:
     lines = ["| run | disk tier | disk GB/s at start: read / write / both at once | read / written GiB per step | optimizer's wait for reads s/step "
              "| step s (plan) | tokens/s | GPU peak GiB (plan) | host peak GiB (plan) |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [row(r) for r in runs]
     done = {r["name"]: r for r in runs if not r.get("error")}
+    if "disk" in done and (line := past_host(done["disk"])):
+        lines.append("\n" + line)
     if "disk" in done and "ram" in done:
         share = 1 - done["ram"]["step_s"] / done["disk"]["step_s"]
         lines.append(

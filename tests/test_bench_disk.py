@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--model", "tiny", "--doc", "128", "--tokens-per-step", "512", "--steps", "3"]
 
 
-def bench(tmp_path: Path, tag: str, *more: str) -> dict:
+def bench(tmp_path: Path, tag: str, *more: str, md_text: list | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_TMP": str(tmp_path)}
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "bench/disk.py", *ARGS, *more, "--tag", tag, "--out", str(out)],
@@ -29,6 +29,8 @@ def bench(tmp_path: Path, tag: str, *more: str) -> dict:
     [js] = out.glob(f"*_{tag}.json")
     [md] = out.glob(f"*_{tag}.md")
     assert "| run | disk tier |" in md.read_text()
+    if md_text is not None:
+        md_text.append(md.read_text())
     return json.loads(js.read_text())
 
 
@@ -39,14 +41,20 @@ def test_disk_bench_trains_past_its_host_budget_with_a_tier(tmp_path):
     state = ram["plan"]["host"]["fp32 weights + AdamW moments"]
     budget = math.ceil((sum(ram["plan"]["host"].values()) - state // 3) / (1 - HOST_RESERVE))
     tier = tmp_path / "tier"
+    text = []
     [disk] = bench(
-        tmp_path, "disk", "--runs", "disk", "--max-host-memory", str(budget), "--offload-dir", str(tier)
-    )["runs"]
+        tmp_path, "disk", "--runs", "disk", "--max-host-memory", str(budget), "--offload-dir", str(tier),
+        md_text=text,
+    )["runs"]  # fmt: skip
     assert not disk.get("error"), disk
     assert disk["plan"]["disk_units"] >= 1 and disk["plan"]["disk"] > 0
     assert disk["machine"]["disk_read_bytes_s"] > 0 and disk["machine"]["disk_write_bytes_s"] > 0
     assert disk["measured"]["disk_written_bytes"] > 0 and disk["tokens_per_s"] > 0
     assert os.listdir(tier) == []
+    # the report says how far past its host budget the run went: all of the state against the budget
+    ratio = state / disk["machine"]["host_bytes"]
+    assert disk["plan"]["host"]["fp32 weights + AdamW moments"] + disk["plan"]["disk"] == state
+    assert f"weights and AdamW moments: {state / 2**30:.1f} GiB, {ratio:.2f}x the host memory" in text[0]
 
 
 @pytest.mark.slow
