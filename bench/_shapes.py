@@ -18,6 +18,8 @@ DENSE_SHAPES: dict[str, dict[str, int]] = {
     # 18.7 B and 20.3 B: Llama shapes past what an 80 GB GPU held with every gradient on it
     "B18": dict(hidden=6144, layers=44, heads=48, kv=8, ffn=16384, vocab=128256),
     "B20": dict(hidden=6144, layers=48, heads=48, kv=8, ffn=16384, vocab=128256),
+    # 28.1 B: its fp32 weights and moments (314 GiB) 1.25x a 256 GiB host, for the disk tier
+    "B28": dict(hidden=6144, layers=68, heads=48, kv=8, ffn=16384, vocab=128256),
     # Qwen2.5-7B's, -14B's and -32B's shapes (without the q/k/v biases: 0.01% of the parameters)
     "Q7": dict(hidden=3584, layers=28, heads=28, kv=4, ffn=18944, vocab=152064),
     "Q14": dict(hidden=5120, layers=48, heads=40, kv=8, ffn=13824, vocab=152064),
