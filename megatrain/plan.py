@@ -23,7 +23,7 @@ from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
-from .planning.footprint import rollout_bytes
+from .planning.footprint import rollout_bytes, rollout_copy_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
 from .stages import row_length
@@ -38,6 +38,9 @@ KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_leng
 GRPO_KNOBS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "max_completion_length",
 )  # fmt: skip
+
+
+ROLLOUT_COPY = "rollout's copy of the streamed layers"  # plan.host's key
 
 
 class InsufficientMemory(MegatrainError):
@@ -125,7 +128,7 @@ def check(
 ) -> Check:
     """Plan the run; when nothing fits, name the largest value of each batch knob that would.
     `layer_mem`: the layer's activation memory as probe.py measured it (None: the formula)."""
-    machine = _less_data(machine, data)
+    machine = _less_host(machine, data)
 
     attempt = _attempt(model_cfg, cfg, machine, compute_bytes, layer_mem, attention_span)
     try:
@@ -234,31 +237,59 @@ def rollout_memory(
     compute_bytes: int,
     processes: int | None = None,
     resident_layers: int | None = None,
+    host_copy: bool = False,
 ) -> dict[str, int]:
     """stage grpo: the GPU memory a rollout adds, by part (footprint.rollout_bytes), for the most
     completions a process samples at a time: a generation batch, per_device_train_batch_size x
     steps_per_generation (over `processes`: default, the config's world), or an evaluation's
     per_device_eval_batch_size, the policy's layers from `resident_layers` on streamed (a plan's
-    `rollout_layers`); the training plan gets the GPU less this. Empty for the other stages."""
+    `rollout_layers`), fetched from a host copy where `host_copy` (a plan's `rollout_host_copy`);
+    the training plan gets the GPU less this. Empty for the other stages."""
     if (grpo := cfg.grpo(processes)) is None:
         return {}
     rows = cfg.per_device_train_batch_size * grpo.steps_per_generation
     if cfg.eval_strategy != "no":
         rows = max(rows, cfg.per_device_eval_batch_size)
     prompt = cfg.max_prompt_length or cfg.max_length
-    return rollout_bytes(model_cfg, rows, prompt, grpo.max_completion_length, compute_bytes, resident_layers)
+    completion = grpo.max_completion_length
+    return rollout_bytes(model_cfg, rows, prompt, completion, compute_bytes, resident_layers, host_copy)
 
 
 def rollout_split(update, cfg, layers: int, device: str) -> Plan:
     """The one rule for how many of the policy's `layers` decoder layers a grpo rollout keeps on
-    the GPU (`Plan.rollout_layers`; None: all), given `update(resident)`, the update's plan beside a
-    rollout keeping `resident` (PlanError where none fits). The rollout and the update take turns
+    the GPU (`Plan.rollout_layers`; None: all), and whether it fetches the streamed ones from a
+    copy in the compute dtype in host memory (`Plan.rollout_host_copy`), given
+    `update(resident, host_copy)`, the update's plan beside such a rollout (PlanError where none
+    fits). The rollout and the update take turns
     on the GPU, the update planned for the GPU less the rollout's room (`_less_rollout`): the whole
     policy where the update still fits beside it (every run that fitted before streaming existed
     keeps its plan), else the most layers that leave the update a plan that fits. Each layer kept
     saves its fetch over PCIe in every decode step, so the rollout takes what it can; the update's
     plan makes the best of the rest. On the CPU every layer stays (nothing to save).
-    `rollout_resident_layers: N` keeps N instead (every layer where N is more)."""
+    `rollout_resident_layers: N` keeps N instead (every layer where N is more). Whatever the count,
+    the streamed layers come from the host copy where the host has room for it beside the update
+    at no cost to the update's estimated step (a copy that pushed the moments to disk would not
+    pay): it halves the bytes each decode step fetches, and spares the GPU the fp32 staging buffer.
+    """
+
+    def split(resident: int | None) -> Plan:
+        if resident is None:
+            return update(None, False)
+        try:
+            fp32 = update(resident, False)
+        except PlanError:  # the staging buffer the copy spares may be what the GPU lacks
+            return update(resident, True)
+        with contextlib.suppress(PlanError):
+            copied = update(resident, True)
+            if copied.step_time_s <= fp32.step_time_s:
+                return copied
+        return fp32
+
+    return _split_layers(split, cfg, layers, device)
+
+
+def _split_layers(update, cfg, layers: int, device: str) -> Plan:
+    """`rollout_split`'s count of resident layers, `update(resident)` the update's plan."""
     cap = cfg.rollout_resident_layers
     if cfg.stage != "grpo" or (cap == "auto" and device != "cuda"):
         return update(None)
@@ -270,6 +301,22 @@ def rollout_split(update, cfg, layers: int, device: str) -> Plan:
     # Where none does, the error is that of every layer streamed, the least the rollout can take.
     best = _largest_fitting(lambda v: _fits(update, resident=v - 1), layers)
     return update(0 if best is None else best - 1)
+
+
+def with_rollout(p: Plan, model_cfg: ModelConfig, compute_bytes: int, world: Layout, resident: int | None,
+                 host_copy: bool) -> Plan:  # fmt: skip
+    """`p`, the update's plan, beside a rollout keeping `resident` layers, the others fetched from
+    a host copy where `host_copy` and the compute dtype is not fp32 (its page-locked bytes, one a
+    process, counted in `p`'s host memory: `p` must have been planned in the host less them,
+    `rollout_copy_bytes`)."""
+    copy = (
+        rollout_copy_bytes(model_cfg, resident, compute_bytes) * world.ranks_per_machine if host_copy else 0
+    )
+    p = replace(p, rollout_layers=resident, rollout_host_copy=copy > 0)
+    if not copy:
+        return p
+    pinned = p.pinned + copy if p.device == "cuda" else p.pinned
+    return replace(p, host={**p.host, ROLLOUT_COPY: copy}, pinned=pinned)
 
 
 def _less_rollout(machine: Machine, rollout: dict[str, int]) -> Machine:
@@ -298,10 +345,14 @@ def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, 
         c = with_knobs(cfg, machine.world.ranks, **knobs)
         batch = batch_of(c, model_cfg, compute_bytes, span)
 
-        def update(resident: int | None) -> Plan:
-            rollout = rollout_memory(c, model_cfg, compute_bytes, resident_layers=resident)
-            p = make_placement(model_cfg, batch, _less_rollout(host, rollout), choices_of(cfg), layer_mem)
-            return replace(p, rollout_layers=resident)
+        def update(resident: int | None, host_copy: bool) -> Plan:
+            rollout = rollout_memory(
+                c, model_cfg, compute_bytes, resident_layers=resident, host_copy=host_copy
+            )
+            copy = rollout_copy_bytes(model_cfg, resident, compute_bytes) * machine.world.ranks_per_machine
+            room = _less_host(_less_rollout(host, rollout), copy if host_copy else 0)
+            p = make_placement(model_cfg, batch, room, choices_of(cfg), layer_mem)
+            return with_rollout(p, model_cfg, compute_bytes, machine.world, resident, host_copy)
 
         p = rollout_split(update, c, model_cfg.num_hidden_layers, machine.device)
         return replace(p, host={**p.host, **extra}) if extra else p
@@ -324,11 +375,12 @@ def _largest(fits, start: int) -> int | None:
     return _largest_fitting(fits, 2 * hi)
 
 
-def _less_data(machine: Machine, data: int) -> Machine:
-    """`plan` counts the tokenized dataset (in `train` it already sits in memory)."""
-    if not data or machine.host_bytes is None:
+def _less_host(machine: Machine, used: int) -> Machine:
+    """The machine less `used` bytes of host memory: `plan`'s tokenized dataset (in `train` it
+    already sits in memory), a rollout's host copy."""
+    if not used or machine.host_bytes is None:
         return machine
-    return replace(machine, host_bytes=machine.host_bytes - data)
+    return replace(machine, host_bytes=machine.host_bytes - used)
 
 
 def _fits(attempt, **knobs: int) -> bool:
@@ -391,7 +443,14 @@ def preflight(
     batch = batch_of(cfg, model_cfg, compute_bytes, attention_span)
     choices = replace(choices_of(cfg), gpu_state="off")
     p = rollout_split(
-        lambda r: replace(make_placement(model_cfg, batch, unlimited, choices, layer_mem), rollout_layers=r),
+        lambda r, copy: with_rollout(
+            make_placement(model_cfg, batch, unlimited, choices, layer_mem),
+            model_cfg,
+            compute_bytes,
+            machine.world,
+            r,
+            copy,
+        ),
         cfg,
         model_cfg.num_hidden_layers,
         machine.device,

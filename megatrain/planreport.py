@@ -61,7 +61,9 @@ def report(
         lines.append("does not fit: " + result.problem)
         return "\n".join(lines)
     lines += [f"plan: {note}" for note in p.notes] or ["plan: all state in host memory"]
-    rollout = plan.rollout_memory(cfg, model_cfg, b.compute_bytes, m.world.ranks, p.rollout_layers)
+    rollout = plan.rollout_memory(
+        cfg, model_cfg, b.compute_bytes, m.world.ranks, p.rollout_layers, p.rollout_host_copy
+    )
     if rollout and p.device == "cuda":
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rollout.items())
         lines.append(f"rollout: ~{fmt_bytes(sum(rollout.values()))} of the GPU kept for sampling ({parts}); "
@@ -70,7 +72,9 @@ def report(
         layers = model_cfg.num_hidden_layers
         lines.append(f"rollout: {layers - p.rollout_layers} of {layers} layers streamed through the "
                      f"{'GPU' if p.device == 'cuda' else 'device'} in every decode step (the first "
-                     f"{p.rollout_layers} resident)")  # fmt: skip
+                     f"{p.rollout_layers} resident), fetched from "
+                     + (f"a {dtype_name} copy in host memory ({fmt_bytes(p.host[plan.ROLLOUT_COPY])})"
+                        if p.rollout_host_copy else "the fp32 master weights"))  # fmt: skip
     lines.append("")
     if p.device == "cuda":
         lines.append("GPU memory at its peak (predicted torch.cuda.max_memory_allocated)")

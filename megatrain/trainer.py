@@ -431,7 +431,12 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     rollout = (
         sum(
             rollout_memory(
-                cfg, model_cfg, compute_dtype.itemsize, world.world_size, inputs.plan.rollout_layers
+                cfg,
+                model_cfg,
+                compute_dtype.itemsize,
+                world.world_size,
+                inputs.plan.rollout_layers,
+                inputs.plan.rollout_host_copy,
             ).values()
         )
         if device.type == "cuda"
@@ -504,7 +509,8 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         rollout = Rollout(
             cfg.grpo(world.world_size), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
-            resident_layers=inputs.plan.rollout_layers, start=start, cache=cfg.rollout_cache,
+            resident_layers=inputs.plan.rollout_layers, host_copy=inputs.plan.rollout_host_copy, start=start,
+            cache=cfg.rollout_cache,
         )  # fmt: skip
     run = _Run(
         **vars(inputs),

@@ -23,6 +23,7 @@ from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
+from megatrain.planning.footprint import rollout_copy_bytes
 from megatrain.rl import rollout
 from megatrain.rl.rewards import RewardError
 from megatrain.rl.rollout import EVAL_STREAM, ROLLOUT_FILE, generation_order
@@ -888,6 +889,29 @@ def test_streamed_rollout_layers_train_as_resident_ones(setup):
         assert weights.keys() == resident[2].keys()
         assert all(torch.equal(weights[k], resident[2][k]) for k in weights)
     assert all(r.get("rollout/streamed_layers", 0) == 0 for r in resident[0])
+
+
+def test_streamed_layers_fetched_from_the_host_copy_train_as_resident_ones(setup):
+    """In bf16 the plan fetches the streamed layers from their copy in bf16 in host memory (cast
+    from the fp32 master every rollout, after the step): the run samples, trains and ends bitwise
+    as one that keeps every layer, each rollout fetching 2 bytes a streamed parameter a time."""
+    tmp_path, _ = setup
+    kw = dict(max_steps=2, num_iterations=1, compute_dtype="bfloat16")
+    resident = run(tmp_path, "resident", **kw)
+    records, rollouts, weights = run(tmp_path, "copied", rollout_resident_layers=0, **kw)
+    plan = json.loads((tmp_path / "copied" / "plan.json").read_text())["plan"]
+    assert plan["rollout_host_copy"] and plan["rollout_layers"] == 0
+    assert rollouts == resident[1]
+    losses = [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+    assert losses == [(r["loss"], r["grad_norm"]) for r in resident[0] if "loss" in r]
+    assert all(torch.equal(weights[k], resident[2][k]) for k in weights)
+    model_cfg = ModelConfig.from_json(tmp_path / "model")
+    layer = rollout_copy_bytes(model_cfg, 0, 2) // model_cfg.num_hidden_layers  # one layer in bf16
+    sampled = [r for r in records if "rollout/fetched_bytes" in r]
+    fetched = [r["rollout/fetched_bytes"] for r in sampled]
+    assert fetched and all(n % layer == 0 < n for n in fetched)
+    assert all(n % (2 * layer) for n in fetched)  # an odd number of layers: not fp32 bytes
+    assert all(0 <= r["time/rollout_cast_s"] <= r["time/rollout_build_s"] for r in sampled)
 
 
 @pytest.mark.gpu

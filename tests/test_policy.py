@@ -12,7 +12,9 @@ import torch
 import transformers
 from helpers import tiny_hf_model
 
-from megatrain.rl.policy import PolicyModel
+from megatrain.models.config import ModelConfig
+from megatrain.planning.footprint import rollout_copy_bytes
+from megatrain.rl.policy import HostCopy, PolicyModel
 from megatrain.rl.sampling import RowSampler
 
 LAYERS, NEW = 3, 6
@@ -41,6 +43,10 @@ def fp32_weights(hf, pinned=False):
     return [(n, w.pin_memory()) for n, w in out] if pinned else out
 
 
+def model_cfg(hf) -> ModelConfig:
+    return ModelConfig.from_hf(hf.config)
+
+
 def whole_model(hf, device, dtype):
     """The whole policy on the device, as transformers builds it in the compute dtype (RoPE's
     frequencies stay fp32), the weights copied in."""
@@ -54,23 +60,59 @@ def check_same(device, dtype, tied=False):
     hf = tiny_hf_model("llama", tied=tied, num_hidden_layers=LAYERS, attn_implementation="sdpa")
     ids, mask = prompts(hf.config.vocab_size)
     resident = whole_model(hf, device, dtype)
+    layer = sum(p.numel() for p in hf.model.layers[0].parameters())
     for sampled in (False, True):
         want = sample(resident, ids, mask, device, sampled)
-        for r in (0, 1, LAYERS):
-            policy = PolicyModel(hf.config, fp32_weights(hf, device == "cuda"), device, dtype, resident=r)
+        for r, copied in ((0, False), (0, True), (1, False), (1, True), (LAYERS, False)):
+            # The host copy, where the compute dtype is not fp32: each streamed parameter in it once.
+            numel = rollout_copy_bytes(model_cfg(hf), r, dtype.itemsize) // dtype.itemsize
+            copy = HostCopy(numel, dtype, device) if copied and numel else None
+            weights = fp32_weights(hf, device == "cuda")
+            policy = PolicyModel(hf.config, weights, device, dtype, r, copy and copy.tensor)
             with policy as model:
                 got = sample(model, ids, mask, device, sampled)
             assert policy.streamed_layers == LAYERS - r
-            layer = sum(p.numel() for p in hf.model.layers[0].parameters()) * 4
             # A forward (prefill, each step) fetches each streamed layer once, and the last one the
-            # first's again, for the next forward.
-            assert policy.fetched_bytes == (NEW * (LAYERS - r) + (r < LAYERS)) * layer
-            assert torch.equal(got, want), (r, sampled, got, want)
+            # first's again, for the next forward: from the copy in the compute dtype where there is
+            # one (half the fp32 bytes in bf16), else from the fp32 master.
+            size = dtype.itemsize if copy is not None else 4
+            assert policy.fetched_bytes == (NEW * (LAYERS - r) + (r < LAYERS)) * layer * size
+            assert torch.equal(got, want), (r, copied, sampled, got, want)
+            if copy is not None:
+                assert policy.stream is None and numel == (LAYERS - r) * layer
+                copy.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_streamed_layers_sample_what_the_resident_model_does(dtype):
     check_same("cpu", dtype)
+
+
+def test_the_host_copy_rounds_as_the_device_cast_does():
+    """The cast into the host copy (a `copy_` on the CPU's threads) gives bitwise what `.to(bf16)`
+    gives, and both round to nearest even, as CUDA's cast does: ties, the largest finite values,
+    subnormals, infinities and random values, checked against the rounding done on the bits."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0x7F7F7FFF, 0x00018000,
+                         0x80008000, 0x7F800000, 0xFF800000, 0x3F7FFFFF]).to(torch.int32)  # fmt: skip
+    x = torch.cat([bits.view(torch.float32), torch.randn(1 << 16, generator=g) * 1e3])
+    hf = tiny_hf_model("llama", num_hidden_layers=1)
+    weights = [(n, x.clone() if n.endswith("up_proj.weight") else w) for n, w in fp32_weights(hf)]
+    shape = hf.model.layers[0].mlp.up_proj.weight.shape
+    weights = [(n, w[: shape.numel()].view(shape) if n.endswith("up_proj.weight") else w) for n, w in weights]
+    x = x[: shape.numel()]
+    numel = rollout_copy_bytes(model_cfg(hf), 0, 2) // 2
+    copy = HostCopy(numel, torch.bfloat16, "cpu")
+    PolicyModel(hf.config, weights, "cpu", torch.bfloat16, 0, copy.tensor)
+    names = [n for n, _ in weights if n.startswith("model.layers.0.")]
+    at = sum(w.numel() for n, w in weights if n in names[: names.index("model.layers.0.mlp.up_proj.weight")])
+    got = copy.tensor[at : at + x.numel()].view(torch.int16).int() & 0xFFFF
+    assert torch.equal(got, x.to(torch.bfloat16).view(torch.int16).int() & 0xFFFF)
+    u = x.view(torch.int32).long() & 0xFFFFFFFF  # round to nearest even on the bits (finite values)
+    rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    finite = x.isfinite()
+    assert torch.equal(got[finite].long(), rne[finite])
+    assert torch.equal(got[~finite].long(), (u[~finite] >> 16))
 
 
 def test_a_tied_head_and_missing_weights():

@@ -4,6 +4,7 @@ completions, the prefill) is kept out of the GPU budget the update is planned in
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import replace
@@ -17,8 +18,9 @@ from megatrain.config import TrainConfig
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
 from megatrain.planning.footprint import HOST_RESERVE, usable_gpu
-from megatrain.planning.placement import Machine
+from megatrain.planning.placement import Machine, fmt_bytes
 from megatrain.planning.placement import plan as make_placement
+from megatrain.planning.planspec import Plan
 
 GiB = 2**30
 ROWS, PROMPT, COMPLETION = 8 * 4, 96, 160
@@ -218,14 +220,16 @@ def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_
         lo, hi = (lo, mid) if fits(mid, rollout_resident_layers=12) else (mid, hi)
     machine = Machine("cuda", hi, 64 * GiB)
     got = planning.check(model_cfg, cfg, machine, 2)
-    assert got.fits and got.plan.rollout_layers == 12
+    assert got.fits and got.plan.rollout_layers == 12 and got.plan.rollout_host_copy
 
     batch, choices = planning.batch_of(cfg, model_cfg, 2), planning.choices_of(cfg)
 
     def update_fits(resident):
-        rollout = sum(planning.rollout_memory(cfg, model_cfg, 2, resident_layers=resident).values())
+        rollout = sum(planning.rollout_memory(cfg, model_cfg, 2, None, resident, host_copy=True).values())
+        copy = planning.rollout_copy_bytes(model_cfg, resident, 2)
+        room = Machine("cuda", machine.gpu_bytes - rollout, machine.host_bytes - copy)
         try:
-            make_placement(model_cfg, batch, replace(machine, gpu_bytes=machine.gpu_bytes - rollout), choices)
+            make_placement(model_cfg, batch, room, choices)
             return True
         except planning.PlanError:
             return False
@@ -235,10 +239,12 @@ def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_
     whole = planning.rollout_memory(cfg, model_cfg, 2)
     assert whole["policy weights"] - parts["policy weights"] == 12 * layer * 2
     assert parts["streamed layers' buffers"] == layer * (2 * 2 + 4)  # two bf16 buffers, an fp32 stage
+    copied = planning.rollout_memory(cfg, model_cfg, 2, resident_layers=12, host_copy=True)
+    assert copied["streamed layers' buffers"] == layer * 2 * 2  # from the host copy: no stage
     text = planreport.report(model_cfg, got, "a GPU", "bfloat16", cfg)
     assert (
-        "rollout: 12 of 24 layers streamed through the GPU in every decode step (the first 12 resident)"
-        in text
+        "rollout: 12 of 24 layers streamed through the GPU in every decode step (the first 12 "
+        f"resident), fetched from a bfloat16 copy in host memory ({fmt_bytes(12 * layer * 2)})" in text
     )
 
     roomy = Machine("cuda", 64 * GiB, 64 * GiB)
@@ -250,3 +256,34 @@ def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_
         ConfigError, match=r"^rollout_resident_layers: must be auto or a number of layers >= 0"
     ):
         replace(cfg, rollout_resident_layers="some")
+
+
+def test_streamed_layers_are_fetched_from_a_host_copy_where_the_host_has_room_for_it():
+    """The plan keeps a copy of the streamed layers in the compute dtype in host memory (2 bytes a
+    parameter, one a process, page-locked: `rollout_copy_bytes`, the size the rollout allocates)
+    where the host holds it beside the update, counts it, and records the choice in plan.json;
+    on a host without room for it the layers are fetched from the fp32 master weights, and in
+    fp32 there is no copy to make."""
+    model_cfg, cfg = shapes()
+    cfg = replace(cfg, rollout_resident_layers=2)
+    machine = Machine("cuda", 80 * GiB, 64 * GiB)
+    p = planning.check(model_cfg, cfg, machine, 2).plan
+    copy = planning.rollout_copy_bytes(model_cfg, 2, 2)
+    whole = planning.rollout_memory(cfg, model_cfg, 2, None, 0)["policy weights"] // 2  # all but layers
+    assert copy == 4 * (model_cfg.num_params - whole) // 6 * 2  # 4 of 6 layers, 2 bytes a parameter
+    assert p.rollout_host_copy and p.host[planning.ROLLOUT_COPY] == copy
+    fp32 = planning.check(model_cfg, cfg, machine, 4).plan
+    assert not fp32.rollout_host_copy and planning.ROLLOUT_COPY not in fp32.host
+    assert (
+        planning.rollout_copy_bytes(model_cfg, 2, 4) == planning.rollout_copy_bytes(model_cfg, None, 2) == 0
+    )
+    assert Plan.from_json(json.loads(json.dumps(p.to_json()))).rollout_host_copy
+
+    without = p.host_total - copy  # the update's host memory, and the rest beside it
+    short = Machine("cuda", 80 * GiB, int((without + copy // 2) / (1 - HOST_RESERVE)))
+    tight = planning.check(model_cfg, cfg, short, 2).plan
+    assert not tight.rollout_host_copy and tight.host_total == without and tight.rollout_layers == 2
+    text = planreport.report(model_cfg, planning.check(model_cfg, cfg, short, 2), "a GPU", "bfloat16", cfg)
+    assert "fetched from the fp32 master weights" in text
+    roomy = Machine("cuda", 80 * GiB, int((without + copy) / (1 - HOST_RESERVE)) + 2**20)
+    assert planning.check(model_cfg, cfg, roomy, 2).plan.rollout_host_copy

@@ -422,10 +422,13 @@ def rollout_bytes(
     completion_tokens: int,
     compute_bytes: int,
     resident_layers: int | None = None,
+    host_copy: bool = False,
 ) -> dict[str, int]:
     """The GPU memory a rollout adds to what the engine holds between steps, by part: `rows`
     completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long, the policy's
-    decoder layers from `resident_layers` on streamed (None: none)."""
+    decoder layers from `resident_layers` on streamed (None: none), fetched from the fp32 master
+    weights through a staging buffer, or with `host_copy` from their copy in the compute dtype
+    (`rollout_copy_bytes`) straight into the two buffers."""
     if cfg.mla is not None:  # transformers' DeepSeek caches each head's whole key and value
         kv = cfg.num_attention_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
     else:
@@ -435,7 +438,7 @@ def rollout_bytes(
     streamed = layer_params(cfg)[resident_layers:] if resident_layers is not None else []
     buffers = {}
     if streamed:
-        stage = 4 if compute_bytes != 4 else 0
+        stage = 4 if compute_bytes != 4 and not host_copy else 0
         buffers = {"streamed layers' buffers": max(streamed) * (ROLLOUT_BUFFERS * compute_bytes + stage)}
     return {
         "policy weights": (cfg.num_params - sum(streamed)) * compute_bytes,
@@ -444,6 +447,16 @@ def rollout_bytes(
         "prefill (one layer, every prompt)": rows * prompt_tokens * prefill_h * compute_bytes,
         "sampling logits": rows * cfg.vocab_size * 4 * ROLLOUT_LOGIT_COPIES,
     }
+
+
+def rollout_copy_bytes(cfg: ModelConfig, resident_layers: int | None, compute_bytes: int) -> int:
+    """The host memory of the streamed layers' copy in the compute dtype that a rollout fetches
+    instead of their fp32 master weights (rl/policy.py: `HostCopy`), of one process: the layers
+    from `resident_layers` on (None: none streamed) at `compute_bytes` a parameter; 0 where the
+    compute dtype is fp32 (the master weights are fetched as they are)."""
+    if resident_layers is None or compute_bytes == 4:
+        return 0
+    return sum(layer_params(cfg)[resident_layers:]) * compute_bytes
 
 
 def usable_gpu(m: Machine) -> int | None:

@@ -113,6 +113,11 @@ class Plan:
     rollout_layers: int | None = None
     """stage grpo: the decoder layers the rollout's policy keeps on the GPU, the others streamed
     through it in every forward (rl/policy.py); None: every layer (plan.py's `rollout_split`)."""
+    rollout_host_copy: bool = False
+    """stage grpo, layers streamed: they are fetched from a copy in the compute dtype that each
+    rollout casts once into page-locked host memory (half the fp32 master's bytes over PCIe),
+    where the host has room for it beside the update (`rollout_split`); False: from the fp32
+    master weights."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
