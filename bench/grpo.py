@@ -63,7 +63,8 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         max_prompt_length=args.prompt, max_completion_length=args.completion,
         per_device_train_batch_size=args.rows_per_micro_batch,
         gradient_accumulation_steps=rows // args.rows_per_micro_batch, max_steps=args.steps,
-        learning_rate=1e-6, save_strategy="no", disable_tqdm=True, logging_steps=1, shuffle=False,
+        learning_rate=1e-6, save_strategy="no", save_final_model=False, disable_tqdm=True, logging_steps=1,
+        shuffle=False,
     )  # fmt: skip
     (d / "grpo.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
     cmd = [sys.executable, "-m", "megatrain", "train", str(d / "grpo.yaml"), *args.megatrain]
@@ -195,8 +196,6 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="grpo")
     args = p.parse_args()
-    import torch
-
     shape = DENSE_SHAPES[args.shape]
     runs, stopped = [], None
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -212,6 +211,14 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)
         except KeyboardInterrupt:  # a time limit's SIGINT: the systems that finished are still written
             stopped = f"stopped by SIGINT during {system}; the systems before it finished"
+        # written before the temporary directory goes: removing a model's files takes a while,
+        # and a time limit then must not lose the runs
+        write(args, runs, stopped)
+
+
+def write(args, runs: list[dict], stopped: str | None) -> None:
+    import torch
+
     from megatrain.models.config import ModelConfig
 
     meta = {
@@ -220,7 +227,9 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "command": "python bench/grpo.py " + " ".join(sys.argv[1:]),
         "shape": args.shape,
-        "num_params": ModelConfig.from_hf(model_config({"shape": shape, "seq": 4096})).num_params,
+        "num_params": ModelConfig.from_hf(
+            model_config({"shape": DENSE_SHAPES[args.shape], "seq": 4096})
+        ).num_params,
         "completions_per_step": args.prompts * args.generations,
     }
     if stopped:
