@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
 import re
 import types
 import typing
@@ -368,14 +369,18 @@ class TrainConfig:
     max_host_memory: str | int | None = None
     """Host memory the run may use, e.g. "1.5TB" (default: MemAvailable at start); the plan keeps
     5% of it free for the kernel and the driver."""
-    offload_dir: str | None = None
+    offload_dir: str | list[str] | None = None
     """A local disk's folder (DeepSpeed's `nvme_path`) for the disk tier: where host memory cannot
     hold the state, the plan puts the AdamW moments of the fewest last units that make the run fit
     there, in a file that never has a name in it (scratch: nothing is left behind, and a resume
     rebuilds it from its checkpoint), read and written with O_DIRECT where its file system takes
-    it. Relative to the working directory. One process per machine for now."""
+    it. Several drives: a list of folders, one per drive (two on one file system are refused), or
+    one string of comma-separated folders (`offload_dir=/nvme0/t,/nvme1/t` on the command line; a
+    folder whose name holds a comma only in a list); the tier's blocks are striped over them
+    round-robin. Relative to the working directory. One process per machine for now."""
     max_disk_memory: str | int | None = None
-    """Disk the tier may take in offload_dir, e.g. "500GB" (default: the free space at start)."""
+    """Disk the tier may take in offload_dir, e.g. "500GB", in all its folders together (default:
+    the free space at start; with several folders, their number x the least free in one)."""
     nproc_per_node: int = 1
     """Data parallel over this many processes (GPUs) per machine, started by `megatrain train`
     itself, one copy of the host state for all of a machine's; the global batch is
@@ -503,12 +508,26 @@ class TrainConfig:
                 "offload_dir",
                 "the disk tier is built for one process per machine (nproc_per_node 1, one machine)",
             )
+        folders = self.offload_dirs()
+        if self.offload_dir is not None and not (folders and all(d.strip() for d in folders)):
+            bad("offload_dir", "expected a folder, or several: a list or comma-separated, none empty")
+        where = [os.path.abspath(d) for d in folders]
+        for i, d in enumerate(where):
+            if d in where[:i]:
+                bad("offload_dir", f"{folders[i]} is given twice: give each drive's folder once")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
         if self.stage not in ("sft", "grpo", *STAGES):
             bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
+
+    def offload_dirs(self) -> list[str]:
+        """offload_dir's folders, one per drive: a list as given, a string cut at its commas
+        (none: no disk tier)."""
+        if isinstance(self.offload_dir, str):
+            return [d.strip() for d in self.offload_dir.split(",")]
+        return list(self.offload_dir or [])
 
     def preference(self) -> PreferenceConfig | None:
         """The preference stage's settings; None for sft and grpo."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import ConfigError, MegatrainError
-from .host.disk import measure_rates
+from .host.disk import measure_drives
 from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
@@ -93,11 +93,15 @@ def machine_of(cfg, device, world: Layout | None = None) -> Machine:
     machine = measure(device, size(cfg.max_gpu_memory), size(cfg.max_host_memory), world or cfg.world())
     if cfg.offload_dir is None:
         return machine
-    room = size(cfg.max_disk_memory) or free_bytes(Path(cfg.offload_dir))
-    rates = measure_rates(cfg.offload_dir)
+    # The tier striped over the folders' drives: their rates summed, and round-robin puts about
+    # 1/N of its bytes in each, so the least room in one folder bounds it (max_disk_memory: all).
+    folders = cfg.offload_dirs()
+    rates = measure_drives(folders)
+    room = size(cfg.max_disk_memory) or len(folders) * min(free_bytes(Path(d)) for d in folders)
     return replace(
         machine,
         disk_bytes=room,
+        disk_folders=len(folders),
         disk_read_bytes_s=rates.read_bytes_s,
         disk_write_bytes_s=rates.write_bytes_s,
         disk_duplex_bytes_s=rates.duplex_bytes_s,

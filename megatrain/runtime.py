@@ -155,7 +155,7 @@ def build_model(
     collective: Collective | None = None,
     after_load: Callable[[HostState], None] | None = None,
     objective: Objective | None = None,
-    offload_dir: str | Path | None = None,
+    offload_dir: str | Path | list[str | Path] | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
@@ -167,7 +167,7 @@ def build_model(
     `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
     transport copies any of it to the device. `objective`: the loss the engine computes
     (objectives/; default: next-token cross-entropy). `offload_dir`: where the plan's disk tier
-    (`plan.disk_units`) goes (host/disk.py)."""
+    (`plan.disk_units`) goes, a folder or one per drive (host/disk.py)."""
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype

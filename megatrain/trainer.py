@@ -463,7 +463,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
             collective=world,
             after_load=after_load,
             objective=objective_of(cfg, world),
-            offload_dir=cfg.offload_dir,
+            offload_dir=cfg.offload_dirs(),
         )
 
     reference = _reference(cfg, inputs, world, build, progress)

@@ -3,7 +3,8 @@ puts the AdamW moments of the last units in a file on disk, moved through a ring
 read ahead of the optimizer's pass and written behind it. A run with a tier trains bitwise as the
 run without one, through O_DIRECT or buffered I/O, resumes from its checkpoints as exactly (also
 after a SIGKILL in the middle of its I/O), leaves no file behind, and a tier the disk cannot hold
-is refused in one line."""
+is refused in one line. Striped over several folders (one per drive), its blocks alternate
+between their files and a run is as exact; here the folders share tmp_path's disk (`one_disk`)."""
 
 from __future__ import annotations
 
@@ -115,9 +116,17 @@ def base(tmp_path):
 def small_blocks(monkeypatch):
     """Blocks of 4096 elements through a ring of 3, in the tier and in the plan: the tiny models'
     units are cut in several blocks, the optimizer's pass evicts and reads ahead, and a tier frees
-    more host memory than its ring takes (with 64 MiB blocks no tiny model's would)."""
+    more host memory than its ring takes (with 64 MiB blocks no tiny model's would). The plan
+    measures each drive's rates on 16 MiB (a run's own rates are not what these tests check)."""
     monkeypatch.setattr(disk, "BLOCK_ELEMS", 4096)
     monkeypatch.setattr(disk, "RING_SLOTS", 3)
+    monkeypatch.setattr(disk, "RATE_PROBE_BYTES", 16 * 2**20)
+
+
+@pytest.fixture
+def one_disk(monkeypatch):
+    """Folders on one file system stand for drives (disk.py refuses them otherwise)."""
+    monkeypatch.setattr(disk, "ONE_DRIVE_PER_FOLDER", False)
 
 
 @pytest.fixture
@@ -198,50 +207,59 @@ def test_blocks_are_read_ahead_in_the_order_expected(tmp_path):
     tier.close()
 
 
-@pytest.mark.parametrize("clip, io", [(1.0, "direct"), (0.0, "buffered")])
+@pytest.mark.parametrize("clip, io", [(1.0, "direct"), (0.0, "buffered"), (1.0, "striped")])
 def test_a_run_with_a_disk_tier_trains_bitwise_as_in_memory_and_leaves_nothing(
     tmp_path, base, clip, io, tiers, request
 ):
     """Gradients held for the clip (the pass in forward order) and stepped as they land (last
-    first), through O_DIRECT where the file system takes it and through buffered I/O."""
+    first), through O_DIRECT where the file system takes it and through buffered I/O; striped over
+    two folders (as its file system takes it)."""
     base = base | dict(max_grad_norm=clip)
-    tier_dir = request.getfixturevalue("direct_dir") if io == "direct" else tmp_path / "nvme"
-    if io == "buffered":
+    if io == "direct":
+        dirs = [request.getfixturevalue("direct_dir")]
+    elif io == "buffered":
         request.getfixturevalue("refuse_o_direct")
+        dirs = [tmp_path / "nvme"]
+    else:
+        request.getfixturevalue("one_disk")
+        dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
     train(TrainConfig(**base, output_dir=str(tmp_path / "ram")))
-    tier_dir.mkdir(parents=True, exist_ok=True)
-    (tier_dir / "notes.txt").write_text("the user's")  # offload_dir may hold the user's files
+    dirs[0].mkdir(parents=True, exist_ok=True)
+    (dirs[0] / "notes.txt").write_text("the user's")  # offload_dir may hold the user's files
     max_host = host_budget(base, 2)
+    folders = str(dirs[0]) if len(dirs) == 1 else [str(d) for d in dirs]
     train(
-        TrainConfig(
-            **base, output_dir=str(tmp_path / "disk"), offload_dir=str(tier_dir), max_host_memory=max_host
-        )
+        TrainConfig(**base, output_dir=str(tmp_path / "disk"), offload_dir=folders, max_host_memory=max_host)
     )
     [tier] = tiers
-    assert tier.direct == (io == "direct") and 1 <= len(tier.units) <= 2
+    assert tier.directories == dirs and 1 <= len(tier.units) <= 2
+    assert io == "striped" or tier.direct == (io == "direct")
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
     record = json.loads((tmp_path / "disk" / "plan.json").read_text())
-    assert record["plan"]["disk_units"] == len(tier.units) and record["machine"]["disk_direct"] == (
-        io == "direct"
-    )
+    assert record["plan"]["disk_units"] == len(tier.units) and record["machine"]["disk_direct"] == tier.direct
+    assert record["machine"]["disk_folders"] == len(dirs)
     [note] = [n for n in record["plan"]["notes"] if "disk tier" in n]
-    assert (", O_DIRECT)" in note) == (io == "direct") and ("buffered" in note) == (io == "buffered")
+    assert (", O_DIRECT)" in note) == tier.direct and ("buffered" in note) == (not tier.direct)
+    assert ("in offload_dir (2 folders, striped)" in note) == (io == "striped")
     measured = record["measured"]  # every block read ahead of the optimizer, each step's written back
     assert measured["disk_misses"] == 0 and measured["disk_written_bytes"] == 4 * tier.nbytes
-    assert os.listdir(tier_dir) == ["notes.txt"] and (tier_dir / "notes.txt").read_text() == "the user's"
+    assert os.listdir(dirs[0]) == ["notes.txt"] and (dirs[0] / "notes.txt").read_text() == "the user's"
+    assert all(os.listdir(d) == [] for d in dirs[1:])
 
 
-def test_a_resume_rebuilds_the_tier_from_its_checkpoint(tmp_path, base, tiers):
+@pytest.mark.parametrize("folders", [1, 2])
+def test_a_resume_rebuilds_the_tier_from_its_checkpoint(tmp_path, base, tiers, folders, one_disk):
     """The checkpoint the tier's run writes holds the in-memory run's moments (read from the
-    file), and a resume writes them back through the ring."""
+    file, or the files it is striped over), and a resume writes them back through the ring."""
     ram = dict(output_dir=str(tmp_path / "ram"), save_strategy="steps", save_steps=2)
     train(TrainConfig(**(base | ram)))
     max_host = host_budget(base, 3)
-    kw = dict(offload_dir=str(tmp_path / "nvme"), max_host_memory=max_host, output_dir=str(tmp_path / "disk"))
+    where = ",".join(str(tmp_path / f"nvme{i}") for i in range(folders))  # as on the command line
+    kw = dict(offload_dir=where, max_host_memory=max_host, output_dir=str(tmp_path / "disk"))
     train(TrainConfig(**(base | kw | dict(max_steps=2, save_strategy="steps", save_steps=2))))
     assert_bitwise(tensors(tmp_path / "disk" / "checkpoint-2"), tensors(tmp_path / "ram" / "checkpoint-2"))
     train(TrainConfig(**(base | kw | dict(resume_from_checkpoint=True))))
-    assert len(tiers) == 2 and len(tiers[1].units) >= 1
+    assert len(tiers) == 2 and len(tiers[1].units) >= 1 and len(tiers[1].files) == folders
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
 
 
@@ -321,6 +339,99 @@ def test_a_failed_write_behind_is_one_line_at_the_next_block(tmp_path, monkeypat
     tier.close()
 
 
+def test_striped_blocks_alternate_between_the_folders_files(tmp_path, one_disk):
+    """Block i in folder i % 2, each file its blocks back to back and reserved to their size; the
+    moments come back exactly from either file."""
+    state = tiny_state()
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    tier = DiskTier(state, 3, dirs)
+    assert [f for _, _, f, _ in tier._blocks] == [i % 2 for i in range(len(tier._blocks))]
+    for f in (0, 1):
+        mine = [(b - a, offset) for a, b, g, offset in tier._blocks if g == f]
+        assert [offset for _, offset in mine] == [
+            MOMENT_BYTES * sum(n for n, _ in mine[:i]) for i in range(len(mine))
+        ]
+        assert tier.file_bytes[f] == MOMENT_BYTES * sum(n for n, _ in mine)
+        assert os.fstat(tier.files[f].fd).st_size == tier.file_bytes[f]
+    assert sum(tier.file_bytes) == tier.nbytes and min(tier.file_bytes) > 0
+    want = fill_blocks(tier, 4)
+    for u in tier.units:
+        got = torch.cat(list(tier.pieces(u, "exp_avg_sq", 0, u.numel)))
+        assert torch.equal(got, want[u.index, "exp_avg_sq"])
+    tier.close()
+    assert os.listdir(dirs[0]) == os.listdir(dirs[1]) == []
+
+
+def test_a_striped_tier_a_folder_cannot_hold_is_refused_naming_that_folder(tmp_path, monkeypatch, one_disk):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    real = disk.free_bytes
+    monkeypatch.setattr(disk, "free_bytes", lambda d: 0 if d == dirs[1] else real(d))
+    state = tiny_state()
+    with pytest.raises(DiskTierError) as e:
+        DiskTier(state, 3, dirs)
+    msg = str(e.value)
+    assert msg.startswith(f"offload_dir: {dirs[1]}: the disk tier needs ") and "\n" not in msg
+    assert "striped over 2 folders" in msg and "0.00 GiB free" in msg and str(dirs[0]) not in msg
+    assert os.listdir(dirs[0]) == os.listdir(dirs[1]) == []
+    assert state.tier is None and state.exp_avg.numel() == state.numel  # the state is as it was
+
+
+def test_folders_on_one_file_system_are_refused_in_one_line(tmp_path):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    state = tiny_state()
+    with pytest.raises(DiskTierError) as e:
+        DiskTier(state, 2, dirs)
+    msg = str(e.value)
+    assert msg.startswith(f"offload_dir: {dirs[0]} and {dirs[1]} are on one file system") and "\n" not in msg
+    assert state.tier is None
+    with pytest.raises(DiskTierError, match="on one file system"):
+        disk.measure_drives(dirs, nbytes=2**20)
+
+
+def test_the_machine_has_the_drives_rates_summed_and_n_times_the_least_room(
+    tmp_path, base, monkeypatch, one_disk
+):
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    monkeypatch.setattr(
+        disk, "measure_rates", lambda d, nbytes: disk.DiskRates(1e9, 2e9, 3e9, direct=Path(d) == dirs[0])
+    )
+    rates = disk.measure_drives(dirs)
+    assert (rates.read_bytes_s, rates.write_bytes_s, rates.duplex_bytes_s, rates.direct) == (
+        2e9,
+        4e9,
+        6e9,
+        False,
+    )
+    free = {str(dirs[0]): 10 * 2**30, str(dirs[1]): 4 * 2**30}
+    monkeypatch.setattr(planning, "free_bytes", lambda p: free[str(p)])
+    cfg = TrainConfig(**base, offload_dir=[str(d) for d in dirs])
+    m = planning.machine_of(cfg, "cpu")
+    assert (m.disk_bytes, m.disk_folders, m.disk_read_bytes_s, m.disk_direct) == (8 * 2**30, 2, 2e9, False)
+    capped = planning.machine_of(
+        TrainConfig(**base, offload_dir=cfg.offload_dir, max_disk_memory="5GB"), "cpu"
+    )
+    assert capped.disk_bytes == 5 * 10**9  # max_disk_memory is the total over the folders
+
+
+def test_offload_dir_takes_a_list_or_comma_separated_folders(tmp_path, base):
+    from test_checkpoint import write_yaml
+
+    from megatrain.errors import ConfigError
+
+    settings = write_yaml(tmp_path / "run.yaml", base | dict(offload_dir=["/nvme0/t", "/nvme1/t"]))
+    assert TrainConfig.load(settings).offload_dirs() == ["/nvme0/t", "/nvme1/t"]
+    plain = write_yaml(tmp_path / "plain.yaml", base)
+    assert TrainConfig.load(plain, ["offload_dir=/nvme0/t,/nvme1/t"]).offload_dirs() == [
+        "/nvme0/t",
+        "/nvme1/t",
+    ]
+    assert TrainConfig.load(plain, ["offload_dir=/nvme0/t"]).offload_dir == "/nvme0/t"  # one folder as before
+    for bad in ("/nvme0/t,,/nvme1/t", "/nvme0/t,/nvme0/t/", "[/nvme0/t, 3]", "[]"):
+        with pytest.raises(ConfigError) as e:
+            TrainConfig.load(plain, [f"offload_dir={bad}"])
+        assert str(e.value).startswith("offload_dir") and "\n" not in str(e.value), bad
+
+
 def test_offload_dir_needs_one_process_and_max_disk_memory_needs_offload_dir(base, tmp_path):
     from megatrain.errors import ConfigError
 
@@ -330,15 +441,18 @@ def test_offload_dir_needs_one_process_and_max_disk_memory_needs_offload_dir(bas
         TrainConfig(**base, max_disk_memory="10GB")
 
 
-def test_megatrain_plan_shows_the_tier_and_its_staging(tmp_path, base, capsys):
+@pytest.mark.parametrize("folders", [1, 2])
+def test_megatrain_plan_shows_the_tier_and_its_staging(tmp_path, base, capsys, folders, one_disk):
     from test_checkpoint import write_yaml
     from test_cli import run_cli
 
-    settings = base | dict(offload_dir=str(tmp_path / "nvme"), max_host_memory=host_budget(base, 3))
+    where = [str(tmp_path / f"nvme{i}") for i in range(folders)]
+    settings = base | dict(offload_dir=where, max_host_memory=host_budget(base, 3))
     rc, out, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "run.yaml", settings))
     assert rc == 0, out
     line = next(x for x in out.splitlines() if "disk tier:" in x)
     assert "AdamW moments of the last" in line and "offload_dir" in line
+    assert ("offload_dir (2 folders, striped)" in line) == (folders == 2)
     assert "read at" in line and "written at" in line and "both at once" in line and "GB/s" in line
     staging = next(x for x in out.splitlines() if "disk tier staging" in x)
     assert staging.split()[-1] in ("KiB", "MiB", "GiB")

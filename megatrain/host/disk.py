@@ -1,14 +1,19 @@
 """The disk tier: AdamW moments of the model's last units in a file on local disk (`offload_dir`),
 where host memory cannot hold the whole state.
 
-Where the moments are. One file holds the tier's units back to back, each cut in blocks of at
-most `BLOCK_ELEMS` elements (fewer in a small tier: `block_elems`), a block's two moments side by
-side (its exp_avg, then its exp_avg_sq), so that staging a block is one read and one write of one
-extent. One file, not one per unit or per thread: offload_dir is one file system, and what keeps a
-drive busy is large requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at
-once, and the I/O threads keep several of them going), not a number of files; one file is one
-reservation and one descriptor. Several drives would be a file on each, blocks striped over them
-(not built).
+Where the moments are. One file (one per drive: below) holds the tier's units back to back, each
+cut in blocks of at most `BLOCK_ELEMS` elements (fewer in a small tier: `block_elems`), a block's
+two moments side by side (its exp_avg, then its exp_avg_sq), so that staging a block is one read
+and one write of one extent. One file per drive, not one per unit or per thread: what keeps a drive busy is large
+requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at once, and the I/O
+threads keep several of them going), not a number of files; a file is one reservation and one
+descriptor.
+
+Several drives. offload_dir may name several folders, one per drive (a workstation's NVMe drives
+mounted apart, no RAID): the blocks are striped over them round-robin, block i in folder i % N,
+each folder's file holding its share back to back, so that the read-ahead and write-behind keep N
+drives busy at once. Two folders on one file system are refused (`drive_folders`): striping over
+one drive buys nothing and would count its free space twice.
 
 How they move. The optimizer steps a block of a tier unit on a *staged* copy of its moments
 (`staged`), one of `RING_SLOTS` page-aligned host buffers. Its pass takes the tier's units in an
@@ -42,6 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,6 +65,7 @@ AHEAD = 3
 RING_SHARE = 4  # a small tier's blocks are smaller: its ring takes at most ~1/4 of what it frees
 IO_THREADS = 4
 RATE_PROBE_BYTES = 256 * MiB  # large enough for a drive's sequential rates, ~0.3 s on NVMe
+ONE_DRIVE_PER_FOLDER = True  # off only where folders on one disk stand for drives (the tests)
 
 
 def block_elems(unit_numels: Sequence[int]) -> int:
@@ -139,6 +146,40 @@ def measure_rates(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> Disk
     return DiskRates(need / read, need / write, 2 * need / both, f.direct)
 
 
+def drive_folders(directories: str | Path | Sequence[str | Path]) -> list[Path]:
+    """offload_dir's folders, one per drive, made where missing; two on one file system (the same
+    `st_dev`) are refused in one line (see the module docstring)."""
+    folders = [Path(directories)] if isinstance(directories, (str, Path)) else [Path(d) for d in directories]
+    seen: dict[int, Path] = {}
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            dev = os.stat(folder).st_dev
+        except OSError as e:
+            raise tier_error(folder, "the disk tier's folder", e) from None
+        if dev in seen and ONE_DRIVE_PER_FOLDER:
+            raise DiskTierError(
+                f"offload_dir: {seen[dev]} and {folder} are on one file system: striping the disk "
+                "tier over one drive buys nothing; give one folder per drive"
+            )
+        seen.setdefault(dev, folder)
+    return folders
+
+
+def measure_drives(directories: Sequence[str | Path], nbytes: int | None = None) -> DiskRates:
+    """The rates of the tier striped over these folders' drives: each measured alone
+    (`measure_rates`, `nbytes` each, default RATE_PROBE_BYTES), their rates summed (the stripe
+    keeps every drive busy at once; a bus the drives share is not measured), O_DIRECT only where
+    every folder takes it."""
+    each = [measure_rates(d, nbytes or RATE_PROBE_BYTES) for d in drive_folders(directories)]
+    return DiskRates(
+        sum(r.read_bytes_s for r in each),
+        sum(r.write_bytes_s for r in each),
+        sum(r.duplex_bytes_s for r in each),
+        all(r.direct for r in each),
+    )
+
+
 @dataclass
 class _Slot:
     """A ring buffer: a block's two moments, and the last read or write of it (queued or done)."""
@@ -151,12 +192,13 @@ class _Slot:
 
 
 class DiskTier:
-    """The AdamW moments of `state`'s last `units` units in a file in `directory`, moved through a
-    ring of host buffers (see the module docstring). Made before anything is written to the
-    moments: it takes their host memory away (`state.exp_avg` and `exp_avg_sq` stop where its
-    units start) and becomes `state.tier`."""
+    """The AdamW moments of `state`'s last `units` units in a file in each of `directories` (one
+    folder, or several: one per drive, the blocks striped over them), moved through a ring of host
+    buffers (see the module docstring). Made before anything is written to the moments: it takes
+    their host memory away (`state.exp_avg` and `exp_avg_sq` stop where its units start) and
+    becomes `state.tier`."""
 
-    def __init__(self, state: HostState, units: int, directory: str | Path):
+    def __init__(self, state: HostState, units: int, directories: str | Path | Sequence[str | Path]):
         if state.exp_avg is None:
             raise ValueError("a disk tier holds AdamW moments; this state has none")
         if not state.whole:
@@ -165,29 +207,24 @@ class DiskTier:
             raise ValueError(f"a disk tier of {units} units; the model has {len(state.units)}")
         self.units = state.units[len(state.units) - units :]
         self.first = self.units[0].index
-        self.directory = Path(directory)
+        self.directories = drive_folders(directories)
         B = self.block_elems = block_elems([u.numel for u in self.units])
         if B % UNIT_ALIGN or B % ALIGN_ELEMS:
             raise ValueError(f"a block of {B} elements does not end on a page")
-        self._blocks: list[tuple[int, int, int]] = []  # (lo, hi) of a unit, its offset in the file
+        # (lo, hi) of a unit, the file the block is in (round-robin), its offset in that file
+        self._blocks: list[tuple[int, int, int, int]] = []
         self._first_block: dict[int, int] = {}
-        offset = 0
+        self.file_bytes = [0] * len(self.directories)
         for u in self.units:
             self._first_block[u.index] = len(self._blocks)
             for a in range(0, u.numel, B):
                 b = min(a + B, u.numel)
-                self._blocks.append((a, b, offset))
-                offset += MOMENT_BYTES * (b - a)
-        self.nbytes = offset
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            free = free_bytes(self.directory)
-        except OSError as e:
-            raise tier_error(self.directory, "the disk tier's folder", e) from None
-        if free < self.nbytes:
-            raise DiskTierError(self._no_space(free))
-        self.file = TierFile(self.directory, self.nbytes, self._no_space)
-        self.direct = self.file.direct
+                f = len(self._blocks) % len(self.directories)
+                self._blocks.append((a, b, f, self.file_bytes[f]))
+                self.file_bytes[f] += MOMENT_BYTES * (b - a)
+        self.nbytes = sum(self.file_bytes)
+        self.files = self._reserve()
+        self.direct = all(f.direct for f in self.files)
         lo = state.starts[self.first]
         state.exp_avg, state.exp_avg_sq = state.exp_avg[:lo], state.exp_avg_sq[:lo]
         state.tier = self
@@ -203,10 +240,32 @@ class DiskTier:
         """Bytes read and written, seconds the optimizer waited for reads, blocks it found
         unread (not read ahead): since the tier was made."""
 
-    def _no_space(self, free: int) -> str:
+    def _reserve(self) -> list[TierFile]:
+        """A reserved file in each folder, every folder's room checked before any is made."""
+        for i, folder in enumerate(self.directories):
+            try:
+                free = free_bytes(folder)
+            except OSError as e:
+                raise tier_error(folder, "the disk tier's folder", e) from None
+            if free < self.file_bytes[i]:
+                raise DiskTierError(self._no_space(i, free))
+        files: list[TierFile] = []
+        try:
+            for i, folder in enumerate(self.directories):
+                files.append(TierFile(folder, self.file_bytes[i], partial(self._no_space, i)))
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+        return files
+
+    def _no_space(self, i: int, free: int) -> str:
+        """The line a full disk raises: folder `i`, its share of the tier, its free bytes."""
+        n = len(self.directories)
+        share = f" there (its share of {self.nbytes / GiB:.2f} GiB striped over {n} folders)" if n > 1 else ""
         return (
-            f"offload_dir: {self.directory}: the disk tier needs {self.nbytes / GiB:.2f} GiB "
-            f"(AdamW moments of the last {len(self.units)} units), {free / GiB:.2f} GiB free"
+            f"offload_dir: {self.directories[i]}: the disk tier needs {self.file_bytes[i] / GiB:.2f} GiB"
+            f"{share} (AdamW moments of the last {len(self.units)} units), {free / GiB:.2f} GiB free"
         )
 
     # ------------------------------------------------------------- where the moments are
@@ -222,7 +281,7 @@ class DiskTier:
         if not self.holds(unit):
             raise ValueError(f"{unit.name} is not in the disk tier")
         block = self._first_block[unit.index] + lo // self.block_elems
-        a, b, _ = self._blocks[block]
+        a, b, _, _ = self._blocks[block]
         if not (a <= lo < hi <= b):
             raise ValueError(f"{unit.name}[{lo}:{hi}] is not within one block of the disk tier")
         return block
@@ -249,7 +308,7 @@ class DiskTier:
         One block is staged at a time."""
         block = self._block(unit, lo, hi)
         slot = self._acquire(block)
-        a, b, _ = self._blocks[block]
+        a, b, _, _ = self._blocks[block]
         n = b - a
         try:
             yield slot.buf[lo - a : hi - a], slot.buf[n + lo - a : n + hi - a]
@@ -274,16 +333,16 @@ class DiskTier:
             io = slot.io
             self._ahead()
         if io is not None:
-            self._wait(io, "reading")
+            self._wait(io, block, "reading")
         self.counters["disk_wait_s"] += time.perf_counter() - t0
         return slot
 
     def _release(self, slot: _Slot) -> None:
         with self._lock:
             block = slot.block
-            a, b, offset = self._blocks[block]
+            a, b, f, offset = self._blocks[block]
             buf = slot.buf[: 2 * (b - a)]
-            slot.io = self._written[block] = self._pool.submit(self.file.write, buf, offset)
+            slot.io = self._written[block] = self._pool.submit(self.files[f].write, buf, offset)
             slot.busy = False
             self.counters["disk_written_bytes"] += buf.numel() * 4
 
@@ -318,20 +377,22 @@ class DiskTier:
     def _read(self, slot: _Slot, block: int) -> None:
         """Queue the read of `block` into `slot`, after the slot's last I/O and the block's last
         write (which another slot may still be doing)."""
-        a, b, offset = self._blocks[block]
+        a, b, f, offset = self._blocks[block]
         buf = slot.buf[: 2 * (b - a)]
-        after = [f for f in (slot.io, self._written.get(block)) if f is not None]
+        after = [io for io in (slot.io, self._written.get(block)) if io is not None]
         slot.block = block
-        slot.io = self._pool.submit(_after, after, self.file.read, buf, offset)
+        slot.io = self._pool.submit(_after, after, self.files[f].read, buf, offset)
         self.counters["disk_read_bytes"] += buf.numel() * 4
 
-    def _wait(self, io: Future, doing: str) -> None:
+    def _wait(self, io: Future, block: int, doing: str) -> None:
+        """Wait for `io`, a read or write of `block`; its error is one line naming the block's folder."""
+        f = self._blocks[block][2]
         try:
             io.result()
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskTierError(self._no_space(free_bytes(self.directory))) from None
-            raise tier_error(self.directory, f"{doing} the disk tier", e) from None
+                raise DiskTierError(self._no_space(f, free_bytes(self.directories[f]))) from None
+            raise tier_error(self.directories[f], f"{doing} the disk tier", e) from None
 
     # ------------------------------------------------------------- checkpoints
     def pieces(self, unit: Unit, which: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
@@ -346,15 +407,15 @@ class DiskTier:
                     raise RuntimeError("the disk tier is read while the optimizer steps it")
                 written = self._written.get(block)
             if written is not None:
-                self._wait(written, "writing")
-            ba, bb, offset = self._blocks[block]
+                self._wait(written, block, "writing")
+            ba, bb, f, offset = self._blocks[block]
             s = (a - ba) // ALIGN_ELEMS * ALIGN_ELEMS  # whole pages around [a, b)
             e = -(-(b - ba) // ALIGN_ELEMS) * ALIGN_ELEMS
             buf = host_buffer(e - s)
             try:
-                self.file.read(buf, offset + 4 * (half * (bb - ba) + s))
+                self.files[f].read(buf, offset + 4 * (half * (bb - ba) + s))
             except OSError as err:
-                raise tier_error(self.directory, "reading the disk tier", err) from None
+                raise tier_error(self.directories[f], "reading the disk tier", err) from None
             yield buf[a - ba - s : b - ba - s]
 
     def fill(
@@ -368,9 +429,10 @@ class DiskTier:
                     fill_range(view, a, b, entries[which], read)
 
     def close(self) -> None:
-        """Finish the I/O in flight and close the file (it is gone then: it has no name)."""
+        """Finish the I/O in flight and close the files (they are gone then: they have no name)."""
         self._pool.shutdown(wait=True)
-        self.file.close()
+        for f in self.files:
+            f.close()
 
 
 def _starts(lo: int, hi: int, block: int) -> list[int]:

@@ -213,7 +213,8 @@ class OutputDir:
     def check_disk_space(self, num_params: int, schedule: SaveSchedule, tier: int = 0, warn=print) -> None:
         """Refuse (warn, with preflight_check=false) a run whose checkpoints and final/ would not
         fit in the free space of output_dir's file system; `tier`: the disk tier's bytes, which
-        share it where offload_dir is on the same file system."""
+        share it where offload_dir is on the same file system (of several folders: the share the
+        stripe puts in each one there, about 1/N of the tier)."""
         cfg = self.cfg
         ckpt = checkpoint_bytes(num_params, cfg.save_only_model)
         saves = schedule.count(self.resume.trainer_state.global_step if self.resume else 0)
@@ -221,7 +222,9 @@ class OutputDir:
         # Pruning runs after a new checkpoint is committed: keep + 1 exist for a moment.
         at_once = min(saves, max(1, cfg.save_total_limit + 1 - existing)) if cfg.save_total_limit else saves
         final = num_params * (2 if cfg.save_dtype == "bfloat16" else 4) if cfg.save_final_model else 0
-        shared = tier if tier and same_file_system(self.path, Path(cfg.offload_dir)) else 0
+        folders = cfg.offload_dirs()
+        there = sum(same_file_system(self.path, Path(d)) for d in folders) if tier else 0
+        shared = -(-tier * there // len(folders)) if there else 0
         need, free = at_once * ckpt + final + shared, free_bytes(self.path)
         if need <= free:
             return

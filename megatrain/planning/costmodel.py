@@ -19,7 +19,7 @@ apart: at long context attention is most of the work and runs slower than the ma
 the rate of a matmul shaped like the layer's, `probe.cpu_layer_memory`) instead of GPU_FLOPS, and
 this host's AdamW rate
 (`probe.adam_rate`, times ADAM_IN_STEP) instead of ADAM_PARAMS_S, and the disk tier's read and
-write rates measured in offload_dir at start (`host.disk.measure_rates`) instead of DISK_BYTES_S;
+write rates measured in offload_dir at start (`host.disk.measure_drives`, summed over its folders) instead of DISK_BYTES_S;
 PCIE_BYTES_S is always the constant (all are the `Machine`'s defaults, planspec.py; the figures'
 sources are below).
 bench/host-only.md has the model's terms for GPU-stepped units; tests/test_costmodel_replay.py

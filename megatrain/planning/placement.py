@@ -135,6 +135,11 @@ def plan(
         return _with_disk_tier(cfg, batch, machine, choices, layer_mem, str(e))
 
 
+def _where(m: Machine) -> str:
+    """Where the disk tier is, as the plan's notes say it."""
+    return "offload_dir" if m.disk_folders == 1 else f"offload_dir ({m.disk_folders} folders, striped)"
+
+
 def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: str) -> Plan:
     """The plan with the fewest trailing units' moments on disk, or PlanError."""
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
@@ -166,7 +171,7 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
         if not fits(p, m):
             return None
         io = "O_DIRECT" if m.disk_direct else "buffered: its file system refuses O_DIRECT"
-        p.notes.append(f"disk tier: the AdamW moments of the last {k} of {n} units in offload_dir ({fmt_bytes(tier)}; "
+        p.notes.append(f"disk tier: the AdamW moments of the last {k} of {n} units in {_where(m)} ({fmt_bytes(tier)}; "
                        f"read at {m.disk_read_bytes_s / 1e9:.2f} GB/s, written at {m.disk_write_bytes_s / 1e9:.2f}, "
                        f"both at once {m.disk_duplex_bytes_s / 1e9:.2f}, {io})")  # fmt: skip
         return p
@@ -176,7 +181,7 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
     most = max((k for k in range(1, n + 1) if disk_tier_bytes(s, k, m.world) <= m.disk_bytes), default=0)
     if not most or with_tier(most) is None:
         held = f"the last {most} of {n} units', " if most < n else "every unit's, "
-        raise PlanError(f"{problem}; with the disk tier: the AdamW moments of the most units offload_dir holds "
+        raise PlanError(f"{problem}; with the disk tier: the AdamW moments of the most units {_where(m)} holds "
                         f"({held}{fmt_bytes(disk_tier_bytes(s, most, m.world))}; {fmt_bytes(m.disk_bytes)} free) "
                         "leave too much for host memory")  # fmt: skip
     lo, hi = 1, most  # the fewest units that fit

@@ -50,6 +50,8 @@ class Machine:
     """Read and written together, at once (by default as if in turn)."""
     disk_direct: bool = True
     """The tier's I/O is O_DIRECT (False: offload_dir's file system refuses it; buffered)."""
+    disk_folders: int = 1
+    """Folders of offload_dir, one per drive, the tier is striped over (the rates are their sums)."""
 
     @classmethod
     def from_json(cls, d: dict) -> Machine:
