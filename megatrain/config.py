@@ -205,6 +205,14 @@ class TrainConfig:
     the GPU. auto: every layer where the update's plan still fits beside the whole policy, else
     the most that leave it one (`megatrain plan` says how many stream); a number keeps that many
     (every layer where it is more)."""
+    rollout_host_copy: bool | None = None
+    """grpo: where the rollout streams layers (`rollout_resident_layers`), whether it fetches them
+    from a copy in the compute dtype in page-locked host memory (2 bytes a streamed parameter, cast
+    from the fp32 master weights once a rollout: half the bytes over PCIe in bf16) or from the fp32
+    master weights. auto (default): the copy where the host has room for it beside the update at
+    no cost to the update's estimated step; true: the copy (a host without room refuses the run in
+    one line); false: the fp32 master weights. Nothing to choose in fp32 or with every layer
+    resident."""
     rollout_cache: str = "dynamic"
     """grpo: the rollout's KV cache. dynamic: transformers' default, grown a token at a time.
     static: transformers' StaticCache, allocated up front for every completion at its batch's

@@ -274,11 +274,19 @@ def rollout_split(update, cfg, layers: int, device: str) -> Plan:
     the streamed layers come from the host copy where the host has room for it beside the update
     at no cost to the update's estimated step (a copy that pushed the moments to disk would not
     pay): it halves the bytes each decode step fetches, and spares the GPU the fp32 staging buffer.
+    `rollout_host_copy: true / false` takes the copy, or the fp32 fetch, whatever this rule says.
     """
 
     def split(resident: int | None) -> Plan:
-        if resident is None:
-            return update(None, False)
+        if resident is None or cfg.rollout_host_copy is False:
+            return update(resident, False)
+        if cfg.rollout_host_copy:  # the user's choice, whatever it costs
+            try:
+                return update(resident, True)
+            except PlanError as e:
+                raise PlanError(
+                    f"{e} (with rollout_host_copy: true; false fetches the fp32 weights)"
+                ) from None
         try:
             fp32 = update(resident, False)
         except PlanError:  # the staging buffer the copy spares may be what the GPU lacks

@@ -287,3 +287,40 @@ def test_streamed_layers_are_fetched_from_a_host_copy_where_the_host_has_room_fo
     assert "fetched from the fp32 master weights" in text
     roomy = Machine("cuda", 80 * GiB, int((without + copy) / (1 - HOST_RESERVE)) + 2**20)
     assert planning.check(model_cfg, cfg, roomy, 2).plan.rollout_host_copy
+
+
+def test_rollout_host_copy_overrides_the_plans_choice():
+    """`rollout_host_copy: false` fetches the streamed layers from the fp32 master weights where
+    the plan would take the copy; `true` takes the copy where the plan would not, and a host
+    without room for it refuses the run in one line; neither changes a rollout that streams
+    nothing or a run in fp32; `auto` is the default and reads as the plan's own choice."""
+    model_cfg, cfg = shapes()
+    cfg = replace(cfg, rollout_resident_layers=2)
+    roomy = Machine("cuda", 80 * GiB, 64 * GiB)
+    auto = planning.check(model_cfg, cfg, roomy, 2).plan
+    assert auto.rollout_host_copy and cfg.rollout_host_copy is None
+    off = planning.check(model_cfg, replace(cfg, rollout_host_copy=False), roomy, 2).plan
+    assert not off.rollout_host_copy and planning.ROLLOUT_COPY not in off.host
+    assert off.rollout_layers == auto.rollout_layers == 2
+    copy = planning.rollout_copy_bytes(model_cfg, 2, 2)
+    assert off.host_total == auto.host_total - copy
+
+    # a host with room for the update but not for the copy: auto declines it, true is refused
+    short = Machine("cuda", 80 * GiB, int((off.host_total + copy // 2) / (1 - HOST_RESERVE)))
+    assert not planning.check(model_cfg, cfg, short, 2).plan.rollout_host_copy
+    forced = planning.check(model_cfg, replace(cfg, rollout_host_copy=True), short, 2)
+    assert forced.plan is None and "\n" not in forced.problem
+    assert re.match(r"no placement fits: host memory: .* \(with rollout_host_copy: true;", forced.problem)
+    on = planning.check(model_cfg, replace(cfg, rollout_host_copy=True), roomy, 2).plan
+    assert on.rollout_host_copy and on.host[planning.ROLLOUT_COPY] == copy
+
+    resident = replace(cfg, rollout_resident_layers=6, rollout_host_copy=True)  # nothing streams
+    assert not planning.check(model_cfg, resident, roomy, 2).plan.rollout_host_copy
+    assert not planning.check(
+        model_cfg, replace(cfg, rollout_host_copy=True), roomy, 4
+    ).plan.rollout_host_copy
+    keys = {"model_config": "m", "dataset": "d"}
+    assert TrainConfig.from_dict({**keys, "rollout_host_copy": "auto"}).rollout_host_copy is None
+    assert TrainConfig.from_dict({**keys, "rollout_host_copy": False}).rollout_host_copy is False
+    with pytest.raises(ConfigError, match=r"^rollout_host_copy: expected bool"):
+        TrainConfig.from_dict({**keys, "rollout_host_copy": "sometimes"})
