@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_piece
+from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_piece, clip_threads
 from megatrain.host.hostmem import host_buffer
 from megatrain.host.state import HostState, build_units
 from megatrain.models.config import ModelConfig
@@ -66,10 +66,15 @@ class EnginePass:
         self.numel = sum(p.numel for u in self.state.units for p in u.params if p.train)
         self.steps = 0
 
-    def run(self, coef: torch.Tensor | None, piece_per_thread: int | None = None) -> None:
+    def run(
+        self, coef: torch.Tensor | None, piece_per_thread: int | None = None, beside: float | None = None
+    ) -> None:
         """One pass; a clip that fires scales each chunk whole, or `piece_per_thread` elements a
-        thread at a time just before stepping them (`HostAdamW.clip_piece_per_thread`)."""
+        thread at a time just before stepping them (`HostAdamW.clip_piece_per_thread`), or each
+        chunk on `beside` of the threads while the rest step the chunk before it
+        (`HostAdamW.clip_threads_share`)."""
         self.opt.clip_piece_per_thread = piece_per_thread
+        self.opt.clip_threads_share = beside
         self.steps += 1
         for u in self.state.units:
             self.opt.step_held(u, self.held[u.index], coef, LR, self.steps, self.chunk)
@@ -95,10 +100,13 @@ class KernelPass:
             )  # fmt: skip
 
 
-def measure_engine(cfg: ModelConfig, repeats: int, pieces: list[int]) -> tuple[list[dict], dict]:
+def measure_engine(
+    cfg: ModelConfig, repeats: int, pieces: list[int], shares: list[float] = ()
+) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
     falls on all alike); the best of each, G params/s over the engine's stepped elements. The
-    clipped pass scales each chunk whole, and in pieces of each of `pieces` elements a thread."""
+    clipped pass scales each chunk whole, in pieces of each of `pieces` elements a thread, and on
+    each of `shares` of the threads beside the kernel."""
     t0 = time.perf_counter()
     engine = EnginePass(cfg)
     kernel = KernelPass(engine.numel, engine.chunk)
@@ -110,11 +118,23 @@ def measure_engine(cfg: ModelConfig, repeats: int, pieces: list[int]) -> tuple[l
     here = lambda fn: lambda: _clock(fn)  # noqa: E731
     clipped, one = torch.tensor(CLIPPED), torch.tensor(1.0)
     in_pieces = {f"engine, clipped in pieces of {k:,} a thread": k for k in pieces}
+    threads = worker.submit(torch.get_num_threads).result()
+    beside = {f"engine, clipped, multiplied on {clip_threads(threads, f)} threads beside": f for f in shares}
+    if any(not clip_threads(threads, f) for f in shares):
+        print(
+            f"--clip-threads: {threads} optimizer thread(s) spare none to multiply beside the kernel",
+            flush=True,
+        )
+        beside = {name: f for name, f in beside.items() if clip_threads(threads, f)}
     passes = [
         ("kernel", "calling", here(kernel.run)),
         ("kernel", "worker", on_worker(kernel.run)),
         ("engine, clipped", "worker", on_worker(lambda: engine.run(clipped))),
         *[(name, "worker", on_worker(lambda k=k: engine.run(clipped, k))) for name, k in in_pieces.items()],
+        *[
+            (name, "worker", on_worker(lambda f=f: engine.run(clipped, None, f)))
+            for name, f in beside.items()
+        ],
         ("engine, coefficient 1", "worker", on_worker(lambda: engine.run(one))),
         ("engine, unclipped", "worker", on_worker(lambda: engine.run(None))),
     ]
@@ -124,6 +144,7 @@ def measure_engine(cfg: ModelConfig, repeats: int, pieces: list[int]) -> tuple[l
             times[name + where].append(fn())
             print(f"{name:22s} {where:8s} {times[name + where][-1]:7.3f} s", flush=True)
     threads_on_worker = worker.submit(torch.get_num_threads).result()
+    worker.submit(engine.opt.close).result()
     worker.shutdown()
     n = engine.numel
     rows = []
@@ -153,6 +174,7 @@ def measure_engine(cfg: ModelConfig, repeats: int, pieces: list[int]) -> tuple[l
         "ratio": engine_row["vs_kernel"],
         "engine_first_pass_s": engine_row["first_s"],
         "pieces_ratio": {in_pieces[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in in_pieces},
+        "beside_ratio": {beside[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in beside},
     }
     return rows, summary
 

@@ -27,7 +27,9 @@ optimizer's threads; and `torch._fused_adamw_` over flat arrays of as many eleme
 the same size, on the calling thread and on a worker thread. The engine's pass runs clipped (a
 coefficient below one: each chunk scaled whole, then stepped; and in pieces of each of
 `--clip-pieces` elements a thread, each scaled just before it is stepped, so that the kernel reads
-it from the caches: `HostAdamW.clip_piece_per_thread`), with a coefficient of one (the norm under
+it from the caches: `HostAdamW.clip_piece_per_thread`; and on each of `--clip-threads` shares
+of the threads, a thread of their own multiplying each chunk while the rest step the one before:
+`HostAdamW.clip_threads_share`), with a coefficient of one (the norm under
 the threshold) and unclipped. Its first pass is reported apart: it maps the moments' pages, as a
 run's first step does. Host memory: 32 bytes a parameter (the engine's state and gradients, the
 kernel's four arrays).
@@ -225,6 +227,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine", action="store_true", help="the engine's pass beside the kernel")
     ap.add_argument("--engine-params", type=float, default=1e9, help="--engine: the model's size")
     ap.add_argument("--clip-pieces", default="65536,131072,262144", help="--engine: elements a thread")
+    ap.add_argument(
+        "--clip-threads",
+        default="0.15,0.25",
+        help="--engine: shares of the threads multiplying beside the kernel",
+    )
     ap.add_argument("--shape", default="B", help="--engine: the layer shape (bench/_shapes.py)")
     ap.add_argument("--vocab", type=int, default=None, help="--engine: in place of the shape's")
     ap.add_argument("--out", default=None)
@@ -242,7 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = llama(args.shape, args.engine_params, args.vocab)
         n = count_params(cfg)
         print(f"{params_str(n)} parameters: {32 * n / 2**30:.1f} GiB of host memory", flush=True)
-        rows, summary = measure_engine(cfg, args.repeats, [int(x) for x in args.clip_pieces.split(",")])
+        rows, summary = measure_engine(
+            cfg,
+            args.repeats,
+            [int(x) for x in args.clip_pieces.split(",") if x],
+            [float(x) for x in args.clip_threads.split(",") if x],
+        )
         meta.update(shape=args.shape, vocab=cfg.vocab_size, **summary)
         text = engine_table(rows)
         print(text)

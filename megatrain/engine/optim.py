@@ -15,6 +15,7 @@ Trainer: no weight decay on biases and norm weights, one global step count.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,27 @@ CLIP_PIECE_PER_THREAD = 1 << 17
 # runs' spread (`bench/adamw.py --engine`, docs/open-work.md "The CPU AdamW at scale"); not yet
 # measured on a big host, where memory's bandwidth, not a core, bounds the pass.
 CLIP_IN_PIECES = False
+
+
+# The optimizer's threads that multiply held gradients by the clip coefficient on a thread of
+# their own (`HostAdamW.clip_threads`), a chunk ahead of the kernel, which steps each chunk on the
+# rest: the multiply's pass over the gradient then runs beside the kernel's instead of between its
+# chunks. Both are elementwise, so the state is bitwise the same whichever threads run them. Where
+# memory's bandwidth bounds both, the two share it and little is gained; where it does not (the
+# kernel at 63 threads runs 1.1x its rate at 32, the multiply 105 GB/s on a host whose kernel moves
+# 165: results/2026-11-27_1038_x4-adamw-engine.md), the multiply hides. Off by default until
+# `bench/adamw.py --engine --clip-threads` measures it on a big host: on the 2-core development
+# host one thread of the two cannot be spared.
+CLIP_THREADS_SHARE: float | None = None
+
+
+def clip_threads(threads: int, share: float | None = CLIP_THREADS_SHARE) -> int:
+    """Of the optimizer's `threads`, those that multiply beside the kernel (0: the multiply runs
+    between the kernel's chunks on all of them): `share` of them, at least one, leaving the kernel
+    at least one."""
+    if share is None or threads < 2:
+        return 0
+    return min(threads - 1, max(1, round(share * threads)))
 
 
 def clip_piece(threads: int, per_thread: int = CLIP_PIECE_PER_THREAD) -> int:
@@ -154,6 +176,10 @@ class HostAdamW:
         # clip multiplies (CLIP_PIECE_PER_THREAD says why); None: a chunk scaled whole, then
         # stepped.
         self.clip_piece_per_thread = CLIP_PIECE_PER_THREAD if CLIP_IN_PIECES else None
+        # The optimizer's share of threads that multiply beside the kernel (CLIP_THREADS_SHARE says
+        # why); None: the multiply runs between the kernel's chunks.
+        self.clip_threads_share = CLIP_THREADS_SHARE
+        self._scaler: _Scaler | None = None
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this process steps."""
@@ -212,8 +238,38 @@ class HostAdamW:
         clipped), `chunk` elements at a time (or a piece, `_held_piece`): the optimizer worker's
         pass over held gradients."""
         lo, hi = self.span(unit)
-        for a, b in chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi)):
-            self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+        ranges = chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi))
+        threads = torch.get_num_threads()
+        beside = clip_threads(threads, self.clip_threads_share) if multiplies(coef) else 0
+        if not beside or len(ranges) < 2:
+            for a, b in ranges:
+                self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+            return
+        scaler = self._scaler_of(beside)
+        scaled = [scaler.scale(grad[a - lo : b - lo], coef) for a, b in ranges]
+        torch.set_num_threads(threads - beside)
+        try:
+            for (a, b), product in zip(ranges, scaled):
+                self.step_range(unit, a, b, product.result(), lr, step)
+        finally:  # on a failed step: the queued products cancelled, none left writing the gradient
+            for product in [p for p in scaled if not p.cancel()]:
+                product.exception()
+            torch.set_num_threads(threads)
+
+    def _scaler_of(self, threads: int) -> _Scaler:
+        """The thread that multiplies beside the kernel, with `threads` of its own (a new one
+        where the count changed)."""
+        if self._scaler is None or self._scaler.threads != threads:
+            if self._scaler is not None:
+                self._scaler.close()
+            self._scaler = _Scaler(threads)
+        return self._scaler
+
+    def close(self) -> None:
+        """Ends the multiplying thread, if one was started."""
+        if self._scaler is not None:
+            self._scaler.close()
+            self._scaler = None
 
     def _held_piece(self, unit: Unit, coef: torch.Tensor | None, chunk: int) -> int:
         """Elements `step_held` scales and steps at a time: `chunk`, or a smaller piece of
@@ -227,6 +283,26 @@ class HostAdamW:
         ):
             return chunk
         return min(chunk, clip_piece(torch.get_num_threads(), self.clip_piece_per_thread))
+
+
+class _Scaler:
+    """A thread of its own that multiplies held gradients by the clip coefficient, in the order
+    given, on an OpenMP team of `threads`: torch's intra-op thread count, once set on a thread, is
+    that thread's own (its OpenMP team), so this team and the optimizer's split its cores. Setting
+    it also sets torch's default for threads that have not run a parallel op yet; the optimizer's
+    thread sets its own count after this one starts, which restores that default."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-clip")
+        self._pool.submit(torch.set_num_threads, threads).result()
+
+    def scale(self, grad: torch.Tensor, coef: torch.Tensor) -> Future:
+        """`grad` times `coef` in place (clip_scaled), once the products queued before it are done."""
+        return self._pool.submit(clip_scaled, grad, coef)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:

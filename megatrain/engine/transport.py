@@ -138,7 +138,7 @@ class SerialTransport:
         pass
 
     def close(self) -> None:
-        pass
+        self.optimizer.close()
 
 
 class StreamingTransport:
@@ -460,6 +460,7 @@ class StreamingTransport:
             self._jobs.put(None)
             self._worker.join()
             self._worker = None
+        self.optimizer.close()
         if self._registrations:
             torch.cuda.synchronize(self.device)
             for r in self._registrations:
