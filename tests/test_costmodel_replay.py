@@ -179,12 +179,14 @@ def test_auto_picks_no_count_measured_slower_than_none():
     count `auto` picks on the recorded machines with the least and the most CPU AdamW (the count
     follows that rate): where that count was measured on that kind with its state loaded as the
     plan would load it, every run of it was faster than every run of none there. (Elsewhere the
-    model's own ordering is all there is: the last test checks it against the measured pairs.)"""
+    model's own ordering is all there is: the last test checks it against the measured pairs.)
+    The 14.77B shape at 16k on a 512 GiB host is among them: `auto`'s 30 prestaged units ran 6.26
+    s a step and none 7.43 (results/2026-11-27_1012_x4-Q14-16k-3sys.json, _1024_...-none.json)."""
     kinds = defaultdict(list)
     for r in _all_in_host():
         kinds[_kind(r)].append(r)
     assert len(kinds) >= 10, sorted(kinds)
-    covered = 0
+    covered = set()
     for kind, runs in kinds.items():
         measured = defaultdict(list)
         for r in runs:
@@ -199,8 +201,8 @@ def test_auto_picks_no_count_measured_slower_than_none():
             picked = (auto.gpu_stepped_units, bool(auto.prestaged))
             if picked in measured and picked[0] and (0, False) in measured:
                 assert max(measured[picked]) < min(measured[0, False]), (kind, picked, measured)
-                covered += 1
-    assert covered >= 3
+                covered.add(kind)
+    assert len(covered) >= 3 and "Q14 16k, H200, 512 GiB host" in covered, sorted(covered)
 
 
 def test_auto_on_the_14b_run_s_machine_stays_near_the_count_it_ran():

@@ -20,6 +20,7 @@ import torch
 from helpers import tiny_config
 
 from megatrain.data.batch import MicroBatch
+from megatrain.engine import optim
 from megatrain.engine.optim import AdamWConfig
 from megatrain.host import hostmem
 from megatrain.models.config import ModelConfig
@@ -130,6 +131,19 @@ def test_every_placement_equals_the_serial_schedule_bitwise(case):
     assert torch.equal(w0, w1), f"weights differ: max {diff.max():.3g} mean {diff.mean():.3g}"
     assert torch.equal(v0, v1)
     assert (moved > 0) == (plan.parked_layers > 0)
+
+
+def test_the_clip_multiplied_beside_the_kernel_equals_the_serial_schedule_bitwise(monkeypatch):
+    """Held gradients in host memory, many chunks a unit, the clip's multiply on threads of its
+    own beside the optimizer's kernel (optim.CLIP_THREADS_SHARE): the serial schedule's weights and
+    moments, bitwise, and a clip that fired."""
+    cfg = _cfg("llama", False)
+    (l0, n0, w0, v0), _ = _train(cfg, _plan(), overlap=False)
+    monkeypatch.setattr(optim, "CLIP_THREADS_SHARE", 0.5)
+    (l1, n1, w1, v1), _ = _train(cfg, _plan(gpu_grads=0), overlap=True, staging=10_000)
+    assert max(n0) > 0.5  # the clip fired: the multiply ran
+    assert l0 == l1 and n0 == n1
+    assert torch.equal(w0, w1) and torch.equal(v0, v1)
 
 
 def test_immediate_steps_equal_the_serial_schedule_without_clipping():
