@@ -37,7 +37,9 @@ def configure_allocator() -> None:
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOC_CONF
     if torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings(CUDA_ALLOC_CONF)
+        # torch >= 2.10 names it for every accelerator; the CUDA name warns there on each process
+        setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setting or torch.cuda.memory._set_allocator_settings)(CUDA_ALLOC_CONF)
 
 
 def resolve_device(name: str) -> torch.device:
