@@ -63,6 +63,7 @@ from _report import params_str, write_once  # noqa: E402
 
 from megatrain.models.family import count_params  # noqa: E402
 from megatrain.planning.placement import optimizer_threads  # noqa: E402
+from megatrain.planning.probe import adam_rate  # noqa: E402
 
 COEF = 1.0  # a multiply like any other; values do not drift over the repeats
 
@@ -229,8 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--clip-pieces", default="65536,131072,262144", help="--engine: elements a thread")
     ap.add_argument(
         "--clip-threads",
-        default="0.15,0.25",
-        help="--engine: shares of the threads multiplying beside the kernel",
+        default="",
+        help="--engine: shares of the threads multiplying beside the kernel, e.g. 0.1,0.2 (none by default)",
     )
     ap.add_argument("--shape", default="B", help="--engine: the layer shape (bench/_shapes.py)")
     ap.add_argument("--vocab", type=int, default=None, help="--engine: in place of the shape's")
@@ -255,11 +256,14 @@ def main(argv: list[str] | None = None) -> dict:
             [int(x) for x in args.clip_pieces.split(",") if x],
             [float(x) for x in args.clip_threads.split(",") if x],
         )
-        meta.update(shape=args.shape, vocab=cfg.vocab_size, **summary)
+        # the plan's probe of this host's AdamW (its small array, alone), beside the kernel over
+        # the model's size: the cost model's in-step rate is the probe's times ADAM_IN_STEP
+        probe = adam_rate(torch.get_num_threads())
+        meta.update(shape=args.shape, vocab=cfg.vocab_size, probe_gparams_per_s=probe / 1e9, **summary)
         text = engine_table(rows)
         print(text)
         print(f"engine {summary['engine_gparams_per_s']:.2f} G params/s, kernel {summary['kernel_gparams_per_s']:.2f}: "
-              f"{summary['ratio']:.0%}")  # fmt: skip
+              f"{summary['ratio']:.0%}; the plan's probe {probe / 1e9:.2f}")  # fmt: skip
         if args.out:
             title = "host AdamW: the engine's pass in a step beside the fused kernel"
             write_once(args.out, "adamw-engine", title, meta, rows, text)

@@ -113,6 +113,7 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     assert record["ratio"] == pytest.approx(engine["gparams_per_s"] / kernel)
     assert record["engine_first_pass_s"] == engine["first_s"]
     assert record["threads_on_worker"] == record["threads"]  # the optimizer's threads, on its thread
+    assert record["probe_gparams_per_s"] > 0 and record["beside_ratio"] == {}  # the plan's probe; none asked
     assert 0 < record["engine_params"] < 2e6 and record["layers"] >= 1
     chunk, threads = record["chunk"], record["threads_on_worker"]
     assert {r["piece"] for k, r in rows.items() if "pieces" not in k[0]} == {chunk}
@@ -135,3 +136,26 @@ class _Frozen:
 
     def now(self, tz=None):
         return self._at if tz is None else self._dt.now(tz)
+
+
+def test_the_engines_pass_with_the_multiply_beside_the_kernel_is_timed_on_threads_it_can_spare():
+    """`--clip-threads`: on two optimizer threads a share of one half multiplies on one of them
+    beside the kernel; its row and ratio are recorded. A share no thread can be spared for (one
+    optimizer thread) gives no row."""
+    from _adamw_engine import llama, measure_engine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rows, summary = measure_engine(llama("tiny", 1e6), 1, [], [0.5])
+    finally:
+        torch.set_num_threads(before)
+    names = [r["pass"] for r in rows]
+    assert "engine, clipped, multiplied on 1 threads beside" in names
+    assert list(summary["beside_ratio"]) == [0.5] and summary["beside_ratio"][0.5] > 0
+    torch.set_num_threads(1)
+    try:
+        rows, summary = measure_engine(llama("tiny", 1e6), 1, [], [0.5])
+    finally:
+        torch.set_num_threads(before)
+    assert not any("beside" in r["pass"] for r in rows) and summary["beside_ratio"] == {}
