@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from megatrain.engine import clipadam
 from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_piece, clip_threads
 from megatrain.host.hostmem import host_buffer
 from megatrain.host.state import HostState, build_units
@@ -67,14 +68,19 @@ class EnginePass:
         self.steps = 0
 
     def run(
-        self, coef: torch.Tensor | None, piece_per_thread: int | None = None, beside: float | None = None
+        self,
+        coef: torch.Tensor | None,
+        piece_per_thread: int | None = None,
+        beside: float | None = None,
+        fused: bool = False,
     ) -> None:
         """One pass; a clip that fires scales each chunk whole, or `piece_per_thread` elements a
         thread at a time just before stepping them (`HostAdamW.clip_piece_per_thread`), or each
         chunk on `beside` of the threads while the rest step the chunk before it
-        (`HostAdamW.clip_threads_share`)."""
+        (`HostAdamW.clip_threads_share`), or multiplies as it steps (`fused`: clipadam.py)."""
         self.opt.clip_piece_per_thread = piece_per_thread
         self.opt.clip_threads_share = beside
+        self.opt.fused_clip = fused
         self.steps += 1
         for u in self.state.units:
             self.opt.step_held(u, self.held[u.index], coef, LR, self.steps, self.chunk)
@@ -100,13 +106,17 @@ class KernelPass:
             )  # fmt: skip
 
 
+FUSED = "engine, clipped, multiplied in the kernel's pass"
+
+
 def measure_engine(
-    cfg: ModelConfig, repeats: int, pieces: list[int], shares: list[float] = ()
+    cfg: ModelConfig, repeats: int, pieces: list[int], shares: list[float] = (), fused: bool = False
 ) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
     falls on all alike); the best of each, G params/s over the engine's stepped elements. The
-    clipped pass scales each chunk whole, in pieces of each of `pieces` elements a thread, and on
-    each of `shares` of the threads beside the kernel."""
+    clipped pass scales each chunk whole, in pieces of each of `pieces` elements a thread, on
+    each of `shares` of the threads beside the kernel, and (`fused`) in the kernel that multiplies
+    as it steps, where it builds and equals torch's here (clipadam.py)."""
     t0 = time.perf_counter()
     engine = EnginePass(cfg)
     kernel = KernelPass(engine.numel, engine.chunk)
@@ -126,6 +136,9 @@ def measure_engine(
             flush=True,
         )
         beside = {name: f for name, f in beside.items() if clip_threads(threads, f)}
+    if fused and clipadam.load()[0] is None:
+        print(f"--clip-fused: the kernel is not used here: {clipadam.load()[1]}", flush=True)
+        fused = False
     passes = [
         ("kernel", "calling", here(kernel.run)),
         ("kernel", "worker", on_worker(kernel.run)),
@@ -135,6 +148,7 @@ def measure_engine(
             (name, "worker", on_worker(lambda f=f: engine.run(clipped, None, f)))
             for name, f in beside.items()
         ],
+        *([(FUSED, "worker", on_worker(lambda: engine.run(clipped, fused=True)))] if fused else []),
         ("engine, coefficient 1", "worker", on_worker(lambda: engine.run(one))),
         ("engine, unclipped", "worker", on_worker(lambda: engine.run(None))),
     ]
@@ -175,6 +189,7 @@ def measure_engine(
         "engine_first_pass_s": engine_row["first_s"],
         "pieces_ratio": {in_pieces[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in in_pieces},
         "beside_ratio": {beside[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in beside},
+        "fused_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == FUSED), None),
     }
     return rows, summary
 

@@ -29,7 +29,9 @@ coefficient below one: each chunk scaled whole, then stepped; and in pieces of e
 `--clip-pieces` elements a thread, each scaled just before it is stepped, so that the kernel reads
 it from the caches: `HostAdamW.clip_piece_per_thread`; and on each of `--clip-threads` shares
 of the threads, a thread of their own multiplying each chunk while the rest step the one before:
-`HostAdamW.clip_threads_share`), with a coefficient of one (the norm under
+`HostAdamW.clip_threads_share`; and with `--clip-fused` in the kernel that multiplies as it steps,
+where it builds and equals torch's kernel here: `megatrain/engine/clipadam.py`), with a
+coefficient of one (the norm under
 the threshold) and unclipped. Its first pass is reported apart: it maps the moments' pages, as a
 run's first step does. Host memory: 32 bytes a parameter (the engine's state and gradients, the
 kernel's four arrays).
@@ -229,6 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--engine-params", type=float, default=1e9, help="--engine: the model's size")
     ap.add_argument("--clip-pieces", default="65536,131072,262144", help="--engine: elements a thread")
     ap.add_argument(
+        "--clip-fused",
+        action="store_true",
+        help="--engine: also the kernel that multiplies as it steps (clipadam)",
+    )
+    ap.add_argument(
         "--clip-threads",
         default="",
         help="--engine: shares of the threads multiplying beside the kernel, e.g. 0.1,0.2 (none by default)",
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.repeats,
             [int(x) for x in args.clip_pieces.split(",") if x],
             [float(x) for x in args.clip_threads.split(",") if x],
+            args.clip_fused,
         )
         # the plan's probe of this host's AdamW (its small array, alone), beside the kernel over
         # the model's size: the cost model's in-step rate is the probe's times ADAM_IN_STEP

@@ -71,6 +71,7 @@ ENGINE_ARGS = [
     "2",
     "--clip-pieces",
     "100,4000000",
+    "--clip-fused",
 ]
 
 
@@ -100,6 +101,7 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
         ("engine, clipped", "worker"),
         ("engine, clipped in pieces of 100 a thread", "worker"),
         ("engine, clipped in pieces of 4,000,000 a thread", "worker"),
+        ("engine, clipped, multiplied in the kernel's pass", "worker"),
         ("engine, coefficient 1", "worker"),
         ("engine, unclipped", "worker"),
     ]
@@ -114,6 +116,10 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     assert record["engine_first_pass_s"] == engine["first_s"]
     assert record["threads_on_worker"] == record["threads"]  # the optimizer's threads, on its thread
     assert record["probe_gparams_per_s"] > 0 and record["beside_ratio"] == {}  # the plan's probe; none asked
+    assert (
+        record["fused_ratio"]
+        == rows["engine, clipped, multiplied in the kernel's pass", "worker"]["vs_kernel"]
+    )
     assert 0 < record["engine_params"] < 2e6 and record["layers"] >= 1
     chunk, threads = record["chunk"], record["threads_on_worker"]
     assert {r["piece"] for k, r in rows.items() if "pieces" not in k[0]} == {chunk}

@@ -20,7 +20,7 @@ import torch
 from helpers import tiny_config
 
 from megatrain.data.batch import MicroBatch
-from megatrain.engine import optim
+from megatrain.engine import clipadam, optim
 from megatrain.engine.optim import AdamWConfig
 from megatrain.host import hostmem
 from megatrain.models.config import ModelConfig
@@ -133,13 +133,19 @@ def test_every_placement_equals_the_serial_schedule_bitwise(case):
     assert (moved > 0) == (plan.parked_layers > 0)
 
 
-def test_the_clip_multiplied_beside_the_kernel_equals_the_serial_schedule_bitwise(monkeypatch):
+@pytest.mark.parametrize("how", ["beside", "fused"])
+def test_the_clip_multiplied_beside_or_in_the_kernel_equals_the_serial_schedule_bitwise(how, monkeypatch):
     """Held gradients in host memory, many chunks a unit, the clip's multiply on threads of its
-    own beside the optimizer's kernel (optim.CLIP_THREADS_SHARE): the serial schedule's weights and
-    moments, bitwise, and a clip that fired."""
+    own beside the optimizer's kernel (optim.CLIP_THREADS_SHARE) or in the kernel's own pass
+    (optim.FUSED_CLIP, clipadam.py: it must build and equal torch's kernel on this host): the
+    serial schedule's weights and moments, bitwise, and a clip that fired."""
     cfg = _cfg("llama", False)
     (l0, n0, w0, v0), _ = _train(cfg, _plan(), overlap=False)
-    monkeypatch.setattr(optim, "CLIP_THREADS_SHARE", 0.5)
+    if how == "beside":
+        monkeypatch.setattr(optim, "CLIP_THREADS_SHARE", 0.5)
+    else:
+        assert clipadam.load()[0] is not None, clipadam.load()[1]
+        monkeypatch.setattr(optim, "FUSED_CLIP", True)
     (l1, n1, w1, v1), _ = _train(cfg, _plan(gpu_grads=0), overlap=True, staging=10_000)
     assert max(n0) > 0.5  # the clip fired: the multiply ran
     assert l0 == l1 and n0 == n1

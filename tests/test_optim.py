@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from megatrain.engine import optim
+from megatrain.engine import clipadam, optim
 from megatrain.engine.optim import AdamWConfig, HostAdamW
 from megatrain.host.disk import DiskTier
 from megatrain.host.hostmem import PAGE, host_buffer, populate
@@ -55,18 +55,29 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-# (elements a thread of the clip's pieces, share of the threads multiplying beside the kernel)
-CUTS = [(None, None), (100, None), (5 * 64, None), (None, 0.5)]
+# (elements a thread of the clip's pieces, share of the threads multiplying beside the kernel,
+# a clip that fires stepped by clipadam's kernel)
+CUTS = [
+    (None, None, False),
+    (100, None, False),
+    (5 * 64, None, False),
+    (None, 0.5, False),
+    (None, None, True),
+]
 
 
-@pytest.mark.parametrize("per_thread,beside", CUTS)
+@pytest.mark.parametrize("per_thread,beside,fused", CUTS)
 def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched(
-    per_thread, beside, two_threads
+    per_thread, beside, fused, two_threads, monkeypatch
 ):
+    if fused:  # every tensor split over the two threads, not only those of 64K elements
+        monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
+        assert clipadam.load()[0] is not None, clipadam.load()[1]
     state = _state()
     opt = HostAdamW(state, ADAMW)
     opt.clip_piece_per_thread = per_thread
     opt.clip_threads_share = beside
+    opt.fused_clip = fused
     specs = [(u, p) for u in state.units for p in u.params]
     ref = {p.key: torch.nn.Parameter(state.flat(u)[p.offset : p.offset + p.numel].clone()) for u, p in specs}
     groups = [
@@ -255,3 +266,89 @@ def test_the_first_step_of_a_unit_populates_its_moments_once_and_not_the_disk_ti
     ]
     assert all(len(tensors) == 2 and tensors[0].numel() == u.numel for (tensors, _), u in zip(calls, stepped))
     assert {threads for _, threads in calls} == {torch.get_num_threads()}
+
+
+def test_the_fused_kernel_leaves_the_gradient_and_the_disk_tiers_units_to_the_plain_pass(
+    tmp_path, monkeypatch
+):
+    """clipadam's kernel steps a clip that fires on a unit in host memory and leaves the held
+    gradient unscaled; a coefficient of one, no clip, and the disk tier's units take torch's
+    kernel (after the multiply)."""
+    state = _state()
+    DiskTier(state, 1, tmp_path)
+    opt = HostAdamW(state, ADAMW)
+    opt.fused_clip = True
+    fused, plain = [], []
+    monkeypatch.setattr(opt, "_step_fused", lambda kernel, unit, *rest: fused.append(unit.index))
+    monkeypatch.setattr(opt, "step_range", lambda unit, *rest: plain.append(unit.index))
+    in_memory, on_disk = state.units[1], state.units[-1]
+    for unit, coef in [(in_memory, 0.37), (in_memory, 1.0), (in_memory, None), (on_disk, 0.37)]:
+        opt.step_held(
+            unit, torch.randn(unit.numel), None if coef is None else torch.tensor(coef), 1e-2, 1, 1000
+        )
+    assert fused == [in_memory.index]
+    assert set(plain) == {in_memory.index, on_disk.index}
+    monkeypatch.undo()
+    grad = torch.randn(in_memory.numel)
+    before = grad.clone()
+    opt.step_held(in_memory, grad, torch.tensor(0.37), 1e-2, 1, 1000)
+    assert torch.equal(grad, before)
+
+
+def test_the_fused_kernel_is_refused_where_it_cannot_be_checked_equal(monkeypatch):
+    """`load` reports why the kernel stands aside: no compiler, a CPU whose torch code is not of
+    the known kinds; and the check catches a kernel whose forms are not torch's (a tensor's last
+    elements in the wrong form)."""
+    monkeypatch.setattr(clipadam, "_LOADED", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    kernel, why = clipadam.load()
+    assert kernel is None and "DEFAULT" in why
+    monkeypatch.undo()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(clipadam.Unavailable, match="no C compiler"):
+        clipadam.ClipAdamW()
+    monkeypatch.delenv("CC")
+    clipadam.check(clipadam.ClipAdamW())
+    for wrong in (1, 16):  # no element in the scalar form; a tail of 8-15 all in it
+        with pytest.raises(clipadam.Unavailable, match="differ from torch"):
+            clipadam.check(clipadam.ClipAdamW(wrong))
+
+
+class _Half(optim.Single):
+    """A world whose process holds and steps the second half of every unit (from a multiple of
+    64 elements), as a machine's part in a partitioned world does."""
+
+    def __init__(self, units):
+        self.parts = {u.index: (u.numel // 2 // 64 * 64, u.numel) for u in units}
+
+    def span(self, unit):
+        return self.parts[unit.index]
+
+    def piece(self, unit):
+        return self.parts[unit.index]
+
+
+def test_the_fused_kernel_steps_a_part_of_the_state_as_torchs_kernel_does(two_threads, monkeypatch):
+    """A process holding a part of each unit (its state from the part's start on): the fused
+    kernel's weights and moments equal torch's kernel's after the multiply, bitwise, over three
+    clipped steps."""
+    monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
+    full = _state()
+    world = _Half(full.units)
+    results = []
+    for fused in (False, True):
+        state = HostState(full.units, parts=[world.parts[u.index] for u in full.units])
+        for u in full.units:
+            lo, hi = world.parts[u.index]
+            state.flat(u).copy_(full.flat(u)[lo:hi])
+        before = state.master.clone()
+        opt = HostAdamW(state, ADAMW, world)
+        opt.fused_clip = fused
+        g = torch.Generator().manual_seed(2)
+        for step in (1, 2, 3):
+            for u in full.units:
+                lo, hi = world.parts[u.index]
+                opt.step_held(u, torch.randn(hi - lo, generator=g), torch.tensor(0.37), 1e-2, step, 10**9)
+        results.append([state.master.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert results[1][0].shape == before.shape and not torch.equal(results[1][0], before)  # stepped

@@ -23,6 +23,7 @@ import torch
 from ..host.hostmem import populate
 from ..host.state import ALIGN, HostState, Unit
 from ..parallel.distributed import Collective, Single
+from . import clipadam
 
 
 @dataclass
@@ -65,6 +66,14 @@ CLIP_IN_PIECES = False
 # `bench/adamw.py --engine --clip-threads` measures it on a big host: on the 2-core development
 # host one thread of the two cannot be spared.
 CLIP_THREADS_SHARE: float | None = None
+# Whether a clip that fires is stepped by the kernel that multiplies as it steps
+# (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), where it builds and
+# its results equal torch's kernel on this host (checked once a process; else torch's kernel as
+# before). On the 2-core development host the engine's clipped pass ran at 101% of torch's kernel
+# with it against 76% without (`bench/adamw.py --engine --clip-fused`, 0.3e9 parameters, one
+# optimizer thread). Off by default until a GPU machine runs its test (tests/test_gpu.py) and
+# that bench on a big host.
+FUSED_CLIP = False
 
 
 def clip_threads(threads: int, share: float | None = CLIP_THREADS_SHARE) -> int:
@@ -103,6 +112,23 @@ def multiplies(coef: torch.Tensor | None) -> bool:
     return coef is not None and (coef.device.type != "cpu" or coef.item() != 1.0)
 
 
+def tensors(unit: Unit, lo: int, hi: int) -> dict[bool, list[tuple[int, int]]]:
+    """The tensors the kernel steps elements [lo, hi) of `unit` as, by weight decay: the trained
+    parameters' spans in the range, those that follow each other with no padding between them
+    (sizes in multiples of 64, as a layer's matrices are) joined into one (`adamw_range` says
+    why)."""
+    groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for spec in unit.params:
+        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
+        if a < b and spec.train:  # frozen tensors are not stepped
+            spans = groups[spec.decay]
+            if spans and spans[-1][1] == a:
+                spans[-1] = (spans[-1][0], b)
+            else:
+                spans.append((a, b))
+    return groups
+
+
 def adamw_range(
     unit: Unit,
     lo: int,
@@ -126,16 +152,7 @@ def adamw_range(
     a layer's matrices are) and with the same weight decay are stepped as one tensor: the kernel
     runs each tensor in a parallel region of its own, and their starts and ends cost threads idle
     at the barrier; the elements its vector loop covers stay the same."""
-    groups: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-    for spec in unit.params:
-        a, b = max(lo, spec.offset), min(hi, spec.offset + spec.numel)
-        if a < b and spec.train:  # frozen tensors are not stepped
-            spans = groups[spec.decay]
-            if spans and spans[-1][1] == a:
-                spans[-1] = (spans[-1][0], b)
-            else:
-                spans.append((a, b))
-    for decay, spans in groups.items():
+    for decay, spans in tensors(unit, lo, hi).items():
         if not spans:
             continue
         sl = [slice(a - base, b - base) for a, b in spans]
@@ -180,6 +197,9 @@ class HostAdamW:
         # why); None: the multiply runs between the kernel's chunks.
         self.clip_threads_share = CLIP_THREADS_SHARE
         self._scaler: _Scaler | None = None
+        # a clip that fires stepped by clipadam's kernel, where it is available (FUSED_CLIP)
+        self.fused_clip = FUSED_CLIP
+        self._fused: clipadam.ClipAdamW | None = None
 
     def span(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` this process steps."""
@@ -238,6 +258,10 @@ class HostAdamW:
         clipped), `chunk` elements at a time (or a piece, `_held_piece`): the optimizer worker's
         pass over held gradients."""
         lo, hi = self.span(unit)
+        kernel = self._fused_kernel(unit, coef)
+        if kernel is not None:
+            self._step_fused(kernel, unit, lo, hi, grad, coef.item(), lr, step)
+            return
         ranges = chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi))
         threads = torch.get_num_threads()
         beside = clip_threads(threads, self.clip_threads_share) if multiplies(coef) else 0
@@ -256,6 +280,43 @@ class HostAdamW:
                 product.exception()
             torch.set_num_threads(threads)
 
+    def _fused_kernel(self, unit: Unit, coef: torch.Tensor | None) -> clipadam.ClipAdamW | None:
+        """clipadam's kernel for a clip that fires on a unit in host memory, where asked for and
+        available here (None: torch's kernel after the multiply)."""
+        tier = self.state.tier
+        if not self.fused_clip or not multiplies(coef) or (tier is not None and tier.holds(unit)):
+            return None
+        if self._fused is None:
+            self._fused = clipadam.load()[0]
+        return self._fused
+
+    def _step_fused(
+        self,
+        kernel: clipadam.ClipAdamW,
+        unit: Unit,
+        lo: int,
+        hi: int,
+        grad: torch.Tensor,
+        coef: float,
+        lr: float,
+        step: int,
+    ) -> None:
+        """`step_held` by the kernel that multiplies as it steps: the same tensors as torch's
+        kernel is given (`tensors`), each split over the optimizer's threads; `grad` is left
+        unscaled."""
+        if unit.index not in self._populated:
+            self._populate(unit)
+        st, base = self.state, self.state.part(unit)[0]
+        p, m, v = st.flat(unit), st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
+        threads = torch.get_num_threads()
+        for decay, spans in tensors(unit, lo, hi).items():
+            wd = self.cfg.weight_decay if decay else 0.0
+            for a, b in spans:
+                sl, gl = slice(a - base, b - base), slice(a - lo, b - lo)
+                kernel.step(
+                    p[sl], grad[gl], m[sl], v[sl], coef, lr, step, self.cfg.betas, self.cfg.eps, wd, threads
+                )
+
     def _scaler_of(self, threads: int) -> _Scaler:
         """The thread that multiplies beside the kernel, with `threads` of its own (a new one
         where the count changed)."""
@@ -266,7 +327,8 @@ class HostAdamW:
         return self._scaler
 
     def close(self) -> None:
-        """Ends the multiplying thread, if one was started."""
+        """Ends the multiplying thread, if one was started (clipadam's threads are the
+        process's: its kernel is built once a process)."""
         if self._scaler is not None:
             self._scaler.close()
             self._scaler = None

@@ -1,0 +1,211 @@
+"""AdamW with the clip's multiply in the same pass: one read of each held gradient, not three.
+
+The engine's host pass over a clipped gradient multiplies it by the clip coefficient in place
+(`optim.clip_scaled`), then runs torch's fused AdamW over it: the gradient is read, written and
+read again, 36 bytes an element against the kernel's 28. This kernel reads the gradient once and
+multiplies each element as it steps it, with the same arithmetic element for element as that
+multiply and torch's kernel (`torch._fused_adamw_`, what `torch.optim.AdamW(fused=True)` runs),
+so the weights and moments are bitwise the same.
+
+"The same arithmetic" is that of torch's compiled kernel, not of its source: its compiler fused
+some multiply-adds, one way in its vector loops (its own, and the eights its compiler makes of a
+tensor's last elements) and another in the last `n % 8` elements it takes one at a time. The C
+source below repeats those forms. Whether they hold for the torch build at hand is checked before the kernel is used: on
+every tail length, with and without weight decay, a clip, and either form of the moment's lerp,
+its results must equal torch's bit for bit, else `load` reports why and the engine keeps
+torch's kernel. It is built with the machine's C compiler (`cc`, or CC) when first asked for,
+once a process, and runs on threads of the caller's (ctypes releases the GIL), each a range of
+whole 64-element blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+# The CPU code torch dispatches to where the forms were found (AVX512; AVX2 is left to the check);
+# elsewhere the kernel is not used.
+CAPABILITIES = ("AVX512", "AVX2")
+# A tensor's last `n % ONES` elements take the form of torch's scalar loop.
+ONES = 8
+# Elements a thread is given at least: below it the threads' start costs more than they save.
+MIN_PER_THREAD = 1 << 16
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+static inline void element(float *p, const float *g, float *m, float *v, int64_t i, int scale,
+                           float coef, int decay, float keep, float w, int small, float b2,
+                           float c2, float bc2s, float eps, float neg_step, int last) {
+    float gi = scale ? g[i] * coef : g[i];
+    float pi = decay ? p[i] * keep : p[i];
+    float mi = m[i];
+    mi = small ? fmaf(w, gi - mi, mi) : fmaf(w - 1.0f, gi - mi, gi);
+    float vi = last ? fmaf(v[i], b2, c2 * gi * gi) : fmaf(c2 * gi, gi, v[i] * b2);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi + neg_step * mi / (sqrtf(vi) / bc2s + eps);
+}
+
+/* Elements [lo, hi) of a tensor: those before `ones` in the form of torch's vector loops, the
+   rest in the form of its scalar loop. */
+void clip_adamw(float *p, const float *g, float *m, float *v, int64_t lo, int64_t hi, int64_t ones,
+                int scale, float coef, int decay, float keep, float w, int small,
+                float b2, float c2, float bc2s, float eps, float neg_step) {
+    int64_t mid = hi < ones ? hi : ones;
+    if (mid < lo) mid = lo;
+    if (scale && decay && small) {  /* the usual case, its branches out of the loop */
+        for (int64_t i = lo; i < mid; i++)
+            element(p, g, m, v, i, 1, coef, 1, keep, w, 1, b2, c2, bc2s, eps, neg_step, 0);
+    } else {
+        for (int64_t i = lo; i < mid; i++)
+            element(p, g, m, v, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 0);
+    }
+    for (int64_t i = mid; i < hi; i++)
+        element(p, g, m, v, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 1);
+}
+"""
+
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+
+
+class Unavailable(RuntimeError):
+    """Why the kernel cannot stand in for torch's here (no compiler, another CPU, another build)."""
+
+
+def f32(x: float) -> float:
+    """`x` rounded to fp32, as torch's kernel casts its double constants."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class ClipAdamW:
+    """The built kernel; `step` runs it over one tensor's elements on the given threads."""
+
+    def __init__(self, ones: int = ONES):
+        self.ones = ones
+        with tempfile.TemporaryDirectory(prefix="megatrain-clipadam-") as d:
+            src, lib = os.path.join(d, "clipadam.c"), os.path.join(d, "clipadam.so")
+            with open(src, "w") as f:
+                f.write(SOURCE)
+            cc = os.environ.get("CC", "cc")
+            try:
+                done = subprocess.run(
+                    [cc, *FLAGS, "-o", lib, src], capture_output=True, text=True, timeout=120
+                )
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise Unavailable(f"no C compiler ({cc}: {e})") from None
+            if done.returncode:
+                raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
+            self._lib = ctypes.CDLL(lib)  # mapped: the file may go
+        fn = self._lib.clip_adamw
+        f, i64, ptr, i = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i, f, i, f, f, i, f, f, f, f, f]
+        fn.restype = None
+        self._fn = fn
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
+
+    def step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        coef: float | None,
+        lr: float,
+        step: int,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        threads: int = 1,
+    ) -> None:
+        """AdamW over contiguous fp32 host tensors of one length (one tensor to torch's kernel),
+        the gradient times `coef` first (None: as it is); `g` is left as it was."""
+        n = p.numel()
+        b1, b2 = betas
+        bc1, bc2 = 1 - b1 ** float(step), 1 - b2 ** float(step)  # doubles, as the kernel has them
+        w = f32(1 - b1)
+        args = (
+            n - n % self.ones,
+            int(coef is not None),
+            f32(1.0 if coef is None else coef),
+            int(weight_decay != 0),
+            f32(1 - lr * weight_decay),
+            w,
+            int(abs(w) < 0.5),
+            f32(b2),
+            f32(1 - b2),
+            f32(math.sqrt(bc2)),
+            f32(eps),
+            f32(-(lr / bc1)),
+        )
+        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
+        parts = max(1, min(threads, n // MIN_PER_THREAD))
+        if parts == 1:
+            self._fn(*ptrs, 0, n, *args)
+            return
+        if self._pool is None or self._workers < parts:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool, self._workers = (
+                ThreadPoolExecutor(parts, thread_name_prefix="megatrain-clipadam"),
+                parts,
+            )
+        cuts = [n * k // parts // 64 * 64 for k in range(parts)] + [n]
+        for job in [self._pool.submit(self._fn, *ptrs, cuts[k], cuts[k + 1], *args) for k in range(parts)]:
+            job.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+def check(kernel: ClipAdamW) -> None:
+    """Raise Unavailable unless the kernel's results equal torch's, bit for bit: every tail
+    length past two vector loops, a clip and none, weight decay and none, both forms of the
+    moment's lerp (beta1 below and above one half), three steps, and split over threads."""
+    gen = torch.Generator().manual_seed(0)
+    for n in [32 + k for k in range(16)] + [MIN_PER_THREAD * 2 + 13]:
+        for b1, wd, coef in [(0.9, 0.1, 0.37), (0.9, 0.0, None), (0.3, 0.01, 0.8), (0.3, 0.0, None)]:
+            p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
+            m, v = torch.randn(n, generator=gen) * 1e-4, torch.rand(n, generator=gen) * 1e-6
+            ours, theirs = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
+            for step in (1, 2, 3):
+                kernel.step(ours[0], g, ours[1], ours[2], coef, 1e-3, step, (b1, 0.95), 1e-8, wd, threads=2)
+                scaled = g.clone() if coef is None else g * torch.tensor(coef)
+                torch._fused_adamw_(
+                    [theirs[0]], [scaled], [theirs[1]], [theirs[2]], [], [torch.tensor(float(step))],
+                    amsgrad=False, lr=1e-3, beta1=b1, beta2=0.95, weight_decay=wd, eps=1e-8, maximize=False,
+                )  # fmt: skip
+            if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
+                raise Unavailable(
+                    f"its results differ from torch {torch.__version__}'s kernel here "
+                    f"({n} elements, beta1 {b1}, weight decay {wd}, coefficient {coef})"
+                )
+
+
+_LOADED: tuple[ClipAdamW | None, str] | None = None
+
+
+def load() -> tuple[ClipAdamW | None, str]:
+    """The kernel, built and checked once a process, or None and why not."""
+    global _LOADED
+    if _LOADED is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+        try:
+            if capability not in CAPABILITIES:
+                raise Unavailable(f"torch's kernel runs {capability} code here, whose forms are not known")
+            kernel = ClipAdamW()
+            check(kernel)
+            _LOADED = (kernel, "built and equal to torch's kernel here")
+        except Unavailable as e:
+            _LOADED = (None, str(e))
+    return _LOADED
