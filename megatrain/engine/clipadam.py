@@ -10,12 +10,12 @@ so the weights and moments are bitwise the same.
 "The same arithmetic" is that of torch's compiled kernel, not of its source: its compiler fused
 some multiply-adds, one way in its vector loops (its own, and the eights its compiler makes of a
 tensor's last elements) and another in the last `n % 8` elements it takes one at a time. The C
-source below repeats those forms. Whether they hold for the torch build at hand is checked before the kernel is used: on
-every tail length, with and without weight decay, a clip, and either form of the moment's lerp,
-its results must equal torch's bit for bit, else `load` reports why and the engine keeps
-torch's kernel. It is built with the machine's C compiler (`cc`, or CC) when first asked for,
-once a process, and runs on threads of the caller's (ctypes releases the GIL), each a range of
-whole 64-element blocks.
+source below repeats those forms. Whether they hold for the torch build at hand is checked
+before the kernel is used: on every tail length, with and without weight decay, a clip, and
+either form of the moment's lerp, its results must equal torch's bit for bit, else `load` says
+why and the engine keeps torch's kernel. It is built with the machine's C compiler (`cc`, or
+CC) when first asked for, once a process, and runs on threads of the caller's (ctypes releases
+the GIL), each a range of whole 64-element blocks.
 """
 
 from __future__ import annotations
