@@ -9,7 +9,10 @@ vector loop's; its threads split a tensor at multiples of 16 elements, so that l
 tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut at a multiple of
 64 leaves every element in the loop it takes in the whole tensor; parameters start on 64-element
 boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
-Trainer: no weight decay on biases and norm weights, one global step count.
+Trainer: no weight decay on biases and norm weights, one global step count. Where the clip fires
+on gradients held in host memory, the multiply may instead run beside the kernel on threads of its
+own, or inside a kernel of ours that repeats torch's arithmetic (`clipadam.py`): both bitwise,
+both off by default until measured on a big host (`CLIP_THREADS_SHARE`, `FUSED_CLIP`).
 """
 
 from __future__ import annotations
@@ -254,21 +257,39 @@ class HostAdamW:
         self, unit: Unit, grad: torch.Tensor, coef: torch.Tensor | None, lr: float, step: int, chunk: int
     ) -> None:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
-        covers the span; scaled in place), times the clip coefficient (a host tensor; None: not
-        clipped), `chunk` elements at a time (or a piece, `_held_piece`): the optimizer worker's
-        pass over held gradients."""
+        covers the span; scaled in place, but by clipadam's kernel), times the clip coefficient (a
+        host tensor; None: not clipped): the optimizer worker's pass over held gradients. A clip
+        that fires is stepped by clipadam's kernel where asked for and available
+        (`fused_clip`), else multiplied `chunk` elements at a time (or a piece, `_held_piece`)
+        before torch's kernel steps them, on threads of its own where asked for
+        (`clip_threads_share`)."""
         lo, hi = self.span(unit)
         kernel = self._fused_kernel(unit, coef)
         if kernel is not None:
             self._step_fused(kernel, unit, lo, hi, grad, coef.item(), lr, step)
             return
         ranges = chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi))
-        threads = torch.get_num_threads()
-        beside = clip_threads(threads, self.clip_threads_share) if multiplies(coef) else 0
-        if not beside or len(ranges) < 2:
-            for a, b in ranges:
-                self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+        beside = clip_threads(torch.get_num_threads(), self.clip_threads_share) if multiplies(coef) else 0
+        if beside and len(ranges) > 1:
+            self._step_beside(unit, ranges, lo, grad, coef, lr, step, beside)
             return
+        for a, b in ranges:
+            self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
+
+    def _step_beside(
+        self,
+        unit: Unit,
+        ranges: list[tuple[int, int]],
+        lo: int,
+        grad: torch.Tensor,
+        coef: torch.Tensor,
+        lr: float,
+        step: int,
+        beside: int,
+    ) -> None:
+        """`step_held` with the multiply on `beside` threads of its own (`_Scaler`), each range
+        stepped on the rest once its product is ready."""
+        threads = torch.get_num_threads()
         scaler = self._scaler_of(beside)
         scaled = [scaler.scale(grad[a - lo : b - lo], coef) for a, b in ranges]
         torch.set_num_threads(threads - beside)
