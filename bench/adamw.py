@@ -31,9 +31,8 @@ it from the caches: `HostAdamW.clip_piece_per_thread`; and on each of `--clip-th
 of the threads, a thread of their own multiplying each chunk while the rest step the one before:
 `HostAdamW.clip_threads_share`; and with `--clip-fused` in the kernel that multiplies as it steps,
 where it builds and equals torch's kernel here: `megatrain/engine/clipadam.py`), with a
-coefficient of one (the norm under
-the threshold) and unclipped. Its first pass is reported apart: it maps the moments' pages, as a
-run's first step does. Host memory: 32 bytes a parameter (the engine's state and gradients, the
+coefficient of one (the norm under the threshold) and unclipped. Its first pass is reported
+apart: it maps the moments' pages, as a run's first step does. Host memory: 32 bytes a parameter (the engine's state and gradients, the
 kernel's four arrays).
 
 Before timing (but with `--engine`), it checks on a slice that the two clip passes give bitwise the same state and

@@ -162,11 +162,6 @@ class ClipAdamW:
         for job in [self._pool.submit(self._fn, *ptrs, cuts[k], cuts[k + 1], *args) for k in range(parts)]:
             job.result()
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
 
 def check(kernel: ClipAdamW) -> None:
     """Raise Unavailable unless the kernel's results equal torch's, bit for bit: every tail

@@ -348,8 +348,8 @@ class HostAdamW:
         return self._scaler
 
     def close(self) -> None:
-        """Ends the multiplying thread, if one was started (clipadam's threads are the
-        process's: its kernel is built once a process)."""
+        """Ends the multiplying thread, if one was started (clipadam's kernel and its threads are
+        the process's: built once a process, they idle between passes)."""
         if self._scaler is not None:
             self._scaler.close()
             self._scaler = None
