@@ -81,8 +81,8 @@ class Unavailable(RuntimeError):
 
 
 def f32(x: float) -> float:
-    """`x` rounded to fp32, as torch's kernel casts its double constants."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    """`x` rounded to fp32, as torch's kernel casts its double constants (a C cast)."""
+    return ctypes.c_float(x).value
 
 
 class ClipAdamW:

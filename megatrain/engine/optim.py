@@ -72,10 +72,9 @@ CLIP_THREADS_SHARE: float | None = None
 # Whether a clip that fires is stepped by the kernel that multiplies as it steps
 # (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), where it builds and
 # its results equal torch's kernel on this host (checked once a process; else torch's kernel as
-# before). On the 2-core development host the engine's clipped pass ran at 101% of torch's kernel
-# with it against 76% without (`bench/adamw.py --engine --clip-fused`, 0.3e9 parameters, one
-# optimizer thread). Off by default until a GPU machine runs its test (tests/test_gpu.py) and
-# that bench on a big host.
+# before). On the 2-core development host the engine's clipped pass ran at 105% of torch's kernel
+# with it against 71% without, in one run (results/2026-11-27_1202_adamw-engine.md). Off by
+# default until a GPU machine runs its test (tests/test_gpu.py) and that bench on a big host.
 FUSED_CLIP = False
 
 

@@ -4,10 +4,10 @@ where host memory cannot hold the whole state.
 Where the moments are. One file (one per drive: below) holds the tier's units back to back, each
 cut in blocks of at most `BLOCK_ELEMS` elements (fewer in a small tier: `block_elems`), a block's
 two moments side by side (its exp_avg, then its exp_avg_sq), so that staging a block is one read
-and one write of one extent. One file per drive, not one per unit or per thread: what keeps a drive busy is large
-requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at once, and the I/O
-threads keep several of them going), not a number of files; a file is one reservation and one
-descriptor.
+and one write of one extent. One file per drive, not one per unit or per thread: what keeps a
+drive busy is large requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at
+once, and the I/O threads keep several of them going), not a number of files; a file is one
+reservation and one descriptor.
 
 Several drives. offload_dir may name several folders, one per drive (a workstation's NVMe drives
 mounted apart, no RAID): the blocks are striped over them round-robin, block i in folder i % N,
