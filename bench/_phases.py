@@ -13,8 +13,12 @@ def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int], dict[str,
     by resetting the allocator's peak at each boundary; a phase that encloses another takes the
     peak of each of its stretches. Both dicts fill as the run goes: a run that dies keeps them,
     and the phase it died in (`failed_in`). The resets clear the reserve's peak too, so the third
-    dict keeps it across them (`reserved`: the largest of each stretch's peak so far)."""
+    dict keeps it across them (`reserved`: the largest of each stretch's peak so far) and the
+    host's high-water mark (VmHWM) as each phase ended (`host_hwm_after_<phase>`, the largest
+    seen): where the host's peak was reached."""
     import torch
+
+    from megatrain.planning.memory import status_bytes
 
     peaks: dict[str, int] = {}
     units: dict[int, int] = {}
@@ -42,6 +46,8 @@ def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int], dict[str,
                 raise
             finally:
                 note()
+                key = f"host_hwm_after_{name}"
+                reserve[key] = max(reserve.get(key, 0), status_bytes("VmHWM") or 0)
                 open_phases.pop()
                 current[0] = None
 

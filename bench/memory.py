@@ -263,7 +263,7 @@ def worker(run: dict, out: dict) -> dict:
     from megatrain.config import parse_size
     from megatrain.data.batch import MicroBatch
     from megatrain.engine.optim import AdamWConfig
-    from megatrain.planning.memory import MemoryRecord
+    from megatrain.planning.memory import MemoryRecord, status_bytes
     from megatrain.planning.placement import phase_peaks, unit_peaks
     from megatrain.planning.placement import plan as make_placement
     from megatrain.planning.probe import layer_memory_for
@@ -331,6 +331,7 @@ def worker(run: dict, out: dict) -> dict:
         machine=machine,
     )
     out["init_s"] = time.perf_counter() - t0
+    out["host_hwm_after_init"] = status_bytes("VmHWM")
     phases, units, reserve = instrument_phases(model.engine)
     out.update(phase_peaks=phases, unit_peaks=units)
     gen = torch.Generator().manual_seed(0)
@@ -402,6 +403,9 @@ def worker(run: dict, out: dict) -> dict:
         measured=record.measured,
         host_rss_before=record.baseline,
         host_acts_moved=model.engine.host_acts.bytes_moved if model.engine.host_acts else 0,
+        host_hwm_after={
+            k.removeprefix("host_hwm_after_"): v for k, v in reserve.items() if k.startswith("host_hwm")
+        },
     )
     model.close()
     return out

@@ -39,7 +39,8 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
     With a stand-in allocator counter that sees only the gradient buffers (each alive until the
     next is allocated): each unit's peak holds its own buffer, every unit the plan predicts a
     backward peak for (the layers, last first, and the embedding) is measured, and the backward
-    phase's peak is the largest of its units'."""
+    phase's peak is the largest of its units'; the host's high-water mark is read as each phase
+    ends."""
     import torch
     from _phases import instrument_phases
     from helpers import tiny_config
@@ -77,6 +78,9 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
     assert set(units) == set(unit_peaks(cfg, Batch(32, 1, 16, 4, True, rows=2), plan)) == {0, 1, 2, 3}
     assert phases["backward"] == max(units.values()) and phases["embedding"] == units[0]
     assert reserve["reserved"] == 1 << 30  # the reserve's peak, kept across the resets
+    # the host's high-water mark as each phase ended: one per phase, never falling in step order
+    hwm = [reserve[f"host_hwm_after_{p}"] for p in ("forward", "head", "embedding", "backward")]
+    assert all(h > 0 for h in hwm) and hwm == sorted(hwm)
 
 
 def test_the_forward_sweep_counts_every_micro_batch_graph_of_a_kept_layer():

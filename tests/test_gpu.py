@@ -143,6 +143,7 @@ def test_the_clip_multiplied_beside_or_in_the_kernel_equals_the_serial_schedule_
     (l0, n0, w0, v0), _ = _train(cfg, _plan(), overlap=False)
     if how == "beside":
         monkeypatch.setattr(optim, "CLIP_THREADS_SHARE", 0.5)
+        monkeypatch.setattr(optim, "FUSED_CLIP", False)
     else:
         assert clipadam.load()[0] is not None, clipadam.load()[1]
         monkeypatch.setattr(optim, "FUSED_CLIP", True)

@@ -117,10 +117,12 @@ def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched(
 
 @pytest.mark.parametrize("coef", [0.37, 1.0])
 def test_the_clip_multiplies_the_held_gradient_in_place(coef):
-    """The pass scales the held gradient where it lies (the transport's buffer is scratch), as a
-    multiply would: by a coefficient of one, it is left as it was."""
+    """The plain pass (torch's kernel after the multiply) scales the held gradient where it lies
+    (the transport's buffer is scratch), as a multiply would: by a coefficient of one, it is left
+    as it was."""
     state = _state()
     opt = HostAdamW(state, ADAMW)
+    opt.fused_clip = False
     unit = state.units[1]
     grad = torch.randn(unit.numel, generator=torch.Generator().manual_seed(1))
     before = grad.clone()
@@ -135,7 +137,7 @@ def test_the_clip_scales_and_steps_pieces_of_the_held_gradient_where_set(tmp_pat
     state = _state()
     DiskTier(state, 1, tmp_path)
     opt = HostAdamW(state, ADAMW)
-    opt.clip_piece_per_thread = 100
+    opt.clip_piece_per_thread, opt.fused_clip = 100, False
     ranges = []
     monkeypatch.setattr(opt, "step_range", lambda unit, a, b, *rest: ranges.append((unit.index, a, b)))
     piece, chunk = optim.clip_piece(torch.get_num_threads(), 100), 1000
@@ -164,7 +166,7 @@ def test_the_clip_multiplies_on_threads_of_its_own_beside_the_kernel(monkeypatch
     and steps on every thread."""
     state = _state()
     opt = HostAdamW(state, ADAMW)
-    opt.clip_threads_share = 0.5
+    opt.clip_threads_share, opt.fused_clip = 0.5, False
     assert optim.clip_threads(2, 0.5) == 1 and optim.clip_threads(1, 0.5) == 0
     assert optim.clip_threads(64, 0.2) == 13 and optim.clip_threads(64, None) == 0
     events = []
@@ -206,7 +208,7 @@ def test_the_clip_multiplies_on_threads_of_its_own_beside_the_kernel(monkeypatch
 def test_a_failed_step_leaves_no_multiply_running_and_the_threads_restored(monkeypatch, two_threads):
     state = _state()
     opt = HostAdamW(state, ADAMW)
-    opt.clip_threads_share = 0.5
+    opt.clip_threads_share, opt.fused_clip = 0.5, False
     done = []
     scale = optim.clip_scaled
 
@@ -298,7 +300,7 @@ def test_the_fused_kernel_leaves_the_gradient_and_the_disk_tiers_units_to_the_pl
 def test_the_fused_kernel_is_refused_where_it_cannot_be_checked_equal(monkeypatch):
     """`load` reports why the kernel stands aside: no compiler, a CPU whose torch code is not of
     the known kinds; and the check catches a kernel whose forms are not torch's (a tensor's last
-    elements in the wrong form)."""
+    elements in the wrong form, a bf16 copy truncated)."""
     monkeypatch.setattr(clipadam, "_LOADED", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     kernel, why = clipadam.load()
@@ -312,6 +314,11 @@ def test_the_fused_kernel_is_refused_where_it_cannot_be_checked_equal(monkeypatc
     for wrong in (1, 16):  # no element in the scalar form; a tail of 8-15 all in it
         with pytest.raises(clipadam.Unavailable, match="differ from torch"):
             clipadam.check(clipadam.ClipAdamW(wrong))
+    truncating = clipadam.SOURCE.replace("(u + 0x7FFFu + ((u >> 16) & 1u)) >> 16", "u >> 16")
+    assert truncating != clipadam.SOURCE  # a bf16 copy cast by truncation, not to nearest even
+    monkeypatch.setattr(clipadam, "SOURCE", truncating)
+    with pytest.raises(clipadam.Unavailable, match="differ from torch"):
+        clipadam.check(clipadam.ClipAdamW())
 
 
 class _Half(optim.Single):
@@ -352,3 +359,29 @@ def test_the_fused_kernel_steps_a_part_of_the_state_as_torchs_kernel_does(two_th
         results.append([state.master.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert results[1][0].shape == before.shape and not torch.equal(results[1][0], before)  # stepped
+
+
+def test_where_the_fused_kernel_is_unavailable_the_plain_pass_steps_and_a_warning_says_why(
+    monkeypatch, caplog
+):
+    """The default asks for clipadam's kernel; where it cannot be used here, a clip that fires
+    is multiplied and stepped by torch's kernel, the same state bit for bit, and one warning names
+    the reason."""
+    monkeypatch.setattr(clipadam, "load", lambda: (None, "no C compiler (cc: not found)"))
+    results = []
+    for fused in (True, False):
+        state = _state()
+        opt = HostAdamW(state, ADAMW)
+        assert opt.fused_clip  # the default
+        opt.fused_clip = fused
+        g = torch.Generator().manual_seed(3)
+        with caplog.at_level("WARNING", logger=optim.__name__):
+            for step in (1, 2):
+                for u in state.units:
+                    opt.step_held(u, torch.randn(u.numel, generator=g), torch.tensor(0.37), 1e-2, step, 1000)
+        results.append(state.master.clone())
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        "host AdamW: the clip's multiply takes a pass of its own (no C compiler (cc: not found))"
+    ]
+    assert torch.equal(results[0], results[1])

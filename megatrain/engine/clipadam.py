@@ -16,6 +16,10 @@ either form of the moment's lerp, its results must equal torch's bit for bit, el
 why and the engine keeps torch's kernel. It is built with the machine's C compiler (`cc`, or
 CC) when first asked for, once a process, and runs on threads of the caller's (ctypes releases
 the GIL), each a range of whole 64-element blocks.
+
+It can also write the new weights into a bf16 copy as it steps them (`copy`): the cast
+`Tensor.to(torch.bfloat16)` does (round to nearest even; checked the same way), in the same pass,
+for a copy of the master weights that the GPU fetches at half the bytes (host_weight_copy).
 """
 
 from __future__ import annotations
@@ -40,10 +44,24 @@ MIN_PER_THREAD = 1 << 16
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
-static inline void element(float *p, const float *g, float *m, float *v, int64_t i, int scale,
-                           float coef, int decay, float keep, float w, int small, float b2,
-                           float c2, float bc2s, float eps, float neg_step, int last) {
+/* fp32 to bf16, rounded to nearest even, as torch's cast; a NaN to the quiet 0x7FC0 (torch's
+   scalar loop's; its vector loops write 0xFFFF). */
+static inline uint16_t bf16(float x) {
+    if (isnan(x)) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+void to_bf16(const float *x, uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = bf16(x[i]);
+}
+
+static inline void element(float *p, const float *g, float *m, float *v, uint16_t *q, int64_t i,
+                           int scale, float coef, int decay, float keep, float w, int small,
+                           float b2, float c2, float bc2s, float eps, float neg_step, int last) {
     float gi = scale ? g[i] * coef : g[i];
     float pi = decay ? p[i] * keep : p[i];
     float mi = m[i];
@@ -51,25 +69,30 @@ static inline void element(float *p, const float *g, float *m, float *v, int64_t
     float vi = last ? fmaf(v[i], b2, c2 * gi * gi) : fmaf(c2 * gi, gi, v[i] * b2);
     m[i] = mi;
     v[i] = vi;
-    p[i] = pi + neg_step * mi / (sqrtf(vi) / bc2s + eps);
+    pi = pi + neg_step * mi / (sqrtf(vi) / bc2s + eps);
+    p[i] = pi;
+    if (q) q[i] = bf16(pi);
 }
 
 /* Elements [lo, hi) of a tensor: those before `ones` in the form of torch's vector loops, the
-   rest in the form of its scalar loop. */
-void clip_adamw(float *p, const float *g, float *m, float *v, int64_t lo, int64_t hi, int64_t ones,
-                int scale, float coef, int decay, float keep, float w, int small,
+   rest in the form of its scalar loop; the new weights also into `q` as bf16 where it is given. */
+void clip_adamw(float *p, const float *g, float *m, float *v, uint16_t *q, int64_t lo, int64_t hi,
+                int64_t ones, int scale, float coef, int decay, float keep, float w, int small,
                 float b2, float c2, float bc2s, float eps, float neg_step) {
     int64_t mid = hi < ones ? hi : ones;
     if (mid < lo) mid = lo;
-    if (scale && decay && small) {  /* the usual case, its branches out of the loop */
+    if (scale && decay && small && !q) {  /* the usual cases, their branches out of the loop */
         for (int64_t i = lo; i < mid; i++)
-            element(p, g, m, v, i, 1, coef, 1, keep, w, 1, b2, c2, bc2s, eps, neg_step, 0);
+            element(p, g, m, v, 0, i, 1, coef, 1, keep, w, 1, b2, c2, bc2s, eps, neg_step, 0);
+    } else if (decay && small && q) {
+        for (int64_t i = lo; i < mid; i++)
+            element(p, g, m, v, q, i, scale, coef, 1, keep, w, 1, b2, c2, bc2s, eps, neg_step, 0);
     } else {
         for (int64_t i = lo; i < mid; i++)
-            element(p, g, m, v, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 0);
+            element(p, g, m, v, q, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 0);
     }
     for (int64_t i = mid; i < hi; i++)
-        element(p, g, m, v, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 1);
+        element(p, g, m, v, q, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 1);
 }
 """
 
@@ -106,9 +129,11 @@ class ClipAdamW:
             self._lib = ctypes.CDLL(lib)  # mapped: the file may go
         fn = self._lib.clip_adamw
         f, i64, ptr, i = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i, f, i, f, f, i, f, f, f, f, f]
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i, f, i, f, f, i, f, f, f, f, f]
         fn.restype = None
         self._fn = fn
+        self._to_bf16 = self._lib.to_bf16
+        self._to_bf16.argtypes, self._to_bf16.restype = [ptr, ptr, i64], None
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
 
@@ -125,10 +150,19 @@ class ClipAdamW:
         eps: float,
         weight_decay: float,
         threads: int = 1,
+        copy: torch.Tensor | None = None,
     ) -> None:
         """AdamW over contiguous fp32 host tensors of one length (one tensor to torch's kernel),
-        the gradient times `coef` first (None: as it is); `g` is left as it was."""
+        the gradient times `coef` first (None: as it is); `g` is left as it was. The new weights
+        are also written, cast, into `copy` where it is given (a contiguous bf16 tensor of the
+        same length): `p.to(torch.bfloat16)`, bit for bit."""
         n = p.numel()
+        if copy is not None and (
+            copy.dtype != torch.bfloat16 or copy.numel() != n or not copy.is_contiguous()
+        ):
+            raise ValueError(
+                f"the copy must be {n} contiguous bf16 elements, not {copy.dtype} x {copy.numel()}"
+            )
         b1, b2 = betas
         bc1, bc2 = 1 - b1 ** float(step), 1 - b2 ** float(step)  # doubles, as the kernel has them
         w = f32(1 - b1)
@@ -146,7 +180,8 @@ class ClipAdamW:
             f32(eps),
             f32(-(lr / bc1)),
         )
-        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
+        q = None if copy is None else copy.data_ptr()
+        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), q)
         parts = max(1, min(threads, n // MIN_PER_THREAD))
         if parts == 1:
             self._fn(*ptrs, 0, n, *args)
@@ -162,29 +197,56 @@ class ClipAdamW:
         for job in [self._pool.submit(self._fn, *ptrs, cuts[k], cuts[k + 1], *args) for k in range(parts)]:
             job.result()
 
+    def cast(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """`y` = `x` in bf16, as the kernel casts its copy (contiguous fp32 into bf16)."""
+        if x.dtype != torch.float32 or y.dtype != torch.bfloat16 or x.numel() != y.numel():
+            raise ValueError("cast takes fp32 into bf16 of the same length")
+        self._to_bf16(x.data_ptr(), y.data_ptr(), x.numel())
+
 
 def check(kernel: ClipAdamW) -> None:
     """Raise Unavailable unless the kernel's results equal torch's, bit for bit: every tail
     length past two vector loops, a clip and none, weight decay and none, both forms of the
-    moment's lerp (beta1 below and above one half), three steps, and split over threads."""
+    moment's lerp (beta1 below and above one half), three steps, split over threads, with the
+    bf16 copy and without; and its cast equals torch's on special values (infinities, ties, the
+    largest finite, subnormals; a NaN stays a NaN, its bits those of a quiet NaN, where torch's
+    vector and scalar loops write different ones)."""
     gen = torch.Generator().manual_seed(0)
     for n in [32 + k for k in range(16)] + [MIN_PER_THREAD * 2 + 13]:
         for b1, wd, coef in [(0.9, 0.1, 0.37), (0.9, 0.0, None), (0.3, 0.01, 0.8), (0.3, 0.0, None)]:
             p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
             m, v = torch.randn(n, generator=gen) * 1e-4, torch.rand(n, generator=gen) * 1e-6
-            ours, theirs = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
-            for step in (1, 2, 3):
-                kernel.step(ours[0], g, ours[1], ours[2], coef, 1e-3, step, (b1, 0.95), 1e-8, wd, threads=2)
-                scaled = g.clone() if coef is None else g * torch.tensor(coef)
-                torch._fused_adamw_(
-                    [theirs[0]], [scaled], [theirs[1]], [theirs[2]], [], [torch.tensor(float(step))],
-                    amsgrad=False, lr=1e-3, beta1=b1, beta2=0.95, weight_decay=wd, eps=1e-8, maximize=False,
-                )  # fmt: skip
-            if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
-                raise Unavailable(
-                    f"its results differ from torch {torch.__version__}'s kernel here "
-                    f"({n} elements, beta1 {b1}, weight decay {wd}, coefficient {coef})"
-                )
+            for copy in (None, torch.empty(n, dtype=torch.bfloat16)):
+                ours, theirs = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
+                for step in (1, 2, 3):
+                    hyper = (coef, 1e-3, step, (b1, 0.95), 1e-8, wd)
+                    kernel.step(ours[0], g, ours[1], ours[2], *hyper, threads=2, copy=copy)
+                    scaled = g.clone() if coef is None else g * torch.tensor(coef)
+                    torch._fused_adamw_(
+                        [theirs[0]], [scaled], [theirs[1]], [theirs[2]], [], [torch.tensor(float(step))],
+                        amsgrad=False, lr=1e-3, beta1=b1, beta2=0.95, weight_decay=wd, eps=1e-8, maximize=False,
+                    )  # fmt: skip
+                same = all(torch.equal(a, b) for a, b in zip(ours, theirs))
+                if copy is not None:
+                    same = same and _bits_equal(copy, theirs[0].to(torch.bfloat16))
+                if not same:
+                    raise Unavailable(
+                        f"its results differ from torch {torch.__version__}'s kernel here ({n} elements, "
+                        f"beta1 {b1}, weight decay {wd}, coefficient {coef}, bf16 copy {copy is not None})"
+                    )
+    info = torch.finfo(torch.float32)
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 * (1 + 2**-8)])
+    special = [math.inf, -math.inf, math.nan, -math.nan, info.max, -info.max, info.tiny, 2**-140, 0.0, -0.0]
+    x = torch.cat([torch.tensor(special), ties, torch.randn(4096, generator=gen)])
+    y = torch.empty(x.numel(), dtype=torch.bfloat16)
+    kernel.cast(x, y)
+    theirs, nan = x.to(torch.bfloat16), x.isnan()  # a NaN is a NaN: torch's bits for one vary by path
+    if not (_bits_equal(y[~nan], theirs[~nan]) and y[nan].isnan().all()):
+        raise Unavailable(f"its bf16 cast differs from torch {torch.__version__}'s here")
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 _LOADED: tuple[ClipAdamW | None, str] | None = None

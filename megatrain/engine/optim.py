@@ -11,12 +11,13 @@ tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut a
 boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
 Trainer: no weight decay on biases and norm weights, one global step count. Where the clip fires
 on gradients held in host memory, the multiply may instead run beside the kernel on threads of its
-own, or inside a kernel of ours that repeats torch's arithmetic (`clipadam.py`): both bitwise,
-both off by default until measured on a big host (`CLIP_THREADS_SHARE`, `FUSED_CLIP`).
+own, or inside a kernel of ours that repeats torch's arithmetic (`clipadam.py`, the default where
+it builds and checks: `FUSED_CLIP`): both bitwise.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from ..host.hostmem import populate
 from ..host.state import ALIGN, HostState, Unit
 from ..parallel.distributed import Collective, Single
 from . import clipadam
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,11 +74,12 @@ CLIP_IN_PIECES = False
 CLIP_THREADS_SHARE: float | None = None
 # Whether a clip that fires is stepped by the kernel that multiplies as it steps
 # (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), where it builds and
-# its results equal torch's kernel on this host (checked once a process; else torch's kernel as
-# before). On the 2-core development host the engine's clipped pass ran at 105% of torch's kernel
-# with it against 71% without, in one run (results/2026-11-27_1202_adamw-engine.md). Off by
-# default until a GPU machine runs its test (tests/test_gpu.py) and that bench on a big host.
-FUSED_CLIP = False
+# its results equal torch's kernel on this host (checked once a process; else torch's kernel after
+# a multiply of its own, and a warning says why). The engine's clipped pass against torch's kernel
+# at the same state size, with it and without: 111% against 69% on a 16-core host (2.58B),
+# 99% against 61% on a 32-core host (5.0B), 105% against 71% on the 2-core development host
+# (results/2026-11-27_1256_h100-adamw-engine.md, _1254_x2-adamw-engine.md, _1202_adamw-engine.md).
+FUSED_CLIP = True
 
 
 def clip_threads(threads: int, share: float | None = CLIP_THREADS_SHARE) -> int:
@@ -307,7 +311,10 @@ class HostAdamW:
         if not self.fused_clip or not multiplies(coef) or (tier is not None and tier.holds(unit)):
             return None
         if self._fused is None:
-            self._fused = clipadam.load()[0]
+            self._fused, why = clipadam.load()
+            if self._fused is None:
+                self.fused_clip = False
+                log.warning("host AdamW: the clip's multiply takes a pass of its own (%s)", why)
         return self._fused
 
     def _step_fused(

@@ -18,7 +18,7 @@ from .placement import Machine, Plan, fmt_bytes
 PLAN_FILE = "plan.json"
 
 
-def _status_bytes(field: str) -> int | None:
+def status_bytes(field: str) -> int | None:
     """A size from /proc/self/status (VmRSS, VmHWM) in bytes, None where there is none."""
     try:
         with open("/proc/self/status") as f:
@@ -37,7 +37,7 @@ class MemoryRecord:
         self.plan, self.machine, self.model = plan, machine, model or {}
         self.rollout_gpu = rollout_gpu
         """stage grpo: the GPU memory the plan keeps for a rollout beside the update's."""
-        self.baseline = _status_bytes("VmRSS") or 0
+        self.baseline = status_bytes("VmRSS") or 0
         self.measured: dict[str, int | None] = {}
         self.state_bytes: list[int] = []
         """The host state each machine of the run holds (the whole on one machine)."""
@@ -48,7 +48,7 @@ class MemoryRecord:
         """Read the peaks so far (cheap: no device synchronisation); `more`: other measured
         values (a rollout's `rollout_gpu_added`). The GPU's are the largest read: a rollout
         starts the allocator's counter again after itself."""
-        m = {"step": step, "host_peak_rss": _status_bytes("VmHWM"), **more}
+        m = {"step": step, "host_peak_rss": status_bytes("VmHWM"), **more}
         if self.tier is not None:
             m.update(self.tier.counters)
         if self.plan.device == "cuda":
