@@ -16,6 +16,7 @@ from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
 from .host.disk import DiskTier
 from .host.state import HostState, build_units
+from .host.weightcopy import WeightCopy
 from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
 from .objectives.base import Objective
@@ -191,6 +192,11 @@ def build_model(
         if collective.world_size > 1:
             raise ConfigError("offload_dir: the disk tier is built for one process per machine")
         DiskTier(state, plan.disk_units, offload_dir)
+    copied = plan.copied(len(state.units))
+    if copied:  # before anything is written to the master weights (a plan has none in fp32)
+        if collective.world_size > 1:
+            raise ConfigError("host_weight_copy: built for one process; set it false")
+        state.copy = WeightCopy(state, [state.units[i] for i in copied], dtype)
     if collective.holds_state:
         if weights is not None:
             load_hf_weights(state, weights, cfg, progress=progress)

@@ -176,7 +176,8 @@ class HostAdamW:
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range. A unit of the disk
-        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py)."""
+        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py).
+        Each range stepped is cast into the state's compute-dtype copy at once (host/weightcopy.py)."""
         if unit.index not in self._populated:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
@@ -184,11 +185,13 @@ class HostAdamW:
         if tier is None or not tier.holds(unit):
             m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
             adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=base)
+            st.written(unit, lo, hi)  # the compute-dtype copy, while the range is in cache
             return
         for a, b in tier.blocks(unit, lo, hi):
             with tier.staged(unit, a, b) as (m, v):
                 g = grad[a - lo : b - lo]
                 adamw_range(unit, a, b, p[a - base :], g, m, v, self.cfg, lr, step, base=a)
+            st.written(unit, a, b)
 
     def _populate(self, unit: Unit) -> None:
         """Before the first update of `unit`, the pages of this process's span of its moments
