@@ -61,11 +61,12 @@ ADAM_LANDING_GAIN = 1.2
 # The fused CUDA AdamW: ~1 ms per GB of fp32 state (weights and moments) on H100/H200.
 GPU_ADAMW_STATE_BYTES_S = 1e12
 # The compute-dtype copy's cast (host_weight_copy) in the host optimizer's pass, as a share of the
-# AdamW's own time on the same parameters: an estimate from memory traffic, not yet fitted to a
-# run. The fused kernel reads the weight, gradient and both moments and writes the weight and the
-# moments back (28 bytes a parameter); the cast reads the fp32 weight just written (4, likely
-# still in cache) and writes 2 bytes of bf16: at most 6/28, where memory's bandwidth bounds both.
-COPY_CAST_SHARE = 6 / 28
+# AdamW's own time on the same parameters. Memory traffic alone would say 6/28 (the kernel moves 28
+# bytes a parameter, the cast reads 4 and writes 2), but torch's fused AdamW followed by a `copy_`
+# into bf16 of each 32 Mi-element chunk ran 1.72x the plain step on a 16-core host (1.8e9 params;
+# 1.53-1.78x over the slice sizes tried, results/2026-11-23_2213_adamw.md): the cast is a parallel
+# pass of its own. Taken from that kernel bench, not yet fitted to a training step.
+COPY_CAST_SHARE = 0.72
 
 
 def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
