@@ -13,6 +13,7 @@ from megatrain.engine import clipadam
 from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_piece, clip_threads
 from megatrain.host.hostmem import host_buffer
 from megatrain.host.state import HostState, build_units
+from megatrain.host.weightcopy import WeightCopy
 from megatrain.models.config import ModelConfig
 from megatrain.models.family import count_params
 from megatrain.planning.planspec import STAGING_CHUNK
@@ -53,8 +54,10 @@ class EnginePass:
     transport holds them (one buffer, each unit's span in turn). The moments stay untouched until
     the first pass, as in a run."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, copy: bool = False):
         self.state = HostState(build_units(cfg))
+        # the bf16 copy of the weights (host_weight_copy), attached for the passes that write it
+        self.copy = WeightCopy(self.state, self.state.units, torch.bfloat16) if copy else None
         self.opt = HostAdamW(self.state, AdamWConfig(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY))
         spans = [self.opt.span(u) for u in self.state.units]
         buf, self.held, off = host_buffer(sum(hi - lo for lo, hi in spans)), [], 0
@@ -73,11 +76,15 @@ class EnginePass:
         piece_per_thread: int | None = None,
         beside: float | None = None,
         fused: bool = False,
+        copy: bool = False,
     ) -> None:
         """One pass; a clip that fires scales each chunk whole, or `piece_per_thread` elements a
         thread at a time just before stepping them (`HostAdamW.clip_piece_per_thread`), or each
         chunk on `beside` of the threads while the rest step the chunk before it
-        (`HostAdamW.clip_threads_share`), or multiplies as it steps (`fused`: clipadam.py)."""
+        (`HostAdamW.clip_threads_share`), or multiplies as it steps (`fused`: clipadam.py); with
+        `copy`, the pass also writes the bf16 copy of the weights (cast after torch's kernel, or in
+        clipadam's pass where `fused`)."""
+        self.state.copy = self.copy if copy else None
         self.opt.clip_piece_per_thread = piece_per_thread
         self.opt.clip_threads_share = beside
         self.opt.fused_clip = fused
@@ -107,18 +114,27 @@ class KernelPass:
 
 
 FUSED = "engine, clipped, multiplied in the kernel's pass"
+CAST = "engine, clipped, the bf16 copy cast after torch's kernel"
+COPY = "engine, clipped, multiplied and the bf16 copy written in the kernel's pass"
 
 
 def measure_engine(
-    cfg: ModelConfig, repeats: int, pieces: list[int], shares: list[float] = (), fused: bool = False
+    cfg: ModelConfig,
+    repeats: int,
+    pieces: list[int],
+    shares: list[float] = (),
+    fused: bool = False,
+    copy: bool = False,
 ) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
     falls on all alike); the best of each, G params/s over the engine's stepped elements. The
     clipped pass scales each chunk whole, in pieces of each of `pieces` elements a thread, on
     each of `shares` of the threads beside the kernel, and (`fused`) in the kernel that multiplies
-    as it steps, where it builds and equals torch's here (clipadam.py)."""
+    as it steps, where it builds and equals torch's here (clipadam.py); with `copy`, also the
+    passes that write the bf16 copy of the weights (torch's kernel then the cast, and, with
+    `fused`, in clipadam's pass)."""
     t0 = time.perf_counter()
-    engine = EnginePass(cfg)
+    engine = EnginePass(cfg, copy)
     kernel = KernelPass(engine.numel, engine.chunk)
     setup_s = time.perf_counter() - t0
     # The transport sets the optimizer's threads on the calling thread before its worker starts;
@@ -149,6 +165,12 @@ def measure_engine(
             for name, f in beside.items()
         ],
         *([(FUSED, "worker", on_worker(lambda: engine.run(clipped, fused=True)))] if fused else []),
+        *([(CAST, "worker", on_worker(lambda: engine.run(clipped, copy=True)))] if copy else []),
+        *(
+            [(COPY, "worker", on_worker(lambda: engine.run(clipped, fused=True, copy=True)))]
+            if copy and fused
+            else []
+        ),
         ("engine, coefficient 1", "worker", on_worker(lambda: engine.run(one))),
         ("engine, unclipped", "worker", on_worker(lambda: engine.run(None))),
     ]
@@ -190,6 +212,8 @@ def measure_engine(
         "pieces_ratio": {in_pieces[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in in_pieces},
         "beside_ratio": {beside[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in beside},
         "fused_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == FUSED), None),
+        "cast_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == CAST), None),
+        "copy_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == COPY), None),
     }
     return rows, summary
 

@@ -154,7 +154,11 @@ def run_megatrain(spec: dict, res: Result) -> None:
         batch_size=spec["mbs"],
         seq_len=spec["seq"],
         grad_accum=accum,
-        choices=Choices(gpu_state=gpu_state, gpu_step_units=_step_units(spec.get("gpu_step_units", "0"))),
+        choices=Choices(
+            gpu_state=gpu_state,
+            gpu_step_units=_step_units(spec.get("gpu_step_units", "0")),
+            host_weight_copy=bool(spec.get("host_weight_copy")),
+        ),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
         world=world.layout,

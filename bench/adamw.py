@@ -30,8 +30,10 @@ coefficient below one: each chunk scaled whole, then stepped; and in pieces of e
 it from the caches: `HostAdamW.clip_piece_per_thread`; and on each of `--clip-threads` shares
 of the threads, a thread of their own multiplying each chunk while the rest step the one before:
 `HostAdamW.clip_threads_share`; and with `--clip-fused` in the kernel that multiplies as it steps,
-where it builds and equals torch's kernel here: `megatrain/engine/clipadam.py`), with a
-coefficient of one (the norm under the threshold) and unclipped. Its first pass is reported
+where it builds and equals torch's kernel here: `megatrain/engine/clipadam.py`; with `--copy`
+also writing the bf16 copy of the weights, `host_weight_copy`: cast after torch's kernel, and with
+`--clip-fused` in clipadam's pass), with a coefficient of one (the norm under the threshold) and
+unclipped. Its first pass is reported
 apart: it maps the moments' pages, as a run's first step does. Host memory: 32 bytes a parameter (the engine's state and gradients, the
 kernel's four arrays).
 
@@ -235,6 +237,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="--engine: also the kernel that multiplies as it steps (clipadam)",
     )
     ap.add_argument(
+        "--copy",
+        action="store_true",
+        help="--engine: also the passes that write the bf16 copy (host_weight_copy; in the kernel's with --clip-fused)",
+    )
+    ap.add_argument(
         "--clip-threads",
         default="",
         help="--engine: shares of the threads multiplying beside the kernel, e.g. 0.1,0.2 (none by default)",
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
             [int(x) for x in args.clip_pieces.split(",") if x],
             [float(x) for x in args.clip_threads.split(",") if x],
             args.clip_fused,
+            args.copy,
         )
         # the plan's probe of this host's AdamW (its small array, alone), beside the kernel over
         # the model's size: the cost model's in-step rate is the probe's times ADAM_IN_STEP

@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="0",
         help="megatrain's gpu_step_units: streamed units stepped on the GPU (a number, or auto)",
     )
+    ap.add_argument(
+        "--host-weight-copy",
+        action="store_true",
+        help="megatrain's host_weight_copy: fetch host-stepped units from a bf16 copy in host memory",
+    )
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU allowed)")
@@ -375,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_host_memory": a.max_host_memory,
                 "max_gpu_memory": a.max_gpu_memory,
                 "gpu_step_units": a.gpu_step_units,
+                "host_weight_copy": a.host_weight_copy,
             }
             raw = run_worker(spec, timeout, out / rec["log"])
             counted = raw.pop("params", None)

@@ -8,6 +8,7 @@ from . import plan
 from .checks import beyond_positions
 from .models.config import ModelConfig
 from .models.family import describe
+from .planning.footprint import WEIGHT_COPY
 from .planning.placement import Machine, fmt_bytes
 from .stages import row_length, row_length_text
 
@@ -75,6 +76,14 @@ def report(
                      f"{p.rollout_layers} resident), fetched from "
                      + (f"a {dtype_name} copy in host memory ({fmt_bytes(p.host[plan.ROLLOUT_COPY])})"
                         if p.rollout_host_copy else "the fp32 master weights"))  # fmt: skip
+    if p.host_weight_copy:
+        lead = p.stepped.stop  # the GPU-resident and GPU-stepped units, fetched as before
+        which = f"all units but the first {lead} (the host optimizer's)" if lead else "every unit"
+        lines.append(f"weights: {which} fetched from a {dtype_name} "
+                     f"copy in host memory ({fmt_bytes(p.host[WEIGHT_COPY])}, host_weight_copy), "
+                     "half the fp32 bytes a fetch")  # fmt: skip
+    elif cfg.host_weight_copy:
+        lines.append("weights: host_weight_copy changes nothing in float32 compute (the master is fetched)")
     lines.append("")
     if p.device == "cuda":
         lines.append("GPU memory at its peak (predicted torch.cuda.max_memory_allocated)")

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import CUDA_ALLOC_CONF, OMP_WAIT_POLICY
 from .engine.engine import Engine
-from .engine.optim import AdamWConfig, HostAdamW
+from .engine.optim import AdamWConfig, HostAdamW, copies_in_kernel
 from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
 from .host.disk import DiskTier
 from .host.state import HostState, build_units
+from .host.weightcopy import WeightCopy
 from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
 from .objectives.base import Objective
@@ -126,6 +127,8 @@ def make_plan(
     if torch.device(device).type == "cuda":
         configure_allocator()
     machine = placement.measure(device, max_gpu_memory, max_host_memory, world)
+    if (choices or Choices()).host_weight_copy and compute_dtype == torch.bfloat16:
+        machine = replace(machine, copy_in_kernel=copies_in_kernel())
     layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked)
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,
@@ -193,6 +196,11 @@ def build_model(
         if collective.world_size > 1:
             raise ConfigError("offload_dir: the disk tier is built for one process per machine")
         DiskTier(state, plan.disk_units, offload_dir)
+    copied = plan.copied(len(state.units))
+    if copied:  # before anything is written to the master weights (a plan has none in fp32)
+        if collective.world_size > 1:
+            raise ConfigError("host_weight_copy: built for one process; set it false")
+        state.copy = WeightCopy(state, [state.units[i] for i in copied], dtype)
     if collective.holds_state:
         if weights is not None:
             load_hf_weights(state, weights, cfg, progress=progress)

@@ -84,7 +84,7 @@ def tiny_state() -> HostState:
     return HostState(build_units(ModelConfig.from_hf(tiny_config("llama"))))
 
 
-def host_budget(base: dict, units: int, device: str = "cpu") -> int:
+def host_budget(base: dict, units: int, device: str = "cpu", compute_bytes: int = 4) -> int:
     """A max_host_memory under which the run fits only with the moments of its last `units` units
     on disk: the least host memory any in-memory placement needs, less those moments. Found by
     bisection, not from the default plan's total: on a GPU the plan meets a tighter budget by
@@ -92,10 +92,11 @@ def host_budget(base: dict, units: int, device: str = "cpu") -> int:
     cfg = TrainConfig(**base)
     model_cfg = ModelConfig.from_json(cfg.model_config)
     machine = planning.machine_of(cfg, device)
-    layer_mem = planning.layer_memory(model_cfg, cfg, device, 4)
+    layer_mem = planning.layer_memory(model_cfg, cfg, device, compute_bytes)
 
     def fits(host: int) -> bool:
-        return planning.check(model_cfg, cfg, replace(machine, host_bytes=host), 4, layer_mem=layer_mem).fits
+        at = replace(machine, host_bytes=host)
+        return planning.check(model_cfg, cfg, at, compute_bytes, layer_mem=layer_mem).fits
 
     lo, hi = 0, 1 << 40  # max_host_memory (the plan keeps its reserve): lo does not fit, hi does
     while hi - lo > 4096:

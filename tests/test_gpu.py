@@ -581,3 +581,25 @@ def test_tiled_layer_memory_is_what_the_probe_predicts():
     # reason): safe, but bounded, so that a probe that grows it further fails here.
     assert loop <= want["loop"] * 1.15 and want["loop"] <= loop * 1.25, msg
     assert rest == pytest.approx(want["rest"], rel=0.15), msg
+
+
+# --------------------------------------------------------------------------- host_weight_copy
+def test_fetches_from_the_host_weight_copy_train_bitwise_as_from_the_fp32_master():
+    """The host-stepped units fetched from the bf16 copy (host/weightcopy.py), overlapped and
+    serial, equal the serial fp32 fetch: losses, norms, weights, moments; beside GPU-resident and
+    GPU-stepped units (not copied). Without either, the fetches move half the bytes."""
+    cfg = _cfg()
+    for plan in (_plan(), _plan(resident=1, stepped=2)):
+        ref, _ = _train(cfg, plan, overlap=False)
+        for overlap in (False, True):
+            got, _ = _train(cfg, replace(plan, host_weight_copy=True), overlap, staging=10_000)
+            assert ref[0] == got[0] and ref[1] == got[1]
+            assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
+    moved = []
+    for copy in (False, True):
+        m = _build(cfg, replace(_plan(), host_weight_copy=copy))
+        assert (m.state.copy is not None) == copy
+        _steps(m, n_steps=2)
+        moved.append(m.transport.h2d_bytes)
+        m.close()
+    assert moved[0] > 0 and moved[1] * 2 == moved[0]

@@ -73,13 +73,20 @@ CLIP_IN_PIECES = False
 # host one thread of the two cannot be spared.
 CLIP_THREADS_SHARE: float | None = None
 # Whether a clip that fires is stepped by the kernel that multiplies as it steps
-# (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), where it builds and
+# (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), and the bf16 copy of
+# the weights (host_weight_copy) written in its pass rather than cast after it, where it builds and
 # its results equal torch's kernel on this host (checked once a process; else torch's kernel after
 # a multiply of its own, and a warning says why). The engine's clipped pass against torch's kernel
 # at the same state size, with it and without: 111% against 69% on a 16-core host (2.58B),
 # 99% against 61% on a 32-core host (5.0B), 105% against 71% on the 2-core development host
 # (results/2026-11-27_1256_h100-adamw-engine.md, _1254_x2-adamw-engine.md, _1202_adamw-engine.md).
 FUSED_CLIP = True
+
+
+def copies_in_kernel() -> bool:
+    """Whether the host AdamW writes a bf16 copy of the weights (host_weight_copy) in its own
+    kernel's pass here: `FUSED_CLIP`, and clipadam's kernel builds and checks on this host."""
+    return FUSED_CLIP and clipadam.load()[0] is not None
 
 
 def clip_threads(threads: int, share: float | None = CLIP_THREADS_SHARE) -> int:
@@ -228,7 +235,13 @@ class HostAdamW:
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
         """Update elements [lo, hi) of `unit`; `grad` holds exactly that range. A unit of the disk
-        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py)."""
+        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py).
+        Each range stepped is cast into the state's compute-dtype copy at once (host/weightcopy.py):
+        in the kernel's own pass where clipadam's kernel writes it (`_kernel`)."""
+        kernel = self._kernel(unit, None)
+        if kernel is not None:
+            self._step_fused(kernel, unit, lo, hi, grad, None, lr, step)
+            return
         if unit.index not in self._populated:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
@@ -236,11 +249,13 @@ class HostAdamW:
         if tier is None or not tier.holds(unit):
             m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
             adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=base)
+            st.written(unit, lo, hi)  # the compute-dtype copy, while the range is in cache
             return
         for a, b in tier.blocks(unit, lo, hi):
             with tier.staged(unit, a, b) as (m, v):
                 g = grad[a - lo : b - lo]
                 adamw_range(unit, a, b, p[a - base :], g, m, v, self.cfg, lr, step, base=a)
+            st.written(unit, a, b)
 
     def _populate(self, unit: Unit) -> None:
         """Before the first update of `unit`, the pages of this process's span of its moments
@@ -267,9 +282,9 @@ class HostAdamW:
         before torch's kernel steps them, on threads of its own where asked for
         (`clip_threads_share`)."""
         lo, hi = self.span(unit)
-        kernel = self._fused_kernel(unit, coef)
+        kernel = self._kernel(unit, coef)
         if kernel is not None:
-            self._step_fused(kernel, unit, lo, hi, grad, coef.item(), lr, step)
+            self._step_fused(kernel, unit, lo, hi, grad, coef.item() if multiplies(coef) else None, lr, step)
             return
         ranges = chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi))
         beside = clip_threads(torch.get_num_threads(), self.clip_threads_share) if multiplies(coef) else 0
@@ -304,17 +319,20 @@ class HostAdamW:
                 product.exception()
             torch.set_num_threads(threads)
 
-    def _fused_kernel(self, unit: Unit, coef: torch.Tensor | None) -> clipadam.ClipAdamW | None:
-        """clipadam's kernel for a clip that fires on a unit in host memory, where asked for and
-        available here (None: torch's kernel after the multiply)."""
-        tier = self.state.tier
-        if not self.fused_clip or not multiplies(coef) or (tier is not None and tier.holds(unit)):
+    def _kernel(self, unit: Unit, coef: torch.Tensor | None) -> clipadam.ClipAdamW | None:
+        """clipadam's kernel where it saves a pass over a unit in host memory: a clip that fires
+        (the multiply), or a bf16 copy of the unit's weights to write (the cast); where asked for
+        (`fused_clip`) and available here. None: torch's kernel, after the multiply, then the cast."""
+        tier, copy = self.state.tier, self.state.copy
+        if not self.fused_clip or (tier is not None and tier.holds(unit)):
+            return None
+        if not (multiplies(coef) or (copy is not None and copy.holds(unit) and copy.dtype == torch.bfloat16)):
             return None
         if self._fused is None:
             self._fused, why = clipadam.load()
             if self._fused is None:
                 self.fused_clip = False
-                log.warning("host AdamW: the clip's multiply takes a pass of its own (%s)", why)
+                log.warning("host AdamW: torch's kernel, the clip's multiply in a pass of its own (%s)", why)
         return self._fused
 
     def _step_fused(
@@ -324,25 +342,31 @@ class HostAdamW:
         lo: int,
         hi: int,
         grad: torch.Tensor,
-        coef: float,
+        coef: float | None,
         lr: float,
         step: int,
     ) -> None:
-        """`step_held` by the kernel that multiplies as it steps: the same tensors as torch's
-        kernel is given (`tensors`), each split over the optimizer's threads; `grad` is left
-        unscaled."""
+        """Elements [lo, hi) of `unit` stepped by the kernel that multiplies as it steps (`coef`;
+        None: no clip) and writes the state's bf16 copy of the weights where it holds the unit:
+        the same tensors as torch's kernel is given (`tensors`), each split over the optimizer's
+        threads; `grad` (covering [lo, hi)) is left unscaled."""
         if unit.index not in self._populated:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
         p, m, v = st.flat(unit), st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
-        threads = torch.get_num_threads()
+        copy = st.copy if st.copy is not None and st.copy.holds(unit) else None
+        cast = copy is not None and copy.dtype == torch.bfloat16  # else cast apart (fp16)
+        hyper = (lr, step, self.cfg.betas, self.cfg.eps)
         for decay, spans in tensors(unit, lo, hi).items():
             wd = self.cfg.weight_decay if decay else 0.0
             for a, b in spans:
                 sl, gl = slice(a - base, b - base), slice(a - lo, b - lo)
+                into = copy.range(unit, a, b) if cast else None
                 kernel.step(
-                    p[sl], grad[gl], m[sl], v[sl], coef, lr, step, self.cfg.betas, self.cfg.eps, wd, threads
+                    p[sl], grad[gl], m[sl], v[sl], coef, *hyper, wd, torch.get_num_threads(), copy=into
                 )
+                if copy is not None and not cast:
+                    st.written(unit, a, b)
 
     def _scaler_of(self, threads: int) -> _Scaler:
         """The thread that multiplies beside the kernel, with `threads` of its own (a new one

@@ -9,6 +9,10 @@ plan says (placement.py). Two implementations of the `Transport` protocol:
   (on the CPU with fp32 compute it is the master itself); every update runs inline. This is the
   reference the fast path must equal.
 
+Where the state keeps a compute-dtype copy of the host-stepped units' master weights
+(`host_weight_copy`, host/weightcopy.py), both fetch those units from it (`source`): half the
+bytes in bf16, no cast on the device, the same numbers.
+
 * `StreamingTransport` (CUDA): the overlapped schedule. Host->device copies run on their own
   stream, `prefetch` units ahead of compute, from master weights page-locked in place. Held
   gradients wait on the GPU (the leading units the plan keeps there) or are copied at once, on a
@@ -83,6 +87,15 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def source(state: HostState, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+    """Where a fetch of elements [lo, hi) of `unit` reads from: the compute-dtype copy of the
+    master weights where the state keeps one for the unit (host/weightcopy.py), else the fp32
+    master weights, cast on the device."""
+    if state.copy is not None and state.copy.holds(unit):
+        return state.copy.range(unit, lo, hi)
+    return state.range(unit, lo, hi)
+
+
 class SerialTransport:
     """The plain schedule (see the module docstring); the CPU's transport."""
 
@@ -104,8 +117,8 @@ class SerialTransport:
 
     def fetch(self, unit: Unit) -> torch.Tensor:
         lo, hi = self.world.piece(unit)
-        src, n = self.state.range(unit, lo, hi), self.world.padded(unit)
-        if hi - lo == n:  # the whole unit (on the CPU in fp32: the master itself, no copy)
+        src, n = source(self.state, unit, lo, hi), self.world.padded(unit)
+        if hi - lo == n:  # the whole unit (on the CPU in its dtype: the master or copy itself)
             return src.to(self.device, self.dtype)
         buf = torch.empty(n, dtype=self.dtype, device=self.device)
         buf[lo:hi].copy_(src)
@@ -168,6 +181,8 @@ class StreamingTransport:
         # Page-lock the master weights in place (5x faster than allocating pinned memory, and no
         # second copy); copies from pageable memory would run 7x slower.
         self._registrations = [Registration(state.master, state.boundaries)]
+        if state.copy is not None:  # and the compute-dtype copy the host-stepped units come from
+            self._registrations.append(Registration(state.copy.buffer, state.copy.boundaries))
         # Gradients the plan keeps in host memory until the clip: one page-locked buffer, holding
         # the part of each unit this process steps (`optimizer.span`).
         self._host_slots: dict[int, torch.Tensor] = {}
@@ -237,11 +252,11 @@ class StreamingTransport:
             return
         self._wait_ready(unit)
         lo, hi = self.world.piece(unit)  # the whole unit, or this rank's span of it (sharded)
-        src = self.state.range(unit, lo, hi)
+        src = source(self.state, unit, lo, hi)
         self.stepper.order_read(self.h2d, unit)
         with torch.cuda.stream(self.h2d):
             buf = torch.empty(self.world.padded(unit), dtype=self.dtype, device=self.device)
-            if self.dtype == torch.float32:
+            if src.dtype == self.dtype:  # fp32 compute, or the compute-dtype copy
                 buf[lo:hi].copy_(src, non_blocking=True)
             else:
                 stage = torch.empty(hi - lo, device=self.device)
@@ -254,7 +269,7 @@ class StreamingTransport:
             ev.record(self.h2d)
         if self.overlap:
             buf.record_stream(self.compute)
-        self.h2d_bytes += (hi - lo) * 4
+        self.h2d_bytes += (hi - lo) * src.element_size()
         self._issued[k] = (buf[: unit.numel], ev)
 
     def fetch(self, unit: Unit) -> torch.Tensor:

@@ -148,6 +148,10 @@ class HostState:
         """The disk tier holding the AdamW moments of the last units (host/disk.py's `DiskTier`),
         or None. Their moments are read and written through it only: the moment buffers stop
         where its units start."""
+        self.copy = None
+        """The compute-dtype copy of the master weights of the units the host optimizer steps
+        (host/weightcopy.py's `WeightCopy`, `host_weight_copy`), or None. Every write of master
+        weights refreshes it: through `load` and `written` here, and the host optimizer's."""
 
     @property
     def nbytes(self) -> int:
@@ -182,6 +186,15 @@ class HostState:
         its graph, holding every such source alive (a second fp32 copy of the model)."""
         lo, hi = self.parts[unit.index]
         fill_range(self.flat(unit, which), lo, hi, entries, read)
+        if which == "master":
+            self.written(unit, lo, hi)
+
+    def written(self, unit: Unit, lo: int | None = None, hi: int | None = None) -> None:
+        """The master weights [lo, hi) of `unit` (default: its part held here) were just written:
+        the compute-dtype copy, where there is one, is cast again from them."""
+        if self.copy is not None:
+            a, b = self.parts[unit.index]
+            self.copy.refresh(unit, a if lo is None else lo, b if hi is None else hi)
 
     def _whole(self) -> None:
         if not self.whole:

@@ -98,6 +98,7 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
                 state.load(
                     unit, "master", [(p.key, p.offset, p.shape)], lambda k, a, b, v=v: v.reshape(-1)[a:b]
                 )
+        state.written(unit)  # the parameters drawn in place
 
     _per_unit(fill, state.units, "initialising weights", progress)
 

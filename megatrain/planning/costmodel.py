@@ -4,7 +4,8 @@
 step's tokens and the machine's rates. It counts the GPU's compute (each layer's forward and
 backward, the recompute of the layers whose graphs are not kept, the second backward sweep of a
 two-pass step, the MLP tiles recomputed in each backward, causal attention over the keys a token
-covers), the PCIe traffic (weights in, gradients out, parked activations, the fp32 state of
+covers), the PCIe traffic (weights in, from the compute-dtype copy where there is one,
+gradients out, parked activations, the fp32 state of
 GPU-stepped units both ways), the CPU AdamW and how much of it the overlap hides (the next
 forward sweep; in two-pass and immediate steps the backward sweep that lands the gradients), the
 GPU's wait for the GPU-stepped state, the optimizer's interference with the sweep it hides
@@ -59,6 +60,19 @@ OPT_INTERFERENCE = 0.25
 ADAM_LANDING_GAIN = 1.2
 # The fused CUDA AdamW: ~1 ms per GB of fp32 state (weights and moments) on H100/H200.
 GPU_ADAMW_STATE_BYTES_S = 1e12
+# The compute-dtype copy's cast (host_weight_copy) in the host optimizer's pass, as a share of the
+# AdamW's own time on the same parameters. Memory traffic alone would say 6/28 (the kernel moves 28
+# bytes a parameter, the cast reads 4 and writes 2), but torch's fused AdamW followed by a `copy_`
+# into bf16 of each 32 Mi-element chunk ran 1.72x the plain step on a 16-core host (1.8e9 params;
+# 1.53-1.78x over the slice sizes tried, results/2026-11-23_2213_adamw.md): the cast is a parallel
+# pass of its own. Taken from that kernel bench, not yet fitted to a training step.
+COPY_CAST_SHARE = 0.72
+# The same where the host optimizer's own kernel writes the copy as it steps (engine/clipadam.py,
+# `Machine.copy_in_kernel`): 2 bytes a parameter more than its 28. The engine's clipped pass with
+# it ran 1.054x the pass without on the 2-core development host (0.372 against 0.353 s, 0.3e9
+# parameters; bench/adamw.py --engine --clip-fused --copy); the bytes' 1/14 is taken until a big
+# host measures it.
+COPY_KERNEL_SHARE = 2 / 28
 
 
 def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
@@ -79,8 +93,11 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
         tiles = L * 2 * 3 * s.hidden * s.ffn * T / F  # each backward recomputes the MLP's tiles
         gpu += passes * tiles
         backward += tiles
+    n = len(s.units)
+    share = COPY_KERNEL_SHARE if m.copy_in_kernel else COPY_CAST_SHARE
+    cast = share * sum(s.units[u] for u in plan.copied(n))  # in parameters AdamW'd
     if m.device == "cpu":
-        return gpu + s.total / m.adam_params_s + _tier_wait(plan, m, m.adam_params_s)
+        return gpu + (s.total + cast) / m.adam_params_s + _tier_wait(plan, m, m.adam_params_s)
     rate = m.pcie_bytes_s
     streamed = sum(s.units[plan.resident_units :])
     gpu_stepped = sum(s.units[u] for u in plan.stepped)
@@ -90,13 +107,14 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     extra = (STATE_BYTES - 4) * gpu_stepped
     # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
     # fetch of the embedding is not counted here either way).
-    kept = sum(s.units[u] for u in plan.kept_fresh(L, s.tied) if u > 0)
-    h2d = 4 * streamed * (1 + passes) + act_bytes * passes + extra - 4 * kept
+    kept = fetched_bytes(s, plan, [u for u in plan.kept_fresh(L, s.tied) if u > 0])
+    fetches = fetched_bytes(s, plan, range(plan.resident_units, n))
+    h2d = fetches * (1 + passes) + act_bytes * passes + extra - kept
     d2h = 4 * streamed + act_bytes + extra
     pcie = max(h2d, d2h) / rate
     duplex = (h2d + d2h) / (PCIE_DUPLEX_GAIN * rate)  # the link's two directions together
     adam = m.adam_params_s * (ADAM_LANDING_GAIN if plan.grad_mode != "stored" else 1)
-    cpu = (streamed - gpu_stepped) / adam + _tier_wait(plan, m, adam)
+    cpu = (streamed - gpu_stepped + cast) / adam + _tier_wait(plan, m, adam)
     forward = L * layer_fwd  # the next forward sweep
     if plan.grad_mode == "stored":
         held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
@@ -108,6 +126,11 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
     return max(gpu + stretch + waits, pcie + idle, duplex) + OPT_INTERFERENCE * min(cpu, window)
+
+
+def fetched_bytes(s: Shape, plan: Plan, units) -> int:
+    """Bytes one fetch of each of `units` moves host->device (`Plan.fetch_bytes` a parameter)."""
+    return sum(s.units[u] * plan.fetch_bytes(u, len(s.units)) for u in units)
 
 
 def tier_io_s(disk: int, m: Machine) -> float:
@@ -170,7 +193,7 @@ def _gpu_stepping(
     # _2236_auto-repeat.json); counted so, -2% to +11%.
     skip = set(plan.kept_fresh(s.layers, s.tied))
     recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
-    fetched = sum(s.units[u] for u in recomputed if u not in skip)
-    link = (4 * fetched + act_bytes + STATE_BYTES * prestaged) / rate
+    fetched = fetched_bytes(s, plan, [u for u in recomputed if u not in skip])
+    link = (fetched + act_bytes + STATE_BYTES * prestaged) / rate
     reach = forward_s * min(plan.stepped.stop - 1, s.layers) / max(1, s.layers)
     return max(0.0, link - backward_s - reach), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S

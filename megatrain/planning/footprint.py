@@ -107,14 +107,16 @@ def _schedule(s: Shape, plan: Plan) -> list[list[int]]:
 def _windows(s: Shape, plan: Plan, cb: int) -> list[tuple[int, int]]:
     """For each fetch of a step, in order: the weight buffers alive while that unit computes (it
     and the `prefetch` units copied ahead, in compute dtype), and the fp32 landing buffer of the
-    unit being copied then (converted on the device; resident units need none). The landing
-    buffer lives only while that copy is issued, before the unit's own work allocates anything."""
-    out = []
+    unit being copied then (converted on the device; resident units and those fetched from the
+    compute-dtype copy need none). The landing buffer lives only while that copy is issued, before
+    the unit's own work allocates anything."""
+    out, n = [], len(s.units)
     for order in _schedule(s, plan):
         for i in range(len(order)):
             win = order[i : i + plan.prefetch + 1]
             newest = win[-1]
-            stage = 4 * s.units[newest] if cb != 4 and newest >= plan.resident_units else 0
+            fetched = plan.fetch_bytes(newest, n)
+            stage = fetched * s.units[newest] if fetched != cb and newest >= plan.resident_units else 0
             out.append((cb * sum(s.units[u] for u in win), stage))
     return out
 
@@ -356,6 +358,9 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     host = {"fp32 weights + AdamW moments": STATE_BYTES * state - disk_tier_bytes(s, plan.disk_units, world)}
     if plan.disk_units:  # the tier's moments pass through it a block at a time
         host["disk tier staging (host buffers)"] = ring_bytes(s.units[len(s.units) - plan.disk_units :])
+    copy = weight_copy_bytes(s, b, plan, world)
+    if copy:
+        host[WEIGHT_COPY] = copy
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -369,7 +374,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
             host["attention masks"] = _masks(b, flex=False)
         host["runtime"] = _runtime(plan.device, world)
         return host, 0
-    pinned = 4 * state  # the master weights, registered in place
+    pinned = 4 * state + copy  # the master weights (and their copy), registered in place
     pinned += 8 * world.held(s.units[u] for u in plan.stepped)  # and GPU-stepped units' moments
     spilled = world.held(s.units[plan.gpu_grad_lead :]) if plan.grad_mode == "stored" else 0
     if spilled > 0:
@@ -383,6 +388,15 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     pinned += host["gradient staging (page-locked)"]
     host["runtime"] = _runtime(plan.device, world)
     return host, pinned
+
+
+WEIGHT_COPY = "compute-dtype weight copy (host_weight_copy)"  # plan.host's key
+
+
+def weight_copy_bytes(s: Shape, b: Batch, plan: Plan, world: Layout) -> int:
+    """The host memory of the compute-dtype copy of the master weights (host/weightcopy.py): the
+    compute dtype's bytes a parameter of the units it holds (`Plan.copied`)."""
+    return b.compute_bytes * world.held(s.units[u] for u in plan.copied(len(s.units)))
 
 
 def disk_tier_bytes(s: Shape, units: int, world: Layout) -> int:

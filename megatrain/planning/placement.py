@@ -52,6 +52,7 @@ from .costmodel import ADAM_IN_STEP
 from .footprint import (
     CUDA_CONTEXT,
     HOST_RESERVE,
+    WEIGHT_COPY,
     disk_tier_bytes,
     evaluate,
     fits,
@@ -109,6 +110,7 @@ class Choices:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None  # 0: never tile
     gpu_step_units: int | None = 0  # streamed units stepped on the GPU (None: the plan chooses)
+    host_weight_copy: bool = False  # host-stepped units fetched from a compute-dtype copy
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -215,8 +217,11 @@ def _in_memory(
     else:
         parked_options = range(L - keep + 1)
 
+    copy = c.host_weight_copy and batch.compute_bytes != 4  # in fp32 the master is the copy
+
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
-        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped)
+        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped,
+                 host_weight_copy=copy)  # fmt: skip
         return _stepped_loading(s, batch, p, m)
 
     # the fastest plan of each gradient mode that fits, whichever mode wins below
@@ -442,7 +447,9 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
         )
     host = usable_host(m)
     if host is not None and p.host_total > host:
-        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(host)} usable")
+        copy = p.host.get(WEIGHT_COPY, 0)
+        why = f" (host_weight_copy: true takes {fmt_bytes(copy)} of it)" if copy else ""
+        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}{why}, {fmt_bytes(host)} usable")
     return "no placement fits: " + "; ".join(parts or ["unknown"])
 
 

@@ -52,6 +52,9 @@ class Machine:
     """The tier's I/O is O_DIRECT (False: offload_dir's file system refuses it; buffered)."""
     disk_folders: int = 1
     """Folders of offload_dir, one per drive, the tier is striped over (the rates are their sums)."""
+    copy_in_kernel: bool = False
+    """The host optimizer writes a bf16 copy of the weights (host_weight_copy) in its own kernel's
+    pass (engine/clipadam.py builds and checks here), not in a cast after torch's kernel."""
 
     @classmethod
     def from_json(cls, d: dict) -> Machine:
@@ -120,6 +123,11 @@ class Plan:
     rollout casts once into page-locked host memory (half the fp32 master's bytes over PCIe),
     where the host has room for it beside the update (`rollout_split`); False: from the fp32
     master weights."""
+    host_weight_copy: bool = False
+    """The host keeps a copy of the `copied` units' master weights in the compute dtype, cast by
+    the host optimizer as it steps them, and the transports fetch those units from it (half the
+    fp32 bytes over PCIe in bf16; host/weightcopy.py). The user's `host_weight_copy`, where the
+    compute dtype is not fp32."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
@@ -156,6 +164,17 @@ class Plan:
         on the GPU from their step to that fetch, which takes them."""
         backward = range(1, layers - self.keep_layers + 1)
         return [u for u in self.prestaged if u in backward or (u == 0 and tied)]
+
+    def copied(self, units: int) -> range:
+        """The units of a model of `units` units that the compute-dtype copy holds: where there is
+        one, those the host optimizer steps (neither GPU-resident nor GPU-stepped)."""
+        return range(self.stepped.stop, units) if self.host_weight_copy else range(0)
+
+    def fetch_bytes(self, unit: int, units: int) -> int:
+        """Bytes a parameter of `unit` (of `units`) takes over the link at each fetch from host
+        memory: its compute-dtype copy's 2 (a copy exists only where the compute dtype is not
+        fp32), else the fp32 master's 4."""
+        return 2 if unit in self.copied(units) else 4
 
     @property
     def gpu_grad_lead(self) -> int:
