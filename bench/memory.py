@@ -541,6 +541,19 @@ def write(
         f.write(f"# {args.tag}: {title}\n\n")
         f.write("".join(f"- {k}: {v}\n" for k, v in meta.items()) + "\n")
         f.write(table(results) + "\n")
+        f.write(host_marks(results))
+
+
+def host_marks(results) -> str:
+    """Each run's host high-water mark after the model's build and after each phase of a step
+    (GiB), where the run recorded them: the phase the host's peak was reached in."""
+    lines = []
+    for r in results:
+        marks = {"build": r.get("host_hwm_after_init"), **(r.get("host_hwm_after") or {})}
+        if any(marks.values()):
+            text = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in marks.items() if v)
+            lines.append(f"- {r.get('name', '?')}: host high-water mark (GiB) after {text}\n")
+    return "\n" + "".join(lines) if lines else ""
 
 
 if __name__ == "__main__":

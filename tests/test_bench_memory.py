@@ -493,6 +493,21 @@ def test_the_table_shows_the_allocator_reserve_retries_and_gpu_busy_where_a_run_
     )
 
 
+def test_the_host_marks_name_each_phase_a_run_recorded_and_nothing_for_older_runs():
+    marks = memory.host_marks(
+        [
+            {
+                "name": "new",
+                "host_hwm_after_init": 2 * GiB,
+                "host_hwm_after": {"forward": 3 * GiB, "backward": 5 * GiB},
+            },
+            {"name": "old"},
+        ]
+    )
+    assert marks == "\n- new: host high-water mark (GiB) after build 2.0, forward 3.0, backward 5.0\n"
+    assert memory.host_marks([{"name": "old"}]) == ""
+
+
 def test_the_allocator_trace_puts_each_release_on_the_request_that_followed_it():
     """bench/_alloc_trace.py on a recorded history: consecutive releases are one run, with their
     bytes and the next allocation's size, stream and the innermost frame of this project's code;
