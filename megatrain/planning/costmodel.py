@@ -70,8 +70,8 @@ COPY_CAST_SHARE = 0.72
 # The same where the host optimizer's own kernel writes the copy as it steps (engine/clipadam.py,
 # `Machine.copy_in_kernel`): 2 bytes a parameter more than its 28. The engine's clipped pass with
 # it ran 1.054x the pass without on the 2-core development host (0.372 against 0.353 s, 0.3e9
-# parameters; bench/adamw.py --engine --clip-fused --copy); the bytes' 1/14 is taken until a big
-# host measures it.
+# parameters; results/2026-11-27_1315_adamw-engine-copy.md); the bytes' 1/14 is taken until a
+# big host measures it.
 COPY_KERNEL_SHARE = 2 / 28
 
 
