@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatrain.engine import clipadam
-from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_piece, clip_threads
+from megatrain.engine.optim import AdamWConfig, HostAdamW
 from megatrain.host.hostmem import host_buffer
 from megatrain.host.state import HostState, build_units
 from megatrain.host.weightcopy import WeightCopy
@@ -70,23 +70,11 @@ class EnginePass:
         self.numel = sum(p.numel for u in self.state.units for p in u.params if p.train)
         self.steps = 0
 
-    def run(
-        self,
-        coef: torch.Tensor | None,
-        piece_per_thread: int | None = None,
-        beside: float | None = None,
-        fused: bool = False,
-        copy: bool = False,
-    ) -> None:
-        """One pass; a clip that fires scales each chunk whole, or `piece_per_thread` elements a
-        thread at a time just before stepping them (`HostAdamW.clip_piece_per_thread`), or each
-        chunk on `beside` of the threads while the rest step the chunk before it
-        (`HostAdamW.clip_threads_share`), or multiplies as it steps (`fused`: clipadam.py); with
-        `copy`, the pass also writes the bf16 copy of the weights (cast after torch's kernel, or in
-        clipadam's pass where `fused`)."""
+    def run(self, coef: torch.Tensor | None, fused: bool = False, copy: bool = False) -> None:
+        """One pass; a clip that fires multiplies each chunk whole before torch's kernel steps it,
+        or as clipadam's kernel steps it (`fused`); with `copy`, the pass also writes the bf16
+        copy of the weights (cast after torch's kernel, or in clipadam's pass where `fused`)."""
         self.state.copy = self.copy if copy else None
-        self.opt.clip_piece_per_thread = piece_per_thread
-        self.opt.clip_threads_share = beside
         self.opt.fused_clip = fused
         self.steps += 1
         for u in self.state.units:
@@ -119,18 +107,12 @@ COPY = "engine, clipped, multiplied and the bf16 copy written in the kernel's pa
 
 
 def measure_engine(
-    cfg: ModelConfig,
-    repeats: int,
-    pieces: list[int],
-    shares: list[float] = (),
-    fused: bool = False,
-    copy: bool = False,
+    cfg: ModelConfig, repeats: int, fused: bool = False, copy: bool = False
 ) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
     falls on all alike); the best of each, G params/s over the engine's stepped elements. The
-    clipped pass scales each chunk whole, in pieces of each of `pieces` elements a thread, on
-    each of `shares` of the threads beside the kernel, and (`fused`) in the kernel that multiplies
-    as it steps, where it builds and equals torch's here (clipadam.py); with `copy`, also the
+    clipped pass scales each chunk whole before torch's kernel, and (`fused`) in the kernel that
+    multiplies as it steps, where it builds and equals torch's here (clipadam.py); with `copy`, also the
     passes that write the bf16 copy of the weights (torch's kernel then the cast, and, with
     `fused`, in clipadam's pass)."""
     t0 = time.perf_counter()
@@ -143,15 +125,6 @@ def measure_engine(
     on_worker = lambda fn: lambda: worker.submit(_clock, fn).result()  # noqa: E731
     here = lambda fn: lambda: _clock(fn)  # noqa: E731
     clipped, one = torch.tensor(CLIPPED), torch.tensor(1.0)
-    in_pieces = {f"engine, clipped in pieces of {k:,} a thread": k for k in pieces}
-    threads = worker.submit(torch.get_num_threads).result()
-    beside = {f"engine, clipped, multiplied on {clip_threads(threads, f)} threads beside": f for f in shares}
-    if any(not clip_threads(threads, f) for f in shares):
-        print(
-            f"--clip-threads: {threads} optimizer thread(s) spare none to multiply beside the kernel",
-            flush=True,
-        )
-        beside = {name: f for name, f in beside.items() if clip_threads(threads, f)}
     if fused and clipadam.load()[0] is None:
         print(f"--clip-fused: the kernel is not used here: {clipadam.load()[1]}", flush=True)
         fused = False
@@ -159,11 +132,6 @@ def measure_engine(
         ("kernel", "calling", here(kernel.run)),
         ("kernel", "worker", on_worker(kernel.run)),
         ("engine, clipped", "worker", on_worker(lambda: engine.run(clipped))),
-        *[(name, "worker", on_worker(lambda k=k: engine.run(clipped, k))) for name, k in in_pieces.items()],
-        *[
-            (name, "worker", on_worker(lambda f=f: engine.run(clipped, None, f)))
-            for name, f in beside.items()
-        ],
         *([(FUSED, "worker", on_worker(lambda: engine.run(clipped, fused=True)))] if fused else []),
         *([(CAST, "worker", on_worker(lambda: engine.run(clipped, copy=True)))] if copy else []),
         *(
@@ -180,20 +148,13 @@ def measure_engine(
             times[name + where].append(fn())
             print(f"{name:22s} {where:8s} {times[name + where][-1]:7.3f} s", flush=True)
     threads_on_worker = worker.submit(torch.get_num_threads).result()
-    worker.submit(engine.opt.close).result()
     worker.shutdown()
     n = engine.numel
     rows = []
     for name, where, _ in passes:
         first, *rest = times[name + where]
         best = min(rest)
-        # the elements stepped at a time: a piece as step_held cuts it, else a chunk
-        piece = (
-            min(engine.chunk, clip_piece(threads_on_worker, in_pieces[name]))
-            if name in in_pieces
-            else engine.chunk
-        )
-        rows.append({"pass": name, "piece": piece, "thread": where, "first_s": first, "seconds": best,
+        rows.append({"pass": name, "piece": engine.chunk, "thread": where, "first_s": first, "seconds": best,
                      "gparams_per_s": n / best / 1e9, "times_s": rest})  # fmt: skip
     kernel_rate = max(r["gparams_per_s"] for r in rows if r["pass"] == "kernel")
     for r in rows:
@@ -209,8 +170,6 @@ def measure_engine(
         "engine_gparams_per_s": engine_row["gparams_per_s"],
         "ratio": engine_row["vs_kernel"],
         "engine_first_pass_s": engine_row["first_s"],
-        "pieces_ratio": {in_pieces[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in in_pieces},
-        "beside_ratio": {beside[r["pass"]]: r["vs_kernel"] for r in rows if r["pass"] in beside},
         "fused_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == FUSED), None),
         "cast_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == CAST), None),
         "copy_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == COPY), None),

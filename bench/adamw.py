@@ -25,17 +25,16 @@ nearest `--engine-params`, its gradients held in host memory as the transport ho
 by `HostAdamW.step_held` (what the optimizer worker runs in a step) on a worker thread with the
 optimizer's threads; and `torch._fused_adamw_` over flat arrays of as many elements, in chunks of
 the same size, on the calling thread and on a worker thread. The engine's pass runs clipped (a
-coefficient below one: each chunk scaled whole, then stepped; and in pieces of each of
-`--clip-pieces` elements a thread, each scaled just before it is stepped, so that the kernel reads
-it from the caches: `HostAdamW.clip_piece_per_thread`; and on each of `--clip-threads` shares
-of the threads, a thread of their own multiplying each chunk while the rest step the one before:
-`HostAdamW.clip_threads_share`; and with `--clip-fused` in the kernel that multiplies as it steps,
-where it builds and equals torch's kernel here: `megatrain/engine/clipadam.py`; with `--copy`
-also writing the bf16 copy of the weights, `host_weight_copy`: cast after torch's kernel, and with
-`--clip-fused` in clipadam's pass), with a coefficient of one (the norm under the threshold) and
-unclipped. Its first pass is reported
-apart: it maps the moments' pages, as a run's first step does. Host memory: 32 bytes a parameter (the engine's state and gradients, the
-kernel's four arrays).
+coefficient below one: each chunk scaled whole, then stepped by torch's kernel; with
+`--clip-fused` also in the kernel that multiplies as it steps, where it builds and equals torch's
+kernel here: `megatrain/engine/clipadam.py`, the engine's default; with `--copy` also writing the
+bf16 copy of the weights, `host_weight_copy`: cast after torch's kernel, and with `--clip-fused` in
+clipadam's pass), with a coefficient of one (the norm under the threshold) and unclipped. Its
+first pass is reported apart: it maps the moments' pages, as a run's first step does. Host
+memory: 32 bytes a parameter (the engine's state and gradients, the kernel's four arrays). The
+clip in cache-sized pieces and on threads of its own beside the kernel, measured here before
+(`--clip-pieces`, `--clip-threads`: results of 2026-11-27), lost to clipadam's kernel and were
+removed.
 
 Before timing (but with `--engine`), it checks on a slice that the two clip passes give bitwise the same state and
 that backup, step and restore give back the state bitwise (`exact` in the results). Results: a
@@ -230,7 +229,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", default=None, help="thread counts: time the step alone at each")
     ap.add_argument("--engine", action="store_true", help="the engine's pass beside the kernel")
     ap.add_argument("--engine-params", type=float, default=1e9, help="--engine: the model's size")
-    ap.add_argument("--clip-pieces", default="65536,131072,262144", help="--engine: elements a thread")
     ap.add_argument(
         "--clip-fused",
         action="store_true",
@@ -240,11 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
         "--copy",
         action="store_true",
         help="--engine: also the passes that write the bf16 copy (host_weight_copy; in the kernel's with --clip-fused)",
-    )
-    ap.add_argument(
-        "--clip-threads",
-        default="",
-        help="--engine: shares of the threads multiplying beside the kernel, e.g. 0.1,0.2 (none by default)",
     )
     ap.add_argument("--shape", default="B", help="--engine: the layer shape (bench/_shapes.py)")
     ap.add_argument("--vocab", type=int, default=None, help="--engine: in place of the shape's")
@@ -266,8 +259,6 @@ def main(argv: list[str] | None = None) -> dict:
         rows, summary = measure_engine(
             cfg,
             args.repeats,
-            [int(x) for x in args.clip_pieces.split(",") if x],
-            [float(x) for x in args.clip_threads.split(",") if x],
             args.clip_fused,
             args.copy,
         )

@@ -69,9 +69,8 @@ ENGINE_ARGS = [
     "1e6",
     "--repeats",
     "2",
-    "--clip-pieces",
-    "100,4000000",
     "--clip-fused",
+    "--copy",
 ]
 
 
@@ -79,8 +78,8 @@ ENGINE_ARGS = [
 def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     """`--engine` at a tiny size, as a user runs it: the JSON holds the kernel's and the engine's
     rates over the same elements, their ratio, the first pass apart, the threads the worker
-    ran on, the clipped pass in pieces of each size asked (a multiple of 64 elements, at most a
-    chunk), and the command; the Markdown its table."""
+    ran on, the clipped pass in clipadam's kernel and with the bf16 copy (cast after torch's
+    kernel, and written in clipadam's pass), and the command; the Markdown its table."""
     p = subprocess.run(
         [sys.executable, "bench/adamw.py", *ENGINE_ARGS, "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -99,9 +98,9 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
         ("kernel", "calling"),
         ("kernel", "worker"),
         ("engine, clipped", "worker"),
-        ("engine, clipped in pieces of 100 a thread", "worker"),
-        ("engine, clipped in pieces of 4,000,000 a thread", "worker"),
         ("engine, clipped, multiplied in the kernel's pass", "worker"),
+        ("engine, clipped, the bf16 copy cast after torch's kernel", "worker"),
+        ("engine, clipped, multiplied and the bf16 copy written in the kernel's pass", "worker"),
         ("engine, coefficient 1", "worker"),
         ("engine, unclipped", "worker"),
     ]
@@ -115,20 +114,16 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     assert record["ratio"] == pytest.approx(engine["gparams_per_s"] / kernel)
     assert record["engine_first_pass_s"] == engine["first_s"]
     assert record["threads_on_worker"] == record["threads"]  # the optimizer's threads, on its thread
-    assert record["probe_gparams_per_s"] > 0 and record["beside_ratio"] == {}  # the plan's probe; none asked
-    assert (
-        record["fused_ratio"]
-        == rows["engine, clipped, multiplied in the kernel's pass", "worker"]["vs_kernel"]
-    )
+    assert record["probe_gparams_per_s"] > 0  # the plan's probe
+    for key, name in (
+        ("fused_ratio", "engine, clipped, multiplied in the kernel's pass"),
+        ("cast_ratio", "engine, clipped, the bf16 copy cast after torch's kernel"),
+        ("copy_ratio", "engine, clipped, multiplied and the bf16 copy written in the kernel's pass"),
+    ):
+        assert record[key] == rows[name, "worker"]["vs_kernel"]
     assert 0 < record["engine_params"] < 2e6 and record["layers"] >= 1
-    chunk, threads = record["chunk"], record["threads_on_worker"]
-    assert {r["piece"] for k, r in rows.items() if "pieces" not in k[0]} == {chunk}
-    assert rows["engine, clipped in pieces of 100 a thread", "worker"]["piece"] == 100 * threads // 64 * 64
-    assert rows["engine, clipped in pieces of 4,000,000 a thread", "worker"]["piece"] == chunk
-    assert record["pieces_ratio"] == {
-        str(k): rows[f"engine, clipped in pieces of {k:,} a thread", "worker"]["vs_kernel"]
-        for k in (100, 4000000)
-    }
+    chunk = record["chunk"]
+    assert {r["piece"] for r in rows.values()} == {chunk}
     assert f"| engine, clipped | {chunk:,} | worker |" in js.with_suffix(".md").read_text()
 
 
@@ -142,26 +137,3 @@ class _Frozen:
 
     def now(self, tz=None):
         return self._at if tz is None else self._dt.now(tz)
-
-
-def test_the_engines_pass_with_the_multiply_beside_the_kernel_is_timed_on_threads_it_can_spare():
-    """`--clip-threads`: on two optimizer threads a share of one half multiplies on one of them
-    beside the kernel; its row and ratio are recorded. A share no thread can be spared for (one
-    optimizer thread) gives no row."""
-    from _adamw_engine import llama, measure_engine
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        rows, summary = measure_engine(llama("tiny", 1e6), 1, [], [0.5])
-    finally:
-        torch.set_num_threads(before)
-    names = [r["pass"] for r in rows]
-    assert "engine, clipped, multiplied on 1 threads beside" in names
-    assert list(summary["beside_ratio"]) == [0.5] and summary["beside_ratio"][0.5] > 0
-    torch.set_num_threads(1)
-    try:
-        rows, summary = measure_engine(llama("tiny", 1e6), 1, [], [0.5])
-    finally:
-        torch.set_num_threads(before)
-    assert not any("beside" in r["pass"] for r in rows) and summary["beside_ratio"] == {}

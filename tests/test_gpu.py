@@ -133,20 +133,16 @@ def test_every_placement_equals_the_serial_schedule_bitwise(case):
     assert (moved > 0) == (plan.parked_layers > 0)
 
 
-@pytest.mark.parametrize("how", ["beside", "fused"])
-def test_the_clip_multiplied_beside_or_in_the_kernel_equals_the_serial_schedule_bitwise(how, monkeypatch):
-    """Held gradients in host memory, many chunks a unit, the clip's multiply on threads of its
-    own beside the optimizer's kernel (optim.CLIP_THREADS_SHARE) or in the kernel's own pass
-    (optim.FUSED_CLIP, clipadam.py: it must build and equal torch's kernel on this host): the
-    serial schedule's weights and moments, bitwise, and a clip that fired."""
+def test_the_clip_multiplied_in_the_kernel_equals_the_serial_schedule_bitwise(monkeypatch):
+    """Held gradients in host memory, many chunks a unit, the overlapped schedule's host AdamW
+    multiplying by the clip in its kernel's own pass (clipadam.py: it must build and equal torch's
+    kernel on this host) against the serial schedule's torch kernel after the multiply: weights
+    and moments bitwise, and a clip that fired."""
     cfg = _cfg("llama", False)
+    monkeypatch.setattr(optim, "FUSED_CLIP", False)
     (l0, n0, w0, v0), _ = _train(cfg, _plan(), overlap=False)
-    if how == "beside":
-        monkeypatch.setattr(optim, "CLIP_THREADS_SHARE", 0.5)
-        monkeypatch.setattr(optim, "FUSED_CLIP", False)
-    else:
-        assert clipadam.load()[0] is not None, clipadam.load()[1]
-        monkeypatch.setattr(optim, "FUSED_CLIP", True)
+    assert clipadam.load()[0] is not None, clipadam.load()[1]
+    monkeypatch.setattr(optim, "FUSED_CLIP", True)
     (l1, n1, w1, v1), _ = _train(cfg, _plan(gpu_grads=0), overlap=True, staging=10_000)
     assert max(n0) > 0.5  # the clip fired: the multiply ran
     assert l0 == l1 and n0 == n1

@@ -5,8 +5,6 @@ and the moments' pages mapped before a unit's first step."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import pytest
 import torch
@@ -43,40 +41,24 @@ def _state():
     return state
 
 
-# Elements a thread of the pieces the clip scales just before stepping them (None: each chunk
-# scaled whole): 100 is cut to a multiple of 64 (64 on one thread, 192 on two), 5 * 64 divides no
-# parameter of the tiny model's (48-wide rows) on one thread or two.
 @pytest.fixture
 def two_threads():
-    """The optimizer's pass on two threads (one of them may multiply beside the kernel)."""
+    """The optimizer's pass on two threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 
 
-# (elements a thread of the clip's pieces, share of the threads multiplying beside the kernel,
-# a clip that fires stepped by clipadam's kernel)
-CUTS = [
-    (None, None, False),
-    (100, None, False),
-    (5 * 64, None, False),
-    (None, 0.5, False),
-    (None, None, True),
-]
-
-
-@pytest.mark.parametrize("per_thread,beside,fused", CUTS)
+@pytest.mark.parametrize("fused", [False, True])  # torch's kernel after the multiply; clipadam's
 def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched(
-    per_thread, beside, fused, two_threads, monkeypatch
+    fused, two_threads, monkeypatch
 ):
     if fused:  # every tensor split over the two threads, not only those of 64K elements
         monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
         assert clipadam.load()[0] is not None, clipadam.load()[1]
     state = _state()
     opt = HostAdamW(state, ADAMW)
-    opt.clip_piece_per_thread = per_thread
-    opt.clip_threads_share = beside
     opt.fused_clip = fused
     specs = [(u, p) for u in state.units for p in u.params]
     ref = {p.key: torch.nn.Parameter(state.flat(u)[p.offset : p.offset + p.numel].clone()) for u, p in specs}
@@ -128,108 +110,6 @@ def test_the_clip_multiplies_the_held_gradient_in_place(coef):
     before = grad.clone()
     opt.step_held(unit, grad, torch.tensor(coef), 1e-2, 1, 1000)
     assert torch.equal(grad, before * torch.tensor(coef))
-
-
-def test_the_clip_scales_and_steps_pieces_of_the_held_gradient_where_set(tmp_path, monkeypatch):
-    """With `clip_piece_per_thread` set, a clip that fires steps the held gradient in pieces of
-    that many elements a thread (a multiple of 64, at most a chunk); a coefficient of one, no clip,
-    and the disk tier's units (staged a block at a time) a chunk at a time."""
-    state = _state()
-    DiskTier(state, 1, tmp_path)
-    opt = HostAdamW(state, ADAMW)
-    opt.clip_piece_per_thread, opt.fused_clip = 100, False
-    ranges = []
-    monkeypatch.setattr(opt, "step_range", lambda unit, a, b, *rest: ranges.append((unit.index, a, b)))
-    piece, chunk = optim.clip_piece(torch.get_num_threads(), 100), 1000
-    assert piece % 64 == 0 and 0 < piece < chunk
-    in_memory, on_disk = state.units[1], state.units[-1]
-    assert not state.tier.holds(in_memory) and state.tier.holds(on_disk)
-    for unit, coef, size in [
-        (in_memory, torch.tensor(0.37), piece),
-        (in_memory, torch.tensor(1.0), chunk),
-        (in_memory, None, chunk),
-        (on_disk, torch.tensor(0.37), chunk),
-    ]:
-        ranges.clear()
-        opt.step_held(unit, torch.randn(unit.numel), coef, 1e-2, 1, chunk)
-        assert ranges == [(unit.index, a, min(a + size, unit.numel)) for a in range(0, unit.numel, size)]
-    opt.clip_piece_per_thread = 10**9  # a piece is at most a chunk
-    ranges.clear()
-    opt.step_held(in_memory, torch.randn(in_memory.numel), torch.tensor(0.37), 1e-2, 1, chunk)
-    assert len(ranges) == -(-in_memory.numel // chunk)
-
-
-def test_the_clip_multiplies_on_threads_of_its_own_beside_the_kernel(monkeypatch, two_threads):
-    """With `clip_threads_share` set, a clip that fires multiplies every chunk on the scaler's
-    thread, each before the kernel steps it on the optimizer's threads less the scaler's; the
-    optimizer's thread count is restored after the unit. A coefficient of one multiplies nothing
-    and steps on every thread."""
-    state = _state()
-    opt = HostAdamW(state, ADAMW)
-    opt.clip_threads_share, opt.fused_clip = 0.5, False
-    assert optim.clip_threads(2, 0.5) == 1 and optim.clip_threads(1, 0.5) == 0
-    assert optim.clip_threads(64, 0.2) == 13 and optim.clip_threads(64, None) == 0
-    events = []
-    scale = optim.clip_scaled
-
-    def scaled(g, coef):
-        events.append(("scale", threading.current_thread().name, torch.get_num_threads(), g.data_ptr()))
-        return scale(g, coef)
-
-    def step(unit, a, b, grad, *rest):
-        events.append(("step", threading.current_thread().name, torch.get_num_threads(), grad.data_ptr()))
-
-    monkeypatch.setattr(optim, "clip_scaled", scaled)
-    monkeypatch.setattr(opt, "step_range", step)
-    unit, chunk = state.units[1], 1024
-    grad = torch.randn(unit.numel)
-    before = grad.clone()
-    opt.step_held(unit, grad, torch.tensor(0.37), 1e-2, 1, chunk)
-    n = -(-unit.numel // chunk)
-    assert n > 2 and torch.equal(grad, before * torch.tensor(0.37))
-    scales = [e for e in events if e[0] == "scale"]
-    steps = [e for e in events if e[0] == "step"]
-    assert (
-        [e[3] for e in scales]
-        == [e[3] for e in steps]
-        == [grad[a:].data_ptr() for a in range(0, unit.numel, chunk)]
-    )
-    assert all(e[1].startswith("megatrain-clip") and e[2] == 1 for e in scales)
-    assert all(e[1] == threading.current_thread().name and e[2] == 1 for e in steps)
-    for e in steps:  # each chunk scaled before it is stepped
-        assert events.index(("scale", *scales[steps.index(e)][1:])) < events.index(e)
-    assert torch.get_num_threads() == 2
-    events.clear()
-    opt.step_held(unit, torch.randn(unit.numel), torch.tensor(1.0), 1e-2, 2, chunk)
-    assert events and all(e[1] == threading.current_thread().name and e[2] == 2 for e in events)
-    opt.close()
-
-
-def test_a_failed_step_leaves_no_multiply_running_and_the_threads_restored(monkeypatch, two_threads):
-    state = _state()
-    opt = HostAdamW(state, ADAMW)
-    opt.clip_threads_share, opt.fused_clip = 0.5, False
-    done = []
-    scale = optim.clip_scaled
-
-    def slow(g, c):  # the kernel's first chunk fails while most products are still queued
-        time.sleep(0.01)
-        done.append(scale(g, c))
-
-    monkeypatch.setattr(optim, "clip_scaled", slow)
-
-    def fail(*args):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(opt, "step_range", fail)
-    unit = state.units[1]
-    with pytest.raises(OSError, match="no space"):
-        opt.step_held(unit, torch.randn(unit.numel), torch.tensor(0.37), 1e-2, 1, 1024)
-    count = len(done)
-    time.sleep(0.05)
-    assert len(done) == count < -(-unit.numel // 1024)  # the rest cancelled, none still running
-    assert torch.get_num_threads() == 2
-    opt.close()
 
 
 def _resident() -> int:

@@ -10,22 +10,25 @@ tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut a
 64 leaves every element in the loop it takes in the whole tensor; parameters start on 64-element
 boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
 Trainer: no weight decay on biases and norm weights, one global step count. Where the clip fires
-on gradients held in host memory, the multiply may instead run beside the kernel on threads of its
-own, or inside a kernel of ours that repeats torch's arithmetic (`clipadam.py`, the default where
-it builds and checks: `FUSED_CLIP`): both bitwise.
+on gradients held in host memory, or a bf16 copy of the weights is kept (host_weight_copy), a
+kernel of ours that repeats torch's arithmetic steps instead and multiplies, or writes the copy, in
+the same pass (`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise. Two other ways
+to take the multiply off the pass were measured and removed: the gradient scaled in cache-sized
+pieces just before each is stepped (27-60% of the kernel on a 64-core host, against 67% for the
+multiply's own pass), and the multiply on threads of its own beside the kernel (69-79% on 16- and
+32-core hosts, against 99-111% for clipadam's kernel).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from ..host.hostmem import populate
-from ..host.state import ALIGN, HostState, Unit
+from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
 from . import clipadam
 
@@ -40,38 +43,6 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-# Elements per optimizer thread of a piece that the clip's multiply scales just before the kernel
-# steps it (`HostAdamW.clip_piece_per_thread`), so that the kernel reads the scaled gradient from
-# the core's cache rather than from memory. The multiply (`mul_`: one parallel loop, from 32K
-# elements a thread on) and the kernel (its threads' ranges in 16-element units) split a piece over
-# the same OpenMP threads the same static way: each thread steps the slice it has just scaled. That
-# slice stays in the core's L2 (2 MiB on the development host's cores) only while the kernel's own
-# streams leave room: it reads the master and both moments beside the gradient, 16 bytes an
-# element, so 128K elements (512 KiB of gradient) fill the L2 once. Scaled by the thread count, not
-# fixed: each piece costs two parallel regions and the pass's Python (~80 us a piece on the 2-core
-# development host), so a fixed piece split over 63 threads leaves each a sliver whose overheads
-# outweigh the traffic saved. The cache saves the kernel's read of the gradient, 4 of the 36 bytes
-# an element the multiply and the kernel move (the product is written back all the same): where
-# memory's bandwidth bounds the pass, 28/32 of the kernel's rate at best, against 28/36 for the
-# multiply's pass of its own.
-CLIP_PIECE_PER_THREAD = 1 << 17
-# Whether the pass scales held gradients in those pieces by default: no, as measured on the
-# 2-core development host, where no piece size was faster than a chunk scaled whole beyond the
-# runs' spread (`bench/adamw.py --engine`, docs/open-work.md "The CPU AdamW at scale"); not yet
-# measured on a big host, where memory's bandwidth, not a core, bounds the pass.
-CLIP_IN_PIECES = False
-
-
-# The optimizer's threads that multiply held gradients by the clip coefficient on a thread of
-# their own (`HostAdamW.clip_threads`), a chunk ahead of the kernel, which steps each chunk on the
-# rest: the multiply's pass over the gradient then runs beside the kernel's instead of between its
-# chunks. Both are elementwise, so the state is bitwise the same whichever threads run them. Where
-# memory's bandwidth bounds both, the two share it and little is gained; where it does not (the
-# kernel at 63 threads runs 1.1x its rate at 32, the multiply 105 GB/s on a host whose kernel moves
-# 165: results/2026-11-27_1038_x4-adamw-engine.md), the multiply hides. Off by default until
-# `bench/adamw.py --engine --clip-threads` measures it on a big host: on the 2-core development
-# host one thread of the two cannot be spared.
-CLIP_THREADS_SHARE: float | None = None
 # Whether a clip that fires is stepped by the kernel that multiplies as it steps
 # (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), and the bf16 copy of
 # the weights (host_weight_copy) written in its pass rather than cast after it, where it builds and
@@ -87,21 +58,6 @@ def copies_in_kernel() -> bool:
     """Whether the host AdamW writes a bf16 copy of the weights (host_weight_copy) in its own
     kernel's pass here: `FUSED_CLIP`, and clipadam's kernel builds and checks on this host."""
     return FUSED_CLIP and clipadam.load()[0] is not None
-
-
-def clip_threads(threads: int, share: float | None = CLIP_THREADS_SHARE) -> int:
-    """Of the optimizer's `threads`, those that multiply beside the kernel (0: the multiply runs
-    between the kernel's chunks on all of them): `share` of them, at least one, leaving the kernel
-    at least one."""
-    if share is None or threads < 2:
-        return 0
-    return min(threads - 1, max(1, round(share * threads)))
-
-
-def clip_piece(threads: int, per_thread: int = CLIP_PIECE_PER_THREAD) -> int:
-    """Elements of a piece the clip scales before stepping it on `threads` threads, a multiple of
-    64 (every cut the pass makes is on one: the module docstring says why)."""
-    return max(ALIGN, per_thread * threads // ALIGN * ALIGN)
 
 
 def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None) -> list[tuple[int, int]]:
@@ -202,15 +158,8 @@ class HostAdamW:
         self.state, self.cfg = state, cfg
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
-        # Elements a thread of each piece `step_held` scales just before stepping it, where the
-        # clip multiplies (CLIP_PIECE_PER_THREAD says why); None: a chunk scaled whole, then
-        # stepped.
-        self.clip_piece_per_thread = CLIP_PIECE_PER_THREAD if CLIP_IN_PIECES else None
-        # The optimizer's share of threads that multiply beside the kernel (CLIP_THREADS_SHARE says
-        # why); None: the multiply runs between the kernel's chunks.
-        self.clip_threads_share = CLIP_THREADS_SHARE
-        self._scaler: _Scaler | None = None
-        # a clip that fires stepped by clipadam's kernel, where it is available (FUSED_CLIP)
+        # clipadam's kernel steps a clip that fires and writes the bf16 copy, where it is available
+        # (FUSED_CLIP)
         self.fused_clip = FUSED_CLIP
         self._fused: clipadam.ClipAdamW | None = None
 
@@ -277,47 +226,15 @@ class HostAdamW:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
         covers the span; scaled in place, but by clipadam's kernel), times the clip coefficient (a
         host tensor; None: not clipped): the optimizer worker's pass over held gradients. A clip
-        that fires is stepped by clipadam's kernel where asked for and available
-        (`fused_clip`), else multiplied `chunk` elements at a time (or a piece, `_held_piece`)
-        before torch's kernel steps them, on threads of its own where asked for
-        (`clip_threads_share`)."""
+        that fires is stepped by clipadam's kernel where asked for and available (`fused_clip`),
+        else multiplied `chunk` elements at a time before torch's kernel steps them."""
         lo, hi = self.span(unit)
         kernel = self._kernel(unit, coef)
         if kernel is not None:
             self._step_fused(kernel, unit, lo, hi, grad, coef.item() if multiplies(coef) else None, lr, step)
             return
-        ranges = chunk_ranges(unit, self._held_piece(unit, coef, chunk), (lo, hi))
-        beside = clip_threads(torch.get_num_threads(), self.clip_threads_share) if multiplies(coef) else 0
-        if beside and len(ranges) > 1:
-            self._step_beside(unit, ranges, lo, grad, coef, lr, step, beside)
-            return
-        for a, b in ranges:
+        for a, b in chunk_ranges(unit, chunk, (lo, hi)):
             self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
-
-    def _step_beside(
-        self,
-        unit: Unit,
-        ranges: list[tuple[int, int]],
-        lo: int,
-        grad: torch.Tensor,
-        coef: torch.Tensor,
-        lr: float,
-        step: int,
-        beside: int,
-    ) -> None:
-        """`step_held` with the multiply on `beside` threads of its own (`_Scaler`), each range
-        stepped on the rest once its product is ready."""
-        threads = torch.get_num_threads()
-        scaler = self._scaler_of(beside)
-        scaled = [scaler.scale(grad[a - lo : b - lo], coef) for a, b in ranges]
-        torch.set_num_threads(threads - beside)
-        try:
-            for (a, b), product in zip(ranges, scaled):
-                self.step_range(unit, a, b, product.result(), lr, step)
-        finally:  # on a failed step: the queued products cancelled, none left writing the gradient
-            for product in [p for p in scaled if not p.cancel()]:
-                product.exception()
-            torch.set_num_threads(threads)
 
     def _kernel(self, unit: Unit, coef: torch.Tensor | None) -> clipadam.ClipAdamW | None:
         """clipadam's kernel where it saves a pass over a unit in host memory: a clip that fires
@@ -367,55 +284,6 @@ class HostAdamW:
                 )
                 if copy is not None and not cast:
                     st.written(unit, a, b)
-
-    def _scaler_of(self, threads: int) -> _Scaler:
-        """The thread that multiplies beside the kernel, with `threads` of its own (a new one
-        where the count changed)."""
-        if self._scaler is None or self._scaler.threads != threads:
-            if self._scaler is not None:
-                self._scaler.close()
-            self._scaler = _Scaler(threads)
-        return self._scaler
-
-    def close(self) -> None:
-        """Ends the multiplying thread, if one was started (clipadam's kernel and its threads are
-        the process's: built once a process, they idle between passes)."""
-        if self._scaler is not None:
-            self._scaler.close()
-            self._scaler = None
-
-    def _held_piece(self, unit: Unit, coef: torch.Tensor | None, chunk: int) -> int:
-        """Elements `step_held` scales and steps at a time: `chunk`, or a smaller piece of
-        `clip_piece_per_thread` elements a thread where set and the clip multiplies. Not on the
-        disk tier's units: each range stepped there stages its block and writes it back whole."""
-        tier = self.state.tier
-        if (
-            self.clip_piece_per_thread is None
-            or not multiplies(coef)
-            or (tier is not None and tier.holds(unit))
-        ):
-            return chunk
-        return min(chunk, clip_piece(torch.get_num_threads(), self.clip_piece_per_thread))
-
-
-class _Scaler:
-    """A thread of its own that multiplies held gradients by the clip coefficient, in the order
-    given, on an OpenMP team of `threads`: torch's intra-op thread count, once set on a thread, is
-    that thread's own (its OpenMP team), so this team and the optimizer's split its cores. Setting
-    it also sets torch's default for threads that have not run a parallel op yet; the optimizer's
-    thread sets its own count after this one starts, which restores that default."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatrain-clip")
-        self._pool.submit(torch.set_num_threads, threads).result()
-
-    def scale(self, grad: torch.Tensor, coef: torch.Tensor) -> Future:
-        """`grad` times `coef` in place (clip_scaled), once the products queued before it are done."""
-        return self._pool.submit(clip_scaled, grad, coef)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:

@@ -151,7 +151,7 @@ class SerialTransport:
         pass
 
     def close(self) -> None:
-        self.optimizer.close()
+        pass
 
 
 class StreamingTransport:
@@ -475,7 +475,6 @@ class StreamingTransport:
             self._jobs.put(None)
             self._worker.join()
             self._worker = None
-        self.optimizer.close()
         if self._registrations:
             torch.cuda.synchronize(self.device)
             for r in self._registrations:
