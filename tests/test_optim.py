@@ -265,3 +265,34 @@ def test_where_the_fused_kernel_is_unavailable_the_plain_pass_steps_and_a_warnin
         "host AdamW: torch's kernel, the clip's multiply in a pass of its own (no C compiler (cc: not found))"
     ]
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_weight_copy_is_current_after_every_kind_of_host_step(dtype):
+    """The compute-dtype copy of the weights (host/weightcopy.py) equals the master weights cast,
+    bitwise, after clipped, unclipped and coefficient-one steps of held gradients and a range
+    stepped as it landed: written in clipadam's pass in bf16, cast after it in fp16 (the kernel
+    writes bf16 only), and the weights the same as without a copy."""
+    from megatrain.host.weightcopy import WeightCopy
+
+    assert clipadam.load()[0] is not None, clipadam.load()[1]
+    weights = []
+    for copied in (False, True):
+        state = _state()
+        if copied:
+            state.copy = WeightCopy(state, state.units, dtype)
+            state.copy.refresh_all()
+        opt = HostAdamW(state, ADAMW)
+        g = torch.Generator().manual_seed(5)
+        for step, coef in enumerate((0.37, None, 1.0), start=1):
+            for u in state.units:
+                c = None if coef is None else torch.tensor(coef)
+                opt.step_held(u, torch.randn(u.numel, generator=g), c, 1e-2, step, 1000)
+        unit = state.units[1]
+        opt.step_range(unit, 64, 640, torch.randn(576, generator=g), 1e-2, 4)
+        if copied:
+            for u in state.units:
+                lo, hi = state.part(u)
+                assert torch.equal(state.copy.range(u, lo, hi), state.range(u, lo, hi).to(dtype)), u.name
+        weights.append(state.master.clone())
+    assert torch.equal(weights[0], weights[1])

@@ -240,10 +240,10 @@ class HostAdamW:
         """clipadam's kernel where it saves a pass over a unit in host memory: a clip that fires
         (the multiply), or a bf16 copy of the unit's weights to write (the cast); where asked for
         (`fused_clip`) and available here. None: torch's kernel, after the multiply, then the cast."""
-        tier, copy = self.state.tier, self.state.copy
+        tier = self.state.tier
         if not self.fused_clip or (tier is not None and tier.holds(unit)):
             return None
-        if not (multiplies(coef) or (copy is not None and copy.holds(unit) and copy.dtype == torch.bfloat16)):
+        if not (multiplies(coef) or self._bf16_copy(unit) is not None):
             return None
         if self._fused is None:
             self._fused, why = clipadam.load()
@@ -271,19 +271,25 @@ class HostAdamW:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
         p, m, v = st.flat(unit), st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
-        copy = st.copy if st.copy is not None and st.copy.holds(unit) else None
-        cast = copy is not None and copy.dtype == torch.bfloat16  # else cast apart (fp16)
-        hyper = (lr, step, self.cfg.betas, self.cfg.eps)
+        bf16, hyper = self._bf16_copy(unit), (lr, step, self.cfg.betas, self.cfg.eps)
         for decay, spans in tensors(unit, lo, hi).items():
             wd = self.cfg.weight_decay if decay else 0.0
             for a, b in spans:
                 sl, gl = slice(a - base, b - base), slice(a - lo, b - lo)
-                into = copy.range(unit, a, b) if cast else None
+                into = None if bf16 is None else bf16.range(unit, a, b)
                 kernel.step(
                     p[sl], grad[gl], m[sl], v[sl], coef, *hyper, wd, torch.get_num_threads(), copy=into
                 )
-                if copy is not None and not cast:
-                    st.written(unit, a, b)
+                if bf16 is None:
+                    st.written(unit, a, b)  # a copy the kernel does not write (fp16), cast apart
+
+    def _bf16_copy(self, unit: Unit):
+        """The state's compute-dtype copy of the weights where it holds `unit` and is bf16, the
+        dtype clipadam's kernel writes (host/weightcopy.py's `WeightCopy`); else None."""
+        copy = self.state.copy
+        if copy is None or not copy.holds(unit) or copy.dtype != torch.bfloat16:
+            return None
+        return copy
 
 
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
