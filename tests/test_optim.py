@@ -262,7 +262,7 @@ def test_where_the_fused_kernel_is_unavailable_the_plain_pass_steps_and_a_warnin
         results.append(state.master.clone())
     warnings = [r.getMessage() for r in caplog.records]
     assert warnings == [
-        "host AdamW: torch's kernel, the clip's multiply in a pass of its own (no C compiler (cc: not found))"
+        "host AdamW: torch's kernel, the clip's multiply and the copy's cast apart (no C compiler (cc: not found))"
     ]
     assert torch.equal(results[0], results[1])
 

@@ -29,6 +29,7 @@ import torch
 
 from ..host.hostmem import populate
 from ..host.state import HostState, Unit
+from ..host.weightcopy import WeightCopy
 from ..parallel.distributed import Collective, Single
 from . import clipadam
 
@@ -249,7 +250,9 @@ class HostAdamW:
             self._fused, why = clipadam.load()
             if self._fused is None:
                 self.fused_clip = False
-                log.warning("host AdamW: torch's kernel, the clip's multiply in a pass of its own (%s)", why)
+                log.warning(
+                    "host AdamW: torch's kernel, the clip's multiply and the copy's cast apart (%s)", why
+                )
         return self._fused
 
     def _step_fused(
@@ -283,7 +286,7 @@ class HostAdamW:
                 if bf16 is None:
                     st.written(unit, a, b)  # a copy the kernel does not write (fp16), cast apart
 
-    def _bf16_copy(self, unit: Unit):
+    def _bf16_copy(self, unit: Unit) -> WeightCopy | None:
         """The state's compute-dtype copy of the weights where it holds `unit` and is bf16, the
         dtype clipadam's kernel writes (host/weightcopy.py's `WeightCopy`); else None."""
         copy = self.state.copy
