@@ -84,6 +84,26 @@ def tiny_state() -> HostState:
     return HostState(build_units(ModelConfig.from_hf(tiny_config("llama"))))
 
 
+PLACED = {"host": "stored", "two_pass": "two_pass"}  # gradient_placement -> the plan's grad_mode
+
+
+def grad_mode(out: Path) -> str:
+    """The gradient placement a run's plan chose (stored, two_pass, ...)."""
+    return json.loads((out / "plan.json").read_text())["plan"]["grad_mode"]
+
+
+# The plan's choices that change a step's arithmetic (the order of a sum): two runs that agree on
+# them train bitwise alike, wherever their state lives.
+ARITHMETIC = ("grad_mode", "gpu_grad_units", "resident_units", "gpu_stepped_units", "keep_layers",
+              "parked_layers", "loss_chunk_tokens", "mlp_tile_tokens", "staging_elems")  # fmt: skip
+
+
+def assert_same_arithmetic(a: Path, b: Path) -> None:
+    """The runs in output folders `a` and `b` were planned to compute alike (ARITHMETIC)."""
+    pa, pb = (json.loads((o / "plan.json").read_text())["plan"] for o in (a, b))
+    assert {k: pa[k] for k in ARITHMETIC} == {k: pb[k] for k in ARITHMETIC}
+
+
 def host_budget(base: dict, units: int, device: str = "cpu", compute_bytes: int = 4) -> int:
     """A max_host_memory under which the run fits only with the moments of its last `units` units
     on disk: the least host memory any in-memory placement needs, less those moments. Found by
@@ -208,14 +228,22 @@ def test_blocks_are_read_ahead_in_the_order_expected(tmp_path):
     tier.close()
 
 
-@pytest.mark.parametrize("clip, io", [(1.0, "direct"), (0.0, "buffered"), (1.0, "striped")])
+@pytest.mark.parametrize(
+    "clip, io, grads",
+    [
+        (1.0, "direct", "host"),
+        (0.0, "buffered", "auto"),
+        (1.0, "striped", "host"),
+        (1.0, "direct", "two_pass"),
+    ],
+)
 def test_a_run_with_a_disk_tier_trains_bitwise_as_in_memory_and_leaves_nothing(
-    tmp_path, base, clip, io, tiers, request
+    tmp_path, base, clip, io, grads, tiers, request
 ):
-    """Gradients held for the clip (the pass in forward order) and stepped as they land (last
-    first), through O_DIRECT where the file system takes it and through buffered I/O; striped over
-    two folders (as its file system takes it)."""
-    base = base | dict(max_grad_norm=clip)
+    """Gradients held for the clip (the pass in forward order), stepped as they land (last first)
+    and the two-pass step's, through O_DIRECT where the file system takes it and through buffered
+    I/O; striped over two folders (as its file system takes it)."""
+    base = base | dict(max_grad_norm=clip, gradient_placement=grads)
     if io == "direct":
         dirs = [request.getfixturevalue("direct_dir")]
     elif io == "buffered":
@@ -235,6 +263,7 @@ def test_a_run_with_a_disk_tier_trains_bitwise_as_in_memory_and_leaves_nothing(
     [tier] = tiers
     assert tier.directories == dirs and 1 <= len(tier.units) <= 2
     assert io == "striped" or tier.direct == (io == "direct")
+    assert grad_mode(tmp_path / "disk") == grad_mode(tmp_path / "ram") == PLACED.get(grads, "immediate")
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
     record = json.loads((tmp_path / "disk" / "plan.json").read_text())
     assert record["plan"]["disk_units"] == len(tier.units) and record["machine"]["disk_direct"] == tier.direct
@@ -537,15 +566,21 @@ def test_the_tier_counts_in_output_dirs_disk_space_where_they_share_a_file_syste
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_tier_trains_bitwise_as_in_memory(tmp_path, base, tiers):
+@pytest.mark.parametrize("grads", ["host", "two_pass"])
+def test_on_cuda_a_tier_trains_bitwise_as_in_memory(tmp_path, base, tiers, grads):
     """The GPU's schedule (page-locked master weights, the CPU AdamW overlapping the sweeps on its
-    worker thread) with the moments of the last units in the tier: the same weights as without."""
-    base = base | dict(device="cuda", compute_dtype="float32", gpu_state="off")
+    worker thread) with the moments of the last units in the tier: the same weights as without,
+    for gradients held in host memory for the clip and for the two-pass step. The placement is
+    pinned: the stored and two-pass steps agree to fp32 rounding, not bitwise
+    (test_placement.py), and on a GPU the least host memory that holds the run in memory is the
+    two-pass step's, so which one a tier's budget leaves depends on the host."""
+    base = base | dict(device="cuda", compute_dtype="float32", gpu_state="off", gradient_placement=grads)
     train(TrainConfig(**base, output_dir=str(tmp_path / "ram")))
     max_host = host_budget(base, 2, "cuda")
     train(TrainConfig(**base, output_dir=str(tmp_path / "disk"), offload_dir=str(tmp_path / "nvme"),
                       max_host_memory=max_host))  # fmt: skip
     assert json.loads((tmp_path / "disk" / "plan.json").read_text())["plan"]["disk_units"] >= 1
+    assert grad_mode(tmp_path / "disk") == grad_mode(tmp_path / "ram") == PLACED[grads]
     assert tiers and tiers[0].counters["disk_misses"] == 0
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
 
