@@ -109,9 +109,18 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The same tensors, bit for bit; a failure names each tensor that differs, with how many of
+    its elements do and by how much at most."""
     assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    differ = {k: (a[k], b[k]) for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))}
+    assert not differ, "; ".join(f"{k}: {_difference(x, y)}" for k, (x, y) in differ.items())
+
+
+def _difference(x: torch.Tensor, y: torch.Tensor) -> str:
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return f"{x.dtype}{list(x.shape)} against {y.dtype}{list(y.shape)}"
+    ne = x != y
+    return f"{int(ne.sum())} of {x.numel()} elements differ, by up to {float((x - y).abs()[ne].max()):.3g}"
 
 
 def load_fully(path: Path, model_cfg: ModelConfig) -> int:
