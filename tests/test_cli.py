@@ -211,6 +211,10 @@ BAD = [
         "{tmp}/list.json: expected a JSON object (a Hugging Face config.json)",
     ),
     (["lerning_rate=1e-4"], "unknown config key 'lerning_rate'; did you mean 'learning_rate'?"),
+    (
+        ["full_determinism=true"],
+        "config key 'full_determinism' (Hugging Face's) is not taken: runs are bitwise",
+    ),
     (["learning_rate=fast"], "learning_rate: expected float, got 'fast'"),
     (["max_steps=0"], "max_steps: must be > 0"),
     (["dataset={tmp}/broken.jsonl"], "{tmp}/broken.jsonl:3: not valid JSON"),
