@@ -87,9 +87,9 @@ def tiny_state() -> HostState:
 PLACED = {"host": "stored", "two_pass": "two_pass"}  # gradient_placement -> the plan's grad_mode
 
 
-def grad_mode(out: Path) -> str:
-    """The gradient placement a run's plan chose (stored, two_pass, ...)."""
-    return json.loads((out / "plan.json").read_text())["plan"]["grad_mode"]
+def planned(out: Path) -> dict:
+    """The plan of the run in output folder `out` (its plan.json's "plan")."""
+    return json.loads((out / "plan.json").read_text())["plan"]
 
 
 # The plan's choices that change a step's arithmetic (the order of a sum): two runs that agree on
@@ -100,7 +100,7 @@ ARITHMETIC = ("grad_mode", "gpu_grad_units", "resident_units", "gpu_stepped_unit
 
 def assert_same_arithmetic(a: Path, b: Path) -> None:
     """The runs in output folders `a` and `b` were planned to compute alike (ARITHMETIC)."""
-    pa, pb = (json.loads((o / "plan.json").read_text())["plan"] for o in (a, b))
+    pa, pb = planned(a), planned(b)
     assert {k: pa[k] for k in ARITHMETIC} == {k: pb[k] for k in ARITHMETIC}
 
 
@@ -264,7 +264,7 @@ def test_a_run_with_a_disk_tier_trains_bitwise_as_in_memory_and_leaves_nothing(
     assert tier.directories == dirs and 1 <= len(tier.units) <= 2
     assert io == "striped" or tier.direct == (io == "direct")
     assert_same_arithmetic(tmp_path / "disk", tmp_path / "ram")
-    assert grad_mode(tmp_path / "disk") == PLACED.get(grads, "immediate")
+    assert planned(tmp_path / "disk")["grad_mode"] == PLACED.get(grads, "immediate")
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
     record = json.loads((tmp_path / "disk" / "plan.json").read_text())
     assert record["plan"]["disk_units"] == len(tier.units) and record["machine"]["disk_direct"] == tier.direct
@@ -580,9 +580,9 @@ def test_on_cuda_a_tier_trains_bitwise_as_in_memory(tmp_path, base, tiers, grads
     max_host = host_budget(base, 2, "cuda")
     train(TrainConfig(**base, output_dir=str(tmp_path / "disk"), offload_dir=str(tmp_path / "nvme"),
                       max_host_memory=max_host))  # fmt: skip
-    assert json.loads((tmp_path / "disk" / "plan.json").read_text())["plan"]["disk_units"] >= 1
+    assert planned(tmp_path / "disk")["disk_units"] >= 1
     assert_same_arithmetic(tmp_path / "disk", tmp_path / "ram")
-    assert grad_mode(tmp_path / "disk") == PLACED[grads]
+    assert planned(tmp_path / "disk")["grad_mode"] == PLACED[grads]
     assert tiers and tiers[0].counters["disk_misses"] == 0
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
 
