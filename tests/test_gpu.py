@@ -535,6 +535,32 @@ def test_tiled_mlp_compiled_tracks_the_untiled_layer():
     assert cos > 0.99, f"update directions differ: cosine {cos:.4f}"
 
 
+def test_compiled_layers_compute_the_same_bits_whatever_the_compilers_timings():
+    """Inductor times candidate kernels as it compiles (a reduction's block sizes, a matmul's
+    padding) and keeps the fastest, and the choice orders sums. With every timing random (as on a
+    busy GPU, exaggerated), three compiles from empty caches, each training fp32 through the
+    engine's compiled layer: bitwise the same losses, norms, weights and moments, since the layer
+    is compiled with inductor's choices made by rule (models/compiling.py)."""
+    from torch._inductor import config as inductor
+
+    cfg = _cfg("llama")
+    runs = []
+    timings = dict(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False)
+    with inductor.patch({"test_configs.distort_benchmarking_result": "random", **timings}):
+        for _ in range(3):
+            torch._dynamo.reset()  # a fresh compile, as in a new process
+            m = build_model(cfg, seed=3, device="cuda", compute_dtype="float32", adamw=ADAMW,
+                            plan=_plan(), compile=True)  # fmt: skip
+            losses, norms = _steps(m, n_steps=2, seq=512)
+            runs.append((losses, norms, m.state.master.clone(), m.state.exp_avg_sq.clone()))
+            m.close()
+    torch._dynamo.reset()
+    (l0, n0, w0, v0), rest = runs[0], runs[1:]
+    for l1, n1, w1, v1 in rest:
+        assert l0 == l1 and n0 == n1, (l0, l1, n0, n1)
+        assert torch.equal(w0, w1) and torch.equal(v0, v1), f"weights differ by {(w0 - w1).abs().max():.3g}"
+
+
 def test_tiled_layer_memory_is_what_the_probe_predicts():
     """A 2048-wide layer at 32k tokens, compiled: the probe's prediction of the tiled layer's graph
     and of both phases of its backward (the MLP's tile loop, the rest of the layer), measured at 8k

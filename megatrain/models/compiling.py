@@ -7,17 +7,30 @@ shape costs it a variant per grad mode (the forward sweep's and the recompute's)
 built in one process (a sweep, a notebook, a test session) would run uncompiled, and uncompiled
 FlexAttention materialises every score (memory the plan never counted). So the limit is raised,
 never lowered, to RECOMPILE_LIMIT where these functions are compiled.
+
+Kernel choices by rule, not by timing (INDUCTOR_OPTIONS). By default inductor times candidate
+kernels on the device as it compiles (a reduction's block sizes, whether to pad a matmul) and
+keeps the fastest; each candidate orders a sum differently, so the choice changes the last bits.
+On a busy GPU the timings vary, and two compiles of one layer (two runs, a run and its resume in a
+new process, two data-parallel ranks) could compute different numbers: a run in memory and the
+same run with the disk tier, each compiled beside four other test processes on one H100, differed
+by 1-4 ulp after four steps (bench/results/2026-11-27_1611_gpu-suite-h100.md). Inductor's
+deterministic mode picks by rule instead; what that costs the layer is measured by
+bench/compiler.py. Torch releases without the mode compile as before.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._inductor import config as inductor_config
 
 RECOMPILE_LIMIT = 64  # compiled variants per function: 32 model shapes, both grad modes
+INDUCTOR_OPTIONS = {"deterministic": True} if hasattr(inductor_config, "deterministic") else {}
 
 
 def compiled(fn, **kwargs):
-    """`torch.compile(fn, **kwargs)`, with the compiler's per-function limit at least RECOMPILE_LIMIT."""
+    """`torch.compile(fn, **kwargs)` with inductor's kernel choices made by rule
+    (INDUCTOR_OPTIONS), and the compiler's per-function limit at least RECOMPILE_LIMIT."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(fn, **kwargs)
+    return torch.compile(fn, options=dict(INDUCTOR_OPTIONS), **kwargs)
