@@ -27,11 +27,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [
+    HERE,
+    os.path.join(HERE, ".."),
+    os.path.join(HERE, "..", "tests"),
+]  # _report; megatrain; test_gpu
 from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
-from torch._inductor import config as inductor  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
 from megatrain.models import compiling  # noqa: E402
@@ -39,7 +42,6 @@ from megatrain.models.config import ModelConfig  # noqa: E402
 from megatrain.models.family import family_of  # noqa: E402
 
 MODES = {"rule": compiling.INDUCTOR_OPTIONS, "timed": {}}
-NO_CACHES = dict(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False)
 
 
 def _digest(*values) -> str:
@@ -51,13 +53,14 @@ def _digest(*values) -> str:
 
 def repeat(mode: str, compiles: int, steps: int) -> dict:
     """Distinct results of `compiles` fresh compiles under random timings, one training each."""
+    from helpers import random_kernel_timings
     from test_gpu import ADAMW, _cfg, _plan, _steps
 
     from megatrain.runtime import build_model
 
     compiling.INDUCTOR_OPTIONS = MODES[mode]
     digests = []
-    with inductor.patch({"test_configs.distort_benchmarking_result": "random", **NO_CACHES}):
+    with random_kernel_timings():
         for _ in range(compiles):
             torch._dynamo.reset()
             m = build_model(_cfg("llama"), seed=3, device="cuda", compute_dtype="float32", adamw=ADAMW,
@@ -136,8 +139,8 @@ def main() -> None:
     a = ap.parse_args()
     if not compiling.INDUCTOR_OPTIONS:
         sys.exit("this torch's inductor has no deterministic mode: nothing to compare")
-    rows = [repeat(m, a.compiles, a.steps) for m in ("rule", "timed")]
-    rows += cost(a.shape, a.rows, a.seq, a.iters)
+    rows = cost(a.shape, a.rows, a.seq, a.iters)
+    rows += [repeat(m, a.compiles, a.steps) for m in ("rule", "timed")]
     lines = ["| test | mode | result |", "|---|---|---|"]
     for r in rows:
         if r["test"] == "repeat":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 
@@ -250,3 +251,26 @@ def tiny_tokenizer(template: str | None = "chatml"):
     if chat is not None:
         tok.chat_template = chat
     return tok
+
+
+@contextlib.contextmanager
+def random_kernel_timings():
+    """Every timing inductor takes as it compiles (to choose among candidate kernels) replaced by
+    a random number, the choices of a busy GPU exaggerated; its caches off, so that each compile
+    chooses afresh. (Its own `distort_benchmarking_result` setting is read once, when its
+    benchmarking module is first imported: too early for a test.)"""
+    from torch._inductor import config
+    from torch._inductor.runtime.benchmarking import benchmarker
+
+    timed = benchmarker.benchmark_gpu
+
+    def distorted(*args, **kwargs):
+        ms = timed(*args, **kwargs)
+        return type(ms)(random.random() for _ in ms) if isinstance(ms, (list, tuple)) else random.random()
+
+    benchmarker.benchmark_gpu = distorted
+    try:
+        with config.patch(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False):
+            yield
+    finally:
+        del benchmarker.benchmark_gpu  # the class's method again

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import random_kernel_timings, tiny_config
 
 from megatrain.data.batch import MicroBatch
 from megatrain.engine import clipadam, optim
@@ -541,12 +541,9 @@ def test_compiled_layers_compute_the_same_bits_whatever_the_compilers_timings():
     busy GPU, exaggerated), three compiles from empty caches, each training fp32 through the
     engine's compiled layer: bitwise the same losses, norms, weights and moments, since the layer
     is compiled with inductor's choices made by rule (models/compiling.py)."""
-    from torch._inductor import config as inductor
-
     cfg = _cfg("llama")
     runs = []
-    timings = dict(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False)
-    with inductor.patch({"test_configs.distort_benchmarking_result": "random", **timings}):
+    with random_kernel_timings():
         for _ in range(3):
             torch._dynamo.reset()  # a fresh compile, as in a new process
             m = build_model(cfg, seed=3, device="cuda", compute_dtype="float32", adamw=ADAMW,
