@@ -44,15 +44,20 @@ from megatrain.models.family import family_of  # noqa: E402
 MODES = {"rule": compiling.INDUCTOR_OPTIONS, "timed": {}}
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+
+
 def _digest(*values) -> str:
     h = hashlib.sha256()
     for v in values:
-        h.update(v.cpu().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+        h.update(_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
     return h.hexdigest()[:12]
 
 
-def repeat(mode: str, compiles: int, steps: int) -> dict:
-    """Distinct results of `compiles` fresh compiles under random timings, one training each."""
+def engine_repeat(mode: str, compiles: int, steps: int) -> dict:
+    """Distinct results of `compiles` fresh compiles of the GPU test's small Llama under random
+    timings, each training `steps` fp32 steps through the engine."""
     from helpers import random_kernel_timings
     from test_gpu import ADAMW, _cfg, _plan, _steps
 
@@ -60,7 +65,7 @@ def repeat(mode: str, compiles: int, steps: int) -> dict:
 
     compiling.INDUCTOR_OPTIONS = MODES[mode]
     digests = []
-    with random_kernel_timings():
+    with random_kernel_timings() as calls:
         for _ in range(compiles):
             torch._dynamo.reset()
             m = build_model(_cfg("llama"), seed=3, device="cuda", compute_dtype="float32", adamw=ADAMW,
@@ -69,16 +74,13 @@ def repeat(mode: str, compiles: int, steps: int) -> dict:
             digests.append(_digest(losses, norms, m.state.master, m.state.exp_avg_sq))
             m.close()
     torch._dynamo.reset()
-    return dict(test="repeat", mode=mode, compiles=compiles, distinct=len(set(digests)), digests=digests)
+    compiling.INDUCTOR_OPTIONS = MODES["rule"]
+    return dict(test="engine repeat", mode=mode, what="test_gpu's Llama, fp32", compiles=compiles,
+                timings=len(calls), distinct=len(set(digests)), digests=digests)  # fmt: skip
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def cost(shape: str, rows: int, seq: int, iters: int) -> list[dict]:
-    """Seconds of one layer's forward and backward, compiled by rule, by timing, and eager."""
+def _layer(shape: str, rows: int, seq: int):
+    """One bf16 decoder layer of `shape` and its inputs: (call, params, x, inputs, dy)."""
     from transformers import LlamaConfig
 
     s = DENSE_SHAPES[shape]
@@ -96,11 +98,46 @@ def cost(shape: str, rows: int, seq: int, iters: int) -> list[dict]:
     pos = torch.arange(seq, device=dev)[None].expand(rows, seq)
     inputs = family.inputs(cfg, dev)(pos, None, seq, dt, False)["layer"]
     x = torch.randn(rows, seq, cfg.hidden_size, device=dev, dtype=dt, generator=gen).requires_grad_()
-    dy = torch.randn_like(x)
 
     def call(p, h, inp):
         return functional_call(layer, p, (h,), inp)
 
+    return call, params, x, inputs, torch.randn_like(x)
+
+
+def _fwd_bwd(fn, params, x, inputs, dy):
+    y = fn(params, x, inputs)
+    return y, torch.autograd.grad(y, [x, *params.values()], dy)
+
+
+def layer_repeat(mode: str, shape: str, rows: int, seq: int, compiles: int) -> dict:
+    """Distinct results (the output and every gradient) of `compiles` fresh compiles of one layer
+    under random timings; rows of `seq` tokens short enough for one key block of the attention
+    (whose backward adds over key blocks atomically at longer rows)."""
+    from helpers import random_kernel_timings
+
+    call, params, x, inputs, dy = _layer(shape, rows, seq)
+    compiling.INDUCTOR_OPTIONS = MODES[mode]
+    digests = []
+    with random_kernel_timings() as calls:
+        for _ in range(compiles):
+            torch._dynamo.reset()
+            y, grads = _fwd_bwd(compiling.compiled(call, dynamic=False), params, x, inputs, dy)
+            digests.append(_digest(y, *grads))
+    torch._dynamo.reset()
+    compiling.INDUCTOR_OPTIONS = MODES["rule"]
+    return dict(test="layer repeat", mode=mode, what=f"{shape} layer, bf16, {rows} x {seq} tokens",
+                compiles=compiles, timings=len(calls), distinct=len(set(digests)), digests=digests)  # fmt: skip
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def cost(shape: str, rows: int, seq: int, iters: int) -> list[dict]:
+    """Seconds of one layer's forward and backward, compiled by rule, by timing, and eager."""
+    call, params, x, inputs, dy = _layer(shape, rows, seq)
     out = []
     for mode in ("rule", "timed", "eager"):
         torch._dynamo.reset()
@@ -113,13 +150,12 @@ def cost(shape: str, rows: int, seq: int, iters: int) -> list[dict]:
         for i in range(iters + 3):
             _sync()
             t0 = time.perf_counter()
-            y = fn(params, x, inputs)
-            torch.autograd.grad(y, [x, *params.values()], dy)
+            _fwd_bwd(fn, params, x, inputs, dy)
             _sync()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
-        del y
-        out.append(dict(test="cost", mode=mode, shape=shape, tokens=rows * seq, s=statistics.median(times)))
+        out.append(dict(test="cost", mode=mode, what=f"{shape} layer, bf16, {rows} x {seq} tokens",
+                        s=statistics.median(times)))  # fmt: skip
     timed = next(r["s"] for r in out if r["mode"] == "timed")
     for r in out:
         r["vs_timed"] = r["s"] / timed
@@ -135,19 +171,25 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--short-rows", type=int, default=128, help="layer repeat: rows of --short-seq")
+    ap.add_argument("--short-seq", type=int, default=128, help="layer repeat: one key block")
     ap.add_argument("--out", default=None, help="write JSON + Markdown here")
     a = ap.parse_args()
     if not compiling.INDUCTOR_OPTIONS:
         sys.exit("this torch's inductor has no deterministic mode: nothing to compare")
     rows = cost(a.shape, a.rows, a.seq, a.iters)
-    rows += [repeat(m, a.compiles, a.steps) for m in ("rule", "timed")]
-    lines = ["| test | mode | result |", "|---|---|---|"]
+    for mode in ("rule", "timed"):
+        rows.append(layer_repeat(mode, a.shape, a.short_rows, a.short_seq, a.compiles))
+    for mode in ("rule", "timed"):
+        rows.append(engine_repeat(mode, a.compiles, a.steps))
+    lines = ["| test | mode | what | result |", "|---|---|---|---|"]
     for r in rows:
-        if r["test"] == "repeat":
-            res = f"{r['distinct']} distinct result(s) of {r['compiles']} compiles: {' '.join(r['digests'])}"
+        if r["test"] == "cost":
+            res = f"{r['s'] * 1e3:.2f} ms forward + backward ({r['vs_timed']:.3f}x timed)"
         else:
-            res = f"{r['shape']} layer, {r['tokens']:,} tokens: {r['s'] * 1e3:.2f} ms ({r['vs_timed']:.3f}x timed)"
-        lines.append(f"| {r['test']} | {r['mode']} | {res} |")
+            res = (f"{r['distinct']} distinct of {r['compiles']} compiles ({r['timings']} timings taken): "
+                   + " ".join(r["digests"]))  # fmt: skip
+        lines.append(f"| {r['test']} | {r['mode']} | {r['what']} | {res} |")
     table = "\n".join(lines)
     print(table)
     if a.out:

@@ -262,15 +262,16 @@ def random_kernel_timings():
     from torch._inductor import config
     from torch._inductor.runtime.benchmarking import benchmarker
 
-    timed = benchmarker.benchmark_gpu
+    timed, calls = benchmarker.benchmark_gpu, []
 
     def distorted(*args, **kwargs):
         ms = timed(*args, **kwargs)
+        calls.append(1)
         return type(ms)(random.random() for _ in ms) if isinstance(ms, (list, tuple)) else random.random()
 
     benchmarker.benchmark_gpu = distorted
     try:
         with config.patch(fx_graph_cache=False, autotune_local_cache=False, autotune_remote_cache=False):
-            yield
+            yield calls  # one entry per timing taken
     finally:
         del benchmarker.benchmark_gpu  # the class's method again
