@@ -19,7 +19,6 @@ megatrain compiles with) and by timing (`timed`: torch.compile's default):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
@@ -35,30 +34,16 @@ sys.path[:0] = [
 ]  # _report; megatrain; test_gpu
 from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
-from torch.func import functional_call  # noqa: E402
 
 from megatrain.models import compiling  # noqa: E402
-from megatrain.models.config import ModelConfig  # noqa: E402
-from megatrain.models.family import family_of  # noqa: E402
 
 MODES = {"rule": compiling.INDUCTOR_OPTIONS, "timed": {}}
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-
-
-def _digest(*values) -> str:
-    h = hashlib.sha256()
-    for v in values:
-        h.update(_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
-    return h.hexdigest()[:12]
 
 
 def engine_repeat(mode: str, compiles: int, steps: int) -> dict:
     """Distinct results of `compiles` fresh compiles of the GPU test's small Llama under random
     timings, each training `steps` fp32 steps through the engine."""
-    from helpers import random_kernel_timings
+    from helpers import hash_bits, random_kernel_timings
     from test_gpu import ADAMW, _cfg, _plan, _steps
 
     from megatrain.runtime import build_model
@@ -71,7 +56,7 @@ def engine_repeat(mode: str, compiles: int, steps: int) -> dict:
             m = build_model(_cfg("llama"), seed=3, device="cuda", compute_dtype="float32", adamw=ADAMW,
                             plan=_plan(), compile=True)  # fmt: skip
             losses, norms = _steps(m, n_steps=steps, seq=512)
-            digests.append(_digest(losses, norms, m.state.master, m.state.exp_avg_sq))
+            digests.append(hash_bits(losses, norms, m.state.master, m.state.exp_avg_sq))
             m.close()
     torch._dynamo.reset()
     compiling.INDUCTOR_OPTIONS = MODES["rule"]
@@ -81,28 +66,11 @@ def engine_repeat(mode: str, compiles: int, steps: int) -> dict:
 
 def _layer(shape: str, rows: int, seq: int):
     """One bf16 decoder layer of `shape` and its inputs: (call, params, x, inputs, dy)."""
-    from transformers import LlamaConfig
+    from helpers import llama_layer
 
     s = DENSE_SHAPES[shape]
-    hf = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["ffn"], num_attention_heads=s["heads"],
-                     num_key_value_heads=s["kv"], vocab_size=s["vocab"], num_hidden_layers=1)  # fmt: skip
-    cfg = ModelConfig.from_hf(hf)
-    family, dt = family_of(cfg), torch.bfloat16
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: a smoke run
-    layer = family.layer(cfg, 0)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    params = {
-        n: (torch.randn(p.shape, device=dev, generator=gen) * 0.02).to(dt).requires_grad_()
-        for n, p in layer.named_parameters()
-    }
-    pos = torch.arange(seq, device=dev)[None].expand(rows, seq)
-    inputs = family.inputs(cfg, dev)(pos, None, seq, dt, False)["layer"]
-    x = torch.randn(rows, seq, cfg.hidden_size, device=dev, dtype=dt, generator=gen).requires_grad_()
-
-    def call(p, h, inp):
-        return functional_call(layer, p, (h,), inp)
-
-    return call, params, x, inputs, torch.randn_like(x)
+    return llama_layer(rows, seq, hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                       num_attention_heads=s["heads"], num_key_value_heads=s["kv"], vocab_size=s["vocab"])  # fmt: skip
 
 
 def _fwd_bwd(fn, params, x, inputs, dy):
@@ -114,7 +82,7 @@ def layer_repeat(mode: str, shape: str, rows: int, seq: int, compiles: int) -> d
     """Distinct results (the output and every gradient) of `compiles` fresh compiles of one layer
     under random timings; rows of `seq` tokens short enough for one key block of the attention
     (whose backward adds over key blocks atomically at longer rows)."""
-    from helpers import random_kernel_timings
+    from helpers import hash_bits, random_kernel_timings
 
     call, params, x, inputs, dy = _layer(shape, rows, seq)
     compiling.INDUCTOR_OPTIONS = MODES[mode]
@@ -123,7 +91,7 @@ def layer_repeat(mode: str, shape: str, rows: int, seq: int, compiles: int) -> d
         for _ in range(compiles):
             torch._dynamo.reset()
             y, grads = _fwd_bwd(compiling.compiled(call, dynamic=False), params, x, inputs, dy)
-            digests.append(_digest(y, *grads))
+            digests.append(hash_bits(y, *grads))
     torch._dynamo.reset()
     compiling.INDUCTOR_OPTIONS = MODES["rule"]
     return dict(test="layer repeat", mode=mode, what=f"{shape} layer, bf16, {rows} x {seq} tokens",

@@ -275,3 +275,44 @@ def random_kernel_timings():
             yield calls  # one entry per timing taken
     finally:
         del benchmarker.benchmark_gpu  # the class's method again
+
+
+def llama_layer(rows: int, seq: int, dtype=torch.bfloat16, **shape):
+    """One decoder layer of a Llama of `shape` (LlamaConfig's names) through megatrain's family
+    template on the GPU (the CPU without one), random weights and input of `rows` x `seq` tokens:
+    (call, params, x, inputs, dy), `call(params, x, inputs)` the layer's forward."""
+    from torch.func import functional_call
+
+    from megatrain.models.config import ModelConfig
+    from megatrain.models.family import family_of
+
+    cfg = ModelConfig.from_hf(transformers.LlamaConfig(num_hidden_layers=1, **shape))
+    family = family_of(cfg)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = family.layer(cfg, 0)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    params = {
+        n: (torch.randn(p.shape, device=dev, generator=gen) * 0.02).to(dtype).requires_grad_()
+        for n, p in layer.named_parameters()
+    }
+    pos = torch.arange(seq, device=dev)[None].expand(rows, seq)
+    inputs = family.inputs(cfg, dev)(pos, None, seq, dtype, False)["layer"]
+    x = torch.randn(rows, seq, cfg.hidden_size, device=dev, dtype=dtype, generator=gen).requires_grad_()
+
+    def call(p, h, inp):
+        return functional_call(layer, p, (h,), inp)
+
+    return call, params, x, inputs, torch.randn_like(x)
+
+
+def hash_bits(*values) -> str:
+    """A short digest of the exact bits of tensors (any dtype) and the reprs of other values."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()[:12]
