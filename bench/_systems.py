@@ -157,7 +157,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         choices=Choices(
             gpu_state=gpu_state,
             gpu_step_units=_step_units(spec.get("gpu_step_units", "0")),
-            host_weight_copy=bool(spec.get("host_weight_copy")),
+            host_weight_copy=_copy(spec.get("host_weight_copy", "auto")),
         ),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
@@ -290,6 +290,11 @@ def run_megatrain(spec: dict, res: Result) -> None:
     tr.synchronize()  # the full API call once, untimed: it must work too
     cuda_peak(res)
     model.close()
+
+
+def _copy(value) -> bool | None:
+    """host_weight_copy from a spec: auto (None), true or false (records before auto: a bool)."""
+    return value if isinstance(value, bool) else {"auto": None, "true": True, "false": False}[value]
 
 
 def _step_units(value: str) -> int | None:

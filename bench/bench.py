@@ -86,8 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--host-weight-copy",
-        action="store_true",
-        help="megatrain's host_weight_copy: fetch host-stepped units from a bf16 copy in host memory",
+        nargs="?",
+        const="true",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="megatrain's host_weight_copy: fetch host-stepped units from a bf16 copy in host memory "
+        "(default auto: where the plan says it pays; alone: true)",
     )
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--tag", default=None)

@@ -378,12 +378,14 @@ class TrainConfig:
     the fewest the plan's cost model puts within 2% of its fastest count, where gradients are
     held for the clip (none with several processes, on the CPU, or in a two-pass or immediate
     step). CUDA, one process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves free."""
-    host_weight_copy: bool = False
+    host_weight_copy: bool | None = None
     """Keep a copy of the master weights in the compute dtype in host memory, cast by the host
     optimizer as it steps each range, and fetch the units it steps from it: half the bytes of
     each weight fetch over PCIe in bf16, for 2 more bytes a parameter of host memory (page-locked
     on CUDA), with the same numbers (docs/memory.md). Not the GPU-resident or GPU-stepped units.
-    Changes nothing where the compute dtype is float32. One process. Off until measured on a GPU."""
+    Default (auto): where the plan's cost model puts the step 5% faster with it and the host holds
+    it with no more moments on disk (CUDA, 16-bit compute, one process); true: always; false:
+    never. Changes nothing where the compute dtype is float32."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start); the
     plan keeps 3% of it free for the allocator."""
@@ -536,8 +538,8 @@ class TrainConfig:
         for i, d in enumerate(where):
             if d in where[:i]:
                 bad("offload_dir", f"{folders[i]} is given twice: give each drive's folder once")
-        if not isinstance(self.host_weight_copy, bool):
-            bad("host_weight_copy", "must be true or false")
+        if self.host_weight_copy is not None and not isinstance(self.host_weight_copy, bool):
+            bad("host_weight_copy", "must be true, false or auto")
         if self.host_weight_copy and self.world().ranks > 1:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:

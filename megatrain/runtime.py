@@ -127,7 +127,7 @@ def make_plan(
     if torch.device(device).type == "cuda":
         configure_allocator()
     machine = placement.measure(device, max_gpu_memory, max_host_memory, world)
-    if (choices or Choices()).host_weight_copy and compute_dtype == torch.bfloat16:
+    if (choices or Choices()).host_weight_copy is not False and compute_dtype == torch.bfloat16:
         machine = replace(machine, copy_in_kernel=copies_in_kernel())
     layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked)
     batch = Batch(

@@ -7,6 +7,7 @@ memory, its fetch bytes and refuses a host without room for it in one line."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -21,7 +22,8 @@ from megatrain.engine import clipadam, optim
 from megatrain.engine.engine import Engine
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
-from megatrain.planning import placement
+from megatrain.parallel.layout import Layout
+from megatrain.planning import footprint, placement
 from megatrain.planning.costmodel import COPY_CAST_SHARE, COPY_KERNEL_SHARE, fetched_bytes
 from megatrain.planning.footprint import WEIGHT_COPY
 from megatrain.planning.planspec import Batch, Machine, model_shape
@@ -169,7 +171,7 @@ def shape_and_batch(compute_bytes: int):
 def test_the_plan_counts_the_copys_host_bytes_and_halves_its_fetches(device):
     cfg, s, b = shape_and_batch(2)
     m = Machine(device, gpu_bytes=80 * 2**30 if device == "cuda" else None)
-    off = placement.Choices(gpu_state="off")
+    off = placement.Choices(gpu_state="off", host_weight_copy=False)
     plain = placement.plan(cfg, b, m, off)
     copied = placement.plan(cfg, b, m, replace(off, host_weight_copy=True))
     n = len(s.units)
@@ -219,10 +221,53 @@ def test_the_plan_takes_the_copy_in_the_kernels_pass_where_the_optimizer_writes_
 def test_in_float32_the_copy_changes_nothing():
     cfg, s, b = shape_and_batch(4)
     m = Machine("cuda", gpu_bytes=80 * 2**30)
-    off = placement.Choices(gpu_state="off")
+    off = placement.Choices(gpu_state="off", host_weight_copy=False)
     p = placement.plan(cfg, b, m, replace(off, host_weight_copy=True))
     assert not p.host_weight_copy and not p.copied(len(s.units))
     assert p.to_json() == placement.plan(cfg, b, m, off).to_json()
+
+
+def _decided(p) -> dict:
+    """A plan's decisions and costs, without its notes."""
+    return {k: v for k, v in p.to_json().items() if k != "notes"}
+
+
+def test_auto_takes_the_copy_where_it_pays_and_the_host_holds_it():
+    """`host_weight_copy: auto` (the default): the plan with the copy where the cost model puts its
+    step STEPPING_GAIN faster (a link that binds), with a note saying why; the plan without it
+    where the host cannot hold the copy (never moving moments to disk for it), where it saves
+    less (a link that never binds), on the CPU, in fp32 and with several processes."""
+    cfg, s, b = shape_and_batch(2)
+    slow = Machine("cuda", gpu_bytes=80 * 2**30, pcie_bytes_s=1e6)
+    auto = placement.Choices(gpu_state="off", host_weight_copy=None)
+    assert (
+        planning.choices_of(TrainConfig(model_config="{}", output_dir="o")).host_weight_copy is None
+    )  # a run's default
+    on, off = (placement.plan(cfg, b, slow, replace(auto, host_weight_copy=c)) for c in (True, False))
+    assert on.step_time_s < off.step_time_s * (1 - placement.STEPPING_GAIN)
+    chosen = placement.plan(cfg, b, slow, auto)
+    assert _decided(chosen) == _decided(on) and chosen.host_weight_copy
+    assert any(n.startswith("host_weight_copy: auto takes the copy") for n in chosen.notes), chosen.notes
+    # a host that holds the least demanding plan (two-pass) but not the copy beside it, with a
+    # disk tier that would make room for the copy
+    least = placement.plan(cfg, b, slow, replace(auto, host_weight_copy=False, gradient_placement="two_pass"))
+    tight = replace(
+        slow, host_bytes=math.ceil(least.host_total / (1 - footprint.HOST_RESERVE)) + 1, disk_bytes=2**42
+    )
+    assert least.host_total + on.host[WEIGHT_COPY] > footprint.usable_host(tight) >= least.host_total
+    assert placement.plan(cfg, b, tight, replace(auto, host_weight_copy=True)).disk_units > 0
+    p = placement.plan(cfg, b, tight, auto)
+    assert not p.host_weight_copy and p.disk_units == 0
+    assert _decided(p) == _decided(placement.plan(cfg, b, tight, replace(auto, host_weight_copy=False)))
+    for m, batch in (
+        (replace(slow, pcie_bytes_s=1e15), b),  # the link never binds: only the copy's cast is left
+        (Machine("cpu"), b),
+        (slow, replace(b, compute_bytes=4)),
+        (replace(slow, world=Layout(ranks=2)), b),
+    ):
+        p = placement.plan(cfg, batch, m, auto)
+        assert not p.host_weight_copy, (m, batch)
+        assert _decided(p) == _decided(placement.plan(cfg, batch, m, replace(auto, host_weight_copy=False)))
 
 
 def test_gpu_resident_and_gpu_stepped_units_are_not_copied():
@@ -259,7 +304,7 @@ def test_a_host_without_room_for_the_copy_is_refused_in_one_line(tmp_path, base)
 
 def test_the_key_is_checked_in_one_line(tmp_path, base):
     for bad, why in (
-        (dict(host_weight_copy="yes"), "true or false"),
+        (dict(host_weight_copy="yes"), "true, false or auto"),
         (dict(host_weight_copy=True, nproc_per_node=2), "one process"),
     ):
         with pytest.raises(ConfigError, match=f"^host_weight_copy: .*{why}") as e:

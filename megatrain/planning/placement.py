@@ -83,7 +83,9 @@ MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units id
 # Longer tiles run no faster (a 16k-token tile's matmuls already fill the GPU) and their
 # intermediates would be counted far beyond the tiles the probe measures.
 MAX_MLP_TILE = 16384
-STEPPING_GAIN = 0.05  # the share of a step GPU stepping must save before the plan chooses it
+# The share of a step that GPU stepping, or the host's bf16 weight copy, must save by the cost
+# model before the plan spends memory on it (`gpu_step_units: auto`, `host_weight_copy: auto`).
+STEPPING_GAIN = 0.05
 # `gpu_step_units: auto` takes the fewest units whose step the cost model puts within this share
 # of the fastest count's. Closer than that the model cannot rank counts (its error on the recorded
 # runs of today's schedule is -7% to +11%, tests/test_costmodel_replay.py), and fewer units hold
@@ -110,7 +112,8 @@ class Choices:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None  # 0: never tile
     gpu_step_units: int | None = 0  # streamed units stepped on the GPU (None: the plan chooses)
-    host_weight_copy: bool = False  # host-stepped units fetched from a compute-dtype copy
+    # host-stepped units fetched from a compute-dtype copy (a run's default is None: TrainConfig's)
+    host_weight_copy: bool | None = False
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -125,6 +128,37 @@ def plan(
     `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula).
     Where host memory cannot hold the state and the machine has a disk tier (`disk_bytes`), the
     AdamW moments of the fewest trailing units that make the run fit go to disk."""
+    c = choices or Choices()
+    if c.host_weight_copy is None:
+        return _copy_if_it_pays(cfg, batch, machine, c, layer_mem)
+    return _placed(cfg, batch, machine, c, layer_mem)
+
+
+def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, layer_mem) -> Plan:
+    """`host_weight_copy: auto`: the plan with the compute-dtype copy of the host-stepped units'
+    weights where it fits with no more moments on disk and the cost model puts its step
+    STEPPING_GAIN faster; else the plan without. Only for one CUDA process in 16-bit compute: on
+    the CPU no link is spared, in fp32 the master is what is fetched, and several processes
+    refuse the copy."""
+    without = _placed(cfg, batch, m, replace(c, host_weight_copy=False), layer_mem)
+    if m.device != "cuda" or batch.compute_bytes == 4 or m.world.ranks > 1:
+        return without
+    try:
+        copied = _placed(cfg, batch, m, replace(c, host_weight_copy=True), layer_mem)
+    except PlanError:
+        return without
+    if copied.disk_units > without.disk_units or copied.step_time_s > without.step_time_s * (
+        1 - STEPPING_GAIN
+    ):
+        return without
+    saved = without.step_time_s - copied.step_time_s
+    copied.notes.append(f"host_weight_copy: auto takes the copy ({fmt_bytes(copied.host.get(WEIGHT_COPY, 0))}): "
+                        f"~{saved:.2f} s a step faster by the cost model")  # fmt: skip
+    return copied
+
+
+def _placed(cfg: ModelConfig, batch: Batch, machine: Machine, choices: Choices, layer_mem) -> Plan:
+    """`plan` with the user's host_weight_copy decided: in memory, else with the disk tier."""
     try:
         return _in_memory(cfg, batch, machine, choices, layer_mem)
     except PlanError as e:
