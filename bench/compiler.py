@@ -1,17 +1,19 @@
 """Inductor's kernel choices by rule (megatrain/models/compiling.py): do they repeat, and what do they cost?
 
-Two measurements, each with the choices made by rule (`rule`: inductor's deterministic mode, what
+Three measurements, with the choices made by rule (`rule`: inductor's deterministic mode, what
 megatrain compiles with) and by timing (`timed`: torch.compile's default):
 
-  repeat  `--compiles` fresh compiles (empty caches, the compiler reset) of a small Llama's
-          engine layer, every candidate's timing replaced by a random number (a busy GPU,
-          exaggerated), each training `--steps` fp32 steps through the engine: how many
-          distinct results (losses, norms, weights, moments, bit for bit) they give. The GPU
-          test `test_compiled_layers_compute_the_same_bits_whatever_the_compilers_timings` asserts
-          one for `rule`; this shows whether `timed` gives more.
-  cost    one decoder layer of `--shape` (bench/_shapes.py) in bf16 on `--rows` x `--seq` tokens,
-          forward with its graph and backward, compiled both ways and eager: the median seconds of
-          `--iters` after warm-up, and the ratio to `timed`.
+  cost           one decoder layer of `--shape` (bench/_shapes.py) in bf16 on `--rows` x `--seq`
+                 tokens, forward with its graph and backward, compiled both ways and eager: the
+                 median seconds of `--iters` after warm-up, and the ratio to `timed`.
+  layer repeat   `--compiles` fresh compiles (empty caches, the compiler reset) of that layer on
+                 `--short-rows` x `--short-seq` tokens (one key block of the attention), every
+                 candidate's timing replaced by a random number (a busy GPU, exaggerated): how many
+                 distinct results (the output and every gradient, bit for bit) they give. The GPU
+                 test `test_compiled_layers_compute_the_same_bits_whatever_the_compilers_timings`
+                 asserts one for `rule`; this shows whether `timed` gives more.
+  engine repeat  the same for the GPU tests' small Llama, training `--steps` fp32 steps through
+                 the engine (losses, norms, weights, moments).
 
     python bench/compiler.py --out bench/results
 """

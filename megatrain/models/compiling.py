@@ -12,11 +12,11 @@ Kernel choices by rule, not by timing (INDUCTOR_OPTIONS). By default inductor ti
 kernels on the device as it compiles (a reduction's block sizes, whether to pad a matmul) and
 keeps the fastest; each candidate orders a sum differently, so the choice changes the last bits.
 On a busy GPU the timings vary, and two compiles of one layer (two runs, a run and its resume in a
-new process, two data-parallel ranks) could compute different numbers: a run in memory and the
-same run with the disk tier, each compiled beside four other test processes on one H100, differed
-by 1-4 ulp after four steps (bench/results/2026-11-27_1611_gpu-suite-h100.md). Inductor's
-deterministic mode picks by rule instead; what that costs the layer is measured by
-bench/compiler.py. Torch releases without the mode compile as before.
+new process, two data-parallel ranks) could compute different numbers: Llama-3-8B's layer
+compiled four times under random timings gave three different results
+(bench/results/2026-11-27_1743_compiler.md). Inductor's deterministic mode picks by rule instead,
+at 0.99x the layer's time there (bench/compiler.py). Torch releases without the mode compile as
+before.
 """
 
 from __future__ import annotations
