@@ -259,6 +259,10 @@ def test_auto_takes_the_copy_where_it_pays_and_the_host_holds_it():
     p = placement.plan(cfg, b, tight, auto)
     assert not p.host_weight_copy and p.disk_units == 0
     assert _decided(p) == _decided(placement.plan(cfg, b, tight, replace(auto, host_weight_copy=False)))
+    # where moments go to disk even without the copy, no copy
+    short = replace(tight, host_bytes=tight.host_bytes - 2**16)  # the moments are ~1 MiB
+    p = placement.plan(cfg, b, short, auto)
+    assert p.disk_units > 0 and not p.host_weight_copy
     for m, batch in (
         (replace(slow, pcie_bytes_s=1e15), b),  # the link never binds: only the copy's cast is left
         (Machine("cpu"), b),

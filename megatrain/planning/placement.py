@@ -139,9 +139,10 @@ def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, lay
     weights where it fits with no more moments on disk and the cost model puts its step
     STEPPING_GAIN faster; else the plan without. Only for one CUDA process in 16-bit compute: on
     the CPU no link is spared, in fp32 the master is what is fetched, and several processes
-    refuse the copy."""
+    refuse the copy. Not where moments are on disk: a host that cannot hold them has no room for
+    a copy (and planning the tier twice would double the longest plans' time: 21 s for 122B)."""
     without = _placed(cfg, batch, m, replace(c, host_weight_copy=False), layer_mem)
-    if m.device != "cuda" or batch.compute_bytes == 4 or m.world.ranks > 1:
+    if m.device != "cuda" or batch.compute_bytes == 4 or m.world.ranks > 1 or without.disk_units:
         return without
     try:
         copied = _placed(cfg, batch, m, replace(c, host_weight_copy=True), layer_mem)
