@@ -384,8 +384,8 @@ class TrainConfig:
     each weight fetch over PCIe in bf16, for 2 more bytes a parameter of host memory (page-locked
     on CUDA), with the same numbers (docs/memory.md). Not the GPU-resident or GPU-stepped units.
     Default (auto): where the plan's cost model puts the step 5% faster with it and the host holds
-    it with no more moments on disk (CUDA, 16-bit compute, one process); true: always; false:
-    never. Changes nothing where the compute dtype is float32."""
+    it, all moments in memory (CUDA, 16-bit compute, one process); true: always; false: never.
+    Changes nothing where the compute dtype is float32."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start); the
     plan keeps 3% of it free for the allocator."""

@@ -136,7 +136,7 @@ def plan(
 
 def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, layer_mem) -> Plan:
     """`host_weight_copy: auto`: the plan with the compute-dtype copy of the host-stepped units'
-    weights where it fits with no more moments on disk and the cost model puts its step
+    weights where it fits with every moment in host memory and the cost model puts its step
     STEPPING_GAIN faster; else the plan without. Only for one CUDA process in 16-bit compute: on
     the CPU no link is spared, in fp32 the master is what is fetched, and several processes
     refuse the copy. Not where moments are on disk: a host that cannot hold them has no room for
