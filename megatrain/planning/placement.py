@@ -148,10 +148,8 @@ def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, lay
         copied = _placed(cfg, batch, m, replace(c, host_weight_copy=True), layer_mem)
     except PlanError:
         return without
-    if copied.disk_units > without.disk_units or copied.step_time_s > without.step_time_s * (
-        1 - STEPPING_GAIN
-    ):
-        return without
+    if copied.disk_units or copied.step_time_s > without.step_time_s * (1 - STEPPING_GAIN):
+        return without  # `without` has none on disk (above)
     saved = without.step_time_s - copied.step_time_s
     copied.notes.append(f"host_weight_copy: auto takes the copy ({fmt_bytes(copied.host.get(WEIGHT_COPY, 0))}): "
                         f"~{saved:.2f} s a step faster by the cost model")  # fmt: skip
