@@ -123,6 +123,10 @@ def _summary_lines(records: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _giga(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f} G"
+
+
 def _megatrain_detail(r: dict[str, Any]) -> str:
     def g(k: str, f: str = ".2f") -> str:
         return "-" if r.get(k) is None else format(r[k], f)
@@ -131,6 +135,8 @@ def _megatrain_detail(r: dict[str, Any]) -> str:
         f"- {r['tokens_per_step']:,} tokens/step: step {g('step_s', '.3f')} s (median {g('step_median_s', '.3f')}); "
         f"standalone optimizer {g('opt_s')} s (first pass {g('opt_first_s')} s); serial step = compute "
         f"{g('serial_fb_s')} s + optimizer {g('serial_opt_s')} s; optimizer hidden {g('opt_hidden_frac', '.0%')}; "
+        f"host AdamW in a step {g('host_adam_s', '.3f')} s of work at {_giga(r.get('host_adam_params_s'))} "
+        f"params/s, the launching thread blocked {g('update_wait_s', '.3f')} s a step on updates; "
         f"GPU busy {g('gpu_busy', '.0%')} on the compute stream, {g('gpu_busy_any', '.0%')} any stream, "
         f"H2D copies {g('h2d_busy', '.0%')}, D2H copies {g('d2h_busy', '.0%')}; "
         f"H2D {g('h2d_bytes_per_step', ',.0f')} B/step, D2H {g('d2h_bytes_per_step', ',.0f')} B/step; "

@@ -158,6 +158,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
             gpu_state=gpu_state,
             gpu_step_units=_step_units(spec.get("gpu_step_units", "0")),
             host_weight_copy=_copy(spec.get("host_weight_copy", "auto")),
+            keep_layers=spec.get("keep_layers"),
         ),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
@@ -236,12 +237,15 @@ def run_megatrain(spec: dict, res: Result) -> None:
     # schedule in force at each step is recorded, so warm-up can be checked to cover it.
     times: list[float] = []
     schedule: list[dict[str, int]] = []
+    counted: list[tuple[float, int, float]] = []
     t_prev = time.perf_counter()
-    for _ in range(W + N):
+    for i in range(W + N):
         coef = fb()
         t = time.perf_counter()
         times.append(t - t_prev)
         t_prev = t
+        if i in (W - 1, W + N - 1):  # each pass of the timed steps' optimizer is done, none begun
+            counted.append(_host_counters(tr))
         eng.step(LR, coef)
         schedule.append(_tuning(eng, tr))
         res.update(**step_stats(times, W), losses=losses, schedule_per_step=schedule)
@@ -249,6 +253,13 @@ def run_megatrain(spec: dict, res: Result) -> None:
     # the last step's optimizer would overlap the next step, so its tail is recorded, not charged.
     drain(tr)
     res.update(**step_stats(times, W), **schedule[-1], optimizer_tail_s=time.perf_counter() - t_prev)
+    if len(counted) == 2 and hasattr(tr, "host_adam_s"):
+        (s0, p0, w0), (s1, p1, w1) = counted
+        res.update(
+            host_adam_s=(s1 - s0) / N,
+            host_adam_params_s=(p1 - p0) / (s1 - s0) if s1 > s0 else None,
+            update_wait_s=(w1 - w0) / N,
+        )
     if cuda:  # times the allocator freed its cache to serve a request (each synchronises the device)
         res.update(alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0))
     # Bytes per step from the transport's counters (the CPU transport has none). After the
@@ -290,6 +301,16 @@ def run_megatrain(spec: dict, res: Result) -> None:
     tr.synchronize()  # the full API call once, untimed: it must work too
     cuda_peak(res)
     model.close()
+
+
+def _host_counters(tr) -> tuple[float, int, float]:
+    """The transport's host AdamW seconds and parameters so far and its launching thread's wait
+    for updates (zeros for a transport without them: the CPU's)."""
+    return (
+        getattr(tr, "host_adam_s", 0.0),
+        getattr(tr, "host_adam_params", 0),
+        getattr(tr, "update_wait_s", 0.0),
+    )
 
 
 def _copy(value) -> bool | None:

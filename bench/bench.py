@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatrain's gpu_step_units: streamed units stepped on the GPU (a number, or auto)",
     )
     ap.add_argument(
+        "--keep-layers",
+        type=int,
+        default=None,
+        help="megatrain's kept layer graphs (the last N layers not recomputed; default: the plan's)",
+    )
+    ap.add_argument(
         "--host-weight-copy",
         nargs="?",
         const="true",
@@ -385,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_gpu_memory": a.max_gpu_memory,
                 "gpu_step_units": a.gpu_step_units,
                 "host_weight_copy": a.host_weight_copy,
+                "keep_layers": a.keep_layers,
             }
             raw = run_worker(spec, timeout, out / rec["log"])
             counted = raw.pop("params", None)

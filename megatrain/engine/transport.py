@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Protocol
 
 import torch
@@ -230,6 +231,12 @@ class StreamingTransport:
         self._issued: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self.h2d_bytes = 0  # accounting for benchmarks
         self.d2h_bytes = 0
+        # the host optimizer's own time (its AdamW, not its waits for gradients) and the parameters
+        # it stepped, and the launching thread's time blocked on an update: whether a step waits
+        # for the CPU, and how fast the host AdamW runs inside a step
+        self.host_adam_s = 0.0
+        self.host_adam_params = 0
+        self.update_wait_s = 0.0
 
     # ------------------------------------------------------------- weights in
     def begin(self, schedule: list[Unit]) -> None:
@@ -385,7 +392,9 @@ class StreamingTransport:
                 if coef is not None and coef_host is None:
                     done.synchronize()  # the clip coefficient is computed on the compute stream
                     coef_host = coef.to("cpu")
+                t = time.perf_counter()
                 self.optimizer.step_held(unit, slot, coef_host, lr, step, self.chunk_elems)
+                self._adam_took(unit, t)
             del g
             self.optimizer.published(unit)  # every rank's part of it is in the shared state
             self._ready[unit.index].set()
@@ -415,7 +424,16 @@ class StreamingTransport:
             if i + 1 < len(ranges):
                 issue(i + 1)  # the copy of the next chunk overlaps this chunk's AdamW
             events.pop(i).synchronize()
+            t = time.perf_counter()
             self.optimizer.step_range(unit, a, b, self.staging[i % 2][: b - a], lr, step)
+            self.host_adam_s += time.perf_counter() - t
+        lo, hi = span
+        self.host_adam_params += hi - lo
+
+    def _adam_took(self, unit: Unit, since: float) -> None:
+        lo, hi = self.optimizer.span(unit)
+        self.host_adam_s += time.perf_counter() - since
+        self.host_adam_params += hi - lo
 
     def _work(self) -> None:
         with torch.cuda.device(self.device):
@@ -437,7 +455,11 @@ class StreamingTransport:
                             break
 
     def _wait_ready(self, unit: Unit) -> None:
-        self._ready[unit.index].wait()
+        ready = self._ready[unit.index]
+        if not ready.is_set():
+            t = time.perf_counter()
+            ready.wait()
+            self.update_wait_s += time.perf_counter() - t
         self._check()
 
     def _check(self) -> None:
