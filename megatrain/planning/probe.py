@@ -468,7 +468,13 @@ _ADAM_RATES: dict[tuple[int, int], float] = {}
 
 
 def _adam_rate(numel: int) -> float:
-    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    # Filled in parallel, so each page is first touched by one of the threads that will step it
+    # and lands in that thread's memory node, as the run's state does (initialised and loaded on a
+    # thread pool). torch.rand fills on the calling thread alone: on a 32-core host of two H200s
+    # its arrays read 2.65 G params/s where the run's own pass, inside a step, ran 4.87
+    # (bench/results/2026-11-27_1944_x2-B16k-auto-ds.md), and the plan stepped 30 units on the GPU
+    # for a CPU it took to be 3.3 times slower than it was.
+    p, g, m, v = (torch.empty(numel).fill_(x) for x in (0.5, 1e-3, 1e-4, 1e-6))
     steps = [torch.tensor(1.0)]
 
     def once() -> float:
