@@ -83,8 +83,8 @@ MIN_MLP_TILE = 1024  # tokens: smaller MLP tiles leave the GPU's matmul units id
 # Longer tiles run no faster (a 16k-token tile's matmuls already fill the GPU) and their
 # intermediates would be counted far beyond the tiles the probe measures.
 MAX_MLP_TILE = 16384
-# The share of a step that GPU stepping, or the host's bf16 weight copy, must save by the cost
-# model before the plan spends memory on it (`gpu_step_units: auto`, `host_weight_copy: auto`).
+# The share of a step that GPU stepping must save by the cost model before the plan spends GPU
+# memory on it (`gpu_step_units: auto`).
 STEPPING_GAIN = 0.05
 # `gpu_step_units: auto` takes the fewest units whose step the cost model puts within this share
 # of the fastest count's. Closer than that the model cannot rank counts (its error on the recorded
@@ -137,7 +137,12 @@ def plan(
 def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, layer_mem) -> Plan:
     """`host_weight_copy: auto`: the plan with the compute-dtype copy of the host-stepped units'
     weights where it fits with every moment in host memory and the cost model puts its step
-    STEPPING_GAIN faster; else the plan without. Only for one CUDA process in 16-bit compute: on
+    faster at all; else the plan without. The model's gain is small where the copy measured large:
+    8B at 16k with all state in host memory, 1.1-4.0% on the plans of the H200 runs of 2026-11-27,
+    where the copy ran 21% faster (1.911 s against 2.426, bench/results/2026-11-27_1800_x2-summary.md);
+    -2.2% to -3.3% on the H100 runs', where it ran 1% slower (_1820_h100-B16k-copy-true). A
+    threshold of STEPPING_GAIN left it out of every one of them. Only for one CUDA process in
+    16-bit compute: on
     the CPU no link is spared, in fp32 the master is what is fetched, and several processes
     refuse the copy. Not where moments are on disk: a host that cannot hold them has no room for
     a copy (and planning the tier twice would double the longest plans' time: 21 s for 122B)."""
@@ -148,7 +153,7 @@ def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, lay
         copied = _placed(cfg, batch, m, replace(c, host_weight_copy=True), layer_mem)
     except PlanError:
         return without
-    if copied.disk_units or copied.step_time_s > without.step_time_s * (1 - STEPPING_GAIN):
+    if copied.disk_units or copied.step_time_s >= without.step_time_s:
         return without  # `without` has none on disk (above)
     saved = without.step_time_s - copied.step_time_s
     copied.notes.append(f"host_weight_copy: auto takes the copy ({fmt_bytes(copied.host.get(WEIGHT_COPY, 0))}): "
