@@ -383,7 +383,7 @@ class TrainConfig:
     optimizer as it steps each range, and fetch the units it steps from it: half the bytes of
     each weight fetch over PCIe in bf16, for 2 more bytes a parameter of host memory (page-locked
     on CUDA), with the same numbers (docs/memory.md). Not the GPU-resident or GPU-stepped units.
-    Default (auto): where the plan's cost model puts the step 5% faster with it and the host holds
+    Default (auto): where the plan's cost model puts the step faster with it and the host holds
     it, all moments in memory (CUDA, 16-bit compute, one process); true: always; false: never.
     Changes nothing where the compute dtype is float32."""
     max_gpu_memory: str | int | None = None

@@ -76,7 +76,11 @@ def report(
                      f"{p.rollout_layers} resident), fetched from "
                      + (f"a {dtype_name} copy in host memory ({fmt_bytes(p.host[plan.ROLLOUT_COPY])})"
                         if p.rollout_host_copy else "the fp32 master weights"))  # fmt: skip
-    if p.host_weight_copy:
+    if p.host_weight_copy and not p.host.get(WEIGHT_COPY):
+        lines.append(
+            "weights: host_weight_copy copies nothing here: every unit is GPU-resident or GPU-stepped"
+        )
+    elif p.host_weight_copy:
         lead = p.stepped.stop  # the GPU-resident and GPU-stepped units, fetched as before
         which = f"all units but the first {lead} (the host optimizer's)" if lead else "every unit"
         lines.append(f"weights: {which} fetched from a {dtype_name} "

@@ -209,6 +209,29 @@ def test_plan_command_needs_no_dataset_and_plans_for_another_machine(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_plan_command_says_a_forced_copy_with_no_unit_to_copy(tmp_path, capsys):
+    """`host_weight_copy: true` where the plan keeps every unit's state on the GPU (a tiny model, a
+    1 GiB GPU budget): `megatrain plan` says the copy copies nothing, where it used to fail on the
+    copy's missing bytes; `auto` there plans without the copy."""
+    tiny_config("llama", vocab_size=97).save_pretrained(tmp_path / "model")
+    settings = dict(
+        model_config=str(tmp_path / "model"),
+        device="cuda",
+        max_gpu_memory="1GiB",
+        max_host_memory="8GiB",
+        max_length=4096,
+        per_device_train_batch_size=4,
+        output_dir=str(tmp_path / "out"),
+    )
+    forced = write_yaml(tmp_path / "forced.yaml", dict(settings, host_weight_copy=True))
+    rc, stdout, _ = run_cli(capsys, "plan", forced)
+    assert rc == 0, stdout
+    assert "weights: host_weight_copy copies nothing here: every unit is GPU-resident" in stdout
+    rc, stdout, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "auto.yaml", settings))
+    assert rc == 0, stdout
+    assert "host_weight_copy" not in stdout
+
+
 def test_planner_limit_trains_and_three_percent_past_it_is_refused(tmp_path, capsys):
     """A run at the limit `megatrain plan` names fits; 3% past it the preflight refuses it with one
     line naming the settings that would fit."""

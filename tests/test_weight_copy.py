@@ -234,7 +234,7 @@ def _decided(p) -> dict:
 
 def test_auto_takes_the_copy_where_it_pays_and_the_host_holds_it():
     """`host_weight_copy: auto` (the default): the plan with the copy where the cost model puts its
-    step STEPPING_GAIN faster (a link that binds), with a note saying why; the plan without it
+    step faster (a link that binds), with a note saying why; the plan without it
     where the host cannot hold the copy (never moving moments to disk for it), where it saves
     less (a link that never binds), on the CPU, in fp32 and with several processes."""
     cfg, s, b = shape_and_batch(2)
@@ -244,10 +244,25 @@ def test_auto_takes_the_copy_where_it_pays_and_the_host_holds_it():
         planning.choices_of(TrainConfig(model_config="{}", output_dir="o")).host_weight_copy is None
     )  # a run's default
     on, off = (placement.plan(cfg, b, slow, replace(auto, host_weight_copy=c)) for c in (True, False))
-    assert on.step_time_s < off.step_time_s * (1 - placement.STEPPING_GAIN)
+    assert on.step_time_s < off.step_time_s
     chosen = placement.plan(cfg, b, slow, auto)
     assert _decided(chosen) == _decided(on) and chosen.host_weight_copy
     assert any(n.startswith("host_weight_copy: auto takes the copy") for n in chosen.notes), chosen.notes
+
+    # a gain the model puts small is taken too (the copy measured 21% faster where the model said
+    # 1.1-4.2%): the link's rate where the copy's gain crosses zero, then just below it
+    def gain(m: Machine) -> float:
+        on, off = (placement.plan(cfg, b, m, replace(auto, host_weight_copy=c)) for c in (True, False))
+        return 1 - on.step_time_s / off.step_time_s
+
+    lo, hi = 1e6, 1e15  # the copy pays at lo, not at hi (below)
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if gain(replace(slow, pcie_bytes_s=mid)) > 0 else (lo, mid)
+    small = replace(slow, pcie_bytes_s=lo)
+    assert 0 < gain(small) < placement.STEPPING_GAIN
+    assert placement.plan(cfg, b, small, auto).host_weight_copy
+    assert not placement.plan(cfg, b, replace(slow, pcie_bytes_s=hi), auto).host_weight_copy
     # a host that holds the least demanding plan (two-pass) but not the copy beside it, with a
     # disk tier that would make room for the copy
     least = placement.plan(cfg, b, slow, replace(auto, host_weight_copy=False, gradient_placement="two_pass"))

@@ -136,16 +136,16 @@ def plan(
 
 def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, layer_mem) -> Plan:
     """`host_weight_copy: auto`: the plan with the compute-dtype copy of the host-stepped units'
-    weights where it fits with every moment in host memory and the cost model puts its step
-    faster at all; else the plan without. The model's gain is small where the copy measured large:
-    8B at 16k with all state in host memory, 1.1-4.0% on the plans of the H200 runs of 2026-11-27,
-    where the copy ran 21% faster (1.911 s against 2.426, bench/results/2026-11-27_1800_x2-summary.md);
-    -2.2% to -3.3% on the H100 runs', where it ran 1% slower (_1820_h100-B16k-copy-true). A
-    threshold of STEPPING_GAIN left it out of every one of them. Only for one CUDA process in
-    16-bit compute: on
-    the CPU no link is spared, in fp32 the master is what is fetched, and several processes
-    refuse the copy. Not where moments are on disk: a host that cannot hold them has no room for
-    a copy (and planning the tier twice would double the longest plans' time: 21 s for 122B)."""
+    weights where it copies some unit, fits with every moment in host memory, and the cost model
+    puts its step faster at all; else the plan without.
+    - No margin: the model puts the copy's gain small where it measured large. 8B at 16k with all
+      state in host memory: +1.1% to +4.2% on the plans of the H200 runs of 2026-11-27, where the
+      copy ran 21% faster (bench/results/2026-11-27_1800_x2-summary.md); -2.1% to -3.2% on the
+      H100 runs' plans, where it ran 1% slower. A margin of STEPPING_GAIN left it out of all.
+    - Only for one CUDA process in 16-bit compute: on the CPU no link is spared, in fp32 the
+      master is what is fetched, and several processes refuse the copy.
+    - Not where moments are on disk: a host that cannot hold them has no room for a copy (and
+      planning the tier twice would double the longest plans' time: 21 s for 122B)."""
     without = _placed(cfg, batch, m, replace(c, host_weight_copy=False), layer_mem)
     if m.device != "cuda" or batch.compute_bytes == 4 or m.world.ranks > 1 or without.disk_units:
         return without
@@ -153,8 +153,8 @@ def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, lay
         copied = _placed(cfg, batch, m, replace(c, host_weight_copy=True), layer_mem)
     except PlanError:
         return without
-    if copied.disk_units or copied.step_time_s >= without.step_time_s:
-        return without  # `without` has none on disk (above)
+    if copied.disk_units or not copied.host.get(WEIGHT_COPY) or copied.step_time_s >= without.step_time_s:
+        return without  # `without` has none on disk (above); a plan with no unit left to copy is not the copy
     saved = without.step_time_s - copied.step_time_s
     copied.notes.append(f"host_weight_copy: auto takes the copy ({fmt_bytes(copied.host.get(WEIGHT_COPY, 0))}): "
                         f"~{saved:.2f} s a step faster by the cost model")  # fmt: skip
