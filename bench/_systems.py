@@ -253,7 +253,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     # the last step's optimizer would overlap the next step, so its tail is recorded, not charged.
     drain(tr)
     res.update(**step_stats(times, W), **schedule[-1], optimizer_tail_s=time.perf_counter() - t_prev)
-    if len(counted) == 2 and hasattr(tr, "host_adam_s"):
+    if len(counted) == 2:
         (s0, p0, w0), (s1, p1, w1) = counted
         res.update(
             host_adam_s=(s1 - s0) / N,
@@ -305,12 +305,9 @@ def run_megatrain(spec: dict, res: Result) -> None:
 
 def _host_counters(tr) -> tuple[float, int, float]:
     """The transport's host AdamW seconds and parameters so far and its launching thread's wait
-    for updates (zeros for a transport without them: the CPU's)."""
-    return (
-        getattr(tr, "host_adam_s", 0.0),
-        getattr(tr, "host_adam_params", 0),
-        getattr(tr, "update_wait_s", 0.0),
-    )
+    for updates."""
+    c = tr.counters
+    return c.adam_s, c.params, c.wait_s
 
 
 def _copy(value) -> bool | None:

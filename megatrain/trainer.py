@@ -478,6 +478,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     # What each machine holds of the host state (one part of it each, when partitioned).
     memory.state_bytes = [b for b in world.each(model.state.nbytes if world.holds_state else None) if b]
     memory.tier = model.state.tier
+    memory.counters = model.transport.counters
     if main:
         memory.write(out)
         if reference is not None and reference.computed:

@@ -1,18 +1,23 @@
 """`megatrain plan` for a CPU run and for long sequences: the step time from this CPU's measured
-rate, and the caveat wherever a length passes the model's max_position_embeddings."""
+rate, and the caveat wherever a length passes the model's max_position_embeddings; the host AdamW
+rate a run records beside the plan's."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 from helpers import tiny_config
-from test_checkpoint import write_yaml
+from test_checkpoint import make_run, write_yaml
 from test_cli import run_cli
 
+from megatrain.config import TrainConfig
+from megatrain.host.state import build_units
 from megatrain.models.config import ModelConfig
 from megatrain.planning import probe
+from megatrain.trainer import train
 
 BEYOND = "beyond the model's max_position_embeddings 256: positions past it were never trained"
 
@@ -67,3 +72,24 @@ def test_cpu_plan_times_the_step_at_this_cpus_rate(tmp_path, capsys, monkeypatch
 def test_cpu_matmul_rate_is_a_rate():
     rate = probe.cpu_matmul_rate(64, 32, 48, torch.float32)
     assert 1e6 < rate < 1e15  # FLOP/s of any CPU
+
+
+def test_the_run_records_its_host_adamw_rate_beside_the_plans(tmp_path, capsys):
+    """plan.json puts the host AdamW's rate inside the run's steps (the transport's counters: every
+    parameter once a step, in the time of the AdamW alone) beside the rate the plan assumed, and
+    the run's last line says both."""
+    base = make_run(tmp_path)
+    steps = 3
+    train(TrainConfig(**base, output_dir=str(tmp_path / "out"), max_steps=steps, logging_steps=1))
+    record = json.loads((tmp_path / "out" / "plan.json").read_text())
+    n = sum(
+        u.numel for u in build_units(ModelConfig.from_json(tmp_path / "model"))
+    )  # padded units: stepped whole
+    measured, predicted = record["measured"], record["predicted"]
+    assert measured["step"] == steps and measured["host_adam_params"] == steps * n
+    assert measured["host_adam_s"] > 0 and measured["update_wait_s"] == 0  # the CPU steps in program order
+    assert measured["host_adam_params_s"] == pytest.approx(steps * n / measured["host_adam_s"])
+    assert predicted["host_adam_params_s"] == record["machine"]["adam_params_s"] > 0
+    out = capsys.readouterr()
+    line = [ln for ln in (out.out + out.err).splitlines() if "megatrain: memory:" in ln][-1]
+    assert re.search(r"host AdamW \d+\.\d\d G params/s in its steps \(plan \d+\.\d\d\)", line), line

@@ -42,6 +42,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -55,8 +56,27 @@ from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
 
 
+@dataclass
+class HostAdamCounters:
+    """The host optimizer's own seconds and the parameters it stepped (its AdamW, not its waits for
+    gradients), and the launching thread's seconds blocked on an update, since the run began: how
+    fast the host AdamW runs inside a step, and whether the step waits for it. GPU-resident and
+    GPU-stepped units are not counted (their AdamW runs on the GPU)."""
+
+    adam_s: float = 0.0
+    params: int = 0
+    wait_s: float = 0.0
+
+    def stepped(self, params: int, since: float) -> None:
+        """`params` stepped in the time since `since` (time.perf_counter())."""
+        self.adam_s += time.perf_counter() - since
+        self.params += params
+
+
 class Transport(Protocol):
     """What the engine streams through: weights in, gradients out, the optimizer."""
+
+    counters: HostAdamCounters
 
     def begin(self, schedule: list[Unit]) -> None:
         """Announce the order in which units will be fetched until the next `begin`."""
@@ -112,6 +132,7 @@ class SerialTransport:
         self.world = collective or Single()
         self.device, self.dtype = torch.device(device), dtype
         self.held: dict[int, torch.Tensor] = {}  # gradients waiting for `step`, inspectable
+        self.counters = HostAdamCounters()
 
     def begin(self, schedule: list[Unit]) -> None:
         pass
@@ -139,7 +160,9 @@ class SerialTransport:
         if skip is None or not bool(skip):
             lo, hi = self.optimizer.span(unit)
             g = _scaled(self.optimizer.own(unit, grad), coef).to("cpu")
+            t = time.perf_counter()
             self.optimizer.step_range(unit, lo, hi, g, lr, step)
+            self.counters.stepped(hi - lo, t)
         self.optimizer.published(unit)
 
     def discard(self) -> None:
@@ -231,12 +254,7 @@ class StreamingTransport:
         self._issued: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
         self.h2d_bytes = 0  # accounting for benchmarks
         self.d2h_bytes = 0
-        # the host optimizer's own time (its AdamW, not its waits for gradients) and the parameters
-        # it stepped, and the launching thread's time blocked on an update: whether a step waits
-        # for the CPU, and how fast the host AdamW runs inside a step
-        self.host_adam_s = 0.0
-        self.host_adam_params = 0
-        self.update_wait_s = 0.0
+        self.counters = HostAdamCounters()
 
     # ------------------------------------------------------------- weights in
     def begin(self, schedule: list[Unit]) -> None:
@@ -394,7 +412,8 @@ class StreamingTransport:
                     coef_host = coef.to("cpu")
                 t = time.perf_counter()
                 self.optimizer.step_held(unit, slot, coef_host, lr, step, self.chunk_elems)
-                self._adam_took(unit, t)
+                lo, hi = self.optimizer.span(unit)
+                self.counters.stepped(hi - lo, t)
             del g
             self.optimizer.published(unit)  # every rank's part of it is in the shared state
             self._ready[unit.index].set()
@@ -426,14 +445,7 @@ class StreamingTransport:
             events.pop(i).synchronize()
             t = time.perf_counter()
             self.optimizer.step_range(unit, a, b, self.staging[i % 2][: b - a], lr, step)
-            self.host_adam_s += time.perf_counter() - t
-        lo, hi = span
-        self.host_adam_params += hi - lo
-
-    def _adam_took(self, unit: Unit, since: float) -> None:
-        lo, hi = self.optimizer.span(unit)
-        self.host_adam_s += time.perf_counter() - since
-        self.host_adam_params += hi - lo
+            self.counters.stepped(b - a, t)
 
     def _work(self) -> None:
         with torch.cuda.device(self.device):
@@ -459,7 +471,7 @@ class StreamingTransport:
         if not ready.is_set():
             t = time.perf_counter()
             ready.wait()
-            self.update_wait_s += time.perf_counter() - t
+            self.counters.wait_s += time.perf_counter() - t
         self._check()
 
     def _check(self) -> None:

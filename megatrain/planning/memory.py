@@ -3,7 +3,8 @@
 The plan (placement.py) predicts the peak of allocated GPU memory and the growth of the host
 resident set before anything is allocated; the run measures both as it goes (the CUDA caching
 allocator's peak, the process's VmHWM) and records them next to each other, so a user sees how
-far the prediction was off.
+far the prediction was off. Beside them the host AdamW's rate: the one the plan's step time
+assumed, and the one the run's host optimizer kept inside its steps (the transport's counters).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class MemoryRecord:
         """The host state each machine of the run holds (the whole on one machine)."""
         self.tier = None
         """The disk tier (host/disk.py), whose I/O so far each measurement records."""
+        self.counters = None
+        """The transport's host AdamW counters (engine/transport.py), read at each measurement."""
 
     def measure(self, step: int, **more: int) -> None:
         """Read the peaks so far (cheap: no device synchronisation); `more`: other measured
@@ -51,6 +54,10 @@ class MemoryRecord:
         m = {"step": step, "host_peak_rss": status_bytes("VmHWM"), **more}
         if self.tier is not None:
             m.update(self.tier.counters)
+        c = self.counters
+        if c is not None and c.params:
+            m.update(host_adam_s=c.adam_s, host_adam_params=c.params, update_wait_s=c.wait_s)
+            m["host_adam_params_s"] = c.params / c.adam_s if c.adam_s > 0 else None
         if self.plan.device == "cuda":
             import torch
 
@@ -60,8 +67,10 @@ class MemoryRecord:
         self.measured = m
 
     @property
-    def predicted(self) -> dict[str, int]:
-        out = {"host_peak_rss": self.baseline + self.plan.host_total}
+    def predicted(self) -> dict[str, float]:
+        out: dict[str, float] = {"host_peak_rss": self.baseline + self.plan.host_total}
+        if self.machine.world.ranks_per_machine == 1:  # the plan's rate is all its ranks' together
+            out["host_adam_params_s"] = self.machine.adam_params_s
         if self.plan.device == "cuda":
             out["gpu_peak_allocated"] = self.plan.gpu_peak
             if self.rollout_gpu:
@@ -105,4 +114,7 @@ class MemoryRecord:
                 parts.append(
                     f"{name} {fmt_bytes(got)} (plan {fmt_bytes(want)}, {100 * (got / want - 1):+.1f}%)"
                 )
+        rate, planned = self.measured.get("host_adam_params_s"), self.predicted.get("host_adam_params_s")
+        if rate and planned:
+            parts.append(f"host AdamW {rate / 1e9:.2f} G params/s in its steps (plan {planned / 1e9:.2f})")
         return "megatrain: memory: " + ("; ".join(parts) or "not measured")
