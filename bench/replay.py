@@ -8,6 +8,8 @@ placement.py can be checked against every measurement taken so far without a GPU
     python bench/replay.py bench/results/*_memory.json bench/results/*_x2.json
     python bench/replay.py --units bench/results/<file>.json   # per unit of the backward sweep
     python bench/replay.py --steps bench/results/*.json         # step time, every run that can
+    python bench/replay.py --rates bench/results/*x2-B16k*.json # auto's plan at the AdamW rate
+                                                                # assumed, and at the step's own
 
 A record of several GPUs (bench/multigpu.py) is replayed for one of its processes, in its world.
 """
@@ -27,7 +29,7 @@ from memory import batch_of, plan_str, shape_of  # noqa: E402
 
 from megatrain.parallel.layout import Layout  # noqa: E402
 from megatrain.planning.footprint import evaluate  # noqa: E402
-from megatrain.planning.placement import Machine, Plan, phase_peaks, unit_peaks  # noqa: E402
+from megatrain.planning.placement import Choices, Machine, Plan, phase_peaks, plan, unit_peaks  # noqa: E402
 from megatrain.planning.planspec import PCIE_BYTES_S, model_shape  # noqa: E402
 from megatrain.planning.probe import LayerMemory  # noqa: E402
 
@@ -144,7 +146,54 @@ def _steps(paths: list[str]) -> None:
             )
 
 
+def auto_at(record: dict, adam_params_s: float) -> tuple[Plan, float]:
+    """The plan `gpu_step_units: auto` and `host_weight_copy: auto` make for a run's own inputs with
+    the host AdamW at `adam_params_s` (its kept layer graphs as the run had them), and the copy's
+    gain by the cost model there (the step without it over the step with it, less one)."""
+    run = run_of(record)
+    # as a run plans today: the host kernel writes the copy as it steps (it loaded on every GPU host
+    # recorded; runs that did not ask for the copy recorded False)
+    m = replace(machine_of(record), adam_params_s=adam_params_s, copy_in_kernel=True)
+    off = record.get("system") == "megatrain-host" or run.get("gpu_state") == "off"
+    c = Choices(
+        gpu_state="off" if off else "auto",
+        gpu_step_units=None,
+        keep_layers=record["plan"]["keep_layers"] or None,
+    )
+    cfg, b, lm = shape_of(run)[0], batch_of(run), LayerMemory(**record["layer_mem"])
+    with_copy, without = (plan(cfg, b, m, replace(c, host_weight_copy=x), lm) for x in (True, False))
+    return plan(
+        cfg, b, m, replace(c, host_weight_copy=None), lm
+    ), without.step_time_s / with_copy.step_time_s - 1
+
+
+def _rates(paths: list[str]) -> None:
+    """Each run's `auto` plan at the host AdamW rate its plan assumed and, where the run timed it
+    inside the step (`host_adam_params_s`), at that rate."""
+    print(
+        "| file | run | measured s | AdamW G params/s: plan's / in the step | auto at the plan's rate | at the step's |"
+    )
+    print("|---|---|---|---|---|---|")
+
+    def cell(p: Plan, gain: float) -> str:
+        return f"{'copy' if p.host_weight_copy else 'no copy'} ({gain:+.1%}), {p.gpu_stepped_units} stepped, {p.step_time_s:.3f} s"
+
+    for path in paths:
+        for r in runs_in(path):
+            if not r.get("step_s") or not _replayable(r, "plan"):
+                continue
+            assumed, measured = machine_of(r).adam_params_s, r.get("host_adam_params_s")
+            at = [cell(*auto_at(r, rate)) if rate else "-" for rate in (assumed, measured)]
+            rates = f"{assumed / 1e9:.2f} / " + (f"{measured / 1e9:.2f}" if measured else "-")
+            print(
+                f"| {os.path.basename(path)} | {_name(r)} | {r['step_s']:.3f} | {rates} | {at[0]} | {at[1]} |"
+            )
+
+
 def main() -> None:
+    if "--rates" in sys.argv:
+        sys.argv.remove("--rates")
+        return _rates(sys.argv[1:])
     if "--steps" in sys.argv:
         sys.argv.remove("--steps")
         return _steps(sys.argv[1:])
