@@ -183,21 +183,23 @@ def test_registration_pieces_cut_only_at_unit_boundaries():
 
 
 # ---------------------------------------------------------------------------- plan / preflight
-def test_plan_command_needs_no_dataset_and_plans_for_another_machine(tmp_path, capsys):
+def _cuda_plan_run(tmp_path, **settings) -> dict:
+    """A tiny Llama planned for a CUDA machine of 1 GiB GPU and 8 GiB host budgets (from here)."""
     tiny_config("llama", vocab_size=97).save_pretrained(tmp_path / "model")
-    cfg = write_yaml(
-        tmp_path / "run.yaml",
-        dict(
-            model_config=str(tmp_path / "model"),
-            device="cuda",
-            max_gpu_memory="1GiB",
-            max_host_memory="8GiB",
-            max_length=4096,
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=2,
-            output_dir=str(tmp_path / "out"),
-        ),
+    return dict(
+        model_config=str(tmp_path / "model"),
+        device="cuda",
+        max_gpu_memory="1GiB",
+        max_host_memory="8GiB",
+        max_length=4096,
+        per_device_train_batch_size=4,
+        output_dir=str(tmp_path / "out"),
+        **settings,
     )
+
+
+def test_plan_command_needs_no_dataset_and_plans_for_another_machine(tmp_path, capsys):
+    cfg = write_yaml(tmp_path / "run.yaml", _cuda_plan_run(tmp_path, gradient_accumulation_steps=2))
     rc, stdout, _ = run_cli(capsys, "plan", cfg)
     assert rc == 0, stdout
     n = ModelConfig.from_json(tmp_path / "model").num_params
@@ -213,16 +215,7 @@ def test_plan_command_says_a_forced_copy_with_no_unit_to_copy(tmp_path, capsys):
     """`host_weight_copy: true` where the plan keeps every unit's state on the GPU (a tiny model, a
     1 GiB GPU budget): `megatrain plan` says the copy copies nothing, where it used to fail on the
     copy's missing bytes; `auto` there plans without the copy."""
-    tiny_config("llama", vocab_size=97).save_pretrained(tmp_path / "model")
-    settings = dict(
-        model_config=str(tmp_path / "model"),
-        device="cuda",
-        max_gpu_memory="1GiB",
-        max_host_memory="8GiB",
-        max_length=4096,
-        per_device_train_batch_size=4,
-        output_dir=str(tmp_path / "out"),
-    )
+    settings = _cuda_plan_run(tmp_path)
     forced = write_yaml(tmp_path / "forced.yaml", dict(settings, host_weight_copy=True))
     rc, stdout, _ = run_cli(capsys, "plan", forced)
     assert rc == 0, stdout
