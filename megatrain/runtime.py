@@ -130,6 +130,11 @@ def make_plan(
     if (choices or Choices()).host_weight_copy is not False and compute_dtype == torch.bfloat16:
         machine = replace(machine, copy_in_kernel=copies_in_kernel())
     layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked)
+    # The host's AdamW read again, seconds later: the first reading comes at the process's start,
+    # where a host busy for a while reads slow, and the plan then steps too many units on the GPU.
+    machine = replace(
+        machine, adam_params_s=placement.host_adam_rate(machine.device, machine.world, again=True)
+    )
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,
         micro_batches=grad_accum,

@@ -607,31 +607,38 @@ def measure(
     device, max_gpu_memory: int | None = None, max_host_memory: int | None = None, world: Layout | None = None
 ) -> Machine:
     """The budgets of a run on `device` (a torch.device or "cpu"/"cuda[:N]"): the caps where the
-    user set them, else what is free now; and this host's CPU AdamW rate (measured, ~0.1 s, where
-    the run happens: on CUDA, and on the CPU with torch's threads).
+    user set them, else what is free now; and this host's CPU AdamW rate (`host_adam_rate`).
     `world`: the data-parallel world the machine belongs to (layout.py; default one process)."""
-    import torch
-
-    from ..parallel.distributed import plans_for_all
-    from .probe import CPU_ADAM_PROBE, adam_rate
-
     kind = str(device).split(":")[0]
     gpu = None
     if kind == "cuda":
         gpu = max_gpu_memory if max_gpu_memory is not None else gpu_available(device)
     host = max_host_memory if max_host_memory is not None else host_available()
+    world = world or Layout()
+    capped = max_gpu_memory is not None
+    return Machine(kind, gpu, host, gpu_capped=capped, adam_params_s=host_adam_rate(kind, world), world=world)
+
+
+def host_adam_rate(kind: str, world: Layout, again: bool = False) -> float:
+    """The CPU AdamW rate (parameters/s) a plan on a `kind` device assumes: measured (~0.1 s) where
+    the run happens, on CUDA and on the CPU with torch's threads; else ADAM_PARAMS_S. `again`
+    (CUDA): read the host once more and keep the best of this process's readings
+    (`probe.adam_rate`)."""
+    import torch
+
+    from ..parallel.distributed import plans_for_all
+    from .probe import CPU_ADAM_PROBE, adam_rate
+
     # This host's rate only where the run will happen (not when planning from a login node): the
     # machine's, all its ranks' optimizer threads together (each steps its share of every unit at
     # once, and AdamW is bound by the host's memory bandwidth, which they share). Measured by the
     # rank whose plan all run, alone: the others measuring at once would oversubscribe the cores.
-    on_target = kind == "cuda" and torch.cuda.is_available() and plans_for_all()
-    world = world or Layout()
-    threads = world.ranks_per_machine * optimizer_threads(world.ranks_per_machine)
-    adam = ADAM_IN_STEP * adam_rate(threads) if on_target else ADAM_PARAMS_S
     if kind == "cpu" and plans_for_all():  # planned where it runs; the optimizer steps after the backward
-        adam = adam_rate(torch.get_num_threads(), CPU_ADAM_PROBE)
-    capped = max_gpu_memory is not None
-    return Machine(kind, gpu, host, gpu_capped=capped, adam_params_s=adam, world=world)
+        return adam_rate(torch.get_num_threads(), CPU_ADAM_PROBE)
+    if not (kind == "cuda" and torch.cuda.is_available() and plans_for_all()):
+        return ADAM_PARAMS_S
+    threads = world.ranks_per_machine * optimizer_threads(world.ranks_per_machine)
+    return ADAM_IN_STEP * adam_rate(threads, again=again)
 
 
 def allocator_fraction(machine: Machine, total_gpu_bytes: int) -> float | None:
