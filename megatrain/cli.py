@@ -188,9 +188,8 @@ def _plan(args) -> int:
         name = "cuda"
     dtype = {"auto": "bfloat16" if kind == "cuda" else "float32"}.get(cfg.compute_dtype, cfg.compute_dtype)
     compute_bytes = 2 if dtype == "bfloat16" else 4
-    machine = plan.machine_of(cfg, name if torch.cuda.is_available() or kind == "cpu" else "cuda")
+    machine, layer_mem = plan.measured(model_cfg, cfg, name, compute_bytes)  # layer: None without a device
     data = plan.data_bytes(cfg)
-    layer_mem = plan.layer_memory(model_cfg, cfg, name, compute_bytes)  # None: no device here to measure
     result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
     for warning in config_warnings(cfg, model_cfg):  # as train warns
         print(f"megatrain: warning: {warning}")

@@ -421,13 +421,32 @@ def _largest_fitting(fits, hi: int) -> int | None:
 def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
     """One layer's activation memory measured on `device` (None where no CUDA device is there to
     measure it: the formula; on the CPU, the formula with this CPU's FLOP rate)."""
-    import torch
-
     from .planning.probe import layer_memory_for
 
-    dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
     b = batch_of(cfg, model_cfg, compute_bytes)
-    return layer_memory_for(model_cfg, device, dtype, cfg.torch_compile, b.micro_batch_tokens, b.masked)
+    return layer_memory_for(
+        model_cfg, device, _compute_dtype(compute_bytes), cfg.torch_compile, b.micro_batch_tokens, b.masked
+    )
+
+
+def _compute_dtype(compute_bytes: int):
+    """A training config's compute dtype by its width (compute_dtype: bfloat16 or float32)."""
+    import torch
+
+    return torch.bfloat16 if compute_bytes == 2 else torch.float32
+
+
+def measured(model_cfg: ModelConfig, cfg, device, compute_bytes: int, world: Layout | None = None):
+    """(machine, layer memory) a plan of `cfg` on `device` is made from: `machine_of`'s budgets,
+    completed as every plan's are (`runtime.probe_machine`), and `layer_memory`."""
+    from .runtime import probe_machine
+
+    return probe_machine(
+        machine_of(cfg, device, world),
+        choices_of(cfg),
+        _compute_dtype(compute_bytes),
+        lambda: layer_memory(model_cfg, cfg, device, compute_bytes),
+    )
 
 
 def preflight(
@@ -443,8 +462,7 @@ def preflight(
     Raises InsufficientMemory with a one-line message when no placement fits; with
     preflight_check=false it warns and plans as if memory were unlimited. `attention_span`: the
     training data's (`Batcher.attention_span`)."""
-    machine = machine_of(cfg, device, world)
-    layer_mem = layer_memory(model_cfg, cfg, device, compute_bytes)
+    machine, layer_mem = measured(model_cfg, cfg, device, compute_bytes, world)
     result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem, attention_span=attention_span)
     if result.fits:
         return result.plan, machine

@@ -25,7 +25,7 @@ from .parallel.distributed import Collective, Single
 from .parallel.layout import Layout
 from .planning import placement
 from .planning.placement import Batch, Choices, Machine, Plan, optimizer_threads
-from .planning.probe import layer_memory_for
+from .planning.probe import LayerMemory, layer_memory_for
 
 
 def configure_allocator() -> None:
@@ -104,6 +104,26 @@ class TrainableModel:
             self.state.tier.close()
 
 
+def probe_machine(
+    machine: Machine,
+    choices: Choices,
+    compute_dtype: torch.dtype,
+    probe_layer: Callable[[], LayerMemory | None],
+) -> tuple[Machine, LayerMemory | None]:
+    """What a plan takes of this machine beyond its budgets (`placement.measure`), the same for
+    every way a run is planned (`make_plan`, `train`'s preflight, `megatrain plan`): whether the
+    host optimizer writes the weight copy in its own kernel's pass (where the copy may be taken),
+    one layer measured on the device (`probe_layer`), and the host's AdamW read once more after
+    that, seconds after the first reading, the better one kept: a host busy at a process's start
+    reads slow, and the plan then steps too many units on the GPU (a 32-core host read 2.96 G
+    params/s there and ran 4.46 in the steps: bench/results/2026-11-27_2140_x2-summary.md)."""
+    if choices.host_weight_copy is not False and compute_dtype == torch.bfloat16:
+        machine = replace(machine, copy_in_kernel=copies_in_kernel())
+    layer_mem = probe_layer()
+    rate = placement.host_adam_rate(machine.device, machine.world, again=True)
+    return replace(machine, adam_params_s=rate), layer_mem
+
+
 def make_plan(
     cfg: ModelConfig,
     device: str | torch.device,
@@ -126,14 +146,12 @@ def make_plan(
     engine will run it, default on). `world`: the data-parallel world's layout (layout.py)."""
     if torch.device(device).type == "cuda":
         configure_allocator()
-    machine = placement.measure(device, max_gpu_memory, max_host_memory, world)
-    if (choices or Choices()).host_weight_copy is not False and compute_dtype == torch.bfloat16:
-        machine = replace(machine, copy_in_kernel=copies_in_kernel())
-    layer_mem = layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked)
-    # The host's AdamW read again, seconds later: the first reading comes at the process's start,
-    # where a host busy for a while reads slow, and the plan then steps too many units on the GPU.
-    machine = replace(
-        machine, adam_params_s=placement.host_adam_rate(machine.device, machine.world, again=True)
+    choices = choices or Choices()
+    machine, layer_mem = probe_machine(
+        placement.measure(device, max_gpu_memory, max_host_memory, world),
+        choices,
+        compute_dtype,
+        lambda: layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
     )
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,
@@ -145,7 +163,7 @@ def make_plan(
         rows=batch_size,
         attention_span=attention_span,
     )
-    return placement.plan(cfg, batch, machine, choices or Choices(), layer_mem), machine
+    return placement.plan(cfg, batch, machine, choices, layer_mem), machine
 
 
 def build_model(
