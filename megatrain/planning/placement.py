@@ -53,6 +53,7 @@ from .footprint import (
     CUDA_CONTEXT,
     HOST_RESERVE,
     WEIGHT_COPY,
+    GiB,
     disk_tier_bytes,
     evaluate,
     fits,
@@ -94,6 +95,25 @@ STEPPING_GAIN = 0.05
 # 8,429-8,771 in four (two), the allocator's reserve at the card's limit at 34 (bench/host-only.md). Those runs predate the reordered write-backs of
 # gpustep.py, which removed a per-step allocator retry; 34 units are not measured since.
 STEPPING_TOLERANCE = 0.02
+# `gpu_step_units: auto` takes no count whose plan leaves less than this free of the GPU budget
+# (`Machine.gpu_bytes`). The plan counts allocated bytes; the caching allocator maps more: it keeps
+# each stream's freed memory for that stream, and the prestaged state (the load stream's) and the
+# compute stream's working set take turns at the card's limit. In a traced step of 8B at 16k
+# tokens on an H100 with 21 units (4.3 GiB left free by the plan), it gave memory back and mapped
+# it again three times: first where the forward sweep asked for activations, the load stream
+# holding the last step's state cached, the compute stream 3.6 GiB over its own share of the plan
+# (results/2026-11-27_2353_h100-B16k-auto-trace.json; 13 retries in 5 steps, the step 14% over its
+# plan). The records, by what the plan left free: 4.3-7.7 GiB, 9-18 retries a run (8B at 16k on
+# H100s, 20-21 units: 2026-11-26_1747, 2026-11-27_1817, _1820, _2003, _2353; the 14.77B shape at
+# 16k on an H200, 30 units: 2026-11-27_1012, 8% over its plan); 13.5 GiB, one retry, and 9.7% more
+# tokens/s than 21 units on the same machine (8B, H100, 18 units: _2355_h100-B16k-s18-s15.json);
+# 21.7 GiB, none (8B at 64k on an H200, 32 units: 2026-11-23_2116). A fit to these runs, not a
+# model of the allocator: 8B at 16k on an H200 retried with 23-39 GiB free (29-31 units, chosen
+# only with a misread AdamW rate; `auto` steps 24-26 there, 44 GiB free or more). On a budget
+# under 80 GiB, STEPPING_GPU_HEADROOM_SHARE of it (11.8 GiB on the H100s; smaller ones measured
+# nothing).
+STEPPING_GPU_HEADROOM = 12 * GiB
+STEPPING_GPU_HEADROOM_SHARE = 0.15
 
 
 class PlanError(MegatrainError):
@@ -322,12 +342,15 @@ def _in_memory(
         best = min(spent, key=lambda p: p.step_time_s)
     can_step = m.device == "cuda" and m.world.ranks == 1  # where GPU stepping is built
     may_store = batch.clip and c.gradient_placement in ("auto", "host")
+    headroom = ""
     if c.gpu_step_units is None and can_step:
-        best = _fastest_stepping(s, batch, best, m, may_store)
+        best, headroom = _fastest_stepping(s, batch, best, m, may_store)
     why = _why_two_pass(best, c, m, candidate)
     if c.gpu_step_units == 0 and can_step and may_store:  # the user's default: say what auto would do
         why += _stepping_would_store(s, batch, best, m)
     best = _note(best, s, batch, m, why)
+    if headroom:
+        best.notes.append(headroom)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
@@ -425,9 +448,10 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
         cur = max(scored, key=lambda x: x[0])[1]
 
 
-def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool) -> Plan:
+def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool) -> tuple[Plan, str]:
     """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
-    says is fastest, among those whose memory fits (the fewest within STEPPING_TOLERANCE of it);
+    says is fastest, among those whose memory fits with STEPPING_GPU_HEADROOM left for the
+    allocator (the fewest within STEPPING_TOLERANCE of it);
     none unless that saves STEPPING_GAIN of the step, the cost model's error on the runs it was
     checked against. Only where gradients are held for the clip (stored): in a two-pass step the
     CPU AdamW already runs beside the second backward sweep, and GPU stepping measured no faster
@@ -435,24 +459,39 @@ def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: boo
     without, where the model said 31% faster; bench/results/2026-11-23_1650_memory.json). But a
     plan that is two-pass because the host cannot hold the gradients can hold them once enough
     units are stepped on the GPU, whose gradients wait there (`may_store`: the user's
-    gradient_placement allows storing them)."""
+    gradient_placement allows storing them). Also returns a note where the headroom held back a
+    count the cost model puts faster (else "")."""
     if base.grad_mode == "stored":
         start = base
     elif base.grad_mode == "two_pass" and may_store:
         start = replace(base, grad_mode="stored", gpu_grad_units=0)
     else:
-        return base
+        return base, ""
     # not monotone: more units free host memory (their gradients) and take GPU memory
-    counts = (
+    counts = [
         _stepped_loading(s, b, replace(start, gpu_stepped_units=k), m)
         for k in range(1, len(s.units) - base.resident_units + 1)
-    )
-    fitting = [p for p in counts if fits(p, m)]
+    ]
+    room = None
+    if m.gpu_bytes is not None:
+        room = m.gpu_bytes - min(STEPPING_GPU_HEADROOM, STEPPING_GPU_HEADROOM_SHARE * m.gpu_bytes)
+    fitting = [p for p in counts if fits(p, m) and (room is None or p.gpu_peak <= room)]
     if not fitting:
-        return base
+        return base, ""
     fastest = min(p.step_time_s for p in fitting)
     best = next(p for p in fitting if p.step_time_s <= (1 + STEPPING_TOLERANCE) * fastest)
-    return best if best.step_time_s < (1 - STEPPING_GAIN) * base.step_time_s else base
+    if best.step_time_s >= (1 - STEPPING_GAIN) * base.step_time_s:
+        return base, ""
+    held_back = [p for p in counts if fits(p, m) and p.step_time_s < (1 - STEPPING_TOLERANCE) * fastest]
+    if not held_back:
+        return best, ""
+    other = min(held_back, key=lambda p: p.step_time_s)
+    return best, (
+        f"gpu_step_units: auto leaves {fmt_bytes(m.gpu_bytes - best.gpu_peak)} of the GPU free for the "
+        f"allocator's caches; {other.gpu_stepped_units} units would fit its plan, "
+        f"~{best.step_time_s - other.step_time_s:.2f} s a step faster by the cost model, where runs that left "
+        "the allocator less room retried it every step (a number in gpu_step_units takes them)"
+    )
 
 
 def _stepped_loading(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
@@ -511,7 +550,7 @@ def _stepping_would_store(s: Shape, b: Batch, p: Plan, m: Machine) -> str:
     `gpu_step_units: auto`, that, with its cost (for the note; '' otherwise)."""
     if p.grad_mode != "two_pass":
         return ""
-    alt = _fastest_stepping(s, b, p, m, may_store=True)
+    alt, _ = _fastest_stepping(s, b, p, m, may_store=True)
     if alt.grad_mode != "stored":
         return ""
     return (
