@@ -22,11 +22,12 @@ From the model's shape, the batch shape and the memory the run may use (measured
 * the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
 
 **GPU-stepped units** (`gpu_step_units`: a count, or `auto`: the fewest the cost model puts
-within STEPPING_TOLERANCE of its fastest): the first streamed units after the resident ones are
-stepped on the GPU, their fp32 state copied in and back each step (gpustep.py); the plan keeps
-their gradients on the GPU and counts the scratch or, where gradients are held, the state loaded
-during the backward sweep (prestaged, where that fits and is faster), the weights they keep for
-the next forward sweep and the PCIe traffic.
+within STEPPING_TOLERANCE of its fastest, leaving the allocator STEPPING_GPU_HEADROOM of the card):
+the first streamed units after the resident ones are stepped on the GPU, their fp32 state copied
+in and back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the
+scratch or, where gradients are held, the state loaded during the backward sweep (prestaged,
+where that fits and is faster), the weights they keep for the next forward sweep and the PCIe
+traffic.
 
 The engine and the transport receive the `Plan` and carry it out; they keep no rules of their
 own. `megatrain plan` prints the same plan, and a training run records it in `plan.json` beside
