@@ -265,6 +265,55 @@ def test_auto_leaves_the_card_room_where_more_units_gain_less_than_the_model_can
         assert auto.gpu_peak < every.gpu_peak - 8 * 2**30
 
 
+def test_auto_keeps_the_graphs_that_fit_under_the_stepped_peak():
+    """With GPU-stepped units `auto` also keeps the last layers' graphs, one more while the model
+    puts it faster and the plan's GPU peak does not rise (placement._keep_stepped_graphs). 8B at
+    16k on the two-H200 machine (the run's own inputs): 26 units and 2 graphs, the peak of the 26
+    alone; 4 kept graphs measured 2.0% faster than none there (one call apart), and the model
+    puts 2 as fast as 4. At 64k every kept graph raises the peak: none, as ran. A number the user
+    set is kept, none included."""
+    (run16,) = [
+        r for r in _records("2026-11-27_2331_x2-B16k-auto-ds5.json") if r["system"] == "megatrain-host"
+    ]
+    (keep4,) = [
+        r for r in _records("2026-11-27_2338_x2-B16k-keep4-ds6.json") if r["system"] == "megatrain-host"
+    ]
+    assert (run16["plan"]["keep_layers"], keep4["plan"]["keep_layers"]) == (0, 4)
+    assert keep4["plan"]["gpu_stepped_units"] == run16["plan"]["gpu_stepped_units"] == 26
+    assert keep4["step_s"] < 0.985 * run16["step_s"] and keep4["alloc_retries"] == 0
+    run = replay.run_of(run16)
+    cfg, batch, lm = memory.shape_of(run)[0], memory.batch_of(run), LayerMemory(**run16["layer_mem"])
+    machine = dataclasses.replace(replay.machine_of(run16), copy_in_kernel=True)  # as the run had it
+
+    def planned(**kw) -> Plan:  # `host_weight_copy: auto`, which took the copy there
+        return placement.plan(cfg, batch, machine, dataclasses.replace(AUTO, host_weight_copy=None, **kw), lm)
+
+    auto, none, four = planned(), planned(keep_layers=0), planned(keep_layers=4)
+    assert (auto.gpu_stepped_units, auto.keep_layers, none.keep_layers, four.keep_layers) == (26, 2, 0, 4)
+    assert auto.gpu_peak == none.gpu_peak < four.gpu_peak
+    assert auto.step_time_s < 0.995 * none.step_time_s and auto.step_time_s <= four.step_time_s
+    assert "kept graphs: last 2 layers (not recomputed)" in auto.notes
+    more = planned(keep_layers=3)  # the next graph: no faster, or over the peak
+    assert more.step_time_s >= auto.step_time_s or more.gpu_peak > auto.gpu_peak
+    B = llama(4096, 32, 32, 8, 14336)
+    step64k = dataclasses.replace(STEP16K, micro_batches=4)
+    for name in ("2026-11-23_1713_memory.json", "2026-11-23_1908_b64-s34-head.json"):
+        r = _records(name)[0]
+        machine, lm = replay.machine_of(r), LayerMemory(**r["layer_mem"])
+        auto = placement.plan(B, step64k, machine, AUTO, lm)
+        one = placement.plan(B, step64k, machine, dataclasses.replace(AUTO, keep_layers=1), lm)
+        assert auto.keep_layers == 0 and auto.gpu_stepped_units > 0
+        one_more = placement.plan(
+            B,
+            step64k,
+            machine,
+            dataclasses.replace(OFF, gpu_step_units=auto.gpu_stepped_units, keep_layers=1),
+            lm,
+        )
+        assert one_more.gpu_peak > auto.gpu_peak, name
+        assert one.keep_layers == 1
+
+
 def test_auto_leaves_the_allocator_the_headroom_it_retried_without(monkeypatch):
     """8B at 16k tokens, all state in host memory, on the H100 runs (their machine, measured layer
     and AdamW rate): without the headroom `auto` stepped 20-21 units, whose plans left 4.3-7.5 GiB

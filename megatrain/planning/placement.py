@@ -22,7 +22,8 @@ From the model's shape, the batch shape and the memory the run may use (measured
 * the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
 
 **GPU-stepped units** (`gpu_step_units`: a count, or `auto`: the fewest the cost model puts
-within STEPPING_TOLERANCE of its fastest, leaving the allocator STEPPING_GPU_HEADROOM of the card):
+within STEPPING_TOLERANCE of its fastest, leaving the allocator STEPPING_GPU_HEADROOM of the card,
+with the last layers' graphs kept where that is faster and adds nothing to the GPU peak):
 the first streamed units after the resident ones are stepped on the GPU, their fp32 state copied
 in and back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the
 scratch or, where gradients are held, the state loaded during the backward sweep (prestaged,
@@ -345,10 +346,10 @@ def _in_memory(
     may_store = batch.clip and c.gradient_placement in ("auto", "host")
     headroom = ""
     if c.gpu_step_units is None and can_step:
-        best, headroom = _fastest_stepping(s, batch, best, m, may_store)
+        best, headroom = _fastest_stepping(s, batch, best, m, may_store, keep_graphs=c.keep_layers is None)
     why = _why_two_pass(best, c, m, candidate)
     if c.gpu_step_units == 0 and can_step and may_store:  # the user's default: say what auto would do
-        why += _stepping_would_store(s, batch, best, m)
+        why += _stepping_would_store(s, batch, best, m, keep_graphs=c.keep_layers is None)
     best = _note(best, s, batch, m, why)
     if headroom:
         best.notes.append(headroom)
@@ -449,7 +450,9 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
         cur = max(scored, key=lambda x: x[0])[1]
 
 
-def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool) -> tuple[Plan, str]:
+def _fastest_stepping(
+    s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool, keep_graphs: bool
+) -> tuple[Plan, str]:
     """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
     says is fastest, among those whose memory fits with STEPPING_GPU_HEADROOM left for the
     allocator (the fewest within STEPPING_TOLERANCE of it);
@@ -460,8 +463,10 @@ def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: boo
     without, where the model said 31% faster; bench/results/2026-11-23_1650_memory.json). But a
     plan that is two-pass because the host cannot hold the gradients can hold them once enough
     units are stepped on the GPU, whose gradients wait there (`may_store`: the user's
-    gradient_placement allows storing them). Also returns a note where the headroom held back a
-    count the cost model puts faster (else "")."""
+    gradient_placement allows storing them). `keep_graphs` (kept graphs left to the plan, as a
+    run's config always leaves them): then the last layers' graphs kept where that is faster
+    (`_keep_stepped_graphs`). Also returns
+    a note where the headroom held back a count the cost model puts faster (else "")."""
     if base.grad_mode == "stored":
         start = base
     elif base.grad_mode == "two_pass" and may_store:
@@ -483,6 +488,8 @@ def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: boo
     best = next(p for p in fitting if p.step_time_s <= (1 + STEPPING_TOLERANCE) * fastest)
     if best.step_time_s >= (1 - STEPPING_GAIN) * base.step_time_s:
         return base, ""
+    if keep_graphs:
+        best = _keep_stepped_graphs(s, b, best, m)
     held_back = [p for p in counts if fits(p, m) and p.step_time_s < (1 - STEPPING_TOLERANCE) * fastest]
     if not held_back:
         return best, ""
@@ -493,6 +500,26 @@ def _fastest_stepping(s: Shape, b: Batch, base: Plan, m: Machine, may_store: boo
         f"~{best.step_time_s - other.step_time_s:.2f} s a step faster by the cost model, where runs that left "
         "the allocator less room retried it every step (a number in gpu_step_units takes them)"
     )
+
+
+def _keep_stepped_graphs(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
+    """A plan with GPU-stepped units, keeping the last layers' autograd graphs from the forward
+    sweep one layer more at a time while the cost model puts each faster and the plan's GPU peak
+    does not rise: the graphs then live in memory the step holds at its peak anyway (in the
+    forward sweep, where the prestaged state is not yet in), so they bring the allocator no nearer
+    the card's limit, where more GPU-stepped units made it retry. A kept layer is neither
+    recomputed nor fetched again in the backward sweep; its graph is activation memory, which does
+    not grow with the model's depth, so `gpu_state: off` allows it here. 8B at 16k tokens with all
+    state in host memory, 26 GPU-stepped units on an H200: 4 kept graphs ran 2.0% faster than none
+    on the same machine (the plan's peak 4 GiB higher, no retries), where the cost model puts 2 to
+    6 of them 1.2% ahead (results/2026-11-27_2331_x2-B16k-auto-ds5.json,
+    _2338_x2-B16k-keep4-ds6.json); 2 fit under the peak. At 64k tokens every kept graph raises it."""
+    while p.keep_layers < s.layers - p.parked_layers:
+        more = _stepped_loading(s, b, replace(p, keep_layers=p.keep_layers + 1), m)
+        if more.step_time_s >= p.step_time_s - 1e-6 or more.gpu_peak > p.gpu_peak or not fits(more, m):
+            return p
+        p = more
+    return p
 
 
 def _stepped_loading(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
@@ -546,12 +573,12 @@ def _why_two_pass(p: Plan, c: Choices, m: Machine, candidate) -> str:
     return f"{host}, and the GPU holds no more of them"
 
 
-def _stepping_would_store(s: Shape, b: Batch, p: Plan, m: Machine) -> str:
+def _stepping_would_store(s: Shape, b: Batch, p: Plan, m: Machine, keep_graphs: bool) -> str:
     """Where a two-pass plan without GPU-stepped units would store the gradients instead with
     `gpu_step_units: auto`, that, with its cost (for the note; '' otherwise)."""
     if p.grad_mode != "two_pass":
         return ""
-    alt, _ = _fastest_stepping(s, b, p, m, may_store=True)
+    alt, _ = _fastest_stepping(s, b, p, m, may_store=True, keep_graphs=keep_graphs)
     if alt.grad_mode != "stored":
         return ""
     return (
