@@ -23,7 +23,8 @@ From the model's shape, the batch shape and the memory the run may use (measured
 
 **GPU-stepped units** (`gpu_step_units`: a count, or `auto`: the fewest the cost model puts
 within STEPPING_TOLERANCE of its fastest, leaving the allocator STEPPING_GPU_HEADROOM of the card,
-with the last layers' graphs kept where that is faster and adds nothing to the GPU peak):
+with the last layers' graphs kept where that saves KEEP_GRAPHS_GAIN and adds nothing to the GPU
+peak):
 the first streamed units after the resident ones are stepped on the GPU, their fp32 state copied
 in and back each step (gpustep.py); the plan keeps their gradients on the GPU and counts the
 scratch or, where gradients are held, the state loaded during the backward sweep (prestaged,
@@ -116,6 +117,17 @@ STEPPING_TOLERANCE = 0.02
 # nothing).
 STEPPING_GPU_HEADROOM = 12 * GiB
 STEPPING_GPU_HEADROOM_SHARE = 0.15
+# The share of the step kept graphs must save by the cost model beside `auto`'s GPU-stepped units
+# (`_keep_stepped_graphs`). 8B at 16k tokens, all state in host memory: on the H200s 2 graphs under
+# the peak of 25-26 units, 1.2-1.3% by the model; 4 graphs with 26 units ran 2.0% faster than none
+# on the same machine, no retries (results/2026-11-27_2331_x2-B16k-auto-ds5.json,
+# _2338_x2-B16k-keep4-ds6.json), and 2 took 1.3% off the step's serial compute (_0221 against
+# 2026-11-27_2112). On the H100s 1 graph under the peak of 18 units, 0.4-0.5% by the model: the
+# runs with it retried the allocator 2 and 9 times (2026-11-28_0228_h100-B16k-auto-keep.json,
+# _0213_x2-h100-B16k-auto-keep-ds7.json) against once without it (2026-11-27_2355, another
+# machine): not attributed, and a gain under the model's resolution is not worth it. At 64k tokens
+# on the H200s every graph raises the peak.
+KEEP_GRAPHS_GAIN = 0.01
 
 
 class PlanError(MegatrainError):
@@ -505,21 +517,18 @@ def _fastest_stepping(
 def _keep_stepped_graphs(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
     """A plan with GPU-stepped units, keeping the last layers' autograd graphs from the forward
     sweep one layer more at a time while the cost model puts each faster and the plan's GPU peak
-    does not rise: the graphs then live in memory the step holds at its peak anyway (in the
-    forward sweep, where the prestaged state is not yet in), so they bring the allocator no nearer
-    the card's limit, where more GPU-stepped units made it retry. A kept layer is neither
-    recomputed nor fetched again in the backward sweep; its graph is activation memory, which does
-    not grow with the model's depth, so `gpu_state: off` allows it here. 8B at 16k tokens with all
-    state in host memory, 26 GPU-stepped units on an H200: 4 kept graphs ran 2.0% faster than none
-    on the same machine (the plan's peak 4 GiB higher, no retries), where the cost model puts 2 to
-    6 of them 1.2% ahead (results/2026-11-27_2331_x2-B16k-auto-ds5.json,
-    _2338_x2-B16k-keep4-ds6.json); 2 fit under the peak. At 64k tokens every kept graph raises it."""
+    does not rise, where together they save KEEP_GRAPHS_GAIN of the step (else `p`). Under the
+    peak the graphs live in memory the plan already counts at the step's busiest moment, so they
+    bring its allocated bytes no nearer the card's limit. A kept layer is neither recomputed nor
+    fetched again in the backward sweep; its graph is activation memory, which does not grow with
+    the model's depth, so `gpu_state: off` allows it here."""
+    base = p
     while p.keep_layers < s.layers - p.parked_layers:
         more = _stepped_loading(s, b, replace(p, keep_layers=p.keep_layers + 1), m)
         if more.step_time_s >= p.step_time_s - 1e-6 or more.gpu_peak > p.gpu_peak or not fits(more, m):
-            return p
+            break
         p = more
-    return p
+    return p if p.step_time_s <= (1 - KEEP_GRAPHS_GAIN) * base.step_time_s else base
 
 
 def _stepped_loading(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
