@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _sched import describe as describe_threads
+
 SYSTEM_ORDER = ("megatrain", "megatrain-host", "deepspeed", "resident")
 COLORS = {"megatrain": "#1f77b4", "megatrain-host": "#9ecae1", "deepspeed": "#ff7f0e", "resident": "#2ca02c"}
 
@@ -137,6 +139,7 @@ def _megatrain_detail(r: dict[str, Any]) -> str:
         f"{g('serial_fb_s')} s + optimizer {g('serial_opt_s')} s; optimizer hidden {g('opt_hidden_frac', '.0%')}; "
         f"host AdamW in a step {g('host_adam_s', '.3f')} s of work at {_giga(r.get('host_adam_params_s'))} "
         f"params/s, the launching thread blocked {g('update_wait_s', '.3f')} s a step on updates; "
+        f"threads a step: {describe_threads(r.get('threads_per_step'))}; "
         f"GPU busy {g('gpu_busy', '.0%')} on the compute stream, {g('gpu_busy_any', '.0%')} any stream, "
         f"H2D copies {g('h2d_busy', '.0%')}, D2H copies {g('d2h_busy', '.0%')}; "
         f"H2D {g('h2d_bytes_per_step', ',.0f')} B/step, D2H {g('d2h_bytes_per_step', ',.0f')} B/step; "

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from _phases import instrument_phases
 from _profile import profile_busy, warm_profiler
+from _sched import per_step as sched_per_step
+from _sched import snapshot as sched_snapshot
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the megatrain package of this checkout, whatever is installed
@@ -238,6 +240,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     times: list[float] = []
     schedule: list[dict[str, int]] = []
     counted: list[tuple[float, int, float]] = []
+    sched: list = []  # each thread's CPU and run-queue time at the same two points (_sched.py)
     t_prev = time.perf_counter()
     for i in range(W + N):
         coef = fb()
@@ -246,6 +249,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         t_prev = t
         if i in (W - 1, W + N - 1):  # each pass of the timed steps' optimizer is done, none begun
             counted.append(_host_counters(tr))
+            sched.append(sched_snapshot())
         eng.step(LR, coef)
         schedule.append(_tuning(eng, tr))
         res.update(**step_stats(times, W), losses=losses, schedule_per_step=schedule)
@@ -259,6 +263,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
             host_adam_s=(s1 - s0) / N,
             host_adam_params_s=(p1 - p0) / (s1 - s0) if s1 > s0 else None,
             update_wait_s=(w1 - w0) / N,
+            threads_per_step=sched_per_step(*sched, N),
         )
     if cuda:  # times the allocator freed its cache to serve a request (each synchronises the device)
         res.update(alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0))
