@@ -379,8 +379,8 @@ class TrainConfig:
     12 GiB (15% of a smaller card) free, where gradients are held for the clip (none with several
     processes, on the CPU, or in a two-pass or immediate step), with the last layers' graphs kept
     from the forward sweep where that saves 1% of the step and fits under the stepped units' GPU
-    peak. CUDA,
-    one process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves free."""
+    peak. CUDA, one process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves
+    free."""
     host_weight_copy: bool | None = None
     """Keep a copy of the master weights in the compute dtype in host memory, cast by the host
     optimizer as it steps each range, and fetch the units it steps from it: half the bytes of
