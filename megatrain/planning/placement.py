@@ -356,12 +356,12 @@ def _in_memory(
         best = min(spent, key=lambda p: p.step_time_s)
     can_step = m.device == "cuda" and m.world.ranks == 1  # where GPU stepping is built
     may_store = batch.clip and c.gradient_placement in ("auto", "host")
-    headroom = ""
+    headroom, keep_graphs = "", c.keep_layers is None
     if c.gpu_step_units is None and can_step:
-        best, headroom = _fastest_stepping(s, batch, best, m, may_store, keep_graphs=c.keep_layers is None)
+        best, headroom = _fastest_stepping(s, batch, best, m, may_store, keep_graphs)
     why = _why_two_pass(best, c, m, candidate)
     if c.gpu_step_units == 0 and can_step and may_store:  # the user's default: say what auto would do
-        why += _stepping_would_store(s, batch, best, m, keep_graphs=c.keep_layers is None)
+        why += _stepping_would_store(s, batch, best, m, keep_graphs)
     best = _note(best, s, batch, m, why)
     if headroom:
         best.notes.append(headroom)
@@ -477,8 +477,8 @@ def _fastest_stepping(
     units are stepped on the GPU, whose gradients wait there (`may_store`: the user's
     gradient_placement allows storing them). `keep_graphs` (kept graphs left to the plan, as a
     run's config always leaves them): then the last layers' graphs kept where that is faster
-    (`_keep_stepped_graphs`). Also returns
-    a note where the headroom held back a count the cost model puts faster (else "")."""
+    (`_keep_stepped_graphs`). Also returns a note where the headroom held back a count the cost
+    model puts faster (else "")."""
     if base.grad_mode == "stored":
         start = base
     elif base.grad_mode == "two_pass" and may_store:
