@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -193,4 +194,128 @@ def engine_table(rows: list[dict]) -> str:
         f"{r['gparams_per_s']:.2f} | {r['vs_kernel']:.0%} |"
         for r in rows
     ]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- beside a step
+BESIDE = ("none", "launch", "link", "launch+link")
+LINK_BYTES = 512 << 20  # each direction's buffer pair
+
+
+class Beside:
+    """What runs beside the host AdamW in a training step, started for the length of a `with`:
+    `launch`, a thread launching small kernels in a Python loop (the launching thread: a core,
+    the GIL between its calls; on the CPU, small ops in its place); `link`, page-locked host
+    buffers copied to and from the GPU on two streams without pause (the link's traffic through
+    host memory, waited for without spinning). `link_gb_s`: both directions' rate while it ran."""
+
+    def __init__(self, kinds: str):
+        self.kinds = set() if kinds == "none" else set(kinds.split("+"))
+        if "link" in self.kinds and not torch.cuda.is_available():
+            raise ValueError("--beside link needs a GPU")
+        self.link_gb_s: float | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Beside:
+        self._stop.clear()
+        targets = {"launch": self._launch, "link": self._link}
+        self._threads = [threading.Thread(target=targets[k], daemon=True) for k in sorted(self.kinds)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def _launch(self) -> None:
+        x = torch.ones(1024, device="cuda" if torch.cuda.is_available() else "cpu")
+        while not self._stop.is_set():
+            for _ in range(64):
+                x.add_(1.0)
+
+    def _link(self) -> None:
+        host = [torch.empty(LINK_BYTES // 4, pin_memory=True) for _ in range(2)]
+        dev = [torch.empty(LINK_BYTES // 4, device="cuda") for _ in range(2)]
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        moved, t0 = 0, time.perf_counter()
+        while not self._stop.is_set():
+            done = []
+            for s, (dst, src) in zip(streams, [(dev[0], host[0]), (host[1], dev[1])]):
+                with torch.cuda.stream(s):
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event(blocking=True)  # waited for asleep, not spinning
+                    ev.record(s)
+                done.append(ev)
+            for ev in done:
+                ev.synchronize()
+            moved += 2 * LINK_BYTES
+        self.link_gb_s = moved / (time.perf_counter() - t0) / 1e9
+
+
+def measure_beside(
+    cfg: ModelConfig, repeats: int, kinds: list[str], blocks: list[int], copy: bool
+) -> list[dict]:
+    """The kernel (calling thread) and the engine's clipped pass in clipadam's kernel (with the
+    bf16 copy where `copy`) at each of clipadam's `blocks` (0: one block a thread), beside each of
+    `kinds` (BESIDE); `repeats` after a first pass, interleaved; the best of each. `vs_kernel`:
+    against the kernel beside the same; `vs_alone`: against the kernel beside nothing."""
+    if clipadam.load()[0] is None:
+        raise SystemExit(f"--beside: clipadam's kernel is not used here: {clipadam.load()[1]}")
+    engine = EnginePass(cfg, copy)
+    kernel = KernelPass(engine.numel, engine.chunk)
+    worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-optimizer")
+    clipped = torch.tensor(CLIPPED)
+
+    def engine_at(block: int):
+        def run() -> None:
+            before, clipadam.BLOCK = clipadam.BLOCK, block
+            try:
+                engine.run(clipped, fused=True, copy=copy)
+            finally:
+                clipadam.BLOCK = before
+
+        return lambda: worker.submit(_clock, run).result()
+
+    passes = [("kernel", None, lambda: _clock(kernel.run))]
+    passes += [(COPY if copy else FUSED, b, engine_at(b)) for b in blocks]
+    rows = []
+    for kind in kinds:
+        times: dict[int, list[float]] = {k: [] for k in range(len(passes))}
+        with Beside(kind) as beside:
+            for _ in range(repeats + 1):
+                for k, (name, block, fn) in enumerate(passes):
+                    times[k].append(fn())
+                    print(
+                        f"beside {kind:12s} {name[:40]:40s} block {block} {times[k][-1]:7.3f} s", flush=True
+                    )
+        for k, (name, block, _) in enumerate(passes):
+            first, *rest = times[k]
+            rows.append({"beside": kind, "pass": name, "block": block, "first_s": first,
+                         "seconds": min(rest), "gparams_per_s": engine.numel / min(rest) / 1e9,
+                         "times_s": rest, "link_gb_s": beside.link_gb_s})  # fmt: skip
+    worker.shutdown()
+    alone = next((r["gparams_per_s"] for r in rows if r["beside"] == "none" and r["block"] is None), None)
+    for r in rows:
+        same = next(x["gparams_per_s"] for x in rows if x["beside"] == r["beside"] and x["block"] is None)
+        r["vs_kernel"] = r["gparams_per_s"] / same
+        r["vs_alone"] = None if alone is None else r["gparams_per_s"] / alone
+    return rows
+
+
+def beside_table(rows: list[dict]) -> str:
+    out = [
+        "| beside | pass | block | best s | G params/s | vs kernel beside the same | vs kernel alone | link GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        block = "-" if r["block"] is None else ("a thread's share" if r["block"] == 0 else f"{r['block']:,}")
+        alone = "-" if r["vs_alone"] is None else f"{r['vs_alone']:.0%}"
+        link = "-" if r["link_gb_s"] is None else f"{r['link_gb_s']:.1f}"
+        out.append(
+            f"| {r['beside']} | {r['pass']} | {block} | {r['seconds']:.3f} | {r['gparams_per_s']:.2f} | "
+            f"{r['vs_kernel']:.0%} | {alone} | {link} |"
+        )
     return "\n".join(out)

@@ -36,6 +36,14 @@ clip in cache-sized pieces and on threads of its own beside the kernel, measured
 (`--clip-pieces`, `--clip-threads`: results of 2026-11-27), lost to clipadam's kernel and were
 removed.
 
+`--engine --beside none,launch,link,launch+link` instead times the kernel and the engine's pass in
+clipadam's kernel (with `--copy`, writing the bf16 copy) beside what a training step runs beside
+it: a thread launching small GPU kernels in a Python loop, as the launching thread does, and the
+link's copies to and from the GPU through page-locked host memory (bench/_adamw_engine.py's
+`Beside`); at each of `--blocks` (clipadam's BLOCK: the elements a thread takes at a time, 0 for
+one share a thread, the split before). What the step takes from the host AdamW, told apart: the
+cores, or host memory's bandwidth.
+
 Before timing (but with `--engine`), it checks on a slice that the two clip passes give bitwise the same state and
 that backup, step and restore give back the state bitwise (`exact` in the results). Results: a
 table, and JSON + Markdown under --out. OpenMP's threads wait as they do under the command line
@@ -43,6 +51,7 @@ table, and JSON + Markdown under --out. OpenMP's threads wait as they do under t
 
     python bench/adamw.py --params 1.8e9 --out bench/results
     python bench/adamw.py --engine --engine-params 8e9 --out bench/results
+    python bench/adamw.py --engine --engine-params 2e9 --copy --beside none,launch,link,launch+link --out bench/results
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ from megatrain import OMP_WAIT_POLICY  # noqa: E402  (no torch: libgomp reads th
 os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
 
 import torch  # noqa: E402
-from _adamw_engine import engine_table, llama, measure_engine  # noqa: E402
+from _adamw_engine import BESIDE, beside_table, engine_table, llama, measure_beside, measure_engine  # noqa: E402
 from _report import params_str, write_once  # noqa: E402
 
 from megatrain.models.family import count_params  # noqa: E402
@@ -239,6 +248,12 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="--engine: also the passes that write the bf16 copy (host_weight_copy; in the kernel's with --clip-fused)",
     )
+    ap.add_argument(
+        "--beside",
+        default=None,
+        help=f"--engine: time the pass beside each of these, comma-separated ({', '.join(BESIDE)})",
+    )
+    ap.add_argument("--blocks", default="65536,0", help="--beside: clipadam's blocks (0: a share a thread)")
     ap.add_argument("--shape", default="B", help="--engine: the layer shape (bench/_shapes.py)")
     ap.add_argument("--vocab", type=int, default=None, help="--engine: in place of the shape's")
     ap.add_argument("--out", default=None)
@@ -252,10 +267,14 @@ def main(argv: list[str] | None = None) -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "command": "python bench/adamw.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
+    if args.beside and not args.engine:
+        ap.error("--beside goes with --engine")
     if args.engine:
         cfg = llama(args.shape, args.engine_params, args.vocab)
         n = count_params(cfg)
         print(f"{params_str(n)} parameters: {32 * n / 2**30:.1f} GiB of host memory", flush=True)
+        if args.beside:
+            return _beside(args, cfg, meta)
         rows, summary = measure_engine(
             cfg,
             args.repeats,
@@ -288,6 +307,25 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out:
         title = "host AdamW: the step, the clip's pass, speculative stepping's backup and restore"
         write_once(args.out, "adamw", title, meta, rows, table(rows))
+    return {**meta, "rows": rows}
+
+
+def _beside(args, cfg, meta: dict) -> dict:
+    kinds = args.beside.split(",")
+    wrong = [k for k in kinds if k not in BESIDE]
+    if wrong:
+        sys.exit(f"adamw.py: --beside {wrong[0]!r} is not one of {', '.join(BESIDE)}")
+    if any("link" in k for k in kinds) and not torch.cuda.is_available():
+        sys.exit("adamw.py: --beside link needs a GPU")
+    blocks = [int(x) for x in args.blocks.split(",")]
+    rows = measure_beside(cfg, args.repeats, kinds, blocks, args.copy)
+    meta.update(shape=args.shape, vocab=cfg.vocab_size, engine_params=count_params(cfg), blocks=blocks)
+    text = beside_table(rows)
+    print(text)
+    if args.out:
+        write_once(
+            args.out, "adamw-beside", "host AdamW beside a step's launching thread and link", meta, rows, text
+        )
     return {**meta, "rows": rows}
 
 

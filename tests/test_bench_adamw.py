@@ -127,6 +127,39 @@ def test_the_engines_pass_is_timed_beside_the_kernel(tmp_path):
     assert f"| engine, clipped | {chunk:,} | worker |" in js.with_suffix(".md").read_text()
 
 
+def test_beside_a_step_each_pass_is_timed_at_each_block_beside_each_kind(tmp_path, monkeypatch):
+    """`--engine --beside`: under each kind of work beside it, the kernel and the engine's pass at
+    each of clipadam's blocks, each rate against the kernel beside the same and beside nothing;
+    the kinds that need a GPU refused in one line without one; the results written once."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    args = ["--engine", "--shape", "tiny", "--engine-params", "1e6", "--repeats", "1", "--copy"]
+    out = adamw.main([*args, "--beside", "none,launch", "--blocks", "64,0", "--out", str(tmp_path)])
+    rows = [(r["beside"], r["block"]) for r in out["rows"]]
+    assert rows == [
+        ("none", None),
+        ("none", 64),
+        ("none", 0),
+        ("launch", None),
+        ("launch", 64),
+        ("launch", 0),
+    ]
+    kernel = {r["beside"]: r["gparams_per_s"] for r in out["rows"] if r["block"] is None}
+    for r in out["rows"]:
+        assert r["gparams_per_s"] == pytest.approx(out["engine_params"] / r["seconds"] / 1e9)
+        assert r["vs_kernel"] == pytest.approx(r["gparams_per_s"] / kernel[r["beside"]])
+        assert r["vs_alone"] == pytest.approx(r["gparams_per_s"] / kernel["none"])
+        assert r["link_gb_s"] is None and r["first_s"] > 0 and len(r["times_s"]) == 1
+    assert out["blocks"] == [64, 0]
+    (md,) = tmp_path.glob("*_adamw-beside.md")
+    assert "| launch | kernel | - |" in md.read_text() and "a thread's share" in md.read_text()
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--beside link needs a GPU"):
+            adamw.main([*args, "--beside", "link"])
+    with pytest.raises(SystemExit, match="'disk' is not one of"):
+        adamw.main([*args, "--beside", "none,disk"])
+    assert len(list(tmp_path.iterdir())) == 2  # the one run's JSON and Markdown, nothing more
+
+
 class _Frozen:
     """datetime.datetime whose now() is the minute `stamp` (YYYY-mm-dd_HHMM)."""
 

@@ -54,8 +54,9 @@ def two_threads():
 def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched(
     fused, two_threads, monkeypatch
 ):
-    if fused:  # every tensor split over the two threads, not only those of 64K elements
+    if fused:  # every tensor split over the two threads in blocks of 64, not only those of 64K elements
         monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
+        monkeypatch.setattr(clipadam, "BLOCK", 64)
         assert clipadam.load()[0] is not None, clipadam.load()[1]
     state = _state()
     opt = HostAdamW(state, ADAMW)
@@ -201,6 +202,35 @@ def test_the_fused_kernel_is_refused_where_it_cannot_be_checked_equal(monkeypatc
         clipadam.check(clipadam.ClipAdamW())
 
 
+@pytest.mark.parametrize("block", [64, 100, 1 << 12, 1 << 20, 0])
+def test_the_kernels_threads_share_its_blocks_and_step_every_element_as_torch_does(block, monkeypatch):
+    """Threads taking blocks from one counter (a block of any size, the last one short, more
+    threads than blocks, or one block a thread: 0): every element stepped once, bitwise as
+    torch's kernel steps it, with the bf16 copy; the last elements in the form of torch's scalar
+    loop."""
+    monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
+    monkeypatch.setattr(clipadam, "BLOCK", block)
+    kernel = clipadam.load()[0]
+    assert kernel is not None, clipadam.load()[1]
+    n = 3 * 4096 + 77
+    gen = torch.Generator().manual_seed(5)
+    p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
+    m, v = torch.randn(n, generator=gen) * 1e-4, torch.rand(n, generator=gen) * 1e-6
+    for threads in (1, 3, 7):
+        ours, theirs = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
+        copy = torch.zeros(n, dtype=torch.bfloat16)
+        for step in (1, 2):
+            kernel.step(
+                ours[0], g, ours[1], ours[2], 0.37, 1e-3, step, (0.9, 0.95), 1e-8, 0.1, threads, copy=copy
+            )
+            torch._fused_adamw_(
+                [theirs[0]], [g * torch.tensor(0.37)], [theirs[1]], [theirs[2]], [], [torch.tensor(float(step))],
+                amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
+            )  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), (block, threads)
+        assert torch.equal(copy.view(torch.int16), theirs[0].to(torch.bfloat16).view(torch.int16))
+
+
 class _Half(optim.Single):
     """A world whose process holds and steps the second half of every unit (from a multiple of
     64 elements), as a machine's part in a partitioned world does."""
@@ -220,6 +250,7 @@ def test_the_fused_kernel_steps_a_part_of_the_state_as_torchs_kernel_does(two_th
     kernel's weights and moments equal torch's kernel's after the multiply, bitwise, over three
     clipped steps."""
     monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
+    monkeypatch.setattr(clipadam, "BLOCK", 64)
     full = _state()
     world = _Half(full.units)
     results = []

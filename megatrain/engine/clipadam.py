@@ -15,7 +15,9 @@ before the kernel is used: on every tail length, with and without weight decay, 
 either form of the moment's lerp, its results must equal torch's bit for bit, else `load` says
 why and the engine keeps torch's kernel. It is built with the machine's C compiler (`cc`, or
 CC) when first asked for, once a process, and runs on threads of the caller's (ctypes releases
-the GIL), each a range of whole 64-element blocks.
+the GIL). The threads take blocks of `BLOCK` elements from a counter they share until none is
+left, not a fixed share each: a thread the scheduler preempts (the process's launching thread,
+the driver's) holds up the pass by the block it is on, not by its whole share.
 
 It can also write the new weights into a bf16 copy as it steps them (`copy`): the cast
 `Tensor.to(torch.bfloat16)` does (round to nearest even; checked the same way), in the same pass,
@@ -40,6 +42,10 @@ CAPABILITIES = ("AVX512", "AVX2")
 ONES = 8
 # Elements a thread is given at least: below it the threads' start costs more than they save.
 MIN_PER_THREAD = 1 << 16
+# Elements a thread takes from the shared counter at a time (a multiple of 64): 1.1 MB of the
+# pass's traffic, ~0.1 ms of a thread's time. 0: a tensor's elements in as many blocks as threads
+# (the split before, which bench/adamw.py --beside times beside it).
+BLOCK = 1 << 16
 
 SOURCE = r"""
 #include <math.h>
@@ -94,6 +100,21 @@ void clip_adamw(float *p, const float *g, float *m, float *v, uint16_t *q, int64
     for (int64_t i = mid; i < hi; i++)
         element(p, g, m, v, q, i, scale, coef, decay, keep, w, small, b2, c2, bc2s, eps, neg_step, 1);
 }
+
+/* Elements [0, n) taken `block` at a time from `*next`, which the threads running this share,
+   until none is left. */
+void clip_adamw_shared(float *p, const float *g, float *m, float *v, uint16_t *q, int64_t *next,
+                       int64_t block, int64_t n, int64_t ones, int scale, float coef, int decay,
+                       float keep, float w, int small, float b2, float c2, float bc2s, float eps,
+                       float neg_step) {
+    for (;;) {
+        int64_t lo = __atomic_fetch_add(next, block, __ATOMIC_RELAXED);
+        if (lo >= n) return;
+        int64_t hi = lo + block < n ? lo + block : n;
+        clip_adamw(p, g, m, v, q, lo, hi, ones, scale, coef, decay, keep, w, small, b2, c2, bc2s,
+                   eps, neg_step);
+    }
+}
 """
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
@@ -127,9 +148,9 @@ class ClipAdamW:
             if done.returncode:
                 raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
             self._lib = ctypes.CDLL(lib)  # mapped: the file may go
-        fn = self._lib.clip_adamw
+        fn = self._lib.clip_adamw_shared
         f, i64, ptr, i = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i, f, i, f, f, i, f, f, f, f, f]
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i, f, i, f, f, i, f, f, f, f, f]
         fn.restype = None
         self._fn = fn
         self._to_bf16 = self._lib.to_bf16
@@ -181,10 +202,11 @@ class ClipAdamW:
             f32(-(lr / bc1)),
         )
         q = None if copy is None else copy.data_ptr()
-        ptrs = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), q)
+        taken = ctypes.c_int64(0)  # the counter the threads take their blocks from
+        head = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), q, ctypes.addressof(taken))
         parts = max(1, min(threads, n // MIN_PER_THREAD))
         if parts == 1:
-            self._fn(*ptrs, 0, n, *args)
+            self._fn(*head, n, n, *args)
             return
         if self._pool is None or self._workers < parts:
             if self._pool is not None:
@@ -193,8 +215,8 @@ class ClipAdamW:
                 ThreadPoolExecutor(parts, thread_name_prefix="megatrain-clipadam"),
                 parts,
             )
-        cuts = [n * k // parts // 64 * 64 for k in range(parts)] + [n]
-        for job in [self._pool.submit(self._fn, *ptrs, cuts[k], cuts[k + 1], *args) for k in range(parts)]:
+        block = BLOCK or -(-n // parts // 64) * 64
+        for job in [self._pool.submit(self._fn, *head, block, n, *args) for _ in range(parts)]:
             job.result()
 
     def cast(self, x: torch.Tensor, y: torch.Tensor) -> None:
