@@ -2,9 +2,9 @@
 (/proc/self/task/<tid>/schedstat: nanoseconds run, nanoseconds waited on a run queue).
 
 Taken before and after a benchmark's timed steps, it says where a step's CPU time goes and
-whether the host optimizer's threads (the worker and its OpenMP threads, which take the worker's
-name: transport.OPTIMIZER_THREAD) wait for cores, preempted by the process's other threads, or
-run their whole time and step slower on them (host memory shared with the link's copies).
+whether the host optimizer's threads (the worker, its OpenMP threads and clipadam's, all under
+engine/osthreads.py's OPTIMIZER_THREAD) wait for cores, preempted by the process's other threads,
+or run their whole time and step slower on them (host memory shared with the link's copies).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.engine.transport import OPTIMIZER_THREAD, name_os_thread
+from megatrain.engine import clipadam
+from megatrain.engine.osthreads import OPTIMIZER_THREAD, name_os_thread
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _sched  # noqa: E402  (bench/ is not a package)
@@ -80,3 +81,19 @@ def test_the_optimizer_thread_and_its_openmp_threads_share_its_name():
     groups = seen["groups"]
     assert groups["launching"]["threads"] == 1 and groups["launching"]["cpu_s"] > 0
     assert groups[OPTIMIZER_THREAD]["threads"] >= 1 and groups[OPTIMIZER_THREAD]["cpu_s"] > 0
+
+
+@pytest.mark.skipif(not LINUX, reason="/proc/self/task is Linux's")
+def test_clipadams_threads_take_the_optimizers_name_whichever_thread_starts_them(monkeypatch):
+    """The kernel's threads started from the launching thread (a benchmark's standalone pass
+    does) still show as the host optimizer's: the step's CPU time is not split over names."""
+    monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
+    kernel = clipadam.ClipAdamW()
+    n = 4096
+    p, g, m, v = torch.zeros(n), torch.ones(n), torch.zeros(n), torch.ones(n)
+    before = _sched.snapshot()
+    kernel.step(p, g, m, v, 0.5, 1e-3, 1, (0.9, 0.95), 1e-8, 0.0, threads=3)
+    after = _sched.snapshot()
+    born = {tid: name for tid, (name, *_) in after.items() if tid not in before}
+    assert born and set(born.values()) == {OPTIMIZER_THREAD}, born
+    assert len(born) <= 3  # the pool's threads, at most one for each part

@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .osthreads import OPTIMIZER_THREAD, name_os_thread
+
 # The CPU code torch dispatches to where the forms were found (AVX512; AVX2 is left to the check);
 # elsewhere the kernel is not used.
 CAPABILITIES = ("AVX512", "AVX2")
@@ -212,7 +214,12 @@ class ClipAdamW:
             if self._pool is not None:
                 self._pool.shutdown()
             self._pool, self._workers = (
-                ThreadPoolExecutor(parts, thread_name_prefix="megatrain-clipadam"),
+                ThreadPoolExecutor(
+                    parts,
+                    thread_name_prefix="megatrain-clipadam",
+                    initializer=name_os_thread,  # the host optimizer's, whichever thread starts them
+                    initargs=(OPTIMIZER_THREAD,),
+                ),
                 parts,
             )
         block = BLOCK or -(-n // parts // 64) * 64

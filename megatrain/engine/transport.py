@@ -39,7 +39,6 @@ it steps its span (layout.py).
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 import time
@@ -55,22 +54,7 @@ from ..planning.placement import Plan, optimizer_threads
 from .gpustep import GpuStepper
 from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
-
-# The optimizer worker's name as the operating system shows it (`top -H`, /proc/<pid>/task/*/comm):
-# the OpenMP threads of its AdamW, started from it, take the name too, so one name covers the host
-# optimizer's threads (at most 15 characters).
-OPTIMIZER_THREAD = "megatrain-optim"
-
-
-def name_os_thread(name: str) -> bool:
-    """Give the calling thread `name` where the operating system shows one (Linux: prctl
-    PR_SET_NAME, 15 characters kept); threads it starts from then on inherit it. Whether it was
-    set."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(15, name.encode()[:15], 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 
 @dataclass
