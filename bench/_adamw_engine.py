@@ -55,11 +55,11 @@ class EnginePass:
     transport holds them (one buffer, each unit's span in turn). The moments stay untouched until
     the first pass, as in a run."""
 
-    def __init__(self, cfg: ModelConfig, copy: bool = False):
+    def __init__(self, cfg: ModelConfig, copy: bool = False, weight_decay: float = WEIGHT_DECAY):
         self.state = HostState(build_units(cfg))
         # the bf16 copy of the weights (host_weight_copy), attached for the passes that write it
         self.copy = WeightCopy(self.state, self.state.units, torch.bfloat16) if copy else None
-        self.opt = HostAdamW(self.state, AdamWConfig(lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY))
+        self.opt = HostAdamW(self.state, AdamWConfig(lr=LR, betas=BETAS, weight_decay=weight_decay))
         spans = [self.opt.span(u) for u in self.state.units]
         buf, self.held, off = host_buffer(sum(hi - lo for lo, hi in spans)), [], 0
         for lo, hi in spans:
@@ -85,7 +85,8 @@ class EnginePass:
 class KernelPass:
     """torch's fused AdamW over flat fp32 arrays of `n` elements, `chunk` at a time."""
 
-    def __init__(self, n: int, chunk: int):
+    def __init__(self, n: int, chunk: int, weight_decay: float = WEIGHT_DECAY):
+        self.weight_decay = weight_decay
         self.p, self.g, self.m, self.v = (torch.empty(n) for _ in range(4))
         fill(self.p, 0.02, 2)
         fill(self.g, 1e-3, 3)
@@ -98,7 +99,7 @@ class KernelPass:
             b = min(self.n, a + self.chunk)
             torch._fused_adamw_(
                 [self.p[a:b]], [self.g[a:b]], [self.m[a:b]], [self.v[a:b]], [], [self.step_no], amsgrad=False,
-                lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WEIGHT_DECAY, eps=1e-8, maximize=False,
+                lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=self.weight_decay, eps=1e-8, maximize=False,
             )  # fmt: skip
 
 
@@ -108,7 +109,11 @@ COPY = "engine, clipped, multiplied and the bf16 copy written in the kernel's pa
 
 
 def measure_engine(
-    cfg: ModelConfig, repeats: int, fused: bool = False, copy: bool = False
+    cfg: ModelConfig,
+    repeats: int,
+    fused: bool = False,
+    copy: bool = False,
+    weight_decay: float = WEIGHT_DECAY,
 ) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
     falls on all alike); the best of each, G params/s over the engine's stepped elements. The
@@ -117,8 +122,8 @@ def measure_engine(
     passes that write the bf16 copy of the weights (torch's kernel then the cast, and, with
     `fused`, in clipadam's pass)."""
     t0 = time.perf_counter()
-    engine = EnginePass(cfg, copy)
-    kernel = KernelPass(engine.numel, engine.chunk)
+    engine = EnginePass(cfg, copy, weight_decay)
+    kernel = KernelPass(engine.numel, engine.chunk, weight_decay)
     setup_s = time.perf_counter() - t0
     # The transport sets the optimizer's threads on the calling thread before its worker starts;
     # the worker takes that count at its first parallel op.
@@ -256,7 +261,12 @@ class Beside:
 
 
 def measure_beside(
-    cfg: ModelConfig, repeats: int, kinds: list[str], blocks: list[int], copy: bool
+    cfg: ModelConfig,
+    repeats: int,
+    kinds: list[str],
+    blocks: list[int],
+    copy: bool,
+    weight_decay: float = WEIGHT_DECAY,
 ) -> list[dict]:
     """The kernel (calling thread) and the engine's clipped pass in clipadam's kernel (with the
     bf16 copy where `copy`) at each of clipadam's `blocks` (0: one block a thread), beside each of
@@ -264,8 +274,8 @@ def measure_beside(
     against the kernel beside the same; `vs_alone`: against the kernel beside nothing."""
     if clipadam.load()[0] is None:
         raise SystemExit(f"--beside: clipadam's kernel is not used here: {clipadam.load()[1]}")
-    engine = EnginePass(cfg, copy)
-    kernel = KernelPass(engine.numel, engine.chunk)
+    engine = EnginePass(cfg, copy, weight_decay)
+    kernel = KernelPass(engine.numel, engine.chunk, weight_decay)
     worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-optimizer")
     clipped = torch.tensor(CLIPPED)
 

@@ -69,7 +69,15 @@ from megatrain import OMP_WAIT_POLICY  # noqa: E402  (no torch: libgomp reads th
 os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
 
 import torch  # noqa: E402
-from _adamw_engine import BESIDE, beside_table, engine_table, llama, measure_beside, measure_engine  # noqa: E402
+from _adamw_engine import (  # noqa: E402
+    BESIDE,
+    WEIGHT_DECAY,
+    beside_table,
+    engine_table,
+    llama,
+    measure_beside,
+    measure_engine,
+)
 from _report import params_str, write_once  # noqa: E402
 
 from megatrain.models.family import count_params  # noqa: E402
@@ -254,6 +262,12 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"--engine: time the pass beside each of these, comma-separated ({', '.join(BESIDE)})",
     )
     ap.add_argument("--blocks", default="65536,0", help="--beside: clipadam's blocks (0: a share a thread)")
+    ap.add_argument(
+        "--weight-decay",
+        type=float,
+        default=WEIGHT_DECAY,
+        help=f"--engine: the AdamW's weight decay (default {WEIGHT_DECAY}; training's default and bench.py's: 0)",
+    )
     ap.add_argument("--shape", default="B", help="--engine: the layer shape (bench/_shapes.py)")
     ap.add_argument("--vocab", type=int, default=None, help="--engine: in place of the shape's")
     ap.add_argument("--out", default=None)
@@ -275,16 +289,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{params_str(n)} parameters: {32 * n / 2**30:.1f} GiB of host memory", flush=True)
         if args.beside:
             return _beside(args, cfg, meta)
-        rows, summary = measure_engine(
-            cfg,
-            args.repeats,
-            args.clip_fused,
-            args.copy,
-        )
+        rows, summary = measure_engine(cfg, args.repeats, args.clip_fused, args.copy, args.weight_decay)
         # the plan's probe of this host's AdamW (its small array, alone), beside the kernel over
         # the model's size: the cost model's in-step rate is the probe's times ADAM_IN_STEP
         probe = adam_rate(torch.get_num_threads())
-        meta.update(shape=args.shape, vocab=cfg.vocab_size, probe_gparams_per_s=probe / 1e9, **summary)
+        meta.update(
+            shape=args.shape,
+            vocab=cfg.vocab_size,
+            weight_decay=args.weight_decay,
+            probe_gparams_per_s=probe / 1e9,
+            **summary,
+        )
         text = engine_table(rows)
         print(text)
         print(f"engine {summary['engine_gparams_per_s']:.2f} G params/s, kernel {summary['kernel_gparams_per_s']:.2f}: "
@@ -318,8 +333,14 @@ def _beside(args, cfg, meta: dict) -> dict:
     if any("link" in k for k in kinds) and not torch.cuda.is_available():
         sys.exit("adamw.py: --beside link needs a GPU")
     blocks = [int(x) for x in args.blocks.split(",")]
-    rows = measure_beside(cfg, args.repeats, kinds, blocks, args.copy)
-    meta.update(shape=args.shape, vocab=cfg.vocab_size, engine_params=count_params(cfg), blocks=blocks)
+    rows = measure_beside(cfg, args.repeats, kinds, blocks, args.copy, args.weight_decay)
+    meta.update(
+        shape=args.shape,
+        vocab=cfg.vocab_size,
+        engine_params=count_params(cfg),
+        blocks=blocks,
+        weight_decay=args.weight_decay,
+    )
     text = beside_table(rows)
     print(text)
     if args.out:

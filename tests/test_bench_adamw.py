@@ -133,7 +133,10 @@ def test_beside_a_step_each_pass_is_timed_at_each_block_beside_each_kind(tmp_pat
     the kinds that need a GPU refused in one line without one; the results written once."""
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     args = ["--engine", "--shape", "tiny", "--engine-params", "1e6", "--repeats", "1", "--copy"]
-    out = adamw.main([*args, "--beside", "none,launch", "--blocks", "64,0", "--out", str(tmp_path)])
+    out = adamw.main(
+        [*args, "--beside", "none,launch", "--blocks", "64,0", "--weight-decay", "0", "--out", str(tmp_path)]
+    )
+    assert out["weight_decay"] == 0.0  # training's default, in the results
     rows = [(r["beside"], r["block"]) for r in out["rows"]]
     assert rows == [
         ("none", None),
