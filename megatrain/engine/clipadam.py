@@ -11,13 +11,15 @@ so the weights and moments are bitwise the same.
 some multiply-adds, one way in its vector loops (its own, and the eights its compiler makes of a
 tensor's last elements) and another in the last `n % 8` elements it takes one at a time. The C
 source below repeats those forms. Whether they hold for the torch build at hand is checked
-before the kernel is used: on every tail length, with and without weight decay, a clip, and
-either form of the moment's lerp, its results must equal torch's bit for bit, else `load` says
-why and the engine keeps torch's kernel. It is built with the machine's C compiler (`cc`, or
+before the kernel is used: on every tail length, in every combination of weight decay or none, a
+clip or none, either form of the moment's lerp and the bf16 copy or none (each combination a
+vectorised loop of its own), its results must equal torch's bit for bit, else `load` says why and
+the engine keeps torch's kernel. It is built with the machine's C compiler (`cc`, or
 CC) when first asked for, once a process, and runs on threads of the caller's (ctypes releases
 the GIL). The threads take blocks of `BLOCK` elements from a counter they share until none is
-left, not a fixed share each: a thread the scheduler preempts (the process's launching thread,
-the driver's) holds up the pass by the block it is on, not by its whole share.
+left, not a fixed share each: a thread that runs slower (preempted, or reading memory the link's
+copies contend for) holds up the pass by the block it is on, not by its whole share: 8-10% faster
+alone, 8-15% beside a step's link traffic (bench/results/2026-11-28_0440_summary.md).
 
 It can also write the new weights into a bf16 copy as it steps them (`copy`): the cast
 `Tensor.to(torch.bfloat16)` does (round to nearest even; checked the same way), in the same pass,
