@@ -274,6 +274,7 @@ def measure_beside(
     against the kernel beside the same; `vs_alone`: against the kernel beside nothing."""
     if clipadam.load()[0] is None:
         raise SystemExit(f"--beside: clipadam's kernel is not used here: {clipadam.load()[1]}")
+    besides = [Beside(kind) for kind in kinds]  # a kind this machine cannot run refused before the setup
     engine = EnginePass(cfg, copy, weight_decay)
     kernel = KernelPass(engine.numel, engine.chunk, weight_decay)
     worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-optimizer")
@@ -292,9 +293,9 @@ def measure_beside(
     passes = [("kernel", None, lambda: _clock(kernel.run))]
     passes += [(COPY if copy else FUSED, b, engine_at(b)) for b in blocks]
     rows = []
-    for kind in kinds:
+    for kind, beside in zip(kinds, besides):
         times: dict[int, list[float]] = {k: [] for k in range(len(passes))}
-        with Beside(kind) as beside:
+        with beside:
             for _ in range(repeats + 1):
                 for k, (name, block, fn) in enumerate(passes):
                     times[k].append(fn())

@@ -330,10 +330,11 @@ def _beside(args, cfg, meta: dict) -> dict:
     wrong = [k for k in kinds if k not in BESIDE]
     if wrong:
         sys.exit(f"adamw.py: --beside {wrong[0]!r} is not one of {', '.join(BESIDE)}")
-    if any("link" in k for k in kinds) and not torch.cuda.is_available():
-        sys.exit("adamw.py: --beside link needs a GPU")
     blocks = [int(x) for x in args.blocks.split(",")]
-    rows = measure_beside(cfg, args.repeats, kinds, blocks, args.copy, args.weight_decay)
+    try:
+        rows = measure_beside(cfg, args.repeats, kinds, blocks, args.copy, args.weight_decay)
+    except ValueError as e:
+        sys.exit(f"adamw.py: {e}")
     meta.update(
         shape=args.shape,
         vocab=cfg.vocab_size,
