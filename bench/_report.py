@@ -129,6 +129,22 @@ def _giga(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e9:.2f} G"
 
 
+def _gaps(r: dict[str, Any]) -> str:
+    """The compute stream's idle gaps (bench/_profile.py's `idle_gaps`), longest first, or nothing."""
+    if not r.get("idle_gaps"):
+        return ""
+    each = [
+        f"{g['ms']:.1f} ms at {g['at_ms']:.0f} ms ({g['before']} -> {g['after']}; "
+        f"H2D {g['h2d']:.0%}, D2H {g['d2h']:.0%})"
+        for g in sorted(r["idle_gaps"], key=lambda g: -g["ms"])
+    ]
+    return (
+        f"compute stream idle {r['idle_gap_s']:.3f} s in {r['idle_gap_count']} gaps of "
+        f"{r['idle_gap_least_ms']:g} ms or more, "
+        f"the longest {'; '.join(each)}; "
+    )
+
+
 def _megatrain_detail(r: dict[str, Any]) -> str:
     def g(k: str, f: str = ".2f") -> str:
         return "-" if r.get(k) is None else format(r[k], f)
@@ -142,6 +158,7 @@ def _megatrain_detail(r: dict[str, Any]) -> str:
         f"threads a step: {describe_threads(r.get('threads_per_step'))}; "
         f"GPU busy {g('gpu_busy', '.0%')} on the compute stream, {g('gpu_busy_any', '.0%')} any stream, "
         f"H2D copies {g('h2d_busy', '.0%')}, D2H copies {g('d2h_busy', '.0%')}; "
+        f"{_gaps(r)}"
         f"H2D {g('h2d_bytes_per_step', ',.0f')} B/step, D2H {g('d2h_bytes_per_step', ',.0f')} B/step; "
         f"kept layer graphs {r.get('keep_layers', '-')}, GPU-resident units {r.get('gpu_resident_units', '-')} "
         f"({g('gpu_resident_params', ',')} params), units stepped on the GPU {r.get('gpu_stepped_units', '-')}; "

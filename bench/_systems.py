@@ -275,13 +275,18 @@ def run_megatrain(spec: dict, res: Result) -> None:
         h2d, d2h = h2d + getattr(stepper, "h2d_bytes", 0), d2h + getattr(stepper, "d2h_bytes", 0)
         res.update(h2d_bytes_per_step=h2d / fb_count, d2h_bytes_per_step=d2h / fb_count)
 
-    # GPU occupancy of one steady-state step: one unprofiled step primes the pipeline so the
-    # profiled step overlaps the previous optimizer exactly as in training.
+    # GPU occupancy of one steady-state step: the interval the timed steps measure, from one
+    # norm.item() to the next, so the previous step's update (its GPU-stepped units' kernels and
+    # write-backs, queued by eng.step) is inside it, beside this step's forward-backward.
     if cuda:
         warm_profiler()
-        eng.step(LR, fb())
-        box: dict[str, Any] = {}
-        res.update(**profile_busy(lambda: box.update(coef=fb())))
+        box: dict[str, Any] = {"coef": fb()}
+
+        def interval() -> None:
+            eng.step(LR, box["coef"])
+            box["coef"] = fb()
+
+        res.update(**profile_busy(interval, spec.get("trace")))
         eng.step(LR, box["coef"])
         drain(tr)
     else:
@@ -469,7 +474,7 @@ def _timed_steps(spec: dict, res: Result, step: Callable[[], None], losses: list
         times.append(time.perf_counter() - t)
         res.update(**step_stats(times, spec["warmup"]), losses=losses)
     warm_profiler()  # after the timed steps: profiling cannot perturb them
-    res.update(**profile_busy(step))
+    res.update(**profile_busy(step, spec.get("trace")))
     cuda_peak(res)
 
 

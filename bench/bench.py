@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatrain's host_weight_copy: fetch host-stepped units from a bf16 copy in host memory "
         "(default auto: where the plan says it pays; alone: true)",
     )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="keep each run's profiled step as a gzipped Chrome trace in the logs folder",
+    )
     ap.add_argument("--out", default=str(BENCH / "results"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps (CPU allowed)")
@@ -392,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_step_units": a.gpu_step_units,
                 "host_weight_copy": a.host_weight_copy,
                 "keep_layers": a.keep_layers,
+                "trace": str(out / rec["log"]).removesuffix(".log") + ".trace.json.gz" if a.trace else None,
             }
             raw = run_worker(spec, timeout, out / rec["log"])
             counted = raw.pop("params", None)

@@ -52,7 +52,14 @@ PCIE_DUPLEX_GAIN = 1.6
 # The fused CPU AdamW runs at ~5.8 G params/s alone on 15 threads but ~3 G/s inside a training step
 # (it shares host memory bandwidth with the copies and cores with the launching thread), and even
 # "hidden" behind the next forward sweep it slows that sweep by about a quarter of its own time.
-ADAM_IN_STEP = 0.55  # the share of its standalone rate (probe.adam_rate) it keeps inside a step
+# ADAM_IN_STEP is the share of the probe's reading a step's host AdamW keeps. 0.55 until
+# 2026-11-28; since the engine's own kernel (engine/clipadam.py: shared blocks, every flag
+# combination vectorised) the steps' passes ran at 0.56-0.67 of their process's reading on the
+# 32-core two-H200 host (8B at 16k, all state in host memory: results/2026-11-28_0414, _0437,
+# _0555, _0558, _0624) and 0.75 on a 16-core H100 host (_0410): at 0.55 the plan under-read every
+# one of them and stepped more units on the GPU than the measured optimum (24 units with 4 kept
+# graphs ran 4.2% faster than the 26 `auto` chose, one process apart: _0555, _0558).
+ADAM_IN_STEP = 0.62
 OPT_INTERFERENCE = 0.25
 # Where gradients land during the backward sweep (two-pass, immediate), the CPU AdamW steps each
 # unit as it lands and ran 1.16-1.24x faster than ADAM_IN_STEP says (three two-pass runs: 3.6B,
