@@ -56,9 +56,9 @@ PCIE_DUPLEX_GAIN = 1.6
 # 2026-11-28; since the engine's own kernel (engine/clipadam.py: shared blocks, every flag
 # combination vectorised) the steps' passes ran at 0.56-0.67 of their process's reading on the
 # 32-core two-H200 host (8B at 16k, all state in host memory: results/2026-11-28_0414, _0437,
-# _0555, _0558, _0624) and 0.75 on a 16-core H100 host (_0410): at 0.55 the plan under-read every
-# one of them and stepped more units on the GPU than the measured optimum (24 units with 4 kept
-# graphs ran 4.2% faster than the 26 `auto` chose, one process apart: _0555, _0558).
+# _0555, _0558, _0624) and 0.75 on a 16-core H100 host (_0410). At 0.55 the plan under-read every
+# one of them, and `auto` stepped more units on the GPU than a count measured faster: 24 units
+# with 4 kept graphs ran 4.2% faster than the 26 `auto` chose, one process apart (_0555, _0558).
 ADAM_IN_STEP = 0.62
 OPT_INTERFERENCE = 0.25
 # Where gradients land during the backward sweep (two-pass, immediate), the CPU AdamW steps each
