@@ -12,7 +12,11 @@ Chrome trace (kineto) beside its log. This prints, from such a trace:
 * copies held up by another stream's: each copy that began more than `--late` ms after it was
   queued while the copy engine of its direction was busy with other streams' copies (the way
   device->host copies queue behind whatever that direction was given before them, whatever stream
-  each is on).
+  each is on);
+* the large host->device copies in the order they were launched (`--fetches`, at least
+  `--fetch-bytes`): when the launching thread issued each, the time since the one before, and
+  when it ran. A host-stepped unit's fetch is issued once the host optimizer has stepped it, so in
+  the forward sweep these launch times are the host AdamW's pace, unit by unit.
 
     python bench/steptrace.py bench/results/..._logs/megatrain-host_16384.trace.json.gz --bin 50
 """
@@ -145,6 +149,31 @@ def blocked_copies(events: list[dict], late_ms: float, share: float = 0.9) -> li
     return out
 
 
+def fetch_launches(events: list[dict], min_bytes: float) -> list[dict[str, Any]]:
+    """The host->device copies of at least `min_bytes`, in the order they were launched: each
+    one's bytes, launch and run times (ms from the trace's start) and the time since the launch
+    before it."""
+    t0 = min(e["ts"] for e in events)
+    calls = {}
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in HOST and corr is not None:
+            calls[corr] = e
+    rows = []
+    for e in events:
+        args = e.get("args") or {}
+        call = calls.get(args.get("correlation"))
+        big = (args.get("bytes") or 0) >= min_bytes
+        if e.get("cat") == "gpu_memcpy" and _direction(e["name"]) == "HtoD" and call is not None and big:
+            rows.append(
+                {"bytes": args["bytes"], "launched_ms": _ms(call["ts"] - t0), "ran_ms": _ms(e["ts"] - t0)}
+            )
+    rows.sort(key=lambda r: r["launched_ms"])
+    for prev, r in zip([None, *rows], rows):
+        r["since_ms"] = r["launched_ms"] - prev["launched_ms"] if prev else 0.0
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", help="a trace kept by bench.py --trace (.json or .json.gz)")
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--late", type=float, default=20.0, help="report copies queued this many ms before they ran"
     )
+    ap.add_argument("--fetches", type=int, default=12, help="how many large host->device copies to list")
+    ap.add_argument("--fetch-bytes", type=float, default=1e8, help="the least bytes of those (default 1e8)")
     a = ap.parse_args(argv)
     events = load(a.trace)
     s = summary(events)
@@ -180,7 +211,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"  stream {c['stream']}: {c['name']}, {c['bytes']} B, queued at {c['queued_ms']:.1f} ms, "
             f"ran at {c['ran_ms']:.1f} for {c['dur_ms']:.1f} ms, behind stream(s) {c['behind']}"
         )
-    return {**s, "blocked_copies": blocked}
+    fetches = fetch_launches(events, a.fetch_bytes)
+    print(
+        f"\nthe first {min(a.fetches, len(fetches))} of {len(fetches)} host->device copies of {a.fetch_bytes:g} B or more, by launch"
+    )
+    for r in fetches[: a.fetches]:
+        print(
+            f"  {r['bytes'] / 1e9:6.2f} GB launched at {r['launched_ms']:7.1f} ms "
+            f"(+{r['since_ms']:5.1f}), ran at {r['ran_ms']:7.1f}"
+        )
+    return {**s, "blocked_copies": blocked, "fetches": fetches}
 
 
 if __name__ == "__main__":

@@ -77,6 +77,23 @@ def test_blocked_copies_are_those_behind_another_streams_copies_of_their_directi
     assert bench_trace.blocked_copies(events, late_ms=100.0) == []
 
 
+def test_fetch_launches_list_large_host_to_device_copies_by_launch(events):
+    more = [
+        _call("cudaMemcpyAsync", 30, 6),
+        _gpu("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 70, 5, stream=45, corr=6),
+        _gpu("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 90, 5, stream=45),  # no launching call
+    ]
+    for e in events + more:
+        if e["name"].startswith("Memcpy HtoD"):
+            e["args"]["bytes"] = 2e8
+    rows = bench_trace.fetch_launches(events + more, min_bytes=1e8)
+    assert [(r["launched_ms"], r["ran_ms"], r["since_ms"]) for r in rows] == [
+        (0.0, 50.0, 0.0),
+        (30.0, 70.0, 30.0),
+    ]
+    assert bench_trace.fetch_launches(events + more, min_bytes=3e8) == []
+
+
 def test_main_reads_a_gzipped_trace(tmp_path, events, capsys):
     path = tmp_path / "step.trace.json.gz"
     with gzip.open(path, "wt") as f:
@@ -84,3 +101,4 @@ def test_main_reads_a_gzipped_trace(tmp_path, events, capsys):
     out = bench_trace.main([str(path), "--bin", "50"])
     assert out["idle_head_ms"] == pytest.approx(20.0) and len(out["blocked_copies"]) == 1
     assert "behind stream(s) [53]" in capsys.readouterr().out
+    assert [r["launched_ms"] for r in out["fetches"]] == []  # the fixture's copies carry no bytes

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Two-H200 machine (one GPU), freshly started: 8B `auto` (ADAM_IN_STEP 0.62) beside DeepSpeed in one
+# invocation, DeepSpeed given the time to finish; results packed into $OUT after each run.
+cd "$(dirname "$0")/.."
+R=/tmp/r/t7; mkdir -p $R/bench
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /tmp/pip.log 2>&1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site
+pack() { (cd $R && tar czf $OUT/t7.tgz .); }
+( while sleep 20; do pack; done ) & P=$!
+env CUDA_VISIBLE_DEVICES=0 timeout 445 python bench/bench.py --model B --tokens-per-step 16k --gpu-step-units auto --max-host-memory 240GiB --steps 10 --warmup 3 --deadline 440 --timeout 250 --systems megatrain-host,deepspeed --trace --out $R/bench --tag x2-B16k-auto-refit-ds14 > $R/r-auto-ds.log 2>&1; echo rc=$?
+kill $P; pack
+grep -h "^| megatrain\|^| deepspeed" $R/bench/*.md
+grep -h "tokens/step: step" $R/bench/*.md | cut -c1-700
