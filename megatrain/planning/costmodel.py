@@ -59,6 +59,8 @@ PCIE_DUPLEX_GAIN = 1.6
 # _0555, _0558, _0624) and 0.75 on a 16-core H100 host (_0410). At 0.55 the plan under-read every
 # one of them, and `auto` stepped more units on the GPU than a count measured faster: 24 units
 # with 4 kept graphs ran 4.2% faster than the 26 `auto` chose, one process apart (_0555, _0558).
+# At 0.62 the next three such steps ran at 0.62-0.67 of their reading (_0746, _0755, _0809), and
+# `auto`'s plans came within 2% of the measured steps (results/2026-11-28_0825_summary.md).
 ADAM_IN_STEP = 0.62
 OPT_INTERFERENCE = 0.25
 # Where gradients land during the backward sweep (two-pass, immediate), the CPU AdamW steps each
