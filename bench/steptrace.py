@@ -107,17 +107,23 @@ def _direction(name: str) -> str | None:
     return next((d for d in ("HtoD", "DtoH") if d in name), None)
 
 
+def _launching_calls(events: list[dict]) -> dict[Any, dict]:
+    """The host's CUDA calls by correlation id: the call that queued each GPU event."""
+    calls = {}
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") in HOST and corr is not None:
+            calls[corr] = e
+    return calls
+
+
 def blocked_copies(events: list[dict], late_ms: float, share: float = 0.9) -> list[dict[str, Any]]:
     """Copies that waited behind another stream's copies of the same direction: queued more than
     `late_ms` before they ran, the copy engine of their direction busy with other streams for at
     least `share` of that wait (the launching calls matched by the trace's correlation ids). In
     the order they ran, with the streams that held them up."""
     t0 = min(e["ts"] for e in events)
-    calls = {}
-    for e in events:
-        corr = (e.get("args") or {}).get("correlation")
-        if e.get("cat") in HOST and corr is not None:
-            calls[corr] = e
+    calls = _launching_calls(events)
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and _direction(e["name"])]
     out = []
     for e in sorted(copies, key=lambda e: e["ts"]):
@@ -154,11 +160,7 @@ def fetch_launches(events: list[dict], min_bytes: float) -> list[dict[str, Any]]
     one's bytes, launch and run times (ms from the trace's start) and the time since the launch
     before it."""
     t0 = min(e["ts"] for e in events)
-    calls = {}
-    for e in events:
-        corr = (e.get("args") or {}).get("correlation")
-        if e.get("cat") in HOST and corr is not None:
-            calls[corr] = e
+    calls = _launching_calls(events)
     rows = []
     for e in events:
         args = e.get("args") or {}
