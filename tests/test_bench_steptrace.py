@@ -96,9 +96,12 @@ def test_fetch_launches_list_large_host_to_device_copies_by_launch(events):
 
 def test_main_reads_a_gzipped_trace(tmp_path, events, capsys):
     path = tmp_path / "step.trace.json.gz"
+    next(e for e in events if e["name"].startswith("Memcpy HtoD"))["args"]["bytes"] = 2e8
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events + [{"ph": "i", "name": "marker", "ts": 0}]}, f)
     out = bench_trace.main([str(path), "--bin", "50"])
     assert out["idle_head_ms"] == pytest.approx(20.0) and len(out["blocked_copies"]) == 1
-    assert "behind stream(s) [53]" in capsys.readouterr().out
-    assert [r["launched_ms"] for r in out["fetches"]] == []  # the fixture's copies carry no bytes
+    printed = capsys.readouterr().out
+    assert "behind stream(s) [53]" in printed
+    assert [(r["launched_ms"], r["ran_ms"]) for r in out["fetches"]] == [(0.0, 50.0)]
+    assert "0.20 GB launched at     0.0 ms (+  0.0), ran at    50.0" in printed
