@@ -159,7 +159,9 @@ def run_megatrain(spec: dict, res: Result) -> None:
         choices=Choices(
             gpu_state=gpu_state,
             gpu_step_units=_step_units(spec.get("gpu_step_units", "0")),
-            host_weight_copy=_copy(spec.get("host_weight_copy", "auto")),
+            host_weight_copy=_tristate(spec.get("host_weight_copy", "auto")),
+            # records before the key: none fetched the rows
+            embedding_rows=_tristate(spec.get("embedding_rows", "false")),
             keep_layers=spec.get("keep_layers"),
         ),
         max_gpu_memory=size("max_gpu_memory"),
@@ -258,11 +260,12 @@ def run_megatrain(spec: dict, res: Result) -> None:
     drain(tr)
     res.update(**step_stats(times, W), **schedule[-1], optimizer_tail_s=time.perf_counter() - t_prev)
     if len(counted) == 2:
-        (s0, p0, w0), (s1, p1, w1) = counted
+        (s0, p0, w0, r0), (s1, p1, w1, r1) = counted
         res.update(
             host_adam_s=(s1 - s0) / N,
             host_adam_params_s=(p1 - p0) / (s1 - s0) if s1 > s0 else None,
             update_wait_s=(w1 - w0) / N,
+            rows_ahead_s=(r1 - r0) / N,
             threads_per_step=sched_per_step(*sched, N),
         )
     if cuda:  # times the allocator freed its cache to serve a request (each synchronises the device)
@@ -313,15 +316,16 @@ def run_megatrain(spec: dict, res: Result) -> None:
     model.close()
 
 
-def _host_counters(tr) -> tuple[float, int, float]:
-    """The transport's host AdamW seconds and parameters so far and its launching thread's wait
-    for updates."""
+def _host_counters(tr) -> tuple[float, int, float, float]:
+    """The transport's host AdamW seconds and parameters so far, its launching thread's wait for
+    updates, and the worker's seconds on the embedding's rows (its `rows_s`)."""
     c = tr.counters
-    return c.adam_s, c.params, c.wait_s
+    return c.adam_s, c.params, c.wait_s, c.rows_s
 
 
-def _copy(value) -> bool | None:
-    """host_weight_copy from a spec: auto (None), true or false (records before auto: a bool)."""
+def _tristate(value) -> bool | None:
+    """host_weight_copy or embedding_rows from a spec: auto (None), true or false (records before
+    auto: a bool)."""
     return value if isinstance(value, bool) else {"auto": None, "true": True, "false": False}[value]
 
 

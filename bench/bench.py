@@ -100,6 +100,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default auto: where the plan says it pays; alone: true)",
     )
     ap.add_argument(
+        "--embedding-rows",
+        nargs="?",
+        const="true",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="megatrain's embedding_rows: step the embedding in host memory and fetch the rows a step "
+        "looks up (default auto: where gpu_step_units: auto plans and the cost model puts it faster)",
+    )
+    ap.add_argument(
         "--trace",
         action="store_true",
         help="keep each run's profiled step as a gzipped Chrome trace in the logs folder",
@@ -396,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_gpu_memory": a.max_gpu_memory,
                 "gpu_step_units": a.gpu_step_units,
                 "host_weight_copy": a.host_weight_copy,
+                "embedding_rows": a.embedding_rows,
                 "keep_layers": a.keep_layers,
                 "trace": str(out / rec["log"]).removesuffix(".log") + ".trace.json.gz" if a.trace else None,
             }

@@ -389,6 +389,12 @@ class TrainConfig:
     Default (auto): where the plan's cost model puts the step faster with it and the host holds
     it, all moments in memory (CUDA, 16-bit compute, one process); true: always; false: never.
     Changes nothing where the compute dtype is float32."""
+    embedding_rows: bool | None = None
+    """Step the embedding's table in host memory and fetch only the rows a step looks up: the
+    host optimizer computes those rows first, so the next forward sweep can start, and the whole
+    table later, in the backward sweep, where it otherwise idles; the same numbers (docs/memory.md).
+    Default (auto): where `gpu_step_units: auto` plans and the cost model puts it faster; true:
+    always (CUDA, one process, untied embeddings, gradients held for the clip); false: never."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start); the
     plan keeps 3% of it free for the allocator."""
@@ -543,6 +549,10 @@ class TrainConfig:
                 bad("offload_dir", f"{folders[i]} is given twice: give each drive's folder once")
         if self.host_weight_copy is not None and not isinstance(self.host_weight_copy, bool):
             bad("host_weight_copy", "must be true, false or auto")
+        if self.embedding_rows is not None and not isinstance(self.embedding_rows, bool):
+            bad("embedding_rows", "must be true, false or auto")
+        if self.embedding_rows and self.world().ranks > 1:
+            bad("embedding_rows", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.host_weight_copy and self.world().ranks > 1:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:

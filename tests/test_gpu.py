@@ -269,6 +269,38 @@ def test_gpu_stepped_units_equal_serial_and_resident_ones():
     m.close()
 
 
+def test_the_embeddings_rows_equal_the_serial_schedule_bitwise():
+    """The embedding stepped in host memory and fetched as the rows a step looks up (engine/rows.py).
+    Overlapped, the worker computes the next pass's rows ahead and the table's update after the
+    other host units; serial, the fetch gathers the rows from the stepped table. Both equal the
+    serial schedule that fetches the whole table, bit for bit (losses, norms, weights, moments),
+    with a clip that fires (clipadam's kernel) and one that does not (torch's); so do overlapped
+    and serial with GPU-stepped units after the embedding, a kept graph and the bf16 copy. Only
+    the rows cross the link: fewer bytes than the table."""
+    cfg = _cfg("llama")
+    for max_norm in (0.5, 1e9):
+        ref, _ = _train(cfg, _plan(gpu_grads=1), overlap=False, max_norm=max_norm)
+        for overlap in (False, True):
+            got, _ = _train(cfg, replace(_plan(gpu_grads=1), embed_rows=True), overlap, max_norm, 10_000)
+            assert ref[0] == got[0] and ref[1] == got[1], (max_norm, overlap)
+            diff = (ref[2] - got[2]).abs()
+            assert torch.equal(ref[2], got[2]), f"{max_norm, overlap}: max {diff.max():.3g}"
+            assert torch.equal(ref[3], got[3]), (max_norm, overlap)
+    plan = replace(_plan(gpu_grads=0, keep=1, stepped=2), embed_rows=True, host_weight_copy=True)
+    ref, _ = _train(cfg, plan, overlap=False)
+    got, _ = _train(cfg, plan, overlap=True, staging=10_000)
+    assert ref[0] == got[0] and ref[1] == got[1]
+    assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
+    moved = []
+    for rows in (False, True):
+        m = _build(cfg, replace(_plan(gpu_grads=1), embed_rows=rows))
+        _steps(m, n_steps=2, vocab=200)  # 768 tokens a step of the table's first 200 rows
+        moved.append(m.transport.h2d_bytes)
+        m.close()
+    # a step: the table from the fp32 master (4 B a parameter), or at most 200 rows in bf16
+    assert moved[0] - moved[1] >= 2 * (4 * 512 * 256 - 2 * 200 * 256), moved
+
+
 def test_page_locking_in_pieces(monkeypatch):
     """Master weights and host gradients registered in many pieces (as for a model past the
     drivers' 512 GiB limit) train exactly as with one registration."""
@@ -327,6 +359,9 @@ EVAL_CASES = {
     # steps whose backward sweep runs inside `step`: evaluation comes after it
     "two-pass": (_plan("two_pass", 0, resident=2), 0.5),
     "immediate": (_plan("immediate", 0), 0.0),
+    # the embedding's rows: computed ahead for the evaluation's pass, so the next training pass
+    # gathers its rows from the table once its update is done
+    "stored-embedding-rows": (replace(_plan(gpu_grads=0, stepped=2), embed_rows=True), 0.5),
 }
 
 

@@ -212,7 +212,7 @@ def test_auto_steps_the_fastest_count_that_fits_and_none_where_it_does_not_pay()
     the shortest among the user-count plans, where the CPU optimizer binds; none where the CPU
     keeps up, where the count's memory does not fit, or in a data-parallel world (not built
     there). (Kept graphs pinned to none: `test_auto_keeps_graphs_under_the_stepped_peak`.)"""
-    auto = Choices(gpu_state="off", gpu_step_units=None, keep_layers=0)
+    auto = Choices(gpu_state="off", gpu_step_units=None, keep_layers=0, embedding_rows=False)
     p = placement.plan(A, STEP16K, cuda(139, 1000), auto)
     times = {k: _off(A, k).step_time_s for k in range(31)}
     near = (1 + placement.STEPPING_TOLERANCE) * min(times.values())

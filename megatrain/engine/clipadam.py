@@ -37,13 +37,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..planning.planspec import KERNEL_TAIL
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 # The CPU code torch dispatches to where the forms were found (AVX512; AVX2 is left to the check);
 # elsewhere the kernel is not used.
 CAPABILITIES = ("AVX512", "AVX2")
-# A tensor's last `n % ONES` elements take the form of torch's scalar loop.
-ONES = 8
+# A tensor's last `n % ONES` elements take the form of torch's scalar loop (planspec.py's
+# KERNEL_TAIL: the plan fetches the embedding's rows only where a row never falls there).
+ONES = KERNEL_TAIL
 # Elements a thread is given at least: below it the threads' start costs more than they save.
 MIN_PER_THREAD = 1 << 16
 # Elements a thread takes from the shared counter at a time (a multiple of 64): 1.1 MB of the
@@ -69,17 +71,24 @@ void to_bf16(const float *x, uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = bf16(x[i]);
 }
 
+/* One element's AdamW: its new weight, the new moments into `*mo` and `*vo`. */
+static inline float adamw(float pi, float gi, float mi, float vi, float *mo, float *vo, int scale,
+                          float coef, int decay, float keep, float w, int small, float b2, float c2,
+                          float bc2s, float eps, float neg_step, int last) {
+    gi = scale ? gi * coef : gi;
+    pi = decay ? pi * keep : pi;
+    mi = small ? fmaf(w, gi - mi, mi) : fmaf(w - 1.0f, gi - mi, gi);
+    vi = last ? fmaf(vi, b2, c2 * gi * gi) : fmaf(c2 * gi, gi, vi * b2);
+    *mo = mi;
+    *vo = vi;
+    return pi + neg_step * mi / (sqrtf(vi) / bc2s + eps);
+}
+
 static inline void element(float *p, const float *g, float *m, float *v, uint16_t *q, int64_t i,
                            int scale, float coef, int decay, float keep, float w, int small,
                            float b2, float c2, float bc2s, float eps, float neg_step, int last) {
-    float gi = scale ? g[i] * coef : g[i];
-    float pi = decay ? p[i] * keep : p[i];
-    float mi = m[i];
-    mi = small ? fmaf(w, gi - mi, mi) : fmaf(w - 1.0f, gi - mi, gi);
-    float vi = last ? fmaf(v[i], b2, c2 * gi * gi) : fmaf(c2 * gi, gi, v[i] * b2);
-    m[i] = mi;
-    v[i] = vi;
-    pi = pi + neg_step * mi / (sqrtf(vi) / bc2s + eps);
+    float pi = adamw(p[i], g[i], m[i], v[i], m + i, v + i, scale, coef, decay, keep, w, small, b2,
+                     c2, bc2s, eps, neg_step, last);
     p[i] = pi;
     if (q) q[i] = bf16(pi);
 }
@@ -133,6 +142,64 @@ void clip_adamw_shared(float *p, const float *g, float *m, float *v, uint16_t *q
                    eps, neg_step);
     }
 }
+
+/* Rows [lo, hi) of the list `rows` of a [*, width] table: what each element becomes in the form of
+   torch's vector loops (`adamw`, as `element` computes it), into `q` ([rows, width] bf16) and
+   nowhere else; the weights in fp32 into `f` too where it is given (the check's). Row r's gradient
+   is row `grow[r]` of `g`, or `zero` where that is negative. */
+static void rows_adamw(const float *p, const float *g, const float *m, const float *v, uint16_t *q,
+                       float *f, const int64_t *rows, const int64_t *grow, const float *zero, int64_t lo, int64_t hi, int64_t width, int scale,
+                       float coef, int decay, float keep, float w, int small, float b2, float c2,
+                       float bc2s, float eps, float neg_step) {
+    /* As `clip_adamw`'s: the flags constants in a loop of their own, so that each is vectorised. */
+#define ROWS(S, D, SM, F)                                                                       \
+    for (int64_t r = lo; r < hi; r++) {                                                         \
+        const float *pr = p + rows[r] * width;                                                  \
+        const float *gr = grow[r] < 0 ? zero : g + grow[r] * width;                             \
+        const float *mr = m + rows[r] * width, *vr = v + rows[r] * width;                       \
+        uint16_t *qr = q + r * width;                                                           \
+        float *fr = F ? f + r * width : 0;                                                      \
+        for (int64_t j = 0; j < width; j++) {                                                   \
+            float mo, vo, pi = adamw(pr[j], gr[j], mr[j], vr[j], &mo, &vo, S, coef, D, keep, w, \
+                                     SM, b2, c2, bc2s, eps, neg_step, 0);                       \
+            qr[j] = bf16(pi);                                                                   \
+            if (F) fr[j] = pi;                                                                  \
+        }                                                                                       \
+    }
+    switch ((scale ? 8 : 0) | (decay ? 4 : 0) | (small ? 2 : 0) | (f ? 1 : 0)) {
+    case 0: ROWS(0, 0, 0, 0); break;
+    case 1: ROWS(0, 0, 0, 1); break;
+    case 2: ROWS(0, 0, 1, 0); break;
+    case 3: ROWS(0, 0, 1, 1); break;
+    case 4: ROWS(0, 1, 0, 0); break;
+    case 5: ROWS(0, 1, 0, 1); break;
+    case 6: ROWS(0, 1, 1, 0); break;
+    case 7: ROWS(0, 1, 1, 1); break;
+    case 8: ROWS(1, 0, 0, 0); break;
+    case 9: ROWS(1, 0, 0, 1); break;
+    case 10: ROWS(1, 0, 1, 0); break;
+    case 11: ROWS(1, 0, 1, 1); break;
+    case 12: ROWS(1, 1, 0, 0); break;
+    case 13: ROWS(1, 1, 0, 1); break;
+    case 14: ROWS(1, 1, 1, 0); break;
+    default: ROWS(1, 1, 1, 1); break;
+    }
+#undef ROWS
+}
+
+/* `rows_adamw` over rows [0, n) of the list, `block` rows at a time from `*next`. */
+void rows_adamw_shared(const float *p, const float *g, const float *m, const float *v, uint16_t *q,
+                       float *f, const int64_t *rows, const int64_t *grow, const float *zero, int64_t *next, int64_t block, int64_t n, int64_t width,
+                       int scale, float coef, int decay, float keep, float w, int small, float b2,
+                       float c2, float bc2s, float eps, float neg_step) {
+    for (;;) {
+        int64_t lo = __atomic_fetch_add(next, block, __ATOMIC_RELAXED);
+        if (lo >= n) return;
+        int64_t hi = lo + block < n ? lo + block : n;
+        rows_adamw(p, g, m, v, q, f, rows, grow, zero, lo, hi, width, scale, coef, decay, keep, w, small, b2, c2,
+                   bc2s, eps, neg_step);
+    }
+}
 """
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
@@ -171,6 +238,35 @@ class ClipAdamW:
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i, f, i, f, f, i, f, f, f, f, f]
         fn.restype = None
         self._fn = fn
+        fr = self._lib.rows_adamw_shared
+        fr.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i,
+            f,
+            i,
+            f,
+            f,
+            i,
+            f,
+            f,
+            f,
+            f,
+            f,
+        ]
+        fr.restype = None
+        self._rows = fr
         self._to_bf16 = self._lib.to_bf16
         self._to_bf16.argtypes, self._to_bf16.restype = [ptr, ptr, i64], None
         self._pool: ThreadPoolExecutor | None = None
@@ -202,29 +298,72 @@ class ClipAdamW:
             raise ValueError(
                 f"the copy must be {n} contiguous bf16 elements, not {copy.dtype} x {copy.numel()}"
             )
-        b1, b2 = betas
-        bc1, bc2 = 1 - b1 ** float(step), 1 - b2 ** float(step)  # doubles, as the kernel has them
-        w = f32(1 - b1)
-        args = (
-            n - n % self.ones,
-            int(coef is not None),
-            f32(1.0 if coef is None else coef),
-            int(weight_decay != 0),
-            f32(1 - lr * weight_decay),
-            w,
-            int(abs(w) < 0.5),
-            f32(b2),
-            f32(1 - b2),
-            f32(math.sqrt(bc2)),
-            f32(eps),
-            f32(-(lr / bc1)),
-        )
+        args = (n - n % self.ones, *_hyper(coef, lr, step, betas, eps, weight_decay))
         q = None if copy is None else copy.data_ptr()
         taken = ctypes.c_int64(0)  # the counter the threads take their blocks from
         head = (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), q, ctypes.addressof(taken))
         parts = max(1, min(threads, n // MIN_PER_THREAD))
         if parts == 1:
             self._fn(*head, n, n, *args)
+            return
+        block = BLOCK or -(-n // parts // 64) * 64
+        self._run(parts, self._fn, *head, block, n, *args)
+
+    def rows(
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        rows: torch.Tensor,
+        out: torch.Tensor,
+        coef: float | None,
+        lr: float,
+        step: int,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        threads: int = 1,
+        exact: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
+    ) -> None:
+        """What rows `rows` (int64) of a table become in `step`'s AdamW, into `out` ([rows, width]
+        bf16; and in fp32 into `exact` where it is given), the table's weights, gradient and
+        moments (`tables`: contiguous fp32, in `step`'s order p, g, m, v) only read: the
+        arithmetic `step` applies to elements of a tensor outside its last `n % ONES`, element for
+        element. The gradient of row `rows[r]` is row `index[r]` of g ([*, width]; a negative
+        index: zero), or with no `index` row `rows[r]` of g (the table's whole gradient)."""
+        p, g, m, v = tables
+        n, width = rows.numel(), p.shape[1]
+        index = rows if index is None else index
+        if index.shape != rows.shape or g.shape[1:] != p.shape[1:] or not g.is_contiguous():
+            raise ValueError("the gradient's rows are contiguous, of the table's width, one index a row")
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (n, width) or not out.is_contiguous():
+            raise ValueError(
+                f"rows are written into [{n}, {width}] contiguous bf16, not {out.dtype} x {out.shape}"
+            )
+        if not all(t.is_contiguous() and t.dtype == torch.float32 and t.shape == p.shape for t in (p, m, v)):
+            raise ValueError("the weights and moments must be contiguous fp32 of one shape")
+        if exact is not None and (
+            exact.dtype != torch.float32 or exact.shape != out.shape or not exact.is_contiguous()
+        ):
+            raise ValueError("exact takes the rows in contiguous fp32, shaped as out")
+        taken, zero = ctypes.c_int64(0), torch.zeros(width)
+        head = (
+            *(t.data_ptr() for t in (p, g, m, v)),
+            out.data_ptr(),
+            None if exact is None else exact.data_ptr(),
+            rows.data_ptr(),
+            index.data_ptr(),
+            zero.data_ptr(),
+            ctypes.addressof(taken),
+        )
+        hyper = _hyper(coef, lr, step, betas, eps, weight_decay)
+        block = max(1, BLOCK // width)
+        parts = max(1, min(threads, n * width // MIN_PER_THREAD))
+        self._run(parts, self._rows, *head, block, n, width, *hyper)
+
+    def _run(self, parts: int, fn, *args) -> None:
+        """`fn(*args)` on `parts` threads of the pool at once (the caller's alone for one)."""
+        if parts == 1:
+            fn(*args)
             return
         if self._pool is None or self._workers < parts:
             if self._pool is not None:
@@ -238,8 +377,7 @@ class ClipAdamW:
                 ),
                 parts,
             )
-        block = BLOCK or -(-n // parts // 64) * 64
-        for job in [self._pool.submit(self._fn, *head, block, n, *args) for _ in range(parts)]:
+        for job in [self._pool.submit(fn, *args) for _ in range(parts)]:
             job.result()
 
     def cast(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -249,11 +387,32 @@ class ClipAdamW:
         self._to_bf16(x.data_ptr(), y.data_ptr(), x.numel())
 
 
+def _hyper(coef: float | None, lr: float, step: int, betas, eps: float, weight_decay: float) -> tuple:
+    """The kernel's arguments after `ones`: the flags and fp32 constants torch's kernel has."""
+    b1, b2 = betas
+    bc1, bc2 = 1 - b1 ** float(step), 1 - b2 ** float(step)  # doubles, as the kernel has them
+    w = f32(1 - b1)
+    return (
+        int(coef is not None),
+        f32(1.0 if coef is None else coef),
+        int(weight_decay != 0),
+        f32(1 - lr * weight_decay),
+        w,
+        int(abs(w) < 0.5),
+        f32(b2),
+        f32(1 - b2),
+        f32(math.sqrt(bc2)),
+        f32(eps),
+        f32(-(lr / bc1)),
+    )
+
+
 def check(kernel: ClipAdamW) -> None:
     """Raise Unavailable unless the kernel's results equal torch's, bit for bit: every tail
     length past two vector loops, every combination of a clip and none, weight decay and none,
     both forms of the moment's lerp (beta1 below and above one half) and the bf16 copy and none
-    (each a loop of its own), three steps, split over threads; and its cast equals torch's on
+    (each a loop of its own), three steps, split over threads; its rows of a table likewise
+    (`_check_rows`); and its cast equals torch's on
     special values (infinities, ties, the largest finite, subnormals; a NaN stays a NaN, its bits those of a quiet NaN, where torch's
     vector and scalar loops write different ones)."""
     gen = torch.Generator().manual_seed(0)
@@ -279,6 +438,7 @@ def check(kernel: ClipAdamW) -> None:
                         f"its results differ from torch {torch.__version__}'s kernel here ({n} elements, "
                         f"beta1 {b1}, weight decay {wd}, coefficient {coef}, bf16 copy {copy is not None})"
                     )
+    _check_rows(kernel, gen)
     info = torch.finfo(torch.float32)
     ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130 * (1 + 2**-8)])
     special = [math.inf, -math.inf, math.nan, -math.nan, info.max, -info.max, info.tiny, 2**-140, 0.0, -0.0]
@@ -288,6 +448,41 @@ def check(kernel: ClipAdamW) -> None:
     theirs, nan = x.to(torch.bfloat16), x.isnan()  # a NaN is a NaN: torch's bits for one vary by path
     if not (_bits_equal(y[~nan], theirs[~nan]) and y[nan].isnan().all()):
         raise Unavailable(f"its bf16 cast differs from torch {torch.__version__}'s here")
+
+
+def _check_rows(kernel: ClipAdamW, gen: torch.Generator) -> None:
+    """Raise Unavailable unless what `rows` writes for rows of a table equals torch's kernel's
+    update of the whole table at those rows, in fp32 and cast to bf16, bit for bit, in every
+    combination of the flags, from the table's gradient and from its nonzero rows alone, the
+    table itself left as it was (an fp32 element that differs in its last bit seldom differs in
+    bf16)."""
+    V, H = 37, 64
+    for b1, wd, coef in [(b1, wd, c) for b1 in (0.9, 0.3) for wd in (0.1, 0.0) for c in (0.37, None)]:
+        p, m = torch.randn(V, H, generator=gen) * 0.02, torch.randn(V, H, generator=gen) * 1e-4
+        v, g = torch.rand(V, H, generator=gen) * 1e-6, torch.zeros(V, H)
+        held = torch.randperm(V, generator=gen)[: V // 2].sort().values  # the rows with a gradient
+        g[held] = torch.randn(len(held), H, generator=gen) * 1e-3
+        rows = torch.randperm(V, generator=gen)[: V // 2].sort().values
+        pos = torch.searchsorted(held, rows).clamp(max=len(held) - 1)
+        index = torch.where(held[pos] == rows, pos, -1)
+        theirs = [t.clone() for t in (p, m, v)]
+        torch._fused_adamw_(
+            [theirs[0]], [g if coef is None else g * torch.tensor(coef)], [theirs[1]], [theirs[2]], [],
+            [torch.tensor(2.0)], amsgrad=False, lr=1e-3, beta1=b1, beta2=0.95, weight_decay=wd, eps=1e-8,
+            maximize=False,
+        )  # fmt: skip
+        want = theirs[0][rows]
+        for grads, at in ((g, None), (g[held].contiguous(), index)):
+            out, exact = torch.empty(len(rows), H, dtype=torch.bfloat16), torch.empty(len(rows), H)
+            before = [t.clone() for t in (p, grads, m, v)]
+            hyper = (coef, 1e-3, 2, (b1, 0.95), 1e-8, wd)
+            kernel.rows((p, grads, m, v), rows, out, *hyper, threads=2, exact=exact, index=at)
+            kept = all(torch.equal(a, b) for a, b in zip((p, grads, m, v), before))
+            if not (kept and torch.equal(exact, want) and _bits_equal(out, want.to(torch.bfloat16))):
+                raise Unavailable(
+                    f"its rows differ from torch {torch.__version__}'s kernel here (beta1 {b1}, weight "
+                    f"decay {wd}, coefficient {coef}, the gradient's rows {at is not None})"
+                )
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -47,6 +47,7 @@ class _Prepared:
     ids: torch.Tensor  # [B, S] on device
     targets: Any  # what the objective needs of the micro-batch, on device (cross-entropy: [B*S] labels)
     inputs: dict[str, dict]  # layer kind -> keyword inputs of its layers (rotary tables, mask)
+    row_ids: torch.Tensor | None = None  # ids into the step's looked-up rows (`Plan.embed_rows`)
 
 
 @dataclass
@@ -103,6 +104,8 @@ class Engine:
         self.layer_units = self.units[1:-1]
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
+        if plan.embed_rows and cfg.tie_word_embeddings:
+            raise ValueError("a tied LM head reads the whole table: the embedding's rows alone do not do")
         family, t = family_of(cfg), templates(cfg)
         self.embed, self.head, self.layers = t["embed"], t["head"], t["layers"]
         for layer in self.layers.values():
@@ -170,7 +173,24 @@ class Engine:
         units = self.state.units
         return list(units) if self.plan.grad_mode == "stored" else units[::-1]
 
-    def _prepare(self, mb: MicroBatch) -> _Prepared:
+    def _looked_up(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor | None, list]:
+        """Where the plan fetches the embedding's rows (`Plan.embed_rows`): the sorted token ids
+        the micro-batches look up (host memory) and each micro-batch's ids into them; else None
+        and Nones."""
+        if not self.plan.embed_rows:
+            return None, [None] * len(micro_batches)
+        ids = [mb.input_ids.reshape(-1) for mb in micro_batches]
+        rows, into = torch.unique(torch.cat(ids), sorted=True, return_inverse=True)
+        into = into.split([i.numel() for i in ids])
+        return rows, [j.view(mb.input_ids.shape) for j, mb in zip(into, micro_batches)]
+
+    def _prepare_all(self, micro_batches: list[MicroBatch]) -> tuple[list[_Prepared], torch.Tensor | None]:
+        """Each micro-batch on the device, and the rows of the embedding they look up (None: the
+        whole table is fetched)."""
+        rows, into = self._looked_up(micro_batches)
+        return [self._prepare(mb, j) for mb, j in zip(micro_batches, into)], rows
+
+    def _prepare(self, mb: MicroBatch, row_ids: torch.Tensor | None = None) -> _Prepared:
         dev = self.device
         ids = mb.input_ids.to(dev, non_blocking=True)
         B, S = ids.shape
@@ -181,6 +201,7 @@ class Engine:
             ids=ids,
             targets=self.objective.targets(mb, dev),
             inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks),
+            row_ids=None if row_ids is None else row_ids.to(dev, non_blocking=True),
         )
 
     def _grad_buffer(self, unit: Unit) -> torch.Tensor:
@@ -194,10 +215,14 @@ class Engine:
         self._norms[unit.index] = self.collective.norms(unit, g)
 
     # ------------------------------------------------------------------ sweeps
-    def _forward_sweep(self, prep: list[_Prepared], keep: bool):
+    def _forward_sweep(self, prep: list[_Prepared], keep: bool, rows: torch.Tensor | None = None):
         t = self.transport
-        w = unit_views(t.fetch(self.embed_unit), self.embed_unit)
-        h = [functional_call(self.embed, w, (p.ids,)) for p in prep]
+        if rows is None:
+            w = unit_views(t.fetch(self.embed_unit), self.embed_unit)
+            h = [functional_call(self.embed, w, (p.ids,)) for p in prep]
+        else:  # the looked-up rows alone, each token's id remapped into them: the same lookup
+            w = {self.embed.weight_name: t.fetch_rows(self.embed_unit, rows)}
+            h = [functional_call(self.embed, w, (p.row_ids,)) for p in prep]
         del w
         saved: list[list | _Graph] = []
         first_kept = len(self.layer_units) - (self.keep_layers if keep else 0)
@@ -351,13 +376,13 @@ class Engine:
         order = self._forward_order()
         if mode != "immediate":
             order += self._backward_order()
-        self.transport.begin(order)
+        prep, rows = self._prepare_all(micro_batches)
+        self.transport.begin(order, rows)
         self._begin_parking(micro_batches)
         if self.aux is not None:  # padding is left out of the aux loss
             masks = [mb.attention_mask for mb in micro_batches]
             self.aux.begin([None if a is None else a.to(self.device).reshape(-1).float() for a in masks])
-        prep = [self._prepare(mb) for mb in micro_batches]
-        h, saved = self._forward_sweep(prep, keep=True)
+        h, saved = self._forward_sweep(prep, keep=True, rows=rows)
         loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
         del h
         if self.aux is not None:  # known now: every layer's routing was counted
@@ -485,16 +510,16 @@ class Engine:
         if self._pending is not None:
             # Its boundary activations are still on the device, and the plan has no room for two.
             raise RuntimeError("a forward pass inside an optimizer step: call it after step() or skip_step()")
-        self.transport.begin(self._forward_order())
-        prep = [self._prepare(mb) for mb in micro_batches]
-        h, _ = self._forward_sweep(prep, keep=False)
+        prep, rows = self._prepare_all(micro_batches)
+        self.transport.begin(self._forward_order(), rows)
+        h, _ = self._forward_sweep(prep, keep=False, rows=rows)
         head = Head(self.head, *self._head_params(), self.loss_chunk_tokens)
         return fn(head, h, [p.targets for p in prep])
 
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """Full fp32 logits of one micro-batch (for evaluation and parity tests)."""
-        self.transport.begin(self._forward_order())
-        prep = [self._prepare(micro_batch)]
-        h, _ = self._forward_sweep(prep, keep=False)
+        prep, rows = self._prepare_all([micro_batch])
+        self.transport.begin(self._forward_order(), rows)
+        h, _ = self._forward_sweep(prep, keep=False, rows=rows)
         return Head(self.head, *self._head_params(), self.loss_chunk_tokens).logits(h[0])

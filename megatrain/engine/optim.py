@@ -237,6 +237,52 @@ class HostAdamW:
         for a, b in chunk_ranges(unit, chunk, (lo, hi)):
             self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
 
+    def step_rows(
+        self,
+        unit: Unit,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        coef: torch.Tensor | None,
+        lr: float,
+        step: int,
+        out: torch.Tensor,
+        index: torch.Tensor | None = None,
+    ) -> None:
+        """The weights that rows `rows` (sorted token ids) of a one-table unit (the embedding)
+        take in this step's update, written into `out` ([rows, hidden] in any dtype, cast as a
+        fetch casts), the state left as it is: the update `step_held` makes of the whole table
+        later from its gradient, of which `grad` (fp32, only read) holds the table's rows, or
+        with `index` some rows, row `index[r]` that of `rows[r]` (a negative one: zero). Bitwise
+        the same:
+        clipadam's kernel computes each row's elements as it steps a tensor's outside its last
+        `n % KERNEL_TAIL`, reading the table where it lies (its `rows`, checked against torch's
+        kernel); without it, or into another dtype than bf16, torch's kernel steps gathered
+        copies of the rows. Every element of the table takes that one form in `step_held`, whose
+        tensors' lengths are multiples of KERNEL_TAIL (a hidden size the plan allows), as every
+        element of the copies does in theirs."""
+        spec = unit.params[0]
+        p, m, v = (
+            self.state.flat(unit, w)[spec.offset : spec.offset + spec.numel].view(spec.shape)
+            for w in ("master", "exp_avg", "exp_avg_sq")
+        )
+        wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
+        kernel = self._loaded()
+        if kernel is not None and out.dtype == torch.bfloat16:
+            c = coef.item() if multiplies(coef) else None
+            hyper = (lr, step, self.cfg.betas, self.cfg.eps, wd, torch.get_num_threads())
+            kernel.rows((p, grad, m, v), rows, out, c, *hyper, index=index)
+            return
+        p, m, v = (t.index_select(0, rows) for t in (p, m, v))
+        if index is None:
+            g = grad.index_select(0, rows)
+        else:
+            g = grad.index_select(0, index.clamp(min=0)).masked_fill_((index < 0)[:, None], 0.0)
+        torch._fused_adamw_(
+            [p], [clip_scaled(g, coef)], [m], [v], [], [torch.full((), float(step))],
+            amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=self.cfg.eps, maximize=False,
+        )  # fmt: skip
+        out.copy_(p)
+
     def _kernel(self, unit: Unit, coef: torch.Tensor | None) -> clipadam.ClipAdamW | None:
         """clipadam's kernel where it saves a pass over a unit in host memory: a clip that fires
         (the multiply), or a bf16 copy of the unit's weights to write (the cast); where asked for
@@ -245,6 +291,12 @@ class HostAdamW:
         if not self.fused_clip or (tier is not None and tier.holds(unit)):
             return None
         if not (multiplies(coef) or self._bf16_copy(unit) is not None):
+            return None
+        return self._loaded()
+
+    def _loaded(self) -> clipadam.ClipAdamW | None:
+        """clipadam's kernel where asked for (`fused_clip`) and it builds and checks here."""
+        if not self.fused_clip:
             return None
         if self._fused is None:
             self._fused, why = clipadam.load()

@@ -55,6 +55,7 @@ from .gpustep import GpuStepper
 from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
+from .rows import EmbeddingRows, RowsGrad
 
 
 @dataclass
@@ -67,6 +68,9 @@ class HostAdamCounters:
     adam_s: float = 0.0
     params: int = 0
     wait_s: float = 0.0
+    rows_s: float = 0.0
+    """Of the worker's time, the next pass's rows of the embedding computed ahead (rows.py), before
+    the other units' AdamW."""
 
     def stepped(self, params: int, since: float) -> None:
         """`params` stepped in the time since `since` (time.perf_counter())."""
@@ -79,11 +83,17 @@ class Transport(Protocol):
 
     counters: HostAdamCounters
 
-    def begin(self, schedule: list[Unit]) -> None:
-        """Announce the order in which units will be fetched until the next `begin`."""
+    def begin(self, schedule: list[Unit], rows: torch.Tensor | None = None) -> None:
+        """Announce the order in which units will be fetched until the next `begin`, and where the
+        plan fetches the embedding's rows (`Plan.embed_rows`), the rows the pass looks up (sorted
+        token ids in host memory)."""
 
     def fetch(self, unit: Unit) -> torch.Tensor:
         """The unit's flat weights in compute dtype on the compute device (next in the order)."""
+
+    def fetch_rows(self, unit: Unit, rows: torch.Tensor) -> torch.Tensor:
+        """`fetch` of a one-table unit (the embedding) that brings only `rows`, those announced:
+        [rows, width] in compute dtype on the compute device."""
 
     def hold(self, unit: Unit, grad: torch.Tensor) -> None:
         """The unit's complete fp32 gradient of this step; keep it for `step`."""
@@ -135,8 +145,13 @@ class SerialTransport:
         self.held: dict[int, torch.Tensor] = {}  # gradients waiting for `step`, inspectable
         self.counters = HostAdamCounters()
 
-    def begin(self, schedule: list[Unit]) -> None:
+    def begin(self, schedule: list[Unit], rows: torch.Tensor | None = None) -> None:
         pass
+
+    def fetch_rows(self, unit: Unit, rows: torch.Tensor) -> torch.Tensor:
+        (spec,) = unit.params
+        table = self.fetch(unit)[spec.offset : spec.offset + spec.numel].view(spec.shape)
+        return table.index_select(0, rows.to(self.device))
 
     def fetch(self, unit: Unit) -> torch.Tensor:
         lo, hi = self.world.piece(unit)
@@ -243,6 +258,9 @@ class StreamingTransport:
             overlap,
             prestage=bool(plan.prestaged),
         )
+        self.rows = None  # the embedding's rows (rows.py), where the plan fetches them
+        if plan.embed_rows:
+            self.rows = EmbeddingRows(state, optimizer, units[0], dtype)
         torch.set_num_threads(threads or optimizer_threads())
         self._error: BaseException | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -258,12 +276,21 @@ class StreamingTransport:
         self.counters = HostAdamCounters()
 
     # ------------------------------------------------------------- weights in
-    def begin(self, schedule: list[Unit]) -> None:
+    def begin(self, schedule: list[Unit], rows: torch.Tensor | None = None) -> None:
         self._check()
         self.schedule, self._pos, self._issued = list(schedule), 0, {}
+        if self.rows is not None:
+            self.rows.begin(rows)
 
     def _issue(self, k: int) -> None:
         unit = self.schedule[k]
+        if self.rows is not None and unit is self.rows.unit and self.rows.current is not None:
+            ready = lambda: self._wait_ready(unit)  # noqa: E731
+            buf, ev, waited = self.rows.fetch(self.h2d, self.compute, self.device, ready, self.overlap)
+            self.counters.wait_s += waited
+            self.h2d_bytes += buf.numel() * buf.element_size()
+            self._issued[k] = (buf, ev)
+            return
         if unit.index in self.resident:
             p32 = self.resident[unit.index][0]
             buf = p32 if self.dtype == torch.float32 else p32.to(self.dtype)  # on the compute stream
@@ -298,6 +325,10 @@ class StreamingTransport:
         self.h2d_bytes += (hi - lo) * src.element_size()
         self._issued[k] = (buf[: unit.numel], ev)
 
+    def fetch_rows(self, unit: Unit, rows: torch.Tensor) -> torch.Tensor:
+        assert self.rows is not None and rows is self.rows.current, "fetch_rows: rows not announced"
+        return self.fetch(unit)
+
     def fetch(self, unit: Unit) -> torch.Tensor:
         k = self._pos
         assert self.schedule[k] is unit, f"fetch({unit.name}) out of announced order"
@@ -312,6 +343,8 @@ class StreamingTransport:
     # ------------------------------------------------------------- gradients out
     def hold(self, unit: Unit, grad: torch.Tensor) -> None:
         self._check()
+        if self.rows is not None and unit is self.rows.unit:
+            self.rows.held = self.rows.current  # the rows this gradient's pass looked up
         self._hold(unit, grad)
         # Each gradient held is a step of the backward sweep: the GPU-stepped units' state comes in
         # a share at a time, behind the fetches queued so far, complete by the last layer's.
@@ -346,6 +379,12 @@ class StreamingTransport:
                 self._step_resident(unit, g, coef, lr, step)
             else:
                 (stepped if unit.index in self.stepper else items).append((unit, g))
+        if self.rows is not None and items and items[0][0] is self.rows.unit:
+            # The step's rows of its gradient out first, the table's update last (rows.py).
+            unit, g = items.pop(0)
+            items.append((unit, self.rows.gather(g, self.compute, self.d2h, self.device)))
+            del g
+            self.rows.awaiting = self.overlap
         self._submit(items, coef, lr, step)
         self.stepper.step(stepped, coef, lr, step)
 
@@ -388,6 +427,16 @@ class StreamingTransport:
         """Step `items` (unit, gradient on the GPU or (host slot, landed event)) in order."""
         self.d2h.wait_event(done)
         coef_host = None
+        if items and isinstance(items[-1][1], RowsGrad):  # the embedding's rows (rows.py)
+            if coef is not None:
+                done.synchronize()  # the clip coefficient is computed on the compute stream
+                coef_host = coef.to("cpu")
+            t = time.perf_counter()
+            n = self.rows.ahead(items[-1][1], coef_host, lr, step, wait=self.overlap)
+            if n:
+                self.counters.stepped(n, t)
+                self.counters.rows_s += time.perf_counter() - t
+            self.rows.land(items[-1][1])
         items.reverse()
         while items:
             # Popped, so each gradient's GPU memory is free once its unit is stepped, not when
@@ -405,6 +454,10 @@ class StreamingTransport:
                 self._apply_from_device(unit, g, coef, lr, step)
                 if release:
                     self._inflight.release()
+            elif isinstance(g, RowsGrad):
+                t = time.perf_counter()
+                self.rows.whole(g, coef_host, lr, step, self.chunk_elems)
+                self.counters.stepped(unit.numel, t)
             else:
                 slot, landed = g
                 landed.synchronize()
@@ -460,6 +513,8 @@ class StreamingTransport:
                     del job  # its gradients' GPU memory is free now, not when the next job comes
                 except BaseException as e:  # surfaced on the main thread at the next call
                     self._error = e
+                    if self.rows is not None:
+                        self.rows.fail()
                     for ev in self._ready.values():
                         ev.set()
                     for _ in range(self.plan.inflight_units):
@@ -482,6 +537,8 @@ class StreamingTransport:
             raise RuntimeError("the optimizer worker failed") from e
 
     def wait_updates(self) -> None:
+        if self.rows is not None:
+            self.rows.release()
         for u in self.state.units:
             self._ready[u.index].wait()
         self.stepper.wait()
@@ -507,6 +564,8 @@ class StreamingTransport:
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
+        if self.rows is not None:
+            self.rows.release()
         if self._worker is not None:
             self._jobs.put(None)
             self._worker.join()

@@ -10,7 +10,9 @@ and bound to a unit's weights for each use with `torch.func.functional_call`:
   `scale` (the constant `forward` multiplies the looked-up rows by, 1.0 for most families,
   sqrt(hidden) for Gemma), so the backward sweep scatter-adds `scale * dh` into the table's
   gradient without fetching any weights; and `padding_idx` (a row that gets no gradient, as
-  `nn.Embedding(padding_idx=...)` has it, or None).
+  `nn.Embedding(padding_idx=...)` has it, or None). Optional: `looks_up_rows = True` where
+  `forward` reads a token's row alone and takes a table of any number of rows, so a step may
+  fetch only the rows it looks up, the ids remapped into them (`Plan.embed_rows`).
 * `layer(cfg, i)`: layer i's block; `forward(x, **inputs)` returns the next hidden state. Layers
   whose `layer_key` is equal share one template (and one compiled graph); `layer_kind(cfg, i)`
   names the entry of the per-micro-batch inputs it takes (e.g. global vs sliding-window

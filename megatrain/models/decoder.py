@@ -233,6 +233,7 @@ class Embedding(nn.Module):
 
     weight_name = "embed_tokens.weight"
     scale = 1.0
+    looks_up_rows = True  # forward: a row of the table per token, any number of rows (base.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -6,7 +6,7 @@ backward, the recompute of the layers whose graphs are not kept, the second back
 two-pass step, the MLP tiles recomputed in each backward, causal attention over the keys a token
 covers), the PCIe traffic (weights in, from the compute-dtype copy where there is one,
 gradients out, parked activations, the fp32 state of
-GPU-stepped units both ways), the CPU AdamW and how much of it the overlap hides (the next
+GPU-stepped units both ways, the embedding's looked-up rows where those are fetched), the CPU AdamW and how much of it the overlap hides (the next
 forward sweep; in two-pass and immediate steps the backward sweep that lands the gradients), the
 GPU's wait for the GPU-stepped state, the optimizer's interference with the sweep it hides
 behind, and the disk tier's reads and writes beyond the AdamW they overlap. The plan only compares
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from ..host.disk import MOMENT_BYTES
 from ..host.state import STATE_BYTES
-from .planspec import Batch, Machine, Plan, Shape
+from .planspec import Batch, Machine, Plan, Shape, looked_up_rows
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
@@ -120,10 +120,19 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     fetches = fetched_bytes(s, plan, range(plan.resident_units, n))
     h2d = fetches * (1 + passes) + act_bytes * passes + extra - kept
     d2h = 4 * streamed + act_bytes + extra
+    # The embedding's rows (`embed_rows`): the looked-up rows cross, not the table (its weights in
+    # compute dtype, its gradient's rows back in fp32); the host computes those rows in the next
+    # forward sweep's window and steps the whole table (`late`) in the backward sweep's.
+    rows = looked_up_rows(s, b) * s.hidden if plan.embed_rows else 0
+    late = s.units[0] if plan.embed_rows else 0
+    if plan.embed_rows:
+        h2d += rows * b.compute_bytes - (1 + passes) * fetched_bytes(s, plan, [0])
+        d2h -= 4 * (s.units[0] - rows)
     pcie = max(h2d, d2h) / rate
     duplex = (h2d + d2h) / (PCIE_DUPLEX_GAIN * rate)  # the link's two directions together
     adam = m.adam_params_s * (ADAM_LANDING_GAIN if plan.grad_mode != "stored" else 1)
-    cpu = (streamed - gpu_stepped + cast) / adam + _tier_wait(plan, m, adam)
+    cpu = (streamed - gpu_stepped - late + rows + cast) / adam + _tier_wait(plan, m, adam)
+    late /= adam
     forward = L * layer_fwd  # the next forward sweep
     if plan.grad_mode == "stored":
         held = sum(s.units[plan.stepped.stop : plan.gpu_grad_units])  # on the GPU, for the CPU optimizer
@@ -134,7 +143,8 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     stretch, gpu_step = _gpu_stepping(s, plan, backward, forward, act_bytes, rate)
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
-    return max(gpu + stretch + waits, pcie + idle, duplex) + OPT_INTERFERENCE * min(cpu, window)
+    busy = max(gpu + stretch + waits, pcie + idle, duplex, cpu + late)  # the host: all its work
+    return busy + OPT_INTERFERENCE * (min(cpu, window) + late)
 
 
 def fetched_bytes(s: Shape, plan: Plan, units) -> int:

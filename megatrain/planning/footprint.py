@@ -20,7 +20,7 @@ from ..models.config import ModelConfig
 from ..models.family import layer_params
 from ..parallel.layout import Layout
 from .costmodel import step_time
-from .planspec import EMBED_GRAD_ROWS, Batch, Machine, Plan, Shape, model_shape
+from .planspec import EMBED_GRAD_ROWS, ROW_HEADROOM, Batch, Machine, Plan, Shape, looked_up_rows, model_shape
 from .probe import LayerMemory, formula_layer_memory
 
 GiB, MiB = 2**30, 2**20
@@ -293,7 +293,10 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
     }
     rows = min(Tm, EMBED_GRAD_ROWS)
     own = 0 if stored and on_gpu[0] else 4 * s.units[0]
-    work = {"embedding backward": rows * h * (8 + cb) + own}
+    # After it, where the embedding's rows are fetched (`embed_rows`): the step's rows of its
+    # gradient gathered for their way out (its working set is gone by then).
+    gathered = 4 * h * looked_up_rows(s, b) if plan.embed_rows else 0
+    work = {"embedding backward": max(rows * h * (8 + cb), gathered) + own}
     phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work, 0))
     return phases
 
@@ -386,6 +389,13 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         pinned += parked
     host["gradient staging (page-locked)"] = STAGING_SLOTS * plan.staging_elems * 4
     pinned += host["gradient staging (page-locked)"]
+    if plan.embed_rows:  # engine/rows.py: the table's gradient, the rows' ways out and in with
+        # their headroom (host kernels that cannot step rows in place also gather four fp32 copies
+        # of them for a moment: not counted)
+        rows = int(ROW_HEADROOM * h * looked_up_rows(s, b))
+        host["embedding gradient (fp32, the step's rows)"] = 4 * s.units[0]
+        host["embedding rows (page-locked)"] = (4 + cb) * rows
+        pinned += host["embedding rows (page-locked)"]
     host["runtime"] = _runtime(plan.device, world)
     return host, pinned
 

@@ -67,7 +67,7 @@ from .footprint import (
     usable_gpu,
     usable_host,
 )
-from .planspec import ADAM_PARAMS_S, Batch, Machine, Plan, Shape, model_shape
+from .planspec import ADAM_PARAMS_S, KERNEL_TAIL, Batch, Machine, Plan, Shape, looked_up_rows, model_shape
 from .probe import LayerMemory, formula_layer_memory
 
 __all__ = [
@@ -148,6 +148,9 @@ class Choices:
     gpu_step_units: int | None = 0  # streamed units stepped on the GPU (None: the plan chooses)
     # host-stepped units fetched from a compute-dtype copy (a run's default is None: TrainConfig's)
     host_weight_copy: bool | None = False
+    # the embedding fetched as the rows a step looks up (None: the plan decides, with
+    # gpu_step_units: auto)
+    embedding_rows: bool | None = None
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -239,8 +242,10 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
                 p.notes.append("gpu_state: no state on the GPU: the disk tier takes the units it would hold")
         except PlanError:
             return None
-        if p.resident_units + p.gpu_stepped_units > n - k:
-            return None
+        if p.resident_units + p.gpu_stepped_units + int(p.embed_rows) > n - k:
+            if p.gpu_stepped_units or p.resident_units:
+                return None
+            p = replace(p, embed_rows=False)  # the tier holds the embedding too
         p = evaluate(s, batch, replace(p, disk_units=k, notes=list(p.notes)), m)
         if not fits(p, m):
             return None
@@ -290,10 +295,13 @@ def _in_memory(
         parked_options = range(L - keep + 1)
 
     copy = c.host_weight_copy and batch.compute_bytes != 4  # in fp32 the master is the copy
+    if c.embedding_rows and (why := rows_refused(s, m, resident)):
+        raise ConfigError(f"embedding_rows: {why}; set it false or auto")
 
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
+        rows = bool(c.embedding_rows) and mode == "stored"
         p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped,
-                 host_weight_copy=copy)  # fmt: skip
+                 host_weight_copy=copy, embed_rows=rows)  # fmt: skip
         return _stepped_loading(s, batch, p, m)
 
     # the fastest plan of each gradient mode that fits, whichever mode wins below
@@ -358,7 +366,10 @@ def _in_memory(
     may_store = batch.clip and c.gradient_placement in ("auto", "host")
     headroom, keep_graphs = "", c.keep_layers is None
     if c.gpu_step_units is None and can_step:
-        best, headroom = _fastest_stepping(s, batch, best, m, may_store, keep_graphs)
+        rows = c.embedding_rows is not False
+        best, headroom = _fastest_stepping(s, batch, best, m, may_store, keep_graphs, rows)
+    if c.embedding_rows and not best.embed_rows:
+        best.notes.append("embedding_rows: not in a two-pass or unclipped step (gradients held for the clip)")
     why = _why_two_pass(best, c, m, candidate)
     if c.gpu_step_units == 0 and can_step and may_store:  # the user's default: say what auto would do
         why += _stepping_would_store(s, batch, best, m, keep_graphs)
@@ -369,6 +380,26 @@ def _in_memory(
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
     return best
+
+
+def rows_refused(s: Shape, m: Machine, resident: int = 0) -> str:
+    """Why the embedding's rows cannot be fetched on its own (`Plan.embed_rows`; "": they can).
+    The head of a tied model reads the whole table; the host pass writes the table once, equal
+    to the rows computed ahead of it, where the host kernel takes one form for every element of
+    both (engine/rows.py: a width that is a multiple of KERNEL_TAIL)."""
+    if m.device != "cuda":
+        return "a GPU's (on the CPU the table is not fetched)"
+    if s.tied:
+        return "not with tied embeddings (the LM head reads the whole table)"
+    if not s.rows_embedding:
+        return "this model's embedding is not one table that its forward reads a row at a time"
+    if s.hidden % KERNEL_TAIL:
+        return f"hidden_size {s.hidden} is not a multiple of {KERNEL_TAIL}"
+    if m.world.ranks > 1:
+        return "built for one process"
+    if resident:
+        return "not with GPU-resident state (resident_units)"
+    return ""
 
 
 def check_gpu_stepping(units: int, device: str, world_size: int = 1) -> None:
@@ -446,8 +477,9 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
     cur = base
     while True:
         options = []
-        # sharded: no state on the GPU; the GPU-stepped units (the user's) move back one
-        if cur.stepped.stop < len(s.units) and not m.world.sharded:
+        # sharded: no state on the GPU; the GPU-stepped units (the user's) move back one; the
+        # embedding's rows come from host memory
+        if cur.stepped.stop < len(s.units) and not m.world.sharded and not cur.embed_rows:
             options.append(replace(cur, resident_units=cur.resident_units + 1))
         if cur.grad_mode != "two_pass" and cur.keep_layers < s.layers - cur.parked_layers:
             options.append(replace(cur, keep_layers=cur.keep_layers + 1))
@@ -463,7 +495,7 @@ def _spend_free_gpu(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
 
 
 def _fastest_stepping(
-    s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool, keep_graphs: bool
+    s: Shape, b: Batch, base: Plan, m: Machine, may_store: bool, keep_graphs: bool, rows: bool = True
 ) -> tuple[Plan, str]:
     """`gpu_step_units: auto`: the number of streamed units to step on the GPU that the cost model
     says is fastest, among those whose memory fits with STEPPING_GPU_HEADROOM left for the
@@ -477,27 +509,26 @@ def _fastest_stepping(
     units are stepped on the GPU, whose gradients wait there (`may_store`: the user's
     gradient_placement allows storing them). `keep_graphs` (kept graphs left to the plan, as a
     run's config always leaves them): then the last layers' graphs kept where that is faster
-    (`_keep_stepped_graphs`). Also returns a note where the headroom held back a count the cost
-    model puts faster (else "")."""
+    (`_keep_stepped_graphs`). `rows`: with the embedding's rows fetched (`Plan.embed_rows`) too,
+    where they can be and the cost model puts them faster. Also returns a note where the headroom
+    held back a count the cost model puts faster (else "")."""
     if base.grad_mode == "stored":
         start = base
     elif base.grad_mode == "two_pass" and may_store:
         start = replace(base, grad_mode="stored", gpu_grad_units=0)
     else:
         return base, ""
-    # not monotone: more units free host memory (their gradients) and take GPU memory
-    counts = [
-        _stepped_loading(s, b, replace(start, gpu_stepped_units=k), m)
-        for k in range(1, len(s.units) - base.resident_units + 1)
-    ]
     room = None
     if m.gpu_bytes is not None:
         room = m.gpu_bytes - min(STEPPING_GPU_HEADROOM, STEPPING_GPU_HEADROOM_SHARE * m.gpu_bytes)
-    fitting = [p for p in counts if fits(p, m) and (room is None or p.gpu_peak <= room)]
-    if not fitting:
+    starts = [replace(start, embed_rows=False)]
+    if rows and not rows_refused(s, m, start.resident_units):
+        starts.append(replace(start, embed_rows=True))
+    found = [_fewest_fast(s, b, st, m, room) for st in starts]
+    found = [f for f in found if f is not None]
+    if not found:
         return base, ""
-    fastest = min(p.step_time_s for p in fitting)
-    best = next(p for p in fitting if p.step_time_s <= (1 + STEPPING_TOLERANCE) * fastest)
+    best, counts, fastest = min(found, key=lambda f: f[0].step_time_s)
     if best.step_time_s >= (1 - STEPPING_GAIN) * base.step_time_s:
         return base, ""
     if keep_graphs:
@@ -512,6 +543,25 @@ def _fastest_stepping(
         f"~{best.step_time_s - other.step_time_s:.2f} s a step faster by the cost model, where runs that left "
         "the allocator less room retried it every step (a number in gpu_step_units takes them)"
     )
+
+
+def _fewest_fast(s: Shape, b: Batch, start: Plan, m: Machine, room: int | None):
+    """Of `start` with 1.. GPU-stepped units (0.. with the embedding's rows, which step none on
+    the GPU alone), the fewest whose step the cost model puts within STEPPING_TOLERANCE of the
+    fastest that fits under `room`: (that plan, every count's plan, the fastest step), or None
+    where none fits."""
+    first = 0 if start.embed_rows else 1
+    # not monotone: more units free host memory (their gradients) and take GPU memory
+    counts = [
+        _stepped_loading(s, b, replace(start, gpu_stepped_units=k), m)
+        for k in range(first, len(s.units) - start.stepped.start + 1)
+    ]
+    fitting = [p for p in counts if fits(p, m) and (room is None or p.gpu_peak <= room)]
+    if not fitting:
+        return None
+    fastest = min(p.step_time_s for p in fitting)
+    best = next(p for p in fitting if p.step_time_s <= (1 + STEPPING_TOLERANCE) * fastest)
+    return best, counts, fastest
 
 
 def _keep_stepped_graphs(s: Shape, b: Batch, p: Plan, m: Machine) -> Plan:
@@ -643,6 +693,11 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine, why_two_pass: str) -> Plan:
         notes.append(
             f"GPU-stepped: {p.gpu_stepped_units} leading streamed units (fp32 state {STATE_BYTES} B/param "
             "host->device and back each step, fused CUDA AdamW; gradients wait on the GPU)"
+        )
+    if p.embed_rows:
+        notes.append(
+            f"embedding: stepped in host memory, fetched as the rows a step looks up (at most "
+            f"{looked_up_rows(s, b):,}); those rows updated first, the whole table in the backward sweep"
         )
     if p.keep_layers:
         notes.append(f"kept graphs: last {p.keep_layers} layers (not recomputed)")

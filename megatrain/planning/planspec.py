@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..host.state import build_units
 from ..models.config import ModelConfig
+from ..models.family import family_of
 from ..parallel.layout import Layout
 from .probe import LayerMemory, token_ffn
 
@@ -22,6 +23,9 @@ EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
 # training step (costmodel.py says where the figures come from)
 PCIE_BYTES_S = 55e9
 ADAM_PARAMS_S = 3e9
+# The host AdamW kernel (torch's fused one, and engine/clipadam.py's) takes a tensor's last
+# `n % KERNEL_TAIL` elements in a form of their own, the others all in one.
+KERNEL_TAIL = 8
 # The disk tier's rates, read and written, where nothing was measured: one NVMe drive (a
 # conservative figure, not a measurement of this project's; a run measures its own, host/disk.py)
 DISK_BYTES_S = 2e9
@@ -128,6 +132,11 @@ class Plan:
     the host optimizer as it steps them, and the transports fetch those units from it (half the
     fp32 bytes over PCIe in bf16; host/weightcopy.py). The user's `host_weight_copy`, where the
     compute dtype is not fp32."""
+    embed_rows: bool = False
+    """The embedding (untied, its state in host memory) stepped by the host optimizer and fetched
+    as the rows a step looks up, each step's rows computed ahead of its whole table's pass
+    (engine/rows.py); the GPU-stepped units then start after it. The user's `embedding_rows`, or
+    with `auto` the cost model's choice (placement.py)."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
@@ -149,8 +158,10 @@ class Plan:
     @property
     def stepped(self) -> range:
         """The GPU-stepped units (forward order): the first `gpu_stepped_units` after the resident
-        ones, so the next forward sweep finds their updated weights on the GPU first."""
-        return range(self.resident_units, self.resident_units + self.gpu_stepped_units)
+        ones (and after the embedding where its rows are fetched, `embed_rows`), so the next forward
+        sweep finds their updated weights on the GPU first."""
+        start = self.resident_units + int(self.embed_rows)
+        return range(start, start + self.gpu_stepped_units)
 
     @property
     def prestaged(self) -> range:
@@ -208,6 +219,9 @@ class Shape:
     layer_mem: LayerMemory
     inactive: int = 0
     """Parameters of a layer that a token does not pass through (the experts it is not routed to)."""
+    rows_embedding: bool = False
+    """The embedding unit is one token table whose forward looks up rows alone (the template's
+    `looks_up_rows`, models/base.py): its rows can be fetched instead of the table."""
 
     @property
     def layer(self) -> int:
@@ -232,4 +246,24 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
         tied=cfg.tie_word_embeddings,
         layer_mem=layer_mem,
         inactive=cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0,
+        rows_embedding=_rows_embedding(cfg, units[0]),
     )
+
+
+def _rows_embedding(cfg: ModelConfig, unit) -> bool:
+    """Whether the embedding unit is one token table (vocab x hidden, trained, nothing beside it)
+    and its template's forward takes any number of its rows (`looks_up_rows`)."""
+    table = (cfg.vocab_size, cfg.hidden_size)
+    one = len(unit.params) == 1 and unit.params[0].shape == table and unit.params[0].train
+    return one and bool(getattr(family_of(cfg).embedding(cfg), "looks_up_rows", False))
+
+
+# The embedding's rows' buffers (engine/rows.py) are made this much larger than the most rows a
+# pass has looked up, so that the passes after it rarely make them again (fresh memory costs its
+# page faults).
+ROW_HEADROOM = 1.25
+
+
+def looked_up_rows(s: Shape, b: Batch) -> int:
+    """The most rows of the embedding's table a step looks up: one per token, at most the table."""
+    return min(s.vocab, b.tokens)
