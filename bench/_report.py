@@ -145,6 +145,13 @@ def _gaps(r: dict[str, Any]) -> str:
     )
 
 
+def _rows_ahead(r: dict[str, Any]) -> str:
+    """Where the plan fetched the embedding's rows: the host's seconds a step computing them ahead."""
+    if not (r.get("plan") or {}).get("embed_rows"):
+        return ""
+    return f"the embedding's rows computed ahead in {(r.get('rows_ahead_s') or 0) * 1e3:.1f} ms a step; "
+
+
 def _megatrain_detail(r: dict[str, Any]) -> str:
     def g(k: str, f: str = ".2f") -> str:
         return "-" if r.get(k) is None else format(r[k], f)
@@ -155,6 +162,7 @@ def _megatrain_detail(r: dict[str, Any]) -> str:
         f"{g('serial_fb_s')} s + optimizer {g('serial_opt_s')} s; optimizer hidden {g('opt_hidden_frac', '.0%')}; "
         f"host AdamW in a step {g('host_adam_s', '.3f')} s of work at {_giga(r.get('host_adam_params_s'))} "
         f"params/s, the launching thread blocked {g('update_wait_s', '.3f')} s a step on updates; "
+        f"{_rows_ahead(r)}"
         f"threads a step: {describe_threads(r.get('threads_per_step'))}; "
         f"GPU busy {g('gpu_busy', '.0%')} on the compute stream, {g('gpu_busy_any', '.0%')} any stream, "
         f"H2D copies {g('h2d_busy', '.0%')}, D2H copies {g('d2h_busy', '.0%')}; "

@@ -8,6 +8,8 @@ overlapped CUDA schedule is tested in test_gpu.py."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +175,12 @@ def test_the_config_key_takes_true_false_or_auto():
     assert TrainConfig.from_dict({**base, "embedding_rows": False}).embedding_rows is False
     with pytest.raises(ConfigError, match="^embedding_rows"):
         TrainConfig.from_dict({**base, "embedding_rows": "sometimes"})
+
+
+def test_the_bench_reports_the_rows_computed_ahead_where_the_plan_fetched_them():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import _report
+
+    assert _report._rows_ahead({"plan": {"embed_rows": False}, "rows_ahead_s": 0.5}) == ""
+    line = _report._rows_ahead({"plan": {"embed_rows": True}, "rows_ahead_s": 0.0123})
+    assert line == "the embedding's rows computed ahead in 12.3 ms a step; "

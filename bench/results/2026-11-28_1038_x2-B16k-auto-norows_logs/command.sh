@@ -1,0 +1,3 @@
+# The same machine as _1032, warm, right after it (the call as it was sent; its first try failed
+# before it started: the folder was made in the background).
+mkdir -p /tmp/r/r6/bench; (while sleep 20; do (cd /tmp/r/r6 && tar czf $OUT/r6.tgz .); done) & P=$!; env PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0 timeout 300 python bench/bench.py --model B --tokens-per-step 16k --gpu-step-units auto --embedding-rows false --max-host-memory 240GiB --steps 10 --warmup 3 --deadline 290 --systems megatrain-host --out /tmp/r/r6/bench --tag x2-B16k-auto-norows > /tmp/r/r6/r.log 2>&1; echo rc=$?; kill $P; (cd /tmp/r/r6 && tar czf $OUT/r6.tgz .); grep -h "^| megatrain" /tmp/r/r6/bench/*.md; tail -3 /tmp/r/r6/r.log
