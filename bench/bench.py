@@ -90,24 +90,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="megatrain's kept layer graphs (the last N layers not recomputed; default: the plan's)",
     )
-    ap.add_argument(
-        "--host-weight-copy",
-        nargs="?",
-        const="true",
-        default="auto",
-        choices=("auto", "true", "false"),
-        help="megatrain's host_weight_copy: fetch host-stepped units from a bf16 copy in host memory "
-        "(default auto: where the plan says it pays; alone: true)",
-    )
-    ap.add_argument(
-        "--embedding-rows",
-        nargs="?",
-        const="true",
-        default="auto",
-        choices=("auto", "true", "false"),
-        help="megatrain's embedding_rows: step the embedding in host memory and fetch the rows a step "
-        "looks up (default auto: where gpu_step_units: auto plans and the cost model puts it faster)",
-    )
+    for flag, meaning in (
+        ("--host-weight-copy", "host_weight_copy: fetch host-stepped units from a bf16 copy in host memory"),
+        (
+            "--embedding-rows",
+            "embedding_rows: step the embedding in host memory, fetch the rows a step looks up",
+        ),
+    ):
+        ap.add_argument(
+            flag,
+            nargs="?",
+            const="true",
+            default="auto",
+            choices=("auto", "true", "false"),
+            help=f"megatrain's {meaning} (default auto: where the plan says it pays; alone: true)",
+        )
     ap.add_argument(
         "--trace",
         action="store_true",
