@@ -148,7 +148,8 @@ def _steps(paths: list[str]) -> None:
 
 def auto_at(record: dict, adam_params_s: float) -> tuple[Plan, float]:
     """The plan `gpu_step_units: auto` and `host_weight_copy: auto` make for a run's own inputs with
-    the host AdamW at `adam_params_s` (its kept layer graphs as the run had them), and the copy's
+    the host AdamW at `adam_params_s` (its kept layer graphs and its embedding's fetch, rows or the
+    table, as the run had them), and the copy's
     gain by the cost model there (the step without it over the step with it, less one)."""
     run = run_of(record)
     # as a run plans today: the host kernel writes the copy as it steps (it loaded on every GPU host
@@ -159,6 +160,7 @@ def auto_at(record: dict, adam_params_s: float) -> tuple[Plan, float]:
         gpu_state="off" if off else "auto",
         gpu_step_units=None,
         keep_layers=record["plan"]["keep_layers"] or None,
+        embedding_rows=record["plan"].get("embed_rows", False),  # as the run fetched the embedding
     )
     cfg, b, lm = shape_of(run)[0], batch_of(run), LayerMemory(**record["layer_mem"])
     with_copy, without = (plan(cfg, b, m, replace(c, host_weight_copy=x), lm) for x in (True, False))

@@ -393,7 +393,7 @@ class TrainConfig:
     """Step the embedding's table in host memory and fetch only the rows a step looks up: the
     host optimizer computes those rows first, so the next forward sweep can start, and the whole
     table later, in the backward sweep, where it otherwise idles; the same numbers (docs/memory.md).
-    Default (auto): where `gpu_step_units: auto` plans and the cost model puts it faster; true:
+    Default (auto): where `gpu_step_units: auto` plans and the cost model puts it 1% faster; true:
     always (CUDA, one process, untied embeddings, gradients held for the clip); false: never."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start); the

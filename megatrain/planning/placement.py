@@ -128,6 +128,11 @@ STEPPING_GPU_HEADROOM_SHARE = 0.15
 # machine): not attributed, and a gain under the model's resolution is not worth it. At 64k tokens
 # on the H200s every graph raises the peak.
 KEEP_GRAPHS_GAIN = 0.01
+# The share of the step the embedding's rows (`Plan.embed_rows`) must save by the cost model before
+# `auto` takes them over the same search without them: below it the model cannot tell them apart
+# (the 14.77B shape at 64k: 0.3%). 8B at 16k tokens on the two-H200 machine: 1.9% by the model,
+# 5.8% measured on one machine (results/2026-11-28_1045_summary.md).
+ROWS_GAIN = 0.01
 
 
 class PlanError(MegatrainError):
@@ -510,7 +515,7 @@ def _fastest_stepping(
     gradient_placement allows storing them). `keep_graphs` (kept graphs left to the plan, as a
     run's config always leaves them): then the last layers' graphs kept where that is faster
     (`_keep_stepped_graphs`). `rows`: with the embedding's rows fetched (`Plan.embed_rows`) too,
-    where they can be and the cost model puts them faster. Also returns a note where the headroom
+    where they can be and the cost model puts them ROWS_GAIN faster. Also returns a note where the headroom
     held back a count the cost model puts faster (else "")."""
     if base.grad_mode == "stored":
         start = base
@@ -524,11 +529,14 @@ def _fastest_stepping(
     starts = [replace(start, embed_rows=False)]
     if rows and not rows_refused(s, m, start.resident_units):
         starts.append(replace(start, embed_rows=True))
-    found = [_fewest_fast(s, b, st, m, room) for st in starts]
-    found = [f for f in found if f is not None]
+    found = {st.embed_rows: f for st in starts if (f := _fewest_fast(s, b, st, m, room)) is not None}
     if not found:
         return base, ""
-    best, counts, fastest = min(found, key=lambda f: f[0].step_time_s)
+    plain, rows_found = found.get(False), found.get(True)
+    pick = plain
+    if rows_found and (plain is None or rows_found[0].step_time_s < (1 - ROWS_GAIN) * plain[0].step_time_s):
+        pick = rows_found
+    best, counts, fastest = pick
     if best.step_time_s >= (1 - STEPPING_GAIN) * base.step_time_s:
         return base, ""
     if keep_graphs:
