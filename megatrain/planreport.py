@@ -83,6 +83,8 @@ def report(
     elif p.host_weight_copy:
         lead = p.stepped.stop  # the GPU-resident and GPU-stepped units, fetched as before
         which = f"all units but the first {lead} (the host optimizer's)" if lead else "every unit"
+        if p.embed_rows:  # the embedding's rows come from a buffer of their own (engine/rows.py)
+            which = f"all units but the first {lead} (the host optimizer's; the embedding as its rows)"
         lines.append(f"weights: {which} fetched from a {dtype_name} "
                      f"copy in host memory ({fmt_bytes(p.host[WEIGHT_COPY])}, host_weight_copy), "
                      "half the fp32 bytes a fetch")  # fmt: skip
