@@ -55,11 +55,11 @@ def instrument_phases(engine) -> tuple[dict[str, int], dict[int, int], dict[str,
 
     grad_buffer = engine._grad_buffer
 
-    def unit_starts(unit):
+    def unit_starts(unit, *names):
         note()
         torch.cuda.reset_peak_memory_stats()
         current[0] = unit.index if "backward" in open_phases else None
-        return grad_buffer(unit)
+        return grad_buffer(unit, *names)
 
     for name, attr in (
         ("forward", "_forward_sweep"),

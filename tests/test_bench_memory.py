@@ -61,8 +61,8 @@ def test_phase_and_unit_peaks_are_attributed_to_what_ran(monkeypatch):
     model = build_model(cfg, device="cpu", plan=plan)
     engine, allocate = model.engine, model.engine._grad_buffer
 
-    def counted(unit):  # a buffer lives until the next one is allocated
-        g = allocate(unit)
+    def counted(unit, *names):  # a buffer lives until the next one is allocated
+        g = allocate(unit, *names)
         counter["now"] = g.numel() * g.element_size()
         counter["peak"] = max(counter["peak"], counter["now"])
         return g

@@ -5,12 +5,14 @@ and the moments' pages mapped before a unit's first step."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import tiny_config
 
 from megatrain.engine import clipadam, optim
+from megatrain.engine.engine import Engine
 from megatrain.engine.optim import AdamWConfig, HostAdamW
 from megatrain.host.disk import DiskTier
 from megatrain.host.hostmem import PAGE, host_buffer, populate
@@ -327,3 +329,24 @@ def test_the_weight_copy_is_current_after_every_kind_of_host_step(dtype):
                 assert torch.equal(state.copy.range(u, lo, hi), state.range(u, lo, hi).to(dtype)), u.name
         weights.append(state.master.clone())
     assert torch.equal(weights[0], weights[1])
+
+
+def test_a_layers_gradient_buffer_is_zeroed_only_where_no_gradient_is_copied(monkeypatch):
+    """The backward sweep copies a layer's first micro-batch's gradients into an unzeroed buffer
+    (engine.py `_accumulate`); whatever no trained parameter covers is zeroed: the frozen
+    tensor, the alignment between parameters, the padding to the ranks' pieces."""
+    unit = _state().units[1]
+    names = [p.name for p in unit.params if p.train]
+    length = unit.numel + 40  # as a collective pads it
+    fake = SimpleNamespace(collective=SimpleNamespace(padded=lambda u: length), device=torch.device("cpu"))
+    full = torch.full
+    monkeypatch.setattr(torch, "empty", lambda n, device: full((n,), float("nan"), device=device))
+    g = Engine._grad_buffer(fake, unit, names)
+    covered = torch.zeros(length, dtype=torch.bool)
+    for p in unit.params:
+        if p.train:
+            covered[p.offset : p.offset + p.numel] = True
+    frozen = next(p for p in unit.params if not p.train)
+    assert not covered[frozen.offset : frozen.offset + frozen.numel].any() and not covered[unit.numel :].any()
+    assert (~covered[: unit.numel]).sum() > frozen.numel  # alignment gaps too
+    assert torch.isnan(g[covered]).all() and torch.equal(g[~covered], torch.zeros(int((~covered).sum())))

@@ -66,11 +66,25 @@ def _bind(unit: Unit, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]
     return views
 
 
-def _accumulate(gflat: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
-    """Add per-parameter gradients (compute dtype) into the unit's fp32 gradient buffer. The add
-    upcasts on the fly (exactly), so no fp32 copy of the gradients is ever made."""
+def _accumulate(gflat: torch.Tensor, unit: Unit, names: list[str], grads, first: bool) -> None:
+    """Put per-parameter gradients (compute dtype) into the unit's fp32 gradient buffer: the first
+    micro-batch's copied (a layer's buffer is not zeroed first: `Engine._grad_buffer`), the
+    others' added. Both upcast on the fly (exactly), so no fp32 copy of the gradients is made."""
     views = unit_views(gflat, unit)
-    torch._foreach_add_([views[n] for n in names], list(grads))
+    dst = [views[n] for n in names]
+    (torch._foreach_copy_ if first else torch._foreach_add_)(dst, list(grads))
+
+
+def _unwritten(unit: Unit, names: list[str], length: int) -> list[tuple[int, int]]:
+    """The ranges of a unit's gradient buffer (`length` long) that no gradient of `names` covers:
+    the frozen parameters', the alignment between parameters, the padding to the ranks' pieces."""
+    covered = sorted((p.offset, p.offset + p.numel) for p in unit.params if p.name in names)
+    gaps, at = [], 0
+    for a, b in covered:
+        if a > at:
+            gaps.append((at, a))
+        at = max(at, b)
+    return gaps + ([(at, length)] if length > at else [])
 
 
 class Engine:
@@ -120,6 +134,7 @@ class Engine:
         # routing.py) declare its keeper; None: a layer returns its hidden state alone.
         self.aux = family.aux(cfg, len(self.layer_units), self.device) if family.aux else None
         self._layer_call = self._call_layer
+        self.compile = compile  # the loss head's one-pass objectives too (Head.fused)
         if compile and family.compile:
             # Fuses the norms, rotary embedding, SiLU gating and residual adds around the matmuls.
             self._layer_call = compiled(self._call_layer)
@@ -204,10 +219,18 @@ class Engine:
             row_ids=None if row_ids is None else row_ids.to(dev, non_blocking=True),
         )
 
-    def _grad_buffer(self, unit: Unit) -> torch.Tensor:
-        """A unit's zeroed fp32 gradient buffer, as long as the collective reduces it (padded to
-        equal pieces where ranks receive only theirs)."""
-        return torch.zeros(self.collective.padded(unit), device=self.device)
+    def _grad_buffer(self, unit: Unit, names: list[str] | None = None) -> torch.Tensor:
+        """A unit's fp32 gradient buffer, as long as the collective reduces it (padded to equal
+        pieces where ranks receive only theirs): zeroed, or for a layer whose first micro-batch's
+        gradients of `names` are copied in (`_accumulate`), zeroed only where none of them lies (a
+        pass over 4 bytes a parameter saved, and the add that read them)."""
+        n = self.collective.padded(unit)
+        if names is None:
+            return torch.zeros(n, device=self.device)
+        g = torch.empty(n, device=self.device)
+        for a, b in _unwritten(unit, names, n):
+            g[a:b].zero_()
+        return g
 
     def _norm(self, unit: Unit, g: torch.Tensor) -> None:
         """The norms of a unit's complete gradient (for clipping), of which `g` is this rank's
@@ -272,7 +295,7 @@ class Engine:
         else:
             g_W = g_views[self.head.lm_weight_name]
         targets = [p.targets for p in prep]
-        bound = Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W)
+        bound = Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W, self.compile)
         loss, dh = self.objective.loss_and_grads(bound, h, targets, n_tokens)
         return loss, dh, grads
 
@@ -307,7 +330,7 @@ class Engine:
             params = s.params if kept else _bind(unit, t.fetch(unit), grad=True)
             names = [n for n, v in params.items() if v.requires_grad]
             leaves = [params[n] for n in names]
-            g = self._grad_buffer(unit)
+            g = self._grad_buffer(unit, names if prep else [])
             for m, p in enumerate(prep):
                 if kept:
                     x, y = s.xs[m], s.ys[m]
@@ -322,7 +345,7 @@ class Engine:
                 grads = torch.autograd.grad(outs, [x, *leaves], gouts)
                 del outs, gouts
                 dh[m] = grads[0]
-                _accumulate(g, unit, names, grads[1:])
+                _accumulate(g, unit, names, grads[1:], first=m == 0)
                 del x, y, grads
             del params, leaves
             if kept:  # its weights are not needed again (the sweep's list still holds the graph)
@@ -513,7 +536,7 @@ class Engine:
         prep, rows = self._prepare_all(micro_batches)
         self.transport.begin(self._forward_order(), rows)
         h, _ = self._forward_sweep(prep, keep=False, rows=rows)
-        head = Head(self.head, *self._head_params(), self.loss_chunk_tokens)
+        head = Head(self.head, *self._head_params(), self.loss_chunk_tokens, compile=self.compile)
         return fn(head, h, [p.targets for p in prep])
 
     @torch.no_grad()

@@ -1,6 +1,15 @@
 """Next-token cross-entropy, the causal language model's loss as Hugging Face computes it: the sum
 of the label tokens' losses over the number of label tokens of the whole step (all micro-batches,
-all ranks), labels -100 left out."""
+all ranks), labels -100 left out.
+
+The loss and its gradient come from one function of the chunk's logits (`loss_and_grad`, a
+`ChunkGrad`): log-sum-exp, the label's logit, then softmax minus the label's one-hot, scaled, in
+place. Compiled (on CUDA), that is two passes over the logits in the compute dtype, where autograd
+through `F.cross_entropy` of fp32 logits is six kernels over the chunk (the cast, log-softmax, its
+gradient's fill, softmax's backward, the cast back). The same numbers to rounding
+(tests/test_objectives.py); training and evaluation call the same function, so an evaluation's
+loss sum is the training loss's numerator bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +21,30 @@ from .base import Objective
 from .losshead import Head
 
 
+def loss_and_grad(
+    z: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of logits `z` [T, V] (any float dtype, computed in fp32) against
+    `labels` [T] (IGNORE_INDEX left out), and its gradient w.r.t. `z` times `scale` (an fp32 scalar
+    tensor), in z's dtype."""
+    valid = (labels != IGNORE_INDEX)[:, None]
+    target = torch.where(valid, labels[:, None], 0)
+    zf = z.to(torch.float32, copy=True)
+    lse = torch.logsumexp(zf, dim=-1, keepdim=True)
+    loss = torch.where(valid, lse - zf.gather(-1, target), 0.0).sum()
+    zf.sub_(lse).exp_()  # softmax
+    zf.scatter_add_(-1, target, -valid.float())  # minus the label's one-hot
+    zf.mul_(torch.where(valid, scale, 0.0))
+    return loss, zf.to(z.dtype)
+
+
 class CrossEntropy(Objective):
-    """Cross-entropy of each micro-batch's logits against its shifted labels."""
+    """Cross-entropy of each micro-batch's logits against its shifted labels. `one_pass=False`:
+    autograd through `F.cross_entropy` of the fp32 logits instead (what `loss_and_grad` replaces:
+    the reference its tests and bench/losshead.py compare it with)."""
+
+    def __init__(self, one_pass: bool = True):
+        self.one_pass = one_pass
 
     def targets(self, mb: MicroBatch, device: torch.device) -> torch.Tensor:
         """The flat shifted labels ([B*S])."""
@@ -25,19 +56,28 @@ class CrossEntropy(Objective):
     def loss_and_grads(
         self, head: Head, hidden: list[torch.Tensor], targets: list[torch.Tensor], total: int
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        def chunk_loss(m: int, a: int, logits: torch.Tensor):
-            l_sum = F.cross_entropy(
-                logits, targets[m][a : a + head.chunk], ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-            return l_sum / total, l_sum
+        if not self.one_pass:
 
-        loss, dh = head.backward(hidden, chunk_loss)
+            def chunk_loss(m: int, a: int, logits: torch.Tensor):
+                labels = targets[m][a : a + head.chunk]
+                l_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+                return l_sum / total, l_sum
+
+            loss, dh = head.backward(hidden, chunk_loss)
+            return loss / total, dh
+        fn = head.fused(loss_and_grad)
+        scale = torch.full((), 1.0 / total, device=head.W.device)
+
+        def chunk_grad(m: int, a: int, z: torch.Tensor):
+            return fn(z, targets[m][a : a + head.chunk], scale)
+
+        loss, dh = head.backward(hidden, chunk_grad=chunk_grad)
         return loss / total, dh
 
     def loss_sum(self, head: Head, hidden: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
+        fn = head.fused(loss_and_grad)
+        scale = torch.ones((), device=head.W.device)
         loss = torch.zeros((), device=head.W.device)
-        for m, a, logits in head.forward(hidden):
-            loss += F.cross_entropy(
-                logits, targets[m][a : a + head.chunk], ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+        for m, a, z in head.forward(hidden, raw=True):
+            loss += fn(z, targets[m][a : a + head.chunk], scale)[0]
         return loss

@@ -1,0 +1,140 @@
+"""The loss head's two shortcuts (objectives/): cross-entropy's one-pass loss and gradient against
+autograd through `F.cross_entropy` of the fp32 logits, which it replaces (fp32 and bf16, ignored
+labels, through the engine's chunked head); the LM weight's gradient added into its buffer by the
+projection's own backward, the same numbers as autograd's gradient added after."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import FAMILY_OVERRIDES, tiny_hf_model
+from test_parity import _batch, _megatrain
+
+from megatrain.data.batch import IGNORE_INDEX
+from megatrain.objectives import losshead
+from megatrain.objectives.base import Objective
+from megatrain.objectives.cross_entropy import CrossEntropy, loss_and_grad
+from megatrain.planning.placement import Choices
+
+
+def _autograd(z: torch.Tensor, labels: torch.Tensor, total: int):
+    """What the head did before: fp32 logits, `F.cross_entropy` summed, over the step's count."""
+    zl = z.detach().requires_grad_()
+    l_sum = F.cross_entropy(zl.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (g,) = torch.autograd.grad(l_sum / total, zl)
+    return l_sum.detach(), g
+
+
+def _case(dtype, T=37, V=301, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(T, V, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::5] = IGNORE_INDEX
+    return z, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_loss_and_gradient_equal_autograds(dtype):
+    z, labels = _case(dtype)
+    total = 29
+    ref_loss, ref_grad = _autograd(z, labels, total)
+    loss, grad = loss_and_grad(z, labels, torch.full((), 1.0 / total))
+    assert loss.dtype == torch.float32 and grad.dtype == dtype and grad.shape == z.shape
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-8)
+    else:  # both round an fp32 gradient to bf16: at most one unit in its last place apart
+        diff = (grad.float() - ref_grad.float()).abs()
+        assert (diff <= ref_grad.float().abs() * 2**-7 + 1e-9).all()
+        assert (grad == ref_grad).float().mean() > 0.95
+    ignored = labels == IGNORE_INDEX
+    assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
+    # each counted row sums to zero (softmax minus one-hot), scaled; to bf16's rounding in bf16
+    sums = grad[~ignored].float().sum(-1)
+    assert sums.abs().max() < (1e-7 if dtype == torch.float32 else 4e-4)
+    assert z.dtype == dtype and torch.equal(z, _case(dtype)[0])  # the logits are left as they were
+
+
+def test_a_chunk_with_no_label_has_no_loss_and_no_gradient():
+    z, _ = _case(torch.bfloat16, T=4)
+    loss, grad = loss_and_grad(z, torch.full((4,), IGNORE_INDEX), torch.ones(()))
+    assert loss.item() == 0.0 and not grad.any()
+
+
+def test_it_compiles_as_one_graph():
+    """Compiled on CUDA (`Head.fused`): traced whole, its in-place steps functionalised (the
+    compiler's tracing and autograd-free lowering, no code generated on the CPU)."""
+    z, labels = _case(torch.bfloat16)
+    scale = torch.full((), 0.25)
+    fn = torch.compile(loss_and_grad, backend="aot_eager", fullgraph=True)
+    loss, grad = fn(z, labels, scale)
+    ref_loss, ref_grad = loss_and_grad(z, labels, scale)
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+
+
+def _grads(objective: Objective, path, family="llama", tied=False):
+    hf = tiny_hf_model(family, tied, **FAMILY_OVERRIDES.get(family, {}))
+    mt = _megatrain(hf, path, objective=objective, choices=Choices(loss_chunk_tokens=7))
+    loss, _ = mt.engine.forward_backward([_batch(hf.config.vocab_size)])
+    return loss, mt.engine.named_grads()
+
+
+def test_the_engine_trains_on_it_as_on_autograds_cross_entropy(tmp_path):
+    loss, grads = _grads(CrossEntropy(), tmp_path / "a")
+    ref_loss, ref = _grads(CrossEntropy(one_pass=False), tmp_path / "b")
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == ref.keys()
+    for k, g in grads.items():
+        torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# decoder.Head, Gemma 2's soft-capped logits, Cohere's scaled and tied ones, transformers' own head
+# (the generic path: Granite's), and Phi's LM head with a bias, which the projection leaves to autograd.
+HEADS = [("llama", False, True), ("gemma2", False, True), ("cohere", True, True), ("granite", False, True)]
+HEADS += [("phi", False, False)]
+
+
+@pytest.mark.parametrize("family,tied,routed", HEADS, ids=[h[0] for h in HEADS])
+def test_the_lm_weights_gradient_added_by_the_projection_is_autograds(
+    family, tied, routed, tmp_path, monkeypatch
+):
+    taken = []
+    backward = losshead._IntoGradW.backward
+    monkeypatch.setattr(losshead._IntoGradW, "backward", lambda ctx, dz: taken.append(1) or backward(ctx, dz))
+    loss, grads = _grads(CrossEntropy(), tmp_path / "a", family, tied)
+    assert bool(taken) == routed
+    monkeypatch.setattr(losshead._IntoGradW, "routed", lambda W, g: contextlib.nullcontext())
+    ref_loss, ref = _grads(CrossEntropy(), tmp_path / "b", family, tied)
+    assert torch.equal(loss, ref_loss) and grads.keys() == ref.keys()
+    assert all(torch.equal(g, ref[k]) for k, g in grads.items())
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_projection_accumulates_the_weights_gradient_in_fp32():
+    """One GEMM with an fp32 output adds bf16 operands' product into the fp32 buffer: the fp32
+    product of the same operands added, to fp32 rounding (not bf16's)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(512, 3000, device="cuda", generator=g).bfloat16()
+    b = torch.randn(3000, 256, device="cuda", generator=g).bfloat16()
+    out = torch.randn(512, 256, device="cuda", generator=g)
+    ref = out + a.double().mm(b.double()).float()
+    rounded_first = out + (a @ b).float()  # autograd's bf16 gradient, then added
+    losshead.add_product(out, a, b)
+    err = (ref - out).abs().max().item()
+    assert err < 1e-3 and (ref - rounded_first).abs().max().item() > 10 * err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_on_cuda_it_equals_the_eager_function(dtype):
+    z, labels = _case(dtype, T=300, V=32000)
+    z, labels, scale = z.cuda(), labels.cuda(), torch.full((), 1 / 77, device="cuda")
+    head = losshead.Head(None, {}, z, 1, compile=True)
+    loss, grad = head.fused(loss_and_grad)(z, labels, scale)
+    ref_loss, ref_grad = loss_and_grad(z, labels, scale)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    rel = 1e-5 if dtype == torch.float32 else 2**-7  # fp32's rounding of exp and the sum; one bf16 step
+    assert ((grad.float() - ref_grad.float()).abs() <= ref_grad.float().abs() * rel + 1e-9).all()
