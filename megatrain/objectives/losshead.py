@@ -25,6 +25,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from ..models.compiling import compiled
+
 ChunkLoss = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """(micro-batch, its first token in the chunk, the chunk's fp32 logits) -> (the chunk's term of the
 loss to differentiate, the term to add to the sum `Head.backward` returns)."""
@@ -45,11 +47,15 @@ def logits(
     return functional_call(head, params, (x, W))
 
 
+WIDE_GEMM = hasattr(torch.ops.aten.addmm, "dtype_out")  # `addmm(..., out_dtype=)`: torch 2.8 on
+
+
 def add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """`out += a @ b`: on CUDA, with `out` wider than the operands (an fp32 gradient of bf16
-    ones), one GEMM that accumulates into `out` at its own precision; elsewhere the product in the
-    operands' dtype, then added (as autograd's gradient, then its add, would be)."""
-    if out.is_cuda and out.dtype != a.dtype:
+    ones), one GEMM that accumulates into `out` at its own precision; elsewhere (or with a torch
+    that has no such GEMM) the product in the operands' dtype, then added (as autograd's gradient,
+    then its add, would be)."""
+    if out.is_cuda and out.dtype != a.dtype and WIDE_GEMM:
         torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
     else:
         out.add_(a @ b)
@@ -120,8 +126,6 @@ class Head:
         if not self.compile:
             return fn
         if fn not in _fused:
-            from ..models.compiling import compiled
-
             _fused[fn] = compiled(fn)
         return _fused[fn]
 
