@@ -146,10 +146,18 @@ def _gaps(r: dict[str, Any]) -> str:
 
 
 def _rows_ahead(r: dict[str, Any]) -> str:
-    """Where the plan fetched the embedding's rows: the host's seconds a step computing them ahead."""
+    """Where the plan fetched the embedding's rows: the host's seconds a step computing them ahead,
+    and its seconds waiting before it for the next pass to post them (records before that count
+    held the wait in the first figure and have none of the second)."""
     if not (r.get("plan") or {}).get("embed_rows"):
         return ""
-    return f"the embedding's rows computed ahead in {(r.get('rows_ahead_s') or 0) * 1e3:.1f} ms a step; "
+    line = f"the embedding's rows computed ahead in {(r.get('rows_ahead_s') or 0) * 1e3:.1f} ms a step"
+    if r.get("rows_wait_s") is not None:
+        line += (
+            f" after {r['rows_wait_s'] * 1e3:.1f} ms waiting for them to be posted and "
+            f"{(r.get('rows_copy_wait_s') or 0) * 1e3:.1f} ms for the gradient's rows to land"
+        )
+    return line + "; "
 
 
 def _megatrain_detail(r: dict[str, Any]) -> str:

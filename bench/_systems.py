@@ -260,12 +260,14 @@ def run_megatrain(spec: dict, res: Result) -> None:
     drain(tr)
     res.update(**step_stats(times, W), **schedule[-1], optimizer_tail_s=time.perf_counter() - t_prev)
     if len(counted) == 2:
-        (s0, p0, w0, r0), (s1, p1, w1, r1) = counted
+        (s0, p0, w0, r0, q0, c0), (s1, p1, w1, r1, q1, c1) = counted
         res.update(
             host_adam_s=(s1 - s0) / N,
             host_adam_params_s=(p1 - p0) / (s1 - s0) if s1 > s0 else None,
             update_wait_s=(w1 - w0) / N,
             rows_ahead_s=(r1 - r0) / N,
+            rows_wait_s=(q1 - q0) / N,
+            rows_copy_wait_s=(c1 - c0) / N,
             threads_per_step=sched_per_step(*sched, N),
         )
     if cuda:  # times the allocator freed its cache to serve a request (each synchronises the device)
@@ -316,11 +318,13 @@ def run_megatrain(spec: dict, res: Result) -> None:
     model.close()
 
 
-def _host_counters(tr) -> tuple[float, int, float, float]:
+def _host_counters(tr) -> tuple[float, int, float, float, float, float]:
     """The transport's host AdamW seconds and parameters so far, its launching thread's wait for
-    updates, and the worker's seconds on the embedding's rows (its `rows_s`)."""
+    updates, and the worker's seconds on the embedding's rows: computing them (`rows_s`, part of
+    the AdamW's) and waiting before it, for their post and for their gradient's copy
+    (`rows_wait_s`, `rows_copy_wait_s`, part of none)."""
     c = tr.counters
-    return c.adam_s, c.params, c.wait_s, c.rows_s
+    return c.adam_s, c.params, c.wait_s, c.rows_s, c.rows_wait_s, c.rows_copy_wait_s
 
 
 def _tristate(value) -> bool | None:

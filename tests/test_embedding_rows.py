@@ -216,3 +216,13 @@ def test_the_bench_reports_the_rows_computed_ahead_where_the_plan_fetched_them()
     assert _report._rows_ahead({"plan": {"embed_rows": False}, "rows_ahead_s": 0.5}) == ""
     line = _report._rows_ahead({"plan": {"embed_rows": True}, "rows_ahead_s": 0.0123})
     assert line == "the embedding's rows computed ahead in 12.3 ms a step; "
+    r = {
+        "plan": {"embed_rows": True},
+        "rows_ahead_s": 0.0123,
+        "rows_wait_s": 0.0456,
+        "rows_copy_wait_s": 0.0078,
+    }
+    assert _report._rows_ahead(r) == (
+        "the embedding's rows computed ahead in 12.3 ms a step after 45.6 ms waiting for them to be "
+        "posted and 7.8 ms for the gradient's rows to land; "
+    )

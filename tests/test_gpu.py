@@ -301,6 +301,32 @@ def test_the_embeddings_rows_equal_the_serial_schedule_bitwise():
     assert moved[0] - moved[1] >= 2 * (4 * 512 * 256 - 2 * 200 * 256), moved
 
 
+def test_the_rows_wait_for_the_next_pass_is_counted_apart_from_the_adamw():
+    """The worker's wait for the next pass to post its rows (here: the launching thread sleeps
+    before it begins) is counted in `rows_wait_s`, not in the AdamW's seconds, so the in-step
+    AdamW rate (params / adam_s) is its own."""
+    cfg = _cfg("llama")
+    m = _build(cfg, replace(_plan(gpu_grads=1), embed_rows=True))
+    _steps(m, n_steps=1)  # nothing computed ahead in the first step
+    c = m.transport.counters
+    adam0, wait0, rows0 = c.adam_s, c.rows_wait_s, c.rows_s
+    pause, steps = 0.25, 3
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        mbs = [
+            MicroBatch(ids, ids) for ids in (torch.randint(0, 512, (2, 128), generator=g) for _ in range(3))
+        ]
+        m.engine.forward_backward(mbs)
+        m.engine.step(2e-3, m.engine.clip_grad_norm(0.5)[1])
+        time.sleep(pause)  # the worker has the step's job and waits for the next pass's rows
+    m.transport.synchronize()
+    waited, adam, rows = c.rows_wait_s - wait0, c.adam_s - adam0, c.rows_s - rows0
+    assert waited >= (steps - 1) * pause * 0.9, (waited, adam)
+    assert adam < pause, (waited, adam)  # a tiny model's AdamW: milliseconds, none of the sleep
+    assert 0 < rows <= adam, (rows, adam)
+    m.close()
+
+
 def test_page_locking_in_pieces(monkeypatch):
     """Master weights and host gradients registered in many pieces (as for a model past the
     drivers' 512 GiB limit) train exactly as with one registration."""

@@ -47,8 +47,8 @@ class RowsGrad:
 
 class EmbeddingRows:
     """The buffers and hand-overs of the embedding's rows (see the module docstring). The main
-    thread calls `begin`, `release`, `gather` and `fetch`; the optimizer worker `ahead`, `land` and
-    `whole`, in that order within a step's job."""
+    thread calls `begin`, `release`, `gather` and `fetch`; the optimizer worker `posted`,
+    `settle`, `ahead`, `land` and `whole`, in that order within a step's job."""
 
     def __init__(self, state: HostState, optimizer: HostAdamW, unit: Unit, dtype: torch.dtype):
         spec = unit.params[0]
@@ -149,16 +149,21 @@ class EmbeddingRows:
         self.scattered.set()
 
     # ------------------------------------------------------------- optimizer worker
-    def ahead(self, g: RowsGrad, coef, lr: float, step: int, wait: bool) -> int:
-        """Where the next pass posts its rows (`wait`: a pass will begin or be released), what they
-        become in this step's update, into `out` for its fetch, their gradient read from the
-        step's rows (`g`, once landed: zero where it has none); returns their parameters (0: none
-        posted)."""
-        rows = self._post.get() if wait else None
-        if rows is None:
-            return 0
+    def posted(self, wait: bool) -> torch.Tensor | None:
+        """The rows the next pass posts (`wait`: a pass will begin or be released; this waits for
+        it); None where none are."""
+        return self._post.get() if wait else None
+
+    def settle(self, g: RowsGrad) -> None:
+        """Wait for the step's rows of the gradient (`g`) to land and for the last fetch to have
+        read `out`: what `ahead` reads and writes."""
         g.landed.synchronize()
         self._wait_read()
+
+    def ahead(self, g: RowsGrad, rows: torch.Tensor, coef, lr: float, step: int) -> int:
+        """What the posted `rows` become in this step's update, into `out` for their fetch, their
+        gradient read from the step's rows (`g`, settled: zero where it has none); returns their
+        parameters."""
         n = rows.numel() * self.width
         self.out = _room(self.out, n)
         out, held = self.out[:n].view(-1, self.width), g.ids

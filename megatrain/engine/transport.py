@@ -69,8 +69,14 @@ class HostAdamCounters:
     params: int = 0
     wait_s: float = 0.0
     rows_s: float = 0.0
-    """Of the worker's time, the next pass's rows of the embedding computed ahead (rows.py), before
+    """Of the AdamW's seconds, the next pass's rows of the embedding computed ahead (rows.py), before
     the other units' AdamW."""
+    rows_wait_s: float = 0.0
+    """The worker's seconds waiting, before the rows computed ahead, for the next pass to post
+    them; counted in no AdamW's seconds."""
+    rows_copy_wait_s: float = 0.0
+    """Then its seconds waiting for the step's rows of the gradient to land in host memory and the
+    last fetch to have read its buffer; counted in no AdamW's seconds."""
 
     def stepped(self, params: int, since: float) -> None:
         """`params` stepped in the time since `since` (time.perf_counter())."""
@@ -432,10 +438,16 @@ class StreamingTransport:
                 done.synchronize()  # the clip coefficient is computed on the compute stream
                 coef_host = coef.to("cpu")
             t = time.perf_counter()
-            n = self.rows.ahead(items[-1][1], coef_host, lr, step, wait=self.overlap)
-            if n:
-                self.counters.stepped(n, t)
-                self.counters.rows_s += time.perf_counter() - t
+            rows = self.rows.posted(wait=self.overlap)
+            t_posted = time.perf_counter()
+            self.counters.rows_wait_s += t_posted - t
+            if rows is not None:
+                self.rows.settle(items[-1][1])
+                t_rows = time.perf_counter()
+                self.counters.rows_copy_wait_s += t_rows - t_posted
+                n = self.rows.ahead(items[-1][1], rows, coef_host, lr, step)
+                self.counters.stepped(n, t_rows)
+                self.counters.rows_s += time.perf_counter() - t_rows
             self.rows.land(items[-1][1])
         items.reverse()
         while items:
