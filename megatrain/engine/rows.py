@@ -47,7 +47,7 @@ class RowsGrad:
 
 class EmbeddingRows:
     """The buffers and hand-overs of the embedding's rows (see the module docstring). The main
-    thread calls `begin`, `release`, `gather` and `fetch`; the optimizer worker `posted`,
+    thread calls `begin`, `release`, `gather` and `fetch`; the optimizer worker `next_rows`,
     `settle`, `ahead`, `land` and `whole`, in that order within a step's job."""
 
     def __init__(self, state: HostState, optimizer: HostAdamW, unit: Unit, dtype: torch.dtype):
@@ -149,7 +149,7 @@ class EmbeddingRows:
         self.scattered.set()
 
     # ------------------------------------------------------------- optimizer worker
-    def posted(self, wait: bool) -> torch.Tensor | None:
+    def next_rows(self, wait: bool) -> torch.Tensor | None:
         """The rows the next pass posts (`wait`: a pass will begin or be released; this waits for
         it); None where none are."""
         return self._post.get() if wait else None

@@ -438,7 +438,7 @@ class StreamingTransport:
                 done.synchronize()  # the clip coefficient is computed on the compute stream
                 coef_host = coef.to("cpu")
             t = time.perf_counter()
-            rows = self.rows.posted(wait=self.overlap)
+            rows = self.rows.next_rows(wait=self.overlap)
             t_posted = time.perf_counter()
             self.counters.rows_wait_s += t_posted - t
             if rows is not None:
