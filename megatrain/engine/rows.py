@@ -47,7 +47,7 @@ class RowsGrad:
 
 class EmbeddingRows:
     """The buffers and hand-overs of the embedding's rows (see the module docstring). The main
-    thread calls `begin`, `release`, `gather` and `fetch`; the optimizer worker `next_rows`,
+    thread calls `begin`, `hold`, `release`, `gather` and `fetch`; the optimizer worker `next_rows`,
     `settle`, `ahead`, `land` and `whole`, in that order within a step's job."""
 
     def __init__(self, state: HostState, optimizer: HostAdamW, unit: Unit, dtype: torch.dtype):
@@ -62,10 +62,11 @@ class EmbeddingRows:
         # far with ROW_HEADROOM (at most a step's tokens: planspec.looked_up_rows). Made again only
         # where a pass looks up more: fresh memory costs its page faults on first touch.
         self.grad_rows = torch.empty(0, pin_memory=True)
-        self.ids = torch.empty(0, dtype=torch.int64, pin_memory=True)  # their ids' way in
         self.out = torch.empty(0, dtype=dtype, pin_memory=True)
         self.current: torch.Tensor | None = None  # the rows the pass begun last looks up
+        self.current_dev: torch.Tensor | None = None  # the same on the device
         self.held: torch.Tensor | None = None  # the rows of the gradient held for the step
+        self.held_dev: torch.Tensor | None = None  # the same on the device
         self.posted: torch.Tensor | None = None  # the rows the worker computes ahead, if any
         self.awaiting = False  # a step's job waits for the next pass's rows
         self._post: queue.Queue = queue.Queue()
@@ -76,16 +77,22 @@ class EmbeddingRows:
         self.read: torch.cuda.Event | None = None  # the last fetch's copy out of `out`
 
     # ------------------------------------------------------------- main thread
-    def begin(self, rows: torch.Tensor | None) -> None:
-        """A pass begins that looks up `rows` (None: it fetches the whole table); where a step's
-        job waits for them, they are computed ahead for its fetch."""
-        self.current, self.posted = rows, None
+    def begin(self, rows: torch.Tensor | None, on_device: torch.Tensor | None = None) -> None:
+        """A pass begins that looks up `rows` (None: it fetches the whole table; `on_device`: the
+        same ids on the device, copied with the pass's inputs, which the step's gather reads: a
+        copy queued at the step would wait behind the link's copies queued before it); where a
+        step's job waits for them, they are computed ahead for its fetch."""
+        self.current, self.current_dev, self.posted = rows, on_device, None
         if self.awaiting:
             self.awaiting = False
             if rows is not None:
                 self.posted = rows
                 self.computed.clear()
             self._post.put(rows)
+
+    def hold(self) -> None:
+        """The table's gradient from the pass begun last is held for the step: its rows with it."""
+        self.held, self.held_dev = self.current, self.current_dev
 
     def release(self) -> None:
         """Nothing is computed ahead for the step's job (the caller waits for its updates)."""
@@ -95,23 +102,23 @@ class EmbeddingRows:
 
     def gather(self, grad: torch.Tensor, compute, d2h, device) -> RowsGrad:
         """At the step: the held rows of the table's gradient (`grad`, fp32 on the GPU) gathered
-        there and copied out on `d2h`, queued ahead of what the step queues after it."""
-        ids = self.held
+        there and copied out on `d2h`, queued ahead of what the step queues after it: nothing
+        crosses the link into the device first (the ids came with the pass's inputs)."""
+        ids, index = self.held, self.held_dev
         n = ids.numel() * self.width
         self.scattered.wait()  # the last step's rows are out of the buffer
         self.scattered.clear()
-        self.grad_rows, self.ids = _room(self.grad_rows, n), _room(self.ids, ids.numel())
-        self.ids[: ids.numel()].copy_(ids)  # page-locked: its copy waits for nothing queued before
+        self.grad_rows = _room(self.grad_rows, n)
         if d2h is not compute:
             d2h.wait_stream(compute)
         with torch.cuda.stream(d2h):
-            index = self.ids[: ids.numel()].to(device, non_blocking=True)
             picked = grad[self.span].view(self.vocab, self.width).index_select(0, index)
             self.grad_rows[:n].copy_(picked.view(-1), non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(d2h)
         if d2h is not compute:
             grad.record_stream(d2h)
+            index.record_stream(d2h)
         return RowsGrad(ids, landed)
 
     def fetch(

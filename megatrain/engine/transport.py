@@ -286,7 +286,13 @@ class StreamingTransport:
         self._check()
         self.schedule, self._pos, self._issued = list(schedule), 0, {}
         if self.rows is not None:
-            self.rows.begin(rows)
+            self.rows.begin(rows, None if rows is None else self._on_device(rows))
+
+    def _on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host `ids` on the device, copied on the compute stream with the pass's inputs (through
+        page-locked memory: the copy blocks nothing here)."""
+        with torch.cuda.stream(self.compute):
+            return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _issue(self, k: int) -> None:
         unit = self.schedule[k]
@@ -350,7 +356,7 @@ class StreamingTransport:
     def hold(self, unit: Unit, grad: torch.Tensor) -> None:
         self._check()
         if self.rows is not None and unit is self.rows.unit:
-            self.rows.held = self.rows.current  # the rows this gradient's pass looked up
+            self.rows.hold()  # the rows this gradient's pass looked up
         self._hold(unit, grad)
         # Each gradient held is a step of the backward sweep: the GPU-stepped units' state comes in
         # a share at a time, behind the fetches queued so far, complete by the last layer's.
