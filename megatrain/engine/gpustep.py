@@ -13,12 +13,9 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
   copied host->device during the backward sweep, into buffers of their own held until the step.
   The transport says how far the sweep has come (`prestage`); the copies queue on its
   host->device stream a share at a time, behind the sweep's own weight fetches, in the order the
-  units will be stepped. After the clip only the kernels and the way back remain: the kernels
-  one unit after another on the step's stream, each unit's write-back on a stream of its own
-  (the way back) as soon as its kernels are done, so the next forward sweep's weights wait for
-  none of the way back and the device->host link starts on it with the first unit (not after the
-  last, which the next forward sweep's kernels slow down); each gradient is let go as soon as its
-  kernel is queued;
+  units will be stepped. After the clip only the kernels and the way back remain: every unit's
+  kernels first, then the write-backs, so the next forward sweep's weights wait for none of the
+  way back, and each gradient is let go as soon as its kernel is queued;
 * **chunked** (a step whose gradients land during the backward sweep: two-pass, immediate, or a
   plan without prestage): after the clip, each unit's state is copied in a chunk at a time into
   one of `STEP_SLOTS` scratch slots, stepped there and copied back; one slot loads while the
@@ -29,10 +26,9 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
   tied head's): their weights cross PCIe only as part of their state. Any later fetch, and the
   next step's loads, read host memory after the write-back (`order_read`, `_written`).
 
-Loads queue on the transport's host->device stream, steps (and the chunked path's write-backs) on
-a stream of their own, the prestaged write-backs on another, so the CPU optimizer's gradient
-copies and the next forward sweep go on beside them; the order is kept by events and nothing
-blocks the calling thread. With `overlap=False` everything
+Loads queue on the transport's host->device stream, steps and write-backs on a stream of their
+own, so the CPU optimizer's gradient copies and the next forward sweep go on beside them; the
+order is kept by events and nothing blocks the calling thread. With `overlap=False` everything
 runs on the compute stream in program order: the serial reference. Off CUDA (`compute=None`:
 tests; the plan refuses GPU stepping on the CPU) the same code runs in program order.
 """
@@ -91,7 +87,6 @@ class GpuStepper:
         self.compute, self.load = compute, load
         self.overlap = overlap and compute is not None
         self.stream = torch.cuda.Stream(self.device) if self.overlap else compute
-        self.back = torch.cuda.Stream(self.device) if self.overlap else compute  # prestaged way back
         self.chunk = min(chunk, max((u.numel for u in units), default=0))
         self.prestaging = prestage
         slots = 0 if prestage else STEP_SLOTS
@@ -163,9 +158,9 @@ class GpuStepper:
         """Queue AdamW for `items` ((unit, its complete fp32 gradient on the GPU), in forward
         order), after what the compute stream has queued so far (the gradients, `coef`, `skip`).
         Consumes `items`: each gradient is let go once its kernel is queued, so its memory returns
-        to the compute stream when that kernel is done, not after every write-back. Each
-        prestaged unit's write-back queues on the way back's stream after its kernels: the next
-        forward sweep's weights (`take`) wait for no write-back."""
+        to the compute stream when that kernel is done, not after every write-back. The prestaged
+        units' write-backs queue after all their kernels: the next forward sweep's weights
+        (`take`) wait for no write-back."""
         if not items:
             return
         self.prestage(1.0)  # whatever the sweep has not brought in yet
@@ -174,6 +169,7 @@ class GpuStepper:
             for flag in (coef, skip):
                 if isinstance(flag, torch.Tensor) and flag.is_cuda:
                     flag.record_stream(self.stream)
+        stepped = []
         while items:
             unit, grad = items.pop(0)
             if self.overlap:
@@ -181,10 +177,12 @@ class GpuStepper:
             fresh = self._fresh_buffer(unit)
             if unit.index in self._held:
                 self._step_held(unit, grad, coef, lr, step, skip, fresh)
-                self._write_back(unit)
+                stepped.append(unit)
             else:
                 self._step(unit, grad, coef, lr, step, skip, fresh)
             del grad
+        for unit in stepped:
+            self._write_back(unit)
         self.discard()
 
     def _fresh_buffer(self, unit: Unit) -> torch.Tensor:
@@ -210,18 +208,14 @@ class GpuStepper:
             self._fresh[unit.index] = (fresh, _mark(self.stream))
 
     def _write_back(self, unit: Unit) -> None:
-        """Queue the copy of a stepped unit's prestaged state to host memory on the way back's
-        stream, after its kernels, and let the buffer go."""
+        """Queue the copy of a stepped unit's prestaged state to host memory, and let the buffer go."""
         buf, _, _ = self._held.pop(unit.index)
-        stepped = _mark(self.stream)
-        with torch.cuda.stream(self.back):
-            _wait(self.back, stepped)
+        with torch.cuda.stream(self.stream):
             for which, t in zip(STATE, buf):
                 self.state.flat(unit, which).copy_(t, non_blocking=True)
-            self._written[unit.index] = _mark(self.back)
-        if self.overlap:  # freed on return; not reused before its kernels and its copy are done
-            buf.record_stream(self.stream)
-            buf.record_stream(self.back)
+            self._written[unit.index] = _mark(self.stream)
+        if self.overlap:
+            buf.record_stream(self.stream)  # freed on return; not reused before the copy is done
         self.d2h_bytes += len(STATE) * 4 * unit.numel
 
     def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:
