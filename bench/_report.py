@@ -147,8 +147,8 @@ def _gaps(r: dict[str, Any]) -> str:
 
 def _rows_ahead(r: dict[str, Any]) -> str:
     """Where the plan fetched the embedding's rows: the host's seconds a step computing them ahead,
-    and its seconds waiting before it for the next pass to post them (records before that count
-    held the wait in the first figure and have none of the second)."""
+    and its seconds waiting before it, for the next pass to post them and for the gradient's rows
+    to land (records from before those counts held the waits in the first figure)."""
     if not (r.get("plan") or {}).get("embed_rows"):
         return ""
     line = f"the embedding's rows computed ahead in {(r.get('rows_ahead_s') or 0) * 1e3:.1f} ms a step"

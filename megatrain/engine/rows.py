@@ -100,7 +100,7 @@ class EmbeddingRows:
             self.awaiting = False
             self._post.put(None)
 
-    def gather(self, grad: torch.Tensor, compute, d2h, device) -> RowsGrad:
+    def gather(self, grad: torch.Tensor, compute, d2h) -> RowsGrad:
         """At the step: the held rows of the table's gradient (`grad`, fp32 on the GPU) gathered
         there and copied out on `d2h`, queued ahead of what the step queues after it: nothing
         crosses the link into the device first (the ids came with the pass's inputs)."""

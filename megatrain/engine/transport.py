@@ -394,7 +394,7 @@ class StreamingTransport:
         if self.rows is not None and items and items[0][0] is self.rows.unit:
             # The step's rows of its gradient out first, the table's update last (rows.py).
             unit, g = items.pop(0)
-            items.append((unit, self.rows.gather(g, self.compute, self.d2h, self.device)))
+            items.append((unit, self.rows.gather(g, self.compute, self.d2h)))
             del g
             self.rows.awaiting = self.overlap
         self._submit(items, coef, lr, step)
