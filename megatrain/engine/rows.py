@@ -7,7 +7,8 @@ cross the link whole, either way:
 
 * **out**: at the step, the rows of the gradient that this step's tokens touched (the only
   nonzero ones) are gathered on the GPU and copied to host memory ahead of the other copies
-  queued there; the host optimizer adds them into the table's gradient there, zero elsewhere.
+  queued there; the host optimizer adds them into the table's gradient there (zero elsewhere)
+  just before the table's own update, the only reader of it.
 * **ahead**: the next pass announces the rows it looks up (`begin`); the optimizer worker first
   computes what those rows become in this step's update (from the step's gradient rows, before
   they are added into the table's), reading their state where it lies, into a page-locked buffer

@@ -454,7 +454,6 @@ class StreamingTransport:
                 n = self.rows.ahead(items[-1][1], rows, coef_host, lr, step)
                 self.counters.stepped(n, t_rows)
                 self.counters.rows_s += time.perf_counter() - t_rows
-            self.rows.land(items[-1][1])
         items.reverse()
         while items:
             # Popped, so each gradient's GPU memory is free once its unit is stepped, not when
@@ -473,6 +472,9 @@ class StreamingTransport:
                 if release:
                     self._inflight.release()
             elif isinstance(g, RowsGrad):
+                # Into the table's gradient only now: the units the next forward sweep waits for
+                # are stepped first, and only the table's own update reads it.
+                self.rows.land(g)
                 t = time.perf_counter()
                 self.rows.whole(g, coef_host, lr, step, self.chunk_elems)
                 self.counters.stepped(unit.numel, t)
