@@ -534,7 +534,11 @@ def main() -> None:
     }
     ok = True
     try:
-        runner[spec["system"]](spec, res)
+        from megatrain.determinism import full_determinism
+
+        megatrain = spec["system"].startswith("megatrain")
+        with full_determinism(megatrain and spec.get("full_determinism", False)):
+            runner[spec["system"]](spec, res)
     except BaseException as e:  # recorded, never raised: the parent reads the file
         ok = False
         res.data["error"], res.data["error_detail"] = classify(e)

@@ -106,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help=f"megatrain's {meaning} (default auto: where the plan says it pays; alone: true)",
         )
     ap.add_argument(
+        "--full-determinism",
+        action="store_true",
+        help="megatrain's full_determinism: PyTorch's strict deterministic mode for its runs",
+    )
+    ap.add_argument(
         "--trace",
         action="store_true",
         help="keep each run's profiled step as a gzipped Chrome trace in the logs folder",
@@ -404,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 "host_weight_copy": a.host_weight_copy,
                 "embedding_rows": a.embedding_rows,
                 "keep_layers": a.keep_layers,
+                "full_determinism": a.full_determinism,
                 "trace": str(out / rec["log"]).removesuffix(".log") + ".trace.json.gz" if a.trace else None,
             }
             raw = run_worker(spec, timeout, out / rec["log"])

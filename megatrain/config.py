@@ -53,9 +53,10 @@ SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are der
 # TrainingArguments names a user may bring that megatrain does not take, each with why (the refusal
 # names it, rather than "unknown").
 NOT_TAKEN = {
-    "full_determinism": "runs are bitwise repeatable on the CPU; on a GPU, PyTorch's attention "
-    "backward adds dQ atomically and is not at long rows (docs/training.md), and a switch for that "
-    "is not built yet",
+    "bf16": "megatrain's compute precision is compute_dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
+    "fp16": "megatrain computes in bfloat16 or float32 (compute_dtype), which need no loss scaling",
+    "deepspeed": "megatrain places every byte itself (docs/memory.md); no DeepSpeed config is read",
+    "fsdp": "megatrain's several-GPU training is its own data parallel (docs/parallel.md), under torchrun",
 }
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -356,6 +357,11 @@ class TrainConfig:
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32."""
     torch_compile: bool | None = None
     """Compile the decoder layer with torch.compile; default: on for CUDA, off on the CPU."""
+    full_determinism: bool = False
+    """Bitwise repeatable runs on a GPU too: PyTorch's strict deterministic mode (the attention
+    backward's deterministic algorithm, cuDNN's attention left out) and cuBLAS's
+    CUBLAS_WORKSPACE_CONFIG (set to :4096:8 unless given). On the CPU runs repeat without it
+    (docs/training.md)."""
     offload_activations: bool | None = None
     """Layer-boundary activations in host memory: true (all), false (none), or None (auto: on the
     GPU as far as it holds them, the leading layers' beyond that in host memory)."""

@@ -29,6 +29,7 @@ from .checks import check_outputs, run_warnings
 from .config import TrainConfig, interval_steps, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
 from .data.prompts import prompt_samples
+from .determinism import full_determinism
 from .engine.optim import AdamWConfig, lr_at
 from .errors import ConfigError
 from .evaluation import Evaluator
@@ -99,17 +100,18 @@ def train(cfg: TrainConfig) -> Path | None:
     """
     cfg.require_dataset()
     seed_everything(cfg.seed)
-    world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
-    try:
-        check_outputs(cfg)  # output_dir must be a directory before the lock is made in it
-        # The run owns output_dir until it ends: a second run there is refused. One lock for
-        # the world: its writer (the other ranks write only what the writer coordinates).
-        with RunLock(cfg.output_dir) if world.is_main else contextlib.nullcontext() as lock:
-            if lock is not None and lock.note:
-                print(lock.note)
-            return _train(cfg, world, device)
-    finally:
-        world.close()
+    with full_determinism(cfg.full_determinism):  # before the first CUDA kernel
+        world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
+        try:
+            check_outputs(cfg)  # output_dir must be a directory before the lock is made in it
+            # The run owns output_dir until it ends: a second run there is refused. One lock for
+            # the world: its writer (the other ranks write only what the writer coordinates).
+            with RunLock(cfg.output_dir) if world.is_main else contextlib.nullcontext() as lock:
+                if lock is not None and lock.note:
+                    print(lock.note)
+                return _train(cfg, world, device)
+        finally:
+            world.close()
 
 
 @dataclass

@@ -212,8 +212,8 @@ BAD = [
     ),
     (["lerning_rate=1e-4"], "unknown config key 'lerning_rate'; did you mean 'learning_rate'?"),
     (
-        ["full_determinism=true"],
-        "config key 'full_determinism' (Hugging Face's) is not taken: runs are bitwise",
+        ["fsdp=full_shard"],
+        "config key 'fsdp' (Hugging Face's) is not taken: megatrain's several-GPU training is its own",
     ),
     (["learning_rate=fast"], "learning_rate: expected float, got 'fast'"),
     (["max_steps=0"], "max_steps: must be > 0"),

@@ -18,9 +18,10 @@ ROOT = Path(megatrain.__file__).parent
 
 # Bottom to top. A module belongs to the longest entry its dotted name starts with; the package's
 # own top-level modules (the CLI and its commands, config, trainer, runtime, evaluation) are the
-# top layer, but for the two that import nothing of the package and that every layer may use.
+# top layer, but for those that import nothing above themselves and that every layer may use.
 LAYERS = [
-    ("megatrain.errors", "megatrain.metrics", "megatrain.trackers"),
+    # errors, metrics and trackers; determinism: how sums on a GPU are ordered
+    ("megatrain.errors", "megatrain.metrics", "megatrain.trackers", "megatrain.determinism"),
     ("megatrain.models",),  # decoder families, their config.json, compiled hot functions
     ("megatrain.data",),  # tokenizers, dataset files -> micro-batches
     ("megatrain.host",),  # the model's fp32 state and buffers in host memory

@@ -403,6 +403,20 @@ def test_a_bad_row_is_one_line_and_nothing_is_written(tmp_path, row, match):
 
 
 @pytest.mark.gpu
+def test_dpo_on_cuda_repeats_bit_for_bit(setup):
+    """Two DPO runs on the GPU in its default mode (bf16; rows of one key block, so the attention's
+    backward adds no dQ atomically) are bitwise equal: each sequence's log-prob sums its tokens in
+    index order (`determinism.sorted_sums`), not by atomic adds in the order threads arrive."""
+    from test_checkpoint import assert_bitwise
+
+    tmp_path, _, data = setup
+    (ra, fa, oa), (rb, fb, ob) = (run(tmp_path, data, name, device="cuda", stage="dpo") for name in "ab")
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    assert_bitwise(fb, fa)
+    assert_bitwise(*(load_file(o / "reference" / "logps.safetensors") for o in (ob, oa)))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("packing", [False, True])
 def test_dpo_on_cuda_in_fp32_equals_the_cpu(setup, packing):
     """The GPU's schedule (streamed weights, the CPU AdamW overlapping; FlexAttention's block

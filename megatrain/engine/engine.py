@@ -29,6 +29,7 @@ import torch
 from torch.func import functional_call
 
 from ..data.batch import MicroBatch
+from ..determinism import sorted_sums
 from ..host.state import HostState, Unit, unit_views
 from ..models.compiling import compiled
 from ..models.config import ModelConfig
@@ -363,9 +364,7 @@ class Engine:
         view = unit_views(g, self.embed_unit)[self.embed.weight_name]
         scale = self.embed.scale  # the embedding's forward multiplies the looked-up rows by it
         pad = self.embed.padding_idx
-        det = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)  # sort-based, reproducible on CUDA
-        try:
+        with sorted_sums():  # reproducible on CUDA
             for d, p in zip(dh, prep):
                 d, ids = d.reshape(-1, d.shape[-1]), p.ids.reshape(-1)
                 for a in range(0, d.shape[0], EMBED_GRAD_ROWS):
@@ -377,8 +376,6 @@ class Engine:
                             dc.dtype
                         )  # rounded as the forward's
                     view.index_add_(0, ic, dc.to(torch.float32))
-        finally:
-            torch.use_deterministic_algorithms(det)
         self.collective.reduce_then(self.embed_unit, g, finish)
         self.collective.flush()
 

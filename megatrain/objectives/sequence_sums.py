@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..data.batch import MicroBatch
 from ..data.preference import CHOSEN, CHOSEN_PROMPT, COMPLETION, KL, PAIR_SUMS, REJECTED, UNPAIRED_SUMS
+from ..determinism import sorted_sums
 from .base import Objective
 from .losshead import Head
 from .preference import (
@@ -167,13 +168,16 @@ class Preference(Objective):
         for t in targets:
             n = self.codes * t.samples
             s = _Sums(*(torch.zeros(n + 1, device=dev) for _ in range(3)))  # slot -1 lands at 0
-            s.counts.index_add_(0, t.slots + 1, torch.ones_like(t.slots, dtype=torch.float32))
+            with sorted_sums():
+                s.counts.index_add_(0, t.slots + 1, torch.ones_like(t.slots, dtype=torch.float32))
             out.append(s)
         for m, a, logits in head.forward(hidden):
             t, s, n = targets[m], out[m], logits.shape[0]
             at = t.slots[a : a + n] + 1
-            s.logps.index_add_(0, at, _token_logps(logits, t.tokens[a : a + n]))
-            s.logits.index_add_(0, at, logits.mean(-1))
+            logps, means = _token_logps(logits, t.tokens[a : a + n]), logits.mean(-1)
+            with sorted_sums():  # a sequence's tokens summed in order, not atomically, on CUDA
+                s.logps.index_add_(0, at, logps)
+                s.logits.index_add_(0, at, means)
         return [_Sums(s.logps[1:], s.counts[1:], s.logits[1:]) for s in out]
 
     def _batch(self, t: _Targets, s: _Sums) -> PairedLogps | UnpairedLogps:
