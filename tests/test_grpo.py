@@ -926,6 +926,20 @@ def test_on_cuda_each_completion_is_generate_of_its_prompt_alone(setup):
     assert_each_is_generate_alone(first, tok, hf, "cuda")
 
 
+@pytest.mark.gpu
+def test_on_cuda_grpo_repeats_bit_for_bit_under_full_determinism(setup):
+    """GRPO on the GPU (bf16: the rollout's `generate`, the policy's loss) under strict
+    deterministic mode: no op refuses, and two runs sample the same completions and train to
+    bitwise the same weights."""
+    from test_checkpoint import assert_bitwise
+
+    tmp_path, _ = setup
+    (ra, ca, wa), (rb, cb, wb) = (run(tmp_path, name, device="cuda", full_determinism=True) for name in "ab")
+    assert [c["completion"] for c in ca] == [c["completion"] for c in cb]
+    assert [r.get("loss") for r in ra] == [r.get("loss") for r in rb]
+    assert_bitwise(wb, wa)
+
+
 def test_a_resume_with_other_stage_settings_says_which(setup, capsys):
     """A resume may change the stage's settings, with a warning naming each (the continuation is
     then not the uninterrupted run's)."""
