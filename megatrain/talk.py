@@ -11,7 +11,9 @@ is the directory's, else that of the run which wrote it (its train_config.json),
 
 `--prompt TEXT` answers once and exits, as does text piped into stdin; on a terminal the loop
 keeps the conversation (`/reset` forgets it, `/exit` or Ctrl-D ends it) with line editing and
-input history; Ctrl-C stops an answer.
+input history; Ctrl-C stops an answer. A conversation that outgrows the model's context
+(`max_position_embeddings`, less `--max-new-tokens` for the answer) forgets its oldest exchanges,
+saying so; a message too long alone is refused in one line.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TextIO
 
 import torch
 
-from .errors import ConfigError, first_line
+from .errors import ConfigError, MegatrainError, first_line
 from .io.checkpoint import TRAIN_CONFIG
 
 EXIT, RESET = "/exit", "/reset"
@@ -90,6 +92,7 @@ class Chat:
         self.system = system
         self.messages: list[dict[str, str]] = []
         self.options = generation_options(model, tokenizer, max_new_tokens, temperature, top_p)
+        self.context = context_length(model)
         # An answer ends where the template closes the assistant's turn, whatever the model's EOS.
         eot = None if self.raw else end_of_turn_id(tokenizer)
         if eot is not None and eot not in self.options["eos_token_id"]:
@@ -97,13 +100,32 @@ class Chat:
 
     def input_ids(self, text: str) -> torch.Tensor:
         """The tokens the model continues: the conversation so far and `text` in the chat
-        template with the assistant's turn opened, or `text` alone (raw)."""
+        template with the assistant's turn opened, or `text` alone (raw). The oldest exchanges
+        are forgotten, with a note on stderr, until it leaves the answer its room in the model's
+        context; MegatrainError if `text` alone does not."""
+        room = None if self.context is None else self.context - self.options["max_new_tokens"]
         if self.raw:
-            return self.tok(text, return_tensors="pt")["input_ids"]
+            ids = self.tok(text)["input_ids"]
+        else:
+            ids = self._templated(text)
+            while room is not None and len(ids) > room and self.messages:
+                self.messages = self.messages[2:]  # the oldest exchange: a question and its answer
+                print(f"megatrain chat: the conversation outgrew the model's context of {self.context} "
+                      "tokens: its oldest exchange is forgotten", file=sys.stderr)  # fmt: skip
+                ids = self._templated(text)
+        if room is not None and len(ids) > room:
+            where = "" if self.raw else " in the chat template"
+            raise MegatrainError(
+                f"the message is {len(ids)} tokens{where}; the model's context of {self.context} holds "
+                f"{max(room, 0)} beside the answer's {self.options['max_new_tokens']} (--max-new-tokens)"
+            )
+        return torch.tensor([ids])
+
+    def _templated(self, text: str) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system else []
         messages = [*system, *self.messages, {"role": "user", "content": text}]
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-        return torch.tensor([ids["input_ids"]])
+        rendered = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return rendered["input_ids"]
 
     def answer(self, text: str) -> str:
         """Generate the reply to `text`, streamed to `out`; returns it (kept in the conversation)."""
@@ -126,6 +148,12 @@ class Chat:
         if not self.raw:
             self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
         return reply
+
+
+def context_length(model) -> int | None:
+    """The most positions the model's config says it takes (None where it names none)."""
+    cfg = model.config
+    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
 def generation_options(
@@ -186,3 +214,5 @@ def converse(chat: Chat, read: Callable[[str], str] = input) -> None:
                 chat.answer(text)
             except KeyboardInterrupt:  # Ctrl-C stops an answer (forgotten), not the conversation
                 chat.out.write("\n(interrupted)\n")
+            except MegatrainError as e:  # a message too long: said, and the conversation goes on
+                chat.out.write(f"megatrain chat: {e}\n")

@@ -243,3 +243,47 @@ def test_a_model_transformers_cannot_load_is_one_line(tmp_path, capsys, model_di
         f"megatrain: error: {broken}: transformers cannot load this model ("
     )
     assert not any(line.startswith("megatrain: error") for line in lines[:-1])
+
+
+def test_a_long_conversation_forgets_its_oldest_exchanges(model_dir, capsys):
+    """The tiny model takes 256 positions: with 12 for the answer, the conversation keeps its
+    newest exchanges within 244 tokens, says on stderr when it forgets one, and answers the
+    kept conversation as `generate` does."""
+    from megatrain.talk import context_length
+
+    out = io.StringIO()
+    chat = Chat(
+        load_model(model_dir, "cpu"), find_tokenizer(model_dir), max_new_tokens=12, temperature=0, out=out
+    )
+    assert context_length(chat.model) == 256
+    texts = [f"Question {i}: " + "Where does Pip live? " * 12 for i in range(4)]
+    history = []
+    for text in texts:
+        kept_before = len(chat.input_ids(text)[0])  # what the answer's prompt will be
+        assert kept_before <= 256 - 12
+        history.append((list(chat.messages), chat.answer(text)))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "forgotten" in line]
+    assert notes and all("model's context of 256 tokens" in n for n in notes)
+    assert chat.messages[0]["content"] != texts[0]  # the first exchange is gone
+    kept, reply = history[-1]
+    assert kept[0]["content"] != texts[0]
+    assert reply == generated(model_dir, [*kept, {"role": "user", "content": texts[-1]}])
+
+
+def test_a_message_longer_than_the_context_is_one_line(model_dir, capsys):
+    text = "Where does Pip live? " * 60
+    rc, _, err = run_cli(capsys, "chat", model_dir, "--prompt", text, "--max-new-tokens", "12")
+    errors = [line for line in err.splitlines() if line.startswith("megatrain: error:")]
+    assert rc == 2 and errors == [err.splitlines()[-1]]  # before it: transformers' loading bar
+    assert errors[0].startswith("megatrain: error: the message is ")
+    assert "tokens in the chat template; the model's context of 256 holds 244 beside the answer's 12" in err
+    # In the loop it is said, and the conversation goes on.
+    out = io.StringIO()
+    chat = Chat(
+        load_model(model_dir, "cpu"), find_tokenizer(model_dir), max_new_tokens=12, temperature=0, out=out
+    )
+    lines = iter([text, QUESTION, "/exit"])
+    converse(chat, read=lambda prompt: next(lines))
+    said = out.getvalue().splitlines()
+    assert said[1].startswith("megatrain chat: the message is ")
+    assert said[2] == generated(model_dir, [{"role": "user", "content": QUESTION}])
