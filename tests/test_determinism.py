@@ -167,3 +167,24 @@ def test_on_cuda_the_switch_trains_the_expert_families_bit_for_bit(tmp_path, fam
     (wa, na), (wb, nb) = runs
     assert na == nb and max(na) > base["max_grad_norm"]
     assert_bitwise(wb, wa)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_plan_command_measures_as_the_run_will(tmp_path, monkeypatch, capsys, on):
+    """`megatrain plan` measures the machine and the layer under the switch when the config sets
+    it, as `train`'s own plan is made inside the run's modes."""
+    from test_checkpoint import write_yaml
+
+    from megatrain import cli, plan
+
+    seen, measured = [], plan.measured
+
+    def spied(*args, **kw):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return measured(*args, **kw)
+
+    monkeypatch.setattr(plan, "measured", spied)
+    config = write_yaml(tmp_path / "run.yaml", make_run(tmp_path) | dict(output_dir=str(tmp_path / "out")))
+    assert cli.main(["plan", str(config), f"full_determinism={str(on).lower()}"]) == 0
+    assert seen == [on] and not torch.are_deterministic_algorithms_enabled()
+    assert "host" in capsys.readouterr().out
