@@ -50,13 +50,40 @@ BOOLEAN_CHOICES = {
     "eval_strategy": {False: "no"},
 }
 SEED_LIMIT = 2**32  # what transformers' set_seed (numpy) accepts; seeds are derived from it by arithmetic
-# TrainingArguments names a user may bring that megatrain does not take, each with why (the refusal
-# names it, rather than "unknown").
+# TrainingArguments and TRL names a user may bring that megatrain does not take, each with why and
+# what to use instead (the refusal names them all at once, rather than "unknown" one at a time).
+_NO_LOADER = "megatrain tokenizes every sample before step one, in its own process: there is no data loader"
+_HUB = "megatrain writes local Hugging Face directories (output_dir/final); upload one with `hf upload`"
 NOT_TAKEN = {
     "bf16": "megatrain's compute precision is compute_dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
     "fp16": "megatrain computes in bfloat16 or float32 (compute_dtype), which need no loss scaling",
+    "tf32": "float32 compute (compute_dtype: float32) is exact float32; bfloat16 is the fast path",
     "deepspeed": "megatrain places every byte itself (docs/memory.md); no DeepSpeed config is read",
     "fsdp": "megatrain's several-GPU training is its own data parallel (docs/parallel.md), under torchrun",
+    "ddp_backend": "megatrain's data parallel picks NCCL on GPUs and gloo on CPUs (docs/parallel.md)",
+    "ddp_find_unused_parameters": "megatrain's data parallel reduces every gradient itself (docs/parallel.md)",
+    "local_rank": "torchrun gives each process its rank (LOCAL_RANK); a config names none",
+    "gradient_checkpointing": "megatrain recomputes each layer's forward in its backward by design; the "
+    "plan keeps the last layers' graphs where memory allows (keep_layers)",
+    "gradient_checkpointing_kwargs": "megatrain recomputes each layer's forward in its backward by design",
+    "optim": "megatrain's optimizer is AdamW (torch.optim.AdamW's arithmetic), set by adam_beta1, "
+    "adam_beta2, adam_epsilon and weight_decay",
+    "use_liger_kernel": "megatrain's loss head never forms a whole step's logits (docs/architecture.md)",
+    "dataloader_num_workers": _NO_LOADER,
+    "dataloader_pin_memory": _NO_LOADER,
+    "dataset_num_proc": _NO_LOADER,
+    "remove_unused_columns": "megatrain reads its format's fields (see columns) and leaves the other columns (grpo "
+    "hands them to the reward functions)",
+    "save_safetensors": "megatrain writes safetensors, always",
+    "push_to_hub": _HUB,
+    "hub_model_id": _HUB,
+    "logging_dir": "tensorboard's event files go to output_dir/runs",
+    "max_seq_length": "TRL's name before 0.20; it is max_length",
+    "dataset_text_field": "name the text column with columns: {text: <column>}",
+    "assistant_only_loss": "megatrain takes the loss on assistant turns (and completions) by default; "
+    "train_on_prompt: true takes it on every token",
+    "completion_only_loss": "megatrain takes the loss on completions (and assistant turns) by default; "
+    "train_on_prompt: true takes it on every token",
 }
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -708,12 +735,19 @@ class TrainConfig:
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
         known = {f.name: f for f in fields(cls) if f.name != "extra"}
         unknown = [k for k in raw if k not in known]
+        not_taken = [k for k in unknown if k in NOT_TAKEN]
+        if len(not_taken) == 1:
+            k = not_taken[0]
+            raise ConfigError(f"config key {k!r} (Hugging Face's) is not taken: {NOT_TAKEN[k]}")
+        if not_taken:
+            why = "; ".join(f"{k!r}: {NOT_TAKEN[k]}" for k in not_taken)
+            raise ConfigError(
+                f"config keys of Hugging Face's that megatrain does not take (remove them): {why}"
+            )
         if unknown:
             import difflib
 
             k = unknown[0]
-            if k in NOT_TAKEN:
-                raise ConfigError(f"config key {k!r} (Hugging Face's) is not taken: {NOT_TAKEN[k]}")
             close = difflib.get_close_matches(k, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {k!r}{hint}")

@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 import re
 
-from .config import TrainConfig, key_docs
+from .config import NOT_TAKEN, TrainConfig, key_docs
 
 PAGE = "docs/configuration.md"
 REGENERATE = "python scripts/gen_config_docs.py"
@@ -89,4 +89,8 @@ def markdown() -> str:
         for name in names:
             default = f"`{defaults[name]}`" if defaults[name] else ""
             out.append(f"| `{name}` | {default} | {_cell(docs[name])} |")
+    out += ["", "## Hugging Face keys megatrain does not take", "",
+            "A config that brings one is refused before anything runs, with every such key it holds "
+            "named in one line, and why:", "", "| key | why, and what to use |", "|---|---|"]  # fmt: skip
+    out += [f"| `{k}` | {_cell(why)} |" for k, why in NOT_TAKEN.items()]
     return "\n".join(out) + "\n"

@@ -245,3 +245,21 @@ def test_lists_of_numbers_load_from_yaml_and_a_bad_item_is_named(tmp_path):
     assert dpo.loss_weights == [1.0, 0.5] and dpo.loss_type == ["sigmoid", "sft"]
     with pytest.raises(ConfigError, match=r"^reward_weights\[1\]: expected float, got 'a'$"):
         TrainConfig.load(path, ["reward_weights=[1, a]"])
+
+
+def test_a_trl_recipes_keys_megatrain_does_not_take_are_named_together_in_one_line(tmp_path, capsys):
+    """A TRL SFT recipe brings several Hugging Face keys megatrain does not take: one run of the
+    command names them all, each with why, so the config is fixed in one pass; nothing is written."""
+    from megatrain.config import NOT_TAKEN
+
+    recipe = make_run(tmp_path) | dict(
+        output_dir=str(tmp_path / "out"), gradient_checkpointing=True, optim="adamw_torch_fused",
+        max_seq_length=1024, bf16=True, push_to_hub=False, learning_rate=2e-5,
+    )  # fmt: skip
+    rc, _, err = run_cli(capsys, "train", write_yaml(tmp_path / "sft.yaml", recipe))
+    [line] = err.splitlines()
+    assert rc == 2 and line.startswith("megatrain: error: ") and "config keys of Hugging Face's" in line
+    for k in ("gradient_checkpointing", "optim", "max_seq_length", "bf16", "push_to_hub"):
+        assert f"{k!r}: {NOT_TAKEN[k]}" in line
+    assert "'max_seq_length': TRL's name before 0.20; it is max_length" in line
+    assert not (tmp_path / "out").exists()
