@@ -189,10 +189,9 @@ def _plan(args) -> int:
         name = "cuda"
     dtype = {"auto": "bfloat16" if kind == "cuda" else "float32"}.get(cfg.compute_dtype, cfg.compute_dtype)
     compute_bytes = 2 if dtype == "bfloat16" else 4
-    with full_determinism(cfg.full_determinism):  # the layer measured as the run will run it
-        machine, layer_mem = plan.measured(
-            model_cfg, cfg, name, compute_bytes
-        )  # layer: None without a device
+    # The layer measured as the run will run it (layer_mem: None without a device).
+    with full_determinism(cfg.full_determinism):
+        machine, layer_mem = plan.measured(model_cfg, cfg, name, compute_bytes)
     data = plan.data_bytes(cfg)
     result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
     for warning in config_warnings(cfg, model_cfg):  # as train warns
