@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .io.outputs import interval_steps
 from .objectives.grpo import GRPOConfig
 from .objectives.preference import STAGES, PreferenceConfig
-from .rl.rollout import ROLLOUT_CACHES
+from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
 from .trackers import reporters
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
@@ -248,13 +248,18 @@ class TrainConfig:
     no cost to the update's estimated step; true: the copy (a host without room refuses the run in
     one line); false: the fp32 master weights. Nothing to choose in fp32 or with every layer
     resident."""
+    rollout_engine: str = "megatrain"
+    """grpo: what samples the rollouts. megatrain: the rollout engine (one KV cache for the
+    generation batch allocated once, a batched prefill of the distinct prompts, each decode step a
+    CUDA graph where the whole policy is on the GPU, each completion's tokens drawn on the GPU from
+    its own stream). generate: transformers' `generate` (`rollout_cache`). Both sample the same
+    streams; docs/grpo.md has the figures."""
     rollout_cache: str = "dynamic"
-    """grpo: the rollout's KV cache. dynamic: transformers' default, grown a token at a time.
-    static: transformers' StaticCache, allocated up front for every completion at its batch's
-    prompt width + max_completion_length (the plan counts that already), with which `generate`
-    compiles the decoding step on CUDA (torch.compile, CUDA graphs): the whole policy on the GPU
-    only (not with streamed rollout layers), models whose transformers class takes a static cache
-    and compiles. Not measured on a GPU yet (docs/grpo.md)."""
+    """grpo, `rollout_engine: generate`: its KV cache. dynamic: transformers' default, grown a token
+    at a time. static: transformers' StaticCache, allocated up front for every completion at its
+    batch's prompt width + max_completion_length, with which `generate` compiles the decoding step
+    on CUDA (torch.compile, CUDA graphs): the whole policy on the GPU only (not with streamed
+    rollout layers), models whose transformers class takes a static cache and compiles."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
@@ -555,8 +560,15 @@ class TrainConfig:
             isinstance(self.rollout_resident_layers, str) or self.rollout_resident_layers < 0
         ):
             bad("rollout_resident_layers", "must be auto or a number of layers >= 0")
+        if self.rollout_engine not in ROLLOUT_ENGINES:
+            bad("rollout_engine", f"must be one of {', '.join(ROLLOUT_ENGINES)}")
         if self.rollout_cache not in ROLLOUT_CACHES:
             bad("rollout_cache", f"must be one of {', '.join(ROLLOUT_CACHES)}")
+        if self.rollout_cache != "dynamic" and self.rollout_engine != "generate":
+            bad(
+                "rollout_cache",
+                "is the KV cache of rollout_engine: generate (the megatrain engine has its own)",
+            )
         for k in ("max_gpu_memory", "max_host_memory", "max_disk_memory"):
             if getattr(self, k) is not None:
                 try:

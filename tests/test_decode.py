@@ -56,7 +56,9 @@ def test_static_cache_completions_are_generate_with_a_static_cache_and_the_dynam
             super().__init__(*args, max_cache_len=max_cache_len, **kw)
 
     monkeypatch.setattr(transformers.generation.utils, "StaticCache", Counted)
-    static = run(tmp_path, "static", max_steps=1, seed=7, rollout_cache="static", **settings)
+    static = run(
+        tmp_path, "static", max_steps=1, seed=7, rollout_cache="static", rollout_engine="generate", **settings
+    )
     widest = max(len(tok(r["prompt"])["input_ids"]) for r in static[1])
     assert made == [widest + MAX_NEW - 1]  # one generation batch, one cache (the last token is never fed)
     made.clear()
@@ -81,7 +83,7 @@ def test_a_bad_rollout_cache_is_one_line():
 def test_a_static_cache_beside_streamed_layers_is_refused_before_anything_is_written(setup):
     tmp_path, _ = setup
     with pytest.raises(ConfigError, match=r"^rollout_cache: static needs the whole policy on the GPU"):
-        run(tmp_path, rollout_cache="static", rollout_resident_layers=1)
+        run(tmp_path, rollout_cache="static", rollout_engine="generate", rollout_resident_layers=1)
     assert not (tmp_path / "out").exists()
 
 
@@ -109,7 +111,7 @@ def test_on_cuda_the_compiled_static_decode_follows_the_dynamic_one_up_to_a_near
     kw = dict(max_steps=1, seed=7, device="cuda", compute_dtype="float32", torch_compile=False, **GREEDY)
     dynamic = run(tmp_path, "dynamic", **kw)[1]
     counters.clear()
-    static = run(tmp_path, "static", rollout_cache="static", **kw)[1]
+    static = run(tmp_path, "static", rollout_cache="static", rollout_engine="generate", **kw)[1]
     assert counters["stats"]["unique_graphs"] > 0
     hf = model(len(tok)).cuda().eval()
     same = 0

@@ -13,14 +13,14 @@ generation batches are all sampled before it trains, with the weights it starts 
 metrics go with the step that sampled them (their mean where it sampled several), as TRL logs
 them.
 
-Sampling is transformers' `generate` (max_new_tokens = max_completion_length) on a transformers
-model built on the device in the compute dtype from the host state's current weights, freed
-after the rollout (rl/policy.py): the whole policy, or where the plan says it does not fit
-beside the cache (`Plan.rollout_layers`), its first layers, the others streamed through the
-device in every forward, each decode step advancing every completion by a token. Its prompts are
-left-padded into one batch, each repeated num_generations times in a row (TRL's order). Each
-completion is sampled from a stream of its own (sampling.RowSampler: temperature, top_k, top_p
-as transformers' warpers apply them), seeded with `row_seed(seed, step, the prompt's index in the
+Sampling is the rollout engine (decode.py; `rollout_engine: generate`: transformers' `generate`)
+on a transformers model built on the device in the compute dtype from the host state's current
+weights, freed after the rollout (rl/policy.py): the whole policy, or where the plan says it does
+not fit beside the cache (`Plan.rollout_layers`), its first layers, the others streamed through
+the device in every forward, each decode step advancing every completion by a token. Its prompts
+are left-padded into one batch, each repeated num_generations times in a row (TRL's order). Each
+completion is sampled from a stream of its own (sampling.py: temperature, top_k, top_p as
+transformers' warpers apply them), seeded with `row_seed(seed, step, the prompt's index in the
 dataset, the completion's index in its group)` (with, after the step, the micro-batch it starts
 at for a generation batch that does not start its step): a completion is a function of the seed,
 the step, its prompt and the weights, whatever else is in the batch. So a resumed run samples what
@@ -44,14 +44,10 @@ Evaluation (`evaluate`) samples the eval prompts num_generations_eval times from
 own, scores them, writes them to eval_completions.jsonl, and takes TRL's eval-mode loss of them
 by the engine's forward sweep (objectives/grpo.py: GRPO.eval_sums, eval_metrics).
 
-The decode's KV cache is `rollout_cache` (`check_cache` says where each applies): dynamic,
-transformers' default, grown a token at a time; or static, transformers' StaticCache, allocated up
-front for every row at the batch's prompt width + max_completion_length (what the plan counts for
-the KV cache: footprint.rollout_bytes), with which `generate` itself compiles the decoding step on
-CUDA (torch.compile of the model's forward, transformers' default CompileConfig: mode
-reduce-overhead, CUDA graphs; the prefill stays eager). The sampler, the stop tokens and the cut
-are the same either way; on the CPU nothing is compiled, and the completions are the dynamic
-cache's (tests/test_decode.py).
+With `rollout_engine: generate`, the decode's KV cache is `rollout_cache` (`check_cache` says
+where each applies): dynamic, transformers' default, grown a token at a time; or static,
+transformers' StaticCache, with which `generate` compiles the decoding step on CUDA. The sampler,
+the stop tokens and the cut are the same either way.
 """
 
 from __future__ import annotations
@@ -82,9 +78,10 @@ from ..objectives.grpo import (
     log_probs,
 )
 from ..planning.footprint import rollout_copy_bytes
+from .decode import Decoder, supports
 from .policy import HostCopy, PolicyModel
 from .rewards import RewardFunc, score
-from .sampling import RowSampler, row_seed
+from .sampling import RowSampler, Warpers, row_seed
 
 ROLLOUT_FILE = "rollout.pt"  # in a checkpoint taken before a rollout's last step
 EVAL_STREAM = -1  # row_seed's step for evaluation's completions: no optimizer step has it
@@ -92,7 +89,8 @@ SHUFFLE_STREAM = -2  # row_seed's step for the order a generation batch is split
 # The reference pass's fp32 logits at once: a micro-batch's rows are forwarded in slices under it
 # (a row at least), so its peak past the weights is a few times this, not rows x length x vocab.
 REFERENCE_LOGIT_BYTES = 2**30
-ROLLOUT_CACHES = ("dynamic", "static")  # the `rollout_cache` values
+ROLLOUT_CACHES = ("dynamic", "static")  # the `rollout_cache` values (rollout_engine: generate)
+ROLLOUT_ENGINES = ("megatrain", "generate")  # the `rollout_engine` values
 
 
 def check_cache(cache: str, hf_config, streamed: bool) -> None:
@@ -164,8 +162,10 @@ class Rollout:
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
                  batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
-                 host_copy: bool = False, start: int = 0, cache: str = "dynamic"):  # fmt: skip
+                 host_copy: bool = False, start: int = 0, cache: str = "dynamic",
+                 engine: str = "megatrain"):  # fmt: skip
         self.seed = seed
+        self.engine = engine  # rollout_engine
         self.cache = cache  # rollout_cache (check_cache has allowed it)
         self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
         # The plan's `rollout_host_copy`: the streamed layers' copy in the compute dtype, for the run.
@@ -280,7 +280,9 @@ class Rollout:
             t2 = time.perf_counter()
             with policy as model:
                 for a in range(0, len(prompt_ids), size):
-                    c, t = self._sample(model, prompt_ids[a : a + size], seeds[a : a + size])
+                    c, t = self._sample(
+                        model, prompt_ids[a : a + size], seeds[a : a + size], policy.streamed_layers
+                    )
                     completions, truncated = completions + c, truncated + t
                     if bar is not None:
                         bar.update(1)
@@ -368,33 +370,50 @@ class Rollout:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _sample(
-        self, model, prompt_ids: list[list[int]], seeds: list[int]
+        self, model, prompt_ids: list[list[int]], seeds: list[int], streamed: int = 0
     ) -> tuple[list[list[int]], list[bool]]:
+        """Completions of `prompt_ids` by `model` (`streamed` of its layers streamed), each cut
+        after its first end token, and whether each reached max_completion_length instead."""
+        cfg = self.cfg
+        if self.engine == "megatrain" and supports(model):
+            warpers = Warpers(cfg.temperature, cfg.top_k, cfg.top_p)
+            decoder = Decoder(model, self.device, self.stops, self.pad_id, warpers, graphs=not streamed)
+            rows = decoder.sample(prompt_ids, seeds, cfg.max_completion_length)
+        else:
+            rows = self._generate(model, prompt_ids, seeds)
+        completions, truncated = [], []
+        for row in rows:
+            end = next((i for i, t in enumerate(row) if t in self.stops), None)
+            completions.append(row if end is None else row[: end + 1])
+            truncated.append(end is None)
+        return completions, truncated
+
+    def _generate(self, model, prompt_ids: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        """transformers' `generate` (`rollout_engine: generate`): each row's max_completion_length
+        new tokens (padding after an end token), the prompts left-padded into one batch."""
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompt_ids):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        out = model.generate(
-            ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            do_sample=False,  # RowSampler leaves each row its sampled token only
-            logits_processor=[
-                RowSampler(seeds, self.device, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
-            ],
-            max_new_tokens=self.cfg.max_completion_length,
-            eos_token_id=self.stops or None,
-            pad_token_id=self.pad_id,
-            # static: generate sizes it at width + max_new_tokens and, on CUDA, compiles the decode
-            **({"cache_implementation": "static"} if self.cache == "static" else {}),
-        )[:, width:].cpu()
-        completions, truncated = [], []
-        for row in out.tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stops), None)
-            completions.append(row if end is None else row[: end + 1])
-            truncated.append(end is None)
-        return completions, truncated
+        return (
+            model.generate(
+                ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=False,  # RowSampler leaves each row its sampled token only
+                logits_processor=[
+                    RowSampler(seeds, self.device, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+                ],
+                max_new_tokens=self.cfg.max_completion_length,
+                eos_token_id=self.stops or None,
+                pad_token_id=self.pad_id,
+                # static: generate sizes it at width + max_new_tokens and, on CUDA, compiles the decode
+                **({"cache_implementation": "static"} if self.cache == "static" else {}),
+            )[:, width:]
+            .cpu()
+            .tolist()
+        )
 
     def _on_device(self, weights, host_copy: torch.Tensor | None = None) -> PolicyModel:
         """A transformers model of `weights` ((name, tensor) pairs), on the device in the compute

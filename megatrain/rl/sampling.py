@@ -3,13 +3,13 @@ prompt, the weights and its seed, never on the completions sampled beside it. So
 gives the same completions whether one process samples a step's prompts or several split them,
 in one batch or in many (vLLM's per-request seeds serve the same end).
 
-`RowSampler` is a transformers logits processor for `generate(..., do_sample=False)`: it filters
-each row's logits with transformers' own warpers (temperature, then top-k, then top-p, as
-`generate` applies them when it samples), draws the row's token by inverting the cumulative
-distribution of their softmax at a uniform number of the row's own, and leaves only that token for
-the greedy pick. The uniform number of a row's n-th token is a counter-based hash of (the row's
-seed, n) made on the host for every row at once: one small copy and a few batched kernels per
-decoding step, whatever the number of rows.
+A row's n-th token: its logits filtered by transformers' own warpers (temperature, then top-k,
+then top-p, as `generate` applies them when it samples), the token drawn by inverting the
+cumulative distribution of their softmax (float64) at the row's n-th uniform number, a
+counter-based hash (splitmix64) of (the row's seed, n). The rollout engine (decode.py) makes the
+numbers on the device (`device_uniforms`), inside its CUDA graphs; `RowSampler`, a logits
+processor for transformers' `generate(..., do_sample=False)`, on the host (`uniforms`), leaving
+the drawn token alone for the greedy pick. Both give the same numbers, bit for bit.
 """
 
 from __future__ import annotations
@@ -52,11 +52,31 @@ def uniforms(seeds: np.ndarray, n: int) -> np.ndarray:
     return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
-class RowSampler(LogitsProcessor):
-    """Each row sampled from its own stream (seeded with `seeds[i]`), its tokens on `device`."""
+def device_uniforms(seeds: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """`uniforms` on the device: `seeds` [rows] int64 (the seeds' bits), `n` [1] int64 (the token's
+    index); the same float64 numbers, bit for bit (int64 products wrap as uint64 ones do, and the
+    right shifts are made logical)."""
+    x = seeds + (n + 1) * _signed(GOLDEN)
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).double() + 0.5) * 2.0**-53
 
-    def __init__(self, seeds: list[int], device, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float = 1.0):  # fmt: skip
+
+def _signed(c: int) -> int:
+    return c - 2**64 if c >= 2**63 else c
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x >> k on int64 as on uint64 (torch shifts int64 arithmetically)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+class Warpers:
+    """transformers' temperature, top-k and top-p warpers, in `generate`'s order, on [rows, vocab]
+    fp32 logits (the identity where all are off)."""
+
+    def __init__(self, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0):
         self.warpers = LogitsProcessorList()
         if temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(temperature))
@@ -64,6 +84,26 @@ class RowSampler(LogitsProcessor):
             self.warpers.append(TopKLogitsWarper(top_k))
         if top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p))
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.warpers(None, scores) if self.warpers else scores
+
+
+def draw(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's token [rows]: the inverse of the cumulative distribution of softmax(`filtered`)
+    (float64) at the row's uniform number `u` [rows]."""
+    cdf = torch.softmax(filtered, dim=-1).double().cumsum_(dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])
+    return choice.clamp_(max=filtered.shape[-1] - 1)[:, 0]
+
+
+class RowSampler(LogitsProcessor):
+    """`generate`'s logits processor: each row sampled from its own stream (seeded with `seeds[i]`),
+    its tokens on `device`."""
+
+    def __init__(self, seeds: list[int], device, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float = 1.0):  # fmt: skip
+        self.warpers = Warpers(temperature, top_k, top_p)
         self.device = torch.device(device)
         self.seeds = np.array(seeds, dtype=np.uint64)
         self.drawn = 0  # tokens drawn per row so far: generate calls once per new token
@@ -71,10 +111,8 @@ class RowSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.seeds):
             raise ValueError(f"{scores.shape[0]} rows to sample, seeds for {len(self.seeds)}")
-        probs = torch.softmax(self.warpers(input_ids, scores.float()), dim=-1)
-        cdf = probs.double().cumsum_(dim=-1)
         u = torch.from_numpy(uniforms(self.seeds, self.drawn)).to(self.device, non_blocking=True)
         self.drawn += 1
-        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=scores.shape[-1] - 1)
+        choice = draw(self.warpers(scores.float()), u)
         out = torch.full_like(scores, -float("inf"))
-        return out.scatter_(1, choice, 0.0)
+        return out.scatter_(1, choice[:, None], 0.0)

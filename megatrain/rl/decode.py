@@ -1,0 +1,269 @@
+"""The rollout engine: a generation batch sampled from a transformers causal LM on the device.
+
+One KV cache for the whole batch, allocated once (`KVCache`: every row at the batch's prompt
+width + max_new_tokens - 1, the rows left-padded); one batched prefill of the distinct prompts
+(a prompt repeated num_generations times is prefilled once, its cache rows copied); then one decode
+step per new token for every row at once. Each row's token is drawn on the device from its own
+stream (sampling.draw at sampling.device_uniforms), so a completion depends on its prompt, seed
+and the weights alone. A row that has drawn an end token takes padding from then on; the host
+looks every SYNC_EVERY steps whether every row has ended.
+
+Attention goes through a function of this module registered with transformers
+(`ATTENTION`): the model's own layers, projections and rotary embeddings, with the cache and the
+mask this module owns. A decode step reads the keys up to the current length rounded up to
+SPAN_BLOCK; grouped-query heads are read once (the query heads of a group as the rows of one
+attention). On CUDA, with the whole policy on the device, each decode step of a span is captured
+once in a CUDA graph and replayed (no launch overhead, no host sync); streamed layers
+(rl/policy.py) run eagerly, paced by their fetches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, Cache
+
+from ..models.attention import eager_attention
+from .sampling import Warpers, device_uniforms, draw
+
+ATTENTION = "megatrain_rollout"  # the attention implementation the engine's model runs with
+SPAN_BLOCK = 128  # decode steps attend to the filled cache rounded up to this: one graph each
+SYNC_EVERY = 16  # decode steps between the host's checks whether every row has ended
+
+_step: contextvars.ContextVar[_Forward] = contextvars.ContextVar("megatrain_rollout_forward")
+
+
+class KVCache(Cache):
+    """Keys and values of every layer for `rows` rows of `length` positions, allocated at the
+    first write of each layer (its heads and dims are the model's). `at` is the position the next
+    forward writes at (a device tensor, so a CUDA graph advances it); a forward's keys are read up
+    to `span` (a host number). The prefill (`prefilling`, from position 0) attends to its own keys,
+    written into the cache; where it runs over the distinct prompts only, `expand` maps each cache
+    row to the prefill row it copies."""
+
+    def __init__(self, rows: int, length: int, device):
+        super().__init__(layers=[])
+        self.rows, self.length, self.device = rows, length, torch.device(device)
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.at = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.span = length
+        self.prefilling = False
+        self.expand: torch.Tensor | None = None
+        self.seen = 0  # host mirror of `at`, for callers that ask the length
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx not in self.keys:
+            shape = (self.rows, key.shape[1], self.length)
+            self.keys[layer_idx] = key.new_zeros(*shape, key.shape[-1])
+            self.values[layer_idx] = value.new_zeros(*shape, value.shape[-1])
+        if self.prefilling:  # from position 0: the forward's own keys are the cache's so far
+            rows = self.expand
+            self.keys[layer_idx][:, :, : key.shape[2]] = key if rows is None else key.index_select(0, rows)
+            self.values[layer_idx][:, :, : key.shape[2]] = (
+                value if rows is None else value.index_select(0, rows)
+            )
+            return key, value
+        where = self.at + torch.arange(key.shape[2], device=self.device)
+        self.keys[layer_idx].index_copy_(2, where, key)
+        self.values[layer_idx].index_copy_(2, where, value)
+        return self.keys[layer_idx][:, :, : self.span], self.values[layer_idx][:, :, : self.span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())
+
+
+@dataclass
+class _Forward:
+    """One forward's view of the cache for the attention function: the cache positions its queries
+    sit at (`at` on, `queries` of them), each row's left padding, and the masks made from them, one
+    per sliding window (None: none), made at its first layer and shared by the others."""
+
+    cache: KVCache
+    pad: torch.Tensor  # [rows] left padding of each row (after `expand`)
+    queries: int
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, queries, span] bool: a query attends to itself and the earlier positions of its
+        row's tokens, within `window` positions back. Padding queries attend to themselves alone
+        (their outputs are never read, and keep every row finite)."""
+        if window not in self.masks:
+            q = (self.cache.at + torch.arange(self.queries, device=self.pad.device))[:, None]
+            k = torch.arange(self.cache.span, device=self.pad.device)[None]
+            keep = (k <= q) & ((k >= self.pad[:, None, None]) | (k == q))
+            if window is not None:
+                keep = keep & (q - k < window)
+            self.masks[window] = keep[:, None]
+        return self.masks[window]
+
+
+def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+              sliding_window=None, softcap=None, s_aux=None, **kwargs):  # fmt: skip
+    """The engine's attention (transformers' interface): query [B, H, S, D] against the cache's
+    keys and values [B, H_kv, span, D] under `_Forward.mask`; returns [B, S, H, D]. One query a
+    row (decode) reads the grouped keys once: the G query heads of a group are G rows of one
+    attention over that group's keys. Soft-capped scores (Gemma 2) and sinks (gpt-oss) take the
+    explicit scores of models/attention.py."""
+    fwd = _step.get()
+    mask = fwd.mask(sliding_window)
+    B, H, S, D = query.shape
+    if softcap is not None or s_aux is not None:
+        out = eager_attention(query, key, value, mask, scaling, softcap, s_aux)
+    elif S == 1:
+        groups = key.shape[1]
+        q = query.view(B, groups, H // groups, D)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+        out = out.view(B, H, 1, -1)
+    else:
+        gqa = key.shape[1] != H
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, attention)
+
+
+@contextlib.contextmanager
+def engine_attention(model):
+    """The model's attention switched to the engine's within the block."""
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    before = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            c._attn_implementation = b
+
+
+def supports(model) -> bool:
+    """Whether a transformers model's attention goes through transformers' interface (so through
+    the engine's function)."""
+    return bool(getattr(model, "_supports_attention_backend", False))
+
+
+class Decoder:
+    """Samples completions of left-padded prompts: `rows` of them at most `max_new` tokens each,
+    from `model` (a transformers causal LM on `device`), each row's tokens from its seed's stream,
+    a row ending at its first token in `stops`. `graphs`: capture each decode step in a CUDA graph
+    (the whole model on the device, no hooks that stream weights)."""
+
+    def __init__(self, model, device, stops: list[int], pad_id: int, warpers: Warpers, graphs: bool):
+        self.model, self.device = model, torch.device(device)
+        self.stops = torch.tensor(stops or [-1], device=self.device)
+        self.pad_id, self.warpers = pad_id, warpers
+        self.graphs = graphs and self.device.type == "cuda"
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.timing: dict[str, float] = {}
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], seeds: list[int], max_new: int) -> list[list[int]]:
+        """Each prompt's `max_new` tokens (padding after its first end token), on the host."""
+        rows, width = len(prompts), max(len(p) for p in prompts)
+        length = width + max_new - 1  # the last token drawn is never fed back
+        cache = KVCache(rows, length, self.device)
+        pad = torch.tensor([width - len(p) for p in prompts], device=self.device)
+        s = _State(self, cache, pad, torch.tensor(seeds, dtype=torch.long, device=self.device), max_new)
+        with engine_attention(self.model):
+            s.prefill(prompts, width)
+            graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            pool = torch.cuda.graph_pool_handle() if self.graphs else None
+            for n in range(1, max_new):
+                cache.span = min(length, -(-(width + n) // SPAN_BLOCK) * SPAN_BLOCK)
+                if not self.graphs:
+                    s.decode()
+                elif cache.span in graphs:
+                    graphs[cache.span].replay()
+                else:  # the step run as it is, then captured: its replays are the next steps
+                    s.decode()
+                    graphs[cache.span] = s.capture(pool)
+                cache.seen = width + n
+                if n % SYNC_EVERY == 0 and bool(s.done.all()):
+                    break
+            out = s.out.cpu()
+        del graphs, s, cache
+        return out.tolist()
+
+
+class _State:
+    """The static buffers of one `Decoder.sample`: the next token fed and its position, the draw
+    counter, which rows have ended, the tokens drawn. A decode step reads and writes only these, so
+    a CUDA graph of it is replayed as the next step."""
+
+    def __init__(self, dec: Decoder, cache: KVCache, pad: torch.Tensor, seeds: torch.Tensor, max_new: int):
+        self.dec, self.cache, self.pad, self.seeds = dec, cache, pad, seeds
+        rows, device = len(pad), dec.device
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.drawn = torch.zeros(1, dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.out = torch.full((rows, max_new), dec.pad_id, dtype=torch.long, device=device)
+
+    def _forward(self, ids, positions, pad, queries) -> torch.Tensor:
+        """The last position's fp32 logits [rows, vocab] of `ids` at `positions`, the cache written."""
+        token = _step.set(_Forward(self.cache, pad, queries))
+        try:
+            kw = {self.dec.cache_kw: self.cache}
+            out = self.dec.model(
+                input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kw
+            )
+        finally:
+            _step.reset(token)
+        self.cache.at += queries
+        return out.logits[:, -1].float()
+
+    def _take(self, logits: torch.Tensor) -> None:
+        """Draw every row's next token, record it, and feed it next."""
+        u = device_uniforms(self.seeds, self.drawn)
+        token = draw(self.dec.warpers(logits), u)
+        token = torch.where(self.done, self.dec.pad_id, token)
+        self.out.index_copy_(1, self.drawn, token[:, None])
+        self.done |= torch.isin(token, self.dec.stops)
+        self.tokens.copy_(token[:, None])
+        self.positions += 1
+        self.drawn += 1
+
+    def prefill(self, prompts: list[list[int]], width: int) -> None:
+        """Every distinct prompt through the model once, left-padded to `width`; each row's cache
+        and first token from its prompt's."""
+        distinct = {tuple(p): i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}
+        ids = torch.full((len(distinct), width), self.dec.pad_id, dtype=torch.long)
+        for p, i in distinct.items():
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in distinct], device=self.dec.device)
+        pad = width - lengths
+        positions = (torch.arange(width, device=self.dec.device)[None] - pad[:, None]).clamp_(min=0)
+        expand = torch.tensor([distinct[tuple(p)] for p in prompts], device=self.dec.device)
+        self.cache.expand = None if len(distinct) == len(prompts) else expand
+        self.cache.prefilling, self.cache.span = True, width
+        try:
+            logits = self._forward(ids.to(self.dec.device), positions, pad, width)
+        finally:
+            self.cache.prefilling, self.cache.expand = False, None
+        if len(distinct) != len(prompts):
+            logits = logits.index_select(0, expand)
+        self.positions.copy_(lengths.index_select(0, expand)[:, None] - 1)  # _take moves it on
+        self._take(logits)
+
+    def decode(self) -> None:
+        """One token for every row."""
+        self._take(self._forward(self.tokens, self.positions, self.pad, 1))
+
+    def capture(self, pool) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of `decode` at the cache's current span (capturing runs nothing)."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self.dec.device)
+        with torch.cuda.graph(graph, pool=pool):
+            self.decode()
+        return graph

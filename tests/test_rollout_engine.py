@@ -1,0 +1,135 @@
+"""megatrain/rl/decode.py, the rollout engine: its completions are transformers' `generate`'s
+(greedy, and sampled with the same per-completion streams as `RowSampler`), for each family's
+transformers model; a row's completion does not depend on the rows beside it (padding, repeated
+prompts prefilled once, other prompts); the device uniforms are the host's bit for bit; rows stop
+at their end token. On CUDA, the graphed decode gives the eager decode's completions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import tiny_hf_model
+
+from megatrain.rl.decode import Decoder, KVCache, supports
+from megatrain.rl.sampling import RowSampler, Warpers, device_uniforms, row_seed, uniforms
+
+MAX_NEW = 10
+PROMPTS = [[5, 9, 13, 2, 40], [7, 3], [11, 12, 13, 14, 15, 16, 17], [7, 3]]
+
+
+def generate(model, prompts, seeds, warpers_kw, eos=None, device="cpu") -> list[list[int]]:
+    """`generate` (dynamic cache, left-padded batch) with the rollout's per-row sampler."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=0,
+                             eos_token_id=eos, logits_processor=[RowSampler(seeds, device, **warpers_kw)])  # fmt: skip
+    return out[:, width:].tolist()
+
+
+def engine(model, prompts, seeds, warpers_kw, stops=(), device="cpu", graphs=False) -> list[list[int]]:
+    dec = Decoder(model, device, list(stops), 0, Warpers(**warpers_kw), graphs=graphs)
+    return dec.sample(prompts, seeds, MAX_NEW)
+
+
+def model_of(family: str, **kw):
+    return tiny_hf_model(family, seed=0, num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                         vocab_size=97, **kw)  # fmt: skip
+
+
+SEEDS = [row_seed(0, 1, i) for i in range(len(PROMPTS))]
+GREEDY, SAMPLED = dict(top_k=1), dict(temperature=0.9, top_p=0.95)
+
+
+def test_device_uniforms_are_the_hosts_bit_for_bit():
+    seeds = [row_seed(5, i) for i in range(64)] + [0, 1, 2**63 - 1]
+    for n in (0, 1, 7, 511, 2**33):
+        host = uniforms(np.array(seeds, dtype=np.uint64), n)
+        dev = device_uniforms(torch.tensor(seeds), torch.tensor([n]))
+        assert dev.dtype == torch.float64 and np.array_equal(dev.numpy(), host)
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "mistral"])
+def test_completions_are_generates(family, settings):
+    """Greedy and sampled completions of a left-padded batch (a prompt twice) equal `generate`'s,
+    fp32 on the CPU; gemma2 takes the soft-capped scores, mistral a sliding window shorter than
+    the rows."""
+    kw = {"sliding_window": 4} if family == "mistral" else {}
+    model = model_of(family, **kw)
+    assert supports(model)
+    ours = engine(model, PROMPTS, SEEDS, settings)
+    assert ours == generate(model, PROMPTS, SEEDS, settings)
+    if settings is SAMPLED:
+        assert len({tuple(r) for r in ours[:3]}) == 3  # sampled, not one answer
+
+
+def test_a_completion_does_not_depend_on_the_rows_beside_it():
+    """Each prompt alone gives the completion it gets in the batch (its seed's stream); the repeated
+    prompt's two rows differ by their seeds alone."""
+    model = model_of("llama")
+    batch = engine(model, PROMPTS, SEEDS, SAMPLED)
+    for p, s, row in zip(PROMPTS, SEEDS, batch):
+        assert engine(model, [p], [s], SAMPLED) == [row]
+    assert batch[1] != batch[3]
+    assert engine(model, [PROMPTS[1]] * 2, [SEEDS[3]] * 2, SAMPLED) == [batch[3]] * 2
+
+
+def test_rows_stop_at_their_end_token_and_take_padding_after():
+    model = model_of("llama")
+    free = engine(model, PROMPTS, SEEDS, SAMPLED)
+    stop = free[0][3]  # a token the first row draws at its 4th step
+    ours = engine(model, PROMPTS, SEEDS, SAMPLED, stops=[stop])
+    assert ours == generate(model, PROMPTS, SEEDS, SAMPLED, eos=[stop])
+    for row, base in zip(ours, free):
+        end = base.index(stop) if stop in base else None
+        expect = base if end is None else base[: end + 1] + [0] * (MAX_NEW - end - 1)
+        assert row == expect
+
+
+def test_the_cache_holds_every_layer_at_the_batch_width_plus_the_new_tokens():
+    model = model_of("llama")
+    made = []
+    orig = KVCache.__init__
+
+    def counted(self, rows, length, device):
+        made.append((rows, length))
+        orig(self, rows, length, device)
+
+    KVCache.__init__ = counted
+    try:
+        engine(model, PROMPTS, SEEDS, GREEDY)
+    finally:
+        KVCache.__init__ = orig
+    assert made == [(4, 7 + MAX_NEW - 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_graphed_decode_is_the_eager_decode(dtype):
+    """The CUDA-graphed decode steps (several spans: rows longer than SPAN_BLOCK) replay what the
+    eager ones compute: the same completions, bit for bit."""
+    from megatrain.rl import decode
+
+    model = model_of("qwen3").to("cuda", dtype)
+    prompts = [list(range(3, 3 + n)) for n in (60, 121, 9, 121)]
+    seeds = [row_seed(2, i) for i in range(4)]
+    old = decode.SPAN_BLOCK
+    decode.SPAN_BLOCK = 64
+    try:
+        eager = Decoder(model, "cuda", [], 0, Warpers(temperature=0.8), graphs=False).sample(
+            prompts, seeds, 80
+        )
+        graphed = Decoder(model, "cuda", [], 0, Warpers(temperature=0.8), graphs=True).sample(
+            prompts, seeds, 80
+        )
+    finally:
+        decode.SPAN_BLOCK = old
+    assert graphed == eager
+    assert (
+        engine(model, PROMPTS, SEEDS, GREEDY, device="cuda")
+        == generate(model, PROMPTS, SEEDS, GREEDY, device="cuda")
+        or dtype == torch.bfloat16
+    )  # bf16 kernels of other shapes may break a near-tie
