@@ -7,8 +7,8 @@ same call, transformers' `generate` alone on the same GPU, model and batch (benc
 
 The rollout's policy keeps the layers the plan gives it on the GPU and streams the rest in every
 forward; `--megatrain rollout_resident_layers=N` keeps N (the same run with N = 0 and without it
-compares streamed against resident sampling); `--megatrain rollout_cache=static` samples with
-transformers' static KV cache and compiled decode. `--systems megatrain,generate,generate-static`
+compares streamed against resident sampling); `--megatrain rollout_engine=generate` samples with
+transformers' `generate` instead of the rollout engine. `--systems megatrain,generate,generate-static`
 times `generate` alone both ways (eager with the dynamic cache; the static cache, compiled).
 
 Random weights rarely sample the end token, so every completion runs to --completion tokens: the
@@ -124,6 +124,24 @@ def run_generate(d: Path, model: Path, args, cache: str = "dynamic") -> dict:
     return rec | json.loads(out.read_text())
 
 
+def run_trl(d: Path, model: Path, data: Path, args) -> dict:
+    """TRL's GRPOTrainer on the same model, prompts, lengths and reward (bench/_trl_grpo.py)."""
+    out = d / "trl.json"
+    cmd = [sys.executable, str(HERE / "_trl_grpo.py"), "--model", str(model), "--data", str(data),
+           "--prompts", str(args.prompts), "--generations", str(args.generations), "--completion",
+           str(args.completion), "--rows-per-micro-batch", str(args.rows_per_micro_batch),
+           "--steps", str(args.steps), "--warmup", str(WARMUP), "--out", str(out)]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    rec = {"system": "TRL GRPOTrainer", "command": " ".join(cmd[1:]), "rc": proc.returncode,
+           "wall_s": time.perf_counter() - t0}  # fmt: skip
+    if out.exists():
+        rec |= json.loads(out.read_text())
+    if proc.returncode != 0 or not rec.get("tokens_per_s"):
+        rec["error"] = (proc.stdout + proc.stderr)[-3000:]
+    return rec
+
+
 # A rollout's time by part (Rollout.generate): the last step's host AdamW it waits for, building
 # the policy on the device from host memory, sampling.
 ROLLOUT_PARTS = (
@@ -139,6 +157,12 @@ def table(runs: list[dict]) -> str:
     for r in runs:
         if r.get("error"):
             lines.append(f"{r['system']}: failed (see the json)\n")
+            continue
+        if r["system"] == "TRL GRPOTrainer":
+            lines.append(f"TRL {r['trl']} GRPOTrainer (bf16 weights on the GPU, transformers `generate`): "
+                         f"**{r['tokens_per_s']:,.0f} tokens/s** over the steps after the first; steps "
+                         + ", ".join(f"{s['step_s']:.1f}" for s in r["steps"]) + " s; "
+                         f"GPU peak {gib(r.get('gpu_peak_bytes'))} GiB")  # fmt: skip
             continue
         if r["system"] == "megatrain":
             p, m = r.get("predicted") or {}, r.get("measured") or {}
@@ -170,7 +194,11 @@ def table(runs: list[dict]) -> str:
                          f"{r['decode_tokens_per_s']:,.0f} completion tokens/s ({r['s']:.1f} s for "
                          f"{r['rows']} x {r['completion']} tokens), GPU peak {gib(r['gpu_peak_bytes'])} GiB")  # fmt: skip
     mine = next((r for r in runs if r["system"] == "megatrain" and not r.get("error")), None)
-    peer = next((r for r in runs if r["system"] != "megatrain" and not r.get("error")), None)
+    trl = next((r for r in runs if r["system"] == "TRL GRPOTrainer" and not r.get("error")), None)
+    if mine and trl:
+        lines.append(f"\n**megatrain / TRL GRPOTrainer: {mine['tokens_per_s'] / trl['tokens_per_s']:.2f}x** "
+                     "(tokens/s, the same GPU, model, prompts, lengths and reward)")  # fmt: skip
+    peer = next((r for r in runs if r["system"].startswith("transformers") and not r.get("error")), None)
     if mine and peer:
         rate, of = (
             (mine["sample_tokens_per_s"], "sampling")
@@ -191,7 +219,9 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=512, help="max_completion_length")
     p.add_argument("--rows-per-micro-batch", type=int, default=16, help="per_device_train_batch_size")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--systems", default="megatrain,generate")
+    p.add_argument(
+        "--systems", default="megatrain,trl,generate", help="of megatrain, trl, generate, generate-static"
+    )
     p.add_argument("--megatrain", nargs="*", default=[], help="extra key=value for megatrain")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="grpo")
@@ -206,6 +236,8 @@ def main() -> None:
                 runs.append(
                     run_megatrain(d, model, data, args)
                     if system == "megatrain"
+                    else run_trl(d, model, data, args)
+                    if system == "trl"
                     else run_generate(d, model, args, "static" if system == "generate-static" else "dynamic")
                 )
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)

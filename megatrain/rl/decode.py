@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -165,7 +166,7 @@ class Decoder:
         self.graphs = graphs and self.device.type == "cuda"
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.timing: dict[str, float] = {}
+        self.timing: dict[str, float] = {}  # the last `sample`'s: prefill, graph captures, decode steps
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], seeds: list[int], max_new: int) -> list[list[int]]:
@@ -175,8 +176,12 @@ class Decoder:
         cache = KVCache(rows, length, self.device)
         pad = torch.tensor([width - len(p) for p in prompts], device=self.device)
         s = _State(self, cache, pad, torch.tensor(seeds, dtype=torch.long, device=self.device), max_new)
+        t0 = time.perf_counter()
+        capture_s, steps = 0.0, 0
         with engine_attention(self.model):
             s.prefill(prompts, width)
+            self._sync()
+            t1 = time.perf_counter()
             graphs: dict[int, torch.cuda.CUDAGraph] = {}
             pool = torch.cuda.graph_pool_handle() if self.graphs else None
             for n in range(1, max_new):
@@ -187,13 +192,22 @@ class Decoder:
                     graphs[cache.span].replay()
                 else:  # the step run as it is, then captured: its replays are the next steps
                     s.decode()
+                    c0 = time.perf_counter()
                     graphs[cache.span] = s.capture(pool)
-                cache.seen = width + n
+                    capture_s += time.perf_counter() - c0
+                cache.seen, steps = width + n, n
                 if n % SYNC_EVERY == 0 and bool(s.done.all()):
                     break
             out = s.out.cpu()
+        self.timing = {"prefill_s": t1 - t0, "capture_s": capture_s, "graphs": len(graphs),
+                       "decode_s": time.perf_counter() - t1 - capture_s, "steps": steps,
+                       "cache_bytes": cache.nbytes()}  # fmt: skip
         del graphs, s, cache
         return out.tolist()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 class _State:

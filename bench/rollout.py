@@ -1,0 +1,276 @@
+"""Sampling alone: the rollout engine (megatrain/rl/decode.py) against transformers' `generate` on
+the same GPU, model and batch, beside the memory-bandwidth bound measured in the same call; the
+decode attention kernels PyTorch ships at the shape; and the engine with streamed layers against
+the host-to-device link's measured rate.
+
+    python bench/rollout.py --shape Q7 --rows 128 --prompt 128 --completion 256,512 --out bench/results
+
+Random weights in bf16, random prompts, every completion run to its limit (no end token). The
+bound: a decode step reads every weight but the embedding once and each row's keys and values up
+to its length; bytes over the copy rate this GPU measured (a device-to-device copy, reads and
+writes counted) and over its 4.8 TB/s data sheet rate. Each part prints its line as it finishes;
+the JSON and markdown are written at the end (and on SIGINT, with what finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))
+from _report import write_once  # noqa: E402
+from _shapes import DENSE_SHAPES  # noqa: E402
+from _systems import model_config  # noqa: E402
+
+HBM_SHEET = 4.8e12  # H200 (H100 SXM: 3.35e12)
+lines: list[str] = []
+records: list[dict] = []
+
+
+def say(text: str, **rec) -> None:
+    print(text, flush=True)
+    lines.append(text)
+    if rec:
+        records.append(rec)
+
+
+def timed(fn, repeats: int = 20) -> float:
+    """Seconds a call of `fn` takes on the GPU (CUDA events, after two warm-ups)."""
+    for _ in range(2):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(repeats):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / 1e3 / repeats
+
+
+def machine() -> dict:
+    n = 2**30
+    x, y = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    h = torch.empty(n, dtype=torch.uint8).pin_memory()
+    d2d = 2 * n / timed(lambda: y.copy_(x))
+    h2d = n / timed(lambda: x.copy_(h, non_blocking=True), 5)
+    say(f"device-to-device copy {d2d / 1e12:.2f} TB/s (reads + writes); pinned host-to-device {h2d / 1e9:.1f} GB/s",
+        part="machine", d2d_bytes_per_s=d2d, h2d_bytes_per_s=h2d)  # fmt: skip
+    return {"d2d": d2d, "h2d": h2d}
+
+
+def attention_kernels(shape: dict, rows: int, spans: list[int]) -> None:
+    """One decode step's attention of one layer: grouped SDPA (the engine's), SDPA with enable_gqa,
+    FlexAttention (compiled, its decoding kernel), and explicit grouped scores."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    for span in spans:
+        _kernels_at(shape, rows, span, flex, create_block_mask)
+
+
+def _kernels_at(shape: dict, rows: int, span: int, flex, create_block_mask) -> None:
+    import torch.nn.functional as F
+
+    H, kv = shape["heads"], shape["kv"]
+    D = shape["hidden"] // H
+    q = torch.randn(rows, H, 1, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, kv, span, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pad = torch.randint(0, 16, (rows,), device="cuda")
+    mask = (torch.arange(span, device="cuda")[None] >= pad[:, None])[:, None, None]
+    g = q.view(rows, kv, H // kv, D)
+
+    def grouped():
+        return F.scaled_dot_product_attention(g, k, v, attn_mask=mask)
+
+    def gqa():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def explicit():
+        s = (g @ k.transpose(-1, -2)) * D**-0.5
+        return torch.softmax(s.masked_fill(~mask, float("-inf")).float(), -1).to(g.dtype) @ v
+
+    bm = create_block_mask(lambda b, h, qi, ki: ki >= pad[b], rows, None, 1, span, device="cuda")
+
+    def flexed():
+        return flex(q, k, v, block_mask=bm, enable_gqa=True)
+
+    read = 2 * k.numel() * k.element_size()
+    ref = grouped().view(rows, H, 1, D).float()
+    for name, fn in (("grouped SDPA (the engine's)", grouped), ("SDPA enable_gqa", gqa),
+                     ("explicit grouped scores", explicit), ("FlexAttention, compiled", flexed)):  # fmt: skip
+        try:
+            err = (fn().reshape(rows, H, 1, D).float() - ref).abs().max().item()
+            s = timed(fn, 50)
+            say(f"attention, {rows} rows x {span} keys: {name}: {s * 1e6:.0f} us, {read / s / 1e12:.2f} TB/s "
+                f"of keys and values, max diff {err:.1e}",
+                part="attention", kernel=name, rows=rows, span=span, s=s, bytes=read, max_diff=err)  # fmt: skip
+        except Exception as e:  # a kernel this build lacks: say so, go on
+            say(f"attention, {rows} rows x {span} keys: {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+
+
+def step_bytes(cfg, rows: int, prompt: int, completion: int) -> float:
+    """Bytes a rollout's decode steps read at best: the weights but the embedding, once a step, and
+    each row's cache up to its length."""
+    from megatrain.models.config import ModelConfig
+
+    m = ModelConfig.from_hf(cfg)
+    weights = (m.num_params - m.vocab_size * m.hidden_size) * 2
+    kv_token = 2 * m.num_key_value_heads * m.head_dim * m.num_hidden_layers * 2
+    return sum(weights + rows * (prompt + n) * kv_token for n in range(1, completion))
+
+
+def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict) -> None:
+    from megatrain.models.config import ModelConfig
+    from megatrain.planning.footprint import rollout_bytes
+    from megatrain.rl.decode import Decoder
+    from megatrain.rl.sampling import Warpers, row_seed
+
+    g = torch.Generator().manual_seed(0)
+    prompts = (
+        torch.randint(3, cfg.vocab_size, (rows // 8, prompt), generator=g).repeat_interleave(8, 0).tolist()
+    )
+    seeds = [row_seed(0, 1, i) for i in range(rows)]
+    dec = Decoder(model, "cuda", [], 0, Warpers(), graphs=True)
+    dec.sample(prompts[:8], seeds[:8], 8)  # cuBLAS and the allocator warmed
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = dec.sample(prompts, seeds, completion)
+    s = time.perf_counter() - t0
+    added = torch.cuda.max_memory_allocated() - base
+    assert all(len(r) == completion for r in out)
+    t = dec.timing
+    bound = step_bytes(cfg, rows, prompt, completion)
+    plan = rollout_bytes(ModelConfig.from_hf(cfg), rows, prompt, completion, 2)
+    planned = sum(v for k, v in plan.items() if k != "policy weights")
+    rate = rows * completion / s
+    steady = rows * (completion - 1) / t["decode_s"]
+    say(f"megatrain engine, {rows} rows x ({prompt} + {completion}): **{rate:,.0f} completion tokens/s** "
+        f"({s:.2f} s: prefill {t['prefill_s']:.2f}, {t['graphs']} graph captures {t['capture_s']:.2f}, "
+        f"{t['steps']} decode steps {t['decode_s']:.2f} = {t['decode_s'] / t['steps'] * 1e3:.2f} ms a step, "
+        f"{steady:,.0f} tokens/s); bandwidth bound {rows * completion / (bound / ceiling['d2d']):,.0f} at the "
+        f"measured copy rate, {rows * completion / (bound / HBM_SHEET):,.0f} at 4.8 TB/s "
+        f"({rate / (rows * completion / (bound / HBM_SHEET)):.0%} of it); GPU added {added / 2**30:.2f} GiB, "
+        f"the plan keeps {planned / 2**30:.2f} GiB past the weights",
+        part="engine", rows=rows, prompt=prompt, completion=completion, s=s, tokens_per_s=rate,
+        decode_tokens_per_s=steady, timing=t, bound_bytes=bound,
+        bound_tokens_per_s_measured=rows * completion / (bound / ceiling["d2d"]),
+        bound_tokens_per_s_sheet=rows * completion / (bound / HBM_SHEET), gpu_added=added,
+        plan_bytes=plan)  # fmt: skip
+
+
+def generate(model, cfg, rows: int, prompt: int, completion: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, cfg.vocab_size, (rows, prompt), generator=g).cuda()
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=completion,
+              min_new_tokens=completion, pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        model.generate(
+            ids[:8],
+            attention_mask=torch.ones_like(ids[:8]),
+            **(kw | {"max_new_tokens": 8, "min_new_tokens": 8}),
+        )
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        torch.cuda.synchronize()
+    s = time.perf_counter() - t0
+    say(f"transformers generate (dynamic cache, sdpa), {rows} rows x ({prompt} + {completion}): "
+        f"{rows * completion / s:,.0f} completion tokens/s ({s:.2f} s)",
+        part="generate", rows=rows, prompt=prompt, completion=completion, s=s, tokens_per_s=rows * completion / s)  # fmt: skip
+
+
+def streamed(model, cfg, rows: int, prompt: int, completion: int, resident: int, ceiling: dict) -> None:
+    """The policy with its layers from `resident` on streamed from page-locked host memory in bf16
+    (rl/policy.py) through the engine: the decode's host-to-device rate against the link's."""
+    from megatrain.rl.decode import Decoder
+    from megatrain.rl.policy import PolicyModel
+    from megatrain.rl.sampling import Warpers, row_seed
+
+    def host(name: str, p: torch.Tensor) -> torch.Tensor:
+        parts = name.split(".")
+        layer = int(parts[2]) if name.startswith("model.layers.") else -1
+        return p.detach().cpu().pin_memory() if layer >= resident else p.detach()
+
+    weights = [(n, host(n, p)) for n, p in model.named_parameters()]
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, cfg.vocab_size, (rows, prompt), generator=g).tolist()
+    seeds = [row_seed(0, 2, i) for i in range(rows)]
+    policy = PolicyModel(cfg, weights, "cuda", torch.bfloat16, resident)
+    with policy as hf:
+        dec = Decoder(hf, "cuda", [], 0, Warpers(), graphs=False)
+        dec.sample(prompts[:8], seeds[:8], 4)
+        torch.cuda.synchronize()
+        before, t0 = policy.fetched_bytes, time.perf_counter()
+        dec.sample(prompts, seeds, completion)
+        torch.cuda.synchronize()
+        s, fetched = time.perf_counter() - t0, policy.fetched_bytes - before
+    rate = fetched / s
+    say(f"streamed: {cfg.num_hidden_layers - resident} of {cfg.num_hidden_layers} layers from host memory, "
+        f"{rows} rows x ({prompt} + {completion}): {rows * completion / s:,.0f} completion tokens/s, "
+        f"**host-to-device {rate / 1e9:.1f} GB/s = {rate / ceiling['h2d']:.0%} of the link's "
+        f"{ceiling['h2d'] / 1e9:.1f}**",
+        part="streamed", rows=rows, prompt=prompt, completion=completion, resident=resident, s=s,
+        tokens_per_s=rows * completion / s, h2d_bytes_per_s=rate, link=ceiling["h2d"])  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="Q7")
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--completion", default="256,512")
+    p.add_argument("--parts", default="machine,attention,engine,generate,streamed")
+    p.add_argument("--streamed-rows", type=int, default=128)
+    p.add_argument("--streamed-completion", type=int, default=32)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--tag", default="rollout")
+    a = p.parse_args()
+    parts, completions = a.parts.split(","), [int(c) for c in a.completion.split(",")]
+    shape = DENSE_SHAPES[a.shape]
+    stopped = None
+    try:
+        ceiling = machine()
+        if "attention" in parts:
+            attention_kernels(shape, a.rows, [a.prompt + c for c in completions])
+        import transformers
+
+        cfg = model_config({"shape": shape, "seq": a.prompt + max(completions)})
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        for c in completions:
+            if "engine" in parts:
+                engine(model, cfg, a.rows, a.prompt, c, ceiling)
+            if "generate" in parts and c == completions[0]:
+                generate(model, cfg, a.rows, a.prompt, c)
+        if "streamed" in parts:
+            streamed(
+                model, cfg, a.streamed_rows, a.prompt, a.streamed_completion, shape["layers"] // 2, ceiling
+            )
+    except KeyboardInterrupt:
+        stopped = "stopped by SIGINT; the parts before it finished"
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "cpus": os.cpu_count(),
+        "command": "python bench/rollout.py " + " ".join(sys.argv[1:]),
+        "shape": a.shape,
+        "torch": torch.__version__,
+        **({"stopped": stopped} if stopped else {}),
+    }
+    write_once(a.out, a.tag, f"{a.tag}: sampling", meta, records, "\n\n".join(lines), key="runs",
+               stamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
