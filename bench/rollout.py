@@ -128,7 +128,7 @@ def step_bytes(cfg, rows: int, prompt: int, completion: int) -> float:
     return sum(weights + rows * (prompt + n) * kv_token for n in range(1, completion))
 
 
-def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict) -> None:
+def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, compile: bool = False) -> None:
     from megatrain.models.config import ModelConfig
     from megatrain.planning.footprint import rollout_bytes
     from megatrain.rl.decode import Decoder
@@ -139,8 +139,10 @@ def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict) -
         torch.randint(3, cfg.vocab_size, (rows // 8, prompt), generator=g).repeat_interleave(8, 0).tolist()
     )
     seeds = [row_seed(0, 1, i) for i in range(rows)]
-    dec = Decoder(model, "cuda", [], 0, Warpers(), graphs=True)
-    dec.sample(prompts[:8], seeds[:8], 8)  # cuBLAS and the allocator warmed
+    dec = Decoder(model, "cuda", [], 0, Warpers(), graphs=True, compile=compile)
+    t0 = time.perf_counter()
+    dec.sample(prompts, seeds, completion)  # cuBLAS, the allocator (and the compiler) warmed
+    first_s = time.perf_counter() - t0
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -155,14 +157,15 @@ def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict) -
     planned = sum(v for k, v in plan.items() if k != "policy weights")
     rate = rows * completion / s
     steady = rows * (completion - 1) / t["decode_s"]
-    say(f"megatrain engine, {rows} rows x ({prompt} + {completion}): **{rate:,.0f} completion tokens/s** "
+    what = "megatrain engine" + (", compiled" if compile else "")
+    say(f"{what}, {rows} rows x ({prompt} + {completion}): **{rate:,.0f} completion tokens/s** (first call {first_s:.1f} s) "
         f"({s:.2f} s: prefill {t['prefill_s']:.2f}, {t['graphs']} graph captures {t['capture_s']:.2f}, "
         f"{t['steps']} decode steps {t['decode_s']:.2f} = {t['decode_s'] / t['steps'] * 1e3:.2f} ms a step, "
         f"{steady:,.0f} tokens/s); bandwidth bound {rows * completion / (bound / ceiling['d2d']):,.0f} at the "
         f"measured copy rate, {rows * completion / (bound / HBM_SHEET):,.0f} at 4.8 TB/s "
         f"({rate / (rows * completion / (bound / HBM_SHEET)):.0%} of it); GPU added {added / 2**30:.2f} GiB, "
         f"the plan keeps {planned / 2**30:.2f} GiB past the weights",
-        part="engine", rows=rows, prompt=prompt, completion=completion, s=s, tokens_per_s=rate,
+        part="engine", compile=compile, first_call_s=first_s, rows=rows, prompt=prompt, completion=completion, s=s, tokens_per_s=rate,
         decode_tokens_per_s=steady, timing=t, bound_bytes=bound,
         bound_tokens_per_s_measured=rows * completion / (bound / ceiling["d2d"]),
         bound_tokens_per_s_sheet=rows * completion / (bound / HBM_SHEET), gpu_added=added,
@@ -230,7 +233,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", default="256,512")
-    p.add_argument("--parts", default="machine,attention,engine,generate,streamed")
+    p.add_argument("--parts", default="machine,attention,engine,compiled,generate,streamed")
     p.add_argument("--streamed-rows", type=int, default=128)
     p.add_argument("--streamed-completion", type=int, default=32)
     p.add_argument("--out", default="bench/results")
@@ -251,6 +254,8 @@ def main() -> None:
         for c in completions:
             if "engine" in parts:
                 engine(model, cfg, a.rows, a.prompt, c, ceiling)
+            if "compiled" in parts:
+                engine(model, cfg, a.rows, a.prompt, c, ceiling, compile=True)
             if "generate" in parts and c == completions[0]:
                 generate(model, cfg, a.rows, a.prompt, c)
         if "streamed" in parts:

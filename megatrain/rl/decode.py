@@ -20,7 +20,7 @@ once in a CUDA graph and replayed (no launch overhead, no host sync); streamed l
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -36,7 +36,8 @@ ATTENTION = "megatrain_rollout"  # the attention implementation the engine's mod
 SPAN_BLOCK = 128  # decode steps attend to the filled cache rounded up to this: one graph each
 SYNC_EVERY = 16  # decode steps between the host's checks whether every row has ended
 
-_step: contextvars.ContextVar[_Forward] = contextvars.ContextVar("megatrain_rollout_forward")
+# The forward in progress, for the attention function (a plain holder, which the compiler traces).
+_current: list[_Forward] = []
 
 
 class KVCache(Cache):
@@ -114,7 +115,7 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     row (decode) reads the grouped keys once: the G query heads of a group are G rows of one
     attention over that group's keys. Soft-capped scores (Gemma 2) and sinks (gpt-oss) take the
     explicit scores of models/attention.py."""
-    fwd = _step.get()
+    fwd = _current[-1]
     mask = fwd.mask(sliding_window)
     B, H, S, D = query.shape
     if softcap is not None or s_aux is not None:
@@ -157,10 +158,13 @@ class Decoder:
     """Samples completions of left-padded prompts: `rows` of them at most `max_new` tokens each,
     from `model` (a transformers causal LM on `device`), each row's tokens from its seed's stream,
     a row ending at its first token in `stops`. `graphs`: capture each decode step in a CUDA graph
-    (the whole model on the device, no hooks that stream weights)."""
+    (the whole model on the device, no hooks that stream weights). `compile`: the decode step
+    compiled by torch.compile first (its elementwise work fused; once a process, `compiled_decode`)."""
 
-    def __init__(self, model, device, stops: list[int], pad_id: int, warpers: Warpers, graphs: bool):
+    def __init__(self, model, device, stops: list[int], pad_id: int, warpers: Warpers, graphs: bool,
+                 compile: bool = False):  # fmt: skip
         self.model, self.device = model, torch.device(device)
+        self.compile = compile and self.device.type == "cuda"  # the CPU runs the step as it is
         self.stops = torch.tensor(stops or [-1], device=self.device)
         self.pad_id, self.warpers = pad_id, warpers
         self.graphs = graphs and self.device.type == "cuda"
@@ -226,14 +230,14 @@ class _State:
 
     def _forward(self, ids, positions, pad, queries) -> torch.Tensor:
         """The last position's fp32 logits [rows, vocab] of `ids` at `positions`, the cache written."""
-        token = _step.set(_Forward(self.cache, pad, queries))
+        _current.append(_Forward(self.cache, pad, queries))
         try:
             kw = {self.dec.cache_kw: self.cache}
             out = self.dec.model(
                 input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kw
             )
         finally:
-            _step.reset(token)
+            _current.pop()
         self.cache.at += queries
         return out.logits[:, -1].float()
 
@@ -272,6 +276,12 @@ class _State:
 
     def decode(self) -> None:
         """One token for every row."""
+        if self.dec.compile:
+            compiled_decode()(self)
+        else:
+            self._step()
+
+    def _step(self) -> None:
         self._take(self._forward(self.tokens, self.positions, self.pad, 1))
 
     def capture(self, pool) -> torch.cuda.CUDAGraph:
@@ -281,3 +291,10 @@ class _State:
         with torch.cuda.graph(graph, pool=pool):
             self.decode()
         return graph
+
+
+@functools.cache
+def compiled_decode():
+    """`_State._step` compiled, once a process: a new model of the same shapes (every rollout's)
+    reuses it, each attended span its own graph."""
+    return torch.compile(_State._step, dynamic=False)

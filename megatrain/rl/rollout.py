@@ -163,9 +163,9 @@ class Rollout:
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
                  batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
                  host_copy: bool = False, start: int = 0, cache: str = "dynamic",
-                 engine: str = "megatrain"):  # fmt: skip
+                 engine: str = "megatrain", compile: bool = True):  # fmt: skip
         self.seed = seed
-        self.engine = engine  # rollout_engine
+        self.engine, self.compile = engine, compile  # rollout_engine, rollout_compile
         self.cache = cache  # rollout_cache (check_cache has allowed it)
         self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
         # The plan's `rollout_host_copy`: the streamed layers' copy in the compute dtype, for the run.
@@ -377,7 +377,10 @@ class Rollout:
         cfg = self.cfg
         if self.engine == "megatrain" and supports(model):
             warpers = Warpers(cfg.temperature, cfg.top_k, cfg.top_p)
-            decoder = Decoder(model, self.device, self.stops, self.pad_id, warpers, graphs=not streamed)
+            graphs = not streamed  # streamed layers: eager steps, paced by their fetches
+            decoder = Decoder(
+                model, self.device, self.stops, self.pad_id, warpers, graphs, graphs and self.compile
+            )
             rows = decoder.sample(prompt_ids, seeds, cfg.max_completion_length)
         else:
             rows = self._generate(model, prompt_ids, seeds)
