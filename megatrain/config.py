@@ -189,7 +189,7 @@ class TrainConfig:
     """Preference stages: prompt tokens kept (its last ones); null: all."""
     max_completion_length: int | None = None
     """Preference stages: completion tokens kept (its first ones), default null: all; grpo: the
-    most tokens a completion is sampled to, default 256."""
+    most tokens a completion is sampled to, default 512."""
     truncation_mode: str = "keep_end"
     """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
     keep_start."""
@@ -211,6 +211,9 @@ class TrainConfig:
     """grpo: nucleus sampling's probability mass."""
     top_k: int | None = None
     """grpo: sample among the k most likely tokens; null or 0: all."""
+    use_bias_correction_kl: bool = True
+    """grpo with beta > 0: weight each token's KL term by its importance ratio (TRL 1.x's default);
+    false: TRL 0.x's unweighted term."""
     epsilon: float = 0.2
     """grpo: the clip's lower bound on the probability ratio (1 - epsilon)."""
     epsilon_high: float | None = None

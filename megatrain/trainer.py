@@ -77,8 +77,8 @@ RESUME_SENSITIVE = (
     "stage", "beta", "loss_type", "loss_weights", "label_smoothing", "rpo_alpha", "reference_free", "discopop_tau",
     "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight", "max_prompt_length",
     "max_completion_length", "truncation_mode", "ref_model_name_or_path", "num_generations", "num_iterations",
-    "temperature", "top_p", "top_k", "epsilon", "epsilon_high", "scale_rewards", "mask_truncated_completions",
-    "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
+    "temperature", "top_p", "top_k", "epsilon", "epsilon_high", "use_bias_correction_kl", "scale_rewards",
+    "mask_truncated_completions", "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
 )
 # fmt: on
 

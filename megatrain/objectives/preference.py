@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..data.preference import Limits
 from ..errors import ConfigError
+from .logprobs import token_logps
 
 STAGES = ("dpo", "kto", "orpo", "simpo")
 DPO_LOSS_TYPES = (
@@ -450,5 +451,5 @@ def sequence_logps(logits: Tensor, input_ids: Tensor, mask: Tensor) -> tuple[Ten
     The plain full-logit form of what the engine computes a chunk at a time."""
     logits = logits[:, :-1].float()
     m = mask[:, 1:].to(logits.dtype)
-    token_logps = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return (token_logps * m).sum(-1), m.sum(-1), (logits.mean(-1) * m).sum(-1)
+    logps = token_logps(logits, input_ids[:, 1:])
+    return (logps * m).sum(-1), m.sum(-1), (logits.mean(-1) * m).sum(-1)

@@ -31,6 +31,7 @@ from ..data.batch import MicroBatch
 from ..data.preference import CHOSEN, CHOSEN_PROMPT, COMPLETION, KL, PAIR_SUMS, REJECTED, UNPAIRED_SUMS
 from ..determinism import sorted_sums
 from .base import Objective
+from .logprobs import token_logps
 from .losshead import Head
 from .preference import (
     PairedLogps,
@@ -104,7 +105,7 @@ class Preference(Objective):
 
         def chunk_loss(m: int, a: int, logits: Tensor):
             t, n = targets[m], logits.shape[0]
-            term = (weights[m][t.slots[a : a + n] + 1] * _token_logps(logits, t.tokens[a : a + n])).sum()
+            term = (weights[m][t.slots[a : a + n] + 1] * token_logps(logits, t.tokens[a : a + n])).sum()
             return term, term.detach() * 0
 
         _, dh = head.backward(hidden, chunk_loss)
@@ -174,7 +175,7 @@ class Preference(Objective):
         for m, a, logits in head.forward(hidden):
             t, s, n = targets[m], out[m], logits.shape[0]
             at = t.slots[a : a + n] + 1
-            logps, means = _token_logps(logits, t.tokens[a : a + n]), logits.mean(-1)
+            logps, means = token_logps(logits, t.tokens[a : a + n]), logits.mean(-1)
             with sorted_sums():  # a sequence's tokens summed in order, not atomically, on CUDA
                 s.logps.index_add_(0, at, logps)
                 s.logits.index_add_(0, at, means)
@@ -231,8 +232,3 @@ class Preference(Objective):
     def load_state_dict(self, state: dict) -> None:
         if state:
             self.running = RunningMean(state["running_mean"], state["running_count"])
-
-
-def _token_logps(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log p(token) at each position of a chunk's fp32 logits."""
-    return torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
