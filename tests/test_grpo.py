@@ -113,7 +113,18 @@ def trl_logps(hf, ids, attn, temperature):
 
 
 def trl_loss(
-    logps, entropy, cmask, adv, loss_type, num_items, old=None, ref=None, beta=0.0, eps=0.2, ga=GA, bias_kl=True
+    logps,
+    entropy,
+    cmask,
+    adv,
+    loss_type,
+    num_items,
+    old=None,
+    ref=None,
+    beta=0.0,
+    eps=0.2,
+    ga=GA,
+    bias_kl=True,
 ):
     """GRPOTrainer._compute_loss for one micro-batch: its loss and its metrics (masked means);
     `ga`: its normaliser, but dapo's (1 at evaluation)."""
@@ -246,7 +257,10 @@ def trl_run(tok, rollouts, steps, ref_model, kw):
         opt.zero_grad()
         record = {name: sum(g[name] for g in sampled) / len(sampled) for name in (sampled or [{}])[0]}
         names = {name for mm in metrics for name in mm}
-        means = {name: sum(mm[name] for mm in metrics if name in mm) / sum(name in mm for mm in metrics) for name in names}
+        means = {
+            name: sum(mm[name] for mm in metrics if name in mm) / sum(name in mm for mm in metrics)
+            for name in names
+        }
         out.append(record | means | {"loss": loss})
     assert next(pending, None) is None  # every completion sampled was trained on
     return hf, out

@@ -367,8 +367,8 @@ class GRPO(Objective):
             t = targets[m]
             loss, sums, clips = self._chunk(t, a, logits, self._scale(t, total))
             stats[m] += sums
-            row = torch.arange(a, a + logits.shape[0], device=clips.device) // (len(t.mask) // len(t.row_tokens))
-            rows[m].index_add_(0, row, clips)
+            width = len(t.mask) // len(t.row_tokens)  # the micro-batch's row length
+            rows[m].index_add_(0, torch.arange(a, a + len(clips), device=clips.device) // width, clips)
             return loss, loss.detach()
 
         loss, dh = head.backward(hidden, chunk_loss)
