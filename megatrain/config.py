@@ -84,6 +84,9 @@ NOT_TAKEN = {
     "train_on_prompt: true takes it on every token",
     "completion_only_loss": "megatrain takes the loss on completions (and assistant turns) by default; "
     "train_on_prompt: true takes it on every token",
+    "rpo_alpha": "TRL 1.x removed it: write loss_type: [sigmoid, sft] with loss_weights: [1.0, <rpo_alpha>]",
+    "reference_free": "TRL 1.x removed it: DPO compares with a reference model; stage simpo (or orpo) "
+    "needs none",
 }
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -153,7 +156,7 @@ class TrainConfig:
     always split."""
     shuffle: bool = True
     """Shuffle samples each epoch (seeded); false keeps file order exactly."""
-    # --- post-training stage (TRL's names and defaults, 0.27)
+    # --- post-training stage (TRL's names and defaults, 1.16)
     stage: str = "sft"
     """sft (supervised fine-tuning); dpo, kto, orpo or simpo (preference optimisation on TRL's
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
@@ -164,17 +167,15 @@ class TrainConfig:
     0.1; grpo: the coefficient of the per-token KL term to the reference policy (the initial
     one, or ref_model_name_or_path), default 0."""
     loss_type: str | list[str] | None = None
-    """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard,
-    discopop, apo_zero, apo_down, sft, or a list of them summed with loss_weights; kto: kto
+    """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot,
+    aot_unpaired, discopop, apo_zero, apo_down, sft, sigmoid_norm, or a list of them summed with
+    loss_weights (RPO: [sigmoid, sft]); kto: kto
     (default) or apo_zero_unpaired; simpo: simpo; grpo: dapo (default), grpo, bnpo, dr_grpo."""
     loss_weights: list[float] | None = None
     """dpo: one weight per loss_type in the list (default 1 each)."""
     label_smoothing: float = 0.0
-    """dpo/simpo: the probability that a preference label is flipped (cDPO, robust, exo_pair)."""
-    rpo_alpha: float | None = None
-    """dpo: weight of the chosen completions' NLL added to the loss (RPO)."""
-    reference_free: bool = False
-    """dpo: no reference model (its log-probs taken as 0): no reference pass."""
+    """dpo/simpo: the probability that a preference label is flipped (robust, aot, simpo); exo_pair's
+    epsilon (> 0 there)."""
     discopop_tau: float = 0.05
     """dpo loss_type discopop: its temperature."""
     simpo_gamma: float = 0.5
@@ -189,7 +190,7 @@ class TrainConfig:
     """Preference stages: prompt tokens kept (its last ones); null: all."""
     max_completion_length: int | None = None
     """Preference stages: completion tokens kept (its first ones), default null: all; grpo: the
-    most tokens a completion is sampled to, default 256."""
+    most tokens a completion is sampled to, default 512."""
     truncation_mode: str = "keep_end"
     """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
     keep_start."""
@@ -211,6 +212,9 @@ class TrainConfig:
     """grpo: nucleus sampling's probability mass."""
     top_k: int | None = None
     """grpo: sample among the k most likely tokens; null or 0: all."""
+    use_bias_correction_kl: bool = True
+    """grpo with beta > 0: weight each token's KL term by its importance ratio (TRL 1.x's default);
+    false: TRL 0.x's unweighted term."""
     epsilon: float = 0.2
     """grpo: the clip's lower bound on the probability ratio (1 - epsilon)."""
     epsilon_high: float | None = None

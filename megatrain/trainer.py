@@ -74,11 +74,11 @@ RESUME_SENSITIVE = (
     "total_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "max_steps", "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
     # the stages' (preference, grpo)
-    "stage", "beta", "loss_type", "loss_weights", "label_smoothing", "rpo_alpha", "reference_free", "discopop_tau",
+    "stage", "beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau",
     "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight", "max_prompt_length",
     "max_completion_length", "truncation_mode", "ref_model_name_or_path", "num_generations", "num_iterations",
-    "temperature", "top_p", "top_k", "epsilon", "epsilon_high", "scale_rewards", "mask_truncated_completions",
-    "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
+    "temperature", "top_p", "top_k", "epsilon", "epsilon_high", "use_bias_correction_kl", "scale_rewards",
+    "mask_truncated_completions", "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
 )
 # fmt: on
 

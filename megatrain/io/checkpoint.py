@@ -99,8 +99,8 @@ class TrainerState:
     best_model_checkpoint: str | None = None
     """output_dir/checkpoint-N of the best checkpoint (pruning never deletes it)."""
     objective_state: dict[str, Any] = field(default_factory=dict)
-    """What the objective carries from step to step (`Objective.state_dict`: bco_pair's running
-    mean); empty for most."""
+    """What the objective carries from step to step (`Objective.state_dict`); empty for the
+    built-in ones."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, **dataclasses.asdict(self)}

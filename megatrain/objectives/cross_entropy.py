@@ -3,8 +3,8 @@ of the label tokens' losses over the number of label tokens of the whole step (a
 all ranks), labels -100 left out.
 
 The loss and its gradient come from one function of the chunk's logits (`loss_and_grad`, a
-`ChunkGrad`): log-sum-exp, the label's logit, then softmax minus the label's one-hot, scaled, in
-place. Compiled (on CUDA) it reads the logits in the compute dtype and fuses its steps, where
+`ChunkGrad`): the label's log-probability as every objective takes it (logprobs.py), then softmax
+minus the label's one-hot, scaled, in place. Compiled (on CUDA) it reads the logits in the compute dtype and fuses its steps, where
 autograd through `F.cross_entropy` of fp32 logits runs a kernel over the whole chunk for each (the
 cast, log-softmax, its gradient's fill, softmax's backward, the cast back): the 8B shape's head
 took 94 ms instead of 110 (bench/results/2026-11-28_1235_losshead.md). The same numbers to
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..data.batch import IGNORE_INDEX, MicroBatch
 from .base import Objective
+from .logprobs import log_normaliser, token_logps
 from .losshead import Head
 
 
@@ -28,14 +29,14 @@ def loss_and_grad(
     """The summed cross-entropy of logits `z` [T, V] (any float dtype, computed in fp32) against
     `labels` [T] (IGNORE_INDEX left out), and its gradient w.r.t. `z` times `scale` (an fp32 scalar
     tensor), in z's dtype."""
-    valid = (labels != IGNORE_INDEX)[:, None]
-    target = torch.where(valid, labels[:, None], 0)
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0)
     zf = z.to(torch.float32, copy=True)
-    lse = torch.logsumexp(zf, dim=-1, keepdim=True)
-    loss = torch.where(valid, lse - zf.gather(-1, target), 0.0).sum()
+    lse = log_normaliser(zf)
+    loss = torch.where(valid, -token_logps(zf, target, lse), 0.0).sum()
     zf.sub_(lse).exp_()  # softmax
-    zf.scatter_add_(-1, target, -valid.float())  # minus the label's one-hot
-    zf.mul_(torch.where(valid, scale, 0.0))
+    zf.scatter_add_(-1, target[:, None], -valid[:, None].float())  # minus the label's one-hot
+    zf.mul_(torch.where(valid[:, None], scale, 0.0))
     return loss, zf.to(z.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Group-relative policy optimisation (GRPO): TRL 0.27's GRPOTrainer loss over completions that
+"""Group-relative policy optimisation (GRPO): TRL 1.16's GRPOTrainer loss over completions that
 megatrain sampled itself, with its names, defaults and metrics.
 
 Each prompt is sampled `num_generations` times; a completion's reward is the weighted sum of the
@@ -6,9 +6,10 @@ reward functions' (rl/rewards.py); its advantage is its reward less its group's 
 group's standard deviation (`scale_rewards: group`), the batch's (`batch`) or not scaled
 (`none`). Every completion token then has the loss
 
-    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * kl,   r = pi(token) / pi_old(token),
+    -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta * r * kl,   r = pi(token) / pi_old(token),
     kl = exp(ref - logp) - (ref - logp) - 1,
 
+(the KL term without r where use_bias_correction_kl is false, TRL 0.x's),
 logp = log pi(token), pi the policy's probability of the token at logits / temperature, pi_old
 the sampling policy's, ref the reference policy's log-probability (the initial policy's, or
 ref_model_name_or_path's). A generation batch (a rollout) is split into `steps_per_generation`
@@ -23,11 +24,11 @@ default) summed over the step's completion tokens and divided by its generation 
 completion tokens per optimizer step (MicroBatch.extra, column TOKENS_PER_STEP): with one
 generation batch a step, TRL's default, every completion token of the step.
 
-The metrics are TRL's, each a micro-batch's mean over its completion tokens, averaged over the
-step's micro-batches and ranks: `entropy`, `kl` (beta > 0), `clip_ratio/low_mean` (r below
-1 - epsilon where A < 0), `clip_ratio/high_mean` (r above 1 + epsilon_high where A > 0),
-`clip_ratio/region_mean` (either), and `clip_ratio/low_min`, `clip_ratio/high_max`, the least
-and most over the ranks of each micro-batch's.
+The metrics are TRL's, each the mean over the completion tokens of a micro-batch and its
+counterparts on the other ranks, averaged over the step's micro-batches: `entropy`, `kl`
+(beta > 0), `clip_ratio/low_mean` (r below 1 - epsilon where A < 0), `clip_ratio/high_mean`
+(r above 1 + epsilon_high where A > 0), `clip_ratio/region_mean` (either), and
+`clip_ratio/low_min`, `clip_ratio/high_max`, the least and most of a completion's own ratio.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from torch import Tensor
 from ..data.batch import IGNORE_INDEX, MicroBatch
 from ..errors import ConfigError
 from .base import Objective
+from .logprobs import entropy, log_normaliser, token_logps
 from .losshead import Head
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -52,13 +54,13 @@ STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
 @dataclass
 class GRPOConfig:
-    """The keys of GRPO, TRL 0.27's names and defaults."""
+    """The keys of GRPO, TRL 1.16's names and defaults."""
 
     num_generations: int = 8
     """Completions sampled per prompt (a group)."""
     num_generations_eval: int | None = None
     """Completions sampled per eval prompt (None: num_generations; 1: a group's std is 0)."""
-    max_completion_length: int | None = 256
+    max_completion_length: int | None = 512
     """Tokens a completion may have; one cut there is truncated (`completions/clipped_ratio`)."""
     temperature: float = 1.0
     """Sampling temperature; the loss takes the logits divided by it too."""
@@ -71,6 +73,9 @@ class GRPOConfig:
     """The clip's upper bound (None: epsilon)."""
     beta: float = 0.0
     """The KL term's coefficient (0: no reference policy)."""
+    use_bias_correction_kl: bool = True
+    """Weight each token's KL term by the importance ratio r (TRL 1.x's default; false: TRL 0.x's
+    unweighted term)."""
     scale_rewards: str | bool = "group"
     mask_truncated_completions: bool = False
     """Leave completions cut at max_completion_length out of the loss."""
@@ -177,39 +182,57 @@ def reference_copy_bytes(num_params: int, compute_bytes: int, grpo: GRPOConfig |
 
 
 def log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(log-softmax of logits / temperature, its value at each token): TRL's per-token log-probs."""
-    logp_all = torch.log_softmax(logits if temperature == 1 else logits / temperature, -1)
-    return logp_all, logp_all.gather(-1, tokens[..., None]).squeeze(-1)
+    """(logits / temperature, their log-prob at each token): TRL's per-token log-probs, taken as
+    every objective takes them (logprobs.py)."""
+    z = tempered(logits, temperature)
+    return z, token_logps(z, tokens)
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """The logits the policy samples from and the loss scores: logits / temperature."""
+    return logits if temperature == 1 else logits / temperature
 
 
 # ------------------------------------------------------------------------ advantages
 def advantages(
     cfg: GRPOConfig, rewards_per_func: Tensor, group: int | None = None
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """(rewards, advantages, metrics) of a generation batch: `rewards_per_func` [completions,
-    functions] (NaN where a function gave None), groups of `group` (default num_generations;
-    an evaluation's: num_generations_eval) consecutive rows. The std of one reward is 0 (TRL's,
-    where an evaluation has groups of one)."""
+    """(rewards, advantages, metrics) of a generation batch as TRL 1.16 takes them:
+    `rewards_per_func` [completions, functions] (NaN where a function gave None), groups of `group`
+    (default num_generations; an evaluation's: num_generations_eval) consecutive rows. A
+    completion no function scored has a NaN reward, left out of its group's mean and std, and
+    advantage 0. The std of one reward is 0 (TRL's, where an evaluation has groups of one);
+    `reward_std` is the std of the whole batch's rewards."""
     n, k = rewards_per_func.shape
     g = group or cfg.num_generations
     weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
     if len(weights) != k:
         raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
     rewards = (rewards_per_func * weights[None]).nansum(1)
+    rewards[rewards_per_func.isnan().all(1)] = math.nan
     grouped = rewards.view(-1, g)
-    mean = grouped.mean(1).repeat_interleave(g)
-    group_std = grouped.std(1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
-    batch_std = rewards.std() if n > 1 else torch.zeros((), dtype=rewards.dtype)
-    std = batch_std.expand_as(rewards) if cfg.scale_rewards == "batch" else group_std
+    mean = grouped.nanmean(1).repeat_interleave(g)
+    if cfg.scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards) if n > 1 else torch.zeros_like(rewards)
+    else:
+        std = _nanstd(grouped, 1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
     adv = rewards - mean
     if cfg.scale_rewards != "none":
         adv = adv / (std + STD_EPS)
     metrics = {
-        "reward": float(rewards.mean()),
-        "reward_std": float(std.mean()),
-        "frac_reward_zero_std": float((group_std < 1e-6).float().mean()),
+        "reward": float(rewards.nanmean()),
+        "reward_std": float(_nanstd(rewards)),
+        "frac_reward_zero_std": float(torch.isclose(std, torch.zeros_like(std)).float().mean()),
     }
-    return rewards, adv, metrics
+    return rewards, adv.nan_to_num(0.0), metrics
+
+
+def _nanstd(x: Tensor, dim: int | None = None) -> Tensor:
+    """The unbiased std of x's non-NaN entries (over `dim`, or all), TRL's `nanstd`."""
+    var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nanmean(dim, keepdim=True)
+    count = (~x.isnan()).sum(dim, keepdim=True)
+    std = (var * count / (count - 1)).sqrt()
+    return std.squeeze(dim) if dim is not None else std.reshape(())
 
 
 # ------------------------------------------------------------------------ the objective
@@ -251,6 +274,7 @@ class _Targets:
     ref: Tensor | None  # [N] the reference policy's (None: no KL term)
     tokens_in_mb: int
     per_step: float | None  # dapo's divisor: its generation batch's loss tokens per optimizer step
+    row_tokens: Tensor  # [rows] each completion's tokens in the loss
 
 
 class GRPO(Objective):
@@ -290,8 +314,9 @@ class GRPO(Objective):
         old, ref = column(OLD_LOGP, self.cfg.needs_old_logps), column(REF_LOGP, self.cfg.needs_reference)
         per_step = float(mb.extra[0, TOKENS_PER_STEP]) if mb.extra.shape[1] > TOKENS_PER_STEP else None
         return _Targets(
-            dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), old, ref, int(mask.sum()), per_step
-        )
+            dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), old, ref, int(mask.sum()), per_step,
+            mask.sum(1).to(device),
+        )  # fmt: skip
 
     def count(self, mb: MicroBatch) -> int:
         return mb.num_label_tokens  # dapo's normaliser: every completion token of the step
@@ -305,10 +330,13 @@ class GRPO(Objective):
             return self.micro_batches
         return max(total, 1) if t.per_step is None else t.per_step
 
-    def _chunk(self, t: _Targets, a: int, logits: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """(the chunk's loss, its STATS summed over its completion tokens)."""
+    def _chunk(self, t: _Targets, a: int, logits: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(the chunk's loss, its STATS summed over its completion tokens, each token's [low, high]
+        clip on completion tokens)."""
         n, cfg = logits.shape[0], self.cfg
-        logp_all, logp = log_probs(logits, t.tokens[a : a + n], cfg.temperature)
+        z = tempered(logits, cfg.temperature)
+        lse = log_normaliser(z)
+        logp = token_logps(z, t.tokens[a : a + n], lse)
         old = logp.detach() if t.old is None else t.old[a : a + n]
         adv, mask = t.adv[a : a + n], t.mask[a : a + n]
         # Prompt and padding tokens have no stored log-probs: left out before exp, which could
@@ -321,37 +349,50 @@ class GRPO(Objective):
         if t.ref is not None:
             d = torch.where(real, t.ref[a : a + n] - logp, 0.0)
             kl = torch.exp(d) - d - 1
+            if cfg.use_bias_correction_kl:  # the KL of the policy, estimated on the sampler's tokens
+                kl = kl * ratio
             per_token = per_token + cfg.beta * kl
         loss = (per_token * mask * t.weight[a : a + n]).sum() / scale
-        with torch.no_grad():  # one more chunk x vocab tensor, reused in place
-            entropy = -logp_all.exp().mul_(logp_all).sum(-1)
+        with torch.no_grad():
+            ent = entropy(z, lse)
             below, above = (ratio < low) & (adv < 0), (ratio > high) & (adv > 0)  # where the clip binds
-            stats = torch.stack([entropy, below.float(), above.float(), (below | above).float(), kl.detach()])
-        return loss, stats @ mask
+            stats = torch.stack([ent, below.float(), above.float(), (below | above).float(), kl.detach()])
+        return loss, stats @ mask, stats[1:3].T * mask[:, None]
 
     def loss_and_grads(self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int):
         stats = torch.zeros(len(targets), len(STATS), device=head.W.device)
+        rows = [torch.zeros(len(t.row_tokens), 2, device=head.W.device) for t in targets]
 
         def chunk_loss(m: int, a: int, logits: Tensor):
-            loss, sums = self._chunk(targets[m], a, logits, self._scale(targets[m], total))
+            t = targets[m]
+            loss, sums, clips = self._chunk(t, a, logits, self._scale(t, total))
             stats[m] += sums
+            width = len(t.mask) // len(t.row_tokens)  # the micro-batch's row length
+            rows[m].index_add_(0, torch.arange(a, a + len(clips), device=clips.device) // width, clips)
             return loss, loss.detach()
 
         loss, dh = head.backward(hidden, chunk_loss)
-        self._record(stats, targets)
+        self._record(stats, rows, targets)
         return loss, dh
 
-    def _record(self, stats: Tensor, targets: list[_Targets]) -> None:
-        """Each micro-batch's metrics: its STATS over its completion tokens (TRL's masked means),
-        with the least low and most high clip ratio over the ranks of the micro-batch."""
-        tokens = torch.tensor([max(t.tokens_in_mb, 1) for t in targets], device=stats.device)
-        means = dict(zip(STATS, (stats / tokens[:, None]).T.tolist()))
-        clips = list(zip(means["clip_ratio/low_mean"], means["clip_ratio/high_mean"]))
-        ranks = self.collective.each(clips) if self.collective is not None else [clips]
+    def _record(self, stats: Tensor, rows: list[Tensor], targets: list[_Targets]) -> None:
+        """Each micro-batch's metrics as TRL logs them at each forward: its STATS summed over the
+        ranks' micro-batches of its place in the step, over their completion tokens; the least low
+        and the most high clip ratio of a completion (its tokens' mean) over theirs."""
+        tokens = [float(t.tokens_in_mb) for t in targets]
+        clips = [(r / t.row_tokens[:, None])[t.row_tokens > 0].tolist() for r, t in zip(rows, targets)]
+        mine = list(zip(stats.tolist(), tokens, clips))
+        ranks = self.collective.each(mine) if self.collective is not None else [mine]
         for m in range(len(targets)):
-            record = {k: v[m] for k, v in means.items() if k != "kl" or self.cfg.needs_reference}
-            record["clip_ratio/low_min"] = min(r[m][0] for r in ranks)
-            record["clip_ratio/high_max"] = max(r[m][1] for r in ranks)
+            at = [r[m] for r in ranks if m < len(r)]
+            count = max(sum(n for _, n, _ in at), 1.0)
+            record = {k: sum(s[i] for s, _, _ in at) / count for i, k in enumerate(STATS)}
+            if not self.cfg.needs_reference:
+                del record["kl"]
+            per_row = [c for _, _, c in at for c in c]
+            if per_row:  # none: every completion masked (TRL logs NaN; megatrain leaves it out)
+                record["clip_ratio/low_min"] = min(c[0] for c in per_row)
+                record["clip_ratio/high_max"] = max(c[1] for c in per_row)
             self.record(record)
 
     @torch.no_grad()
@@ -377,7 +418,7 @@ class GRPO(Objective):
         for m, a, logits in head.forward(hidden):
             t = targets[m]
             scale = max(t.tokens_in_mb, 1) if self.cfg.loss_type == "dapo" else 1.0
-            loss, sums = self._chunk(t, a, logits, scale)
+            loss, sums, _ = self._chunk(t, a, logits, scale)
             out[m, 0] += loss
             out[m, 2:] += sums
         out[:, 1] = torch.tensor([float(t.tokens_in_mb) for t in targets])

@@ -1,10 +1,9 @@
 """Preference objectives (DPO and its loss types, KTO, ORPO, SimPO) over per-sequence sums.
 
-The formulas, names, defaults and metrics are TRL 0.27.2's: DPOTrainer (`dpo_loss`,
-`concatenated_forward`, `get_batch_loss_metrics`), and from trl.experimental KTOTrainer
-(`kto_loss`), ORPOTrainer (`odds_ratio_loss`) and CPOTrainer (`cpo_loss`, loss_type simpo).
-0.27 is the last release line whose DPOTrainer has rpo_alpha, reference_free and
-max_prompt_length (0.28 deprecates them, 0.29 rewrites the trainer without them).
+The formulas, names, defaults and metrics are TRL 1.16's: DPOTrainer and KTOTrainer
+(`_compute_loss`), and from trl.experimental ORPOTrainer (`odds_ratio_loss`) and CPOTrainer
+(`cpo_loss`, loss_type simpo). TRL 1.x has no rpo_alpha or reference_free (config.py refuses
+them, naming what to write instead).
 
 Every input is a per-sequence sum over a completion's tokens (log-probs, token counts), so the
 engine computes token log-probs a chunk at a time, sums them per sequence, and calls
@@ -12,16 +11,11 @@ engine computes token log-probs a chunk at a time, sums them per sequence, and c
 length normalisation is inside the loss, so it is already in that number).
 
 Where this differs from TRL, on purpose:
-- `reference_free` takes the reference log-probs as 0 everywhere (the implicit uniform reference
-  TRL describes), so no reference pass runs; TRL still runs one and uses it in the rewards metrics
-  and in bco_pair, sppo_hard, nca_pair and discopop.
-- The rpo_alpha / sft NLL is the mean over all chosen completion tokens; TRL's cross-entropy
-  ignores label id 0 as padding, so a completion token with id 0 drops out of TRL's mean.
 - `logits/chosen` and `logits/rejected` are the mean logit over the completion positions for every
   stage (DPO's definition); TRL's ORPO, CPO and KTO average over the whole padded batch tensor.
 - simpo reports its `nll_loss` also when cpo_alpha is 0 (TRL reports 0 then).
-Not supported: the f-divergence options, use_weighting (WPO), ld_alpha, the aot loss types and
-CPOTrainer's AlphaPO `alpha`.
+Not supported: the f-divergence options, use_weighting (WPO), ld_alpha and CPOTrainer's AlphaPO
+`alpha`.
 """
 
 from __future__ import annotations
@@ -36,21 +30,21 @@ from torch import Tensor
 
 from ..data.preference import Limits
 from ..errors import ConfigError
+from .logprobs import token_logps
 
 STAGES = ("dpo", "kto", "orpo", "simpo")
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
-    "discopop", "apo_zero", "apo_down", "sft",
+    "aot", "aot_unpaired", "discopop", "apo_zero", "apo_down", "sft", "sigmoid_norm",
 )  # fmt: skip
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # The loss types each stage takes, its default first; orpo has its one loss and no loss_type.
 LOSS_TYPES = {"dpo": DPO_LOSS_TYPES, "kto": KTO_LOSS_TYPES, "orpo": (), "simpo": ("simpo",)}
-EXO_EPSILON = 1e-3  # exo_pair's label smoothing when label_smoothing is 0 (TRL's choice)
 
 
 @dataclass
 class PreferenceConfig:
-    """The keys of preference training, with TRL's names and defaults (0.27.2)."""
+    """The keys of preference training, with TRL's names and defaults (1.16)."""
 
     stage: str = "dpo"
     """dpo, kto, orpo or simpo (TRL's DPOTrainer, KTOTrainer, ORPOTrainer, CPOTrainer with
@@ -64,12 +58,8 @@ class PreferenceConfig:
     loss_weights: list[float] | None = None
     """dpo: one weight per loss_type (default 1.0 each)."""
     label_smoothing: float = 0.0
-    """Probability that a preference label is flipped: cDPO (sigmoid), robust, exo_pair's epsilon,
-    and simpo's; in [0, 0.5]."""
-    rpo_alpha: float | None = None
-    """dpo: weight of the NLL of the chosen completions added to the loss (RPO)."""
-    reference_free: bool = False
-    """dpo: no reference model (its log-probs taken as 0)."""
+    """Probability that a preference label is flipped: robust's, aot's and simpo's; exo_pair's
+    epsilon (> 0 there); in [0, 0.5]."""
     discopop_tau: float = 0.05
     """dpo loss_type discopop: the temperature of its log-ratio modulation."""
     simpo_gamma: float = 0.5
@@ -113,10 +103,11 @@ class PreferenceConfig:
                 "label_smoothing",
                 "must be below 0.5 for loss_type robust (it divides by 1 - 2 label_smoothing)",
             )
-        if self.rpo_alpha is not None and (self.stage != "dpo" or self.rpo_alpha < 0):
-            bad("rpo_alpha", "must be >= 0, and is only used with stage dpo")
-        if self.reference_free and self.stage != "dpo":
-            bad("reference_free", "is only used with stage dpo (orpo and simpo need no reference)")
+        if "exo_pair" in self.loss_type and self.label_smoothing == 0:
+            bad(
+                "label_smoothing",
+                "must be > 0 for loss_type exo_pair (its epsilon; the EXO paper takes 1e-3)",
+            )
         if self.discopop_tau <= 0:
             bad("discopop_tau", "must be > 0")
         for key in ("cpo_alpha", "desirable_weight", "undesirable_weight"):
@@ -149,7 +140,7 @@ class PreferenceConfig:
     @property
     def needs_reference(self) -> bool:
         """Whether the loss takes a reference model's log-probs."""
-        return self.stage == "kto" or (self.stage == "dpo" and not self.reference_free)
+        return self.stage in ("dpo", "kto")
 
     @property
     def needs_kl(self) -> bool:
@@ -163,9 +154,9 @@ class PreferenceConfig:
 
     @property
     def normalized(self) -> bool:
-        """Whether sequence log-probs are divided by their token counts before the loss: always
-        for orpo and simpo, and for dpo when ipo is one of its loss types (for all of them)."""
-        return self.stage in ("orpo", "simpo") or "ipo" in self.loss_type
+        """Whether sequence log-probs are divided by their token counts before the loss: orpo and
+        simpo (dpo's ipo and sigmoid_norm divide their own terms)."""
+        return self.stage in ("orpo", "simpo")
 
 
 # ------------------------------------------------------------------------ inputs and outputs
@@ -226,25 +217,8 @@ class PreferenceResult:
     grads: dict[str, Tensor]
 
 
-@dataclass
-class RunningMean:
-    """bco_pair's reward shift: the mean of every batch's mean reward so far, as TRL's
-    RunningMoments keeps it. Part of the training state (save it with a checkpoint)."""
-
-    mean: float = 0.0
-    count: float = 1e-24  # TRL's start: the first value replaces the mean without dividing by 0
-
-    def update(self, value: float) -> float:
-        """Add one batch's mean reward; returns the new mean."""
-        self.count += 1
-        self.mean += (value - self.mean) / self.count
-        return self.mean
-
-
 # ------------------------------------------------------------------------ the losses
-def loss_and_grads(
-    cfg: PreferenceConfig, batch: PairedLogps | UnpairedLogps, running: RunningMean | None = None
-) -> PreferenceResult:
+def loss_and_grads(cfg: PreferenceConfig, batch: PairedLogps | UnpairedLogps) -> PreferenceResult:
     """The loss, its metrics and d loss / d (each policy log-prob sum) for one micro-batch."""
     leaves = {
         n: getattr(batch, n).detach().float().requires_grad_()
@@ -253,7 +227,7 @@ def loss_and_grads(
     }
     batch = dataclasses.replace(batch, **leaves)
     with torch.enable_grad():
-        loss, metrics = preference_loss(cfg, batch, running)
+        loss, metrics = preference_loss(cfg, batch)
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return PreferenceResult(
         loss.detach(),
@@ -263,30 +237,22 @@ def loss_and_grads(
 
 
 def preference_loss(
-    cfg: PreferenceConfig, batch: PairedLogps | UnpairedLogps, running: RunningMean | None = None
+    cfg: PreferenceConfig, batch: PairedLogps | UnpairedLogps
 ) -> tuple[Tensor, dict[str, float]]:
-    """The mean loss of one micro-batch (differentiable in the policy log-probs) and its metrics.
-    `running` is bco_pair's state, updated in place."""
+    """The mean loss of one micro-batch (differentiable in the policy log-probs) and its metrics."""
     if cfg.stage == "kto":
         return _kto(cfg, batch)
     if cfg.stage == "orpo":
         return _orpo(cfg, batch)
     c, r, rc, rr = _pair_logps(cfg, batch)
-    nll = _nll(batch.chosen_logps, batch.chosen_lengths)
     if cfg.stage == "simpo":
+        nll = _nll(batch.chosen_logps, batch.chosen_lengths)
         losses = _smoothed_sigmoid(cfg.beta * ((c - r) - cfg.simpo_gamma / cfg.beta), cfg.label_smoothing)
         loss = losses.mean() + cfg.cpo_alpha * nll if cfg.cpo_alpha else losses.mean()
         return loss, _pair_metrics(cfg.beta * c, cfg.beta * r, c, r, batch) | {"nll_loss": _item(nll)}
     weights = cfg.loss_weights or [1.0] * len(cfg.loss_type)
-    losses = sum(w * _dpo_losses(t, cfg, c, r, rc, rr, nll, running) for t, w in zip(cfg.loss_type, weights))
-    if cfg.rpo_alpha is not None:
-        losses = losses + cfg.rpo_alpha * nll
-    # TRL adds up each loss type's rewards with its weight; all types give the same rewards.
-    scale = sum(weights) * cfg.beta
-    metrics = _pair_metrics(scale * (c - rc), scale * (r - rr), c, r, batch)
-    if cfg.rpo_alpha is not None or "sft" in cfg.loss_type:
-        metrics["nll_loss"] = _item(nll)
-    return losses.mean(), metrics
+    loss = sum(w * _dpo_losses(t, cfg, batch, c, r, rc, rr).mean() for t, w in zip(cfg.loss_type, weights))
+    return loss, _pair_metrics(cfg.beta * (c - rc), cfg.beta * (r - rr), c, r, batch)
 
 
 def _pair_logps(cfg: PreferenceConfig, b: PairedLogps) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -306,33 +272,37 @@ def _pair_logps(cfg: PreferenceConfig, b: PairedLogps) -> tuple[Tensor, Tensor, 
     return c, r, rc, rr
 
 
-def _dpo_losses(t: str, cfg, c, r, rc, rr, nll: Tensor, running: RunningMean | None) -> Tensor:
-    """Per-pair losses of DPO loss type `t`."""
+def _dpo_losses(t: str, cfg, b: PairedLogps, c, r, rc, rr) -> Tensor:
+    """Per-pair losses of DPO loss type `t` (TRL's `_compute_loss`)."""
     beta, ls = cfg.beta, cfg.label_smoothing
     cw, rw = c - rc, r - rr  # chosen and rejected log-ratios to the reference
-    x = beta * (cw - rw)  # beta times TRL's "logits": the policy's margin over the reference's
+    x = beta * (cw - rw)  # beta times the policy's margin over the reference's
     if t == "sigmoid":
-        return _smoothed_sigmoid(x, ls)
+        return -F.logsigmoid(x)
     if t == "robust":
         return (-(1 - ls) * F.logsigmoid(x) + ls * F.logsigmoid(-x)) / (1 - 2 * ls)
     if t == "exo_pair":
-        eps = ls or EXO_EPSILON
-        return x.sigmoid() * (F.logsigmoid(x) - math.log(1 - eps)) + (-x).sigmoid() * (
-            F.logsigmoid(-x) - math.log(eps)
+        return x.sigmoid() * (F.logsigmoid(x) - math.log1p(-ls)) + (-x).sigmoid() * (
+            F.logsigmoid(-x) - math.log(ls)
         )
     if t == "hinge":
         return torch.relu(1 - x)
-    if t == "ipo":
-        return (cw - rw - 1 / (2 * beta)) ** 2
+    if t in ("ipo", "sigmoid_norm"):  # the log-ratios per completion token
+        lc, lr = b.chosen_lengths.clamp(min=1), b.rejected_lengths.clamp(min=1)
+        d = cw / lc - rw / lr
+        return (d - 1 / (2 * beta)) ** 2 if t == "ipo" else -F.logsigmoid(beta * d)
     if t == "bco_pair":
-        if running is None:
-            raise ValueError("loss_type bco_pair needs its RunningMean state")
-        delta = running.update(_bco_mean(beta, cw, rw))
-        return -F.logsigmoid(beta * cw - delta) - F.logsigmoid(-(beta * rw - delta))
+        return -F.logsigmoid(beta * cw) - F.logsigmoid(-beta * rw)
     if t == "sppo_hard":
         return (cw - 0.5 / beta) ** 2 + (rw + 0.5 / beta) ** 2
     if t == "nca_pair":
         return -F.logsigmoid(beta * cw) - 0.5 * F.logsigmoid(-beta * cw) - 0.5 * F.logsigmoid(-beta * rw)
+    if t in ("aot", "aot_unpaired"):  # the batch's sorted margins, matched in order
+        if t == "aot":
+            delta = torch.sort(c - r).values - torch.sort(rc - rr).values
+        else:
+            delta = torch.sort(cw).values - torch.sort(rw).values
+        return _smoothed_sigmoid(beta * delta, ls)
     if t == "apo_zero":
         return (1 - torch.sigmoid(beta * cw)) + torch.sigmoid(beta * rw)
     if t == "apo_down":
@@ -341,23 +311,12 @@ def _dpo_losses(t: str, cfg, c, r, rc, rr, nll: Tensor, running: RunningMean | N
         mix = torch.sigmoid(x / cfg.discopop_tau)
         return -F.logsigmoid(x) * (1 - mix) + torch.exp(-x) * mix
     if t == "sft":
-        return nll.expand_as(c)
+        return _nll(b.chosen_logps, b.chosen_lengths).expand_as(c)
     raise ValueError(f"unknown loss type {t!r}")
 
 
-def _bco_mean(beta: float, cw: Tensor, rw: Tensor) -> float:
-    """What bco_pair's running mean takes of a batch: the mean of its chosen and rejected rewards."""
-    return _item(torch.cat((beta * cw, beta * rw)).mean())
-
-
-def bco_reward_mean(cfg: PreferenceConfig, batch: PairedLogps) -> float:
-    """The value a batch adds to bco_pair's running mean (`RunningMean.update`)."""
-    c, r, rc, rr = _pair_logps(cfg, batch)
-    return _bco_mean(cfg.beta, c - rc, r - rr)
-
-
 def _smoothed_sigmoid(x: Tensor, label_smoothing: float) -> Tensor:
-    """-log sigmoid(x), with the label flipped with probability label_smoothing (cDPO)."""
+    """-log sigmoid(x), with the label flipped with probability label_smoothing."""
     return -(1 - label_smoothing) * F.logsigmoid(x) - label_smoothing * F.logsigmoid(-x)
 
 
@@ -450,5 +409,5 @@ def sequence_logps(logits: Tensor, input_ids: Tensor, mask: Tensor) -> tuple[Ten
     The plain full-logit form of what the engine computes a chunk at a time."""
     logits = logits[:, :-1].float()
     m = mask[:, 1:].to(logits.dtype)
-    token_logps = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return (token_logps * m).sum(-1), m.sum(-1), (logits.mean(-1) * m).sum(-1)
+    logps = token_logps(logits, input_ids[:, 1:])
+    return (logps * m).sum(-1), m.sum(-1), (logits.mean(-1) * m).sum(-1)

@@ -12,8 +12,7 @@ rule. The full logits never exist; the second pass costs one more head forward.
 
 The step's loss is TRL's under gradient accumulation: each micro-batch's loss is the mean over its
 samples (TRL's batch), and the step's is their mean over every micro-batch of the step on every
-rank (`count` is 1 a micro-batch). bco_pair's running mean is updated once per micro-batch in the
-step's order, the other ranks' micro-batches included, so several processes equal one. KTO's KL
+rank (`count` is 1 a micro-batch). KTO's KL
 term is TRL's over several processes: each micro-batch's estimate is averaged with the other
 ranks' micro-batches of the same place in the step (evaluation keeps each micro-batch's own: its
 ranks take different steps).
@@ -31,14 +30,13 @@ from ..data.batch import MicroBatch
 from ..data.preference import CHOSEN, CHOSEN_PROMPT, COMPLETION, KL, PAIR_SUMS, REJECTED, UNPAIRED_SUMS
 from ..determinism import sorted_sums
 from .base import Objective
+from .logprobs import token_logps
 from .losshead import Head
 from .preference import (
     PairedLogps,
     PreferenceConfig,
     PreferenceResult,
-    RunningMean,
     UnpairedLogps,
-    bco_reward_mean,
     kl_estimate,
     loss_and_grads,
     preference_loss,
@@ -71,7 +69,6 @@ class Preference(Objective):
         self.cfg, self.collective = cfg, collective
         self.paired = cfg.stage != "kto"
         self.codes = PAIR_SUMS if self.paired else UNPAIRED_SUMS
-        self.running = RunningMean()  # bco_pair's reward shift: training state
 
     # ------------------------------------------------------------------ the interface
     def targets(self, mb: MicroBatch, device: torch.device) -> _Targets:
@@ -104,7 +101,7 @@ class Preference(Objective):
 
         def chunk_loss(m: int, a: int, logits: Tensor):
             t, n = targets[m], logits.shape[0]
-            term = (weights[m][t.slots[a : a + n] + 1] * _token_logps(logits, t.tokens[a : a + n])).sum()
+            term = (weights[m][t.slots[a : a + n] + 1] * token_logps(logits, t.tokens[a : a + n])).sum()
             return term, term.detach() * 0
 
         _, dh = head.backward(hidden, chunk_loss)
@@ -112,29 +109,11 @@ class Preference(Objective):
 
     def _losses(self, batches: list) -> list[PreferenceResult]:
         """Each micro-batch's loss and gradients, in the step's order. In a world of several ranks
-        what couples the micro-batches of a step is shared first: KTO's KL term, bco_pair's
-        running mean."""
+        what couples the micro-batches of a step is shared first: KTO's KL term."""
         c = self.collective
-        several = c is not None and c.world_size > 1
-        if several and self.cfg.needs_kl:
-            return [loss_and_grads(self.cfg, b) for b in self._shared_kl(batches)]
-        if several and "bco_pair" in self.cfg.loss_type:
-            return self._shared_running(batches)
-        return [loss_and_grads(self.cfg, b, self.running) for b in batches]
-
-    def _shared_running(self, batches: list[PairedLogps]) -> list[PreferenceResult]:
-        """bco_pair: the other ranks' micro-batches update the running mean where they come in the
-        step (rank r's are its r-th block), so every rank holds the one-process state."""
-        c = self.collective
-        shared = c.each([bco_reward_mean(self.cfg, b) for b in batches])
-        out = []
-        for rank, values in enumerate(shared):
-            if rank == c.rank:
-                out = [loss_and_grads(self.cfg, b, self.running) for b in batches]
-            else:
-                for v in values:
-                    self.running.update(v)
-        return out
+        if c is not None and c.world_size > 1 and self.cfg.needs_kl:
+            batches = self._shared_kl(batches)
+        return [loss_and_grads(self.cfg, b) for b in batches]
 
     def _shared_kl(self, batches: list[UnpairedLogps]) -> list[UnpairedLogps]:
         """KTO's KL term as TRL takes it in a world of several ranks: at each forward every rank's
@@ -151,9 +130,8 @@ class Preference(Objective):
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
         loss = torch.zeros((), device=head.W.device)
-        running = RunningMean(self.running.mean, self.running.count)  # evaluation changes no state
         for t, s in zip(targets, self.sums(head, hidden, targets)):
-            value, metrics = preference_loss(self.cfg, self._batch(t, s), running)
+            value, metrics = preference_loss(self.cfg, self._batch(t, s))
             self.record(metrics)
             loss += value.detach()
         return loss
@@ -174,7 +152,7 @@ class Preference(Objective):
         for m, a, logits in head.forward(hidden):
             t, s, n = targets[m], out[m], logits.shape[0]
             at = t.slots[a : a + n] + 1
-            logps, means = _token_logps(logits, t.tokens[a : a + n]), logits.mean(-1)
+            logps, means = token_logps(logits, t.tokens[a : a + n]), logits.mean(-1)
             with sorted_sums():  # a sequence's tokens summed in order, not atomically, on CUDA
                 s.logps.index_add_(0, at, logps)
                 s.logits.index_add_(0, at, means)
@@ -224,15 +202,3 @@ class Preference(Objective):
             if name in grads:
                 w[1 + c * samples : 1 + (c + 1) * samples] = grads[name] / total
         return w
-
-    def state_dict(self) -> dict:
-        return {"running_mean": self.running.mean, "running_count": self.running.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            self.running = RunningMean(state["running_mean"], state["running_count"])
-
-
-def _token_logps(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log p(token) at each position of a chunk's fp32 logits."""
-    return torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)

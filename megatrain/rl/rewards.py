@@ -14,6 +14,7 @@ Built in:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import os
@@ -59,7 +60,19 @@ BUILTIN: dict[str, Callable] = {"exact_match": exact_match, "format": format_rew
 @dataclass
 class RewardFunc:
     name: str
+    """As reward_funcs names it: a built-in's name or module:function (what messages say)."""
     fn: Callable
+
+    @property
+    def metric_name(self) -> str:
+        """The name its metrics take (`rewards/<name>/mean`), TRL's: the function's __name__ (a
+        partial's function's, a callable object's class name); a built-in's own name."""
+        if self.name in BUILTIN:
+            return self.name
+        fn = self.fn
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        return getattr(fn, "__name__", type(fn).__name__)
 
 
 def load(specs: list[str] | str | None) -> list[RewardFunc]:

@@ -516,8 +516,10 @@ class Rollout:
         out = {}
         for j, f in enumerate(self.funcs):
             col = rewards[:, j]
-            out[f"rewards/{f.name}/mean"] = float(col.nanmean())
-            out[f"rewards/{f.name}/std"] = float(col[~col.isnan()].std()) if (~col.isnan()).sum() > 1 else 0.0
+            out[f"rewards/{f.metric_name}/mean"] = float(col.nanmean())
+            out[f"rewards/{f.metric_name}/std"] = (
+                float(col[~col.isnan()].std()) if (~col.isnan()).sum() > 1 else 0.0
+            )
         mine = [(len(c), bool(t)) for c, t in zip(completions, truncated)]
         every = [x for rank in self.world.each(mine) for x in rank] if self.world.world_size > 1 else mine
         lengths = torch.tensor([n for n, _ in every], dtype=torch.float64)
