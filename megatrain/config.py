@@ -79,6 +79,7 @@ NOT_TAKEN = {
     "hub_model_id": _HUB,
     "logging_dir": "tensorboard's event files go to output_dir/runs",
     "max_seq_length": "TRL's name before 0.20; it is max_length",
+    "dataset_name": "the dataset key names a file, a directory or a Hub dataset: dataset: <org/name>",
     "dataset_text_field": "name the text column with columns: {text: <column>}",
     "assistant_only_loss": "megatrain takes the loss on assistant turns (and completions) by default; "
     "train_on_prompt: true takes it on every token",
@@ -116,15 +117,31 @@ DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a da
 class TrainConfig:
     # --- model
     model_name_or_path: str | None = None
-    """Local Hugging Face model directory (config.json + safetensors, single or sharded)."""
+    """Hugging Face model directory (config.json + safetensors, single or sharded), or a Hub
+    repository's name (org/name) where no local path has that name: its config, safetensors,
+    tokenizer and generation config are fetched to the Hugging Face cache (HF_HOME,
+    HF_HUB_OFFLINE and HF_TOKEN apply)."""
+    model_revision: str | None = None
+    """The Hub revision (branch, tag or commit) of model_name_or_path's repository, and of the
+    other keys' where they name the same one; default main. A local directory has none."""
     model_config: str | None = None
-    """A config.json (or directory holding one): train from random initialisation."""
+    """A config.json (or directory holding one, or a Hub repository's name): train from random
+    initialisation."""
     tokenizer_name_or_path: str | None = None
-    """Local tokenizer directory or tokenizer.json; defaults to model_name_or_path (pre-tokenised
-    data needs none)."""
+    """Tokenizer directory, tokenizer.json or Hub repository's name; defaults to
+    model_name_or_path (pre-tokenised data needs none)."""
     # --- data
     dataset: str | list[str] | None = None
-    """JSONL/JSON/Parquet file(s), a directory with dataset_info.json, or names in it."""
+    """JSONL/JSON/Parquet file(s), a directory with dataset_info.json, names in it, or a Hub
+    dataset's name (org/name, read by `datasets.load_dataset`: the hub extra) where no local path
+    has that name."""
+    dataset_config: str | None = None
+    """A Hub dataset's configuration (load_dataset's name, TRL's dataset_config); default its
+    only or default one."""
+    dataset_train_split: str = "train"
+    """The split of a Hub dataset that `dataset` reads (TRL's name)."""
+    dataset_test_split: str = "test"
+    """The split of a Hub dataset that `eval_dataset` reads (TRL's name)."""
     dataset_format: str = "auto"
     """auto, text, tokens (pre-tokenised: ids below the model's vocab_size), messages, sharegpt,
     alpaca, prompt_completion."""
@@ -198,8 +215,8 @@ class TrainConfig:
     before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
     precomputes (a frozen reference gives the same numbers every step); false is accepted."""
     ref_model_name_or_path: str | None = None
-    """dpo/kto, and grpo with beta > 0: the reference model's local directory (the same
-    architecture); default: the initial policy (model_name_or_path)."""
+    """dpo/kto, and grpo with beta > 0: the reference model's directory or Hub repository (the
+    same architecture); default: the initial policy (model_name_or_path)."""
     num_generations: int = 8
     """grpo: completions sampled per prompt (a group)."""
     num_generations_eval: int | None = None

@@ -38,6 +38,7 @@ from .io.checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, p
 from .io.outputs import OutputDir, SaveSchedule
 from .io.ownership import RunLock
 from .io.partition import check_shared, save_checkpoint, save_model
+from .io.pretrained import local_models
 from .metrics import MetricsLogger, SilentLogger, mean_metrics, show_progress
 from .models import attention
 from .models.config import ModelConfig
@@ -99,6 +100,7 @@ def train(cfg: TrainConfig) -> Path | None:
     process is one rank of a data-parallel world (distributed.py).
     """
     cfg.require_dataset()
+    cfg = local_models(cfg)  # Hub names: their files fetched, or found in the cache
     seed_everything(cfg.seed)
     with full_determinism(cfg.full_determinism):  # before the first CUDA kernel
         world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
