@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .io.outputs import interval_steps
 from .objectives.grpo import GRPOConfig
 from .objectives.preference import STAGES, PreferenceConfig
+from .objectives.reward import RewardConfig
 from .rl.rollout import ROLLOUT_CACHES
 from .trackers import reporters
 
@@ -174,7 +175,9 @@ class TrainConfig:
     stage: str = "sft"
     """sft (supervised fine-tuning); dpo, kto, orpo or simpo (preference optimisation on TRL's
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
-    max_length bounds each sequence); grpo (completions sampled by the policy, scored by
+    max_length bounds each sequence); rm (a reward model: TRL's RewardTrainer on the pairs of
+    those formats, a score head in place of the LM head, exported as transformers'
+    sequence-classification model); grpo (completions sampled by the policy, scored by
     reward_funcs; per_device_train_batch_size counts completions)."""
     beta: float | None = None
     """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
@@ -272,6 +275,9 @@ class TrainConfig:
     compiles the decoding step on CUDA (torch.compile, CUDA graphs): the whole policy on the GPU
     only (not with streamed rollout layers), models whose transformers class takes a static cache
     and compiles. Not measured on a GPU yet (docs/grpo.md)."""
+    center_rewards_coefficient: float | None = None
+    """rm: weight of mean((chosen + rejected)^2) added to the loss, which centres the rewards on
+    0 (TRL's RewardConfig; null: none)."""
     reward_funcs: str | list[str] | None = None
     """grpo: reward functions, built in (exact_match, format, length) or module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
@@ -607,8 +613,8 @@ class TrainConfig:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
-        if self.stage not in ("sft", "grpo", *STAGES):
-            bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
+        if self.stage not in ("sft", "grpo", "rm", *STAGES):
+            bad("stage", f"must be sft, grpo, rm or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
 
@@ -619,11 +625,13 @@ class TrainConfig:
             return [d.strip() for d in self.offload_dir.split(",")]
         return list(self.offload_dir or [])
 
-    def preference(self) -> PreferenceConfig | None:
-        """The preference stage's settings; None for sft and grpo."""
+    def preference(self) -> PreferenceConfig | RewardConfig | None:
+        """The settings of a stage that trains on preference data (rm's: RewardConfig); None for
+        sft and grpo."""
         if self.stage in ("sft", "grpo"):
             return None
-        return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
+        settings = RewardConfig if self.stage == "rm" else PreferenceConfig
+        return settings(**_stage_keys(self, settings))
 
     def grpo(self, processes: int | None = None) -> GRPOConfig | None:
         """GRPO's settings for a world of `processes` (default: the world these settings
