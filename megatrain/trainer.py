@@ -164,7 +164,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     if grpo is not None:
         prompts, reward_funcs = (
             grpo_prompts(cfg, tokenizer, model_cfg.vocab_size),
-            rewards.load(cfg.reward_funcs),
+            rewards.load(cfg.reward_funcs, device, compute_dtype),
         )
         samples = prompt_samples(prompts)
         if resume:  # taken in the middle of a rollout's num_iterations steps, it holds the rollout
