@@ -279,9 +279,9 @@ class TrainConfig:
     """rm: weight of mean((chosen + rejected)^2) added to the loss, which centres the rewards on
     0 (TRL's RewardConfig; null: none)."""
     reward_funcs: str | list[str] | None = None
-    """grpo: reward functions, built in (exact_match, format, length) or module:function with
+    """grpo: reward functions, built in (exact_match, format, length), module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
-    None)."""
+    None), or a reward model's directory or Hub name (docs/reward.md)."""
     reward_weights: list[float] | None = None
     """grpo: one weight per reward function (default 1 each)."""
     # --- schedule
