@@ -173,10 +173,12 @@ def _plan(args) -> int:
     from .checks import config_warnings
     from .config import TrainConfig
     from .determinism import full_determinism
+    from .io.pretrained import local_models
     from .models.config import ModelConfig
+    from .stages import stage_model
 
-    cfg = TrainConfig.load(args.config, args.overrides)
-    model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config)
+    cfg = local_models(TrainConfig.load(args.config, args.overrides), weights=False)  # config.json is enough
+    model_cfg = stage_model(cfg, ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config), None)
     # Plan for the device the config names, even where it is not present (a login node): the
     # budgets then come from max_gpu_memory / max_host_memory.
     kind = (

@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .io.outputs import interval_steps
 from .objectives.grpo import GRPOConfig
 from .objectives.preference import STAGES, PreferenceConfig
+from .objectives.reward import RewardConfig
 from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
 from .trackers import reporters
 
@@ -79,6 +80,7 @@ NOT_TAKEN = {
     "hub_model_id": _HUB,
     "logging_dir": "tensorboard's event files go to output_dir/runs",
     "max_seq_length": "TRL's name before 0.20; it is max_length",
+    "dataset_name": "the dataset key names a file, a directory or a Hub dataset: dataset: <org/name>",
     "dataset_text_field": "name the text column with columns: {text: <column>}",
     "assistant_only_loss": "megatrain takes the loss on assistant turns (and completions) by default; "
     "train_on_prompt: true takes it on every token",
@@ -119,15 +121,31 @@ DATASET_KEYS = ("dataset", "eval_dataset")  # paths, or names registered in a da
 class TrainConfig:
     # --- model
     model_name_or_path: str | None = None
-    """Local Hugging Face model directory (config.json + safetensors, single or sharded)."""
+    """Hugging Face model directory (config.json + safetensors, single or sharded), or a Hub
+    repository's name (org/name) where no local path has that name: its config, safetensors,
+    tokenizer and generation config are fetched to the Hugging Face cache (HF_HOME,
+    HF_HUB_OFFLINE and HF_TOKEN apply)."""
+    model_revision: str | None = None
+    """The Hub revision (branch, tag or commit) of model_name_or_path's repository, and of the
+    other keys' where they name the same one; default main. A local directory has none."""
     model_config: str | None = None
-    """A config.json (or directory holding one): train from random initialisation."""
+    """A config.json (or directory holding one, or a Hub repository's name): train from random
+    initialisation."""
     tokenizer_name_or_path: str | None = None
-    """Local tokenizer directory or tokenizer.json; defaults to model_name_or_path (pre-tokenised
-    data needs none)."""
+    """Tokenizer directory, tokenizer.json or Hub repository's name; defaults to
+    model_name_or_path (pre-tokenised data needs none)."""
     # --- data
     dataset: str | list[str] | None = None
-    """JSONL/JSON/Parquet file(s), a directory with dataset_info.json, or names in it."""
+    """JSONL/JSON/Parquet file(s), a directory with dataset_info.json, names in it, or a Hub
+    dataset's name (org/name, read by `datasets.load_dataset`: the hub extra) where no local path
+    has that name."""
+    dataset_config: str | None = None
+    """A Hub dataset's configuration (load_dataset's name, TRL's dataset_config); default its
+    only or default one."""
+    dataset_train_split: str = "train"
+    """The split of a Hub dataset that `dataset` reads (TRL's name)."""
+    dataset_test_split: str = "test"
+    """The split of a Hub dataset that `eval_dataset` reads (TRL's name)."""
     dataset_format: str = "auto"
     """auto, text, tokens (pre-tokenised: ids below the model's vocab_size), messages, sharegpt,
     alpaca, prompt_completion."""
@@ -160,7 +178,9 @@ class TrainConfig:
     stage: str = "sft"
     """sft (supervised fine-tuning); dpo, kto, orpo or simpo (preference optimisation on TRL's
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
-    max_length bounds each sequence); grpo (completions sampled by the policy, scored by
+    max_length bounds each sequence); rm (a reward model: TRL's RewardTrainer on the pairs of
+    those formats, a score head in place of the LM head, exported as transformers'
+    sequence-classification model); grpo (completions sampled by the policy, scored by
     reward_funcs; per_device_train_batch_size counts completions)."""
     beta: float | None = None
     """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
@@ -199,8 +219,8 @@ class TrainConfig:
     before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
     precomputes (a frozen reference gives the same numbers every step); false is accepted."""
     ref_model_name_or_path: str | None = None
-    """dpo/kto, and grpo with beta > 0: the reference model's local directory (the same
-    architecture); default: the initial policy (model_name_or_path)."""
+    """dpo/kto, and grpo with beta > 0: the reference model's directory or Hub repository (the
+    same architecture); default: the initial policy (model_name_or_path)."""
     num_generations: int = 8
     """grpo: completions sampled per prompt (a group)."""
     num_generations_eval: int | None = None
@@ -268,10 +288,13 @@ class TrainConfig:
     batch's prompt width + max_completion_length, with which `generate` compiles the decoding step
     on CUDA (torch.compile, CUDA graphs): the whole policy on the GPU only (not with streamed
     rollout layers), models whose transformers class takes a static cache and compiles."""
+    center_rewards_coefficient: float | None = None
+    """rm: weight of mean((chosen + rejected)^2) added to the loss, which centres the rewards on
+    0 (TRL's RewardConfig; null: none)."""
     reward_funcs: str | list[str] | None = None
-    """grpo: reward functions, built in (exact_match, format, length) or module:function with
+    """grpo: reward functions, built in (exact_match, format, length), module:function with
     TRL's signature (prompts, completions, completion_ids and the dataset's columns -> floats or
-    None)."""
+    None), or a reward model's directory or Hub name (docs/reward.md)."""
     reward_weights: list[float] | None = None
     """grpo: one weight per reward function (default 1 each)."""
     # --- schedule
@@ -610,8 +633,8 @@ class TrainConfig:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
-        if self.stage not in ("sft", "grpo", *STAGES):
-            bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
+        if self.stage not in ("sft", "grpo", "rm", *STAGES):
+            bad("stage", f"must be sft, grpo, rm or one of {', '.join(STAGES)}")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
 
@@ -622,11 +645,13 @@ class TrainConfig:
             return [d.strip() for d in self.offload_dir.split(",")]
         return list(self.offload_dir or [])
 
-    def preference(self) -> PreferenceConfig | None:
-        """The preference stage's settings; None for sft and grpo."""
+    def preference(self) -> PreferenceConfig | RewardConfig | None:
+        """The settings of a stage that trains on preference data (rm's: RewardConfig); None for
+        sft and grpo."""
         if self.stage in ("sft", "grpo"):
             return None
-        return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
+        settings = RewardConfig if self.stage == "rm" else PreferenceConfig
+        return settings(**_stage_keys(self, settings))
 
     def grpo(self, processes: int | None = None) -> GRPOConfig | None:
         """GRPO's settings for a world of `processes` (default: the world these settings

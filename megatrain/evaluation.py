@@ -60,7 +60,7 @@ class Evaluator:
             self.num_samples = len(self.prompts)
         elif cfg.eval_strategy != "no":
             samples = build_stage_samples(
-                cfg, tokenizer, vocab_size, "eval_dataset", cfg.per_device_eval_batch_size, warn=warn
+                cfg, tokenizer, vocab_size, "eval_dataset", cfg.per_device_eval_batch_size, warn, pad_id
             )
             self.num_samples = len(samples)
             self.batcher = in_order(cfg, samples, cfg.per_device_eval_batch_size, pad_id)

@@ -23,9 +23,10 @@ from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
-from .planning.footprint import rollout_bytes, rollout_copy_bytes
+from .planning.footprint import reward_model_bytes, rollout_bytes, rollout_copy_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
+from .rl import rewards
 from .stages import row_length
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
@@ -258,7 +259,15 @@ def rollout_memory(
         rows = max(rows, cfg.per_device_eval_batch_size)
     prompt = cfg.max_prompt_length or cfg.max_length
     completion = grpo.max_completion_length
-    return rollout_bytes(model_cfg, rows, prompt, completion, compute_bytes, resident_layers, host_copy)
+    parts = rollout_bytes(model_cfg, rows, prompt, completion, compute_bytes, resident_layers, host_copy)
+    scorers = [
+        ModelConfig.from_json(rewards.model_config(spec)) for spec in rewards.model_dirs(cfg.reward_funcs)
+    ]
+    if scorers:  # on the device for the whole run: beside the update too
+        parts["reward models"] = sum(
+            reward_model_bytes(s, rows, prompt + completion, compute_bytes) for s in scorers
+        )
+    return parts
 
 
 def rollout_split(update, cfg, layers: int, device: str) -> Plan:

@@ -226,7 +226,7 @@ def build_model(
         state.copy = WeightCopy(state, [state.units[i] for i in copied], dtype)
     if collective.holds_state:
         if weights is not None:
-            load_hf_weights(state, weights, cfg, progress=progress)
+            load_hf_weights(state, weights, cfg, progress=progress, seed=seed)
         else:
             init_random(state, cfg, seed, progress=progress)
         if after_load is not None:

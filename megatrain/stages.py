@@ -35,6 +35,7 @@ from .data.preference import (
     build_preference_pairs,
     build_unpaired_examples,
     pair_sample,
+    score_sample,
     unpaired_sample,
 )
 from .data.prompts import Prompt, build_prompts
@@ -47,6 +48,7 @@ from .io.writing import AtomicDir
 from .models.config import ModelConfig
 from .objectives.base import Objective
 from .objectives.grpo import GRPO, GRPOConfig
+from .objectives.reward import Reward
 from .objectives.sequence_sums import Preference
 
 REFERENCE_DIR = "reference"
@@ -54,11 +56,11 @@ REFERENCE_FILE = "logps.safetensors"
 
 
 def build_stage_samples(
-    cfg, tokenizer, vocab_size: int | None, key: str, batch_size: int, warn=print
+    cfg, tokenizer, vocab_size: int | None, key: str, batch_size: int, warn=print, pad_id: int = 0
 ) -> list[Sample]:
     """The samples of `cfg.<key>` (dataset or eval_dataset) for the run's stage: labelled
-    sequences (sft) or preference samples (data/preference.py); `batch_size` groups KTO's KL
-    sequences as its batches will."""
+    sequences (sft) or preference samples (data/preference.py; rm's scored where `pad_id`, the
+    run's padding, says); `batch_size` groups KTO's KL sequences as its batches will."""
     pref = cfg.preference()
     if pref is None:
         return build_samples(cfg, tokenizer, vocab_size, key=key, warn=warn)
@@ -67,7 +69,23 @@ def build_stage_samples(
     if pref.stage == "kto":
         kl = batch_size if pref.needs_kl else None
         return [unpaired_sample(e) for e in build_unpaired_examples(paths, tokenizer, limits, kl, vocab_size)]
-    return [pair_sample(p) for p in build_preference_pairs(paths, tokenizer, limits, vocab_size)]
+    pairs = build_preference_pairs(paths, tokenizer, limits, vocab_size)
+    if pref.stage == "rm":
+        return [score_sample(p, pad_id) for p in pairs]
+    return [pair_sample(p) for p in pairs]
+
+
+def stage_model(cfg, model_cfg: ModelConfig, pad_id: int) -> ModelConfig:
+    """The model the stage trains: rm's with a score head (its exports score before `pad_id`,
+    the run's padding), the others' a causal LM."""
+    if cfg.stage == "rm":
+        return model_cfg.with_score_head(pad_id)
+    if model_cfg.num_labels is not None:
+        raise ConfigError(
+            f"stage {cfg.stage}: model_name_or_path is a sequence-classification model (a reward "
+            "model); it trains with stage rm"
+        )
+    return model_cfg
 
 
 def grpo_prompts(cfg, tokenizer, vocab_size: int | None, key: str = "dataset") -> list[Prompt]:
@@ -153,6 +171,8 @@ def objective_of(cfg, world) -> Objective | None:
     if (grpo := cfg.grpo(world.world_size)) is not None:
         return GRPO(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size, collective=world)
     pref = cfg.preference()
+    if pref is not None and pref.stage == "rm":
+        return Reward(pref)
     return None if pref is None else Preference(pref, collective=world)
 
 

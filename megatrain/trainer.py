@@ -38,6 +38,7 @@ from .io.checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, p
 from .io.outputs import OutputDir, SaveSchedule
 from .io.ownership import RunLock
 from .io.partition import check_shared, save_checkpoint, save_model
+from .io.pretrained import local_models
 from .metrics import MetricsLogger, SilentLogger, mean_metrics, show_progress
 from .models import attention
 from .models.config import ModelConfig
@@ -59,6 +60,7 @@ from .stages import (
     objective_of,
     reference_model_pass,
     same_architecture,
+    stage_model,
     steps_of_epoch,
 )
 from .trackers import RunInfo
@@ -99,6 +101,7 @@ def train(cfg: TrainConfig) -> Path | None:
     process is one rank of a data-parallel world (distributed.py).
     """
     cfg.require_dataset()
+    cfg = local_models(cfg)  # Hub names: their files fetched, or found in the cache
     seed_everything(cfg.seed)
     with full_determinism(cfg.full_determinism):  # before the first CUDA kernel
         world, device = start(resolve_device(cfg.device), cfg.ddp_timeout, cfg.ddp_traffic, cfg.nnodes)
@@ -144,29 +147,31 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
         cfg.output_router_logits, cfg.router_aux_loss_coef
     )
-    ckpt_path = resume_path(cfg)
-    resume = (
-        open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
-    )
-    outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     tok_path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
     # A model directory without tokenizer files is fine for pre-tokenised data.
     tokenizer = load_tokenizer(tok_path, optional=not cfg.tokenizer_name_or_path) if tok_path else None
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
+    pad_id = pad_token_id(tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None))
+    model_cfg = stage_model(cfg, model_cfg, pad_id)  # rm: a score head
+    ckpt_path = resume_path(cfg)
+    resume = (
+        open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
+    )
+    outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     prompts, reward_funcs, resumed = None, None, None
     grpo = cfg.grpo(world.world_size)  # the generation batch is counted over the run's processes
     if grpo is not None:
         prompts, reward_funcs = (
             grpo_prompts(cfg, tokenizer, model_cfg.vocab_size),
-            rewards.load(cfg.reward_funcs),
+            rewards.load(cfg.reward_funcs, device, compute_dtype),
         )
         samples = prompt_samples(prompts)
         if resume:  # taken in the middle of a rollout's num_iterations steps, it holds the rollout
             resumed = resumed_rollout(resume.path, resume.trainer_state.global_step, grpo, world)
     else:
         samples = build_stage_samples(
-            cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, warn=say
+            cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, say, pad_id
         )
     batch_size, grad_accum = batch_shape(cfg, grpo)
     batcher = Batcher(
@@ -178,9 +183,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         shuffle=cfg.shuffle,
         seed=cfg.seed,
         ranks=world.world_size,
-        pad_id=pad_token_id(
-            tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None)
-        ),
+        pad_id=pad_id,
     )
     steps_per_epoch = steps_of_epoch(cfg, grpo, batcher.steps_per_epoch)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)

@@ -195,8 +195,10 @@ def test_missing_dataset_and_registry_errors(tmp_path, tok):
     ):
         build_samples(cfg_for(tmp_path / "nope.jsonl"), tok)
     info = tmp_path / "dataset_info.json"
-    info.write_text(json.dumps({"hub": {"hf_hub_url": "org/x"}, "gone": {"file_name": "gone.json"}}))
-    with pytest.raises(ConfigError, match=r"'hub' has hf_hub_url, but only local files are supported"):
+    info.write_text(json.dumps({"hub": {"ms_hub_url": "org/x"}, "gone": {"file_name": "gone.json"}}))
+    with pytest.raises(
+        ConfigError, match=r"'hub' has ms_hub_url, but only local files and hf_hub_url are read"
+    ):
         build_samples(cfg_for("hub", dataset_info=str(info)), tok)
     with pytest.raises(
         ConfigError, match=rf"'gone': file_name {re.escape(str(tmp_path / 'gone.json'))} does not exist"

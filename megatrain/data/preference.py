@@ -23,6 +23,7 @@ fine-tuned on.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ class PreferencePair:
     chosen: CompletionTokens
     rejected: CompletionTokens
     source: str
+    margin: float = 0.0
+    """The record's `margin` (TRL's reward-model margin column; 0 where it has none)."""
 
 
 @dataclass(slots=True)
@@ -147,6 +150,19 @@ def pair_sample(pair: PreferencePair) -> Sample:
     )
 
 
+def score_sample(pair: PreferencePair, pad_id: int) -> Sample:
+    """A pair as stage rm reads it: pair_sample's two sequences, each coded (CHOSEN, REJECTED) at
+    the one token its reward is read at, transformers' sequence-classification rule: its last
+    token that is not `pad_id` (its first where every token is); extra: the pair's margin."""
+    slots = []
+    for seq, code in ((pair.chosen, CHOSEN), (pair.rejected, REJECTED)):
+        at = max((j for j, t in enumerate(seq.input_ids) if t != pad_id), default=0)
+        slots += [code if j == at else -1 for j in range(len(seq.input_ids))]
+    sample = pair_sample(pair)
+    sample.slots, sample.extra = slots, (pair.margin,)
+    return sample
+
+
 def unpaired_sample(example: UnpairedExample) -> Sample:
     """A KTO example as one sample: its sequence (completion coded COMPLETION) and, with a KL
     term, its KL sequence (completion coded KL, no labels: a constant of the loss). Its extra
@@ -178,8 +194,10 @@ def build_preference_pairs(
     if none is left). `tokenizer` may be None for pre-tokenised files; every id must be below
     `vocab_size` (default: the tokenizer's size)."""
     pairs, skipped = [], []
-    for where, prompt, (chosen, rejected), _ in _encoded(paths, tokenizer, vocab_size, paired_only=True):
-        pair = PreferencePair(limits.cut(prompt, chosen), limits.cut(prompt, rejected), where)
+    for where, prompt, (chosen, rejected), _, margin in _encoded(
+        paths, tokenizer, vocab_size, paired_only=True
+    ):
+        pair = PreferencePair(limits.cut(prompt, chosen), limits.cut(prompt, rejected), where, margin)
         if pair.chosen.n_targets and pair.rejected.n_targets:
             pairs.append(pair)
         else:
@@ -242,7 +260,7 @@ def _unpaired(records):
     """(where, prompt, completion, label) per example: a paired record gives a chosen (label true)
     and a rejected (false) example, the chosen ones first within each UNPAIR_BLOCK records."""
     block: list = []
-    for where, prompt, completions, label in records:
+    for where, prompt, completions, label, _ in records:
         if label is not None:
             yield where, prompt, completions[0], label
             continue
@@ -271,8 +289,8 @@ class _Text:
 
 
 def _encoded(paths, tokenizer, vocab_size: int | None, paired_only: bool):
-    """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None) per
-    record, in order. `paired_only` refuses unpaired files."""
+    """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None, margin)
+    per record, in order. `paired_only` refuses unpaired files."""
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     for path in paths:
@@ -289,17 +307,20 @@ def _encoded(paths, tokenizer, vocab_size: int | None, paired_only: bool):
                 keys = ("prompt_input_ids", "completion_input_ids") if unpaired else PAIRED_TOKEN_KEYS
                 for (where, rec), label in zip(chunk, labels):
                     prompt, *completions = (_ids(rec, k, where, vocab_size) for k in keys)
-                    yield where, prompt, completions, label
+                    yield where, prompt, completions, label, _margin(rec, where)
                 continue
             texts = [_text(tokenizer, where, *_split(rec, where, not unpaired)) for where, rec in chunk]
-            for x, (prompt, completions), label in zip(texts, _tokenize(tokenizer, texts), labels):
+            margins = [_margin(rec, where) for where, rec in chunk]
+            for x, (prompt, completions), label, margin in zip(
+                texts, _tokenize(tokenizer, texts), labels, margins
+            ):
                 for ids in (prompt, *completions):
                     if (bad := out_of_vocab(ids, vocab_size)) is not None:
                         raise DataError(
                             f"{x.where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
                             f"[0, {vocab_size}) (is it the model's tokenizer?)"
                         )
-                yield x.where, prompt, completions, label
+                yield x.where, prompt, completions, label, margin
 
 
 def _detect(where: str, rec: dict[str, Any]) -> str:
@@ -324,6 +345,13 @@ def _label(rec: dict, where: str) -> bool:
     if not isinstance(rec["label"], bool):
         raise DataError(f"{where}: field 'label' must be true or false, got {rec['label']!r}")
     return rec["label"]
+
+
+def _margin(rec: dict, where: str) -> float:
+    value = rec.get("margin", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where}: field 'margin' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _ids(rec: dict, key: str, where: str, vocab_size: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Finding and reading dataset files: JSON, JSONL, CSV/TSV (those also gzip- or
 zstandard-compressed), Parquet and Arrow files, directories of them, directories Hugging Face
-`datasets` saved (files.py), and names registered in a LlamaFactory-style dataset_info.json."""
+`datasets` saved (files.py), names registered in a LlamaFactory-style dataset_info.json, and
+Hub datasets (hub.py: the Arrow files `datasets.load_dataset` prepares for their split)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import hub
 from ..errors import ConfigError, DataError
 from .files import KINDS, data_kind, is_saved_dataset, read_arrow, read_csv, read_text, saved_dataset_files
 
@@ -52,15 +54,19 @@ def resolve_dataset(cfg, key: str = "dataset") -> list[DataFile]:
     if not entries or entries == [None]:
         raise ConfigError(f"{key}: no dataset given")
     info = _load_info(Path(cfg.dataset_info)) if cfg.dataset_info else None
+    split = cfg.dataset_test_split if key == "eval_dataset" else cfg.dataset_train_split
+    hub_dataset = lambda name: hub.dataset_files(name, key, split, cfg.dataset_config)  # noqa: E731
     files: list[DataFile] = []
     for entry in entries:
-        files += _resolve_entry(entry, info, cfg.dataset_format, key, dict(cfg.columns or {}))
+        files += _resolve_entry(entry, info, cfg.dataset_format, key, dict(cfg.columns or {}), hub_dataset)
     return files
 
 
 def _resolve_entry(
-    entry: str, info: tuple[Path, dict] | None, fmt: str, key: str, columns: dict[str, str]
+    entry: str, info: tuple[Path, dict] | None, fmt: str, key: str, columns: dict[str, str], hub_dataset
 ) -> list[DataFile]:
+    """The files of one entry: a registered name, a file, a directory, a name in the registry of
+    its directory, else a Hub dataset (`hub_dataset(name)`: its split's files)."""
     p = Path(entry)
     if info is not None and entry in info[1]:
         return _registered(entry, *info, key)
@@ -86,6 +92,8 @@ def _resolve_entry(
         )
     if info is not None:
         raise ConfigError(f"{key} {entry}: no such file, and not a name in {info[0]} ({_names(info[1])})")
+    if data_kind(p) is None and hub.is_repo_id(entry):  # a data file's name is a path, not a Hub name
+        return [DataFile(f, fmt, columns) for f in hub_dataset(entry)]
     raise ConfigError(
         f"{key} {entry}: no such file or directory (to use a registered name, set dataset_info)"
     )
@@ -117,18 +125,16 @@ def _load_info(path: Path) -> tuple[Path, dict]:
 
 
 def _registered(name: str, info_path: Path, registry: dict, key: str) -> list[DataFile]:
-    """The files of one dataset_info.json entry (for config key `key`). Only local `file_name`
-    entries are supported: hub and script entries would need a network. A `split` picks one of
-    a saved DatasetDict's."""
+    """The files of one dataset_info.json entry (for config key `key`): a local `file_name`, or
+    a Hub dataset's `hf_hub_url` (with LlamaFactory's `subset`, `split` and `folder`). A `split`
+    picks one of a saved DatasetDict's."""
     spec = registry[name]
     where = f"dataset_info {info_path}: {name!r}"
-    if "file_name" not in spec:
-        remote = [
-            k
-            for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
-            if k in spec
-        ]
-        why = f"has {remote[0]}, but only local files are supported" if remote else "has no file_name"
+    if "file_name" not in spec and "hf_hub_url" not in spec:
+        remote = [k for k in ("ms_hub_url", "om_hub_url", "script_url", "cloud_file_name") if k in spec]
+        why = (
+            f"has {remote[0]}, but only local files and hf_hub_url are read" if remote else "has no file_name"
+        )
         raise ConfigError(f"{where} {why}")
     if spec.get("ranking"):
         raise ConfigError(f"{where} is a ranking (preference) dataset, which supervised training cannot use")
@@ -138,8 +144,11 @@ def _registered(name: str, info_path: Path, registry: dict, key: str) -> list[Da
     for k in ("columns", "tags"):
         if not isinstance(spec.get(k, {}), dict):
             raise ConfigError(f"{where}: {k} must be an object")
-    target = info_path.parent / spec["file_name"]
-    if target.is_dir() and is_saved_dataset(target):
+    target = info_path.parent / spec.get("file_name", "")
+    if "file_name" not in spec:
+        split = spec.get("split", "train")
+        paths = hub.dataset_files(spec["hf_hub_url"], where, split, spec.get("subset"), spec.get("folder"))
+    elif target.is_dir() and is_saved_dataset(target):
         paths = saved_dataset_files(target, key, spec.get("split"))
     elif target.is_dir():
         paths = _files_in(target)

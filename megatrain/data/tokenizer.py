@@ -1,4 +1,5 @@
-"""Loading a local Hugging Face tokenizer (never from the Hub: training runs are offline)."""
+"""Loading a local Hugging Face tokenizer (a Hub name is fetched to a local snapshot first:
+io/pretrained.py)."""
 
 from __future__ import annotations
 

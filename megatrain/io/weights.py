@@ -30,26 +30,43 @@ from tqdm.auto import tqdm
 from ..errors import CheckpointError, ConfigError, OutputError
 from ..host.state import HostState, build_units, checkpoint_entries, tensor_entries
 from ..models.config import ModelConfig
+from ..models.score import SCORE, classification_class
 from . import manifest
 from .reader import INDEX, TensorReader, checkpoint_files
 from .writing import AtomicDir
 
 
-def load_hf_weights(state: HostState, model_dir: str | Path, cfg: ModelConfig, progress=True) -> None:
+def load_hf_weights(
+    state: HostState, model_dir: str | Path, cfg: ModelConfig, progress=True, seed: int = 0
+) -> None:
     """Fill `state.master` (the part of the model it holds) from a Hugging Face safetensors
     checkpoint or a partitioned checkpoint, units in parallel threads (reading, and converting to
-    fp32, release the GIL)."""
+    fp32, release the GIL). A reward model read from a causal LM's checkpoint gets a new score
+    head (`new_score`, of `seed`)."""
     reader = TensorReader(checkpoint_files(model_dir), model_dir)
+    fresh = new_score(cfg, seed) if cfg.num_labels and SCORE not in reader.files else {}
     for key, shape in checkpoint_entries(state.units):  # all present, right shapes, before reading
-        reader.check(key, shape)
+        if key not in fresh:
+            reader.check(key, shape)
+
+    def read(key: str, a: int, b: int) -> torch.Tensor:
+        return fresh[key].reshape(-1)[a:b] if key in fresh else reader.get_range(key, a, b)
 
     def load(unit) -> None:  # each tensor a parameter, or one expert's block of one
-        state.load(unit, "master", tensor_entries(unit), reader.get_range)
+        state.load(unit, "master", tensor_entries(unit), read)
 
     try:
         _per_unit(load, state.units, "loading weights", progress)
     finally:
         reader.close()
+
+
+def new_score(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A reward model's score head where its checkpoint has none (a causal LM's): drawn as
+    transformers initialises a new `score` Linear, N(0, initializer_range), from `seed`."""
+    std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
+    gen = torch.Generator().manual_seed(seed)
+    return {SCORE: torch.empty(cfg.num_labels, cfg.hidden_size).normal_(0.0, std, generator=gen)}
 
 
 def _per_unit(fn, units, desc: str, progress: bool) -> None:
@@ -112,7 +129,7 @@ def parameters_in(
     parameters are then its views)."""
     state = HostState(build_units(cfg), with_optimizer=False)
     if model_dir is not None:
-        load_hf_weights(state, model_dir, cfg, progress=False)
+        load_hf_weights(state, model_dir, cfg, progress=False, seed=seed)
     else:
         init_random(state, cfg, seed)
     return {name: value.to(dtype) for name, value in state.named_parameters()}
@@ -157,7 +174,7 @@ def write_model_config(
     derived from the model config. When `tokenizer` has a chat template, the token that ends its
     assistant turns joins the EOS ids, so `generate()` stops where a chat model ends its answer."""
     hf = copy.deepcopy(cfg.hf_config)
-    hf.architectures = [causal_lm_class(cfg)]
+    hf.architectures = [model_class(cfg)]
     if getattr(hf, "quantization_config", None) is not None:
         del hf.quantization_config  # weights are written in full precision (an MXFP4 source decoded)
     if isinstance(inspect.getattr_static(type(hf), "torch_dtype", None), property):
@@ -302,9 +319,12 @@ def tensor_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[str], torch
     they change between releases (DeepSeek-V3 keeps its router's correction bias in fp32, and
     from 5.24 its gate weight too). The names are matched as transformers matches them (a
     search, `*` for anything)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg.hf_config)]
+    mapping = (
+        MODEL_FOR_CAUSAL_LM_MAPPING if cfg.num_labels is None else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    )
+    cls = mapping[type(cfg.hf_config)]
     keep = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or []) if dtype != torch.float32 else []
     keep += list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else []
     if not keep:
@@ -313,8 +333,11 @@ def tensor_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[str], torch
     return lambda key: torch.float32 if fp32.search(key) else dtype
 
 
-def causal_lm_class(cfg: ModelConfig) -> str:
-    """The transformers class that loads an exported model (config.json's `architectures`)."""
+def model_class(cfg: ModelConfig) -> str:
+    """The transformers class that loads an exported model (config.json's `architectures`): the
+    causal LM, or a reward model's sequence-classification model."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if cfg.num_labels is not None:
+        return classification_class(cfg)
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg.hf_config)].__name__

@@ -73,8 +73,11 @@ class CohereHead(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logit_scale = cfg.hf_config.logit_scale
 
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
     def forward(self, x: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), lm_weight) * self.logit_scale
+        return F.linear(self.normed(x), lm_weight) * self.logit_scale
 
 
 def _inputs(cfg: ModelConfig, device: torch.device):

@@ -285,6 +285,9 @@ class ModelConfig:
     """The expert layer of a mixture-of-experts family; None for a dense MLP."""
     mla: MLASpec | None = None
     """DeepSeek's latent attention (q/kv low-rank paths, qk and v head dims); None otherwise."""
+    num_labels: int | None = None
+    """A sequence-classification model's outputs (a reward model's 1: models/score.py), its score
+    head in place of the LM head; None: a causal LM."""
     hf_config: Any = field(default=None, repr=False, compare=False)
     """The transformers config object (kept for RoPE variants and for export)."""
 
@@ -352,6 +355,16 @@ class ModelConfig:
         for k, v in given.items():
             setattr(hf, k, v)
         return dataclasses.replace(self, moe=dataclasses.replace(self.moe, **given), hf_config=hf)
+
+    def with_score_head(self, pad_token_id: int | None) -> ModelConfig:
+        """This model as a reward model (transformers' `...ForSequenceClassification`, one label):
+        the score head in place of the LM head, nothing tied to the embedding; its config the one
+        `AutoModelForSequenceClassification` reads, `pad_token_id` the token it scores before."""
+        hf = copy.deepcopy(self.hf_config)
+        hf.num_labels = 1
+        hf.pad_token_id = pad_token_id
+        hf.tie_word_embeddings = False
+        return dataclasses.replace(self, num_labels=1, tie_word_embeddings=False, hf_config=hf)
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
@@ -436,6 +449,9 @@ class ModelConfig:
         except Exception as e:  # transformers validates rope parameters and friends
             raise ConfigError(f"{path}: {e}") from None
         try:
-            return cls.from_hf(hf)
+            cfg = cls.from_hf(hf)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+        if any(str(a).endswith("ForSequenceClassification") for a in raw.get("architectures") or []):
+            cfg = cfg.with_score_head(hf.pad_token_id)  # a reward model (models/score.py)
+        return cfg

@@ -257,8 +257,12 @@ class Head(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm (what a score head reads: models/score.py)."""
+        return self.norm(x)
+
     def forward(self, x: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(x), lm_weight)
+        return F.linear(self.normed(x), lm_weight)
 
 
 def rope_inv_freq(cfg: ModelConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

@@ -16,11 +16,17 @@ from .config import ModelConfig
 
 
 def family_of(cfg: ModelConfig) -> Family:
-    """The family that runs `cfg`: its fast block, or transformers' modules."""
+    """The family that runs `cfg`: its fast block, or transformers' modules; a reward model's
+    with the score head (score.py)."""
     if cfg.path == "generic":
         from .hf import GENERIC
 
-        return GENERIC
+        fam = GENERIC
+        if cfg.num_labels is not None:
+            from .score import scored
+
+            return scored(fam)
+        return fam
     from .cohere import COHERE
     from .decoder import BLOCKS
     from .deepseek import DEEPSEEK
@@ -40,7 +46,12 @@ def family_of(cfg: ModelConfig) -> Family:
         "gpt_oss": GPT_OSS,
         "deepseek": DEEPSEEK,
     }
-    return fams[cfg.block]
+    fam = fams[cfg.block]
+    if cfg.num_labels is not None:
+        from .score import scored
+
+        return scored(fam)
+    return fam
 
 
 def checkpoint_pieces(

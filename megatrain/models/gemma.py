@@ -75,8 +75,11 @@ class GemmaHead(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.softcap = getattr(cfg.hf_config, "final_logit_softcapping", None)
 
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
     def forward(self, x: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.norm(x), lm_weight)
+        logits = F.linear(self.normed(x), lm_weight)
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
 

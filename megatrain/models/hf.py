@@ -237,10 +237,13 @@ class HFHead(nn.Module):
         self.lm_weight_name = f"{lm_name}.weight"
         self.hf = cfg.hf_config
 
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.norm_name)(x)
+
     def forward(self, x: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
         lm = getattr(self, self.lm_name, None)
         bias = getattr(lm, "bias", None)
-        return _post_logits(self.hf, F.linear(getattr(self, self.norm_name)(x), lm_weight, bias))
+        return _post_logits(self.hf, F.linear(self.normed(x), lm_weight, bias))
 
 
 def _post_logits(hf, logits: torch.Tensor) -> torch.Tensor:

@@ -439,6 +439,16 @@ ROLLOUT_LOGIT_COPIES = 4
 ROLLOUT_BUFFERS = 2
 
 
+def reward_model_bytes(cfg: ModelConfig, rows: int, tokens: int, compute_bytes: int) -> int:
+    """The GPU memory of a reward model scoring `rows` sequences of `tokens` (grpo's reward_funcs):
+    its weights in the compute dtype, and the widest activations of one layer's forward over them
+    (the MLP's gate and up; no graph is kept)."""
+    return (
+        cfg.num_params * compute_bytes
+        + rows * tokens * (cfg.hidden_size + 2 * cfg.intermediate_size) * compute_bytes
+    )
+
+
 def rollout_bytes(
     cfg: ModelConfig,
     rows: int,

@@ -10,6 +10,12 @@ Built in:
   stripped; else 0.0.
 - `format`: 1.0 where the completion is `<think>...</think>` then `<answer>...</answer>`.
 - `length`: the completion's length in characters (weight it with `reward_weights`).
+
+A reward model (a sequence-classification model directory, such as stage rm exports, or a Hub
+repository's name) scores as TRL's GRPOTrainer scores with a model in `reward_funcs`: prompt +
+completion as text (a conversation rendered by the reward model's own chat template), its own
+tokenizer, right-padded, no special tokens added, the score of its one label; a plain transformers
+forward in the compute dtype on the run's device, where it stays for the run (the plan counts it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -75,17 +82,86 @@ class RewardFunc:
         return getattr(fn, "__name__", type(fn).__name__)
 
 
-def load(specs: list[str] | str | None) -> list[RewardFunc]:
-    """The functions `reward_funcs` names: built-in names or `module:function` (the module
-    importable from the working directory or the Python path)."""
+class RewardModel:
+    """A reward model as a reward function (the module docstring)."""
+
+    def __init__(self, path: str, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModelForSequenceClassification
+
+        from ..data.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(path)
+        if self.tokenizer.pad_token is None:  # TRL's: its EOS pads
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+
+    def __call__(self, prompts, completions, **_) -> list[float]:
+        if isinstance(prompts[0], list):  # conversational: the reward model's chat template
+            texts = [
+                self.tokenizer.apply_chat_template(p + c, tokenize=False)
+                for p, c in zip(prompts, completions)
+            ]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(self.device)
+        with torch.inference_mode():
+            return self.model(**inputs).logits[:, 0].float().tolist()
+
+
+def model_dirs(specs: list[str] | str | None) -> list[str]:
+    """The entries of `reward_funcs` that name reward models: a directory holding a config.json,
+    or a Hub repository's name (`org/name`: no `:`, which a module:function has)."""
+    from .. import hub
+
+    found = []
+    for spec in [specs] if isinstance(specs, str) else specs or []:
+        if spec in BUILTIN or ":" in str(spec):
+            continue
+        if (Path(spec) / "config.json").is_file() or (
+            "/" in spec and not Path(spec).exists() and hub.is_repo_id(spec)
+        ):
+            found.append(spec)
+    return found
+
+
+def model_path(spec: str, reads: str = "weights") -> str:
+    """A reward model's local directory: `spec`, or its Hub repository's snapshot (of what
+    `reads`, io/pretrained.py)."""
+    if Path(spec).is_dir():
+        return spec
+    from ..io.pretrained import fetch
+
+    return str(fetch(spec, "reward_funcs", reads))
+
+
+def model_config(spec: str) -> str:
+    """A reward model's config.json directory (for the plan: no weights fetched)."""
+    return model_path(spec, "config")
+
+
+def load(
+    specs: list[str] | str | None, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> list[RewardFunc]:
+    """The functions `reward_funcs` names: built-in names, `module:function` (the module
+    importable from the working directory or the Python path), or reward models (`model_dirs`,
+    loaded on `device` in `dtype`)."""
     if not specs:
         raise ConfigError(
-            f"reward_funcs: stage grpo needs at least one ({', '.join(BUILTIN)} or module:function)"
+            f"reward_funcs: stage grpo needs at least one ({', '.join(BUILTIN)}, module:function or a "
+            "reward model's directory)"
         )
+    models = model_dirs(specs)
     out = []
     for spec in [specs] if isinstance(specs, str) else specs:
         if spec in BUILTIN:
             out.append(RewardFunc(spec, BUILTIN[spec]))
+            continue
+        if spec in models:
+            out.append(RewardFunc(spec, RewardModel(model_path(spec), device or torch.device("cpu"), dtype)))
             continue
         module, _, name = str(spec).partition(":")
         if not module or not name:
