@@ -310,3 +310,15 @@ def test_pad_id_is_a_row_of_the_embedding():
     assert pad_token_id(tok, 5) == tok.eos_token_id == 2
     assert pad_token_id(None, 97, 7) == 7  # the model config's pad_token_id
     assert pad_token_id(None, 97, 200) == 0 and pad_token_id(None, 97) == 0
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_invalid_utf8_names_the_line(tmp_path, tok, suffix):
+    import gzip
+
+    data = b'{"text": "one"}\n{"text": "two"}\n{"text": "caf\xe9"}\n'
+    p = tmp_path / f"u{suffix}"
+    p.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    with raises(DataError, p, 3, "not UTF-8 text (invalid continuation byte at byte 45"):
+        build_samples(cfg_for(p), tok)
+

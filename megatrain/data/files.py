@@ -39,7 +39,8 @@ def data_kind(path: Path) -> tuple[str, str | None] | None:
 
 
 def read_text(path: Path, compression: str | None) -> str:
-    """A text file's contents, decompressed; DataError naming the file when it cannot be."""
+    """A text file's contents, decompressed; DataError naming the file, and the line of a byte
+    that is not UTF-8, when it cannot be read."""
     data = path.read_bytes()
     if compression == "gz":
         try:
@@ -51,8 +52,9 @@ def read_text(path: Path, compression: str | None) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
         where = " of the decompressed text" if compression else ""
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}{where})") from None
+        raise DataError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}{where})") from None
 
 
 def _unzstd(path: Path, data: bytes) -> bytes:
