@@ -322,3 +322,22 @@ def test_invalid_utf8_names_the_line(tmp_path, tok, suffix):
     with raises(DataError, p, 3, "not UTF-8 text (invalid continuation byte at byte 45"):
         build_samples(cfg_for(p), tok)
 
+
+@pytest.mark.parametrize(
+    "suffix,text",
+    [
+        (".jsonl", '{"text": "one"}\n{"text": "two"}\n'),
+        (".json", '[{"text": "one"},\n {"text": "two"}]\n'),
+        (".csv", "text\none\ntwo\n"),
+        (".tsv", "text\none\ntwo\n"),
+    ],
+)
+def test_a_byte_order_mark_is_read_past(tmp_path, tok, suffix, text):
+    """Editors' and Excel's UTF-8 exports start with U+FEFF: the same samples as without it."""
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text("\ufeff" + text, encoding="utf-8")
+    want = build_samples(cfg_for(plain, dataset_format="text"), tok)
+    got = build_samples(cfg_for(marked, dataset_format="text"), tok)
+    assert [s.input_ids for s in got] == [s.input_ids for s in want] and len(got) == 2
+    assert [s.source.rsplit(":", 1)[1] for s in got] == [s.source.rsplit(":", 1)[1] for s in want]
