@@ -230,7 +230,7 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(
-        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path / 'tokenizer.json'))}: cannot be read"
+        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path / 'tokenizer.json'))}:1: not valid JSON"
     ):
         load_tokenizer(tmp_path / "tokenizer.json")
 
@@ -341,3 +341,18 @@ def test_a_byte_order_mark_is_read_past(tmp_path, tok, suffix, text):
     got = build_samples(cfg_for(marked, dataset_format="text"), tok)
     assert [s.input_ids for s in got] == [s.input_ids for s in want] and len(got) == 2
     assert [s.source.rsplit(":", 1)[1] for s in got] == [s.source.rsplit(":", 1)[1] for s in want]
+
+
+@pytest.mark.parametrize("corrupt", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_corrupt_tokenizer_file_is_named(tmp_path, tok, corrupt):
+    """A tokenizer directory with one file cut short: the error names that file and its line."""
+    tok.save_pretrained(tmp_path)
+    path = tmp_path / corrupt
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    line = text[: len(text) // 2].count("\n") + 1
+    with pytest.raises(ConfigError, match=rf"^tokenizer {re.escape(str(path))}:{line}: not valid JSON \("):
+        load_tokenizer(tmp_path)
+    if corrupt == "tokenizer.json":
+        with pytest.raises(ConfigError, match=rf"^tokenizer {re.escape(str(path))}:{line}: not valid JSON"):
+            load_tokenizer(path)
