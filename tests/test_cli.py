@@ -513,6 +513,17 @@ def test_doubtful_settings_are_warned_about(tmp_path, capsys):
     assert rc == 0 and "warning" not in stdout
 
 
+def test_a_zero_learning_rate_is_warned_about():
+    """learning_rate 0 is legal (transformers and torch take it) but trains nothing: one warning,
+    which train and plan print (config_warnings); any other rate, none."""
+    from megatrain.checks import config_warnings
+
+    model_cfg = ModelConfig.from_hf(tiny_config())
+    zero = TrainConfig(model_config="unused", max_length=64, learning_rate=0)
+    assert config_warnings(zero, model_cfg) == ["learning_rate is 0: the steps leave the weights as they are"]
+    assert config_warnings(TrainConfig(model_config="unused", max_length=64), model_cfg) == []
+
+
 # ---------------------------------------------------------------------------- version and help
 def test_version(capsys):
     from importlib.metadata import version
