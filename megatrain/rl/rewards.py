@@ -19,12 +19,13 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, MegatrainError
+from ..errors import ConfigError, MegatrainError, first_line
 
 
 class RewardError(MegatrainError):
@@ -85,6 +86,15 @@ def load(specs: list[str] | str | None) -> list[RewardFunc]:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"reward_funcs: cannot load {spec!r}: {e}") from None
+        except SyntaxError as e:  # the user's module: where, not Python's traceback
+            raise ConfigError(
+                f"reward_funcs: cannot load {spec!r}: {e.filename}:{e.lineno}: {e.msg}"
+            ) from None
+        except Exception as e:  # the module raised as it ran
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            raise ConfigError(
+                f"reward_funcs: cannot load {spec!r}: {frame.filename}:{frame.lineno}: {first_line(e)}"
+            ) from None
         if not callable(fn):
             raise ConfigError(f"reward_funcs: {spec!r} is not callable")
         out.append(RewardFunc(spec, fn))
