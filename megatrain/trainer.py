@@ -193,6 +193,8 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     evaluator = Evaluator(
         cfg, tokenizer, total_steps, steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
     )
+    if reward_funcs is not None:  # what each built-in reads, in every prompt, before step one
+        rewards.check_columns(reward_funcs, prompts + (evaluator.prompts or []))
     warmup = warmup_of(cfg, total_steps)
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
         say(f"megatrain: warning: {warning}")

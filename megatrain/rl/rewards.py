@@ -10,6 +10,7 @@ Built in:
   stripped; else 0.0.
 - `format`: 1.0 where the completion is `<think>...</think>` then `<answer>...</answer>`.
 - `length`: the completion's length in characters (weight it with `reward_weights`).
+A prompt whose record lacks the column a built-in reads is refused before step one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, MegatrainError, first_line
+from ..data.prompts import Prompt
+from ..errors import ConfigError, DataError, MegatrainError, first_line
 
 
 class RewardError(MegatrainError):
@@ -42,7 +44,7 @@ def _text(completion) -> str:
 def exact_match(completions, answer=None, solution=None, **_) -> list[float]:
     truth = answer if answer is not None else solution
     if truth is None:
-        raise ValueError("needs an 'answer' or 'solution' column in the dataset")
+        raise ValueError(f"needs {_needed('exact_match')} in the dataset")
     return [float(_text(c).strip() == str(t).strip()) for c, t in zip(completions, truth)]
 
 
@@ -55,6 +57,12 @@ def length(completions, **_) -> list[float]:
 
 
 BUILTIN: dict[str, Callable] = {"exact_match": exact_match, "format": format_reward, "length": length}
+# The columns a built-in reads, one of which every prompt's record must hold.
+NEEDS: dict[str, tuple[str, ...]] = {"exact_match": ("answer", "solution")}
+
+
+def _needed(name: str) -> str:
+    return "an " + " or ".join(repr(c) for c in NEEDS[name]) + " column"
 
 
 @dataclass
@@ -99,6 +107,19 @@ def load(specs: list[str] | str | None) -> list[RewardFunc]:
             raise ConfigError(f"reward_funcs: {spec!r} is not callable")
         out.append(RewardFunc(spec, fn))
     return out
+
+
+def check_columns(funcs: list[RewardFunc], prompts: list[Prompt]) -> None:
+    """DataError naming the first prompt whose record lacks what a built-in of `funcs` reads
+    (NEEDS): checked before step one, not found in it."""
+    for f in funcs:
+        needs = NEEDS.get(f.name, ())
+        for p in prompts if needs else ():
+            if all(p.columns.get(c) is None for c in needs):
+                has = ", ".join(p.columns) or "none"
+                raise DataError(
+                    f"{p.source}: reward_funcs {f.name} needs {_needed(f.name)} (its columns: {has})"
+                )
 
 
 def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
