@@ -333,7 +333,12 @@ class TrainConfig:
     another copy of the model, and for benchmarks)."""
     resume_from_checkpoint: str | bool | None = None
     """true: continue from the newest checkpoint of the run that saved last in output_dir; a path:
-    from that checkpoint. Resume is exact."""
+    from that checkpoint. Resume is exact. Settings changed since the checkpoint are named in a
+    warning; another model, dataset or stage is refused (see resume_with_changes)."""
+    resume_with_changes: bool = False
+    """Resume even where model_name_or_path, model_config, dataset or stage differ from the
+    checkpoint's run (its train_config.json): its weights, optimizer state and step continue on
+    the new settings, which is then no longer an exact resume."""
     max_shard_size: str | int = "5GB"
     """Largest safetensors file in checkpoints and exports: bytes, or "500MB", "5GB", "2GiB"."""
     disable_tqdm: bool | None = None

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 # an uninterrupted run; changing them is allowed, with a warning.
 # fmt: off
 RESUME_SENSITIVE = (
-    "dataset", "dataset_format", "max_length", "packing", "shuffle", "seed", "per_device_train_batch_size",
+    "model_name_or_path", "model_config", "dataset", "dataset_format", "max_length", "packing", "shuffle", "seed", "per_device_train_batch_size",
     "total_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "max_steps", "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
     # the stages' (preference, grpo)
@@ -81,6 +81,9 @@ RESUME_SENSITIVE = (
     "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
 )
 # fmt: on
+# Of those, what a resume refuses to change (another model, other data, another objective: no
+# continuation of the checkpoint's run) unless resume_with_changes says so.
+RESUME_FIXED = ("model_name_or_path", "model_config", "dataset", "stage")
 
 
 def seed_everything(seed: int) -> None:
@@ -148,6 +151,12 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     resume = (
         open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
     )
+    fixed = resume.changed_settings(cfg.to_dict(), RESUME_FIXED) if resume else []
+    if fixed and not cfg.resume_with_changes:
+        raise ConfigError(
+            f"resume_from_checkpoint: {resume.path} is another run's model, data or stage ({'; '.join(fixed)}); "
+            "resume_with_changes: true continues from it anyway"
+        )
     outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     tok_path = cfg.tokenizer_name_or_path or cfg.model_name_or_path
     # A model directory without tokenizer files is fine for pre-tokenised data.
