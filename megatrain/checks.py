@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .engine.optim import lr_at
+from .engine.schedule import lr_at
 from .errors import ConfigError
 from .models.config import ModelConfig
 from .stages import row_length, row_length_text

@@ -27,13 +27,13 @@ from typing import Any
 import yaml
 
 from .data.samples import SPLIT
-from .engine.optim import SCHEDULES
+from .engine.schedule import SCHEDULES
 from .errors import ConfigError
-from .io.outputs import interval_steps
-from .objectives.grpo import GRPOConfig
-from .objectives.preference import STAGES, PreferenceConfig
-from .rl.rollout import ROLLOUT_CACHES
 from .trackers import reporters
+
+if typing.TYPE_CHECKING:
+    from .objectives.grpo import GRPOConfig
+    from .objectives.preference import PreferenceConfig
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
 # The fields `columns` may map to a file's columns (LlamaFactory's names for alpaca's: prompt is
@@ -474,6 +474,7 @@ class TrainConfig:
     def __post_init__(self):
         self.validate()
         self._validate_eval()
+        self._validate_stage()  # last: its owners import torch, which the checks above never wait for
 
     def validate(self) -> None:
         def bad(key, why):
@@ -560,8 +561,6 @@ class TrainConfig:
             isinstance(self.rollout_resident_layers, str) or self.rollout_resident_layers < 0
         ):
             bad("rollout_resident_layers", "must be auto or a number of layers >= 0")
-        if self.rollout_cache not in ROLLOUT_CACHES:
-            bad("rollout_cache", f"must be one of {', '.join(ROLLOUT_CACHES)}")
         for k in ("max_gpu_memory", "max_host_memory", "max_disk_memory"):
             if getattr(self, k) is not None:
                 try:
@@ -595,8 +594,25 @@ class TrainConfig:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
-        if self.stage not in ("sft", "grpo", *STAGES):
-            bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
+
+    def _validate_stage(self) -> None:
+        """The stage and its keys, checked by their owners (objectives/, rl/), which import torch:
+        a default value (an sft run's) needs none of them."""
+        default = {f.name: f.default for f in fields(self)}
+        if self.stage != default["stage"]:
+            from .objectives.preference import STAGES
+
+            if self.stage not in ("sft", "grpo", *STAGES):
+                raise ConfigError(
+                    f"stage: must be sft, grpo or one of {', '.join(STAGES)} (got {self.stage!r})"
+                )
+        if self.rollout_cache != default["rollout_cache"]:
+            from .rl.rollout import ROLLOUT_CACHES
+
+            if self.rollout_cache not in ROLLOUT_CACHES:
+                raise ConfigError(
+                    f"rollout_cache: must be one of {', '.join(ROLLOUT_CACHES)} (got {self.rollout_cache!r})"
+                )
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
 
@@ -611,6 +627,8 @@ class TrainConfig:
         """The preference stage's settings; None for sft and grpo."""
         if self.stage in ("sft", "grpo"):
             return None
+        from .objectives.preference import PreferenceConfig
+
         return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
 
     def grpo(self, processes: int | None = None) -> GRPOConfig | None:
@@ -618,6 +636,8 @@ class TrainConfig:
         describe; under torchrun, pass the run's); None for the other stages."""
         if self.stage != "grpo":
             return None
+        from .objectives.grpo import GRPOConfig
+
         return GRPOConfig(**_stage_keys(self, GRPOConfig), processes=processes or self.world().ranks)
 
     def world(self):
@@ -772,6 +792,8 @@ class TrainConfig:
 def warmup_of(cfg: TrainConfig, total_steps: int) -> int:
     """The warmup of a run of `total_steps`: warmup_steps (steps, or a fraction of the run) when
     it is > 0, else warmup_ratio's share of the run."""
+    from .io.outputs import interval_steps
+
     return interval_steps(cfg.warmup_steps or cfg.warmup_ratio, total_steps)
 
 

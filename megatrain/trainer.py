@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checks import check_outputs, run_warnings
-from .config import TrainConfig, interval_steps, parse_size, warmup_of
+from .config import TrainConfig, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
 from .data.prompts import prompt_samples
 from .determinism import full_determinism
-from .engine.optim import AdamWConfig, lr_at
+from .engine.optim import AdamWConfig
+from .engine.schedule import lr_at
 from .errors import ConfigError
 from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .io.checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, prune_checkpoints, resume_path
-from .io.outputs import OutputDir, SaveSchedule
+from .io.outputs import OutputDir, SaveSchedule, interval_steps
 from .io.ownership import RunLock
 from .io.partition import check_shared, save_checkpoint, save_model
 from .metrics import MetricsLogger, SilentLogger, mean_metrics, show_progress
