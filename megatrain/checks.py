@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .engine.optim import lr_at
+from .engine.schedule import lr_at
 from .errors import ConfigError
 from .models.config import ModelConfig
 from .stages import row_length, row_length_text
@@ -46,7 +46,10 @@ def config_warnings(cfg, model_cfg: ModelConfig) -> list[str]:
     """Settings that are legal but probably not what was meant, known from the config and the
     model alone (`megatrain plan` prints them too)."""
     why = beyond_positions(row_length(cfg), model_cfg)
-    return [f"{row_length_text(cfg)} is {why}"] if why else []
+    warnings = [f"{row_length_text(cfg)} is {why}"] if why else []
+    if cfg.learning_rate == 0:  # legal, as in transformers and torch: a dry run of the pipeline
+        warnings.append("learning_rate is 0: the steps leave the weights as they are")
+    return warnings
 
 
 def run_warnings(cfg, model_cfg: ModelConfig, total_steps: int, warmup_steps: int) -> list[str]:

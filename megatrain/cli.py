@@ -74,9 +74,11 @@ def _size(text: str) -> int:
 
 def _train(args) -> int:
     from .config import TrainConfig
-    from .parallel.distributed import check_devices, in_world
 
     cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before any launch
+    _check_files(cfg)
+    from .parallel.distributed import check_devices, in_world
+
     nproc = cfg.world().ranks  # nnodes > 1: simulated machines, all on this one
     if nproc > 1 and not in_world():
         from .parallel.launch import launch
@@ -88,6 +90,18 @@ def _train(args) -> int:
 
     train(cfg)
     return 0
+
+
+def _check_files(cfg) -> None:
+    """The dataset files a run reads, found (their owner's errors) before torch loads: a missing
+    one answers at once."""
+    from .config import DATASET_KEYS
+    from .data.sources import resolve_dataset
+
+    cfg.require_dataset()
+    for key in DATASET_KEYS:
+        if getattr(cfg, key) is not None:
+            resolve_dataset(cfg, key)
 
 
 def _export(args) -> int:
@@ -167,17 +181,19 @@ def _number(kind: type, low: float, high: float | None = None, closed: bool = Tr
 
 
 def _plan(args) -> int:
+    from .config import TrainConfig
+
+    cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before torch loads
     import torch
 
     from . import plan, planreport
     from .checks import config_warnings
-    from .config import TrainConfig
     from .determinism import full_determinism
     from .io.pretrained import local_models
     from .models.config import ModelConfig
     from .stages import stage_model
 
-    cfg = local_models(TrainConfig.load(args.config, args.overrides), weights=False)  # config.json is enough
+    cfg = local_models(cfg, weights=False)  # config.json is enough
     model_cfg = stage_model(cfg, ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config), None)
     # Plan for the device the config names, even where it is not present (a login node): the
     # budgets then come from max_gpu_memory / max_host_memory.

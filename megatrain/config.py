@@ -27,14 +27,14 @@ from typing import Any
 import yaml
 
 from .data.samples import SPLIT
-from .engine.optim import SCHEDULES
+from .engine.schedule import SCHEDULES
 from .errors import ConfigError
-from .io.outputs import interval_steps
-from .objectives.grpo import GRPOConfig
-from .objectives.preference import STAGES, PreferenceConfig
-from .objectives.reward import RewardConfig
-from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
 from .trackers import reporters
+
+if typing.TYPE_CHECKING:
+    from .objectives.grpo import GRPOConfig
+    from .objectives.preference import PreferenceConfig
+    from .objectives.reward import RewardConfig
 
 DATASET_FORMATS = ("auto", "text", "tokens", "messages", "sharegpt", "alpaca", "prompt_completion")
 # The fields `columns` may map to a file's columns (LlamaFactory's names for alpaca's: prompt is
@@ -369,7 +369,12 @@ class TrainConfig:
     another copy of the model, and for benchmarks)."""
     resume_from_checkpoint: str | bool | None = None
     """true: continue from the newest checkpoint of the run that saved last in output_dir; a path:
-    from that checkpoint. Resume is exact."""
+    from that checkpoint. Resume is exact. Settings changed since the checkpoint are named in a
+    warning; another model, dataset or stage is refused (see resume_with_changes)."""
+    resume_with_changes: bool = False
+    """Resume even where model_name_or_path, model_config, dataset or stage differ from the
+    checkpoint's run (its train_config.json): its weights, optimizer state and step continue on
+    the new settings, which is then no longer an exact resume."""
     max_shard_size: str | int = "5GB"
     """Largest safetensors file in checkpoints and exports: bytes, or "500MB", "5GB", "2GiB"."""
     disable_tqdm: bool | None = None
@@ -505,6 +510,7 @@ class TrainConfig:
     def __post_init__(self):
         self.validate()
         self._validate_eval()
+        self._validate_stage()  # last: its owners import torch, which the checks above never wait for
 
     def validate(self) -> None:
         def bad(key, why):
@@ -591,15 +597,6 @@ class TrainConfig:
             isinstance(self.rollout_resident_layers, str) or self.rollout_resident_layers < 0
         ):
             bad("rollout_resident_layers", "must be auto or a number of layers >= 0")
-        if self.rollout_engine not in ROLLOUT_ENGINES:
-            bad("rollout_engine", f"must be one of {', '.join(ROLLOUT_ENGINES)}")
-        if self.rollout_cache not in ROLLOUT_CACHES:
-            bad("rollout_cache", f"must be one of {', '.join(ROLLOUT_CACHES)}")
-        if self.rollout_cache != "dynamic" and self.rollout_engine != "generate":
-            bad(
-                "rollout_cache",
-                "is the KV cache of rollout_engine: generate (the megatrain engine has its own)",
-            )
         for k in ("max_gpu_memory", "max_host_memory", "max_disk_memory"):
             if getattr(self, k) is not None:
                 try:
@@ -633,8 +630,40 @@ class TrainConfig:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
-        if self.stage not in ("sft", "grpo", "rm", *STAGES):
-            bad("stage", f"must be sft, grpo, rm or one of {', '.join(STAGES)}")
+
+    def _validate_stage(self) -> None:
+        """The stage and its keys, checked by their owners (objectives/, rl/), which import torch:
+        a default value (an sft run's) needs none of them."""
+        default = {f.name: f.default for f in fields(self)}
+        if self.stage != default["stage"]:
+            from .objectives.preference import STAGES
+
+            if self.stage not in ("sft", "grpo", "rm", *STAGES):
+                raise ConfigError(
+                    f"stage: must be sft, grpo, rm or one of {', '.join(STAGES)} (got {self.stage!r})"
+                )
+        if self.rollout_cache != default["rollout_cache"]:
+            from .rl.rollout import ROLLOUT_CACHES
+
+            if self.rollout_cache not in ROLLOUT_CACHES:
+                raise ConfigError(
+                    f"rollout_cache: must be one of {', '.join(ROLLOUT_CACHES)} (got {self.rollout_cache!r})"
+                )
+        if (self.rollout_engine, self.rollout_cache) != (default["rollout_engine"], default["rollout_cache"]):
+            from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
+
+            if self.rollout_engine not in ROLLOUT_ENGINES:
+                raise ConfigError(
+                    f"rollout_engine: must be one of {', '.join(ROLLOUT_ENGINES)} (got {self.rollout_engine!r})"
+                )
+            if self.rollout_cache not in ROLLOUT_CACHES:
+                raise ConfigError(
+                    f"rollout_cache: must be one of {', '.join(ROLLOUT_CACHES)} (got {self.rollout_cache!r})"
+                )
+            if self.rollout_cache != "dynamic" and self.rollout_engine != "generate":
+                raise ConfigError(
+                    "rollout_cache: is the KV cache of rollout_engine: generate (the megatrain engine has its own)"
+                )
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
 
@@ -650,6 +679,9 @@ class TrainConfig:
         sft and grpo."""
         if self.stage in ("sft", "grpo"):
             return None
+        from .objectives.preference import PreferenceConfig
+        from .objectives.reward import RewardConfig
+
         settings = RewardConfig if self.stage == "rm" else PreferenceConfig
         return settings(**_stage_keys(self, settings))
 
@@ -658,6 +690,8 @@ class TrainConfig:
         describe; under torchrun, pass the run's); None for the other stages."""
         if self.stage != "grpo":
             return None
+        from .objectives.grpo import GRPOConfig
+
         return GRPOConfig(**_stage_keys(self, GRPOConfig), processes=processes or self.world().ranks)
 
     def world(self):
@@ -812,6 +846,8 @@ class TrainConfig:
 def warmup_of(cfg: TrainConfig, total_steps: int) -> int:
     """The warmup of a run of `total_steps`: warmup_steps (steps, or a fraction of the run) when
     it is > 0, else warmup_ratio's share of the run."""
+    from .io.outputs import interval_steps
+
     return interval_steps(cfg.warmup_steps or cfg.warmup_ratio, total_steps)
 
 

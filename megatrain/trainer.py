@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checks import check_outputs, run_warnings
-from .config import TrainConfig, interval_steps, parse_size, warmup_of
+from .config import TrainConfig, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
 from .data.prompts import prompt_samples
 from .determinism import full_determinism
-from .engine.optim import AdamWConfig, lr_at
+from .engine.optim import AdamWConfig
+from .engine.schedule import lr_at
 from .errors import ConfigError
 from .evaluation import Evaluator
 from .guard import NonFiniteGuard, SignalGuard
 from .io.checkpoint import HISTORY, Checkpoint, TrainerState, open_checkpoint, prune_checkpoints, resume_path
-from .io.outputs import OutputDir, SaveSchedule
+from .io.outputs import OutputDir, SaveSchedule, interval_steps
 from .io.ownership import RunLock
 from .io.partition import check_shared, save_checkpoint, save_model
 from .io.pretrained import local_models
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
 # an uninterrupted run; changing them is allowed, with a warning.
 # fmt: off
 RESUME_SENSITIVE = (
-    "dataset", "dataset_format", "max_length", "packing", "shuffle", "seed", "per_device_train_batch_size",
+    "model_name_or_path", "model_config", "dataset", "dataset_format", "max_length", "packing", "shuffle", "seed", "per_device_train_batch_size",
     "total_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "max_steps", "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
     # the stages' (preference, grpo)
@@ -83,6 +84,9 @@ RESUME_SENSITIVE = (
     "mask_truncated_completions", "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
 )
 # fmt: on
+# Of those, what a resume refuses to change (another model, other data, another objective: no
+# continuation of the checkpoint's run) unless resume_with_changes says so.
+RESUME_FIXED = ("model_name_or_path", "model_config", "dataset", "stage")
 
 
 def seed_everything(seed: int) -> None:
@@ -158,6 +162,12 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     resume = (
         open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
     )
+    fixed = resume.changed_settings(cfg.to_dict(), RESUME_FIXED) if resume else []
+    if fixed and not cfg.resume_with_changes:
+        raise ConfigError(
+            f"resume_from_checkpoint: {resume.path} is another run's model, data or stage ({'; '.join(fixed)}); "
+            "resume_with_changes: true continues from it anyway"
+        )
     outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
     prompts, reward_funcs, resumed = None, None, None
     grpo = cfg.grpo(world.world_size)  # the generation batch is counted over the run's processes
@@ -196,6 +206,8 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     evaluator = Evaluator(
         cfg, tokenizer, total_steps, steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
     )
+    if reward_funcs is not None:  # what each built-in reads, in every prompt, before step one
+        rewards.check_columns(reward_funcs, prompts + (evaluator.prompts or []))
     warmup = warmup_of(cfg, total_steps)
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
         say(f"megatrain: warning: {warning}")

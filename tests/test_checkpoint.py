@@ -213,6 +213,36 @@ def test_resume_latest_and_missing(tmp_path):
     assert not (out / ".checkpoint-9.tmp-abc").exists()  # leftovers of a killed save are cleaned up
 
 
+def test_a_resume_on_other_data_is_refused_unless_said_and_changes_are_named(tmp_path, capsys):
+    """Another dataset (model, stage) is refused in one line naming it, before anything is written;
+    resume_with_changes continues anyway, and the one warning line names every key changed; the
+    same file written another way is the same dataset."""
+    base = make_run(tmp_path)
+    out = tmp_path / "out"
+    train(TrainConfig(**base, output_dir=str(out), max_steps=2, save_steps=1))
+    other = tmp_path / "other.jsonl"
+    shutil.copy(base["dataset"], other)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    cfg = dict(base, output_dir=str(out), max_steps=3, resume_from_checkpoint=True, dataset=str(other))
+    with pytest.raises(ConfigError) as e:
+        train(TrainConfig(**cfg))
+    assert str(e.value) == (
+        f"resume_from_checkpoint: {out / 'checkpoint-2'} is another run's model, data or stage "
+        f"(dataset: {base['dataset']!r} -> {str(other)!r}); resume_with_changes: true continues from it anyway"
+    )
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    capsys.readouterr()
+    train(TrainConfig(**dict(cfg, resume_with_changes=True, learning_rate=1e-3)))
+    warned = [x for x in capsys.readouterr().out.splitlines() if "settings changed since the checkpoint" in x]
+    assert warned == [
+        "megatrain: warning: settings changed since the checkpoint: "
+        f"dataset: {base['dataset']!r} -> {str(other)!r}; learning_rate: 0.003 -> 0.001; max_steps: 2 -> 3"
+    ]
+    same = os.path.relpath(other)  # checkpoint-3's file, by another path
+    train(TrainConfig(**dict(cfg, dataset=same, max_steps=4, output_dir=str(out))))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
 def test_resume_names_a_corrupt_trainer_state(tmp_path):
     """A broken trainer_state.json is named as corrupt, not read as "no checkpoint" nor passed
     over for an older checkpoint."""

@@ -513,6 +513,17 @@ def test_doubtful_settings_are_warned_about(tmp_path, capsys):
     assert rc == 0 and "warning" not in stdout
 
 
+def test_a_zero_learning_rate_is_warned_about():
+    """learning_rate 0 is legal (transformers and torch take it) but trains nothing: one warning,
+    which train and plan print (config_warnings); any other rate, none."""
+    from megatrain.checks import config_warnings
+
+    model_cfg = ModelConfig.from_hf(tiny_config())
+    zero = TrainConfig(model_config="unused", max_length=64, learning_rate=0)
+    assert config_warnings(zero, model_cfg) == ["learning_rate is 0: the steps leave the weights as they are"]
+    assert config_warnings(TrainConfig(model_config="unused", max_length=64), model_cfg) == []
+
+
 # ---------------------------------------------------------------------------- version and help
 def test_version(capsys):
     from importlib.metadata import version
@@ -598,3 +609,45 @@ def test_export_copies_a_tokenizer_it_cannot_load(tmp_path, capsys):
     assert (
         tmp_path / "out" / "tokenizer_config.json"
     ).read_text() == '{"tokenizer_class": "NoSuchTokenizer"}'
+
+
+def test_bad_input_is_answered_before_torch_loads(tmp_path):
+    """`train --help`, an unknown key, a bad value, a missing config file or dataset: each answered
+    (exit 0 or 2) before torch or transformers is imported, so in about a second, not the ten
+    that importing them takes on a busy machine. One interpreter runs every case in turn and says,
+    after each, whether either library was imported."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    cfg = write_yaml(tmp_path / "run.yaml", {"model_config": str(tmp_path), "dataset": str(data)})
+    cases = [
+        ["train", "--help"],
+        ["train", cfg, "learning_rat=1"],
+        ["train", cfg, "learning_rate=-1"],
+        ["train", cfg, "lr_scheduler_type=step"],
+        ["train", cfg, "truncation=cut"],
+        ["train", cfg, "nproc_per_node=0"],
+        ["train", cfg, "eval_strategy=sometimes"],
+        ["train", str(tmp_path / "missing.yaml")],
+        ["train", cfg, f"dataset={tmp_path / 'missing.jsonl'}"],
+        ["plan", cfg, "max_steps=0"],
+    ]
+    driver = (
+        "import contextlib, io, json, sys\n"
+        "from megatrain.cli import main\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            rc = main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            rc = e.code\n"
+        "    print(rc, 'torch' in sys.modules or 'transformers' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, json.dumps([[str(a) for a in c] for c in cases])],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    answers = proc.stdout.split("\n")[: len(cases)]
+    assert answers == ["0 False"] + ["2 False"] * (len(cases) - 1), list(zip(cases, answers))

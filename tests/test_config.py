@@ -10,8 +10,9 @@ import pytest
 from test_checkpoint import make_run, one_thread, write_yaml  # noqa: F401 (fixture)
 from test_cli import run_cli
 
-from megatrain.config import TrainConfig, interval_steps, warmup_of
+from megatrain.config import TrainConfig, warmup_of
 from megatrain.errors import ConfigError
+from megatrain.io.outputs import interval_steps
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

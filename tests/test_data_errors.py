@@ -232,7 +232,7 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{ not json")
     with pytest.raises(
-        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path / 'tokenizer.json'))}: cannot be read"
+        ConfigError, match=rf"tokenizer {re.escape(str(tmp_path / 'tokenizer.json'))}:1: not valid JSON"
     ):
         load_tokenizer(tmp_path / "tokenizer.json")
 
@@ -312,3 +312,49 @@ def test_pad_id_is_a_row_of_the_embedding():
     assert pad_token_id(tok, 5) == tok.eos_token_id == 2
     assert pad_token_id(None, 97, 7) == 7  # the model config's pad_token_id
     assert pad_token_id(None, 97, 200) == 0 and pad_token_id(None, 97) == 0
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_invalid_utf8_names_the_line(tmp_path, tok, suffix):
+    import gzip
+
+    data = b'{"text": "one"}\n{"text": "two"}\n{"text": "caf\xe9"}\n'
+    p = tmp_path / f"u{suffix}"
+    p.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    with raises(DataError, p, 3, "not UTF-8 text (invalid continuation byte at byte 45"):
+        build_samples(cfg_for(p), tok)
+
+
+@pytest.mark.parametrize(
+    "suffix,text",
+    [
+        (".jsonl", '{"text": "one"}\n{"text": "two"}\n'),
+        (".json", '[{"text": "one"},\n {"text": "two"}]\n'),
+        (".csv", "text\none\ntwo\n"),
+        (".tsv", "text\none\ntwo\n"),
+    ],
+)
+def test_a_byte_order_mark_is_read_past(tmp_path, tok, suffix, text):
+    """Editors' and Excel's UTF-8 exports start with U+FEFF: the same samples as without it."""
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text("\ufeff" + text, encoding="utf-8")
+    want = build_samples(cfg_for(plain, dataset_format="text"), tok)
+    got = build_samples(cfg_for(marked, dataset_format="text"), tok)
+    assert [s.input_ids for s in got] == [s.input_ids for s in want] and len(got) == 2
+    assert [s.source.rsplit(":", 1)[1] for s in got] == [s.source.rsplit(":", 1)[1] for s in want]
+
+
+@pytest.mark.parametrize("corrupt", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_corrupt_tokenizer_file_is_named(tmp_path, tok, corrupt):
+    """A tokenizer directory with one file cut short: the error names that file and its line."""
+    tok.save_pretrained(tmp_path)
+    path = tmp_path / corrupt
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    line = text[: len(text) // 2].count("\n") + 1
+    with pytest.raises(ConfigError, match=rf"^tokenizer {re.escape(str(path))}:{line}: not valid JSON \("):
+        load_tokenizer(tmp_path)
+    if corrupt == "tokenizer.json":
+        with pytest.raises(ConfigError, match=rf"^tokenizer {re.escape(str(path))}:{line}: not valid JSON"):
+            load_tokenizer(path)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from helpers import FAMILY_OVERRIDES, saved_parameters, tiny_hf_model
 
 from megatrain.data.batch import MicroBatch
-from megatrain.engine.optim import SCHEDULES, AdamWConfig, lr_at
+from megatrain.engine.optim import AdamWConfig
+from megatrain.engine.schedule import SCHEDULES, lr_at
 from megatrain.host.state import build_units
 from megatrain.models.config import ModelConfig
 from megatrain.planning.placement import Choices

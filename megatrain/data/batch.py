@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the tensors' own methods serve: importing this module (data/) needs no torch
+    import torch
 
 IGNORE_INDEX = -100
 
@@ -47,14 +49,14 @@ class MicroBatch:
     @property
     def shifted_labels(self) -> torch.Tensor:
         """Targets aligned with the logits: target[t] = labels[t + 1], the last is ignored."""
-        t = torch.full_like(self.labels, IGNORE_INDEX)
+        t = self.labels.new_full(self.labels.shape, IGNORE_INDEX)
         t[:, :-1] = self.labels[:, 1:]
         return t
 
     @property
     def shifted_slots(self) -> torch.Tensor:
         """Slots aligned with the logits, as `shifted_labels`."""
-        t = torch.full_like(self.slots, -1)
+        t = self.slots.new_full(self.slots.shape, -1)
         t[:, :-1] = self.slots[:, 1:]
         return t
 
@@ -76,8 +78,8 @@ class MicroBatch:
         if self.document_ids is None:
             return self.input_ids.shape[0]
         d = self.document_ids
-        starts = torch.ones_like(d, dtype=torch.bool)
-        starts[:, 1:] = d[:, 1:] != d[:, :-1]
+        starts = d != d.roll(1, dims=1)
+        starts[:, 0] = True
         if self.attention_mask is not None:
             starts &= self.attention_mask.bool()
         return int(starts.sum())

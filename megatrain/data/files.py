@@ -39,7 +39,9 @@ def data_kind(path: Path) -> tuple[str, str | None] | None:
 
 
 def read_text(path: Path, compression: str | None) -> str:
-    """A text file's contents, decompressed; DataError naming the file when it cannot be."""
+    """A text file's contents, decompressed, without a leading UTF-8 byte-order mark (editors'
+    and Excel's exports write one; Hugging Face `datasets` reads past it); DataError naming the
+    file, and the line of a byte that is not UTF-8, when it cannot be read."""
     data = path.read_bytes()
     if compression == "gz":
         try:
@@ -49,10 +51,11 @@ def read_text(path: Path, compression: str | None) -> str:
     elif compression == "zst":
         data = _unzstd(path, data)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
         where = " of the decompressed text" if compression else ""
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}{where})") from None
+        raise DataError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}{where})") from None
 
 
 def _unzstd(path: Path, data: bytes) -> bytes:
@@ -78,7 +81,7 @@ def _unzstd(path: Path, data: bytes) -> bytes:
 def read_csv(path: Path, text: str, delimiter: str) -> list[tuple[int, dict[str, Any]]]:
     """The rows of CSV/TSV text as (line, record) pairs, keyed by the header row; a row's line
     is where it starts (a quoted field may span lines). Every value is a string."""
-    reader = csv.reader(io.StringIO(text.removeprefix("\ufeff")), delimiter=delimiter)  # Excel's BOM
+    reader = csv.reader(io.StringIO(text), delimiter=delimiter)
     name = "TSV" if delimiter == "\t" else "CSV"
     try:
         header = next(reader, None)

@@ -3,6 +3,7 @@ io/pretrained.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
@@ -66,6 +67,7 @@ def _load_file(p: Path) -> PreTrainedTokenizerFast:
     try:
         tok = PreTrainedTokenizerFast(tokenizer_file=str(p))
     except Exception as e:  # tokenizers raises bare Exceptions for malformed JSON
+        _check_json(p)
         raise ConfigError(f"tokenizer {p}: cannot be read ({_first_line(e)})") from None
     files = {"tokenizer.json": p.read_bytes()}  # under the name loaders look for
     template = p.parent / "chat_template.jinja"
@@ -94,7 +96,23 @@ def _load_dir(p: Path) -> PreTrainedTokenizerFast:
             continue
         setattr(tok, _SOURCE, {n: (p / n).read_bytes() for n in TOKENIZER_FILES if (p / n).is_file()})
         return tok
+    for name in TOKENIZER_FILES:
+        if name.endswith(".json") and (p / name).is_file():
+            _check_json(p / name)
     raise ConfigError(f"tokenizer {p}: cannot be loaded ({errors[-1]})")
+
+
+def _check_json(path: Path) -> None:
+    """ConfigError naming `path` and the line where it is not JSON (transformers' and
+    tokenizers' errors name neither); nothing when it parses."""
+    try:
+        json.loads(path.read_bytes())
+    except UnicodeDecodeError:
+        raise ConfigError(f"tokenizer {path}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"tokenizer {path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})"
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""AdamW on the host-resident fp32 master weights, and learning-rate schedules.
+"""AdamW on the host-resident fp32 master weights (the learning-rate schedules: schedule.py).
 
 The update is torch's fused CPU AdamW kernel (`torch._fused_adamw_`, what
 `torch.optim.AdamW(fused=True)` calls), applied to any sub-range of a unit's flat state: AdamW
@@ -22,7 +22,6 @@ multiply's own pass), and the multiply on threads of its own beside the kernel (
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -345,22 +344,3 @@ class HostAdamW:
         if copy is None or not copy.holds(unit) or copy.dtype != torch.bfloat16:
             return None
         return copy
-
-
-def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based), as transformers' schedulers give it."""
-    if schedule == "constant":  # transformers' "constant" ignores warmup
-        return base_lr
-    if warmup_steps > 0 and step < warmup_steps:
-        return base_lr * (float(step) / float(max(1, warmup_steps)))
-    if schedule == "constant_with_warmup":
-        return base_lr
-    if schedule == "linear":
-        return base_lr * max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
-    progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
-    if schedule == "cosine":
-        return base_lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-    raise ValueError(f"unknown lr_scheduler_type {schedule!r}")
-
-
-SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")

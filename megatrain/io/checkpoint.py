@@ -374,6 +374,14 @@ def prune_checkpoints(
 
 
 # ---------------------------------------------------------------------------- loading
+def _same_setting(old: Any, new: Any) -> bool:
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(map(_same_setting, old, new))
+    if isinstance(old, str) and isinstance(new, str) and old != new:
+        return os.path.realpath(old) == os.path.realpath(new)
+    return old == new
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint whose every piece has been checked (files, keys, shapes, dtypes, config)."""
@@ -387,11 +395,12 @@ class Checkpoint:
     """Its files matched the manifest's checksums (False: it has no manifest, from before them)."""
 
     def changed_settings(self, current: dict[str, Any], keys: Iterable[str]) -> list[str]:
-        """`key: old -> new` for settings of `keys` that differ from the checkpoint's run."""
+        """`key: old -> new` for settings of `keys` that differ from the checkpoint's run (a path
+        written another way that leads to the same place is the same)."""
         return [
-            f"{k}: {self.train_config[k]!r} -> {current[k]!r}"
+            f"{k}: {self.train_config[k]!r} -> {current.get(k)!r}"
             for k in keys
-            if k in self.train_config and self.train_config[k] != current.get(k)
+            if k in self.train_config and not _same_setting(self.train_config[k], current.get(k))
         ]
 
     def load_moments(self, state: HostState) -> None:

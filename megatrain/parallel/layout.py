@@ -20,13 +20,15 @@ fp32 weights and moments exist once over the whole world, not once per machine.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..host.hostmem import PAGE
 
-ALIGN = PAGE // 4  # fp32 elements per page: spans start on pages
+# fp32 elements per page (the OS's page, as host/hostmem.py's PAGE): spans start on pages. Read
+# here, not from hostmem, which imports torch: the config checks a world before torch loads.
+ALIGN = mmap.PAGESIZE // 4
 TRAFFIC = ("auto", "plain", "sharded")
 
 

@@ -16,6 +16,8 @@ repository's name) scores as TRL's GRPOTrainer scores with a model in `reward_fu
 completion as text (a conversation rendered by the reward model's own chat template), its own
 tokenizer, right-padded, no special tokens added, the score of its one label; a plain transformers
 forward in the compute dtype on the run's device, where it stays for the run (the plan counts it).
+
+A prompt whose record lacks the column a built-in reads is refused before step one.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import math
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, MegatrainError
+from ..data.prompts import Prompt
+from ..errors import ConfigError, DataError, MegatrainError, first_line
 
 
 class RewardError(MegatrainError):
@@ -49,7 +53,7 @@ def _text(completion) -> str:
 def exact_match(completions, answer=None, solution=None, **_) -> list[float]:
     truth = answer if answer is not None else solution
     if truth is None:
-        raise ValueError("needs an 'answer' or 'solution' column in the dataset")
+        raise ValueError(f"needs {_needed('exact_match')} in the dataset")
     return [float(_text(c).strip() == str(t).strip()) for c, t in zip(completions, truth)]
 
 
@@ -62,6 +66,12 @@ def length(completions, **_) -> list[float]:
 
 
 BUILTIN: dict[str, Callable] = {"exact_match": exact_match, "format": format_reward, "length": length}
+# The columns a built-in reads, one of which every prompt's record must hold.
+NEEDS: dict[str, tuple[str, ...]] = {"exact_match": ("answer", "solution")}
+
+
+def _needed(name: str) -> str:
+    return "an " + " or ".join(repr(c) for c in NEEDS[name]) + " column"
 
 
 @dataclass
@@ -174,10 +184,32 @@ def load(
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"reward_funcs: cannot load {spec!r}: {e}") from None
+        except SyntaxError as e:  # the user's module: where, not Python's traceback
+            raise ConfigError(
+                f"reward_funcs: cannot load {spec!r}: {e.filename}:{e.lineno}: {e.msg}"
+            ) from None
+        except Exception as e:  # the module raised as it ran
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            raise ConfigError(
+                f"reward_funcs: cannot load {spec!r}: {frame.filename}:{frame.lineno}: {first_line(e)}"
+            ) from None
         if not callable(fn):
             raise ConfigError(f"reward_funcs: {spec!r} is not callable")
         out.append(RewardFunc(spec, fn))
     return out
+
+
+def check_columns(funcs: list[RewardFunc], prompts: list[Prompt]) -> None:
+    """DataError naming the first prompt whose record lacks what a built-in of `funcs` reads
+    (NEEDS): checked before step one, not found in it."""
+    for f in funcs:
+        needs = NEEDS.get(f.name, ())
+        for p in prompts if needs else ():
+            if all(p.columns.get(c) is None for c in needs):
+                has = ", ".join(p.columns) or "none"
+                raise DataError(
+                    f"{p.source}: reward_funcs {f.name} needs {_needed(f.name)} (its columns: {has})"
+                )
 
 
 def score(funcs: list[RewardFunc], prompts: list, completions: list, completion_ids: list[list[int]],
