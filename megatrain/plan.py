@@ -255,11 +255,21 @@ def rollout_memory(
     if (grpo := cfg.grpo(processes)) is None:
         return {}
     rows = cfg.per_device_train_batch_size * grpo.steps_per_generation
-    if cfg.eval_strategy != "no":
-        rows = max(rows, cfg.per_device_eval_batch_size)
+    distinct = -(-rows // grpo.num_generations)
+    if cfg.eval_strategy != "no" and cfg.per_device_eval_batch_size > rows:
+        rows, distinct = (
+            cfg.per_device_eval_batch_size,
+            -(-cfg.per_device_eval_batch_size // grpo.num_generations_eval),
+        )
     prompt = cfg.max_prompt_length or cfg.max_length
     completion = grpo.max_completion_length
-    parts = rollout_bytes(model_cfg, rows, prompt, completion, compute_bytes, resident_layers, host_copy)
+    # The rollout engine prefills each distinct prompt once; `generate` every row.
+    prefill = (
+        min(rows, distinct + 1) if cfg.rollout_engine == "megatrain" else rows
+    )  # a batch's edge splits a group
+    parts = rollout_bytes(
+        model_cfg, rows, prompt, completion, compute_bytes, resident_layers, host_copy, prefill
+    )
     scorers = [
         ModelConfig.from_json(rewards.model_config(spec)) for spec in rewards.model_dirs(cfg.reward_funcs)
     ]

@@ -42,7 +42,11 @@ def test_the_rollout_counts_the_policy_and_the_kv_cache_of_every_completion():
     r = planning.rollout_memory(cfg, model_cfg, 2)
     assert r["policy weights"] == model_cfg.num_params * 2
     assert r["KV cache"] == ROWS * (PROMPT + COMPLETION) * 6 * 2 * 4 * 64 * 2
-    assert r["prefill (one layer, every prompt)"] > ROWS * PROMPT * 3 * 2816 * 2
+    # the rollout engine prefills each distinct prompt once (num_generations 4: 8 of the 32 rows)
+    assert r["prefill (one layer, every prompt)"] > (ROWS // 4 + 1) * PROMPT * 3 * 2816 * 2
+    assert r["prefill (one layer, every prompt)"] < ROWS * PROMPT * 3 * 2816 * 2
+    generate = planning.rollout_memory(replace(cfg, rollout_engine="generate"), model_cfg, 2)
+    assert generate["prefill (one layer, every prompt)"] > ROWS * PROMPT * 3 * 2816 * 2
     assert planning.rollout_memory(replace(cfg, stage="sft"), model_cfg, 2) == {}
 
 

@@ -457,9 +457,12 @@ def rollout_bytes(
     compute_bytes: int,
     resident_layers: int | None = None,
     host_copy: bool = False,
+    prefill_rows: int | None = None,
 ) -> dict[str, int]:
     """The GPU memory a rollout adds to what the engine holds between steps, by part: `rows`
-    completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long, the policy's
+    completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long, of which
+    `prefill_rows` distinct prompts are prefilled (default: every row; the rollout engine
+    prefills a prompt once for its group, rl/decode.py), the policy's
     decoder layers from `resident_layers` on streamed (None: none), fetched from the fp32 master
     weights through a staging buffer, or with `host_copy` from their copy in the compute dtype
     (`rollout_copy_bytes`) straight into the two buffers."""
@@ -478,7 +481,10 @@ def rollout_bytes(
         "policy weights": (cfg.num_params - sum(streamed)) * compute_bytes,
         **buffers,
         "KV cache": rows * (prompt_tokens + completion_tokens) * cfg.num_hidden_layers * kv * compute_bytes,
-        "prefill (one layer, every prompt)": rows * prompt_tokens * prefill_h * compute_bytes,
+        "prefill (one layer, every prompt)": (prefill_rows or rows)
+        * prompt_tokens
+        * prefill_h
+        * compute_bytes,
         "sampling logits": rows * cfg.vocab_size * 4 * ROLLOUT_LOGIT_COPIES,
     }
 
