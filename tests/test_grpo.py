@@ -977,3 +977,28 @@ def test_a_resume_with_other_stage_settings_says_which(setup, capsys):
         x for x in capsys.readouterr().out.splitlines() if "settings changed since the checkpoint" in x
     )
     assert "beta: None -> 0.04" in line and "temperature: 1.0 -> 0.9" in line  # None: the stage default
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_policy_reads_device_resident_units_on_the_device(setup, monkeypatch):
+    """Units whose state lives on the GPU are read there for the rollout's policy, not copied
+    back to host memory first: the weights each rollout is built from equal the host state's after
+    a full write-back, bit for bit, and some units were read from the device."""
+    from megatrain.rl import rollout as rollout_module
+
+    tmp_path, _ = setup
+    seen = []
+    build = rollout_module.Rollout._on_device
+
+    def checked(self, weights, host_copy=None):
+        weights = [(n, t) for n, t in weights]
+        on_device = sum(t.device.type == "cuda" for _, t in weights)
+        self.model.transport.synchronize()  # host memory current: what the rollout used to read
+        host = dict(self.model.state.named_parameters())
+        assert all(torch.equal(t.cpu(), host[n]) for n, t in weights)
+        seen.append(on_device)
+        return build(self, weights, host_copy)
+
+    monkeypatch.setattr(rollout_module.Rollout, "_on_device", checked)
+    run(tmp_path, max_steps=3, device="cuda", compute_dtype="float32", gpu_step_units="auto")
+    assert len(seen) == 3 and seen[-1] > 0

@@ -122,6 +122,11 @@ class Transport(Protocol):
     def synchronize(self) -> None:
         """`wait_updates`, and device-resident state copied back: host memory is current."""
 
+    def device_masters(self) -> dict[int, torch.Tensor]:
+        """After `wait_updates`: the current fp32 master weights of the units whose state lives on
+        the device, by unit index (the host's copy of them is current only after `synchronize`);
+        empty where none does or several ranks each step a part of them."""
+
     def close(self) -> None: ...
 
 
@@ -195,6 +200,9 @@ class SerialTransport:
 
     def synchronize(self) -> None:
         pass
+
+    def device_masters(self) -> dict[int, torch.Tensor]:
+        return {}
 
     def close(self) -> None:
         pass
@@ -572,6 +580,11 @@ class StreamingTransport:
             for which, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
                 self.state.flat(unit, which)[lo:hi].copy_(t[lo:hi], non_blocking=True)
         torch.cuda.synchronize(self.device)
+
+    def device_masters(self) -> dict[int, torch.Tensor]:
+        if self.world.world_size > 1:  # each rank steps its part of the copy it holds
+            return {}
+        return {i: tensors[0] for i, tensors in self.resident.items()}
 
     # ------------------------------------------------------------- device-resident units
     def _make_resident(self, units: list[Unit]) -> None:

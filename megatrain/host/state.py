@@ -209,10 +209,14 @@ class HostState:
         self._whole()
         return unit_views(self.flat(unit), unit)
 
-    def named_parameters(self):
-        """(transformers' parameter name, fp32 master view) for every parameter, in forward order."""
+    def named_parameters(self, elsewhere: dict[int, torch.Tensor] | None = None):
+        """(transformers' parameter name, fp32 master view) for every parameter, in forward order;
+        a unit of `elsewhere` (unit index -> its flat fp32 weights, e.g. on the device) read from
+        there."""
         for u in self.units:
-            views = self.params(u)
+            views = (
+                unit_views(elsewhere[u.index], u) if elsewhere and u.index in elsewhere else self.params(u)
+            )
             for p in u.params:
                 yield p.key, views[p.name]
 

@@ -271,10 +271,14 @@ class Rollout:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
             t0 = time.perf_counter()
-            self.model.transport.synchronize()  # the optimizer may still be writing the last step
+            transport = self.model.transport
+            transport.wait_updates()  # the optimizer may still be writing the last step
             t1 = time.perf_counter()
             copy = self.host_copy.tensor if self.host_copy is not None else None
-            policy = self._on_device(self.model.state.named_parameters(), copy)
+            # The units whose state lives on the device are read there, where they are current:
+            # not copied back to host memory (with their moments) for the policy's build.
+            weights = self.model.state.named_parameters(transport.device_masters())
+            policy = self._on_device(weights, copy)
             if self.device.type == "cuda":  # its copies done: the build's time, not the sampling's
                 torch.cuda.synchronize(self.device)
             t2 = time.perf_counter()
