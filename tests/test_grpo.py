@@ -1000,5 +1000,5 @@ def test_on_cuda_the_policy_reads_device_resident_units_on_the_device(setup, mon
         return build(self, weights, host_copy)
 
     monkeypatch.setattr(rollout_module.Rollout, "_on_device", checked)
-    run(tmp_path, max_steps=3, device="cuda", compute_dtype="float32", gpu_step_units="auto")
+    run(tmp_path, max_steps=3, device="cuda", compute_dtype="float32")  # gpu_state auto: resident state
     assert len(seen) == 3 and seen[-1] > 0
