@@ -163,7 +163,7 @@ class Rollout:
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
                  batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
                  host_copy: bool = False, start: int = 0, cache: str = "dynamic",
-                 engine: str = "megatrain", compile: bool = True):  # fmt: skip
+                 engine: str = "megatrain", compile: bool = False):  # fmt: skip
         self.seed = seed
         self.engine, self.compile = engine, compile  # rollout_engine, rollout_compile
         self.cache = cache  # rollout_cache (check_cache has allowed it)

@@ -89,6 +89,7 @@ class Warpers:
         return self.warpers(None, scores) if self.warpers else scores
 
 
+@torch.compiler.disable  # inductor cannot generate torch 2.11's float64 split scan (the cumsum)
 def draw(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's token [rows]: the inverse of the cumulative distribution of softmax(`filtered`)
     (float64) at the row's uniform number `u` [rows]."""
