@@ -122,7 +122,7 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
         out = eager_attention(query, key, value, mask, scaling, softcap, s_aux)
     elif S == 1:
         groups = key.shape[1]
-        q = query.view(B, groups, H // groups, D)
+        q = query.reshape(B, groups, H // groups, D)  # a copy where the heads are strided apart
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
         out = out.view(B, H, 1, -1)
     else:
