@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .io.outputs import interval_steps
 from .objectives.grpo import GRPOConfig
 from .objectives.preference import STAGES, PreferenceConfig
+from .objectives.rloo import RLOOConfig
 from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
 from .trackers import reporters
 
@@ -89,7 +90,24 @@ SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
 # Keys whose default is the stage's (TRL's differ between its trainers): left out when unset.
-STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type")
+STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type", "num_generations")
+# The stages that sample completions (rl/rollout.py), and their settings.
+RL_STAGES = {"grpo": GRPOConfig, "rloo": RLOOConfig}
+# Keys of one of them that TRL's trainer of the other lacks: each refused there, with why.
+STAGE_ONLY = {
+    "loss_type": ("grpo", "RLOO's loss is one: per completion, averaged over a micro-batch's completions"),
+    "scale_rewards": (
+        "grpo",
+        "RLOO's advantage is the leave-one-out baseline; normalize_advantages scales it",
+    ),
+    "normalize_advantages": ("rloo", "GRPO scales its advantages by scale_rewards"),
+    "reward_clip_range": ("rloo", "GRPOTrainer clips no rewards"),
+}
+
+
+def _default(key: str):
+    """TrainConfig's default of `key`."""
+    return TrainConfig.__dataclass_fields__[key].default
 
 
 def _stage_keys(cfg, settings) -> dict:
@@ -158,11 +176,13 @@ class TrainConfig:
     """sft (supervised fine-tuning); dpo, kto, orpo or simpo (preference optimisation on TRL's
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
     max_length bounds each sequence); grpo (completions sampled by the policy, scored by
-    reward_funcs; per_device_train_batch_size counts completions)."""
+    reward_funcs; per_device_train_batch_size counts completions); rloo (grpo's rollouts, TRL
+    1.16's RLOO loss: docs/grpo.md)."""
     beta: float | None = None
     """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
     0.1; grpo: the coefficient of the per-token KL term to the reference policy (the initial
-    one, or ref_model_name_or_path), default 0."""
+    one, or ref_model_name_or_path), default 0; rloo: of the KL penalty in the reward, default
+    0.05."""
     loss_type: str | list[str] | None = None
     """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard,
     discopop, apo_zero, apo_down, sft, or a list of them summed with loss_weights; kto: kto
@@ -189,7 +209,7 @@ class TrainConfig:
     """Preference stages: prompt tokens kept (its last ones); null: all."""
     max_completion_length: int | None = None
     """Preference stages: completion tokens kept (its first ones), default null: all; grpo: the
-    most tokens a completion is sampled to, default 256."""
+    most tokens a completion is sampled to, default 256 (rloo: 512)."""
     truncation_mode: str = "keep_end"
     """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
     keep_start."""
@@ -200,8 +220,8 @@ class TrainConfig:
     ref_model_name_or_path: str | None = None
     """dpo/kto, and grpo with beta > 0: the reference model's local directory (the same
     architecture); default: the initial policy (model_name_or_path)."""
-    num_generations: int = 8
-    """grpo: completions sampled per prompt (a group)."""
+    num_generations: int | None = None
+    """grpo: completions sampled per prompt (a group), default 8 (rloo: 2)."""
     num_generations_eval: int | None = None
     """grpo: completions sampled per eval prompt at an evaluation (1 allowed: its group's std is
     then 0, as in TRL); default num_generations."""
@@ -266,6 +286,10 @@ class TrainConfig:
     None)."""
     reward_weights: list[float] | None = None
     """grpo: one weight per reward function (default 1 each)."""
+    normalize_advantages: bool = False
+    """rloo: scale the advantages to mean 0 and std 1 over the generation batch."""
+    reward_clip_range: list[float] | None = None
+    """rloo: [low, high] each completion's reward is clamped to (before the KL penalty)."""
     # --- schedule
     output_dir: str = "output"
     """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go; relative to
@@ -602,8 +626,11 @@ class TrainConfig:
             bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
-        if self.stage not in ("sft", "grpo", *STAGES):
-            bad("stage", f"must be sft, grpo or one of {', '.join(STAGES)}")
+        if self.stage not in ("sft", *RL_STAGES, *STAGES):
+            bad("stage", f"must be sft, grpo, rloo or one of {', '.join(STAGES)}")
+        for key, (stage, why) in STAGE_ONLY.items():
+            if self.stage in RL_STAGES and self.stage != stage and getattr(self, key) != _default(key):
+                bad(key, f"is stage {stage}'s, not in TRL's trainer of stage {self.stage}: {why}")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
 
@@ -616,16 +643,18 @@ class TrainConfig:
 
     def preference(self) -> PreferenceConfig | None:
         """The preference stage's settings; None for sft and grpo."""
-        if self.stage in ("sft", "grpo"):
+        if self.stage == "sft" or self.stage in RL_STAGES:
             return None
         return PreferenceConfig(**_stage_keys(self, PreferenceConfig))
 
     def grpo(self, processes: int | None = None) -> GRPOConfig | None:
-        """GRPO's settings for a world of `processes` (default: the world these settings
-        describe; under torchrun, pass the run's); None for the other stages."""
-        if self.stage != "grpo":
+        """The rollout stage's settings (grpo's GRPOConfig, rloo's RLOOConfig, one) for a world
+        of `processes` (default: the world these settings describe; under torchrun, pass the
+        run's); None for the other stages."""
+        settings = RL_STAGES.get(self.stage)
+        if settings is None:
             return None
-        return GRPOConfig(**_stage_keys(self, GRPOConfig), processes=processes or self.world().ranks)
+        return settings(**_stage_keys(self, settings), processes=processes or self.world().ranks)
 
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of
@@ -670,14 +699,14 @@ class TrainConfig:
             raise ConfigError(f"load_best_model_at_end: {why}")
         # grpo's evaluation samples and scores (TRL's eval_reward, the default), then takes the
         # loss of what it sampled; the other stages' take a loss.
-        computed = ("reward", "loss") if self.stage == "grpo" else ("loss",)
+        computed = ("reward", "loss") if self.stage in RL_STAGES else ("loss",)
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = f"eval_{computed[0]}"
         if self.metric_for_best_model is not None:
             if self.metric_for_best_model not in [f"eval_{c}" for c in computed] + list(computed):
                 stage = (
-                    "s evaluation computes with stage grpo"
-                    if self.stage == "grpo"
+                    f"s evaluation computes with stage {self.stage}"
+                    if self.stage in RL_STAGES
                     else " evaluation computes"
                 )
                 names = " or ".join(f"eval_{c}" for c in computed)

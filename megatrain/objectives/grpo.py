@@ -183,6 +183,16 @@ def log_probs(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tenso
 
 
 # ------------------------------------------------------------------------ advantages
+def weighted_rewards(cfg: GRPOConfig, rewards_per_func: Tensor) -> Tensor:
+    """Each completion's reward: `rewards_per_func` [completions, functions] weighted by
+    reward_weights and summed, a function's None (NaN) counting 0 (TRL's nansum)."""
+    k = rewards_per_func.shape[1]
+    weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
+    if len(weights) != k:
+        raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
+    return (rewards_per_func * weights[None]).nansum(1)
+
+
 def advantages(
     cfg: GRPOConfig, rewards_per_func: Tensor, group: int | None = None
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -190,12 +200,9 @@ def advantages(
     functions] (NaN where a function gave None), groups of `group` (default num_generations;
     an evaluation's: num_generations_eval) consecutive rows. The std of one reward is 0 (TRL's,
     where an evaluation has groups of one)."""
-    n, k = rewards_per_func.shape
+    n = len(rewards_per_func)
     g = group or cfg.num_generations
-    weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
-    if len(weights) != k:
-        raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
-    rewards = (rewards_per_func * weights[None]).nansum(1)
+    rewards = weighted_rewards(cfg, rewards_per_func)
     grouped = rewards.view(-1, g)
     mean = grouped.mean(1).repeat_interleave(g)
     group_std = grouped.std(1).repeat_interleave(g) if g > 1 else torch.zeros_like(rewards)
