@@ -12,6 +12,7 @@ import pytest
 import test_grpo
 import torch
 from helpers import saved_parameters, tiny_tokenizer
+from safetensors.torch import load_file
 from test_grpo import (
     EPS,
     GA,
@@ -472,3 +473,50 @@ def test_the_eval_metrics_are_trls(setup):
         assert got[f"eval_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6), name
     assert got["eval_kl"] > 0  # the weights moved from the reference
     assert [r["advantage"] for r in samples] == pytest.approx(adv.tolist(), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(setup):
+    """The step's prompts split over two gloo processes (each samples its half, the KL penalty and
+    the leave-one-out advantages over both halves, the rollout trained twice) and the eval prompts
+    (one to the first, two to the second: the ranks' sweeps of the eval log-probs pair up): the
+    same completions, losses, grad norms, rewards, kl, eval metrics and weights as one process
+    with the same global batch (RLOO's loss is a mean over completions of micro-batches of one
+    size, whichever micro-batch they are in)."""
+    from test_checkpoint import write_yaml
+    from test_distributed import assert_close_weights, launch
+
+    tmp_path, _ = setup
+    kw = dict(stage="rloo", num_iterations=2, learning_rate=LR_AGAIN, eval_dataset=write_eval_prompts(tmp_path),
+              eval_steps=2)  # fmt: skip
+    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
+    base = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"),
+        reward_funcs=["length", "exact_match"], reward_weights=WEIGHTS, num_generations=G,
+        max_completion_length=MAX_NEW, per_device_train_batch_size=B, max_steps=STEPS, lr_scheduler_type="constant",
+        weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
+        disable_tqdm=True, logging_steps=1, adam_epsilon=EPS, **kw,
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", base), f"gradient_accumulation_steps={GA // 2}",
+                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
+        mine = [r for r in two_rollouts if r["step"] == step]
+        theirs = [r for r in one_rollouts if r["step"] == step][: len(mine)]
+        assert [r["completion_ids"] for r in mine] == [r["completion_ids"] for r in theirs]
+        assert [r["advantage"] for r in mine] == pytest.approx([r["advantage"] for r in theirs], abs=1e-6)
+    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
+    assert len(got) == len(want) == STEPS
+    for a, b in zip(got, want):
+        for k in ("loss", "grad_norm", "reward", "reward_std", "kl", "clip_ratio/region_mean"):
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
+    for a, b in zip(got, want):
+        for k in [k for k in b if k.startswith(("eval_reward", "eval_kl", "eval_loss", "eval_completions/"))]:
+            # eval_kl, a small difference of log-probs, keeps the rounding of fp32 sweeps of other shapes
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6 if k == "eval_kl" else 1e-7), (a["step"], k)
