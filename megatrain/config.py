@@ -177,7 +177,7 @@ class TrainConfig:
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
     max_length bounds each sequence); grpo (completions sampled by the policy, scored by
     reward_funcs; per_device_train_batch_size counts completions); rloo (grpo's rollouts, TRL
-    1.16's RLOO loss: docs/grpo.md)."""
+    1.16's RLOO loss: docs/rloo.md)."""
     beta: float | None = None
     """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
     0.1; grpo: the coefficient of the per-token KL term to the reference policy (the initial
