@@ -235,6 +235,8 @@ class RLOO(GRPO):
         return torch.stack(out) if out else torch.zeros(0, 1 + len(SUMS))
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Rows]) -> Tensor:
-        forward = self._forward(head, hidden, targets)
-        return sum((self._loss(t, logps, own_old=False)[0] for t, (logps, _) in zip(targets, forward)),
-                   torch.zeros((), device=head.W.device))  # fmt: skip
+        """Forward only: the completions' losses summed (over `count`, the rows: their mean)."""
+        loss = torch.zeros((), device=head.W.device)
+        for t, (logps, _) in zip(targets, self._forward(head, hidden, targets)):
+            loss += self._loss(t, logps, own_old=False)[0] * t.rows
+        return loss
