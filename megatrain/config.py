@@ -94,7 +94,36 @@ SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
 # Keys whose default is the stage's (TRL's differ between its trainers): left out when unset.
-STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type")
+STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type", "num_generations")
+# The stages that sample completions (rl/rollout.py); their settings (`rl_settings`).
+RL_STAGES = ("grpo", "rloo")
+# Keys of one of them that TRL's trainer of the other lacks: each refused there, with why.
+STAGE_ONLY = {
+    "loss_type": ("grpo", "RLOO's loss is one: per completion, averaged over a micro-batch's completions"),
+    "scale_rewards": (
+        "grpo",
+        "RLOO's advantage is the leave-one-out baseline; normalize_advantages scales it",
+    ),
+    "normalize_advantages": ("rloo", "GRPO scales its advantages by scale_rewards"),
+    "reward_clip_range": ("rloo", "GRPOTrainer clips no rewards"),
+    "use_bias_correction_kl": ("grpo", "RLOO puts the KL in the reward, not the loss"),
+}
+
+
+def rl_settings(stage: str):
+    """The settings dataclass of a stage that samples completions (imported when asked: torch)."""
+    if stage == "rloo":
+        from .objectives.rloo import RLOOConfig
+
+        return RLOOConfig
+    from .objectives.grpo import GRPOConfig
+
+    return GRPOConfig
+
+
+def _default(key: str):
+    """TrainConfig's default of `key`."""
+    return TrainConfig.__dataclass_fields__[key].default
 
 
 def _stage_keys(cfg, settings) -> dict:
@@ -181,11 +210,13 @@ class TrainConfig:
     max_length bounds each sequence); rm (a reward model: TRL's RewardTrainer on the pairs of
     those formats, a score head in place of the LM head, exported as transformers'
     sequence-classification model); grpo (completions sampled by the policy, scored by
-    reward_funcs; per_device_train_batch_size counts completions)."""
+    reward_funcs; per_device_train_batch_size counts completions); rloo (grpo's rollouts, TRL
+    1.16's RLOO loss: docs/rloo.md)."""
     beta: float | None = None
     """Preference stages: the implicit reward's temperature (ipo: tau; orpo: lambda), default
     0.1; grpo: the coefficient of the per-token KL term to the reference policy (the initial
-    one, or ref_model_name_or_path), default 0."""
+    one, or ref_model_name_or_path), default 0; rloo: of the KL penalty in the reward, default
+    0.05."""
     loss_type: str | list[str] | None = None
     """dpo: sigmoid (default), hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot,
     aot_unpaired, discopop, apo_zero, apo_down, sft, sigmoid_norm, or a list of them summed with
@@ -210,7 +241,7 @@ class TrainConfig:
     """Preference stages: prompt tokens kept (its last ones); null: all."""
     max_completion_length: int | None = None
     """Preference stages: completion tokens kept (its first ones), default null: all; grpo: the
-    most tokens a completion is sampled to, default 512."""
+    most tokens a completion is sampled to, default 512 (TRL 1.16: grpo and rloo)."""
     truncation_mode: str = "keep_end"
     """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
     keep_start."""
@@ -221,8 +252,8 @@ class TrainConfig:
     ref_model_name_or_path: str | None = None
     """dpo/kto, and grpo with beta > 0: the reference model's directory or Hub repository (the
     same architecture); default: the initial policy (model_name_or_path)."""
-    num_generations: int = 8
-    """grpo: completions sampled per prompt (a group)."""
+    num_generations: int | None = None
+    """grpo: completions sampled per prompt (a group), default 8 (rloo: 2)."""
     num_generations_eval: int | None = None
     """grpo: completions sampled per eval prompt at an evaluation (1 allowed: its group's std is
     then 0, as in TRL); default num_generations."""
@@ -298,6 +329,10 @@ class TrainConfig:
     None), or a reward model's directory or Hub name (docs/reward.md)."""
     reward_weights: list[float] | None = None
     """grpo: one weight per reward function (default 1 each)."""
+    normalize_advantages: bool = False
+    """rloo: scale the advantages to mean 0 and std 1 over the generation batch."""
+    reward_clip_range: list[float] | None = None
+    """rloo: [low, high] each completion's reward is clamped to (before the KL penalty)."""
     # --- schedule
     output_dir: str = "output"
     """Where metrics.jsonl, train_config.json, plan.json, checkpoint-N/ and final/ go; relative to
@@ -639,16 +674,14 @@ class TrainConfig:
         if self.stage != default["stage"]:
             from .objectives.preference import STAGES
 
-            if self.stage not in ("sft", "grpo", "rm", *STAGES):
+            if self.stage not in ("sft", *RL_STAGES, "rm", *STAGES):
                 raise ConfigError(
-                    f"stage: must be sft, grpo, rm or one of {', '.join(STAGES)} (got {self.stage!r})"
+                    f"stage: must be sft, grpo, rloo, rm or one of {', '.join(STAGES)} (got {self.stage!r})"
                 )
-        if self.rollout_cache != default["rollout_cache"]:
-            from .rl.rollout import ROLLOUT_CACHES
-
-            if self.rollout_cache not in ROLLOUT_CACHES:
+        for key, (stage, why) in STAGE_ONLY.items():
+            if self.stage in RL_STAGES and self.stage != stage and getattr(self, key) != default[key]:
                 raise ConfigError(
-                    f"rollout_cache: must be one of {', '.join(ROLLOUT_CACHES)} (got {self.rollout_cache!r})"
+                    f"{key}: is stage {stage}'s, not in TRL's trainer of stage {self.stage}: {why}"
                 )
         if (self.rollout_engine, self.rollout_cache) != (default["rollout_engine"], default["rollout_cache"]):
             from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
@@ -677,8 +710,8 @@ class TrainConfig:
 
     def preference(self) -> PreferenceConfig | RewardConfig | None:
         """The settings of a stage that trains on preference data (rm's: RewardConfig); None for
-        sft and grpo."""
-        if self.stage in ("sft", "grpo"):
+        sft, grpo and rloo."""
+        if self.stage == "sft" or self.stage in RL_STAGES:
             return None
         from .objectives.preference import PreferenceConfig
         from .objectives.reward import RewardConfig
@@ -687,13 +720,13 @@ class TrainConfig:
         return settings(**_stage_keys(self, settings))
 
     def grpo(self, processes: int | None = None) -> GRPOConfig | None:
-        """GRPO's settings for a world of `processes` (default: the world these settings
-        describe; under torchrun, pass the run's); None for the other stages."""
-        if self.stage != "grpo":
+        """The rollout stage's settings (grpo's GRPOConfig, rloo's RLOOConfig, one) for a world
+        of `processes` (default: the world these settings describe; under torchrun, pass the
+        run's); None for the other stages."""
+        if self.stage not in RL_STAGES:
             return None
-        from .objectives.grpo import GRPOConfig
-
-        return GRPOConfig(**_stage_keys(self, GRPOConfig), processes=processes or self.world().ranks)
+        settings = rl_settings(self.stage)
+        return settings(**_stage_keys(self, settings), processes=processes or self.world().ranks)
 
     def world(self):
         """The data-parallel world these settings describe: nnodes machines (1 unless set) of
@@ -738,14 +771,14 @@ class TrainConfig:
             raise ConfigError(f"load_best_model_at_end: {why}")
         # grpo's evaluation samples and scores (TRL's eval_reward, the default), then takes the
         # loss of what it sampled; the other stages' take a loss.
-        computed = ("reward", "loss") if self.stage == "grpo" else ("loss",)
+        computed = ("reward", "loss") if self.stage in RL_STAGES else ("loss",)
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = f"eval_{computed[0]}"
         if self.metric_for_best_model is not None:
             if self.metric_for_best_model not in [f"eval_{c}" for c in computed] + list(computed):
                 stage = (
-                    "s evaluation computes with stage grpo"
-                    if self.stage == "grpo"
+                    f"s evaluation computes with stage {self.stage}"
+                    if self.stage in RL_STAGES
                     else " evaluation computes"
                 )
                 names = " or ".join(f"eval_{c}" for c in computed)

@@ -55,7 +55,7 @@ class Evaluator:
         self.prompts = None  # grpo: the eval prompts, sampled and scored
         self.batch_size = cfg.per_device_eval_batch_size
         self.interval = 0
-        if cfg.eval_strategy != "no" and cfg.stage == "grpo":
+        if cfg.eval_strategy != "no" and cfg.grpo() is not None:
             self.prompts = grpo_prompts(cfg, tokenizer, vocab_size, "eval_dataset")
             self.num_samples = len(self.prompts)
         elif cfg.eval_strategy != "no":

@@ -153,7 +153,7 @@ def check(
 
 def knobs_of(cfg) -> tuple[str, ...]:
     """The batch settings `check`, `limits` and `megatrain plan` speak in, the stage's."""
-    return GRPO_KNOBS if cfg.stage == "grpo" else KNOBS
+    return GRPO_KNOBS if cfg.grpo() is not None else KNOBS
 
 
 def length_knob(cfg) -> str:
@@ -324,7 +324,7 @@ def rollout_split(update, cfg, layers: int, device: str) -> Plan:
 def _split_layers(update, cfg, layers: int, device: str) -> Plan:
     """`rollout_split`'s count of resident layers, `update(resident)` the update's plan."""
     cap = cfg.rollout_resident_layers
-    if cfg.stage != "grpo" or (cap == "auto" and device != "cuda"):
+    if cfg.grpo() is None or (cap == "auto" and device != "cuda"):
         return update(None)
     if cap != "auto":
         return update(cap if cap < layers else None)

@@ -30,7 +30,7 @@ def report(
         f"device: {device_name}, {dtype_name} compute",
         f"tokens: {b.rows} x {b.seq_len} per micro-batch"
         + (f" ({cfg.per_device_train_batch_size} {cfg.stage} samples)" if cfg.preference() else "")
-        + (" (completions: prompt + max_completion_length)" if cfg.stage == "grpo" else "")
+        + (" (completions: prompt + max_completion_length)" if cfg.grpo() is not None else "")
         + ", "
         f"x {cfg.gradient_accumulation_steps} accumulation = {b.tokens:,} per optimizer step "
         f"(upper bound: rows padded to {row_length_text(cfg)})",

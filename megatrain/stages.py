@@ -49,6 +49,7 @@ from .models.config import ModelConfig
 from .objectives.base import Objective
 from .objectives.grpo import GRPO, GRPOConfig
 from .objectives.reward import Reward
+from .objectives.rloo import RLOO, RLOOConfig
 from .objectives.sequence_sums import Preference
 
 REFERENCE_DIR = "reference"
@@ -107,7 +108,7 @@ def row_length(cfg) -> int:
 
 def row_length_text(cfg) -> str:
     """`row_length` as a message names it, with the keys it comes from."""
-    if cfg.stage != "grpo":
+    if cfg.grpo() is None:
         return f"max_length {cfg.max_length}"
     prompt = (
         f"max_prompt_length {cfg.max_prompt_length}"
@@ -169,7 +170,8 @@ def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batche
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
     if (grpo := cfg.grpo(world.world_size)) is not None:
-        return GRPO(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size, collective=world)
+        kind = RLOO if isinstance(grpo, RLOOConfig) else GRPO
+        return kind(grpo, micro_batches=cfg.gradient_accumulation_steps * world.world_size, collective=world)
     pref = cfg.preference()
     if pref is not None and pref.stage == "rm":
         return Reward(pref)

@@ -33,6 +33,8 @@ gradient that flows back into the hidden states token by token.
   sampling policy's log-probabilities (the ratio's denominator), a reference model's where a KL
   term is wanted, and the mask of generated tokens; `count` the tokens (or sequences) the loss is
   averaged over. Every term is per token, so one `backward` pass computes it chunk by chunk.
+* REINFORCE leave-one-out (RLOO, built: rloo.py): GRPO's micro-batches, a loss per completion
+  over its summed log-probs, so two passes over the head, as the preference losses take.
 
 Neither needs the full logits, a second backward sweep or anything new from the engine; what they
 add is data (fields of the micro-batch the data pipeline fills) and their objective.

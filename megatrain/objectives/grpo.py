@@ -194,6 +194,16 @@ def tempered(logits: Tensor, temperature: float) -> Tensor:
 
 
 # ------------------------------------------------------------------------ advantages
+def weighted_rewards(cfg: GRPOConfig, rewards_per_func: Tensor) -> Tensor:
+    """Each completion's reward: `rewards_per_func` [completions, functions] weighted by
+    reward_weights and summed, a function's None (NaN) counting 0 (TRL's nansum)."""
+    k = rewards_per_func.shape[1]
+    weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
+    if len(weights) != k:
+        raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
+    return (rewards_per_func * weights[None]).nansum(1)
+
+
 def advantages(
     cfg: GRPOConfig, rewards_per_func: Tensor, group: int | None = None
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -203,12 +213,9 @@ def advantages(
     completion no function scored has a NaN reward, left out of its group's mean and std, and
     advantage 0. The std of one reward is 0 (TRL's, where an evaluation has groups of one);
     `reward_std` is the std of the whole batch's rewards."""
-    n, k = rewards_per_func.shape
+    n = len(rewards_per_func)
     g = group or cfg.num_generations
-    weights = torch.tensor(cfg.reward_weights or [1.0] * k, dtype=rewards_per_func.dtype)
-    if len(weights) != k:
-        raise ConfigError(f"reward_weights: needs one weight per reward function ({k}), got {len(weights)}")
-    rewards = (rewards_per_func * weights[None]).nansum(1)
+    rewards = weighted_rewards(cfg, rewards_per_func)
     rewards[rewards_per_func.isnan().all(1)] = math.nan
     grouped = rewards.view(-1, g)
     mean = grouped.nanmean(1).repeat_interleave(g)

@@ -1,7 +1,8 @@
-"""GRPO's rollouts (`stage: grpo`): a generation batch of prompts sampled `num_generations`
-times by the policy as it is, scored by the reward functions, turned into advantages and
-micro-batches of prompt + completion for the engine (objectives/grpo.py); and evaluation
-(`evaluate`).
+"""The rollouts of `stage: grpo` and `stage: rloo`: a generation batch of prompts sampled
+`num_generations` times by the policy as it is, scored by the reward functions, turned into
+micro-batches of prompt + completion for the engine and advantages by the stage's rule
+(objectives/grpo.py, objectives/rloo.py: RLOO's after the log-probs, which its KL penalty needs);
+and evaluation (`evaluate`).
 
 A generation batch is per_device_train_batch_size x steps_per_generation completions a process
 (TRL's; by default gradient_accumulation_steps slices, one generation batch an optimizer step),
@@ -67,6 +68,7 @@ from ..data.prompts import Prompt
 from ..errors import CheckpointError, ConfigError
 from ..io.outputs import COMPLETIONS, EVAL_COMPLETIONS
 from ..metrics import RecordFile
+from ..objectives import rloo
 from ..objectives.grpo import (
     ADVANTAGE,
     OLD_LOGP,
@@ -77,6 +79,7 @@ from ..objectives.grpo import (
     eval_metrics,
     log_probs,
 )
+from ..objectives.rloo import RLOOConfig, sequence_kl
 from ..planning.footprint import rollout_copy_bytes
 from .decode import Decoder, supports
 from .policy import HostCopy, PolicyModel
@@ -228,23 +231,10 @@ class Rollout:
         rewards = self._score(prompts, completions)
         t2 = time.perf_counter()
         every = self.world.each(rewards) if self.world.world_size > 1 else [rewards]
-        _, adv, metrics = advantages(self.cfg, torch.cat(every))
-        first = sum(len(r) for r in every[: self.world.rank])
-        adv = adv[first : first + len(rewards)]
-        self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
-        self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1} | self.timing)
-        # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
-        self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
-        if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
-            for rec in self._records(step, prompts, completions, truncated, rewards, adv):
-                self.completions_file.append(rec)
         order = generation_order(self.seed, generation, len(prompts))
         rows = [(prompts[i].ids, completions[i], bool(truncated[i])) for i in order.tolist()]
-        adv = adv[order]
-        batches = [
-            self._micro_batch(rows[a : a + self.batch_size], adv[a : a + self.batch_size])
-            for a in range(0, len(rows), self.batch_size)
-        ]
+        size = self.batch_size
+        batches = [self._micro_batch(rows[a : a + size]) for a in range(0, len(rows), size)]
         # dapo's divisor (TRL's): the generation batch's loss tokens, every rank's, per optimizer step.
         tokens = max(self.world.sum_count(sum(mb.num_label_tokens for mb in batches)), 1)
         for mb in batches:
@@ -254,8 +244,35 @@ class Rollout:
         if self.cfg.needs_old_logps or self.cfg.needs_reference:
             t3 = time.perf_counter()
             self._attach_logps(batches)
-            self.metrics["time/logps_s"] = time.perf_counter() - t3
+            self.timing["time/logps_s"] = time.perf_counter() - t3
+        adv, metrics = self._advantages(every, batches, order)
+        self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
+        self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1} | self.timing)
+        # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
+        self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
+        if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
+            for rec in self._records(step, prompts, completions, truncated, rewards, adv):
+                self.completions_file.append(rec)
         return batches
+
+    def _advantages(self, every: list[torch.Tensor], batches: list[MicroBatch], order: torch.Tensor,
+                    group: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """This rank's advantages, in the order its completions were sampled, by the stage's rule
+        (GRPO's; RLOO's, its KL penalty from the micro-batches' log-probs) over `every` rank's
+        rewards, and the rule's metrics; each written into `batches`, which hold the rows in
+        `order`."""
+        world, rewards = self.world, torch.cat(every)
+        if isinstance(self.cfg, RLOOConfig):
+            kl = sequence_kl(batches)[order.argsort()] if self.cfg.needs_reference else None
+            kl = torch.cat(world.each(kl)) if kl is not None and world.world_size > 1 else kl
+            _, adv, metrics = rloo.advantages(self.cfg, rewards, group, kl)
+        else:
+            _, adv, metrics = advantages(self.cfg, rewards, group)
+        first = sum(len(r) for r in every[: world.rank])
+        adv = adv[first : first + len(every[world.rank])]
+        for mb, part in zip(batches, adv[order].split([len(mb.input_ids) for mb in batches])):
+            mb.extra[:, ADVANTAGE] = part.double()
+        return adv, metrics
 
     @torch.no_grad()
     def generate(
@@ -324,36 +341,33 @@ class Rollout:
             else torch.zeros(0, len(self.funcs), dtype=torch.float64)
         )
         ranks = world.each(rewards) if world.world_size > 1 else [rewards]
-        every = torch.cat(ranks)
-        _, adv, metrics = advantages(self.cfg, every, g)
-        first = sum(len(r) for r in ranks[: world.rank])
-        adv = adv[first : first + len(rows)]  # this rank's
+        pairs = [(p.ids, c, bool(t)) for p, c, t in zip(sampled, completions, truncated)]
+        # TRL's eval batches: this rank's rows in micro-batches of `batch_size`, in order, with the
+        # reference's log-probs where beta > 0 (and the policy's, for RLOO's KL penalty).
+        batches = [self._micro_batch(pairs[a : a + batch_size]) for a in range(0, len(pairs), batch_size)]
+        if self.cfg.needs_reference:
+            self._attach_logps(batches, sampling=isinstance(self.cfg, RLOOConfig))
+        adv, metrics = self._advantages(ranks, batches, torch.arange(len(pairs)), g)
         records = self._records(step, sampled, completions, truncated, rewards, adv)
         for rec in [r for rank in world.each(records) for r in rank] if world.world_size > 1 else records:
             if self.eval_completions_file is not None:  # the main rank's, every rank's records
                 self.eval_completions_file.append(rec)
-        pairs = [(p.ids, c, bool(t)) for p, c, t in zip(sampled, completions, truncated)]
-        losses = self._eval_loss(pairs, adv, batch_size)
-        return metrics | self._metrics(every, completions, truncated) | losses
+        losses = self._eval_loss(batches)
+        return metrics | self._metrics(torch.cat(ranks), completions, truncated) | losses
 
-    def _eval_loss(self, rows, adv: torch.Tensor, batch_size: int) -> dict[str, float]:
-        """TRL's loss metrics at an evaluation (objectives/grpo.py: eval_metrics): this rank's
-        (prompt ids, completion, truncated) rows in micro-batches of `batch_size` in order (TRL's
-        eval batches), with their advantages and, where beta > 0, the reference's log-probs,
-        forwarded by the engine gradient_accumulation_steps micro-batches a sweep (as evaluation
-        does for the other stages)."""
+    def _eval_loss(self, batches: list[MicroBatch]) -> dict[str, float]:
+        """TRL's loss metrics at an evaluation (objectives/grpo.py, rloo.py: eval_metrics) of this
+        rank's eval micro-batches, forwarded by the engine gradient_accumulation_steps
+        micro-batches a sweep (as evaluation does for the other stages)."""
         engine, world, ga = self.model.engine, self.world, self.cfg.gradient_accumulation_steps
-        size = range(0, len(rows), batch_size)
-        batches = [self._micro_batch(rows[a : a + batch_size], adv[a : a + batch_size]) for a in size]
-        if self.cfg.needs_reference and batches:
-            self._attach_logps(batches, sampling=False)
         chunks = [batches[a : a + ga] for a in range(0, len(batches), ga)]
         sums = [x for c in chunks for x in engine.head_outputs(c, engine.objective.eval_sums).cpu().tolist()]
         most = max(world.each(len(chunks))) if world.world_size > 1 else len(chunks)
         for _ in range(most - len(chunks)):
             engine.keep_pace()  # the ranks' sweeps pair up (sharded: their weight gathers do)
         mine = [(mb.input_ids.shape[0], s) for mb, s in zip(batches, sums)]
-        return eval_metrics(self.cfg, world.each(mine) if world.world_size > 1 else [mine])
+        rule = rloo.eval_metrics if isinstance(self.cfg, RLOOConfig) else eval_metrics
+        return rule(self.cfg, world.each(mine) if world.world_size > 1 else [mine])
 
     @contextlib.contextmanager
     def _measured(self):
@@ -436,13 +450,14 @@ class Rollout:
         `sampling` False: an evaluation's, whose sampling policy is the policy) and the reference
         policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
         engine, ga = self.model.engine, self.cfg.gradient_accumulation_steps
-        ref = self._reference_logps(batches) if self.cfg.needs_reference else None
+        ref = self._reference_logps(batches) if self.cfg.needs_reference and batches else None
         old = None
         if sampling and self.cfg.needs_old_logps:  # a step's micro-batches at a time, as the plan's sweep
-            fn = engine.objective.token_logps
-            old = [
-                x for a in range(0, len(batches), ga) for x in engine.head_outputs(batches[a : a + ga], fn)
-            ]
+            fn, sweeps = engine.objective.token_logps, range(0, len(batches), ga)
+            old = [x for a in sweeps for x in engine.head_outputs(batches[a : a + ga], fn)]
+            most = max(self.world.each(len(sweeps))) if self.world.world_size > 1 else len(sweeps)
+            for _ in range(most - len(sweeps)):
+                engine.keep_pace()  # an evaluation's ranks may hold fewer rows: the sweeps pair up
         for i, mb in enumerate(batches):
             values = torch.zeros(*mb.input_ids.shape, 2)
             if old is not None:
@@ -567,8 +582,9 @@ class Rollout:
             self.host_copy.close()
 
     # ------------------------------------------------------------------ batches
-    def _micro_batch(self, rows, adv: torch.Tensor) -> MicroBatch:
-        """Prompt + completion rows, right-padded; labels on the completion tokens in the loss."""
+    def _micro_batch(self, rows) -> MicroBatch:
+        """Prompt + completion rows, right-padded; labels on the completion tokens in the loss
+        (`extra`'s advantages: 0 until `_advantages`)."""
         width = max(len(p) + len(c) for p, c, _ in rows)
         ids, labels, real = [], [], []
         for p, c, cut in rows:
@@ -581,7 +597,6 @@ class Rollout:
             real.append([1] * (len(p) + len(c)) + [0] * pad)
         mask = torch.tensor(real)
         extra = torch.zeros(len(rows), 2, dtype=torch.float64)
-        extra[:, ADVANTAGE] = adv.double()
         return MicroBatch(
             torch.tensor(ids),
             torch.tensor(labels),
