@@ -681,7 +681,8 @@ class TrainConfig:
         for key, (stage, why) in STAGE_ONLY.items():
             if self.stage in RL_STAGES and self.stage != stage and getattr(self, key) != default[key]:
                 raise ConfigError(
-                    f"{key}: is stage {stage}'s, not in TRL's trainer of stage {self.stage}: {why}"
+                    f"{key}: is stage {stage}'s, not in TRL's trainer of stage {self.stage}: {why} "
+                    f"(got {getattr(self, key)!r})"
                 )
         if (self.rollout_engine, self.rollout_cache) != (default["rollout_engine"], default["rollout_cache"]):
             from .rl.rollout import ROLLOUT_CACHES, ROLLOUT_ENGINES
