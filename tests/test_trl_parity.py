@@ -7,24 +7,34 @@ TRL tokenises text itself; the data here is megatrain's pre-tokenised form, hand
 trainer as the token ids its own preprocessing would produce (`_prepare_dataset` left out; ORPO's
 and CPO's `tokenize_row` given the ids), so the two sides see the same ids whatever either's
 tokenisation. Stages: SFT (SFTTrainer), DPO (every loss type), KTO, ORPO and SimPO (trl.experimental's
-ORPOTrainer and CPOTrainer)."""
+ORPOTrainer and CPOTrainer), and GRPO: GRPOTrainer on the completions megatrain sampled (its
+`rollout_func`), scored by the same reward functions."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from unittest import mock
 
 import pytest
 import torch
+import transformers
 import trl
 from datasets import Dataset
 from helpers import saved_parameters, tiny_tokenizer
+from test_grpo import EPS
+from test_grpo import model as grpo_model
 from test_preference_training import GA, MAX_NORM, STEPS, WD, B, kto_rows, model, pairs, run, write_pairs
 from torch.utils.data import SequentialSampler
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+from trl.trainer.utils import shuffle_sequence_dict as trl_shuffle
 
+from megatrain.config import TrainConfig
 from megatrain.objectives.preference import DPO_LOSS_TYPES
+from megatrain.rl.rewards import exact_match, length
+from megatrain.rl.rollout import generation_order
 
 TRL_VERSION = "1.16.0"
 # A step moves a weight by up to the learning rate (AdamW), so the weights' tolerance of 1e-5 is
@@ -40,13 +50,16 @@ def test_the_trl_followed_is_installed():
 
 def trl_args(tmp_path, config_class, **kw):
     """TRL's config with the schedule megatrain runs: sequential batches, constant learning rate,
-    fp32 on the CPU, a log every step."""
+    fp32 on the CPU, a log every step, no truncation."""
+    untruncated = (
+        {"max_length": None} if "max_length" in {f.name for f in dataclasses.fields(config_class)} else {}
+    )
     return config_class(
         output_dir=str(tmp_path / "trl"), per_device_train_batch_size=B, gradient_accumulation_steps=GA,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", weight_decay=WD,
         max_grad_norm=MAX_NORM, use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1,
-        report_to="none", save_strategy="no", disable_tqdm=True, seed=0, max_length=None,
-        train_sampling_strategy="sequential", **kw,
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+        train_sampling_strategy="sequential", **(untruncated | kw),
     )  # fmt: skip
 
 
@@ -241,3 +254,78 @@ def test_sft_trains_as_trls_sft_trainer(pair_data, tmp_path):
     )  # fmt: skip
     logs, trained = trl_steps(trainer)
     compare(records, logs, final, trained, [])
+
+
+# ------------------------------------------------------------------------ GRPO
+G, MAX_NEW = 4, 10
+GRPO_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/length/mean", "rewards/length/std",
+                "rewards/exact_match/mean", "completions/mean_length", "completions/clipped_ratio", "entropy",
+                "clip_ratio/region_mean"]  # fmt: skip
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """TRL's GRPOTrainer trained on megatrain's completions: its `rollout_func` hands it, for each
+    generation batch's prompts, the completions megatrain sampled for them (completions.jsonl, in
+    order); its generation batch is shuffled by megatrain's permutation (`generation_order`) in
+    place of its own random one. Everything after (rewards, advantages, loss, step) is TRL's."""
+
+    def __init__(self, *args, sampled: list[dict], seed: int, **kw):
+        self.sampled, self.seed, self.generation = iter(sampled), seed, 0
+        super().__init__(*args, rollout_func=self.replay, **kw)
+
+    def replay(self, prompts, trainer):
+        records = [next(self.sampled) for _ in prompts]
+        assert [r["prompt"] for r in records] == prompts
+        return {
+            "prompt_ids": [self.processing_class(p)["input_ids"] for p in prompts],
+            "completion_ids": [r["completion_ids"] for r in records],
+            "logprobs": None,
+        }
+
+    def _prepare_inputs(self, generation_batch):
+        def shuffle(batch):
+            n = len(next(v for v in batch.values() if v is not None))
+            perm = generation_order(self.seed, self.generation, n)
+            self.generation += 1
+            with mock.patch("torch.randperm", lambda *a, **k: perm):
+                return trl_shuffle(batch)
+
+        with mock.patch("trl.trainer.grpo_trainer.shuffle_sequence_dict", shuffle):
+            return super()._prepare_inputs(generation_batch)
+
+
+@pytest.fixture(scope="module")
+def grpo_data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    tok = tiny_tokenizer()
+    tok.save_pretrained(tmp / "model")
+    grpo_model(len(tok)).save_pretrained(tmp / "model")
+    prompts = [{"prompt": f"Say {i} once:", "answer": f"{i}"} for i in range(B * GA * STEPS // G)]
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return tmp, tok, Dataset.from_list(prompts)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(loss_type="grpo", beta=0.04), dict(loss_type="dr_grpo", scale_rewards="batch")],
+                         ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "dapo")  # fmt: skip
+def test_grpo_trains_as_trls_grpo_trainer(grpo_data, tmp_path, kw):
+    tmp, tok, dataset = grpo_data
+    # AdamW's epsilon test_grpo.py's: above the rounding of the smallest gradients, which Adam amplifies
+    grpo = dict(
+        num_generations=G, max_completion_length=MAX_NEW, reward_weights=[-0.05, 1.0], adam_epsilon=EPS
+    )
+    grpo |= kw
+    out = tmp_path / "out"
+    records, final, _ = run(
+        tmp_path, str(tmp / "prompts.jsonl"), stage="grpo", model_name_or_path=str(tmp / "model"),
+        learning_rate=LR, reward_funcs=["length", "exact_match"], **grpo,
+    )  # fmt: skip
+    sampled = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    # from its directory: with beta > 0 TRL loads the reference by the policy's name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=hf, reward_funcs=[length, exact_match], train_dataset=dataset, processing_class=tok,
+        args=trl_args(tmp_path, trl.GRPOConfig, shuffle_dataset=False, **grpo) ,
+        sampled=sampled, seed=TrainConfig.seed,
+    )  # fmt: skip
+    logs, trained = trl_steps(trainer)
+    compare(records, logs, final, trained, GRPO_METRICS + (["kl"] if "beta" in kw else []))
