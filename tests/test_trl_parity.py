@@ -42,6 +42,7 @@ TRL_VERSION = "1.16.0"
 LR = 1e-3
 PAIR_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"]  # fmt: skip
+TOKEN_METRICS = ["entropy", "mean_token_accuracy", "num_tokens"]  # TRL 1.x's, from its fused LM head
 
 
 def test_the_trl_followed_is_installed():
@@ -170,7 +171,7 @@ def test_dpo_trains_as_trls_dpo_trainer(pair_data, tmp_path, kw):
         processing_class=tiny_tokenizer(),
     )
     logs, trained = trl_steps(trainer)
-    compare(records, logs, final, trained, PAIR_METRICS)
+    compare(records, logs, final, trained, PAIR_METRICS + TOKEN_METRICS)
 
 
 # ORPO's and CPO's `logits/*` are the mean over every position of the padded batch (prompt and
@@ -231,7 +232,7 @@ def test_kto_trains_as_trls_kto_trainer(pair_data, tmp_path, loss_type):
     )  # fmt: skip
     logs, trained = trl_steps(trainer)
     metrics = ["kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "logits/chosen",
-               "logits/rejected"]  # fmt: skip
+               "logits/rejected", "entropy", "num_tokens"]  # fmt: skip
     compare(records, logs, final, trained, metrics)
 
 
@@ -253,7 +254,7 @@ def test_sft_trains_as_trls_sft_trainer(pair_data, tmp_path):
         train_dataset=Dataset.from_list(rows), processing_class=tiny_tokenizer(),
     )  # fmt: skip
     logs, trained = trl_steps(trainer)
-    compare(records, logs, final, trained, [])
+    compare(records, logs, final, trained, TOKEN_METRICS)
 
 
 # ------------------------------------------------------------------------ GRPO

@@ -38,6 +38,9 @@ class Sample:
     extra: tuple[float, ...] = ()
     """Per-sample numbers an objective needs (preference: the reference log-probs, KTO's label),
     carried to `MicroBatch.extra`."""
+    counted: int | None = None
+    """Its tokens TRL's `num_tokens` counts where not all (a KTO example: its sequence's, not its
+    KL sequence's)."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.labels):
