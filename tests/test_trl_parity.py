@@ -32,6 +32,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict as trl_shuffle
 
 from megatrain.config import TrainConfig
+from megatrain.data.samples import build_samples
 from megatrain.objectives.preference import DPO_LOSS_TYPES
 from megatrain.rl.rewards import exact_match, length
 from megatrain.rl.rollout import generation_order
@@ -330,3 +331,34 @@ def test_grpo_trains_as_trls_grpo_trainer(grpo_data, tmp_path, kw):
     )  # fmt: skip
     logs, trained = trl_steps(trainer)
     compare(records, logs, final, trained, GRPO_METRICS + (["kl"] if "beta" in kw else []))
+
+
+PC_RECORDS = {
+    "text": [{"prompt": "Where is the hou", "completion": "se?"}, {"prompt": "Say it.", "completion": " It.</s>"}],
+    "conversational": [
+        {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                    {"role": "user", "content": "The name?"}],
+         "completion": [{"role": "assistant", "content": "None."}]},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", list(PC_RECORDS))
+def test_sft_prompt_completion_records_are_tokenised_as_trls(tmp_path, form):
+    """SFTTrainer's own preprocessing of prompt-completion records (text: plain text + EOS;
+    conversations: the chat template) gives megatrain's ids and labels (the first token of a
+    sequence is never a target)."""
+    records = PC_RECORDS[form]
+    tok = tiny_tokenizer()
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    samples = build_samples(TrainConfig(model_config="unused", dataset=str(data)), tok)
+    trainer = trl.SFTTrainer(
+        model=model(), args=trl_args(tmp_path, trl.SFTConfig), train_dataset=Dataset.from_list(records),
+        processing_class=tok,
+    )  # fmt: skip
+    theirs = list(trainer.train_dataset)
+    assert any(-100 in r["labels"] for r in theirs)
+    assert [s.input_ids for s in samples] == [r["input_ids"] for r in theirs]
+    for s, r in zip(samples, theirs):
+        assert s.labels[1:] == r["labels"][1:]
