@@ -256,6 +256,7 @@ class _Run(_Inputs):
     run_config: dict
     start: int  # the optimizer steps already taken (a resume's)
     rollout: Rollout | None  # grpo: samples each step's completions
+    num_tokens: int = 0  # TRL's `num_tokens`: the tokens trained on so far (a resume's from its history)
 
     @property
     def main(self) -> bool:
@@ -271,6 +272,9 @@ class _Run(_Inputs):
         record = _step_record(step, outcome, lr, dt, micro_batches, self.world, self.batcher.epoch)
         if self.rollout is not None:
             record.update(self.rollout.metrics)
+        else:  # grpo's would count a rollout trained again (num_iterations) again: TRL counts it once
+            self.num_tokens += self.world.sum_count(sum(mb.num_input_tokens for mb in micro_batches))
+            record["num_tokens"] = self.num_tokens
         self.log.log(record)
         self.history.append(record)
 
@@ -544,6 +548,9 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         run_config=run_config,
         start=start,
         rollout=rollout,
+        num_tokens=next((r["num_tokens"] for r in reversed(ts.log_history) if "num_tokens" in r), 0)
+        if ts
+        else 0,
     )
     _announce(run, device, runs_on, notes, ts)
     if reference is not None:

@@ -146,21 +146,43 @@ def test_sharegpt_alpaca_prompt_completion_match_messages(tmp_path, tok):
     assert [(s.input_ids, s.labels) for s in alpaca] == [(s.input_ids, s.labels) for s in ref]
     assert supervised_spans(tok, alpaca[0]) == ["A number.<|im_end|>"]
 
-    pc = one([{"prompt": "What is the name?", "completion": "It has none."}])[0]
-    ref = one([{"messages": msgs(("user", "What is the name?"), ("assistant", "It has none."))}])[0]
-    assert (pc.input_ids, pc.labels) == (ref.input_ids, ref.labels)
 
-
-def test_prompt_completion_without_chat_template(tmp_path):
-    tok = tiny_tokenizer(None)
-    f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Question: what is it?", "completion": " A house."}])
+@pytest.mark.parametrize("template", [None, "chatml"])
+def test_text_prompt_completion_is_plain_text_and_eos_as_trls(tmp_path, template):
+    """TRL's SFT of a text prompt-completion record, chat template or not: prompt + completion +
+    EOS tokenised together, the loss from where the prompt's own tokens part from it (here " hou"
+    and "se" merge into " house": the completion takes the merged token)."""
+    tok = tiny_tokenizer(template)
+    prompt, completion = "Where is the hou", "se?"
+    f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": prompt, "completion": completion}])
     (s,) = build_samples(cfg_for(f), tok)
-    p = tok("Question: what is it?")["input_ids"]
-    c = tok(" A house.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    assert p[0] == tok.bos_token_id
-    assert s.input_ids == p + c
-    assert s.labels == [-100] * len(p) + c
-    assert tok.decode(c) == " A house.</s>"
+    ids = tok(prompt + completion + "</s>")["input_ids"]
+    p = tok(prompt)["input_ids"]
+    cut = next(i for i, (a, b) in enumerate(zip(p + [-1], ids)) if a != b)
+    assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id
+    assert s.input_ids == ids
+    assert s.labels == [-100] * cut + ids[cut:]
+    assert cut < len(p) and tok.decode(ids[cut:]) == " house?</s>"
+
+
+def test_conversational_prompt_completion_is_trls(tmp_path, tok):
+    """TRL's conversational prompt-completion record: the prompt rendered with the generation
+    prompt, the whole conversation after it trained on (the end-of-turn token and the newline the
+    ChatML template writes after it); earlier assistant turns of the prompt are not."""
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": "What is the name?"}]  # fmt: skip
+    completion = [{"role": "assistant", "content": "It has none."}]
+    f = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": prompt, "completion": completion}])
+    (s,) = build_samples(cfg_for(f), tok)
+    full = tok.apply_chat_template(prompt + completion, tokenize=False)
+    head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert s.input_ids == tok(full, add_special_tokens=False)["input_ids"]
+    assert supervised_spans(tok, s) == [full[len(head) :]] == ["It has none.<|im_end|>\n"]
+    (msgs_sample,) = build_samples(
+        cfg_for(write_jsonl(tmp_path / "m.jsonl", [{"messages": prompt + completion}])), tok
+    )
+    assert msgs_sample.input_ids == s.input_ids  # messages: every assistant turn, up to its <|im_end|>
+    assert supervised_spans(tok, msgs_sample) == ["Hello.<|im_end|>", "It has none.<|im_end|>"]
 
 
 def test_template_that_is_not_prefix_stable(tmp_path):

@@ -67,6 +67,11 @@ def raises(exc, path, line, what):
             "unknown role 'robot'",
         ),
         ([{"prompt": "a", "completion": 3}], 1, "field 'completion' must be a string"),
+        (
+            [{"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}],
+            1,
+            "fields 'prompt' and 'completion' must both be strings or both lists of messages",
+        ),
         ([{"text": "a"}, [1, 2]], 2, "expected a JSON object per record, got list"),
     ],
 )

@@ -41,7 +41,7 @@ def test_the_one_pass_loss_and_gradient_equal_autograds(dtype):
     z, labels = _case(dtype)
     total = 29
     ref_loss, ref_grad = _autograd(z, labels, total)
-    loss, grad = loss_and_grad(z, labels, torch.full((), 1.0 / total))
+    loss, grad, _ = loss_and_grad(z, labels, torch.full((), 1.0 / total))
     assert loss.dtype == torch.float32 and grad.dtype == dtype and grad.shape == z.shape
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     if dtype == torch.float32:
@@ -60,7 +60,7 @@ def test_the_one_pass_loss_and_gradient_equal_autograds(dtype):
 
 def test_a_chunk_with_no_label_has_no_loss_and_no_gradient():
     z, _ = _case(torch.bfloat16, T=4)
-    loss, grad = loss_and_grad(z, torch.full((4,), IGNORE_INDEX), torch.ones(()))
+    loss, grad, _ = loss_and_grad(z, torch.full((4,), IGNORE_INDEX), torch.ones(()))
     assert loss.item() == 0.0 and not grad.any()
 
 
@@ -70,9 +70,25 @@ def test_it_compiles_as_one_graph():
     z, labels = _case(torch.bfloat16)
     scale = torch.full((), 0.25)
     fn = torch.compile(loss_and_grad, backend="aot_eager", fullgraph=True)
-    loss, grad = fn(z, labels, scale)
-    ref_loss, ref_grad = loss_and_grad(z, labels, scale)
-    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    loss, grad, stats = fn(z, labels, scale)
+    ref_loss, ref_grad, ref_stats = loss_and_grad(z, labels, scale)
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad) and torch.equal(stats, ref_stats)
+
+
+def test_its_metric_sums_are_trls_entropy_and_token_accuracy():
+    """The entropy and top-1 sums over the labels, as a plain fp64 computation (TRL's SFT
+    `entropy` and `mean_token_accuracy` numerators); a tie at the maximum counts for the first."""
+    z, labels = _case(torch.float32)
+    z[0, 5] = z[0].max() + 1
+    z[0, 9] = z[0, 5]  # a tie: the first index is the most likely one
+    labels[0], labels[1] = 9, int(z[1].argmax())  # row 0's label ties the maximum, row 1's is it
+    _, _, (ent, top1) = loss_and_grad(z, labels, torch.ones(()))
+    valid = labels != IGNORE_INDEX
+    p = z.double().softmax(-1)
+    want_ent = -(p * p.log()).sum(-1)[valid].sum()
+    want_top1 = (z.argmax(-1) == labels)[valid].sum()
+    assert ent.item() == pytest.approx(want_ent.item(), rel=1e-6)
+    assert top1.item() == want_top1.item() and 0 < want_top1 < valid.sum()
 
 
 def _grads(objective: Objective, path, family="llama", tied=False):
@@ -133,8 +149,8 @@ def test_compiled_on_cuda_it_equals_the_eager_function(dtype):
     z, labels = _case(dtype, T=300, V=32000)
     z, labels, scale = z.cuda(), labels.cuda(), torch.full((), 1 / 77, device="cuda")
     head = losshead.Head(None, {}, z, 1, compile=True)
-    loss, grad = head.fused(loss_and_grad)(z, labels, scale)
-    ref_loss, ref_grad = loss_and_grad(z, labels, scale)
+    loss, grad, _ = head.fused(loss_and_grad)(z, labels, scale)
+    ref_loss, ref_grad, _ = loss_and_grad(z, labels, scale)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     rel = 1e-5 if dtype == torch.float32 else 2**-7  # fp32's rounding of exp and the sum; one bf16 step
     assert ((grad.float() - ref_grad.float()).abs() <= ref_grad.float().abs() * rel + 1e-9).all()

@@ -37,6 +37,9 @@ class MicroBatch:
     """The indices of the micro-batch's samples in their dataset, in order."""
     extra: torch.Tensor | None = None
     """[units, k] float64: each sample's `Sample.extra`; None where samples carry none."""
+    input_tokens: int | None = None
+    """The tokens TRL's `num_tokens` counts where not every real one (KTO: not its KL sequences'
+    tokens); None: every token that is not padding."""
     token_extra: torch.Tensor | None = None
     """[B, S, k] float32, aligned with `shifted_labels` (value t belongs to the token predicted at
     position t): per-token values an objective reads (grpo: the sampling and reference policies'
@@ -67,6 +70,14 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The tokens TRL's `num_tokens` metric counts of the micro-batch: its real tokens (not
+        padding), less any `input_tokens` leaves out."""
+        if self.input_tokens is not None:
+            return self.input_tokens
+        return int(self.attention_mask.sum()) if self.attention_mask is not None else self.input_ids.numel()
 
     @property
     def num_samples(self) -> int:

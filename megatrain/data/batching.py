@@ -204,11 +204,13 @@ class Batcher:
         )
 
     def _per_sample(self, units: list[int]) -> dict:
-        """The micro-batch's sample indices and extras."""
+        """The micro-batch's sample indices, extras and the tokens TRL counts where not all."""
         extra = [self.samples[i].extra for i in units]
+        counted = [self.samples[i].counted for i in units]
         return dict(
             units=list(units),
             extra=torch.tensor(extra, dtype=torch.float64) if extra[0] else None,
+            input_tokens=sum(counted) if counted[0] is not None else None,
         )
 
     def _build_packed(self, rows: list[list[int]]) -> MicroBatch:

@@ -25,8 +25,10 @@ class Tokens:
 
 @dataclass
 class PromptCompletion:
-    prompt: str
-    completion: str
+    """TRL's prompt-completion record: both text, or both conversations (lists of messages)."""
+
+    prompt: str | list[dict[str, str]]
+    completion: str | list[dict[str, str]]
 
 
 Messages = list[dict[str, str]]
@@ -72,12 +74,27 @@ def normalize(fmt: str, file: DataFile, where: str, rec: dict[str, Any], vocab_s
     if fmt == "tokens":
         return _tokens(rec, where, vocab_size, col("input_ids"), col("labels"))
     if fmt == "prompt_completion":
-        return PromptCompletion(_string(rec, col("prompt"), where), _string(rec, col("completion"), where))
+        return _prompt_completion(rec, where, col("prompt"), col("completion"))
     if fmt == "alpaca":
         return _alpaca(rec, where, file.columns)
     if fmt in ("messages", "sharegpt"):
         return _conversation(rec, where, fmt, file.columns, file.tags)
     raise DataError(f"{where}: unknown dataset format {fmt!r}")
+
+
+def _prompt_completion(rec: dict, where: str, prompt: str, completion: str) -> PromptCompletion:
+    """Text (strings) or conversational (lists of messages: TRL's conversational form) fields."""
+    if isinstance(rec.get(prompt), list) or isinstance(rec.get(completion), list):
+        for key in (prompt, completion):
+            if not isinstance(rec.get(key), list):
+                raise DataError(
+                    f"{where}: fields {prompt!r} and {completion!r} must both be strings or both lists of messages"
+                )
+        turns = [
+            _conversation({k: rec[k]}, where, "messages", {"messages": k}, {}) for k in (prompt, completion)
+        ]
+        return PromptCompletion(*turns)
+    return PromptCompletion(_string(rec, prompt, where), _string(rec, completion, where))
 
 
 def _string(rec: dict, key: str, where: str, optional: bool = False) -> str:

@@ -176,7 +176,15 @@ def unpaired_sample(example: UnpairedExample) -> Sample:
         labels += [IGNORE_INDEX] * len(kl.input_ids)
         slots += [-1] * kl.prompt_length + [KL] * (len(kl.input_ids) - kl.prompt_length)
         parts += (len(kl.input_ids),)
-    return Sample(ids, labels, example.source, parts=parts, slots=slots, extra=(float(example.label),))
+    return Sample(
+        ids,
+        labels,
+        example.source,
+        parts=parts,
+        slots=slots,
+        extra=(float(example.label),),
+        counted=len(seq.input_ids),
+    )
 
 
 def _first_unlabelled(labels: list[int]) -> list[int]:

@@ -10,8 +10,8 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError, DataError
 from ..metrics import show_progress
 from .batch import IGNORE_INDEX
-from .chat import encode_chats, require_chat_template
-from .formats import Messages, PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
+from .chat import encode_chats, joint_prompt_completions, require_chat_template
+from .formats import PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
 from .sources import read_records, resolve_dataset
 
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
@@ -38,6 +38,9 @@ class Sample:
     extra: tuple[float, ...] = ()
     """Per-sample numbers an objective needs (preference: the reference log-probs, KTO's label),
     carried to `MicroBatch.extra`."""
+    counted: int | None = None
+    """Its tokens TRL's `num_tokens` counts where not all (a KTO example: its sequence's, not its
+    KL sequence's)."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.labels):
@@ -138,20 +141,12 @@ def _encoder(fmt: str, cfg, tokenizer, where: str) -> Callable[[list[tuple[str, 
         raise ConfigError(f"{where}: the {fmt} format needs a tokenizer (set tokenizer_name_or_path)")
     if fmt == "text":
         return lambda items: _encode_text(tokenizer, items)
-    if fmt == "prompt_completion" and not getattr(tokenizer, "chat_template", None):
-        return lambda items: _encode_plain_pc(tokenizer, items)
-    if fmt in (*CHAT_FORMATS, "prompt_completion"):
+    if fmt == "prompt_completion":
+        return lambda items: _encode_pc(tokenizer, items, cfg.train_on_prompt, where)
+    if fmt in CHAT_FORMATS:
         require_chat_template(tokenizer, where)
-        return lambda items: encode_chats(
-            tokenizer, [(w, _as_messages(x)) for w, x in items], cfg.train_on_prompt
-        )
+        return lambda items: encode_chats(tokenizer, list(items), cfg.train_on_prompt)
     raise ConfigError(f"dataset_format: unknown format {fmt!r}")
-
-
-def _as_messages(item) -> Messages:
-    if isinstance(item, PromptCompletion):
-        return [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": item.completion}]
-    return item
 
 
 def _encode_tokens(items: list[tuple[str, Tokens]]) -> Encoded:
@@ -172,15 +167,27 @@ def _encode_text(tokenizer, items: list[tuple[str, str]]) -> Encoded:
     return out
 
 
-def _encode_plain_pc(tokenizer, items: list[tuple[str, PromptCompletion]]) -> Encoded:
-    """prompt + completion + EOS without a chat template; loss on the completion and EOS."""
-    prompts = tokenizer([x.prompt for _, x in items], add_special_tokens=True)["input_ids"]
-    completions = tokenizer([x.completion for _, x in items], add_special_tokens=False)["input_ids"]
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+def _encode_pc(
+    tokenizer, items: list[tuple[str, PromptCompletion]], train_on_prompt: bool, where: str
+) -> Encoded:
+    """TRL's SFT of prompt-completion records: text as prompt + completion + EOS (its EOS string
+    added where the completion does not end with it), conversations through the chat template;
+    tokenised together (chat.joint_prompt_completions), the loss on every token after the prompt."""
+    chat = isinstance(items[0][1].prompt, list)
+    for w, x in items:
+        if isinstance(x.prompt, list) != chat:
+            kind = "conversations" if chat else "text"
+            raise DataError(f"{w}: a prompt-completion record of another form than the first's ({kind})")
+    if chat:
+        require_chat_template(tokenizer, where)
+    eos = tokenizer.eos_token or ""
+    rows = [
+        (w, x.prompt, x.completion if chat or x.completion.endswith(eos) else x.completion + eos)
+        for w, x in items
+    ]
     out = []
-    for p, c in zip(prompts, completions):
-        target = list(c) + eos
-        out.append((list(p) + target, [IGNORE_INDEX] * len(p) + target))
+    for ids, p in joint_prompt_completions(tokenizer, rows):
+        out.append((ids, list(ids) if train_on_prompt else [IGNORE_INDEX] * p + ids[p:]))
     return out
 
 

@@ -19,25 +19,28 @@ import torch.nn.functional as F
 
 from ..data.batch import IGNORE_INDEX, MicroBatch
 from .base import Objective
-from .logprobs import log_normaliser, token_logps
+from .logprobs import entropy, is_top1, log_normaliser, token_logps
 from .losshead import Head
 
 
 def loss_and_grad(
     z: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The summed cross-entropy of logits `z` [T, V] (any float dtype, computed in fp32) against
-    `labels` [T] (IGNORE_INDEX left out), and its gradient w.r.t. `z` times `scale` (an fp32 scalar
-    tensor), in z's dtype."""
+    `labels` [T] (IGNORE_INDEX left out), its gradient w.r.t. `z` times `scale` (an fp32 scalar
+    tensor), in z's dtype, and TRL's metrics' sums over the labels: [entropy, labels the most
+    likely token]."""
     valid = labels != IGNORE_INDEX
     target = torch.where(valid, labels, 0)
     zf = z.to(torch.float32, copy=True)
     lse = log_normaliser(zf)
     loss = torch.where(valid, -token_logps(zf, target, lse), 0.0).sum()
+    top1 = (is_top1(zf, target) & valid).sum()
     zf.sub_(lse).exp_()  # softmax
+    ent = torch.where(valid, entropy(z.float(), lse, zf), 0.0).sum()
     zf.scatter_add_(-1, target[:, None], -valid[:, None].float())  # minus the label's one-hot
     zf.mul_(torch.where(valid[:, None], scale, 0.0))
-    return loss, zf.to(z.dtype)
+    return loss, zf.to(z.dtype), torch.stack((ent, top1.float()))
 
 
 class CrossEntropy(Objective):
@@ -69,17 +72,32 @@ class CrossEntropy(Objective):
             return loss / total, dh
         fn = head.fused(loss_and_grad)
         scale = torch.full((), 1.0 / total, device=head.W.device)
+        stats = torch.zeros(len(targets), 2, device=head.W.device)
 
         def chunk_grad(m: int, a: int, z: torch.Tensor):
-            return fn(z, targets[m][a : a + head.chunk], scale)
+            loss, grad, chunk_stats = fn(z, targets[m][a : a + head.chunk], scale)
+            stats[m] += chunk_stats
+            return loss, grad
 
         loss, dh = head.backward(hidden, chunk_grad=chunk_grad)
+        self._record(stats, targets)
         return loss / total, dh
 
     def loss_sum(self, head: Head, hidden: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
         fn = head.fused(loss_and_grad)
         scale = torch.ones((), device=head.W.device)
         loss = torch.zeros((), device=head.W.device)
+        stats = torch.zeros(len(targets), 2, device=head.W.device)
         for m, a, z in head.forward(hidden, raw=True):
-            loss += fn(z, targets[m][a : a + head.chunk], scale)[0]
+            chunk_loss, _, chunk_stats = fn(z, targets[m][a : a + head.chunk], scale)
+            loss += chunk_loss
+            stats[m] += chunk_stats
+        self._record(stats, targets)
         return loss
+
+    def _record(self, stats: torch.Tensor, targets: list[torch.Tensor]) -> None:
+        """TRL's SFT metrics of each micro-batch: the mean entropy and top-1 accuracy over its
+        labels (0 where it has none). One copy to the host for all micro-batches."""
+        labels = torch.stack([(t != IGNORE_INDEX).sum() for t in targets]).clamp(min=1)
+        for ent, acc in (stats / labels[:, None]).tolist():
+            self.record({"entropy": ent, "mean_token_accuracy": acc})

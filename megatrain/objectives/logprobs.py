@@ -24,7 +24,15 @@ def token_logps(z: Tensor, tokens: Tensor, lse: Tensor | None = None) -> Tensor:
     return (z.gather(-1, tokens[..., None]) - lse).squeeze(-1)
 
 
-def entropy(z: Tensor, lse: Tensor | None = None) -> Tensor:
-    """The entropy of softmax(z) at each position, logsumexp(z) - E_p[z] (TRL's fused head's form)."""
+def entropy(z: Tensor, lse: Tensor | None = None, p: Tensor | None = None) -> Tensor:
+    """The entropy of softmax(z) at each position, logsumexp(z) - E_p[z] (TRL's fused head's form);
+    `p`: softmax(z) where the caller has it already."""
     lse = log_normaliser(z) if lse is None else lse
-    return lse.squeeze(-1) - (torch.exp(z - lse) * z).sum(-1)
+    p = torch.exp(z - lse) if p is None else p
+    return lse.squeeze(-1) - (p * z).sum(-1)
+
+
+def is_top1(z: Tensor, tokens: Tensor) -> Tensor:
+    """Whether each token is the most likely one at its position (the first of equal maxima, as
+    TRL's `is_top1`): its `mean_token_accuracy`."""
+    return z.argmax(-1) == tokens

@@ -30,7 +30,7 @@ from ..data.batch import MicroBatch
 from ..data.preference import CHOSEN, CHOSEN_PROMPT, COMPLETION, KL, PAIR_SUMS, REJECTED, UNPAIRED_SUMS
 from ..determinism import sorted_sums
 from .base import Objective
-from .logprobs import token_logps
+from .logprobs import entropy, is_top1, log_normaliser, token_logps
 from .losshead import Head
 from .preference import (
     PairedLogps,
@@ -55,11 +55,14 @@ class _Targets:
 
 @dataclass
 class _Sums:
-    """One micro-batch's per-slot sums: log-probs, token counts, mean logits."""
+    """One micro-batch's per-slot sums: log-probs, token counts, mean logits, and for TRL's metrics
+    entropies and tokens that are the most likely."""
 
     logps: Tensor
     counts: Tensor
     logits: Tensor
+    entropy: Tensor
+    top1: Tensor
 
 
 class Preference(Objective):
@@ -90,7 +93,9 @@ class Preference(Objective):
     def loss_and_grads(
         self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int
     ) -> tuple[Tensor, list[Tensor]]:
-        batches = [self._batch(t, s) for t, s in zip(targets, self.sums(head, hidden, targets))]
+        sums = self.sums(head, hidden, targets)
+        batches = [self._batch(t, s) for t, s in zip(targets, sums)]
+        self._token_metrics(sums, [t.samples for t in targets])
         results = iter(self._losses(batches))
         weights, loss = [], torch.zeros((), device=head.W.device)
         for t in targets:
@@ -130,7 +135,9 @@ class Preference(Objective):
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
         loss = torch.zeros((), device=head.W.device)
-        for t, s in zip(targets, self.sums(head, hidden, targets)):
+        sums = self.sums(head, hidden, targets)
+        self._token_metrics(sums, [t.samples for t in targets])
+        for t, s in zip(targets, sums):
             value, metrics = preference_loss(self.cfg, self._batch(t, s))
             self.record(metrics)
             loss += value.detach()
@@ -145,18 +152,39 @@ class Preference(Objective):
         out = []
         for t in targets:
             n = self.codes * t.samples
-            s = _Sums(*(torch.zeros(n + 1, device=dev) for _ in range(3)))  # slot -1 lands at 0
+            s = _Sums(*(torch.zeros(n + 1, device=dev) for _ in range(5)))  # slot -1 lands at 0
             with sorted_sums():
                 s.counts.index_add_(0, t.slots + 1, torch.ones_like(t.slots, dtype=torch.float32))
             out.append(s)
         for m, a, logits in head.forward(hidden):
             t, s, n = targets[m], out[m], logits.shape[0]
             at = t.slots[a : a + n] + 1
-            logps, means = token_logps(logits, t.tokens[a : a + n]), logits.mean(-1)
+            lse = log_normaliser(logits)
+            logps, means = token_logps(logits, t.tokens[a : a + n], lse), logits.mean(-1)
             with sorted_sums():  # a sequence's tokens summed in order, not atomically, on CUDA
                 s.logps.index_add_(0, at, logps)
                 s.logits.index_add_(0, at, means)
-        return [_Sums(s.logps[1:], s.counts[1:], s.logits[1:]) for s in out]
+                s.entropy.index_add_(0, at, entropy(logits, lse))
+                s.top1.index_add_(0, at, is_top1(logits, t.tokens[a : a + n]).float())
+        return [_Sums(*(getattr(s, f.name)[1:] for f in dataclasses.fields(s))) for s in out]
+
+    def _token_metrics(self, sums: list[_Sums], samples: list[int]) -> None:
+        """TRL 1.16's `entropy` (dpo: over the chosen and rejected completions' tokens; kto: the
+        completions') and dpo's `mean_token_accuracy` (the chosen completions') of each micro-batch;
+        0 where it has no such token. The other stages' TRL trainers log neither."""
+        if self.cfg.stage not in ("dpo", "kto"):
+            return
+        codes = (CHOSEN, REJECTED) if self.paired else (COMPLETION,)
+        rows = torch.stack([
+            torch.stack((_over(s.entropy, codes, k), _over(s.counts, codes, k),
+                         _over(s.top1, codes[:1], k), _over(s.counts, codes[:1], k)))
+            for s, k in zip(sums, samples)
+        ])  # fmt: skip
+        for ent, n, top1, n_chosen in rows.tolist():  # one copy to the host for the step
+            metrics = {"entropy": ent / n if n else 0.0}
+            if self.paired:
+                metrics["mean_token_accuracy"] = top1 / n_chosen if n_chosen else 0.0
+            self.record(metrics)
 
     def _batch(self, t: _Targets, s: _Sums) -> PairedLogps | UnpairedLogps:
         """The loss's inputs of one micro-batch from its slot sums and its samples' extras."""
@@ -202,3 +230,8 @@ class Preference(Objective):
             if name in grads:
                 w[1 + c * samples : 1 + (c + 1) * samples] = grads[name] / total
         return w
+
+
+def _over(sums: Tensor, codes: tuple[int, ...], samples: int) -> Tensor:
+    """The total of per-slot `sums` over the slots of `codes` (each code's `samples` slots)."""
+    return sum(sums[c * samples : (c + 1) * samples].sum() for c in codes)
