@@ -94,7 +94,7 @@ SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
 # Keys whose default is the stage's (TRL's differ between its trainers): left out when unset.
-STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type", "num_generations")
+STAGE_DEFAULTS = ("beta", "max_completion_length", "loss_type", "num_generations", "truncation_mode")
 # The stages that sample completions (rl/rollout.py); their settings (`rl_settings`).
 RL_STAGES = ("grpo", "rloo")
 # Keys of one of them that TRL's trainer of the other lacks: each refused there, with why.
@@ -107,6 +107,16 @@ STAGE_ONLY = {
     "normalize_advantages": ("rloo", "GRPO scales its advantages by scale_rewards"),
     "reward_clip_range": ("rloo", "GRPOTrainer clips no rewards"),
     "use_bias_correction_kl": ("grpo", "RLOO puts the KL in the reward, not the loss"),
+}
+# Keys TRL 1.x's DPOTrainer and KTOTrainer dropped (stages orpo, simpo, rm, grpo and rloo keep
+# theirs): refused under dpo and kto (objectives.preference.JOINT_STAGES), with what TRL 1.x does.
+_ONE_BOUND = (
+    "prompt + completion are tokenised together and bounded by max_length alone, cut as "
+    "truncation_mode says (keep_start: the prompt's start is kept; docs/preference.md)"
+)
+DROPPED_BY_TRL1 = {
+    "max_prompt_length": f"TRL 1.x's DPOTrainer and KTOTrainer have none: {_ONE_BOUND}",
+    "max_completion_length": f"TRL 1.x's DPOTrainer and KTOTrainer have none: {_ONE_BOUND}",
 }
 
 
@@ -238,13 +248,15 @@ class TrainConfig:
     undesirable_weight: float = 1.0
     """kto: weight of the undesirable examples' losses."""
     max_prompt_length: int | None = 512
-    """Preference stages: prompt tokens kept (its last ones); null: all."""
+    """grpo, rloo: prompt tokens kept (their last ones); orpo, simpo, rm: the same, before
+    max_length's cut; null: all. Not in dpo or kto (TRL 1.x: max_length alone bounds a sequence)."""
     max_completion_length: int | None = None
-    """Preference stages: completion tokens kept (its first ones), default null: all; grpo: the
-    most tokens a completion is sampled to, default 512 (TRL 1.16: grpo and rloo)."""
-    truncation_mode: str = "keep_end"
-    """Preference stages: what of a prompt + completion over max_length is kept, keep_end or
-    keep_start."""
+    """orpo, simpo, rm: completion tokens kept (its first ones), default null: all; grpo: the most
+    tokens a completion is sampled to, default 512 (TRL 1.16: grpo and rloo). Not in dpo or kto."""
+    truncation_mode: str | None = None
+    """Preference stages: what of a prompt + completion over max_length is kept, keep_start
+    (default for dpo: TRL 1.16's DPOConfig; kto's only one, as its KTOTrainer) or keep_end (default
+    for orpo, simpo and rm)."""
     precompute_ref_log_probs: bool = True
     """dpo/kto: the reference log-probs come from one forward pass over the training and eval data
     before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
@@ -699,6 +711,12 @@ class TrainConfig:
                 raise ConfigError(
                     "rollout_cache: is the KV cache of rollout_engine: generate (the megatrain engine has its own)"
                 )
+        if self.stage != default["stage"]:
+            from .objectives.preference import JOINT_STAGES
+
+            for key, why in DROPPED_BY_TRL1.items():
+                if self.stage in JOINT_STAGES and getattr(self, key) != default[key]:
+                    raise ConfigError(f"{key}: not in stage {self.stage}: {why} (got {getattr(self, key)!r})")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
 

@@ -164,19 +164,22 @@ def _labels_in_spans(ids: list[int], offsets: list[Span], spans: list[Span]) -> 
 def joint_prompt_completions(
     tokenizer, rows: list[tuple[str, object, object]]
 ) -> list[tuple[list[int], int]]:
-    """TRL 1.16's tokenisation of (file:line, prompt, completion) rows: prompt + completion
-    tokenised together, the completion starting where the prompt's own tokenisation parts from
-    it (their common prefix: a token merged across the boundary belongs to the completion). Text
-    is tokenised as the tokenizer does by default (its BOS); conversations are rendered by the
-    chat template, the prompt with the generation prompt. Each: (ids, the prompt's length)."""
+    """TRL 1.16's tokenisation of (file:line, prompt, completion) rows (SFTTrainer's, DPOTrainer's,
+    KTOTrainer's): prompt + completion tokenised together, the completion starting where the
+    prompt's own tokenisation parts from it (their common prefix: a token merged across the
+    boundary belongs to the completion). Text is tokenised as the tokenizer does by default (its
+    BOS), the tokenizer's EOS string added to a completion that does not end with it;
+    conversations are rendered by the chat template, the prompt with the generation prompt.
+    Each: (ids, the prompt's length)."""
     prompts, fulls = [], []
+    eos = tokenizer.eos_token or ""
     for where, prompt, completion in rows:
         if isinstance(prompt, list):
             prompts.append(_render(tokenizer, prompt, True, where))
             fulls.append(_render(tokenizer, prompt + completion, False, where))
         else:
             prompts.append(prompt)
-            fulls.append(prompt + completion)
+            fulls.append(prompt + completion + ("" if completion.endswith(eos) else eos))
     chat = isinstance(rows[0][1], list) if rows else False
     enc = lambda texts: tokenizer(texts, add_special_tokens=not chat)["input_ids"]  # noqa: E731
     return [(list(f), _common_prefix(p, f)) for p, f in zip(enc(prompts), enc(fulls))]

@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import ConfigError, DataError
 from .batch import IGNORE_INDEX
-from .chat import _render, require_chat_template
+from .chat import _render, joint_prompt_completions, require_chat_template
 from .formats import CHAT_ROLES, Messages, _int_list, out_of_vocab
 from .samples import CHUNK, INT64_LIMIT, Sample
 from .sources import read_records
@@ -100,14 +100,19 @@ class UnpairedExample:
 
 @dataclass(frozen=True)
 class Limits:
-    """TRL's length limits (DPOTrainer 0.27.2): the prompt keeps its last `max_prompt_length`
-    tokens, each completion its first `max_completion_length`; then a prompt + completion over
-    `max_length` keeps its first (keep_start) or last (keep_end) max_length tokens. None: no limit."""
+    """How prompt and completion become one sequence, and its length limits. `joint` (TRL 1.16's
+    DPOTrainer and KTOTrainer): prompt + completion tokenised together, the completion starting
+    where the joint tokenisation leaves the prompt (chat.joint_prompt_completions), then a
+    sequence over `max_length` keeps its first (keep_start) or last (keep_end) max_length tokens.
+    Otherwise (TRL 0.x's DPOTrainer, which stages orpo, simpo and rm follow): prompt and completion
+    tokenised apart, the prompt keeps its last `max_prompt_length` tokens and each completion its
+    first `max_completion_length` before that cut. None: no limit."""
 
     max_length: int | None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     truncation_mode: str = "keep_end"
+    joint: bool = False
 
     def __post_init__(self):
         for key in ("max_length", "max_prompt_length", "max_completion_length"):
@@ -117,6 +122,10 @@ class Limits:
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ConfigError(
                 f"truncation_mode: must be one of {', '.join(TRUNCATION_MODES)} (got {self.truncation_mode!r})"
+            )
+        if self.joint and (self.max_prompt_length, self.max_completion_length) != (None, None):
+            raise ConfigError(
+                "max_prompt_length, max_completion_length: not with prompt + completion tokenised together"
             )
 
     def cut(self, prompt: list[int], completion: list[int]) -> CompletionTokens:
@@ -203,7 +212,7 @@ def build_preference_pairs(
     `vocab_size` (default: the tokenizer's size)."""
     pairs, skipped = [], []
     for where, prompt, (chosen, rejected), _, margin in _encoded(
-        paths, tokenizer, vocab_size, paired_only=True
+        paths, tokenizer, vocab_size, limits.joint, paired_only=True
     ):
         pair = PreferencePair(limits.cut(prompt, chosen), limits.cut(prompt, rejected), where, margin)
         if pair.chosen.n_targets and pair.rejected.n_targets:
@@ -234,7 +243,7 @@ def build_unpaired_examples(
         )
     kept, skipped = [], []
     for where, prompt, completion, label in _unpaired(
-        _encoded(paths, tokenizer, vocab_size, paired_only=False)
+        _encoded(paths, tokenizer, vocab_size, limits.joint, paired_only=False)
     ):
         example = UnpairedExample(limits.cut(prompt, completion), label, where)
         if example.sequence.n_targets:
@@ -296,9 +305,10 @@ class _Text:
     chat: bool
 
 
-def _encoded(paths, tokenizer, vocab_size: int | None, paired_only: bool):
+def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only: bool):
     """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None, margin)
-    per record, in order. `paired_only` refuses unpaired files."""
+    per record, in order; text tokenised as `joint` says (Limits). `paired_only` refuses unpaired
+    files."""
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     for path in paths:
@@ -317,18 +327,21 @@ def _encoded(paths, tokenizer, vocab_size: int | None, paired_only: bool):
                     prompt, *completions = (_ids(rec, k, where, vocab_size) for k in keys)
                     yield where, prompt, completions, label, _margin(rec, where)
                 continue
-            texts = [_text(tokenizer, where, *_split(rec, where, not unpaired)) for where, rec in chunk]
+            split = [(where, *_split(rec, where, not unpaired)) for where, rec in chunk]
             margins = [_margin(rec, where) for where, rec in chunk]
-            for x, (prompt, completions), label, margin in zip(
-                texts, _tokenize(tokenizer, texts), labels, margins
-            ):
+            encoded = (
+                _joint(tokenizer, split)
+                if joint
+                else _tokenize(tokenizer, [_text(tokenizer, *x) for x in split])
+            )
+            for (where, *_), (prompt, completions), label, margin in zip(split, encoded, labels, margins):
                 for ids in (prompt, *completions):
                     if (bad := out_of_vocab(ids, vocab_size)) is not None:
                         raise DataError(
-                            f"{x.where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
+                            f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
                             f"[0, {vocab_size}) (is it the model's tokenizer?)"
                         )
-                yield x.where, prompt, completions, label, margin
+                yield where, prompt, completions, label, margin
 
 
 def _detect(where: str, rec: dict[str, Any]) -> str:
@@ -423,9 +436,41 @@ def _extract_prompt(where: str, chosen, rejected) -> tuple[str | Messages, list[
     return chosen[:i], [chosen[i:], rejected[i:]]
 
 
-def _text(tokenizer, where: str, prompt, completions) -> _Text:
+def _require_tokenizer(tokenizer, where: str, prompt) -> None:
+    """Text needs a tokenizer; a conversation its chat template and a prompt ending on a user or
+    tool turn (after which the generation prompt makes sense)."""
     if tokenizer is None:
         raise ConfigError(f"{where}: preference text needs a tokenizer (set tokenizer_name_or_path)")
+    if isinstance(prompt, list):
+        require_chat_template(tokenizer, where)
+        if prompt[-1]["role"] not in _PROMPT_ENDS:
+            raise DataError(
+                f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user or tool turn"
+            )
+
+
+def _joint(tokenizer, records: list[tuple]) -> list[tuple[list[int], list[list[int]]]]:
+    """TRL 1.16's DPOTrainer and KTOTrainer: for each (file:line, prompt, completions) record, each
+    completion tokenised with its prompt (chat.joint_prompt_completions); the prompt tokens are
+    what all of them keep of it, the shortest (chosen and rejected share them), as TRL takes them."""
+    chat = isinstance(records[0][1], list)
+    for where, prompt, _ in records:
+        _require_tokenizer(tokenizer, where, prompt)
+        if isinstance(prompt, list) != chat:
+            raise DataError(
+                f"{where}: a record of another form than the first's ({'text' if chat else 'messages'})"
+            )
+    seqs = iter(joint_prompt_completions(tokenizer, [(w, p, c) for w, p, cs in records for c in cs]))
+    out = []
+    for _, _, completions in records:
+        row = [next(seqs) for _ in completions]
+        n = min(p for _, p in row)
+        out.append((row[0][0][:n], [ids[n:] for ids, _ in row]))
+    return out
+
+
+def _text(tokenizer, where: str, prompt, completions) -> _Text:
+    _require_tokenizer(tokenizer, where, prompt)
     if isinstance(prompt, str):
         return _Text(where, prompt, completions, chat=False)
     return _Text(where, *render_completions(tokenizer, prompt, completions, where), chat=True)
@@ -455,11 +500,7 @@ def render_completions(
     """The prompt rendered with the generation prompt and, for each completion, the text the chat
     template writes after it in prompt + completion. As TRL does, the prompt text is cut back to
     what every rendering shares (a template may write the generation prompt differently)."""
-    require_chat_template(tokenizer, where)
-    if prompt[-1]["role"] not in _PROMPT_ENDS:
-        raise DataError(
-            f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user or tool turn"
-        )
+    _require_tokenizer(tokenizer, where, prompt)
     full = [_render(tokenizer, prompt + c, False, where) for c in completions]
     shared = os.path.commonprefix([_render(tokenizer, prompt, True, where), *full])
     return shared, [f[len(shared) :] for f in full]

@@ -180,13 +180,8 @@ def _encode_pc(
             raise DataError(f"{w}: a prompt-completion record of another form than the first's ({kind})")
     if chat:
         require_chat_template(tokenizer, where)
-    eos = tokenizer.eos_token or ""
-    rows = [
-        (w, x.prompt, x.completion if chat or x.completion.endswith(eos) else x.completion + eos)
-        for w, x in items
-    ]
     out = []
-    for ids, p in joint_prompt_completions(tokenizer, rows):
+    for ids, p in joint_prompt_completions(tokenizer, [(w, x.prompt, x.completion) for w, x in items]):
         out.append((ids, list(ids) if train_on_prompt else [IGNORE_INDEX] * p + ids[p:]))
     return out
 

@@ -40,6 +40,10 @@ DPO_LOSS_TYPES = (
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # The loss types each stage takes, its default first; orpo has its one loss and no loss_type.
 LOSS_TYPES = {"dpo": DPO_LOSS_TYPES, "kto": KTO_LOSS_TYPES, "orpo": (), "simpo": ("simpo",)}
+# The stages that follow TRL 1.16's tokenisation (prompt + completion together, max_length the one
+# bound, keep_start by default); orpo and simpo follow trl.experimental's ORPO and CPO trainers,
+# which keep TRL 0.x's (prompt and completion apart, max_prompt_length, keep_end).
+JOINT_STAGES = ("dpo", "kto")
 
 
 @dataclass
@@ -71,11 +75,12 @@ class PreferenceConfig:
     undesirable_weight: float = 1.0
     """kto: weight of the losses of undesirable (label false) examples."""
     max_prompt_length: int | None = 512
-    """Prompt tokens kept (its last ones); null: all."""
+    """orpo, simpo: prompt tokens kept (its last ones); null: all. dpo and kto have none (TRL 1.x)."""
     max_completion_length: int | None = None
-    """Completion tokens kept (its first ones); null: all."""
-    truncation_mode: str = "keep_end"
-    """What of a prompt + completion over max_length is kept: keep_end or keep_start."""
+    """orpo, simpo: completion tokens kept (its first ones); null: all. dpo and kto have none."""
+    truncation_mode: str | None = None
+    """What of a prompt + completion over max_length is kept: keep_start (default for dpo, kto's
+    only one: TRL 1.16) or keep_end (default for orpo, simpo)."""
 
     def __post_init__(self):
         def bad(key, why):
@@ -115,7 +120,14 @@ class PreferenceConfig:
                 bad(key, "must be >= 0")
         if self.desirable_weight == self.undesirable_weight == 0:
             bad("desirable_weight", "and undesirable_weight cannot both be 0")
-        Limits(None, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
+        if self.truncation_mode is None:
+            self.truncation_mode = "keep_start" if self.stage in JOINT_STAGES else "keep_end"
+        if self.stage == "kto" and self.truncation_mode != "keep_start":
+            bad(
+                "truncation_mode",
+                "TRL 1.x's KTOTrainer has none: a sequence keeps its first max_length tokens",
+            )
+        self.limits(None)
 
     def _loss_types(self, bad) -> list[str]:
         """loss_type as a list: the stage's default (the first it allows) when not given."""
@@ -134,7 +146,9 @@ class PreferenceConfig:
         return list(types)
 
     def limits(self, max_length: int | None) -> Limits:
-        """The data's length limits with the run's max_length."""
+        """The data's tokenisation and length limits with the run's max_length."""
+        if self.stage in JOINT_STAGES:
+            return Limits(max_length, truncation_mode=self.truncation_mode, joint=True)
         return Limits(max_length, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
 
     @property
