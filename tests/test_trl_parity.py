@@ -32,6 +32,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict as trl_shuffle
 
 from megatrain.config import TrainConfig
+from megatrain.data.preference import build_preference_pairs, build_unpaired_examples
 from megatrain.data.samples import build_samples
 from megatrain.objectives.preference import DPO_LOSS_TYPES
 from megatrain.rl.rewards import exact_match, length
@@ -362,6 +363,98 @@ def test_sft_prompt_completion_records_are_tokenised_as_trls(tmp_path, form):
     assert [s.input_ids for s in samples] == [r["input_ids"] for r in theirs]
     for s, r in zip(samples, theirs):
         assert s.labels[1:] == r["labels"][1:]
+
+
+USER = {"role": "user", "content": "Where does Pip live?"}
+# Text and conversational preference records: a token merged across the prompt/completion
+# boundary ("hou" + "se"), a completion that ends with the EOS already; with max_length 28,
+# completions cut, and in each form one prompt that fills it (dropped, or cut by keep_end).
+PREF_RECORDS = {
+    "text": [
+        {"prompt": "Where is the hou", "chosen": "se?", "rejected": "se! No."},
+        {"prompt": "Say it.", "chosen": " It.</s>", "rejected": " Not it."},
+        {"prompt": "Pip the rabbit ran to the old house by the river", "chosen": " and slept.",
+         "rejected": " then he ate carrots all day long."},
+        {"prompt": "Pip the rabbit ran to the old house by the river at night, far from the wood.",
+         "chosen": " Home.", "rejected": " Away."},
+    ],
+    "conversational": [
+        {"prompt": [USER], "chosen": [{"role": "assistant", "content": "In a burrow."}],
+         "rejected": [{"role": "assistant", "content": "On the moon, with the stars."}]},
+        {"prompt": [USER, {"role": "assistant", "content": "By the river."}, {"role": "user", "content": "Why?"}],
+         "chosen": [{"role": "assistant", "content": "The water."}],
+         "rejected": [{"role": "assistant", "content": "No idea."}]},
+    ],
+}  # fmt: skip
+TRUNCATIONS = [dict(max_length=None), dict(max_length=28), dict(max_length=28, truncation_mode="keep_end")]
+
+
+def trl_sequences(trainer, keys=("",)) -> list[list[tuple[list[int], list[int]]]]:
+    """Each example of a TRL trainer's prepared dataset through its own collator (which truncates):
+    per sequence (input_ids, completion_mask) without the padding; `keys`: the collator's prefixes
+    of the sequences (KTO's KL_), each a row of the output."""
+    out = []
+    for example in trainer.train_dataset:
+        batch = trainer.data_collator([example])
+        rows = [(r, k) for k in keys for r in range(len(batch[f"{k}input_ids"]))]
+        out.append([
+            (batch[f"{k}input_ids"][r][batch[f"{k}attention_mask"][r].bool()].tolist(),
+             batch[f"{k}completion_mask"][r][batch[f"{k}attention_mask"][r].bool()].tolist())
+            for r, k in rows
+        ])  # fmt: skip
+    return out
+
+
+def ours(seq) -> tuple[list[int], list[int]]:
+    return seq.input_ids, [int(m) for m in seq.completion_mask]
+
+
+@pytest.mark.parametrize("limits", TRUNCATIONS, ids=lambda kw: "-".join(map(str, kw.values())))
+@pytest.mark.parametrize("form", list(PREF_RECORDS))
+def test_dpo_records_are_tokenised_as_trls(tmp_path, form, limits):
+    """DPOTrainer's own preprocessing and collator (prompt + completion tokenised together, the
+    completion where the joint tokenisation leaves the prompt; cut to max_length as
+    truncation_mode says, keep_start dropping a pair whose prompt fills it) give megatrain's
+    chosen and rejected ids and completion masks."""
+    records, tok = PREF_RECORDS[form], tiny_tokenizer()
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    mode = {k: v for k, v in limits.items() if k != "max_length"}
+    cfg = TrainConfig(model_config="unused", dataset=str(data), stage="dpo", **mode)
+    pairs_ = build_preference_pairs([data], tok, cfg.preference().limits(limits["max_length"]))
+    trainer = trl.DPOTrainer(
+        model=model(), ref_model=model(), args=trl_args(tmp_path, trl.DPOConfig, **limits),
+        train_dataset=Dataset.from_list(records),
+        processing_class=tok,
+    )  # fmt: skip
+    theirs = trl_sequences(trainer)
+    if form == "text":  # the merged token: TRL's completion starts with "house"'s token, so does ours
+        assert len(trainer.train_dataset[0]["prompt_ids"]) < len(tok(records[0]["prompt"])["input_ids"])
+    assert len(theirs) == len(records) - (limits == dict(max_length=28))
+    assert [[ours(p.chosen), ours(p.rejected)] for p in pairs_] == theirs
+
+
+@pytest.mark.parametrize("max_length", [None, 28])
+@pytest.mark.parametrize("form", list(PREF_RECORDS))
+def test_kto_records_are_tokenised_as_trls(tmp_path, form, max_length):
+    """KTOTrainer's own preprocessing and collator (paired records unpaired, prompt + completion
+    tokenised together, cut from the right, an example whose prompt fills max_length dropped, KL
+    pairs rotated within each batch) give megatrain's sequences and KL sequences."""
+    records, tok = PREF_RECORDS[form], tiny_tokenizer()
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    limits = (
+        TrainConfig(model_config="unused", dataset=str(data), stage="kto").preference().limits(max_length)
+    )
+    examples = build_unpaired_examples([data], tok, limits, kl_batch_size=B)
+    trainer = trl.KTOTrainer(
+        model=model(), ref_model=model(), train_dataset=Dataset.from_list(records), processing_class=tok,
+        args=trl_args(tmp_path, trl.KTOConfig, max_length=max_length),
+    )  # fmt: skip
+    theirs = trl_sequences(trainer, keys=("", "KL_"))
+    assert len(theirs) == 2 * len(records) - 2 * (max_length is not None)  # a pair's two, unpaired
+    assert [ex["label"] for ex in trainer.train_dataset] == [e.label for e in examples]
+    assert [[ours(e.sequence), ours(e.kl)] for e in examples] == theirs
 
 
 def test_dpo_is_as_close_to_fp64_as_trls(pair_data, tmp_path):
