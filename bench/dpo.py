@@ -51,7 +51,7 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
     out = d / "out"
     settings = dict(
         model_config=str(model), dataset=str(data), stage="dpo", output_dir=str(out),
-        max_length=args.prompt + args.completion, max_prompt_length=args.prompt,
+        max_length=args.prompt + args.completion,
         per_device_train_batch_size=args.pairs // args.accum, gradient_accumulation_steps=args.accum,
         max_steps=args.steps, learning_rate=1e-6, save_strategy="no", disable_tqdm=True, logging_steps=1,
         shuffle=False,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.config import TrainConfig
 from megatrain.data import load_tokenizer
 from megatrain.data.preference import (
     CompletionTokens,
@@ -226,6 +227,39 @@ def test_pairs_left_without_a_completion_are_skipped(tok, tmp_path, caplog):
 def test_bad_limits_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=rf"^{key}: "):
         Limits(**({"max_length": 8} | kw))
+
+
+@pytest.mark.parametrize(
+    "stage, mode, joint", [("dpo", "keep_start", True), ("kto", "keep_start", True), ("orpo", "keep_end", False),
+                           ("simpo", "keep_end", False), ("rm", "keep_end", False)],
+)  # fmt: skip
+def test_each_stage_tokenises_and_cuts_as_its_trl_trainer(stage, mode, joint):
+    """dpo and kto: TRL 1.16's joint tokenisation, keep_start by default, max_length the one bound;
+    orpo, simpo and rm: TRL 0.x's, which trl.experimental's ORPO and CPO trainers keep."""
+    limits = TrainConfig(model_config="unused", stage=stage).preference().limits(64)
+    assert (limits.truncation_mode, limits.joint) == (mode, joint)
+    assert limits.max_prompt_length == (None if joint else 512)
+
+
+@pytest.mark.parametrize(
+    "stage, kw, what",
+    [("dpo", dict(max_prompt_length=192), "max_prompt_length: not in stage dpo: TRL 1.x's DPOTrainer and KTOTrainer "
+      "have none: prompt + completion are tokenised together and bounded by max_length alone"),
+     ("kto", dict(max_completion_length=64), "max_completion_length: not in stage kto: TRL 1.x's"),
+     ("dpo", dict(max_prompt_length=None), "max_prompt_length: not in stage dpo"),
+     ("kto", dict(truncation_mode="keep_end"), "truncation_mode: TRL 1.x's KTOTrainer has none: a sequence keeps "
+      "its first max_length tokens")],
+)  # fmt: skip
+def test_keys_trl1_dropped_from_dpo_and_kto_are_refused_in_one_line(stage, kw, what):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(what)}[^\n]*$"):
+        TrainConfig(model_config="unused", stage=stage, **kw)
+    TrainConfig(model_config="unused", stage="orpo", **kw)  # orpo keeps TRL 0.x's keys
+    assert (
+        TrainConfig(
+            model_config="unused", stage="grpo", per_device_train_batch_size=8, max_prompt_length=192
+        ).max_prompt_length
+        == 192
+    )
 
 
 # ------------------------------------------------------------------------ errors

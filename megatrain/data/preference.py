@@ -11,13 +11,14 @@ Unpaired records (stage kto): {"prompt", "completion", "label": true|false}, its
 {"prompt_input_ids", "completion_input_ids", "label"}, or any paired file (unpaired as TRL's
 unpair_preference_dataset does it).
 
-Tokenisation follows TRL 0.27.2's DPOTrainer: a conversation's prompt is rendered with the
-generation prompt and each completion is what the chat template writes after it (its end-of-turn
-token included, no EOS added); standard text gets the tokenizer's EOS after each completion.
-Prompt and completion are tokenised apart, so chosen and rejected share the prompt's tokens
-exactly. One difference: a standard prompt gets the BOS the tokenizer adds by default, as
-megatrain's supervised data does (TRL's DPO adds none), so a model sees the layout it was
-fine-tuned on.
+Tokenisation (Limits.joint): stages dpo and kto follow TRL 1.16's DPOTrainer and KTOTrainer,
+prompt + completion tokenised together (chat.joint_prompt_completions, SFT's rule), the completion
+starting where that parts from the prompt's own tokenisation; chosen and rejected keep the shorter
+of their two prompts. orpo, simpo and rm follow TRL 0.27.2's DPOTrainer (trl.experimental's ORPO
+and CPO trainers still do): a conversation's prompt is rendered with the generation prompt and
+each completion is what the chat template writes after it (its end-of-turn token included, no EOS
+added); standard text gets the tokenizer's EOS after each completion; prompt and completion are
+tokenised apart, a standard prompt with the BOS the tokenizer adds by default.
 """
 
 from __future__ import annotations
