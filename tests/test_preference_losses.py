@@ -489,7 +489,13 @@ def test_kto_grads_are_per_example(models):
 def test_config_defaults_are_trls():
     cfg, simpo = PreferenceConfig(), PreferenceConfig(stage="simpo")
     assert (cfg.stage, cfg.beta, cfg.loss_type, cfg.label_smoothing) == ("dpo", 0.1, ["sigmoid"], 0)
-    assert (cfg.max_prompt_length, cfg.max_completion_length, cfg.truncation_mode) == (512, None, "keep_end")
+    assert cfg.truncation_mode == "keep_start"  # TRL 1.16's DPOConfig; dpo and kto take max_length alone
+    orpo = PreferenceConfig(stage="orpo")
+    assert (orpo.max_prompt_length, orpo.max_completion_length, orpo.truncation_mode) == (
+        512,
+        None,
+        "keep_end",
+    )
     assert PreferenceConfig(stage="kto").loss_type == ["kto"]
     assert (simpo.loss_type, simpo.cpo_alpha, simpo.simpo_gamma) == (["simpo"], 1.0, 0.5)
     assert PreferenceConfig(stage="orpo").needs_reference is False
@@ -523,8 +529,8 @@ def test_a_validated_config_validates_again(stage):
         (dict(discopop_tau=0.0), "discopop_tau"),
         (dict(cpo_alpha=-0.1), "cpo_alpha"),
         (dict(desirable_weight=0.0, undesirable_weight=0.0), "desirable_weight"),
-        (dict(max_prompt_length=0), "max_prompt_length"),
-        (dict(max_completion_length=2.5), "max_completion_length"),
+        (dict(stage="orpo", max_prompt_length=0), "max_prompt_length"),
+        (dict(stage="orpo", max_completion_length=2.5), "max_completion_length"),
         (dict(truncation_mode="keep_middle"), "truncation_mode"),
     ],
 )
