@@ -90,6 +90,8 @@ NOT_TAKEN = {
     "reference_free": "TRL 1.x removed it: DPO compares with a reference model; stage simpo (or orpo) "
     "needs none",
 }
+# TRL 1.16's default learning rate of each stage's trainer (the others': 1e-6).
+STAGE_LEARNING_RATES = {"sft": 2e-5, "rm": 1e-4}
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 # Input paths of a config file, resolved against its directory (see the module docstring).
@@ -196,8 +198,8 @@ class TrainConfig:
     labels, prompt, completion, messages, system; alpaca's query, response, history (prompt is
     its instruction). Applies to the files dataset and eval_dataset name directly (a registered
     dataset has its own)."""
-    max_length: int = 2048
-    """Tokens per sequence; longer samples are truncated, split or refused (see truncation).
+    max_length: int = 1024
+    """Tokens per sequence (TRL 1.16's default); longer samples are truncated, split or refused (see truncation).
     Beyond the model's max_position_embeddings: a warning (RoPE scaling may extend the context on
     purpose)."""
     packing: bool = False
@@ -364,8 +366,9 @@ class TrainConfig:
     """Sequences per micro-batch."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; all of them pass a layer in one visit."""
-    learning_rate: float = 1e-5
-    """Peak learning rate of AdamW."""
+    learning_rate: float | None = None
+    """Peak learning rate of AdamW. Default: the stage's in TRL 1.16, 2e-5 for sft, 1e-4 for rm,
+    1e-6 for the others (dpo, kto, orpo, simpo, grpo, rloo)."""
     weight_decay: float = 0.0
     """Decoupled weight decay; never applied to biases and norm weights."""
     adam_beta1: float = 0.9
@@ -386,9 +389,9 @@ class TrainConfig:
     seed: int = 42
     """Seeds random init, shuffling and everything else (0 <= seed < 2**32)."""
     # --- logging and checkpoints
-    logging_steps: int | float = 1
-    """Print a log line every N steps, or every such fraction (< 1) of the run, when there is no
-    progress bar (metrics.jsonl gets every step)."""
+    logging_steps: int | float = 10
+    """Print a log line every N steps (TRL 1.16's default: 10), or every such fraction (< 1) of the
+    run, when there is no progress bar (metrics.jsonl gets every step)."""
     report_to: str | list[str] = "none"
     """Experiment trackers: none, all (every one installed), or one or a list of tensorboard,
     wandb, mlflow, trackio (YAML's false/no/off read as none)."""
@@ -556,6 +559,8 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if self.learning_rate is None:  # a number from here on: what a run and its checkpoints record
+            self.learning_rate = STAGE_LEARNING_RATES.get(self.stage, 1e-6)
         self.validate()
         self._validate_eval()
         self._validate_stage()  # last: its owners import torch, which the checks above never wait for

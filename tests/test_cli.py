@@ -546,7 +546,7 @@ def test_train_help_lists_every_config_key(capsys):
     for k in keys:
         assert re.search(rf"(^|\n)  {k}\b", stdout), k
         assert " ".join(docs[k].split()[:6]) in flat, k
-    assert "max_length (default 2048)" in flat and "gpu_state (default auto)" in flat
+    assert "max_length (default 1024)" in flat and "gpu_state (default auto)" in flat
 
 
 # ---------------------------------------------------------------------------- chat models stop

@@ -45,6 +45,7 @@ def run(tmp_path, name, reward_funcs):
             shuffle=False,
             save_strategy="no",
             disable_tqdm=True,
+            logging_steps=1,  # every step's completions in completions.jsonl
         )  # fmt: skip
     )
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -319,9 +319,15 @@ def test_grpo_trains_as_trls_grpo_trainer(grpo_data, tmp_path, kw):
     grpo |= kw
     out = tmp_path / "out"
     records, final, _ = run(
-        tmp_path, str(tmp / "prompts.jsonl"), stage="grpo", model_name_or_path=str(tmp / "model"),
-        learning_rate=LR, reward_funcs=["length", "exact_match"], **grpo,
-    )  # fmt: skip
+        tmp_path,
+        str(tmp / "prompts.jsonl"),
+        stage="grpo",
+        model_name_or_path=str(tmp / "model"),
+        learning_rate=LR,
+        reward_funcs=["length", "exact_match"],
+        logging_steps=1,
+        **grpo,
+    )  # fmt: skip  (logging_steps 1: every step's completions in completions.jsonl)
     sampled = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     # from its directory: with beta > 0 TRL loads the reference by the policy's name
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp / "model", dtype=torch.float32)
