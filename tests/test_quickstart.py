@@ -308,16 +308,23 @@ def test_the_dpo_example_learns_the_preferences(whole_quickstart, tmp_path):
     assert (out / "reference" / "logps.safetensors").is_file()
 
 
+def train_example(name: str, whole_quickstart, tmp_path, monkeypatch) -> tuple[list[dict], Path]:
+    """examples/<name>.yaml from the repository root on the quickstart's model: its metrics.jsonl
+    records and its output directory."""
+    monkeypatch.chdir(EXAMPLES.parent)
+    out = tmp_path / name
+    cli(
+        "train", EXAMPLES / f"{name}.yaml", f"model_name_or_path={whole_quickstart / 'final'}", f"output_dir={out}",
+        "disable_tqdm=true", "device=cpu",
+    )  # fmt: skip
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()], out
+
+
 @pytest.mark.slow
 def test_the_grpo_example_learns_its_reward(whole_quickstart, tmp_path, monkeypatch):
     """examples/grpo.yaml from the repository root: the mean reward rises to nearly 1."""
-    monkeypatch.chdir(EXAMPLES.parent)
-    out = tmp_path / "grpo"
-    cli(
-        "train", EXAMPLES / "grpo.yaml", f"model_name_or_path={whole_quickstart / 'final'}", f"output_dir={out}",
-        "disable_tqdm=true", "device=cpu",
-    )  # fmt: skip
-    rewards = [r["reward"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    records, out = train_example("grpo", whole_quickstart, tmp_path, monkeypatch)
+    rewards = [r["reward"] for r in records]
     assert sum(rewards[-10:]) / 10 >= 0.9 > sum(rewards[:10]) / 10
     assert (out / "completions.jsonl").stat().st_size > 0
 
@@ -325,13 +332,8 @@ def test_the_grpo_example_learns_its_reward(whole_quickstart, tmp_path, monkeypa
 @pytest.mark.slow
 def test_the_rloo_example_learns_its_reward(whole_quickstart, tmp_path, monkeypatch):
     """examples/rloo.yaml from the repository root: the mean reward rises from ~0.6 to ~0.9."""
-    monkeypatch.chdir(EXAMPLES.parent)
-    out = tmp_path / "rloo"
-    cli(
-        "train", EXAMPLES / "rloo.yaml", f"model_name_or_path={whole_quickstart / 'final'}", f"output_dir={out}",
-        "disable_tqdm=true", "device=cpu",
-    )  # fmt: skip
-    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    records, _ = train_example("rloo", whole_quickstart, tmp_path, monkeypatch)
+    steps = [r for r in records if "loss" in r]
     rewards = [r["reward"] for r in steps]
     assert sum(rewards[-10:]) / 10 >= 0.8 > 0.7 > sum(rewards[:10]) / 10
     assert all("kl" in r for r in steps[1:])  # beta 0.05: the KL penalty to the initial policy
