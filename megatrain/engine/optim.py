@@ -10,9 +10,10 @@ tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut a
 64 leaves every element in the loop it takes in the whole tensor; parameters start on 64-element
 boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
 Trainer: no weight decay on biases and norm weights, one global step count. The master weights
-are two 16-bit halves (host/split.py): the kernels step fp32 made from them a piece at a time and
-split back; a kernel of ours that repeats torch's arithmetic multiplies by the clip coefficient as
-it steps (`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise. Two other ways
+are two 16-bit halves (host/split.py): a kernel of ours that repeats torch's arithmetic reads and
+writes them in its one pass, and multiplies by the clip coefficient as it steps
+(`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise; elsewhere torch's kernel
+steps fp32 made from the halves a piece at a time and split back. Two other ways
 to take the multiply off the pass were measured and removed: the gradient scaled in cache-sized
 pieces just before each is stepped (27-60% of the kernel on a 64-core host, against 67% for the
 multiply's own pass), and the multiply on threads of its own beside the kernel (69-79% on 16- and
@@ -43,10 +44,11 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-# Whether a clip that fires is stepped by the kernel that multiplies as it steps (`clipadam.py`:
-# one read of the gradient, 28 bytes an element against 36), where it builds and its results
-# equal torch's kernel on this host (checked once a process; else torch's kernel after a multiply
-# of its own, and a warning says why). The engine's clipped pass against torch's kernel
+# Whether the host AdamW is clipadam's kernel, which steps the master weights' halves in its pass
+# and multiplies a clip that fires as it steps (one read of the gradient, 28 bytes an element
+# against 36), where it builds and its results equal torch's kernel on this host (checked once a
+# process; else torch's kernel on fp32 made from the halves, after a multiply of its own, and a
+# warning says why). The engine's clipped pass against torch's kernel
 # at the same state size, with it and without: 111% against 69% on a 16-core host (2.58B),
 # 99% against 61% on a 32-core host (5.0B), 105% against 71% on the 2-core development host
 # (results/2026-11-27_1256_h100-adamw-engine.md, _1254_x2-adamw-engine.md, _1202_adamw-engine.md).
@@ -154,7 +156,7 @@ class HostAdamW:
         self.state, self.cfg = state, cfg
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
-        # clipadam's kernel steps a clip that fires, where it is available (FUSED_CLIP)
+        # clipadam's kernel steps the halves, where it is available (FUSED_CLIP)
         self.fused_clip = FUSED_CLIP
         self._fused: clipadam.ClipAdamW | None = None
 
@@ -200,21 +202,19 @@ class HostAdamW:
 
     def _pass(self, unit: Unit, lo: int, hi: int, grad, m, v, coef, lr: float, step: int) -> None:
         """AdamW on elements [lo, hi) of `unit`, `m` and `v` its moments from `lo` on and `grad`
-        exactly the range, on the weights made fp32 from the halves and split back: a clip that
-        fires (`coef`) in clipadam's kernel, the same tensors as torch's kernel is given
-        (`tensors`), each split over the optimizer's threads, `grad` left unscaled; else torch's
-        kernel, cut at multiples of PASS_CHUNK (64 elements' multiples: bitwise the range stepped
-        whole)."""
+        exactly the range: clipadam's kernel on the halves, the same tensors as torch's kernel is
+        given (`tensors`), each split over the optimizer's threads, `grad` left unscaled; else
+        torch's kernel on the weights made fp32 from the halves and split back, cut at multiples
+        of PASS_CHUNK (64 elements' multiples: bitwise the range stepped whole)."""
         kernel = self._loaded()
-        if kernel is not None and coef is not None:
+        if kernel is not None:
             hyper = (lr, step, self.cfg.betas, self.cfg.eps)
             for decay, spans in tensors(unit, lo, hi).items():
                 wd = self.cfg.weight_decay if decay else 0.0
                 for a, b in spans:
                     s = slice(a - lo, b - lo)
-                    p = self.state.master(unit, a, b)
+                    p = self.state.halves(unit, a, b)
                     kernel.step(p, grad[s], m[s], v[s], coef, *hyper, wd, torch.get_num_threads())
-                    self.state.set_master(unit, a, p)
             return
         assert coef is None, "torch's kernel steps a gradient multiplied already"
         a = lo
@@ -249,8 +249,8 @@ class HostAdamW:
         that fires is multiplied in clipadam's pass where asked for and available (`fused_clip`),
         else `chunk` elements at a time before torch's kernel steps them."""
         lo, hi = self.span(unit)
-        if multiplies(coef) and self._loaded() is not None:
-            self._step(unit, lo, hi, grad, coef.item(), lr, step)
+        if self._loaded() is not None:
+            self._step(unit, lo, hi, grad, coef.item() if multiplies(coef) else None, lr, step)
             return
         for a, b in chunk_ranges(unit, chunk, (lo, hi)):
             self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
@@ -271,10 +271,13 @@ class HostAdamW:
         fetch casts), the state left as it is: the update `step_held` makes of the whole table
         later from its gradient, of which `grad` (fp32, only read) holds the table's rows, or
         with `index` some rows, row `index[r]` that of `rows[r]` (a negative one: zero). Bitwise
-        the same: torch's kernel steps gathered copies of the rows, made fp32 from the halves.
-        Every element of the table takes that one form in `step_held`, whose tensors' lengths are
-        multiples of KERNEL_TAIL (a hidden size the plan allows), as every element of the copies
-        does in theirs."""
+        the same:
+        clipadam's kernel computes each row's elements as it steps a tensor's outside its last
+        `n % KERNEL_TAIL`, reading the table where it lies (its `rows`, checked against torch's
+        kernel); without it, or into another dtype than bf16, torch's kernel steps gathered
+        copies of the rows. Every element of the table takes that one form in `step_held`, whose
+        tensors' lengths are multiples of KERNEL_TAIL (a hidden size the plan allows), as every
+        element of the copies does in theirs."""
         spec = unit.params[0]
         table = self.state.halves(unit, spec.offset, spec.offset + spec.numel).view(spec.shape)
         m, v = (
@@ -282,6 +285,12 @@ class HostAdamW:
             for w in ("exp_avg", "exp_avg_sq")
         )
         wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
+        kernel = self._loaded()
+        if kernel is not None and out.dtype == torch.bfloat16:
+            c = coef.item() if multiplies(coef) else None
+            hyper = (lr, step, self.cfg.betas, self.cfg.eps, wd, torch.get_num_threads())
+            kernel.rows((table, grad, m, v), rows, out, c, *hyper, index=index)
+            return
         p = join(Halves(table.hi.index_select(0, rows), table.lo.index_select(0, rows)))
         m, v = (t.index_select(0, rows) for t in (m, v))
         if index is None:
@@ -302,5 +311,8 @@ class HostAdamW:
             self._fused, why = clipadam.load()
             if self._fused is None:
                 self.fused_clip = False
-                log.warning("host AdamW: torch's kernel, the clip's multiply apart (%s)", why)
+                log.warning(
+                    "host AdamW: torch's kernel on fp32 made from the halves, the clip's multiply apart (%s)",
+                    why,
+                )
         return self._fused
