@@ -9,8 +9,9 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
 
 * their gradients wait on the GPU for the clip (the plan counts them);
 * **prestaged** (`Plan.prestaged`: gradients held for the clip): the state's way in does not
-  depend on the clip coefficient, so each unit's fp32 master weights and two AdamW moments are
-  copied host->device during the backward sweep, into buffers of their own held until the step.
+  depend on the clip coefficient, so each unit's master weights (their halves, joined into fp32
+  on the GPU a chunk at a time: host/split.py) and two AdamW moments are copied host->device
+  during the backward sweep, into buffers of their own held until the step.
   The transport says how far the sweep has come (`prestage`); the copies queue on its
   host->device stream a share at a time, behind the sweep's own weight fetches, in the order the
   units will be stepped. After the clip only the kernels and the way back remain: every unit's
@@ -20,7 +21,8 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
   plan without prestage): after the clip, each unit's state is copied in a chunk at a time into
   one of `STEP_SLOTS` scratch slots, stepped there and copied back; one slot loads while the
   other is stepped and written back (AdamW is elementwise: chunks change nothing);
-* either way, the updated weights are cast to the compute dtype into a buffer that the unit's next
+* either way, the updated weights go back as their halves (split on the GPU) and in the compute
+  dtype (in bf16 the halves' `hi`, the numbers a fetch brings) into a buffer that the unit's next
   fetch takes as it is (`take`): the next forward sweep's weights of these units never cross PCIe.
   Prestaged units keep it for every fetch of the next step's schedule (the backward sweep's, a
   tied head's): their weights cross PCIe only as part of their state. Any later fetch, and the
