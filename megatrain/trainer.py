@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import STARTED
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
@@ -443,10 +444,13 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path | 
 
 def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     """Check the inputs, build the model, take output_dir over (plan.json, a resume's state, the
-    metrics logger) and tell what the run is: everything before the first step."""
+    metrics logger) and tell what the run is: everything before the first step, timed by part."""
+    timings = {"imports and the command line": time.monotonic() - STARTED}
+    t = time.monotonic()
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
     main = world.is_main  # writes the outputs and shows progress
     inputs = _check_inputs(cfg, world, device, compute_dtype)
+    timings["the inputs and the memory plan"] = time.monotonic() - t
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
     rollout = (
@@ -485,6 +489,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
             after_load=after_load,
             objective=objective_of(cfg, world),
             offload_dir=cfg.offload_dirs(),
+            timings=timings,
         )
 
     reference = _reference(cfg, inputs, world, build, progress)
@@ -555,6 +560,11 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     _announce(run, device, runs_on, notes, ts)
     if reference is not None:
         log.message(reference.note())
+    timings["the rest"] = time.monotonic() - STARTED - sum(timings.values())
+    log.message(
+        f"megatrain: ready for step {start + 1} {sum(timings.values()):.1f} s after the command: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if v >= 0.05)
+    )
     return run
 
 
