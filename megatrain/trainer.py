@@ -271,11 +271,13 @@ class _Run(_Inputs):
     def log_step(self, step: int, outcome: dict, lr: float, dt: float, micro_batches) -> None:
         """Optimizer step `step`'s metrics, to the metrics and the log history."""
         record = _step_record(step, outcome, lr, dt, micro_batches, self.world, self.batcher.epoch)
-        if self.rollout is not None:
+        if self.rollout is not None:  # a generation batch trained again (num_iterations) counts once
             record.update(self.rollout.metrics)
-        else:  # grpo's would count a rollout trained again (num_iterations) again: TRL counts it once
+            self.num_tokens += self.rollout.sampled_tokens
+            self.rollout.sampled_tokens = 0
+        else:
             self.num_tokens += self.world.sum_count(sum(mb.num_input_tokens for mb in micro_batches))
-            record["num_tokens"] = self.num_tokens
+        record["num_tokens"] = self.num_tokens
         self.log.log(record)
         self.history.append(record)
 

@@ -264,7 +264,7 @@ def test_sft_trains_as_trls_sft_trainer(pair_data, tmp_path):
 G, MAX_NEW = 4, 10
 GRPO_METRICS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/length/mean", "rewards/length/std",
                 "rewards/exact_match/mean", "completions/mean_length", "completions/clipped_ratio", "entropy",
-                "clip_ratio/region_mean"]  # fmt: skip
+                "clip_ratio/region_mean", "num_tokens"]  # fmt: skip
 
 
 class GRPOTrainer(trl.GRPOTrainer):
