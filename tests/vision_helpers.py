@@ -3,6 +3,8 @@ and micro-batches of tokens with image tokens and the images' pixel values besid
 
 from __future__ import annotations
 
+import re
+
 import torch
 import transformers
 
@@ -54,11 +56,15 @@ QWEN_VIT = dict(
     fullatt_block_indexes=[1],
     initializer_range=0.2,
 )
+# A key bias shifts all of a query's scores alike: the softmax ignores it, and its gradient is
+# rounding noise (1e-9) that AdamW normalises into steps of up to the learning rate; two sums of
+# another order step it elsewhere. Compared to within those steps.
+KEY_BIAS = re.compile(r"k_proj\.bias$|attn\.qkv\.bias$")
 FEATURES = {"llava": 16, "idefics3": 4, "qwen2_5_vl": 16}  # image tokens per image
 VLMS = ["llava", "llava-tied", "idefics3", "qwen2_5_vl"]
 
 
-def tiny_vlm_config(kind: str, **text):
+def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
     """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`."""
     family, _, tied = kind.partition("-")
     t = dict(TEXT, **text)
@@ -66,14 +72,14 @@ def tiny_vlm_config(kind: str, **text):
         cfg = transformers.LlavaConfig(
             text_config=dict(model_type="llama", **t),
             vision_config=CLIP,
-            image_token_id=IMAGE,
+            image_token_id=image_token_id,
             tie_word_embeddings=bool(tied),
         )
     elif family == "idefics3":
         cfg = transformers.Idefics3Config(
             text_config=dict(model_type="llama", **t),
             vision_config=SIGLIP,
-            image_token_id=IMAGE,
+            image_token_id=image_token_id,
             scale_factor=2,
         )
     elif family == "qwen2_5_vl":
@@ -139,3 +145,108 @@ def hf_inputs(kind: str, mb) -> dict:
     if kind.startswith("qwen"):
         kw["mm_token_type_ids"] = (mb.input_ids == IMAGE).int()
     return kw
+
+
+# --------------------------------------------------------------------------- model directories
+# A ChatML template whose turns take TRL's content parts, the image part written as `{image}`.
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{image}{% else %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_processor(kind: str):
+    """The family's processor over the tests' tiny BPE tokenizer (helpers.tiny_tokenizer), its
+    image tokens added, sized for the tiny towers: LLaVA's CLIP at 32x32 (16 image tokens),
+    Idefics3's at 32x32 without splitting (4)."""
+    from helpers import tiny_tokenizer
+
+    family = kind.partition("-")[0]
+    tok = tiny_tokenizer("chatml")
+    if family == "llava":
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        return transformers.LlavaProcessor(
+            image_processor=images,
+            tokenizer=tok,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            image_token="<image>",
+            chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
+        )
+    if family == "idefics3":
+        tok.add_special_tokens({"additional_special_tokens": ["<global-img>"]})
+        images = transformers.Idefics3ImageProcessor(
+            do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+        )
+        return transformers.Idefics3Processor(
+            image_processor=images,
+            tokenizer=tok,
+            image_seq_len=4,
+            chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
+        )
+    raise ValueError(f"{kind}: no tiny processor (Qwen2-VL's needs torchvision for its video processor)")
+
+
+def write_vlm_dir(kind: str, path, seed: int = 0):
+    """A model directory as the Hub has one: a tiny random model whose vocabulary is its tiny
+    processor's tokenizer, and the processor's files (tokenizer, image processor, chat template)."""
+    processor = tiny_processor(kind)
+    tok = processor.tokenizer
+    model = tiny_vlm(
+        kind,
+        seed=seed,
+        image_token_id=processor.image_token_id,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+    )
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model, processor
+
+
+def write_images(folder, n: int = 4, seed: int = 0) -> list[str]:
+    """`n` random PNG images of a few sizes in `folder`; their names."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(n):
+        name = f"{i}.png"
+        pixels = (rng.random((24 + 4 * i, 40 - 2 * i, 3)) * 255).astype("uint8")
+        Image.fromarray(pixels).save(folder / name)
+        names.append(name)
+    return names
+
+
+ANSWERS = ["the water and the house", "a man", "two animals", "a boy with a letter"]
+
+
+def image_chat(i: int, image: str, text_parts: bool = True) -> dict:
+    """A TRL vision record: a user turn with an image and a question, an assistant answer."""
+    question = [{"type": "image"}, {"type": "text", "text": "what is in the picture?"}]
+    answer = ANSWERS[i % len(ANSWERS)]
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}] if text_parts else answer},
+        ],
+        "images": [image],
+    }
+
+
+def write_image_chats(path, n: int = 12, folder: str = "imgs") -> None:
+    """A JSONL of `n` image conversations in `path`, their images in `folder` beside it."""
+    import json
+
+    names = write_images(path.parent / folder)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(image_chat(i, f"{folder}/{names[i % len(names)]}")) + "\n")

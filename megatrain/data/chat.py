@@ -128,6 +128,8 @@ def _search_span(tokenizer, messages: Messages, i: int, full: str, cursor: int, 
     and extend it over whatever the template writes after an assistant's content (its
     end-of-turn marker), as learnt from rendering the conversation up to this turn."""
     content = messages[i]["content"]
+    if isinstance(content, list):  # parts (vision-language data): the assistant's text
+        content = "".join(p.get("text", "") for p in content)
     start = full.find(content, cursor)
     if start < 0 or not content:
         raise DataError(

@@ -125,8 +125,10 @@ class VisionSpec:
     """Tower parameters (names in the base model) no image feature depends on (LLaVA's layers
     after its `vision_feature_layer`): frozen whatever the settings, as transformers never steps
     them."""
-    train_tower: bool = False
-    train_projector: bool = False
+    # What the run trains (freeze_vision_tower, freeze_multi_modal_projector), not the architecture:
+    # a checkpoint of the same model with other settings is the same model.
+    train_tower: bool = field(default=False, compare=False)
+    train_projector: bool = field(default=False, compare=False)
 
     @property
     def trains(self) -> bool:
@@ -407,6 +409,11 @@ class ModelConfig:
             self.vision, train_tower=not freeze_vision_tower, train_projector=not freeze_multi_modal_projector
         )
         return dataclasses.replace(self, vision=spec)
+
+    @property
+    def name(self) -> str:
+        """The model_type a run names the model by: a vision-language model's composite one."""
+        return self.vision.model_type if self.vision is not None else self.model_type
 
     @property
     def saved_config(self):

@@ -75,7 +75,7 @@ def checkpoint_pieces(
 def describe(cfg: ModelConfig) -> str:
     """Which path a model runs on, for the log, `megatrain plan` and plan.json."""
     if cfg.vision is not None:
-        return f"{cfg.vision.model_type}: vision tower + {_describe_text(cfg)}"
+        return f"transformers' vision tower + {_describe_text(cfg)}"
     return _describe_text(cfg)
 
 
