@@ -78,7 +78,7 @@ def build_stage_samples(
     if pref.stage == "kto":
         kl = batch_size if pref.needs_kl else None
         return [unpaired_sample(e) for e in build_unpaired_examples(paths, tokenizer, limits, kl, vocab_size)]
-    pairs = build_preference_pairs(paths, tokenizer, limits, vocab_size)
+    pairs = build_preference_pairs(paths, tokenizer, limits, vocab_size, vision)
     if pref.stage == "rm":
         return [score_sample(p, pad_id) for p in pairs]
     return [pair_sample(p) for p in pairs]

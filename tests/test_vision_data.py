@@ -270,3 +270,90 @@ def test_two_processes_equal_one(model, tmp_path):
     for k in one:
         atol = 2 * 3 * base["learning_rate"] if KEY_BIAS.search(k) else 1e-6
         torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=atol, msg=k)
+
+
+# ---------------------------------------------------------------------------- dpo with images
+def _image_pairs(folder, n: int = 8) -> list[dict]:
+    """TRL's vision preference records: a prompt turn with an image, two answers, the images."""
+    names = write_images(folder / "imgs")
+    return [
+        {
+            "prompt": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}
+            ],
+            "chosen": [{"role": "assistant", "content": ANSWERS[i % 4]}],
+            "rejected": [{"role": "assistant", "content": ANSWERS[(i + 1) % 4] + " and more"}],
+            "images": [f"imgs/{names[i % len(names)]}"],
+        }
+        for i in range(n)
+    ]
+
+
+def test_dpo_pairs_are_trls_vision_collation(model, tmp_path):
+    """Each pair's two sequences (prompt + chosen, prompt + rejected) and where their completions
+    start are what TRL's DataCollatorForVisionPreference makes of the record, and its micro-batch
+    carries the prompt's image once for each sequence, as TRL's does."""
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from megatrain.data.preference import Limits, build_preference_pairs, pair_sample
+
+    kind, tmp, processor = model
+    records = _image_pairs(tmp_path)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    vision = VisionData(processor)
+    pairs = build_preference_pairs([data], processor.tokenizer, Limits(128, joint=True), vision=vision)
+    collate = DataCollatorForVisionPreference(processor=processor)
+    for pair, rec in zip(pairs, records):
+        image = decode(str(tmp_path / rec["images"][0]), "test")
+        out = collate([{**json.loads(json.dumps(rec)), "images": [image]}])
+        for row, seq in enumerate((pair.chosen, pair.rejected)):
+            real = out["attention_mask"][row].bool()
+            assert seq.input_ids == out["input_ids"][row][real].tolist()
+            assert seq.prompt_length == int((~out["completion_mask"][row].bool() & real).sum())
+        assert pair.images == (str(tmp_path / rec["images"][0]),)
+    samples = [pair_sample(p) for p in pairs]
+    mb = Batcher(
+        samples, batch_size=2, grad_accum=1, max_length=128, shuffle=False, pixels=vision.pixels
+    ).next_step()[0]
+    images = [decode(samples[i].images[0], "test") for i in mb.units] * 2  # chosen rows, then rejected
+    want = collate([{**records[i], "images": [images[k]]} for k, i in enumerate(mb.units)])
+    for k, v in mb.images.items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_dpo_with_images_trains_from_transformers_reference_logps(model, tmp_path):
+    """stage dpo on image pairs, the projector trained: the reference log-probs it stores are
+    transformers' summed completion log-probs of the initial model on each pair with its image,
+    and the run's first loss is log 2 (the policy is the reference), then falls."""
+    import math
+
+    from safetensors.torch import load_file
+
+    kind, tmp, processor = model
+    records = _image_pairs(tmp_path)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = _run(
+        tmp, dataset=str(data), stage="dpo", output_dir=str(tmp_path / "out"), max_steps=4, learning_rate=5e-3
+    )
+    run = TrainConfig(**{**run.to_dict(), "freeze_multi_modal_projector": False, "freeze_vision_tower": True})
+    train(run)
+    stored = load_file(tmp_path / "out" / "reference" / "logps.safetensors")["train"]
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp / "model").eval()
+    from megatrain.data.preference import Limits, build_preference_pairs
+
+    pairs = build_preference_pairs(
+        [data], processor.tokenizer, Limits(128, joint=True), vision=VisionData(processor)
+    )
+    for i, pair in enumerate(pairs):
+        pixels = VisionData(processor).pixels([[("t", pair.images)]])
+        for code, seq in enumerate((pair.chosen, pair.rejected)):
+            ids = torch.tensor([seq.input_ids])
+            with torch.no_grad():
+                logits = hf(input_ids=ids, **pixels).logits[0, :-1].double()
+            logps = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+            want = logps[seq.prompt_length - 1 :].sum()
+            assert float(stored[i, code]) == pytest.approx(float(want), rel=1e-5)
+    losses = [r["loss"] for r in metrics(tmp_path / "out") if "loss" in r]
+    assert losses[0] == pytest.approx(math.log(2), rel=1e-5) and losses[-1] < losses[0]

@@ -281,8 +281,11 @@ def with_images(messages: Messages, rec: dict, where: str, file: DataFile) -> Me
         raise DataError(
             f"{where}: field {column!r}: {len(refs)} images for {parts} image parts in the messages"
         )
-    if refs:
-        return ImageChat(messages, refs)
+    return ImageChat(messages, refs) if refs else joined(messages)
+
+
+def joined(messages: Messages) -> Messages:
+    """A conversation without images, each turn's text parts joined into its content string."""
     return [
         m if isinstance(m["content"], str) else {**m, "content": "".join(p["text"] for p in m["content"])}
         for m in messages

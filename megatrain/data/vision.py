@@ -70,13 +70,8 @@ class VisionData:
 
     def _encode(self, where: str, item, train_on_prompt: bool) -> tuple[list[int], list[int]]:
         messages, refs = (item.messages, item.images) if isinstance(item, ImageChat) else (item, ())
-        images = [decode(r, f"{where}: images[{k}]") for k, r in enumerate(refs)]
         full, spans = render_with_spans(self.processor, messages, where)
-        if full.count(self.placeholder) != len(images):
-            raise DataError(
-                f"{where}: images: {len(images)} images, but the chat template rendered "
-                f"{full.count(self.placeholder)} image placeholders ({self.placeholder})"
-            )
+        images = self._decoded(full, refs, where)
         cuts = sorted({0, len(full), *(x for span in spans for x in span)})
         ids, labels, used = [], [], 0
         for a, b in zip(cuts, cuts[1:]):
@@ -100,6 +95,20 @@ class VisionData:
                 "turn's tokens are not its own (a chat template without a token at the turn's edges)"
             )
         return ids, labels
+
+    def prompt_tokens(self, text: str, refs: tuple[ImageRef, ...], where: str) -> list[int]:
+        """A rendered prompt with its images, tokenised by the processor (their placeholders
+        expanded): what TRL's vision preference collator makes of a prompt."""
+        return self._tokens(text, self._decoded(text, refs, where), where)
+
+    def _decoded(self, text: str, refs: tuple[ImageRef, ...], where: str) -> list:
+        """The images of a rendered text, which must hold one placeholder for each."""
+        if text.count(self.placeholder) != len(refs):
+            raise DataError(
+                f"{where}: images: {len(refs)} images, but the chat template rendered "
+                f"{text.count(self.placeholder)} image placeholders ({self.placeholder})"
+            )
+        return [decode(r, f"{where}: images[{k}]") for k, r in enumerate(refs)]
 
     def _tokens(self, text: str, images: list, where: str) -> list[int]:
         try:
