@@ -221,3 +221,28 @@ def test_text_only_micro_batches_train_a_vision_language_model(tmp_path):
     torch.testing.assert_close(mt.engine.logits(mb), hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     loss, _ = mt.engine.forward_backward([mb, vlm_batch("qwen2_5_vl")])
     assert torch.isfinite(loss)
+
+
+def test_the_plan_counts_the_tower_its_activations_and_its_refetch():
+    """The tower is part of the embedding unit: its weights and AdamW moments in the host state's
+    count, its weights in the fetch windows; its forward on a micro-batch's images is a phase of
+    its own, and a trained tower's graph and second fetch weigh on the embedding's backward."""
+    from megatrain.planning.footprint import phase_peaks
+    from megatrain.planning.placement import Batch, Machine, plan
+
+    hf = tiny_vlm("qwen2_5_vl")
+    frozen = ModelConfig.from_hf(hf.config)
+    trained = frozen.with_vision(False, False)
+    total = sum(p.numel() for p in hf.parameters())
+    assert trained.num_params == total > frozen.num_params  # frozen tensors are no parameters
+    batch = Batch(micro_batch_tokens=512, micro_batches=2, seq_len=256, compute_bytes=2, clip=True, rows=2)
+    machine = Machine(device="cuda", gpu_bytes=2**34, host_bytes=2**36)
+    peaks = {}
+    for name, cfg in (("frozen", frozen), ("trained", trained)):
+        p = plan(cfg, batch, machine, Choices(gpu_state="off"), None)
+        assert p.host["fp32 weights + AdamW moments"] >= 12 * total
+        peaks[name] = phase_peaks(cfg, batch, p)
+    # the tower's graph of 4 x 512 vision tokens through 3 layers of width 32, and its weights again
+    grows = peaks["trained"]["embedding"] - peaks["frozen"]["embedding"]
+    assert grows >= 3 * 4 * 512 * 2 * (14.4 * 32 + 2.5 * 48), grows
+    assert peaks["frozen"]["forward"] >= 4 * 512 * 2 * (9.0 * 32 + 48)

@@ -234,6 +234,22 @@ class VisionEmbedding(nn.Module):
         return torch.cat(list(out)) if isinstance(out, (list, tuple)) else out.reshape(-1, out.shape[-1])
 
 
+def tower_shape(spec: VisionSpec) -> tuple[float, int, int, int]:
+    """What the memory plan needs of a tower: its tokens per image token (at most: LLaVA's CLS
+    beside each image's patches, Idefics3's pixel shuffle and Qwen2-VL's merge of patches), width,
+    MLP width and layers."""
+    hf, v = spec.hf_config, spec.hf_config.vision_config
+    hidden = getattr(v, "embed_dim", None) or v.hidden_size
+    ffn = getattr(v, "intermediate_size", None) or int(getattr(v, "mlp_ratio", 4) * hidden)
+    if spec.mrope:
+        per = v.spatial_merge_size**2
+    elif getattr(hf, "scale_factor", None):
+        per = hf.scale_factor**2
+    else:
+        per = 2.0  # one patch per image token, and LLaVA's CLS: at most one more per image
+    return float(per), hidden, ffn, v.num_hidden_layers
+
+
 def roots(spec: VisionSpec) -> tuple[str, ...]:
     """The base model's attributes that hold the tower and the projector (`visual` holds both in
     Qwen2-VL)."""
