@@ -39,7 +39,7 @@ def _loss_sum(hf, kind, mb):
 @pytest.mark.parametrize("kind", VLMS)
 def test_each_model_says_its_tower_and_language_model(kind):
     cfg = ModelConfig.from_hf(tiny_vlm(kind).config)
-    assert describe(cfg) == "transformers' vision tower + fast block (llama)"
+    assert describe(cfg) == "fast block (llama) with transformers' vision tower"
     assert cfg.name == kind.partition("-")[0]
 
 

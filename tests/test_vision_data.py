@@ -357,3 +357,31 @@ def test_dpo_with_images_trains_from_transformers_reference_logps(model, tmp_pat
             assert float(stored[i, code]) == pytest.approx(float(want), rel=1e-5)
     losses = [r["loss"] for r in metrics(tmp_path / "out") if "loss" in r]
     assert losses[0] == pytest.approx(math.log(2), rel=1e-5) and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_the_vision_example_learns_the_colours(tmp_path):
+    """examples/vision.yaml on the model its setup builds: the shipped data is its generator's,
+    and after the run the model names the colour of every picture of a colour it was shown."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatrain.talk import Chat, load_model
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "examples" / "vision" / "make_example.py"
+    for args in (["--check"], ["--out", str(tmp_path / "model")]):
+        subprocess.run([sys.executable, script, *args], check=True, capture_output=True)
+    overrides = [f"model_name_or_path={tmp_path / 'model'}", f"output_dir={tmp_path / 'out'}"]
+    cfg = TrainConfig.load(root / "examples" / "vision.yaml", overrides)
+    final = train(cfg)
+    assert metrics(tmp_path / "out")[-1]["loss"] < 0.05
+    processor = transformers.AutoProcessor.from_pretrained(final)
+    model = load_model(final, "cpu")
+    chat = Chat(model, processor.tokenizer, processor=processor, max_new_tokens=6, temperature=0.0)
+    colours = ("red", "green", "blue")
+    for i in range(9):
+        chat.messages.clear()
+        chat.attach(root / "examples" / "vision" / "images" / f"{i:02d}.png")
+        assert chat.answer("What colour is it?") == f"It is {colours[i % 3]}.", i

@@ -75,7 +75,7 @@ def checkpoint_pieces(
 def describe(cfg: ModelConfig) -> str:
     """Which path a model runs on, for the log, `megatrain plan` and plan.json."""
     if cfg.vision is not None:
-        return f"transformers' vision tower + {_describe_text(cfg)}"
+        return f"{_describe_text(cfg)} with transformers' vision tower"
     return _describe_text(cfg)
 
 
