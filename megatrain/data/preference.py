@@ -34,17 +34,7 @@ from typing import Any
 from ..errors import ConfigError, DataError
 from .batch import IGNORE_INDEX
 from .chat import _render, joint_prompt_completions, require_chat_template
-from .formats import (
-    CHAT_ROLES,
-    ImageChat,
-    Messages,
-    _int_list,
-    _parts,
-    images_of,
-    joined,
-    out_of_vocab,
-    with_images,
-)
+from .formats import CHAT_ROLES, Messages, _int_list, _parts, images_of, joined, out_of_vocab
 from .samples import CHUNK, INT64_LIMIT, Sample
 from .sources import DataFile, read_records
 
@@ -224,7 +214,7 @@ def build_preference_pairs(
     Pairs where chosen or rejected keeps no completion token are skipped with a warning (an error
     if none is left). `tokenizer` may be None for pre-tokenised files; every id must be below
     `vocab_size` (default: the tokenizer's size). `vision`: a vision-language model's processor
-    (data/vision.py), which reads the records' images (`_vision_pair`)."""
+    (data/vision.py's `VisionData.pair`), which reads the records' images."""
     pairs, skipped = [], []
     for where, prompt, (chosen, rejected), _, margin, images in _encoded(
         paths, tokenizer, vocab_size, limits.joint, paired_only=True, vision=vision
@@ -334,7 +324,7 @@ class _Text:
 def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only: bool, vision=None):
     """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None, margin,
     images) per record, in order; text tokenised as `joint` says (Limits), a record with images
-    as TRL's vision collator does (`_vision_pair`). `paired_only` refuses unpaired files."""
+    as TRL's vision collator does (`VisionData.pair`). `paired_only` refuses unpaired files."""
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     for path in paths:
@@ -357,7 +347,11 @@ def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only:
             images = [images_of(rec, where, DataFile(Path(path))) for where, rec in chunk]
             if any(images) or vision is not None:
                 for (where, prompt, completions), rec, label in zip(split, (r for _, r in chunk), labels):
-                    ids, done = _vision_pair(vision, where, prompt, completions, rec, DataFile(Path(path)))
+                    if vision is None:
+                        raise DataError(
+                            f"{where}: images: the model is a text model (images train a vision-language one)"
+                        )
+                    ids, done = vision.pair(where, prompt, completions, rec, DataFile(Path(path)))
                     _check_vocab(where, (ids, *done), vocab_size)
                     yield (
                         where,
@@ -392,22 +386,6 @@ def _check_vocab(where: str, seqs, vocab_size: int) -> None:
                 f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
                 f"[0, {vocab_size}) (is it the model's tokenizer?)"
             )
-
-
-def _vision_pair(vision, where: str, prompt, completions, rec: dict, file: DataFile):
-    """TRL 1.16's vision preference collation (DataCollatorForVisionPreference): the prompt
-    rendered with the generation prompt, its images before its first user turn's text where it
-    has no image parts (`prepare_multimodal_messages`), tokenised with them by the processor; each
-    completion the text the template writes after it, tokenised apart without special tokens."""
-    if vision is None:
-        raise DataError(f"{where}: images: the model is a text model (images train a vision-language one)")
-    if not isinstance(prompt, list):
-        raise DataError(f"{where}: images are read with conversational preference data only")
-    item = with_images(prompt, rec, where, file)
-    messages, refs = (item.messages, item.images) if isinstance(item, ImageChat) else (item, ())
-    text, rendered = render_completions(vision.processor, messages, completions, where)
-    ids = vision.prompt_tokens(text, refs, where)
-    return ids, [list(vision.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in rendered]
 
 
 def _detect(where: str, rec: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError, DataError
 from .batch import IGNORE_INDEX
 from .chat import render_with_spans, require_chat_template
-from .formats import ImageChat, ImageRef, Messages
+from .formats import ImageChat, ImageRef, Messages, with_images
 
 
 def load_processor(path: str | Path):
@@ -96,10 +96,21 @@ class VisionData:
             )
         return ids, labels
 
-    def prompt_tokens(self, text: str, refs: tuple[ImageRef, ...], where: str) -> list[int]:
-        """A rendered prompt with its images, tokenised by the processor (their placeholders
-        expanded): what TRL's vision preference collator makes of a prompt."""
-        return self._tokens(text, self._decoded(text, refs, where), where)
+    def pair(self, where: str, prompt, completions, rec: dict, file) -> tuple[list[int], list[list[int]]]:
+        """A preference record's prompt ids and completions' ids as TRL 1.16's vision preference
+        collation makes them (DataCollatorForVisionPreference): the prompt rendered with the
+        generation prompt, its images before its first user turn's text where it has no image
+        parts (`prepare_multimodal_messages`), tokenised with them by the processor; each
+        completion the text the template writes after it, tokenised apart without special tokens."""
+        from .preference import render_completions
+
+        if not isinstance(prompt, list):
+            raise DataError(f"{where}: images are read with conversational preference data only")
+        item = with_images(prompt, rec, where, file)
+        messages, refs = (item.messages, item.images) if isinstance(item, ImageChat) else (item, ())
+        text, rendered = render_completions(self.processor, messages, completions, where)
+        ids = self._tokens(text, self._decoded(text, refs, where), where)
+        return ids, [list(self.tokenizer(c, add_special_tokens=False)["input_ids"]) for c in rendered]
 
     def _decoded(self, text: str, refs: tuple[ImageRef, ...], where: str) -> list:
         """The images of a rendered text, which must hold one placeholder for each."""
