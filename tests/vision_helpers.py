@@ -60,8 +60,8 @@ QWEN_VIT = dict(
 # rounding noise (1e-9) that AdamW normalises into steps of up to the learning rate; two sums of
 # another order step it elsewhere. Compared to within those steps.
 KEY_BIAS = re.compile(r"k_proj\.bias$|attn\.qkv\.bias$")
-FEATURES = {"llava": 16, "idefics3": 4, "qwen2_5_vl": 16}  # image tokens per image
-VLMS = ["llava", "llava-tied", "idefics3", "qwen2_5_vl"]
+FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16}  # image tokens per image
+VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl"]
 
 
 def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
@@ -75,8 +75,9 @@ def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
             image_token_id=image_token_id,
             tie_word_embeddings=bool(tied),
         )
-    elif family == "idefics3":
-        cfg = transformers.Idefics3Config(
+    elif family in ("idefics3", "smolvlm"):  # SmolVLM is Idefics3's model under its own name
+        config = transformers.Idefics3Config if family == "idefics3" else transformers.SmolVLMConfig
+        cfg = config(
             text_config=dict(model_type="llama", **t),
             vision_config=SIGLIP,
             image_token_id=image_token_id,
@@ -114,7 +115,7 @@ def image_inputs(kind: str, images: int, gen: torch.Generator) -> dict[str, torc
     family = kind.partition("-")[0]
     if family == "llava":
         return {"pixel_values": torch.randn(images, 3, 32, 32, generator=gen)}
-    if family == "idefics3":  # [batch, images, ...]; a micro-batch's images as one row of them
+    if family in ("idefics3", "smolvlm"):  # [batch, images, ...]; a micro-batch's images as one row of them
         return {"pixel_values": torch.randn(1, images, 3, 32, 32, generator=gen)}
     grid = torch.tensor([[1, 8, 8]] * images)
     return {"pixel_values": torch.randn(64 * images, 96, generator=gen), "image_grid_thw": grid}
