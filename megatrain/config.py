@@ -444,6 +444,13 @@ class TrainConfig:
     router_aux_loss_coef: float | None = None
     """MoE models: weight of the load-balancing loss (default: the model's config.json). Both keys
     are saved in the checkpoints' and final/'s config.json."""
+    # --- vision-language models: LlamaFactory's keys
+    freeze_vision_tower: bool = True
+    """Vision-language models: keep the vision tower as loaded, never stepped (false: train it with
+    the language model, its weights and AdamW moments in host memory like theirs)."""
+    freeze_multi_modal_projector: bool = True
+    """Vision-language models: keep the multi-modal projector (LLaVA's `multi_modal_projector`,
+    Idefics3's `connector`, Qwen2-VL's `visual.merger`) as loaded (false: train it)."""
     # --- evaluation
     eval_dataset: str | list[str] | None = None
     """Held-out data in any form `dataset` takes (same format, chat handling and packing); grpo:
