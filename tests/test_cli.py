@@ -674,5 +674,5 @@ def test_the_time_to_the_first_step_is_told_by_part(tmp_path, capsys, monkeypatc
     total = float(re.search(r"ready for step 1 ([\d.]+) s after the command", line).group(1))
     parts = dict((k.strip(), float(v)) for k, v in re.findall(r"(?:: |, )([a-z ]+?) ([\d.]+)(?=,|$)", line))
     assert parts["the random weights"] >= 0.6, line
-    assert {"imports and the command line", "the inputs and the memory plan"} <= set(parts), line
+    assert "imports and the command line" in parts, line  # (parts under 0.05 s are left out)
     assert abs(sum(parts.values()) - total) <= 0.05 * len(parts) + 0.1, line  # each part is rounded
