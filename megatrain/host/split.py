@@ -15,11 +15,10 @@ which the spare half of zero's 65,536 (the values that round to zero are only 32
 for them, so a finite weight never fetches as inf. inf and NaN keep their high half (a NaN
 whose payload lies in the low bits alone fetches as inf: 16 bits cannot name every NaN).
 
-Every path that makes bf16 weights from fp32 ones uses this module (`to_bf16`, `cast`): the
-host fetch (the halves themselves), the GPU-stepped units' and GPU-resident units' casts, the
-rollout's policy, the reference policy, exports in bf16; the host AdamW's kernel
-(engine/clipadam.py) repeats the rule in C, checked against it. The functions here are plain
-torch integer ops, so they run alike on the CPU and on CUDA.
+The host state (host/state.py) does not yet hold its master in this form: docs/open-work.md has
+what holding it needs (every path that makes bf16 weights from fp32 ones on this one rule, the
+host AdamW's kernel reading and writing the halves). The functions here are plain torch integer
+ops, so they run alike on the CPU and on CUDA.
 """
 
 from __future__ import annotations
