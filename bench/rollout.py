@@ -172,6 +172,59 @@ def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, c
         plan_bytes=plan)  # fmt: skip
 
 
+def profile(model, cfg, rows: int, prompt: int, span: int, compile: bool, steps: int = 10) -> None:
+    """Where one eager decode step's GPU time goes at `span` attended positions: the kernels'
+    time a step (CUDA's own records through the profiler), largest first, grouped by kind. A
+    graphed step runs the same kernels without the launches between them."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from megatrain.rl.decode import Decoder, KVCache, _State, engine_attention
+    from megatrain.rl.sampling import Warpers, row_seed
+
+    dec = Decoder(model, "cuda", [], 0, Warpers(), graphs=False, compile=compile)
+    prompts = torch.randint(3, cfg.vocab_size, (rows // 8, prompt)).repeat_interleave(8, 0).tolist()
+    cache = KVCache(rows, span + 1, "cuda")
+    pad = torch.zeros(rows, dtype=torch.long, device="cuda")
+    seeds = torch.tensor([row_seed(0, 3, i) for i in range(rows)], device="cuda")
+    s = _State(dec, cache, pad, seeds, steps * 3)
+    with torch.no_grad(), engine_attention(model):
+        s.prefill(prompts, prompt)
+        cache.span = span
+        cache.at.fill_(span - steps * 3)
+        s.decode()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                s.decode()
+            torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / steps
+    total = sum(kernels.values())
+    kinds: dict[str, float] = {}
+    for name, ms in kernels.items():
+        kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + ms
+    say(f"profile{', compiled' if compile else ''}, {rows} rows at span {span}: kernels {total:.2f} ms a decode step; by kind: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
+        part="profile", compile=compile, rows=rows, span=span, kernel_ms=total, kinds=kinds,
+        kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:40]))  # fmt: skip
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+        say(f"    {ms:7.3f} ms  {name[:110]}")
+
+
+def _kind(name: str) -> str:
+    n = name.lower()
+    for kind, keys in (("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")),
+                       ("attention", ("fmha", "attention", "flash", "sdpa")),
+                       ("scan", ("scan", "cumsum")), ("sort", ("sort", "radix")),
+                       ("copy", ("copy", "memcpy", "index", "cat")), ("reduce", ("reduce", "softmax", "max", "sum"))):  # fmt: skip
+        if any(k in n for k in keys):
+            return kind
+    return "elementwise"
+
+
 def generate(model, cfg, rows: int, prompt: int, completion: int) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (rows, prompt), generator=g).cuda()
@@ -233,7 +286,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", default="256,512")
-    p.add_argument("--parts", default="machine,attention,engine,compiled,generate,streamed")
+    p.add_argument("--parts", default="machine,attention,profile,engine,compiled,generate,streamed")
     p.add_argument("--streamed-rows", type=int, default=128)
     p.add_argument("--streamed-completion", type=int, default=32)
     p.add_argument("--out", default="bench/results")
@@ -258,6 +311,8 @@ def main() -> None:
                 engine(model, cfg, a.rows, a.prompt, c, ceiling, compile=True)
             if "generate" in parts and c == completions[0]:
                 generate(model, cfg, a.rows, a.prompt, c)
+        for compiled in [False, True] if "profile" in parts else []:
+            profile(model, cfg, a.rows, a.prompt, a.prompt + max(completions) // 2, compiled)
         if "streamed" in parts:
             streamed(
                 model, cfg, a.streamed_rows, a.prompt, a.streamed_completion, shape["layers"] // 2, ceiling

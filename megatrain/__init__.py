@@ -1,6 +1,10 @@
 """megatrain: full-precision LLM training on one GPU, streaming layers from host memory."""
 
+import time as _time
+
 __version__ = "0.1.0"
+
+STARTED = _time.monotonic()  # the process's start, for the time to the first step (trainer.py)
 
 # The CUDA caching allocator's setting for megatrain's memory pattern (runtime.configure_allocator
 # says why); the command line sets it before torch starts, unless the user set their own.

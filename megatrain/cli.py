@@ -133,11 +133,19 @@ def _plot(args) -> int:
 
 
 def _chat(args) -> int:
-    from .talk import Chat, converse, find_tokenizer, load_model, model_dir
+    from .talk import Chat, converse, find_tokenizer, is_vision_model, load_model, model_dir
 
     directory = model_dir(args.model)
     tokenizer = find_tokenizer(directory, args.tokenizer)
-    templated = getattr(tokenizer, "chat_template", None)
+    processor = None
+    if is_vision_model(directory):  # its processor renders the conversation and its images
+        from .data.vision import load_processor
+
+        processor = load_processor(args.tokenizer or directory)
+        tokenizer = processor.tokenizer
+    elif args.image:
+        raise MegatrainError(f"--image: {directory} is a text model (images need a vision-language one)")
+    templated = getattr(processor or tokenizer, "chat_template", None)
     if args.system is not None and (args.raw or not templated):
         why = "which --raw leaves out" if args.raw else "and the tokenizer has none"
         raise MegatrainError(f"--system: a system message needs the chat template, {why}")
@@ -154,7 +162,10 @@ def _chat(args) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        processor=processor,
     )
+    for image in args.image or []:
+        chat.attach(image)
     if args.prompt is not None:
         chat.answer(args.prompt)
     elif sys.stdin.isatty():
@@ -300,6 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", metavar="PATH", help="a tokenizer directory, where MODEL_DIR and its run have none"
     )
     p.add_argument("--raw", action="store_true", help="continue the text as it is, without the chat template")
+    p.add_argument(
+        "--image",
+        metavar="PATH",
+        action="append",
+        help="an image with the first message (a vision-language model; repeatable)",
+    )
     p.set_defaults(func=_chat)
 
     p = sub.add_parser("plan", help="estimate host and GPU memory of a run before starting it")

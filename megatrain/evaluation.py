@@ -48,9 +48,11 @@ class Evaluator:
         vocab_size: int | None = None,
         pad_id: int = 0,
         warn: Callable[[str], None] = print,
+        vision=None,
     ):
         """`vocab_size` bounds the eval data's token ids (the model's); `pad_id` pads its
-        micro-batches (the training data's); `warn` hears of rows dropped from it."""
+        micro-batches (the training data's); `warn` hears of rows dropped from it; `vision` reads
+        the images of a vision-language model's data (data/vision.py)."""
         self.batcher: Batcher | None = None
         self.prompts = None  # grpo: the eval prompts, sampled and scored
         self.batch_size = cfg.per_device_eval_batch_size
@@ -60,10 +62,18 @@ class Evaluator:
             self.num_samples = len(self.prompts)
         elif cfg.eval_strategy != "no":
             samples = build_stage_samples(
-                cfg, tokenizer, vocab_size, "eval_dataset", cfg.per_device_eval_batch_size, warn, pad_id
+                cfg,
+                tokenizer,
+                vocab_size,
+                "eval_dataset",
+                cfg.per_device_eval_batch_size,
+                warn,
+                pad_id,
+                vision,
             )
             self.num_samples = len(samples)
-            self.batcher = in_order(cfg, samples, cfg.per_device_eval_batch_size, pad_id)
+            pixels = vision.pixels if vision is not None else None
+            self.batcher = in_order(cfg, samples, cfg.per_device_eval_batch_size, pad_id, pixels)
         if self.enabled:
             if cfg.eval_strategy == "epoch":
                 self.interval = steps_per_epoch

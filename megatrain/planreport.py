@@ -23,7 +23,7 @@ def report(
     m = result.machine
     b = plan.batch_of(cfg, model_cfg, 2 if dtype_name == "bfloat16" else 4)
     lines = [
-        f"model: {model_cfg.model_type}, {_count(model_cfg.num_params)} parameters ({model_cfg.num_params:,}), "
+        f"model: {model_cfg.name}, {_count(model_cfg.num_params)} parameters ({model_cfg.num_params:,}), "
         f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, vocab {model_cfg.vocab_size}",
         f"runs on: {describe(model_cfg)}",
         f"device: {device_name}, {dtype_name} compute",

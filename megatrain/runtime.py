@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -174,6 +175,7 @@ def build_model(
     after_load: Callable[[HostState], None] | None = None,
     objective: Objective | None = None,
     offload_dir: str | Path | list[str | Path] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
@@ -185,7 +187,9 @@ def build_model(
     `after_load(state)` completes the state (a resumed checkpoint's AdamW moments) before the
     transport copies any of it to the device. `objective`: the loss the engine computes
     (objectives/; default: next-token cross-entropy). `offload_dir`: where the plan's disk tier
-    (`plan.disk_units`) goes, a folder or one per drive (host/disk.py)."""
+    (`plan.disk_units`) goes, a folder or one per drive (host/disk.py). `timings` gets the
+    seconds of its parts: the host state, its weights, the device's engine."""
+    clock = _Clock(timings)
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
@@ -204,11 +208,13 @@ def build_model(
         )
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
+    clock.mark("the plan")
     state = collective.host_state(build_units(cfg))
     if plan.disk_units and state.exp_avg is not None:  # before anything is written to the moments
         if collective.world_size > 1:
             raise ConfigError("offload_dir: the disk tier is built for one process per machine")
         DiskTier(state, plan.disk_units, offload_dir)
+    clock.mark("the host state")
     if collective.holds_state:
         if weights is not None:
             load_hf_weights(state, weights, cfg, progress=progress, seed=seed)
@@ -217,6 +223,7 @@ def build_model(
         if after_load is not None:
             after_load(state)
     collective.barrier()  # the weights are in place before any rank reads them
+    clock.mark("the weights" if weights is not None else "the random weights")
     opt = HostAdamW(state, adamw or AdamWConfig(), world=collective)
     if compile is None:
         compile = device.type == "cuda"
@@ -236,4 +243,18 @@ def build_model(
     )
     if state.tier is not None:  # its blocks are read ahead in the optimizer's order
         state.tier.expect(engine.step_order())
+    clock.mark("the engine on the device")
     return TrainableModel(cfg, state, engine, transport, opt, plan)
+
+
+class _Clock:
+    """Seconds between marks, into `into` (None: nothing kept)."""
+
+    def __init__(self, into: dict[str, float] | None):
+        self.into, self.t = into, time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        if self.into is not None:
+            self.into[name] = self.into.get(name, 0.0) + now - self.t
+        self.t = now

@@ -57,28 +57,50 @@ REFERENCE_FILE = "logps.safetensors"
 
 
 def build_stage_samples(
-    cfg, tokenizer, vocab_size: int | None, key: str, batch_size: int, warn=print, pad_id: int = 0
+    cfg,
+    tokenizer,
+    vocab_size: int | None,
+    key: str,
+    batch_size: int,
+    warn=print,
+    pad_id: int = 0,
+    vision=None,
 ) -> list[Sample]:
     """The samples of `cfg.<key>` (dataset or eval_dataset) for the run's stage: labelled
     sequences (sft) or preference samples (data/preference.py; rm's scored where `pad_id`, the
-    run's padding, says); `batch_size` groups KTO's KL sequences as its batches will."""
+    run's padding, says); `batch_size` groups KTO's KL sequences as its batches will. `vision`: a
+    vision-language model's processor (data/vision.py), which reads the images of its data."""
     pref = cfg.preference()
     if pref is None:
-        return build_samples(cfg, tokenizer, vocab_size, key=key, warn=warn)
+        return build_samples(cfg, tokenizer, vocab_size, key=key, warn=warn, vision=vision)
     paths = [f.path for f in resolve_dataset(cfg, key)]
     limits = pref.limits(cfg.max_length)
     if pref.stage == "kto":
         kl = batch_size if pref.needs_kl else None
         return [unpaired_sample(e) for e in build_unpaired_examples(paths, tokenizer, limits, kl, vocab_size)]
-    pairs = build_preference_pairs(paths, tokenizer, limits, vocab_size)
+    pairs = build_preference_pairs(paths, tokenizer, limits, vocab_size, vision)
     if pref.stage == "rm":
         return [score_sample(p, pad_id) for p in pairs]
     return [pair_sample(p) for p in pairs]
 
 
+# The stages a vision-language model trains with (the others' data and rollouts take no images).
+VISION_STAGES = ("sft", "dpo")
+
+
 def stage_model(cfg, model_cfg: ModelConfig, pad_id: int) -> ModelConfig:
     """The model the stage trains: rm's with a score head (its exports score before `pad_id`,
-    the run's padding), the others' a causal LM."""
+    the run's padding), the others' a causal LM; a vision-language model's tower and projector
+    frozen or trained as the run says."""
+    model_cfg = model_cfg.with_vision(cfg.freeze_vision_tower, cfg.freeze_multi_modal_projector)
+    if model_cfg.vision is not None:
+        mt = model_cfg.vision.model_type
+        if cfg.stage not in VISION_STAGES:
+            raise ConfigError(
+                f"stage {cfg.stage}: {mt} is a vision-language model (it trains with {', '.join(VISION_STAGES)})"
+            )
+        if model_cfg.vision.mrope and cfg.packing:
+            raise ConfigError(f"packing: {mt}'s 3D positions (M-RoPE) are not built for packed rows")
     if cfg.stage == "rm":
         return model_cfg.with_score_head(pad_id)
     if model_cfg.num_labels is not None:
@@ -151,10 +173,10 @@ def grpo_reference(cfg, model_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor
     return parameters_in(model_cfg, path or cfg.model_name_or_path, cfg.seed, dtype)
 
 
-def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batcher:
+def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int, pixels=None) -> Batcher:
     """A Batcher over every sample once, in file order, shaped as training's (max_length,
     packing, gradient_accumulation_steps micro-batches a chunk): evaluation's and the reference
-    pass's."""
+    pass's; `pixels` makes their images' inputs (data/vision.py)."""
     return Batcher(
         samples,
         batch_size=batch_size,
@@ -164,6 +186,7 @@ def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int) -> Batche
         shuffle=False,
         pad_id=pad_id,
         drop_last=False,
+        pixels=pixels,
     )
 
 
@@ -182,8 +205,9 @@ class Reference:
     """A run's reference log-probs: read from output_dir/reference/ when they are this data's and
     this reference's, else computed by `compute`; `attach` puts them into the samples."""
 
-    def __init__(self, cfg, sets: dict[str, list[Sample]], output_dir: Path, model_cfg):
+    def __init__(self, cfg, sets: dict[str, list[Sample]], output_dir: Path, model_cfg, pixels=None):
         self.pref = cfg.preference()
+        self.pixels = pixels  # a vision-language model's: its samples' images to pixel inputs
         self.sets = sets
         self.directory = Path(output_dir) / REFERENCE_DIR
         self.source = cfg.ref_model_name_or_path or cfg.model_name_or_path or f"random init, seed {cfg.seed}"
@@ -223,7 +247,7 @@ class Reference:
         values = {}
         for name, samples in self.sets.items():
             size = cfg.per_device_eval_batch_size if name == "eval" else cfg.per_device_train_batch_size
-            batcher = in_order(cfg, samples, size, pad_id)
+            batcher = in_order(cfg, samples, size, pad_id, self.pixels)
             out = torch.zeros(len(samples), len(self.codes), dtype=torch.float64, device=engine.device)
             chunks = batcher.steps_per_epoch
             mine = range(world.rank, chunks, world.world_size)

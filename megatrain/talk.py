@@ -9,6 +9,10 @@ answer ends at EOS or at the token that closes the template's assistant turns. T
 is the directory's, else that of the run which wrote it (its train_config.json), else
 `--tokenizer`.
 
+A vision-language model (an image-text-to-text model) talks through its processor: `--image
+PATH` (repeatable) goes with the first message, `/image PATH` in the loop with the next one;
+the images stay in the conversation with their messages.
+
 `--prompt TEXT` answers once and exits, as does text piped into stdin; on a terminal the loop
 keeps the conversation (`/reset` forgets it, `/exit` or Ctrl-D ends it) with line editing and
 input history; Ctrl-C stops an answer. A conversation that outgrows the model's context
@@ -30,7 +34,7 @@ import torch
 from .errors import ConfigError, MegatrainError, first_line
 from .io.checkpoint import TRAIN_CONFIG
 
-EXIT, RESET = "/exit", "/reset"
+EXIT, RESET, IMAGE = "/exit", "/reset", "/image"
 
 
 def model_dir(path: str | Path) -> Path:
@@ -84,17 +88,23 @@ class Chat:
         temperature: float | None = None,
         top_p: float | None = None,
         out: TextIO | None = None,
+        processor=None,
     ):
         from .data.chat import end_of_turn_id
 
         self.model, self.tok, self.out = model, tokenizer, out or sys.stdout
-        self.raw = raw or not getattr(tokenizer, "chat_template", None)
+        # A vision-language model's processor renders the conversation and its images.
+        self.processor = processor
+        self.render = processor if processor is not None else tokenizer
+        self.raw = raw or not getattr(self.render, "chat_template", None)
         self.system = system
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict] = []
+        self.pending: list = []  # images for the next message (Pillow images)
+        self.pixels: dict = {}  # the image inputs of the conversation being answered
         self.options = generation_options(model, tokenizer, max_new_tokens, temperature, top_p)
         self.context = context_length(model)
         # An answer ends where the template closes the assistant's turn, whatever the model's EOS.
-        eot = None if self.raw else end_of_turn_id(tokenizer)
+        eot = None if self.raw else end_of_turn_id(tokenizer, self.render)
         if eot is not None and eot not in self.options["eos_token_id"]:
             self.options["eos_token_id"].append(eot)
 
@@ -121,11 +131,41 @@ class Chat:
             )
         return torch.tensor([ids])
 
+    def attach(self, path: str | Path) -> None:
+        """An image for the next message (a vision-language model's); MegatrainError naming the
+        file when it is not one Pillow reads, or the model takes no images."""
+        from .data.vision import decode
+
+        if self.processor is None:
+            raise MegatrainError(f"{path}: the model is a text model (images need a vision-language one)")
+        self.pending.append(decode(str(path), "--image"))
+
+    def _user(self, text: str) -> dict:
+        if not self.pending:
+            return {"role": "user", "content": text}
+        parts = [{"type": "image", "image": im} for im in self.pending]
+        return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
     def _templated(self, text: str) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system else []
-        messages = [*system, *self.messages, {"role": "user", "content": text}]
-        rendered = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-        return rendered["input_ids"]
+        messages = [*system, *self.messages, self._user(text)]
+        if self.processor is None:
+            rendered = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+            return rendered["input_ids"]
+        # The processor expands each image's placeholder into its tokens, as in training.
+        prompt = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        images = [
+            p["image"]
+            for m in messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if "image" in p
+        ]
+        enc = self.processor(
+            text=[prompt], images=[images] if images else None, add_special_tokens=False, return_tensors="pt"
+        )
+        self.pixels = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
+        return enc["input_ids"][0].tolist()
 
     def answer(self, text: str) -> str:
         """Generate the reply to `text`, streamed to `out`; returns it (kept in the conversation)."""
@@ -139,20 +179,22 @@ class Chat:
                 out.flush()
 
         ids = self.input_ids(text).to(self.model.device)
+        pixels = {k: v.to(self.model.device) for k, v in self.pixels.items()}
         streamer = Printer(self.tok, skip_prompt=True, skip_special_tokens=True)
         with torch.inference_mode():
             full = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), streamer=streamer, **self.options
+                ids, attention_mask=torch.ones_like(ids), streamer=streamer, **pixels, **self.options
             )
         reply = self.tok.decode(full[0, ids.shape[1] :], skip_special_tokens=True)
         if not self.raw:
-            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+            self.messages += [self._user(text), {"role": "assistant", "content": reply}]
+            self.pending = []
         return reply
 
 
 def context_length(model) -> int | None:
     """The most positions the model's config says it takes (None where it names none)."""
-    cfg = model.config
+    cfg = model.config.get_text_config()
     return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
 
 
@@ -177,16 +219,28 @@ def generation_options(
     return options
 
 
+def is_vision_model(directory: Path) -> bool:
+    """Whether a model directory holds a vision-language (image-text-to-text) model."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, AutoConfig
+
+    try:
+        return type(AutoConfig.from_pretrained(str(directory))) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    except Exception:  # load_model says what is wrong with it
+        return False
+
+
 def load_model(directory: Path, device: str = "auto", dtype: str = "auto"):
-    """The model of a directory through transformers, on `device` in `dtype` (auto: bfloat16 on
-    CUDA, float32 on the CPU), for inference. ConfigError when transformers cannot load it."""
-    from transformers import AutoModelForCausalLM
+    """The model of a directory through transformers (its causal LM, or a vision-language
+    model's image-text-to-text model), on `device` in `dtype` (auto: bfloat16 on CUDA, float32
+    on the CPU), for inference. ConfigError when transformers cannot load it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from .runtime import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
+    auto = AutoModelForImageTextToText if is_vision_model(directory) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=resolve_dtype(dtype, dev))
+        model = auto.from_pretrained(str(directory), dtype=resolve_dtype(dtype, dev))
     except Exception as e:  # transformers' errors are long; the first line says what failed
         raise ConfigError(f"{directory}: transformers cannot load this model ({first_line(e)})") from None
     return model.to(dev).eval()
@@ -197,7 +251,8 @@ def converse(chat: Chat, read: Callable[[str], str] = input) -> None:
     or end of input (Ctrl-D) ends it."""
     with contextlib.suppress(ImportError):  # not on every platform
         import readline  # noqa: F401 (input() gets line editing and history)
-    chat.out.write(f"megatrain chat: {EXIT} or Ctrl-D ends, {RESET} forgets the conversation\n")
+    more = f", {IMAGE} PATH adds an image to the next message" if chat.processor is not None else ""
+    chat.out.write(f"megatrain chat: {EXIT} or Ctrl-D ends, {RESET} forgets the conversation{more}\n")
     while True:
         try:
             text = read("> ")
@@ -208,6 +263,13 @@ def converse(chat: Chat, read: Callable[[str], str] = input) -> None:
             return
         if text.strip() == RESET:
             chat.messages.clear()
+            chat.pending.clear()
+            continue
+        if text.strip().startswith(IMAGE + " "):
+            try:
+                chat.attach(text.strip()[len(IMAGE) :].strip())
+            except MegatrainError as e:
+                chat.out.write(f"megatrain chat: {e}\n")
             continue
         if text.strip():
             try:

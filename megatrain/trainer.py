@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import STARTED
 from .checks import check_outputs, run_warnings
 from .config import TrainConfig, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
 from .data.prompts import prompt_samples
+from .data.vision import VisionData, load_processor
 from .determinism import full_determinism
 from .engine.optim import AdamWConfig
 from .engine.schedule import lr_at
@@ -76,6 +78,7 @@ RESUME_SENSITIVE = (
     "model_name_or_path", "model_config", "dataset", "dataset_format", "max_length", "packing", "shuffle", "seed", "per_device_train_batch_size",
     "total_train_batch_size", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio",
     "max_steps", "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+    "freeze_vision_tower", "freeze_multi_modal_projector",
     # the stages' (preference, grpo)
     "stage", "beta", "loss_type", "loss_weights", "label_smoothing", "discopop_tau",
     "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight", "max_prompt_length",
@@ -157,7 +160,14 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     if tokenizer is None and cfg.dataset_format not in ("tokens", "auto"):
         raise ConfigError("tokenizer_name_or_path: required for text and chat datasets")
     pad_id = pad_token_id(tokenizer, model_cfg.vocab_size, getattr(model_cfg.hf_config, "pad_token_id", None))
-    model_cfg = stage_model(cfg, model_cfg, pad_id)  # rm: a score head
+    model_cfg = stage_model(cfg, model_cfg, pad_id)  # rm: a score head; a vision tower frozen or not
+    vision = None  # a vision-language model's processor: its data's images (data/vision.py)
+    if model_cfg.vision is not None:
+        if tok_path is None:
+            raise ConfigError(
+                "tokenizer_name_or_path: a vision-language model needs its processor's directory"
+            )
+        vision = VisionData(load_processor(tok_path))
     ckpt_path = resume_path(cfg)
     resume = (
         open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
@@ -181,7 +191,14 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
             resumed = resumed_rollout(resume.path, resume.trainer_state.global_step, grpo, world)
     else:
         samples = build_stage_samples(
-            cfg, tokenizer, model_cfg.vocab_size, "dataset", cfg.per_device_train_batch_size, say, pad_id
+            cfg,
+            tokenizer,
+            model_cfg.vocab_size,
+            "dataset",
+            cfg.per_device_train_batch_size,
+            say,
+            pad_id,
+            vision,
         )
     batch_size, grad_accum = batch_shape(cfg, grpo)
     batcher = Batcher(
@@ -194,6 +211,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         seed=cfg.seed,
         ranks=world.world_size,
         pad_id=pad_id,
+        pixels=vision.pixels if vision is not None else None,
     )
     steps_per_epoch = steps_of_epoch(cfg, grpo, batcher.steps_per_epoch)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
@@ -204,7 +222,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         )
     # Tokenizes eval_dataset now: bad eval data stops the run before anything is written.
     evaluator = Evaluator(
-        cfg, tokenizer, total_steps, steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say
+        cfg, tokenizer, total_steps, steps_per_epoch, model_cfg.vocab_size, batcher.pad_id, say, vision
     )
     if reward_funcs is not None:  # what each built-in reads, in every prompt, before step one
         rewards.check_columns(reward_funcs, prompts + (evaluator.prompts or []))
@@ -270,11 +288,13 @@ class _Run(_Inputs):
     def log_step(self, step: int, outcome: dict, lr: float, dt: float, micro_batches) -> None:
         """Optimizer step `step`'s metrics, to the metrics and the log history."""
         record = _step_record(step, outcome, lr, dt, micro_batches, self.world, self.batcher.epoch)
-        if self.rollout is not None:
+        if self.rollout is not None:  # a generation batch trained again (num_iterations) counts once
             record.update(self.rollout.metrics)
-        else:  # grpo's would count a rollout trained again (num_iterations) again: TRL counts it once
+            self.num_tokens += self.rollout.sampled_tokens
+            self.rollout.sampled_tokens = 0
+        else:
             self.num_tokens += self.world.sum_count(sum(mb.num_input_tokens for mb in micro_batches))
-            record["num_tokens"] = self.num_tokens
+        record["num_tokens"] = self.num_tokens
         self.log.log(record)
         self.history.append(record)
 
@@ -443,10 +463,13 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path | 
 
 def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     """Check the inputs, build the model, take output_dir over (plan.json, a resume's state, the
-    metrics logger) and tell what the run is: everything before the first step."""
+    metrics logger) and tell what the run is: everything before the first step, timed by part."""
+    timings = {"imports and the command line": time.monotonic() - STARTED}
+    t = time.monotonic()
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
     main = world.is_main  # writes the outputs and shows progress
     inputs = _check_inputs(cfg, world, device, compute_dtype)
+    timings["the inputs and the memory plan"] = time.monotonic() - t
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
     rollout = (
@@ -462,7 +485,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         if device.type == "cuda"
         else 0
     )
-    model_info = {"model_type": model_cfg.model_type, "path": runs_on}
+    model_info = {"model_type": model_cfg.name, "path": runs_on}
     memory = MemoryRecord(inputs.plan, inputs.machine, model_info, rollout_gpu=rollout)
     progress = show_progress(cfg.disable_tqdm) and main
 
@@ -484,6 +507,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
             after_load=after_load,
             objective=objective_of(cfg, world),
             offload_dir=cfg.offload_dirs(),
+            timings=timings,
         )
 
     reference = _reference(cfg, inputs, world, build, progress)
@@ -554,6 +578,11 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     _announce(run, device, runs_on, notes, ts)
     if reference is not None:
         log.message(reference.note())
+    timings["the rest"] = time.monotonic() - STARTED - sum(timings.values())
+    log.message(
+        f"megatrain: ready for step {start + 1} {sum(timings.values()):.1f} s after the command: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if v >= 0.05)
+    )
     return run
 
 
@@ -570,7 +599,7 @@ def _reference(
     sets = {"train": inputs.samples}
     if inputs.evaluator.enabled:
         sets["eval"] = inputs.evaluator.batcher.samples
-    ref = Reference(cfg, sets, inputs.outputs.path, inputs.model_cfg)
+    ref = Reference(cfg, sets, inputs.outputs.path, inputs.model_cfg, inputs.batcher.pixels)
     if ref.missing and (cfg.ref_model_name_or_path or inputs.resume):
         path = cfg.ref_model_name_or_path
         if path:
@@ -588,12 +617,12 @@ def _announce(
     evaluation state restored, the settings changed since its checkpoint)."""
     log, model_cfg, resume, world = run.log, run.model_cfg, run.resume, run.world
     log.message(
-        f"megatrain: {model_cfg.model_type} {run.model.state.num_params / 1e6:.1f}M params on {device} "
+        f"megatrain: {model_cfg.name} {run.model.state.num_params / 1e6:.1f}M params on {device} "
         f"({str(run.model.engine.dtype).removeprefix('torch.')}), {len(run.samples)} samples, "
         f"{run.total_steps} steps"
         + (f", data parallel over {world.world_size} processes" if world.world_size > 1 else "")
     )
-    log.message(f"megatrain: {model_cfg.model_type} runs on the {runs_on}")
+    log.message(f"megatrain: {model_cfg.name} runs on the {runs_on}")
     for note in notes:
         log.message(note)
     for note in run.plan.notes:

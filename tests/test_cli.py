@@ -653,3 +653,28 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path):
     )  # fmt: skip
     answers = proc.stdout.split("\n")[: len(cases)]
     assert answers == ["0 False"] + ["2 False"] * (len(cases) - 1), list(zip(cases, answers))
+
+
+def test_the_time_to_the_first_step_is_told_by_part(tmp_path, capsys, monkeypatch):
+    """Before step 1 the run says how long the command took to get there, and where it went: a
+    slow weight initialisation shows in its own part, and the parts add up to the total."""
+    import time
+
+    import megatrain.runtime as runtime
+
+    slow = runtime.init_random
+
+    def slow_init(*a, **kw):
+        time.sleep(0.6)
+        return slow(*a, **kw)
+
+    monkeypatch.setattr(runtime, "init_random", slow_init)
+    base = make_run(tmp_path)
+    train(TrainConfig(**base, output_dir=str(tmp_path / "out"), max_steps=1, save_strategy="no"))
+    out, err = capsys.readouterr()
+    line = next(ln for ln in (out + err).splitlines() if "ready for step 1" in ln)
+    total = float(re.search(r"ready for step 1 ([\d.]+) s after the command", line).group(1))
+    parts = dict((k.strip(), float(v)) for k, v in re.findall(r"(?:: |, )([a-z ]+?) ([\d.]+)(?=,|$)", line))
+    assert parts["the random weights"] >= 0.6, line
+    assert "imports and the command line" in parts, line  # (parts under 0.05 s are left out)
+    assert abs(sum(parts.values()) - total) <= 0.05 * len(parts) + 0.1, line  # each part is rounded

@@ -58,7 +58,7 @@ def raises(exc, path, line, what):
         (
             [{"messages": [USER, {"role": "assistant", "content": None}]}],
             1,
-            "content must be a string, got NoneType",
+            "content must be a string or a list of parts, got NoneType",
         ),
         ([{"messages": [USER, {"role": "assistant"}]}], 1, "turn 1 of 'messages' has no 'content'"),
         (

@@ -103,7 +103,7 @@ def test_the_cache_holds_every_layer_at_the_batch_width_plus_the_new_tokens():
         engine(model, PROMPTS, SEEDS, GREEDY)
     finally:
         KVCache.__init__ = orig
-    assert made == [(4, 7 + MAX_NEW - 1)]
+    assert made == [(4, 7 + MAX_NEW)]  # one position beyond the last written (decode.py)
 
 
 @pytest.mark.gpu
@@ -149,3 +149,28 @@ def test_on_cuda_the_compiled_decode_samples_what_the_eager_one_does():
         for c in (False, True)
     ]
     assert runs[0] == runs[1]
+
+
+def test_a_decode_step_that_does_not_compile_is_sampled_eagerly(monkeypatch):
+    """rollout_compile: a compile failure warns once and the rollout samples what the eager engine
+    does (a failure after part of the step ran leaves nothing the eager step does not redo)."""
+    import megatrain.rl.decode as decode
+
+    model = model_of("llama")
+    calls = []
+
+    def failing():
+        def step(state):
+            calls.append(1)
+            state._forward(state.tokens, state.positions, state.pad, 1)  # part of a step ran
+            raise torch._dynamo.exc.TorchDynamoException("no kernel for this op")
+
+        return step
+
+    monkeypatch.setattr(decode, "compiled_decode", failing)
+    expect = engine(model, PROMPTS, SEEDS, SAMPLED)
+    dec = Decoder(model, "cpu", [], 0, Warpers(**SAMPLED), graphs=False)
+    dec.compile = True  # the CPU never compiles; forced to reach the path
+    with pytest.warns(UserWarning, match="did not compile, sampling eagerly"):
+        got = dec.sample(PROMPTS, SEEDS, MAX_NEW)
+    assert got == expect and calls == [1] and not dec.compile

@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import tiny_hf_model
 
-from megatrain.rl.sampling import RowSampler, row_seed
+from megatrain.rl.sampling import RowSampler, fixed_bits, row_seed
+from megatrain.rl.sampling import draw as sampling_draw
 
 
 def draw(sampler: RowSampler, logits: torch.Tensor) -> torch.Tensor:
@@ -88,3 +89,31 @@ def test_top_k_1_is_transformers_greedy_generate():
             ids, do_sample=False, logits_processor=[RowSampler([1, 2], "cpu", top_k=1)], **kw
         )
     assert torch.equal(ours, greedy)
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 1024, 2500, 5003])
+def test_the_draw_inverts_the_exact_fixed_point_cumulative_weights(vocab):
+    """`draw`'s two-level search lands where one scan over the whole row of fixed-point weights
+    does (rows peaked, flat, with entries filtered to -inf, uniforms at both ends), and the
+    weights it inverts are the fp32 softmax weights' within vocab x 2^-bits."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(64, vocab, generator=g) * torch.tensor([0.1, 1.0, 8.0, 30.0]).repeat(16)[:, None]
+    logits[::3, ::2] = -float("inf")  # top-k or top-p's filtered entries
+    logits[5] = -float("inf")
+    logits[5, vocab // 2] = 0.0  # one entry left
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[:4] = torch.tensor([2.0**-54, 1 - 2.0**-53, 0.5, 2.0**-30], dtype=torch.float64)
+
+    bits = fixed_bits(vocab)
+    weights = torch.exp(logits - logits.amax(-1, keepdim=True))
+    fixed = (weights * 2.0**bits).to(torch.int64)
+    cdf = fixed.cumsum(-1)
+    target = (u * cdf[:, -1].double()).to(torch.int64)
+    expect = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    got = sampling_draw(logits, u)
+    assert torch.equal(got, expect)
+    assert bool((logits.gather(1, got[:, None]) > -float("inf")).all())  # never a filtered entry
+    assert got[5] == vocab // 2
+    probs = fixed.double() / cdf[:, -1:].double()
+    exact = weights.double() / weights.double().sum(-1, keepdim=True)
+    assert float((probs - exact).abs().max()) <= vocab * 2.0**-bits + 1e-15  # + float64 division

@@ -287,3 +287,50 @@ def test_a_message_longer_than_the_context_is_one_line(model_dir, capsys):
     said = out.getvalue().splitlines()
     assert said[1].startswith("megatrain chat: the message is ")
     assert said[2] == generated(model_dir, [{"role": "user", "content": QUESTION}])
+
+
+def test_an_image_goes_with_the_first_message_of_a_vision_language_model(tmp_path, capsys):
+    """`--image PATH` on a LLaVA directory: the answer is transformers' greedy `generate` of the
+    image-text-to-text model on the processor's inputs for that image and message; a text model
+    refuses the option in one line."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from vision_helpers import write_images, write_vlm_dir
+
+    write_vlm_dir("llava", tmp_path / "vlm")
+    image = tmp_path / "imgs" / write_images(tmp_path / "imgs")[2]
+    rc, out, err = run_cli(
+        capsys, "chat", tmp_path / "vlm", "--image", image, "--prompt", QUESTION, "--max-new-tokens", "8",
+        "--temperature", "0",
+    )  # fmt: skip
+    assert rc == 0, err
+    from PIL import Image
+
+    processor = AutoProcessor.from_pretrained(tmp_path / "vlm")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "vlm", dtype=torch.float32)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(
+        text=[text],
+        images=[[Image.open(image).convert("RGB")]],
+        add_special_tokens=False,
+        return_tensors="pt",
+    )
+    tok = processor.tokenizer
+    eos = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    full = model.generate(
+        **inputs, max_new_tokens=8, do_sample=False, eos_token_id=eos, pad_token_id=tok.pad_token_id
+    )
+    answer = tok.decode(full[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert answer.strip() and out == answer + "\n"
+    # the image decides the answer: another one gives another (the same random model)
+    other = tmp_path / "imgs" / "0.png"
+    rc, out2, _ = run_cli(
+        capsys, "chat", tmp_path / "vlm", "--image", other, "--prompt", QUESTION, "--max-new-tokens", "8",
+        "--temperature", "0",
+    )  # fmt: skip
+    assert rc == 0 and out2 != out
+
+
+def test_an_image_for_a_text_model_is_one_line(model_dir, tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "chat", model_dir, "--image", tmp_path / "x.png", "--prompt", QUESTION)
+    assert rc == 2 and err.count("\n") == 1 and "--image" in err and "text model" in err, err

@@ -45,6 +45,11 @@ class MicroBatch:
     position t): per-token values an objective reads (grpo: the sampling and reference policies'
     log-probs); None where there are none."""
 
+    images: dict[str, torch.Tensor] | None = None
+    """A vision-language model's image inputs, as its processor gives them for the micro-batch's
+    images in the order of their image tokens (`pixel_values`, `image_grid_thw`, ...); None: no
+    images."""
+
     def __post_init__(self):
         if self.input_ids.shape != self.labels.shape:
             raise ValueError(f"input_ids {tuple(self.input_ids.shape)} vs labels {tuple(self.labels.shape)}")

@@ -63,6 +63,7 @@ class Batcher:
         pad_id: int = 0,
         drop_last: bool = True,
         ranks: int = 1,
+        pixels=None,
     ):
         if batch_size < 1 or grad_accum < 1 or max_length < 1 or ranks < 1:
             raise ValueError("batch_size, grad_accum, max_length and ranks must be >= 1")
@@ -73,6 +74,13 @@ class Batcher:
         self.ranks = ranks
         self.micro_per_step = grad_accum * ranks  # micro-batches of one optimizer step, all ranks
         self.packing, self.shuffle, self.seed, self.pad_id = packing, shuffle, seed, pad_id
+        # A vision-language model's images: (file:line, images) of each row's samples, in order ->
+        # the micro-batch's pixel inputs (data/vision.py's `VisionData.pixels`).
+        self.pixels = pixels
+        if pixels is None and any(s.images for s in samples):
+            raise DataError(
+                f"{next(s for s in samples if s.images).source}: images need a vision-language model"
+            )
         # Over-long samples are truncated here too, so any caller gets rows <= max_length. A
         # sample of several sequences was cut per sequence by its builder.
         self.parted = samples[0].parts is not None
@@ -179,7 +187,19 @@ class Batcher:
         # Right padding with causal attention: real tokens never see pads, and the default
         # arange positions are exact, so attention needs no position_ids or mask.
         return MicroBatch(
-            _tensor(ids), _tensor(labels), attention_mask=_padding_mask(real), **self._per_sample(units)
+            _tensor(ids),
+            _tensor(labels),
+            attention_mask=_padding_mask(real),
+            images=self._images([[i] for i in units]),
+            **self._per_sample(units),
+        )
+
+    def _images(self, rows: list[list[int]]):
+        """The pixel inputs of rows holding these samples, in order (None: no images)."""
+        if self.pixels is None:
+            return None
+        return self.pixels(
+            [[(self.samples[i].source, self.samples[i].images or ()) for i in row] for row in rows]
         )
 
     def _build_parts(self, units: list[int]) -> MicroBatch:
@@ -200,6 +220,7 @@ class Batcher:
             _tensor(labels),
             attention_mask=_padding_mask(real),
             slots=_tensor(slots),
+            images=self._images([[i] for i, _, _ in rows]),  # each sequence its sample's images
             **self._per_sample(units),
         )
 
@@ -252,6 +273,7 @@ class Batcher:
             document_ids=_tensor(docs),
             attention_mask=_padding_mask(real),
             slots=_tensor(slots) if self.samples[units[0]].slots is not None else None,
+            images=self._images([[i for i in row for _ in range(self.group)] for row in rows]),
             **(self._per_sample(units) if self.parted else {}),
         )
 

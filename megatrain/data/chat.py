@@ -31,18 +31,20 @@ def require_chat_template(tokenizer, where: str) -> None:
 _PROBE = "megatrain end-of-turn probe"
 
 
-def end_of_turn_id(tokenizer) -> int | None:
+def end_of_turn_id(tokenizer, render=None) -> int | None:
     """The special token a chat template closes an assistant turn with (<|im_end|>, <|eot_id|>,
     <end_of_turn>, </s>...): the first special token after the assistant's content when a short
-    conversation is rendered. None without a chat template, or when the template puts none there.
+    conversation is rendered (by `render`, a vision-language model's processor, where it holds
+    the template). None without a chat template, or when the template puts none there.
 
     Generation has to stop at it: a model fine-tuned on chats ends its answers with it, and an
     EOS that the template never writes is never generated."""
-    if not getattr(tokenizer, "chat_template", None):
+    render = render if render is not None else tokenizer
+    if not getattr(render, "chat_template", None):
         return None
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = render.apply_chat_template(messages, tokenize=False)
     except Exception:  # a template that cannot render this conversation names no token
         return None
     at = text.rfind(_PROBE) if isinstance(text, str) else -1
@@ -128,6 +130,8 @@ def _search_span(tokenizer, messages: Messages, i: int, full: str, cursor: int, 
     and extend it over whatever the template writes after an assistant's content (its
     end-of-turn marker), as learnt from rendering the conversation up to this turn."""
     content = messages[i]["content"]
+    if isinstance(content, list):  # parts (vision-language data): the assistant's text
+        content = "".join(p.get("text", "") for p in content)
     start = full.find(content, cursor)
     if start < 0 or not content:
         raise DataError(

@@ -31,8 +31,23 @@ class PromptCompletion:
     completion: str | list[dict[str, str]]
 
 
-Messages = list[dict[str, str]]
-Item = str | Tokens | Messages | PromptCompletion
+Messages = list[dict]
+"""Turns: role and content, the content a string or (with images) a list of parts, TRL's
+`{"type": "text", "text": ...}` and `{"type": "image"}`."""
+ImageRef = str | bytes
+"""An image of the data: a path (resolved against the dataset file's folder) or its bytes."""
+IMAGE_COLUMNS = ("images", "image")  # TRL's: a list of images, or one
+
+
+@dataclass
+class ImageChat:
+    """A conversation with images (vision-language data): one image part per image, in order."""
+
+    messages: Messages
+    images: tuple[ImageRef, ...]
+
+
+Item = str | Tokens | Messages | PromptCompletion | ImageChat
 
 
 def detect_format(where: str, record: dict[str, Any], columns: dict[str, str] | None = None) -> str:
@@ -69,6 +84,8 @@ def normalize(fmt: str, file: DataFile, where: str, rec: dict[str, Any], vocab_s
     """One record of format `fmt` as a canonical item; `where` (file:line) prefixes errors and
     token ids of pre-tokenised records must be below `vocab_size`."""
     col = _columns(file.columns)
+    if fmt not in ("messages", "sharegpt") and images_of(rec, where, file):
+        raise DataError(f"{where}: images are read with conversations only (the messages format)")
     if fmt == "text":
         return _string(rec, col("text"), where)
     if fmt == "tokens":
@@ -78,7 +95,7 @@ def normalize(fmt: str, file: DataFile, where: str, rec: dict[str, Any], vocab_s
     if fmt == "alpaca":
         return _alpaca(rec, where, file.columns)
     if fmt in ("messages", "sharegpt"):
-        return _conversation(rec, where, fmt, file.columns, file.tags)
+        return with_images(_conversation(rec, where, fmt, file.columns, file.tags), rec, where, file)
     raise DataError(f"{where}: unknown dataset format {fmt!r}")
 
 
@@ -211,9 +228,88 @@ def _conversation(rec: dict, where: str, fmt: str, columns: dict[str, str], tags
             raise DataError(
                 f"{where}: turn {k} has unknown role {role!r} (expected one of {', '.join(map(str, role_map))})"
             )
-        if not isinstance(content, str):
+        if isinstance(content, list):
+            content = _parts(content, f"{where}: turn {k} ({role})")
+        elif not isinstance(content, str):
             raise DataError(
-                f"{where}: turn {k} ({role}) content must be a string, got {type(content).__name__}"
+                f"{where}: turn {k} ({role}) content must be a string or a list of parts, got {type(content).__name__}"
             )
         messages.append({"role": role_map[role], "content": content})
     return messages  # one without an assistant turn has nothing to train on: build_samples drops it
+
+
+def _parts(parts: list, where: str) -> list[dict]:
+    """TRL's content parts: text (`{"type": "text", "text": ...}`) and images (`{"type": "image"}`,
+    the image itself in the record's images column)."""
+    out = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            out.append({"type": "image"})
+        else:
+            raise DataError(
+                f'{where}: content part {j} must be {{"type": "text", "text": ...}} or {{"type": "image"}}, got {part!r:.60}'
+            )
+    return out
+
+
+def image_parts(messages: Messages) -> int:
+    """The image parts of a conversation."""
+    return sum(
+        1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"
+    )
+
+
+def with_images(messages: Messages, rec: dict, where: str, file: DataFile) -> Messages | ImageChat:
+    """A conversation with the record's images (its `images` column, or TRL's single `image`): an
+    ImageChat, one image part per image (where the turns are plain strings, the images go before
+    the first user turn's text, as TRL's `prepare_multimodal_messages` puts them); a conversation
+    without images as it is, text parts joined."""
+    refs = images_of(rec, where, file)
+    parts = image_parts(messages)
+    if refs and not parts and all(isinstance(m["content"], str) for m in messages):
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is not None:
+            text = [{"type": "text", "text": messages[first]["content"]}]
+            messages = [*messages]
+            messages[first] = {**messages[first], "content": [{"type": "image"}] * len(refs) + text}
+            parts = len(refs)
+    if parts != len(refs):
+        column = next((c for c in IMAGE_COLUMNS if c in rec), IMAGE_COLUMNS[0])
+        raise DataError(
+            f"{where}: field {column!r}: {len(refs)} images for {parts} image parts in the messages"
+        )
+    return ImageChat(messages, refs) if refs else joined(messages)
+
+
+def joined(messages: Messages) -> Messages:
+    """A conversation without images, each turn's text parts joined into its content string."""
+    return [
+        m if isinstance(m["content"], str) else {**m, "content": "".join(p["text"] for p in m["content"])}
+        for m in messages
+    ]
+
+
+def images_of(rec: dict, where: str, file: DataFile) -> tuple[ImageRef, ...]:
+    """The images of a record: paths (relative to the dataset file's folder), bytes, or the
+    `{"bytes": ..., "path": ...}` of a datasets Image column; a list of them, or one."""
+    column = next((c for c in IMAGE_COLUMNS if rec.get(c) is not None), None)
+    if column is None:
+        return ()
+    value = rec[column]
+    values = value if isinstance(value, list) else [value]
+    out = []
+    for k, v in enumerate(values):
+        if isinstance(v, dict) and (v.get("bytes") is not None or v.get("path") is not None):
+            v = v["bytes"] if v.get("bytes") is not None else v["path"]
+        if isinstance(v, (bytes, bytearray)):
+            out.append(bytes(v))
+        elif isinstance(v, str) and v:
+            out.append(str(file.path.parent / v))  # an absolute path stays as it is
+        else:
+            raise DataError(
+                f"{where}: field {column!r}: entry {k} must be a path or image bytes, got {type(v).__name__}"
+            )
+    return tuple(out)

@@ -34,9 +34,9 @@ from typing import Any
 from ..errors import ConfigError, DataError
 from .batch import IGNORE_INDEX
 from .chat import _render, joint_prompt_completions, require_chat_template
-from .formats import CHAT_ROLES, Messages, _int_list, out_of_vocab
+from .formats import CHAT_ROLES, Messages, _int_list, _parts, images_of, joined, out_of_vocab
 from .samples import CHUNK, INT64_LIMIT, Sample
-from .sources import read_records
+from .sources import DataFile, read_records
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class PreferencePair:
     source: str
     margin: float = 0.0
     """The record's `margin` (TRL's reward-model margin column; 0 where it has none)."""
+    images: tuple | None = None
+    """A vision-language pair's prompt images (both sequences hold their tokens)."""
 
 
 @dataclass(slots=True)
@@ -157,6 +159,7 @@ def pair_sample(pair: PreferencePair) -> Sample:
         pair.source,
         parts=(len(c.input_ids), len(r.input_ids)),
         slots=slots,
+        images=pair.images,
     )
 
 
@@ -204,18 +207,30 @@ def _first_unlabelled(labels: list[int]) -> list[int]:
 
 # ------------------------------------------------------------------------ building
 def build_preference_pairs(
-    paths: Iterable[str | Path], tokenizer, limits: Limits, vocab_size: int | None = None
+    paths: Iterable[str | Path], tokenizer, limits: Limits, vocab_size: int | None = None, vision=None
 ) -> list[PreferencePair]:
     """Every pair of the files, tokenised and cut to `limits`, in file order.
 
     Pairs where chosen or rejected keeps no completion token are skipped with a warning (an error
     if none is left). `tokenizer` may be None for pre-tokenised files; every id must be below
-    `vocab_size` (default: the tokenizer's size)."""
+    `vocab_size` (default: the tokenizer's size). `vision`: a vision-language model's processor
+    (data/vision.py's `VisionData.pair`), which reads the records' images."""
     pairs, skipped = [], []
-    for where, prompt, (chosen, rejected), _, margin in _encoded(
-        paths, tokenizer, vocab_size, limits.joint, paired_only=True
+    for where, prompt, (chosen, rejected), _, margin, images in _encoded(
+        paths, tokenizer, vocab_size, limits.joint, paired_only=True, vision=vision
     ):
-        pair = PreferencePair(limits.cut(prompt, chosen), limits.cut(prompt, rejected), where, margin)
+        if (
+            images
+            and limits.max_length is not None
+            and len(prompt) + max(len(chosen), len(rejected)) > limits.max_length
+        ):
+            raise DataError(
+                f"{where}: the pair has {len(prompt) + max(len(chosen), len(rejected))} tokens with its images', "
+                f"more than max_length {limits.max_length}; pairs with images are not cut (raise max_length)"
+            )
+        pair = PreferencePair(
+            limits.cut(prompt, chosen), limits.cut(prompt, rejected), where, margin, images or None
+        )
         if pair.chosen.n_targets and pair.rejected.n_targets:
             pairs.append(pair)
         else:
@@ -278,7 +293,7 @@ def _unpaired(records):
     """(where, prompt, completion, label) per example: a paired record gives a chosen (label true)
     and a rejected (false) example, the chosen ones first within each UNPAIR_BLOCK records."""
     block: list = []
-    for where, prompt, completions, label, _ in records:
+    for where, prompt, completions, label, _, _ in records:
         if label is not None:
             yield where, prompt, completions[0], label
             continue
@@ -306,10 +321,10 @@ class _Text:
     chat: bool
 
 
-def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only: bool):
-    """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None, margin)
-    per record, in order; text tokenised as `joint` says (Limits). `paired_only` refuses unpaired
-    files."""
+def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only: bool, vision=None):
+    """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None, margin,
+    images) per record, in order; text tokenised as `joint` says (Limits), a record with images
+    as TRL's vision collator does (`VisionData.pair`). `paired_only` refuses unpaired files."""
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     for path in paths:
@@ -326,23 +341,51 @@ def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only:
                 keys = ("prompt_input_ids", "completion_input_ids") if unpaired else PAIRED_TOKEN_KEYS
                 for (where, rec), label in zip(chunk, labels):
                     prompt, *completions = (_ids(rec, k, where, vocab_size) for k in keys)
-                    yield where, prompt, completions, label, _margin(rec, where)
+                    yield where, prompt, completions, label, _margin(rec, where), ()
                 continue
             split = [(where, *_split(rec, where, not unpaired)) for where, rec in chunk]
+            images = [images_of(rec, where, DataFile(Path(path))) for where, rec in chunk]
+            if any(images) or vision is not None:
+                for (where, prompt, completions), rec, label in zip(split, (r for _, r in chunk), labels):
+                    if vision is None:
+                        raise DataError(
+                            f"{where}: images: the model is a text model (images train a vision-language one)"
+                        )
+                    ids, done = vision.pair(where, prompt, completions, rec, DataFile(Path(path)))
+                    _check_vocab(where, (ids, *done), vocab_size)
+                    yield (
+                        where,
+                        ids,
+                        done,
+                        label,
+                        _margin(rec, where),
+                        images_of(rec, where, DataFile(Path(path))),
+                    )
+                continue
             margins = [_margin(rec, where) for where, rec in chunk]
+            split = [(w, _plain(p), [_plain(c) for c in cs]) for w, p, cs in split]  # a text model's turns
             encoded = (
                 _joint(tokenizer, split)
                 if joint
                 else _tokenize(tokenizer, [_text(tokenizer, *x) for x in split])
             )
             for (where, *_), (prompt, completions), label, margin in zip(split, encoded, labels, margins):
-                for ids in (prompt, *completions):
-                    if (bad := out_of_vocab(ids, vocab_size)) is not None:
-                        raise DataError(
-                            f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
-                            f"[0, {vocab_size}) (is it the model's tokenizer?)"
-                        )
-                yield where, prompt, completions, label, margin
+                _check_vocab(where, (prompt, *completions), vocab_size)
+                yield where, prompt, completions, label, margin, ()
+
+
+def _plain(x):
+    """Text, or a conversation with its text parts joined (a text model's chat template takes strings)."""
+    return joined(x) if isinstance(x, list) else x
+
+
+def _check_vocab(where: str, seqs, vocab_size: int) -> None:
+    for ids in seqs:
+        if (bad := out_of_vocab(ids, vocab_size)) is not None:
+            raise DataError(
+                f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
+                f"[0, {vocab_size}) (is it the model's tokenizer?)"
+            )
 
 
 def _detect(where: str, rec: dict[str, Any]) -> str:
@@ -397,12 +440,17 @@ def _text_or_messages(rec: dict, key: str, where: str) -> str | Messages:
         return value
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field {key!r} must be a string or a non-empty list of messages")
+    out = []
     for k, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(content, (str, list))):
             raise DataError(f"{where}: message {k} of {key!r} must be an object with string role and content")
         if m["role"] not in CHAT_ROLES:
             raise DataError(f"{where}: message {k} of {key!r} has unknown role {m['role']!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+        if isinstance(content, list):  # TRL's content parts (vision-language data)
+            content = _parts(content, f"{where}: message {k} of {key!r}")
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
 def _split(rec: dict, where: str, paired: bool) -> tuple[str | Messages, list[str | Messages]]:

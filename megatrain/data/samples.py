@@ -11,7 +11,7 @@ from ..errors import ConfigError, DataError
 from ..metrics import show_progress
 from .batch import IGNORE_INDEX
 from .chat import encode_chats, joint_prompt_completions, require_chat_template
-from .formats import PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
+from .formats import ImageChat, PromptCompletion, Tokens, detect_format, normalize, out_of_vocab
 from .sources import read_records, resolve_dataset
 
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
@@ -41,6 +41,9 @@ class Sample:
     counted: int | None = None
     """Its tokens TRL's `num_tokens` counts where not all (a KTO example: its sequence's, not its
     KL sequence's)."""
+    images: tuple | None = None
+    """A vision-language sample's images (paths or bytes, formats.ImageRef), in the order of its
+    image tokens; their pixels are made with its micro-batch (data/vision.py)."""
 
     def __post_init__(self):
         if len(self.input_ids) != len(self.labels):
@@ -57,7 +60,12 @@ class Sample:
 
 
 def build_samples(
-    cfg, tokenizer, vocab_size: int | None = None, key: str = "dataset", warn: Callable[[str], None] = print
+    cfg,
+    tokenizer,
+    vocab_size: int | None = None,
+    key: str = "dataset",
+    warn: Callable[[str], None] = print,
+    vision=None,
 ) -> list[Sample]:
     """Read, validate and tokenise every file of `cfg.dataset` (or of the key named, e.g.
     eval_dataset: the same formats and chat handling), in order.
@@ -69,7 +77,9 @@ def build_samples(
     cut to max_length): they are dropped, counted per file and reason in one warning each
     (`warn`); if every row is dropped, it is a DataError. `tokenizer` may be None only for the
     pre-tokenised `tokens` format. Every token id, read or produced by the tokenizer, must be
-    below `vocab_size` (the model's embedding rows; default: the tokenizer's size).
+    below `vocab_size` (the model's embedding rows; default: the tokenizer's size). `vision`: a
+    vision-language model's processor (data/vision.py's VisionData), which renders its chat data,
+    images included; without one, images in the data are refused.
     """
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
@@ -79,7 +89,7 @@ def build_samples(
         records = read_records(file.path)
         where0 = f"{file.path}:{records[0][0]}"
         fmt = file.format if file.format != "auto" else detect_format(where0, records[0][1], file.columns)
-        encode = _encoder(fmt, cfg, tokenizer, str(file.path))
+        encode = _encoder(fmt, cfg, tokenizer, str(file.path), vision)
         bar = tqdm(
             total=len(records),
             desc=f"tokenizing {file.path.name}",
@@ -97,7 +107,8 @@ def build_samples(
                         f"{where}: the tokenizer gives token id {bad}, outside the model's vocabulary "
                         f"[0, {vocab_size}) (is it the model's tokenizer?)"
                     )
-                whole = Sample(ids, labels, where)
+                images = item.images if isinstance(item, ImageChat) else None
+                whole = Sample(ids, labels, where, images=images)
                 kept = [s for s in _fit(whole, fmt, cfg) if s.has_labels]
                 if not kept:
                     reason = _why_dropped(fmt, item, whole, cfg.max_length)
@@ -118,6 +129,7 @@ def build_samples(
 def _why_dropped(fmt: str, item, sample: Sample, max_length: int) -> str:
     """Why a row gives no sample with a label: the reason as the warning words it."""
     what = "assistant tokens" if fmt in (*CHAT_FORMATS, "prompt_completion") else "label tokens"
+    item = item.messages if isinstance(item, ImageChat) else item
     if isinstance(item, list) and not any(m["role"] == "assistant" for m in item):
         return "no assistant turn"
     if sample.has_labels:  # it had some before the cut
@@ -133,7 +145,9 @@ def _chunks(items: list, size: int) -> Iterator[list]:
 Encoded = list[tuple[list[int], list[int]]]
 
 
-def _encoder(fmt: str, cfg, tokenizer, where: str) -> Callable[[list[tuple[str, object]]], Encoded]:
+def _encoder(
+    fmt: str, cfg, tokenizer, where: str, vision=None
+) -> Callable[[list[tuple[str, object]]], Encoded]:
     """The batched encoder for a format, after checking the tokenizer can serve it."""
     if fmt == "tokens":
         return _encode_tokens
@@ -143,10 +157,22 @@ def _encoder(fmt: str, cfg, tokenizer, where: str) -> Callable[[list[tuple[str, 
         return lambda items: _encode_text(tokenizer, items)
     if fmt == "prompt_completion":
         return lambda items: _encode_pc(tokenizer, items, cfg.train_on_prompt, where)
+    if fmt in CHAT_FORMATS and vision is not None:  # the processor's template, images expanded
+        return lambda items: vision.encode(list(items), cfg.train_on_prompt)
     if fmt in CHAT_FORMATS:
         require_chat_template(tokenizer, where)
-        return lambda items: encode_chats(tokenizer, list(items), cfg.train_on_prompt)
+        return lambda items: encode_chats(tokenizer, _no_images(items), cfg.train_on_prompt)
     raise ConfigError(f"dataset_format: unknown format {fmt!r}")
+
+
+def _no_images(items: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """The conversations of a text model's data, refusing images (they need a vision-language model)."""
+    for where, item in items:
+        if isinstance(item, ImageChat):
+            raise DataError(
+                f"{where}: images: the model is a text model (images train a vision-language one)"
+            )
+    return list(items)
 
 
 def _encode_tokens(items: list[tuple[str, Tokens]]) -> Encoded:
@@ -192,6 +218,11 @@ def _fit(sample: Sample, fmt: str, cfg) -> list[Sample]:
     n, m = len(sample.input_ids), cfg.max_length
     if n <= m:
         return [sample]
+    if sample.images:  # a cut through an image's tokens would leave features without places
+        raise DataError(
+            f"{sample.source}: sample has {n} tokens with its images', more than max_length {m}; "
+            "samples with images are not cut (raise max_length)"
+        )
     if cfg.truncation == SPLIT or (fmt == "text" and cfg.packing):
         return split_windows(sample, m)
     if not cfg.truncation:

@@ -10,7 +10,9 @@ from transformers import PreTrainedTokenizerFast
 
 from ..errors import ConfigError
 
-# Everything transformers' AutoTokenizer may read, chat templates included.
+# Everything transformers' AutoTokenizer may read, chat templates included, and what AutoProcessor
+# reads beside them for a vision-language model (its image processor's settings): the files a
+# model directory's tokenizer is written back with.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -21,6 +23,8 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 _SOURCE = "_megatrain_source_files"
 """The attribute of a loaded tokenizer holding the files it was loaded from, name -> bytes."""

@@ -49,6 +49,8 @@ class _Prepared:
     targets: Any  # what the objective needs of the micro-batch, on device (cross-entropy: [B*S] labels)
     inputs: dict[str, dict]  # layer kind -> keyword inputs of its layers (rotary tables, mask)
     row_ids: torch.Tensor | None = None  # ids into the step's looked-up rows (`Plan.embed_rows`)
+    images: dict | None = None  # a vision-language model's image inputs, on device
+    image_mask: torch.Tensor | None = None  # [B, S]: the image tokens, whose embeddings are the features
 
 
 @dataclass
@@ -134,6 +136,12 @@ class Engine:
         # Families whose layers also return statistics for an auxiliary loss (mixture of experts:
         # routing.py) declare its keeper; None: a layer returns its hidden state alone.
         self.aux = family.aux(cfg, len(self.layer_units), self.device) if family.aux else None
+        # A vision-language model's image features are written over its image tokens' embeddings
+        # (models/vision.py); where its tower or projector trains, the backward sweep fetches the
+        # embedding unit again to recompute and differentiate them.
+        self.vision = cfg.vision
+        self.vision_grad = cfg.vision is not None and cfg.vision.trains
+        self.positions = family.positions(cfg) if family.positions else None
         self._layer_call = self._call_layer
         self.compile = compile  # the loss head's one-pass objectives too (Head.fused)
         if compile and family.compile:
@@ -179,8 +187,10 @@ class Engine:
         return order
 
     def _backward_order(self) -> list[Unit]:
-        """Layers whose weights the backward sweep fetches: all but the kept ones, last first."""
-        return self.layer_units[: len(self.layer_units) - self.keep_layers][::-1]
+        """Units whose weights the backward sweep fetches: the layers but the kept ones, last
+        first, then the embedding where its vision modules train."""
+        order = self.layer_units[: len(self.layer_units) - self.keep_layers][::-1]
+        return order + ([self.embed_unit] if self.vision_grad else [])
 
     def step_order(self) -> list[Unit]:
         """The order a step hands units to the optimizer: forward order where gradients wait for
@@ -212,13 +222,37 @@ class Engine:
         B, S = ids.shape
         pos = mb.position_ids
         pos = pos.to(dev) if pos is not None else torch.arange(S, device=dev).expand(B, S)
+        if self.positions is not None and mb.position_ids is None:  # M-RoPE: from the images' grids
+            mrope = self.positions(mb.input_ids, mb.images, mb.attention_mask)
+            pos = pos if mrope is None else mrope.to(dev)
         doc = mb.document_ids.to(dev) if mb.document_ids is not None else None
+        images = mask = None
+        if self.vision is not None and mb.images is not None:
+            images = {k: self._image_input(v) for k, v in mb.images.items()}
+            mask = ids == self.vision.image_token_id
         return _Prepared(
             ids=ids,
             targets=self.objective.targets(mb, dev),
             inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks),
             row_ids=None if row_ids is None else row_ids.to(dev, non_blocking=True),
+            images=images,
+            image_mask=mask,
         )
+
+    def _image_input(self, v):
+        """An image input on the device, pixel values in the compute dtype (transformers casts
+        them to the tower's)."""
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.to(self.device, self.dtype if v.is_floating_point() else None, non_blocking=True)
+
+    def _embed(self, weights, p: _Prepared, features: bool = False) -> torch.Tensor:
+        """The embedding unit on one micro-batch: its first hidden state (a vision-language
+        model's with the image features in place), or with `features` the image features alone."""
+        if self.vision is None:
+            return functional_call(self.embed, weights, (p.ids,))
+        kw = {"images": p.images, "features": features}
+        return functional_call(self.embed, weights, (p.ids,), kw)
 
     def _grad_buffer(self, unit: Unit, names: list[str] | None = None) -> torch.Tensor:
         """A unit's fp32 gradient buffer, as long as the collective reduces it (padded to equal
@@ -243,7 +277,7 @@ class Engine:
         t = self.transport
         if rows is None:
             w = unit_views(t.fetch(self.embed_unit), self.embed_unit)
-            h = [functional_call(self.embed, w, (p.ids,)) for p in prep]
+            h = [self._embed(w, p) for p in prep]
         else:  # the looked-up rows alone, each token's id remapped into them: the same lookup
             w = {self.embed.weight_name: t.fetch_rows(self.embed_unit, rows)}
             h = [functional_call(self.embed, w, (p.row_ids,)) for p in prep]
@@ -367,17 +401,43 @@ class Engine:
         with sorted_sums():  # reproducible on CUDA
             for d, p in zip(dh, prep):
                 d, ids = d.reshape(-1, d.shape[-1]), p.ids.reshape(-1)
+                images = p.image_mask.reshape(-1) if p.image_mask is not None else None
                 for a in range(0, d.shape[0], EMBED_GRAD_ROWS):
                     dc, ic = d[a : a + EMBED_GRAD_ROWS], ids[a : a + EMBED_GRAD_ROWS]
                     if pad is not None:  # nn.Embedding(padding_idx=...) gives its row no gradient
                         dc = dc.masked_fill((ic == pad)[:, None], 0)
+                    if images is not None:  # image tokens' embeddings were replaced by features
+                        cut = images[a : a + EMBED_GRAD_ROWS]
+                        dc, ic = dc.masked_fill(cut[:, None], 0), ic.masked_fill(cut, 0)
                     if scale != 1.0:
                         dc = dc * torch.tensor(scale, device=dc.device).to(
                             dc.dtype
                         )  # rounded as the forward's
                     view.index_add_(0, ic, dc.to(torch.float32))
+        if self.vision_grad:
+            self._vision_backward(dh, prep, g)
         self.collective.reduce_then(self.embed_unit, g, finish)
         self.collective.flush()
+
+    def _vision_backward(self, dh, prep, g: torch.Tensor) -> None:
+        """The trained vision modules' gradients, added into the embedding unit's buffer `g`: the
+        image features of each micro-batch recomputed (the unit fetched again) and differentiated
+        with the gradient that reached their image tokens."""
+        params = _bind(self.embed_unit, self.transport.fetch(self.embed_unit), grad=True)
+        names = [n for n, v in params.items() if v.requires_grad]
+        leaves = [params[n] for n in names]
+        views = unit_views(g, self.embed_unit)
+        for d, p in zip(dh, prep):
+            if p.images is None:
+                continue
+            with torch.enable_grad():
+                feats = self._embed(params, p, features=True)
+            df = d.reshape(-1, d.shape[-1])[p.image_mask.reshape(-1)].to(feats.dtype)
+            grads = torch.autograd.grad(feats, leaves, df.view_as(feats), allow_unused=True)
+            used = [(views[n], gr) for n, gr in zip(names, grads) if gr is not None]
+            if used:  # parameters the features do not depend on (CLIP's unused last norm) get none
+                torch._foreach_add_([v for v, _ in used], [gr for _, gr in used])
+            del feats, grads, used
 
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:

@@ -36,7 +36,8 @@ BUFFERS = ("hi", "lo", *MOMENTS)  # the state's host allocations, in the order t
 STATE_BYTES = HALF_BYTES + 8  # the master weights' two halves and two fp32 AdamW moments, per parameter
 
 # Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
-# normalisation weights.
+# normalisation weights, by the (lower-cased) name, and on the parameters of LayerNorm modules
+# whatever their names (a vision tower's `pre_layrnorm`, `layer_norm1`, `ln_q`).
 _NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
@@ -98,10 +99,16 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
     units, start = [], 0
     for index, (name, kind, layer, template) in enumerate(plan):
         specs, off = [], 0
+        layer_norms = {
+            f"{m}.{n}" if m else n
+            for m, mod in template.named_modules()
+            if isinstance(mod, torch.nn.LayerNorm)
+            for n, _ in mod.named_parameters(recurse=False)
+        }
         for pname, p in template.named_parameters():
             key, shape = fam.param_key(cfg, kind, layer, pname), tuple(p.shape)
             pieces = tuple(Piece(*x) for x in checkpoint_pieces(fam, cfg, kind, layer, pname, shape))
-            decay = not _NO_DECAY.search(key)
+            decay = not _NO_DECAY.search(key.lower()) and pname not in layer_norms
             specs.append(ParamSpec(pname, key, shape, off, decay, pieces, train=p.requires_grad))
             off += -(-p.numel() // ALIGN) * ALIGN
         off = -(-off // UNIT_ALIGN) * UNIT_ALIGN

@@ -166,7 +166,7 @@ def write_model_config(
     `generation` (the source model's file: its EOS ids and sampling defaults) when given, else
     derived from the model config. When `tokenizer` has a chat template, the token that ends its
     assistant turns joins the EOS ids, so `generate()` stops where a chat model ends its answer."""
-    hf = copy.deepcopy(cfg.hf_config)
+    hf = copy.deepcopy(cfg.saved_config)
     hf.architectures = [model_class(cfg)]
     if getattr(hf, "quantization_config", None) is not None:
         del hf.quantization_config  # weights are written in full precision (an MXFP4 source decoded)
@@ -312,12 +312,7 @@ def tensor_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[str], torch
     they change between releases (DeepSeek-V3 keeps its router's correction bias in fp32, and
     from 5.24 its gate weight too). The names are matched as transformers matches them (a
     search, `*` for anything)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
-
-    mapping = (
-        MODEL_FOR_CAUSAL_LM_MAPPING if cfg.num_labels is None else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
-    )
-    cls = mapping[type(cfg.hf_config)]
+    cls = _model_cls(cfg)
     keep = list(getattr(cls, "_keep_in_fp32_modules_strict", None) or []) if dtype != torch.float32 else []
     keep += list(getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else []
     if not keep:
@@ -328,9 +323,23 @@ def tensor_dtypes(cfg: ModelConfig, dtype: torch.dtype) -> Callable[[str], torch
 
 def model_class(cfg: ModelConfig) -> str:
     """The transformers class that loads an exported model (config.json's `architectures`): the
-    causal LM, or a reward model's sequence-classification model."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-
+    causal LM, a reward model's sequence-classification model, or a vision-language model's
+    image-text-to-text model."""
     if cfg.num_labels is not None:
         return classification_class(cfg)
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg.hf_config)].__name__
+    return _model_cls(cfg).__name__
+
+
+def _model_cls(cfg: ModelConfig):
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
+    if cfg.vision is not None:
+        return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg.saved_config)]
+    mapping = (
+        MODEL_FOR_CAUSAL_LM_MAPPING if cfg.num_labels is None else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    )
+    return mapping[type(cfg.hf_config)]

@@ -5,7 +5,8 @@ A family is a small dataclass of callables (`Family`). The engine never names a 
 the family of a `ModelConfig` (`family_of`) for stateless *templates*, built on the meta device
 and bound to a unit's weights for each use with `torch.func.functional_call`:
 
-* `embedding(cfg)`: a module whose `forward(input_ids)` gives the first hidden state. It carries
+* `embedding(cfg)`: a module whose `forward(input_ids)` gives the first hidden state (a
+  vision-language model's: `forward(input_ids, images)`, models/vision.py). It carries
   two plain attributes: `weight_name` (the name of its token table among its parameters) and
   `scale` (the constant `forward` multiplies the looked-up rows by, 1.0 for most families,
   sqrt(hidden) for Gemma), so the backward sweep scatter-adds `scale * dh` into the table's
@@ -31,6 +32,9 @@ and bound to a unit's weights for each use with `torch.func.functional_call`:
   several tensors (an MoE layer's fused experts, one tensor per expert on disk), the list of
   (checkpoint key, element offset inside the parameter, shape); None: the parameter is one tensor
   under its `param_key` (`checkpoint_pieces`).
+* `positions(cfg)` (optional): a function `(input_ids [B, S], images, attention_mask) ->
+  position_ids` for the micro-batches whose layers take positions other than the tokens' own
+  (M-RoPE's [3, B, S] of a vision-language model, vision.py), None where they take those.
 * `aux(cfg, num_layers, device)` (optional): the one hook for an auxiliary loss that spans layers
   (MoE load balancing, `routing.RouterBalance`). With it a layer returns (hidden state,
   statistics); the object records each layer's statistics in the forward sweep (`begin`,
@@ -71,6 +75,8 @@ class Family:
     param_key: Callable[[ModelConfig, str, int, str], str]
     pieces: Callable[[ModelConfig, str, int, str, tuple[int, ...]], list] | None = None
     """Checkpoint tensors of a parameter stored in several (see the module docstring)."""
+    positions: Callable[[ModelConfig], Callable] | None = None
+    """The position ids a micro-batch's layers take, where not its tokens' (see the module docstring)."""
     aux: Callable[[ModelConfig, int, torch.device], Any] | None = None
     """The keeper of an auxiliary loss over all layers (see the module docstring)."""
     compile: bool = True

@@ -39,6 +39,10 @@ FAMILIES = {
     # is a DeepSeek-V3 (MODEL_TYPE_ALIASES).
     "deepseek_v2": dict(block="deepseek", qkv_bias=None, o_bias=None, qk_norm=False),
     "deepseek_v3": dict(block="deepseek", qkv_bias=None, o_bias=None, qk_norm=False),
+    # The language models of Qwen2-VL and Qwen2.5-VL: Qwen2's block; their 3D (M-RoPE) positions
+    # are the vision-language model's inputs (vision.py), one position for all three in text.
+    "qwen2_vl_text": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
+    "qwen2_5_vl_text": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
 }
 MOE_BLOCKS = ("moe", "gpt_oss", "deepseek")
 """The blocks whose MLP is a mixture of experts (their configs have a `MoESpec`; their model types
@@ -96,6 +100,40 @@ class MoESpec:
         if self.shared_expert_size:
             n += 3 * hidden * self.shared_expert_size + hidden
         return n
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision side of a vision-language model (transformers' image-text-to-text classes):
+    what vision.py builds its tower and projector from, and which of them train."""
+
+    model_type: str
+    """The composite model's `model_type` (`llava`, `idefics3`, `qwen2_5_vl`, ...)."""
+    hf_config: Any = field(repr=False, compare=False)
+    """The composite transformers config (what an export saves)."""
+    image_token_id: int
+    tower: tuple[str, ...]
+    """Module paths, in the composite base model, of the vision tower (LlamaFactory's
+    `vision_model_keys`)."""
+    projector: tuple[str, ...]
+    """Module paths of the multi-modal projector (LlamaFactory's `projector_key`)."""
+    text_model: str
+    """The language model's attribute in the composite base model (`language_model`, `text_model`)."""
+    mrope: bool = False
+    """The language model's rotary takes 3D positions computed from the images' grids (M-RoPE)."""
+    unused: tuple[str, ...] = ()
+    """Tower parameters (names in the base model) no image feature depends on (LLaVA's layers
+    after its `vision_feature_layer`): frozen whatever the settings, as transformers never steps
+    them."""
+    # What the run trains (freeze_vision_tower, freeze_multi_modal_projector), not the architecture:
+    # a checkpoint of the same model with other settings is the same model.
+    train_tower: bool = field(default=False, compare=False)
+    train_projector: bool = field(default=False, compare=False)
+
+    @property
+    def trains(self) -> bool:
+        """Whether any vision parameter trains (the backward sweep then recomputes the features)."""
+        return self.train_tower or self.train_projector
 
 
 @dataclass(frozen=True)
@@ -175,6 +213,9 @@ class Hooks:
     """transformers' model built on the meta device, refusing what cannot run (hf.py)."""
     count_params: Callable[[ModelConfig], int]
     """Parameters counted on the templates (family.py)."""
+    vision: Callable[[Any], tuple[Any, VisionSpec] | None]
+    """A vision-language config's language-model config and vision spec; None for any other
+    config (vision.py: which composite models train, and their modules)."""
 
 
 HOOKS: Hooks | None = None  # set by models/__init__.py, which every import of this module runs first
@@ -285,6 +326,9 @@ class ModelConfig:
     """The expert layer of a mixture-of-experts family; None for a dense MLP."""
     mla: MLASpec | None = None
     """DeepSeek's latent attention (q/kv low-rank paths, qk and v head dims); None otherwise."""
+    vision: VisionSpec | None = None
+    """A vision-language model's tower and projector (vision.py), part of its embedding unit;
+    None: a text model. The rest of the config is its language model's."""
     num_labels: int | None = None
     """A sequence-classification model's outputs (a reward model's 1: models/score.py), its score
     head in place of the LM head; None: a causal LM."""
@@ -356,6 +400,27 @@ class ModelConfig:
             setattr(hf, k, v)
         return dataclasses.replace(self, moe=dataclasses.replace(self.moe, **given), hf_config=hf)
 
+    def with_vision(self, freeze_vision_tower: bool, freeze_multi_modal_projector: bool) -> ModelConfig:
+        """This vision-language model with its tower and projector frozen or trained, as
+        LlamaFactory's keys say; a text model is returned as it is."""
+        if self.vision is None:
+            return self
+        spec = dataclasses.replace(
+            self.vision, train_tower=not freeze_vision_tower, train_projector=not freeze_multi_modal_projector
+        )
+        return dataclasses.replace(self, vision=spec)
+
+    @property
+    def name(self) -> str:
+        """The model_type a run names the model by: a vision-language model's composite one."""
+        return self.vision.model_type if self.vision is not None else self.model_type
+
+    @property
+    def saved_config(self):
+        """The transformers config a checkpoint or export saves: a vision-language model's
+        composite one, else the model's own."""
+        return self.vision.hf_config if self.vision is not None else self.hf_config
+
     def with_score_head(self, pad_token_id: int | None) -> ModelConfig:
         """This model as a reward model (transformers' `...ForSequenceClassification`, one label):
         the score head in place of the LM head, nothing tied to the embedding; its config the one
@@ -373,6 +438,17 @@ class ModelConfig:
         reason, what cannot train as a decoder)."""
         mt = hf.model_type
         _check_quantization(hf)
+        vlm = HOOKS.vision(hf)  # refuses, naming why, a composite model that cannot train
+        if vlm is not None:
+            text, spec = vlm
+            cfg = cls.from_hf(text)
+            if cfg.moe is not None or cfg.mla is not None:
+                raise ConfigError(f"model_type {mt!r}: a mixture-of-experts language model is not supported")
+            if spec.mrope and cfg.path != "fast":
+                raise ConfigError(
+                    f"model_type {mt!r}: its language model ({text.model_type}) has no fast block"
+                )
+            return dataclasses.replace(cfg, vision=spec)
         act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None) or ""
         fast = (
             mt in FAMILIES

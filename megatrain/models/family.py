@@ -17,7 +17,16 @@ from .config import ModelConfig
 
 def family_of(cfg: ModelConfig) -> Family:
     """The family that runs `cfg`: its fast block, or transformers' modules; a reward model's
-    with the score head (score.py)."""
+    with the score head (score.py); a vision-language model's with its tower (vision.py)."""
+    fam = _text_family(cfg)
+    if cfg.vision is not None:
+        from .vision import multimodal
+
+        return multimodal(fam)
+    return fam
+
+
+def _text_family(cfg: ModelConfig) -> Family:
     if cfg.path == "generic":
         from .hf import GENERIC
 
@@ -65,6 +74,12 @@ def checkpoint_pieces(
 
 def describe(cfg: ModelConfig) -> str:
     """Which path a model runs on, for the log, `megatrain plan` and plan.json."""
+    if cfg.vision is not None:
+        return f"{_describe_text(cfg)} with transformers' vision tower"
+    return _describe_text(cfg)
+
+
+def _describe_text(cfg: ModelConfig) -> str:
     if cfg.path == "generic":
         from .hf import layer_class
 

@@ -102,7 +102,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     extra_out = (STATE_BYTES - 4) * gpu_stepped
     # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
     # fetch of the embedding is not counted here either way).
-    kept = fetched_bytes(s, b, [u for u in plan.kept_fresh(L, s.tied) if u > 0])
+    kept = fetched_bytes(s, b, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
     fetches = fetched_bytes(s, b, range(plan.resident_units, n))
     h2d = fetches * (1 + passes) + act_bytes * passes + extra_in - kept
     d2h = 4 * streamed + act_bytes + extra_out
@@ -196,7 +196,7 @@ def _gpu_stepping(
     # with 26-30 of 30 units was predicted 8-18% slow even at 55 GB/s, where the GPU was busy
     # 90-96% of the step (results/2026-11-23_2224_auto.json, _2228_a16-count2.json,
     # _2236_auto-repeat.json); counted so, -2% to +11%.
-    skip = set(plan.kept_fresh(s.layers, s.tied))
+    skip = set(plan.kept_fresh(s.layers, s.embed_again))
     recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
     fetched = fetched_bytes(s, b, [u for u in recomputed if u not in skip])
     link = (fetched + act_bytes + STATE_BYTES * prestaged) / rate

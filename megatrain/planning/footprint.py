@@ -10,6 +10,7 @@ recorded measurement. It decides nothing.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..host.activations import HostActivations
@@ -32,7 +33,7 @@ from .planspec import (
     looked_up_rows,
     model_shape,
 )
-from .probe import LayerMemory, formula_layer_memory
+from .probe import BACKWARD_H, FORWARD_H, GRAPH_F, GRAPH_H, LayerMemory, formula_layer_memory
 
 GiB, MiB = 2**30, 2**20
 ALONE = Layout()  # a world of one process
@@ -111,7 +112,7 @@ def _schedule(s: Shape, plan: Plan) -> list[list[int]]:
     and backward in one for the stored and two-pass first sweeps, apart in immediate mode (whose
     backward sweep runs in `step`)."""
     forward = list(range(len(s.units))) + ([0] if s.tied else [])  # a tied head borrows the embedding
-    backward = list(range(s.layers - plan.keep_layers, 0, -1))
+    backward = list(range(s.layers - plan.keep_layers, 0, -1)) + ([0] if s.vision_trains else [])
     return [forward, backward] if plan.grad_mode == "immediate" else [forward + backward]
 
 
@@ -185,7 +186,7 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         step until the next forward sweep fetches them."""
         return cb * sum(s.units[v] for v in plan.stepped if v >= u)
 
-    refetched = plan.kept_fresh(L, s.tied)
+    refetched = plan.kept_fresh(L, s.embed_again)
 
     def kept_weights(lo: int, hi: int) -> int:
         """Prestaged units lo <= u < hi fetched again later in the step: their updated weights,
@@ -221,6 +222,15 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         return sum(4 * s.units[v] for v in range(u + 1, min(n, u + 1 + plan.inflight_units + reducing)))
 
     phases: list[_Phase] = []
+    vision_tokens = math.ceil(s.vision[0] * Tm) if s.vision else 0  # at most, every token an image's
+    if s.vision:
+        # The embedding with a vision tower: its layers run on a micro-batch's images without
+        # autograd, one at a time (the decoder layer's forward rule, its MLP counted whole), while
+        # the first hidden states of all micro-batches are made.
+        _, hv, fv, _ = s.vision
+        rest = {"boundary activations": act, "gradients": suffix_streamed[1] if stored else 0}
+        work = {"vision tower forward": vision_tokens * cb * (FORWARD_H * hv + fv)}
+        phases.append(_Phase("forward", win[0], {**resident, **rest}, work))
     # Forward sweep at layer j. In stored mode the previous step's gradients wait on the GPU until
     # the host optimizer, which runs in forward order behind this sweep, has taken them.
     for j in range(L):
@@ -308,7 +318,15 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
     # gradient gathered for their way out (its working set is gone by then).
     gathered = 4 * h * looked_up_rows(s, b) if plan.embed_rows else 0
     work = {"embedding backward": max(rows * h * (8 + cb), gathered) + own}
-    phases.append(_Phase("backward", (0, 0), {**resident, **rest}, work, 0))
+    window = (0, 0)
+    if s.vision_trains:
+        # The tower recomputed on a micro-batch's images with autograd and differentiated (the
+        # decoder layer's graph and backward rules): the embedding's weights fetched again.
+        _, hv, fv, lv = s.vision
+        graph = vision_tokens * cb * (GRAPH_H * hv + GRAPH_F * fv)
+        work["vision tower backward"] = lv * graph + vision_tokens * cb * BACKWARD_H * hv
+        window = win[-1]
+    phases.append(_Phase("backward", window, {**resident, **rest}, work, 0))
     return phases
 
 

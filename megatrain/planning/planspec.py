@@ -12,6 +12,7 @@ from ..host.split import HALF_BYTES
 from ..host.state import build_units
 from ..models.config import ModelConfig
 from ..models.family import family_of
+from ..models.vision import tower_shape
 from ..parallel.layout import Layout
 from .probe import LayerMemory, token_ffn
 
@@ -165,8 +166,9 @@ class Plan:
 
     def kept_fresh(self, layers: int, tied: bool) -> list[int]:
         """Prestaged units that a step fetches again after the forward sweep (their backward
-        sweep's fetch; the embedding, a tied head's): their updated weights (compute dtype) stay
-        on the GPU from their step to that fetch, which takes them."""
+        sweep's fetch; the embedding, a tied head's or a trained vision tower's: `tied`): their
+        updated weights (compute dtype) stay on the GPU from their step to that fetch, which takes
+        them."""
         backward = range(1, layers - self.keep_layers + 1)
         return [u for u in self.prestaged if u in backward or (u == 0 and tied)]
 
@@ -207,6 +209,12 @@ class Shape:
     rows_embedding: bool = False
     """The embedding unit is one token table whose forward looks up rows alone (the template's
     `looks_up_rows`, models/base.py): its rows can be fetched instead of the table."""
+    vision: tuple[float, int, int, int] | None = None
+    """A vision-language model's tower in the embedding unit (models/vision.py's `tower_shape`):
+    its tokens per image token at most, width, MLP width and layers; None: a text model."""
+    vision_trains: bool = False
+    """Its tower or projector trains: the backward sweep fetches the embedding again and holds the
+    tower's graph of a micro-batch's images."""
 
     @property
     def layer(self) -> int:
@@ -216,6 +224,12 @@ class Shape:
     @property
     def total(self) -> int:
         return sum(self.units)
+
+    @property
+    def embed_again(self) -> bool:
+        """Whether a step fetches the embedding after its forward pass: a tied head's, or the
+        backward sweep's where a vision tower trains."""
+        return self.tied or self.vision_trains
 
 
 def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
@@ -232,6 +246,8 @@ def model_shape(cfg: ModelConfig, layer_mem: LayerMemory) -> Shape:
         layer_mem=layer_mem,
         inactive=cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0,
         rows_embedding=_rows_embedding(cfg, units[0]),
+        vision=tower_shape(cfg.vision) if cfg.vision is not None else None,
+        vision_trains=cfg.vision is not None and cfg.vision.trains,
     )
 
 

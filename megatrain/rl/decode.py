@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ class KVCache(Cache):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.at = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._span = torch.empty(0)
         self.span = length
         self.prefilling = False
         self.expand: torch.Tensor | None = None
@@ -75,6 +77,18 @@ class KVCache(Cache):
         self.keys[layer_idx].index_copy_(2, where, key)
         self.values[layer_idx].index_copy_(2, where, value)
         return self.keys[layer_idx][:, :, : self.span], self.values[layer_idx][:, :, : self.span]
+
+    @property
+    def span(self) -> int:
+        return self._span.shape[0]
+
+    @span.setter
+    def span(self, n: int) -> None:
+        # The span is the length of an (empty) tensor, its size marked dynamic: one compile of the
+        # decode step serves every span (a plain int would be specialised, one compile each).
+        if n != self._span.shape[0]:
+            self._span = torch.empty(n, dtype=torch.uint8, device=self.device)
+            torch._dynamo.maybe_mark_dynamic(self._span, 0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -124,7 +138,7 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
         groups = key.shape[1]
         q = query.reshape(B, groups, H // groups, D)  # a copy where the heads are strided apart
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-        out = out.view(B, H, 1, -1)
+        out = out.reshape(B, H, 1, -1)
     else:
         gqa = key.shape[1] != H
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
@@ -177,7 +191,9 @@ class Decoder:
         """Each prompt's `max_new` tokens (padding after its first end token), on the host."""
         rows, width = len(prompts), max(len(p) for p in prompts)
         length = width + max_new - 1  # the last token drawn is never fed back
-        cache = KVCache(rows, length, self.device)
+        # One position more than is written: no span reaches the whole buffer, so every span's
+        # slice of it is strided alike and one compile of the decode step serves them all.
+        cache = KVCache(rows, length + 1, self.device)
         pad = torch.tensor([width - len(p) for p in prompts], device=self.device)
         s = _State(self, cache, pad, torch.tensor(seeds, dtype=torch.long, device=self.device), max_new)
         t0 = time.perf_counter()
@@ -277,9 +293,26 @@ class _State:
     def decode(self) -> None:
         """One token for every row."""
         if self.dec.compile:
-            compiled_decode()(self)
-        else:
-            self._step()
+            capturing = self.dec.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            # (a graph captures a step that already ran plainly)
+            counters = None if capturing else [t.clone() for t in self._moving()]
+            try:
+                compiled_decode()(self)
+                return
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # What part of the step ran wrote the cache and tokens where the eager step writes
+                # them again; the counters it moved are put back.
+                _current.clear()
+                for now, before in zip(self._moving(), counters):
+                    now.copy_(before)
+                self.dec.compile = False
+                warnings.warn(f"rollout_compile: the decode step did not compile, sampling eagerly "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})", stacklevel=2)  # fmt: skip
+        self._step()
+
+    def _moving(self) -> list[torch.Tensor]:
+        """What a step moves on rather than overwrites."""
+        return [self.cache.at, self.positions, self.drawn, self.done]
 
     def _step(self) -> None:
         self._take(self._forward(self.tokens, self.positions, self.pad, 1))
@@ -296,5 +329,5 @@ class _State:
 @functools.cache
 def compiled_decode():
     """`_State._step` compiled, once a process: a new model of the same shapes (every rollout's)
-    reuses it, each attended span its own graph."""
+    reuses it, and one compile serves every attended span (`KVCache.span`'s size is dynamic)."""
     return torch.compile(_State._step, dynamic=False)

@@ -187,6 +187,7 @@ class Rollout:
         eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
         self.stops = stops + ([eot] if eot is not None and eot not in stops else [])
         self.metrics: dict[str, float] = {}
+        self.sampled_tokens = 0  # every rank's prompt and completion tokens sampled, not yet logged
         self.streamed = (0, 0)  # the last `generate`'s streamed layers and bytes they fetched
         self.timing: dict[str, float] = {}  # the last `generate`'s time, by part
         self.memory: dict[str, int] = {}
@@ -224,6 +225,10 @@ class Rollout:
         seeds = [row_seed(self.seed, *where, i, j) for i in pb.units for j in range(self.cfg.num_generations)]
         completions, truncated = self.generate([p.ids for p in prompts], seeds)
         t1 = time.perf_counter()
+        # TRL's num_tokens counts a generation batch once, when sampled (every rank's).
+        self.sampled_tokens += self.world.sum_count(
+            sum(len(p.ids) for p in prompts) + sum(map(len, completions))
+        )
         rewards = self._score(prompts, completions)
         t2 = time.perf_counter()
         every = self.world.each(rewards) if self.world.world_size > 1 else [rewards]

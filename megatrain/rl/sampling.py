@@ -5,8 +5,8 @@ in one batch or in many (vLLM's per-request seeds serve the same end).
 
 A row's n-th token: its logits filtered by transformers' own warpers (temperature, then top-k,
 then top-p, as `generate` applies them when it samples), the token drawn by inverting the
-cumulative distribution of their softmax (float64) at the row's n-th uniform number, a
-counter-based hash (splitmix64) of (the row's seed, n). The rollout engine (decode.py) makes the
+cumulative distribution of their softmax (summed exactly, in fixed point: `draw`) at the row's
+n-th uniform number, a counter-based hash (splitmix64) of (the row's seed, n). The rollout engine (decode.py) makes the
 numbers on the device (`device_uniforms`), inside its CUDA graphs; `RowSampler`, a logits
 processor for transformers' `generate(..., do_sample=False)`, on the host (`uniforms`), leaving
 the drawn token alone for the greedy pick. Both give the same numbers, bit for bit.
@@ -18,6 +18,7 @@ import hashlib
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
@@ -89,13 +90,37 @@ class Warpers:
         return self.warpers(None, scores) if self.warpers else scores
 
 
-@torch.compiler.disable  # inductor cannot generate torch 2.11's float64 split scan (the cumsum)
+DRAW_BLOCK = 1024  # vocabulary entries a block of the two-level search over the cumulative weights
+
+
 def draw(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's token [rows]: the inverse of the cumulative distribution of softmax(`filtered`)
-    (float64) at the row's uniform number `u` [rows]."""
-    cdf = torch.softmax(filtered, dim=-1).double().cumsum_(dim=-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None])
-    return choice.clamp_(max=filtered.shape[-1] - 1)[:, 0]
+    at the row's uniform number `u` [rows] (float64).
+
+    The weights exp(l - max) (at most 1) are held in fixed point, `fixed_bits(vocab)` bits below
+    the point, so their sums are exact integers in any order: the same token on every device,
+    kernel and batch, which a float scan does not promise. A weight below 2^-bits of the row's
+    largest counts as 0 (at most vocab x 2^-bits of the mass, under 1e-8 for 152k entries: below
+    the fp32 softmax's own rounding). The search is two-level: the block whose running sum passes
+    the target, then the entry within it; no scan runs over the whole vocabulary."""
+    rows, vocab = filtered.shape
+    weights = torch.exp(filtered - filtered.amax(-1, keepdim=True))
+    fixed = (weights * 2.0 ** fixed_bits(vocab)).to(torch.int64)  # exact scaling, then truncation
+    blocks = -(-vocab // DRAW_BLOCK)
+    fixed = F.pad(fixed, (0, blocks * DRAW_BLOCK - vocab)).view(rows, blocks, DRAW_BLOCK)
+    running = fixed.sum(-1).cumsum(-1)  # [rows, blocks]
+    target = (u * running[:, -1].double()).to(torch.int64).clamp_(max=running[:, -1] - 1)[:, None]
+    block = torch.searchsorted(running, target, right=True)  # the first block past the target
+    before = torch.where(block > 0, running.gather(1, (block - 1).clamp(min=0)), 0)
+    inner = fixed.gather(1, block[:, :, None].expand(-1, -1, DRAW_BLOCK))[:, 0].cumsum(-1) + before
+    at = torch.searchsorted(inner, target, right=True)
+    return (block * DRAW_BLOCK + at)[:, 0].clamp_(max=vocab - 1)
+
+
+def fixed_bits(vocab: int) -> int:
+    """Bits below the point of `draw`'s fixed-point weights: a row's sum (at most `vocab` weights
+    of at most 1) stays below 2^62."""
+    return 62 - vocab.bit_length()
 
 
 class RowSampler(LogitsProcessor):

@@ -1,0 +1,337 @@
+"""Vision-language models (transformers' image-text-to-text classes): which train, and what the
+engine runs of them.
+
+The language model is read from the composite config's `text_config` and runs as its family
+does (fast block, or the generic path). The vision tower and the multi-modal projector are
+transformers' own modules, taken from the composite model built on the meta device, and belong
+to the embedding unit: `VisionEmbedding` looks the tokens up, runs the model's own
+`get_image_features` on the micro-batch's images and writes the features over the image
+tokens' embeddings (transformers' `masked_scatter`), so the first decoder layer sees what
+transformers' does. Checkpoint keys are the names transformers saves (`SavedNames`, read from
+its own weight-conversion rules: LLaVA's `language_model.model.layers.0...`). Which modules are
+the tower and which the projector is data (`VLMS`, LlamaFactory's keys); frozen ones are
+frozen tensors of the unit (`ParamSpec.train`). Qwen2-VL's and Qwen2.5-VL's language model takes
+3D positions (M-RoPE), computed by transformers' `get_rope_index` (`positions`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .base import Family
+from .config import VisionSpec
+
+
+def _llava_unused(hf, names: list[str]) -> tuple[str, ...]:
+    """LLaVA's tower parameters no feature depends on, of the tower's parameter `names`: the
+    layers from the one after `vision_feature_layer` on (the hidden state it takes is layer k's
+    input), the final norm and any pooling head (they serve the pooled output alone).
+    transformers gives them no gradient, so its optimizer never steps them."""
+    layers = hf.vision_config.num_hidden_layers
+    picked = hf.vision_feature_layer
+    k = max(i % (layers + 1) for i in (picked if isinstance(picked, list) else [picked]))
+    late = {str(i) for i in range(k, layers)}
+
+    def dead(name: str) -> bool:
+        layer = re.search(r"\.encoder\.layers\.(\d+)\.", name)
+        return (layer is not None and layer[1] in late) or re.search(
+            r"\.(post_layernorm|head)\.", name
+        ) is not None
+
+    return tuple(n for n in names if n.startswith("vision_tower.") and dead(n))
+
+
+@dataclass(frozen=True)
+class _Kind:
+    tower: tuple[str, ...]
+    projector: tuple[str, ...]
+    mrope: bool = False
+    unused: Callable[[Any, list[str]], tuple[str, ...]] | None = None
+    """The tower's parameters (of its names) that no image feature depends on (frozen)."""
+
+
+# model_type -> the modules (paths in the composite base model) of its tower and projector.
+QWEN_VL = _Kind(tower=("visual.patch_embed", "visual.blocks"), projector=("visual.merger",), mrope=True)
+VLMS = {
+    "llava": _Kind(tower=("vision_tower",), projector=("multi_modal_projector",), unused=_llava_unused),
+    "idefics3": _Kind(tower=("vision_model",), projector=("connector",)),
+    "smolvlm": _Kind(tower=("vision_model",), projector=("connector",)),
+    "qwen2_vl": QWEN_VL,
+    "qwen2_5_vl": QWEN_VL,
+}
+_CACHE = 8  # skeletons kept, by config object
+
+
+def vision_spec(hf) -> tuple[Any, VisionSpec] | None:
+    """The language model's config and the vision spec of a vision-language config; None for a
+    config that is not composite; a ConfigError naming why for a composite one that cannot train."""
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    if not getattr(hf, "sub_configs", None) or type(hf) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return None
+    mt = hf.model_type
+    kind = VLMS.get(mt)
+    if kind is None:
+        raise ConfigError(
+            f"model_type {mt!r} is a vision-language model megatrain does not train yet "
+            f"(it trains {', '.join(VLMS)}); train its text model"
+        )
+    if getattr(hf, "image_token_id", None) is None:
+        raise ConfigError(f"model_type {mt!r}: config.json has no image_token_id")
+    text = copy.deepcopy(hf.text_config)
+    # The composite config decides the tying (transformers ties by it, the text config follows).
+    text.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+    spec = VisionSpec(
+        model_type=mt,
+        hf_config=hf,
+        image_token_id=int(hf.image_token_id),
+        tower=kind.tower,
+        projector=kind.projector,
+        text_model="",
+        mrope=kind.mrope,
+    )
+    sk = skeleton(spec)
+    names = [n.removeprefix(f"{sk.model.base_model_prefix}.") for n, _ in sk.model.named_parameters()]
+    unused = kind.unused(hf, names) if kind.unused else ()
+    return text, dataclasses.replace(spec, text_model=sk.text_model, unused=unused)
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """transformers' composite model of a vision spec on the meta device (buffers on the host)."""
+
+    model: nn.Module
+    text_model: str
+    """The language model's attribute in the base model."""
+    saved: dict[str, str]
+    """Module parameter name -> the checkpoint key transformers saves it under."""
+
+
+_SKELETONS: dict[int, tuple[object, Skeleton]] = {}
+
+
+def skeleton(spec: VisionSpec) -> Skeleton:
+    """The composite transformers model of `spec`, built once per config object; refuses, by
+    name, parameters outside the language model, the tower and the projector."""
+    hit = _SKELETONS.get(id(spec.hf_config))
+    if hit is not None and hit[0] is spec.hf_config:
+        return hit[1]
+    from transformers import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING, AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hf = copy.deepcopy(spec.hf_config)
+    cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(hf)]
+    impl = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(hf, attn_implementation=impl)
+    model.eval()
+    _materialise_buffers(model)
+    base = model.base_model
+    embed = model.get_input_embeddings()
+    texts = [
+        n
+        for n, m in base.named_children()
+        if hasattr(m, "get_input_embeddings") and m.get_input_embeddings() is embed
+    ]
+    if len(texts) != 1:
+        raise ConfigError(f"model_type {spec.model_type!r}: no single language model found")
+    prefix = model.base_model_prefix
+    known = [f"{prefix}.{texts[0]}.", "lm_head."] + [f"{prefix}.{p}." for p in (*spec.tower, *spec.projector)]
+    params = dict(model.named_parameters())
+    extra = [n for n in params if not n.startswith(tuple(known))]
+    if extra:
+        raise ConfigError(
+            f"model_type {spec.model_type!r}: parameters outside its known parts ({extra[0]}, ...)"
+        )
+    renamed = revert_weight_conversion(model, params)
+    by_id = {id(v): k for k, v in renamed.items()}
+    sk = Skeleton(model, texts[0], {n: by_id[id(p)] for n, p in params.items()})
+    while len(_SKELETONS) >= _CACHE:
+        _SKELETONS.pop(next(iter(_SKELETONS)))
+    _SKELETONS[id(spec.hf_config)] = (spec.hf_config, sk)
+    return sk
+
+
+def _materialise_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers (rotary frequencies, position ids) computed on the host, each by the
+    `_init_weights` of the innermost transformers model that holds it."""
+    from transformers import PreTrainedModel
+
+    def visit(module: nn.Module, owner: PreTrainedModel) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        metas = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        for n in metas:
+            module._buffers[n] = torch.empty_like(module._buffers[n], device="cpu")
+        if metas:
+            owner._init_weights(module)
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, model)
+
+
+class VisionEmbedding(nn.Module):
+    """The token embedding of the language model (its parameters under their own names), the
+    vision modules under their names in the composite base model. `forward(ids, images)`: the
+    embeddings with the images' features at the image tokens; `features=True`: the features alone
+    (what the backward sweep differentiates)."""
+
+    looks_up_rows = False  # the unit holds more than the token table
+
+    def __init__(self, text: nn.Module, spec: VisionSpec, vocab_size: int):
+        super().__init__()
+        for name, module in text.named_children():
+            self.add_module(name, module)
+        object.__setattr__(self, "_text", text)  # its forward, not a child: its modules are ours
+        sk = skeleton(spec)
+        base = sk.model.base_model
+        shell = copy.copy(base)  # the base model's methods, over our copies of its vision modules
+        shell._modules = dict(base._modules)
+        for root in roots(spec):
+            mine = copy.deepcopy(getattr(base, root))
+            self.add_module(root, mine)
+            shell._modules[root] = mine
+        object.__setattr__(self, "_shell", shell)
+        trained = [
+            p for p, t in ((spec.tower, spec.train_tower), (spec.projector, spec.train_projector)) if t
+        ]
+        trained = tuple(f"{path}." for paths in trained for path in paths)
+        for name, p in self.named_parameters():
+            if name.split(".")[0] in roots(spec):
+                p.requires_grad_(name.startswith(trained) and name not in spec.unused)
+        self.weight_name, self.scale, self.padding_idx = text.weight_name, text.scale, text.padding_idx
+        self.image_token_id = spec.image_token_id
+        # Gemma's image token lies past the text vocabulary: transformers looks it up as token 0.
+        self.outside = spec.image_token_id >= vocab_size
+
+    def image_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids == self.image_token_id
+
+    def forward(self, input_ids: torch.Tensor, images: dict | None = None, features: bool = False):
+        if features:
+            return self.image_features(images)
+        mask = self.image_mask(input_ids)
+        ids = input_ids.masked_fill(mask, 0) if self.outside else input_ids
+        h = self._text(ids)
+        if images is None:
+            return h
+        feats = self.image_features(images).to(h.dtype)
+        return h.masked_scatter(mask[..., None], feats)
+
+    def image_features(self, images: dict) -> torch.Tensor:
+        """Every image's features, in the order of the image tokens: [image tokens, hidden]."""
+        shell = self._shell
+        out = type(shell).get_image_features(shell, **images, return_dict=True).pooler_output
+        return torch.cat(list(out)) if isinstance(out, (list, tuple)) else out.reshape(-1, out.shape[-1])
+
+
+def tower_shape(spec: VisionSpec) -> tuple[float, int, int, int]:
+    """What the memory plan needs of a tower: its tokens per image token (at most: LLaVA's CLS
+    beside each image's patches, Idefics3's pixel shuffle and Qwen2-VL's merge of patches), width,
+    MLP width and layers."""
+    hf, v = spec.hf_config, spec.hf_config.vision_config
+    hidden = getattr(v, "embed_dim", None) or v.hidden_size
+    ffn = getattr(v, "intermediate_size", None) or int(getattr(v, "mlp_ratio", 4) * hidden)
+    if spec.mrope:
+        per = v.spatial_merge_size**2
+    elif getattr(hf, "scale_factor", None):
+        per = hf.scale_factor**2
+    else:
+        per = 2.0  # one patch per image token, and LLaVA's CLS: at most one more per image
+    return float(per), hidden, ffn, v.num_hidden_layers
+
+
+def roots(spec: VisionSpec) -> tuple[str, ...]:
+    """The base model's attributes that hold the tower and the projector (`visual` holds both in
+    Qwen2-VL)."""
+    return tuple(dict.fromkeys(p.split(".")[0] for p in (*spec.tower, *spec.projector)))
+
+
+def multimodal(fam: Family) -> Family:
+    """`fam` (the language model's family) as part of a vision-language model: its embedding with
+    the tower and projector, keys under the composite model's names, and where the model has
+    M-RoPE, the rotary tables of 3D positions (`positions`)."""
+
+    def embedding(cfg):
+        with torch.device("meta"):
+            return VisionEmbedding(fam.embedding(cfg), cfg.vision, cfg.vocab_size).eval()
+
+    def key(cfg, kind, layer, name):
+        sk = skeleton(cfg.vision)
+        prefix = sk.model.base_model_prefix
+        if kind == "embed" and name.split(".")[0] in roots(cfg.vision):
+            module = f"{prefix}.{name}"
+        else:  # the language model's key, under the composite model's names
+            text_key = fam.param_key(cfg, kind, layer, name)
+            inner = text_key.removeprefix(f"{prefix}.")
+            module = text_key if inner == text_key else f"{prefix}.{sk.text_model}.{inner}"
+        if module not in sk.saved:
+            raise ConfigError(
+                f"model_type {cfg.vision.model_type!r}: no parameter {module} in transformers' model"
+            )
+        return sk.saved[module]
+
+    return dataclasses.replace(
+        fam,
+        name=f"{fam.name}+vision",
+        embedding=embedding,
+        param_key=key,
+        pieces=None,  # a mixture-of-experts language model is refused (config.py)
+        inputs=lambda cfg, device: _inputs(fam, cfg, device),
+        positions=_positions,
+    )
+
+
+def _inputs(fam: Family, cfg, device: torch.device):
+    """The family's per-micro-batch inputs; with M-RoPE and 3D positions [3, B, S], the rotary
+    tables transformers' own rotary module makes of them (text positions, equal on the three
+    axes, give the family's own tables)."""
+    inner = fam.inputs(cfg, device)
+    if not cfg.vision.mrope:
+        return inner
+    base = skeleton(cfg.vision).model.base_model
+    rotary = copy.deepcopy(getattr(base, skeleton(cfg.vision).text_model).rotary_emb).to(device)
+
+    def inputs(position_ids, document_ids, seq_len, dtype, flex):
+        if position_ids.dim() == 2:
+            return inner(position_ids, document_ids, seq_len, dtype, flex)
+        out = inner(position_ids[0], document_ids, seq_len, dtype, flex)
+        x = torch.empty(0, dtype=dtype, device=position_ids.device)
+        cos, sin = rotary(x, position_ids)
+        for kw in out.values():
+            kw["rope"] = (cos[:, None], sin[:, None])
+        return out
+
+    return inputs
+
+
+def _positions(cfg):
+    """(input_ids [B, S], images, attention_mask) -> the 3D positions transformers computes for
+    the micro-batch (`get_rope_index`), or None where the model or the micro-batch needs none."""
+    if not cfg.vision.mrope:
+        return lambda input_ids, images, attention_mask: None
+    import inspect
+
+    base = skeleton(cfg.vision).model.base_model
+    takes_types = "mm_token_type_ids" in inspect.signature(base.get_rope_index).parameters
+    token = cfg.vision.image_token_id
+
+    def positions(input_ids, images, attention_mask):
+        if images is None:
+            return None
+        kw = {"mm_token_type_ids": (input_ids == token).int()} if takes_types else {}
+        pos, _ = base.get_rope_index(
+            input_ids, image_grid_thw=images["image_grid_thw"], attention_mask=attention_mask, **kw
+        )
+        return pos
+
+    return positions

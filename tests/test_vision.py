@@ -1,0 +1,248 @@
+"""Vision-language models against transformers on the CPU in fp32: logits, every gradient (the
+language model's, the projector's, the tower's), optimizer steps with clipping against
+torch.optim.AdamW, the image features at the image tokens, frozen towers, checkpoints out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from helpers import saved_parameters
+from test_parity import _decay_groups, steps_against_plain_loop
+from vision_helpers import IMAGE, KEY_BIAS, VLMS, hf_inputs, tiny_vlm, vlm_batch
+
+from megatrain.engine.optim import AdamWConfig
+from megatrain.io.weights import save_hf_checkpoint
+from megatrain.models.config import ModelConfig
+from megatrain.models.family import describe
+from megatrain.planning.placement import Choices
+from megatrain.runtime import build_model, make_plan
+
+
+def _megatrain(hf, tmp_path, tower=True, projector=True, **kw):
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_json(tmp_path / "hf").with_vision(not tower, not projector)
+    return build_model(cfg, weights=tmp_path / "hf", device="cpu", **kw)
+
+
+def _loss_sum(hf, kind, mb):
+    logits = hf(**hf_inputs(kind, mb)).logits.float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        mb.shifted_labels.reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+
+
+@pytest.mark.parametrize("kind", VLMS)
+def test_each_model_says_its_tower_and_language_model(kind):
+    cfg = ModelConfig.from_hf(tiny_vlm(kind).config)
+    assert describe(cfg) == "fast block (llama) with transformers' vision tower"
+    assert cfg.name == kind.partition("-")[0]
+
+
+@pytest.mark.parametrize("kind", VLMS)
+def test_logits_and_every_gradient_match_transformers(kind, tmp_path):
+    """Two micro-batches, their images' tokens at other places in each row: logits, the loss and
+    every gradient (tower, projector, language model) as transformers computes them. LLaVA's tower
+    layer after its feature layer and its final norm get none there: here, zero, and frozen."""
+    hf = tiny_vlm(kind)
+    mt = _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=1))
+    mbs = [vlm_batch(kind, seed=1), vlm_batch(kind, seed=2, starts=[20, 7])]
+    torch.testing.assert_close(
+        mt.engine.logits(mbs[0]), hf(**hf_inputs(kind, mbs[0])).logits, rtol=1e-5, atol=1e-5
+    )
+
+    n = sum(mb.num_label_tokens for mb in mbs)
+    ref_loss = 0.0
+    for mb in mbs:
+        loss = _loss_sum(hf, kind, mb) / n
+        loss.backward()
+        ref_loss += loss.item()
+    loss, _ = mt.engine.forward_backward(mbs)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
+
+    grads = mt.engine.named_grads()
+    ref = {k: p.grad for k, p in saved_parameters(hf).items()}
+    unused = {k for k, g in ref.items() if g is None}
+    assert set(grads) == set(ref) - unused, set(grads) ^ (set(ref) - unused)
+    assert bool(unused) == kind.startswith("llava"), unused  # its last CLIP layer and final norm
+    tower = [k for k in grads if "vision" in k or "visual.blocks" in k]
+    projector = [k for k in grads if "projector" in k or "connector" in k or "merger" in k]
+    assert tower and projector
+    for k, g in grads.items():
+        assert g.abs().sum() > 0, k
+        torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# One kind per gradient mode of the clip, the tower and projector trained.
+MODES = [("llava", "stored"), ("idefics3", "two_pass"), ("qwen2_5_vl", "stored"), ("llava-tied", "immediate")]
+
+
+@pytest.mark.parametrize("kind,mode", MODES)
+def test_optimizer_steps_match_transformers_and_adamw(kind, mode, tmp_path):
+    """Three steps of two micro-batches, clipping at 0.5 (but in immediate mode), weight decay,
+    warmup + cosine: losses, gradient norms and every final weight equal transformers' model
+    stepped by torch.optim.AdamW."""
+    hf = tiny_vlm(kind)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_json(tmp_path / "hf").with_vision(False, False)
+    adamw = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    clip = mode != "immediate"
+    choices = Choices(gradient_placement="two_pass" if mode == "two_pass" else "auto", loss_chunk_tokens=9)
+    plan, _ = make_plan(cfg, "cpu", torch.float32, clip=clip, choices=choices)
+    assert plan.grad_mode == mode
+    mt = build_model(cfg, weights=tmp_path / "hf", device="cpu", adamw=adamw, plan=plan)
+    trained = [p for n, p in hf.named_parameters() if p.requires_grad]
+    unused = _unused(hf, kind)
+    groups = _decay_groups(hf, adamw.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=adamw.lr, betas=adamw.betas, eps=adamw.eps, fused=True)
+    assert trained
+
+    def reference_loss(model, mbs):
+        n = sum(mb.num_label_tokens for mb in mbs)
+        total = 0.0
+        for mb in mbs:
+            loss = _loss_sum(model, kind, mb) / n
+            loss.backward()
+            total += loss.item()
+        return total
+
+    def batches(step):
+        return [vlm_batch(kind, seed=10 * step + m, starts=[3 + 7 * m, 11]) for m in range(2)]
+
+    start = {k: p.detach().clone() for k, p in saved_parameters(hf).items()}
+    final = steps_against_plain_loop(hf, mt, opt, adamw.lr, clip, batches, reference_loss)
+    for k, p in saved_parameters(hf).items():
+        atol = 2 * 3 * adamw.lr if KEY_BIAS.search(k) else 1e-5
+        torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+        changed = not torch.equal(final[k], start[k])
+        assert changed != (k in unused), k  # every weight that gets a gradient moved
+
+
+def _unused(hf, kind) -> set[str]:
+    """The checkpoint keys no loss reaches in transformers' model (one backward tells)."""
+    mb = vlm_batch(kind)
+    _loss_sum(hf, kind, mb).backward()
+    out = {k for k, p in saved_parameters(hf).items() if p.grad is None}
+    hf.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl"])
+def test_image_features_are_at_the_image_tokens(kind, tmp_path):
+    """The image decides the logits after its tokens, never before them (causal attention), and
+    the loss; moving its tokens moves the features with them, as in transformers."""
+    hf = tiny_vlm(kind)
+    mt = _megatrain(hf, tmp_path)
+    mb = vlm_batch(kind, rows=1, starts=[10])
+    other = vlm_batch(kind, rows=1, starts=[10], seed=1)
+    other.images = vlm_batch(kind, rows=1, seed=7).images  # the same tokens, another image
+    a, b = mt.engine.logits(mb), mt.engine.logits(other)
+    assert torch.equal(a[:, :10], b[:, :10])
+    assert (a[:, 10:] - b[:, 10:]).abs().amax(-1).min() > 1e-4  # every position from the image on
+    losses = [mt.engine.eval_loss([x])[0].item() for x in (mb, other)]
+    assert losses[0] != losses[1]
+    moved = vlm_batch(kind, rows=1, starts=[25])
+    moved.images = mb.images
+    got = mt.engine.logits(moved)
+    torch.testing.assert_close(got, hf(**hf_inputs(kind, moved)).logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[:, 25:], a[:, 25:])
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("projector", [False, True], ids=["all-frozen", "projector-trained"])
+def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
+    """freeze_vision_tower (the default): three steps leave every tower weight bitwise as loaded,
+    with no gradient and no AdamW moments; the projector moves only when it trains, the language
+    model always."""
+    hf = tiny_vlm(kind)
+    mt = _megatrain(hf, tmp_path, tower=False, projector=projector)
+    before = dict((k, v.clone()) for k, v in mt.state.named_parameters())
+    for step in range(3):
+        mt.engine.forward_backward([vlm_batch(kind, seed=step)])
+        graded = set(mt.engine.named_grads())
+        norm, coef = mt.engine.clip_grad_norm(1.0)
+        mt.engine.step(1e-2, coef)
+    after = dict(mt.state.named_parameters())
+    embed = mt.state.units[0]
+    tower_keys = [p.key for p in embed.params if "vision" in p.key or "visual.blocks" in p.key]
+    proj_keys = [p.key for p in embed.params if "projector" in p.key or "merger" in p.key]
+    assert tower_keys and proj_keys
+    frozen = {p.key for p in embed.params if not p.train}
+    assert set(tower_keys) <= frozen and bool(set(proj_keys) & frozen) != projector
+    for k in tower_keys:
+        assert torch.equal(after[k], before[k]), k
+    for which in ("exp_avg", "exp_avg_sq"):  # never written: the optimizer skips frozen tensors
+        flat = mt.state.flat(embed, which)
+        assert all(not flat[p.offset : p.offset + p.numel].any() for p in embed.params if p.key in tower_keys)
+    for k in proj_keys:
+        assert torch.equal(after[k], before[k]) != projector, k
+    lm = _lm_key(after)
+    assert not torch.equal(after[lm], before[lm])
+    assert not set(tower_keys) & graded and bool(set(proj_keys) & graded) == projector
+
+
+def _lm_key(params) -> str:
+    return next(k for k in params if "layers.0.self_attn.q_proj.weight" in k and "vision" not in k)
+
+
+@pytest.mark.parametrize("kind", VLMS)
+def test_export_loads_in_transformers_with_the_same_logits(kind, tmp_path):
+    """One step, then out under transformers' names and class: from_pretrained loads the
+    image-text-to-text model, whose logits on images are megatrain's."""
+    hf = tiny_vlm(kind)
+    mt = _megatrain(hf, tmp_path)
+    mb = vlm_batch(kind)
+    mt.engine.forward_backward([mb])
+    mt.engine.step(1e-2, None)
+    save_hf_checkpoint(mt.state, mt.cfg, tmp_path / "out", dtype=torch.float32, progress=False)
+    back = transformers.AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "out", attn_implementation="sdpa"
+    )
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        ref = back.eval()(**hf_inputs(kind, mb)).logits
+    torch.testing.assert_close(mt.engine.logits(mb), ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ref, hf(**hf_inputs(kind, mb)).logits)
+
+
+def test_text_only_micro_batches_train_a_vision_language_model(tmp_path):
+    """A micro-batch without images (a text conversation in a multimodal dataset) runs the language
+    model alone, as transformers does without pixel values."""
+    from megatrain.data.batch import MicroBatch
+
+    hf = tiny_vlm("qwen2_5_vl")
+    mt = _megatrain(hf, tmp_path)
+    ids = torch.randint(0, IMAGE - 4, (2, 16), generator=torch.Generator().manual_seed(3))
+    mb = MicroBatch(ids, ids.clone())
+    torch.testing.assert_close(mt.engine.logits(mb), hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    loss, _ = mt.engine.forward_backward([mb, vlm_batch("qwen2_5_vl")])
+    assert torch.isfinite(loss)
+
+
+def test_the_plan_counts_the_tower_its_activations_and_its_refetch():
+    """The tower is part of the embedding unit: its weights and AdamW moments in the host state's
+    count, its weights in the fetch windows; its forward on a micro-batch's images is a phase of
+    its own, and a trained tower's graph and second fetch weigh on the embedding's backward."""
+    from megatrain.planning.footprint import phase_peaks
+    from megatrain.planning.placement import Batch, Machine, plan
+
+    hf = tiny_vlm("qwen2_5_vl")
+    frozen = ModelConfig.from_hf(hf.config)
+    trained = frozen.with_vision(False, False)
+    total = sum(p.numel() for p in hf.parameters())
+    assert trained.num_params == total > frozen.num_params  # frozen tensors are no parameters
+    batch = Batch(micro_batch_tokens=512, micro_batches=2, seq_len=256, compute_bytes=2, clip=True, rows=2)
+    machine = Machine(device="cuda", gpu_bytes=2**34, host_bytes=2**36)
+    peaks = {}
+    for name, cfg in (("frozen", frozen), ("trained", trained)):
+        p = plan(cfg, batch, machine, Choices(gpu_state="off"), None)
+        assert p.host["fp32 weights + AdamW moments"] >= 12 * total
+        peaks[name] = phase_peaks(cfg, batch, p)
+    # the tower's graph of 4 x 512 vision tokens through 3 layers of width 32, and its weights again
+    grows = peaks["trained"]["embedding"] - peaks["frozen"]["embedding"]
+    assert grows >= 3 * 4 * 512 * 2 * (14.4 * 32 + 2.5 * 48), grows
+    assert peaks["frozen"]["forward"] >= 4 * 512 * 2 * (9.0 * 32 + 48)

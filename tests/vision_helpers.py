@@ -1,0 +1,253 @@
+"""Tiny random vision-language models (transformers' image-text-to-text classes) for parity tests,
+and micro-batches of tokens with image tokens and the images' pixel values beside them."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import transformers
+
+IMAGE = 96  # the image token of every tiny model: the last row of the text vocabulary (97)
+TEXT = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,  # large enough that gradients are far from zero
+)
+# Each family's tiny tower, and the image inputs one image of it takes (`image_inputs`): LLaVA's
+# CLIP (32x32 images in 8x8 patches: 16 features, the CLS cropped), Idefics3's SigLIP (the same
+# patches, pixel-shuffled 2x2: 4 features), Qwen2.5-VL's windowed ViT (32x32 images in 4x4
+# patches merged 2x2: 16 features, windows of 2x2 merged patches and one full-attention block).
+CLIP = dict(
+    model_type="clip_vision_model",
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+    projection_dim=32,
+    initializer_range=0.2,
+)
+SIGLIP = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+)
+QWEN_VIT = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=16,
+    fullatt_block_indexes=[1],
+    initializer_range=0.2,
+)
+# A key bias shifts all of a query's scores alike: the softmax ignores it, and its gradient is
+# rounding noise (1e-9) that AdamW normalises into steps of up to the learning rate; two sums of
+# another order step it elsewhere. Compared to within those steps.
+KEY_BIAS = re.compile(r"k_proj\.bias$|attn\.qkv\.bias$")
+FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16}  # image tokens per image
+VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl"]
+
+
+def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
+    """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`."""
+    family, _, tied = kind.partition("-")
+    t = dict(TEXT, **text)
+    if family == "llava":
+        cfg = transformers.LlavaConfig(
+            text_config=dict(model_type="llama", **t),
+            vision_config=CLIP,
+            image_token_id=image_token_id,
+            tie_word_embeddings=bool(tied),
+        )
+    elif family in ("idefics3", "smolvlm"):  # SmolVLM is Idefics3's model under its own name
+        config = transformers.Idefics3Config if family == "idefics3" else transformers.SmolVLMConfig
+        cfg = config(
+            text_config=dict(model_type="llama", **t),
+            vision_config=SIGLIP,
+            image_token_id=image_token_id,
+            scale_factor=2,
+        )
+    elif family == "qwen2_5_vl":
+        rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+        cfg = transformers.Qwen2_5_VLConfig(
+            text_config=dict(t, rope_parameters=rope, bos_token_id=1, eos_token_id=2),
+            vision_config=QWEN_VIT,
+            image_token_id=IMAGE,
+            video_token_id=IMAGE - 1,
+            vision_start_token_id=IMAGE - 2,
+        )
+    else:
+        raise ValueError(kind)
+    return cfg
+
+
+def tiny_vlm(kind: str, seed: int = 0, **text):
+    """A tiny random vision-language model in fp32 (SDPA, as megatrain runs its tower), norms and
+    biases random too so that their gradients are checked against something nontrivial."""
+    torch.manual_seed(seed)
+    cfg = tiny_vlm_config(kind, **text)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg, attn_implementation="sdpa").float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or "ln_" in n or n.endswith("bias"):
+                p.normal_(1.0 if "bias" not in n else 0.0, 0.1)
+    return model.eval()
+
+
+def image_inputs(kind: str, images: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random pixel inputs of `images` images, as the family's processor lays them out."""
+    family = kind.partition("-")[0]
+    if family == "llava":
+        return {"pixel_values": torch.randn(images, 3, 32, 32, generator=gen)}
+    if family in ("idefics3", "smolvlm"):  # [batch, images, ...]; a micro-batch's images as one row of them
+        return {"pixel_values": torch.randn(1, images, 3, 32, 32, generator=gen)}
+    grid = torch.tensor([[1, 8, 8]] * images)
+    return {"pixel_values": torch.randn(64 * images, 96, generator=gen), "image_grid_thw": grid}
+
+
+def vlm_batch(kind: str, rows: int = 2, length: int = 48, seed: int = 1, starts=None):
+    """(input_ids, labels, images): `rows` rows of random text with one image each, its image
+    tokens starting at `starts[r]` (default: a different place in each row); labels -100 on the
+    first three tokens and on the image tokens, as the data pipeline gives them."""
+    from megatrain.data.batch import MicroBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE - 4, (rows, length), generator=g)
+    n = FEATURES[kind.partition("-")[0]]
+    starts = starts or [3 + 5 * r for r in range(rows)]
+    for r, a in enumerate(starts):
+        ids[r, a : a + n] = IMAGE
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[ids == IMAGE] = -100
+    return MicroBatch(ids, labels, images=image_inputs(kind, rows, g))
+
+
+def hf_inputs(kind: str, mb) -> dict:
+    """What transformers' model takes for a micro-batch: ids, the images, and for Qwen2.5-VL the
+    token types its processor returns (which switch its 3D positions on)."""
+    kw = dict(input_ids=mb.input_ids, **(mb.images or {}))
+    if kind.startswith("qwen"):
+        kw["mm_token_type_ids"] = (mb.input_ids == IMAGE).int()
+    return kw
+
+
+# --------------------------------------------------------------------------- model directories
+# A ChatML template whose turns take TRL's content parts, the image part written as `{image}`.
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{image}{% else %}{{ p['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_processor(kind: str):
+    """The family's processor over the tests' tiny BPE tokenizer (helpers.tiny_tokenizer), its
+    image tokens added, sized for the tiny towers: LLaVA's CLIP at 32x32 (16 image tokens),
+    Idefics3's at 32x32 without splitting (4)."""
+    from helpers import tiny_tokenizer
+
+    family = kind.partition("-")[0]
+    tok = tiny_tokenizer("chatml")
+    if family == "llava":
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        images = transformers.CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        return transformers.LlavaProcessor(
+            image_processor=images,
+            tokenizer=tok,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            image_token="<image>",
+            chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
+        )
+    if family == "idefics3":
+        tok.add_special_tokens({"additional_special_tokens": ["<global-img>"]})
+        images = transformers.Idefics3ImageProcessor(
+            do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+        )
+        return transformers.Idefics3Processor(
+            image_processor=images,
+            tokenizer=tok,
+            image_seq_len=4,
+            chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
+        )
+    raise ValueError(f"{kind}: no tiny processor (Qwen2-VL's needs torchvision for its video processor)")
+
+
+def write_vlm_dir(kind: str, path, seed: int = 0):
+    """A model directory as the Hub has one: a tiny random model whose vocabulary is its tiny
+    processor's tokenizer, and the processor's files (tokenizer, image processor, chat template)."""
+    processor = tiny_processor(kind)
+    tok = processor.tokenizer
+    model = tiny_vlm(
+        kind,
+        seed=seed,
+        image_token_id=processor.image_token_id,
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+    )
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model, processor
+
+
+def write_images(folder, n: int = 4, seed: int = 0) -> list[str]:
+    """`n` random PNG images of a few sizes in `folder`; their names."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(n):
+        name = f"{i}.png"
+        pixels = (rng.random((24 + 4 * i, 40 - 2 * i, 3)) * 255).astype("uint8")
+        Image.fromarray(pixels).save(folder / name)
+        names.append(name)
+    return names
+
+
+ANSWERS = ["the water and the house", "a man", "two animals", "a boy with a letter"]
+
+
+def image_chat(i: int, image: str, text_parts: bool = True) -> dict:
+    """A TRL vision record: a user turn with an image and a question, an assistant answer."""
+    question = [{"type": "image"}, {"type": "text", "text": "what is in the picture?"}]
+    answer = ANSWERS[i % len(ANSWERS)]
+    return {
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}] if text_parts else answer},
+        ],
+        "images": [image],
+    }
+
+
+def write_image_chats(path, n: int = 12, folder: str = "imgs") -> None:
+    """A JSONL of `n` image conversations in `path`, their images in `folder` beside it."""
+    import json
+
+    names = write_images(path.parent / folder)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(image_chat(i, f"{folder}/{names[i % len(names)]}")) + "\n")
