@@ -14,7 +14,6 @@ from megatrain.engine import clipadam
 from megatrain.engine.optim import AdamWConfig, HostAdamW
 from megatrain.host.hostmem import host_buffer
 from megatrain.host.state import HostState, build_units
-from megatrain.host.weightcopy import WeightCopy
 from megatrain.models.config import ModelConfig
 from megatrain.models.family import count_params
 from megatrain.planning.planspec import STAGING_CHUNK
@@ -55,27 +54,26 @@ class EnginePass:
     transport holds them (one buffer, each unit's span in turn). The moments stay untouched until
     the first pass, as in a run."""
 
-    def __init__(self, cfg: ModelConfig, copy: bool = False, weight_decay: float = WEIGHT_DECAY):
+    def __init__(self, cfg: ModelConfig, weight_decay: float = WEIGHT_DECAY):
         self.state = HostState(build_units(cfg))
-        # the bf16 copy of the weights (host_weight_copy), attached for the passes that write it
-        self.copy = WeightCopy(self.state, self.state.units, torch.bfloat16) if copy else None
         self.opt = HostAdamW(self.state, AdamWConfig(lr=LR, betas=BETAS, weight_decay=weight_decay))
         spans = [self.opt.span(u) for u in self.state.units]
         buf, self.held, off = host_buffer(sum(hi - lo for lo, hi in spans)), [], 0
         for lo, hi in spans:
             self.held.append(buf[off : off + hi - lo])
             off += hi - lo
-        fill(self.state.master, 0.02, 0)
+        for u in self.state.units:  # the master weights through their halves, a unit at a time
+            weights = torch.empty(u.numel)
+            fill(weights, 0.02, 0)
+            self.state.set_master(u, 0, weights)
         fill(buf, 1e-3, 1)
         self.chunk = min(STAGING_CHUNK, max(u.numel for u in self.state.units))  # the transport's
         self.numel = sum(p.numel for u in self.state.units for p in u.params if p.train)
         self.steps = 0
 
-    def run(self, coef: torch.Tensor | None, fused: bool = False, copy: bool = False) -> None:
-        """One pass; a clip that fires multiplies each chunk whole before torch's kernel steps it,
-        or as clipadam's kernel steps it (`fused`); with `copy`, the pass also writes the bf16
-        copy of the weights (cast after torch's kernel, or in clipadam's pass where `fused`)."""
-        self.state.copy = self.copy if copy else None
+    def run(self, coef: torch.Tensor | None, fused: bool = False) -> None:
+        """One pass: clipadam's kernel on the master weights' halves (`fused`), or torch's kernel
+        on fp32 made from them and split back, after the clip's multiply of each chunk whole."""
         self.opt.fused_clip = fused
         self.steps += 1
         for u in self.state.units:
@@ -104,25 +102,20 @@ class KernelPass:
 
 
 FUSED = "engine, clipped, multiplied in the kernel's pass"
-CAST = "engine, clipped, the bf16 copy cast after torch's kernel"
-COPY = "engine, clipped, multiplied and the bf16 copy written in the kernel's pass"
 
 
 def measure_engine(
     cfg: ModelConfig,
     repeats: int,
     fused: bool = False,
-    copy: bool = False,
     weight_decay: float = WEIGHT_DECAY,
 ) -> tuple[list[dict], dict]:
     """Each pass `repeats` times after a first one, interleaved (drift in the machine's state
     falls on all alike); the best of each, G params/s over the engine's stepped elements. The
     clipped pass scales each chunk whole before torch's kernel, and (`fused`) in the kernel that
-    multiplies as it steps, where it builds and equals torch's here (clipadam.py); with `copy`, also the
-    passes that write the bf16 copy of the weights (torch's kernel then the cast, and, with
-    `fused`, in clipadam's pass)."""
+    multiplies as it steps, where it builds and equals torch's here (clipadam.py)."""
     t0 = time.perf_counter()
-    engine = EnginePass(cfg, copy, weight_decay)
+    engine = EnginePass(cfg, weight_decay)
     kernel = KernelPass(engine.numel, engine.chunk, weight_decay)
     setup_s = time.perf_counter() - t0
     # The transport sets the optimizer's threads on the calling thread before its worker starts;
@@ -139,12 +132,6 @@ def measure_engine(
         ("kernel", "worker", on_worker(kernel.run)),
         ("engine, clipped", "worker", on_worker(lambda: engine.run(clipped))),
         *([(FUSED, "worker", on_worker(lambda: engine.run(clipped, fused=True)))] if fused else []),
-        *([(CAST, "worker", on_worker(lambda: engine.run(clipped, copy=True)))] if copy else []),
-        *(
-            [(COPY, "worker", on_worker(lambda: engine.run(clipped, fused=True, copy=True)))]
-            if copy and fused
-            else []
-        ),
         ("engine, coefficient 1", "worker", on_worker(lambda: engine.run(one))),
         ("engine, unclipped", "worker", on_worker(lambda: engine.run(None))),
     ]
@@ -177,8 +164,6 @@ def measure_engine(
         "ratio": engine_row["vs_kernel"],
         "engine_first_pass_s": engine_row["first_s"],
         "fused_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == FUSED), None),
-        "cast_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == CAST), None),
-        "copy_ratio": next((r["vs_kernel"] for r in rows if r["pass"] == COPY), None),
     }
     return rows, summary
 
@@ -265,17 +250,16 @@ def measure_beside(
     repeats: int,
     kinds: list[str],
     blocks: list[int],
-    copy: bool,
     weight_decay: float = WEIGHT_DECAY,
 ) -> list[dict]:
-    """The kernel (calling thread) and the engine's clipped pass in clipadam's kernel (with the
-    bf16 copy where `copy`) at each of clipadam's `blocks` (0: one block a thread), beside each of
+    """The kernel (calling thread) and the engine's clipped pass in clipadam's kernel at each of
+    clipadam's `blocks` (0: one block a thread), beside each of
     `kinds` (BESIDE); `repeats` after a first pass, interleaved; the best of each. `vs_kernel`:
     against the kernel beside the same; `vs_alone`: against the kernel beside nothing."""
     if clipadam.load()[0] is None:
         raise SystemExit(f"--beside: clipadam's kernel is not used here: {clipadam.load()[1]}")
     besides = [Beside(kind) for kind in kinds]  # a kind this machine cannot run refused before the setup
-    engine = EnginePass(cfg, copy, weight_decay)
+    engine = EnginePass(cfg, weight_decay)
     kernel = KernelPass(engine.numel, engine.chunk, weight_decay)
     worker = ThreadPoolExecutor(1, thread_name_prefix="megatrain-optimizer")
     clipped = torch.tensor(CLIPPED)
@@ -284,14 +268,14 @@ def measure_beside(
         def run() -> None:
             before, clipadam.BLOCK = clipadam.BLOCK, block
             try:
-                engine.run(clipped, fused=True, copy=copy)
+                engine.run(clipped, fused=True)
             finally:
                 clipadam.BLOCK = before
 
         return lambda: worker.submit(_clock, run).result()
 
     passes = [("kernel", None, lambda: _clock(kernel.run))]
-    passes += [(COPY if copy else FUSED, b, engine_at(b)) for b in blocks]
+    passes += [(FUSED, b, engine_at(b)) for b in blocks]
     rows = []
     for kind, beside in zip(kinds, besides):
         times: dict[int, list[float]] = {k: [] for k in range(len(passes))}

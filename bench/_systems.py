@@ -159,7 +159,6 @@ def run_megatrain(spec: dict, res: Result) -> None:
         choices=Choices(
             gpu_state=gpu_state,
             gpu_step_units=_step_units(spec.get("gpu_step_units", "0")),
-            host_weight_copy=_tristate(spec.get("host_weight_copy", "auto")),
             # records before the key: none fetched the rows
             embedding_rows=_tristate(spec.get("embedding_rows", "false")),
             keep_layers=spec.get("keep_layers"),
@@ -328,8 +327,7 @@ def _host_counters(tr) -> tuple[float, int, float, float, float, float]:
 
 
 def _tristate(value) -> bool | None:
-    """host_weight_copy or embedding_rows from a spec: auto (None), true or false (records before
-    auto: a bool)."""
+    """embedding_rows from a spec: auto (None), true or false (records before auto: a bool)."""
     return value if isinstance(value, bool) else {"auto": None, "true": True, "false": False}[value]
 
 

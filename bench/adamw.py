@@ -27,9 +27,9 @@ optimizer's threads; and `torch._fused_adamw_` over flat arrays of as many eleme
 the same size, on the calling thread and on a worker thread. The engine's pass runs clipped (a
 coefficient below one: each chunk scaled whole, then stepped by torch's kernel; with
 `--clip-fused` also in the kernel that multiplies as it steps, where it builds and equals torch's
-kernel here: `megatrain/engine/clipadam.py`, the engine's default; with `--copy` also writing the
-bf16 copy of the weights, `host_weight_copy`: cast after torch's kernel, and with `--clip-fused` in
-clipadam's pass), with a coefficient of one (the norm under the threshold) and unclipped. Its
+kernel here: `megatrain/engine/clipadam.py`, the engine's default, which reads and writes the
+master weights' halves in its pass; torch's kernel steps fp32 made from them and split back),
+with a coefficient of one (the norm under the threshold) and unclipped. Its
 first pass is reported apart: it maps the moments' pages, as a run's first step does. Host
 memory: 32 bytes a parameter (the engine's state and gradients, the kernel's four arrays). The
 clip in cache-sized pieces and on threads of its own beside the kernel, measured here before
@@ -37,7 +37,7 @@ clip in cache-sized pieces and on threads of its own beside the kernel, measured
 removed.
 
 `--engine --beside none,launch,link,launch+link` instead times the kernel and the engine's pass in
-clipadam's kernel (with `--copy`, writing the bf16 copy) beside what a training step runs beside
+clipadam's kernel beside what a training step runs beside
 it: a thread launching small GPU kernels in a Python loop, as the launching thread does, and the
 link's copies to and from the GPU through page-locked host memory (bench/_adamw_engine.py's
 `Beside`); at each of `--blocks` (clipadam's BLOCK: the elements a thread takes at a time, 0 for
@@ -51,7 +51,7 @@ table, and JSON + Markdown under --out. OpenMP's threads wait as they do under t
 
     python bench/adamw.py --params 1.8e9 --out bench/results
     python bench/adamw.py --engine --engine-params 8e9 --out bench/results
-    python bench/adamw.py --engine --engine-params 2e9 --copy --beside none,launch,link,launch+link --out bench/results
+    python bench/adamw.py --engine --engine-params 2e9 --beside none,launch,link,launch+link --out bench/results
 """
 
 from __future__ import annotations
@@ -252,11 +252,6 @@ def main(argv: list[str] | None = None) -> dict:
         help="--engine: also the kernel that multiplies as it steps (clipadam)",
     )
     ap.add_argument(
-        "--copy",
-        action="store_true",
-        help="--engine: also the passes that write the bf16 copy (host_weight_copy; in the kernel's with --clip-fused)",
-    )
-    ap.add_argument(
         "--beside",
         default=None,
         help=f"--engine: time the pass beside each of these, comma-separated ({', '.join(BESIDE)})",
@@ -289,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{params_str(n)} parameters: {32 * n / 2**30:.1f} GiB of host memory", flush=True)
         if args.beside:
             return _beside(args, cfg, meta)
-        rows, summary = measure_engine(cfg, args.repeats, args.clip_fused, args.copy, args.weight_decay)
+        rows, summary = measure_engine(cfg, args.repeats, args.clip_fused, args.weight_decay)
         # the plan's probe of this host's AdamW (its small array, alone), beside the kernel over
         # the model's size: the cost model's in-step rate is the probe's times ADAM_IN_STEP
         probe = adam_rate(torch.get_num_threads())
@@ -332,7 +327,7 @@ def _beside(args, cfg, meta: dict) -> dict:
         sys.exit(f"adamw.py: --beside {wrong[0]!r} is not one of {', '.join(BESIDE)}")
     blocks = [int(x) for x in args.blocks.split(",")]
     try:
-        rows = measure_beside(cfg, args.repeats, kinds, blocks, args.copy, args.weight_decay)
+        rows = measure_beside(cfg, args.repeats, kinds, blocks, args.weight_decay)
     except ValueError as e:
         sys.exit(f"adamw.py: {e}")
     meta.update(

@@ -90,21 +90,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="megatrain's kept layer graphs (the last N layers not recomputed; default: the plan's)",
     )
-    for flag, meaning in (
-        ("--host-weight-copy", "host_weight_copy: fetch host-stepped units from a bf16 copy in host memory"),
-        (
-            "--embedding-rows",
-            "embedding_rows: step the embedding in host memory, fetch the rows a step looks up",
-        ),
-    ):
-        ap.add_argument(
-            flag,
-            nargs="?",
-            const="true",
-            default="auto",
-            choices=("auto", "true", "false"),
-            help=f"megatrain's {meaning} (default auto: where the plan says it pays; alone: true)",
-        )
+    ap.add_argument(
+        "--embedding-rows",
+        nargs="?",
+        const="true",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="megatrain's embedding_rows: step the embedding in host memory, fetch the rows a step "
+        "looks up (default auto: where the plan says it pays; alone: true)",
+    )
     ap.add_argument(
         "--full-determinism",
         action="store_true",
@@ -406,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
                 "max_host_memory": a.max_host_memory,
                 "max_gpu_memory": a.max_gpu_memory,
                 "gpu_step_units": a.gpu_step_units,
-                "host_weight_copy": a.host_weight_copy,
                 "embedding_rows": a.embedding_rows,
                 "keep_layers": a.keep_layers,
                 "full_determinism": a.full_determinism,

@@ -58,7 +58,7 @@ def engine_repeat(mode: str, compiles: int, steps: int) -> dict:
             m = build_model(_cfg("llama"), seed=3, device="cuda", compute_dtype="float32", adamw=ADAMW,
                             plan=_plan(), compile=True)  # fmt: skip
             losses, norms = _steps(m, n_steps=steps, seq=512)
-            digests.append(hash_bits(losses, norms, m.state.master, m.state.exp_avg_sq))
+            digests.append(hash_bits(losses, norms, m.state.master(), m.state.exp_avg_sq))
             m.close()
     torch._dynamo.reset()
     compiling.INDUCTOR_OPTIONS = MODES["rule"]

@@ -16,6 +16,7 @@ A record of several GPUs (bench/multigpu.py) is replayed for one of its processe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -28,12 +29,38 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory import batch_of, plan_str, shape_of  # noqa: E402
 
 from megatrain.parallel.layout import Layout  # noqa: E402
+from megatrain.planning import footprint  # noqa: E402
 from megatrain.planning.footprint import evaluate  # noqa: E402
 from megatrain.planning.placement import Choices, Machine, Plan, phase_peaks, plan, unit_peaks  # noqa: E402
-from megatrain.planning.planspec import PCIE_BYTES_S, model_shape  # noqa: E402
+from megatrain.planning.planspec import FETCH_BYTES, LANDING_BYTES, PCIE_BYTES_S, model_shape  # noqa: E402
 from megatrain.planning.probe import LayerMemory  # noqa: E402
 
 GiB = 2**30
+
+
+@contextlib.contextmanager
+def as_recorded(record: dict):
+    """The memory and step-time models with the link bytes of the system a record ran: before the
+    master weights were held as two halves (a plan without `halves`), a fetch in bf16 moved the
+    fp32 master (4 B a parameter, converted on the GPU through an fp32 landing buffer), or with
+    the bf16 copy of the weights the run kept (`host_weight_copy`) 2 B; today's fetch moves the
+    master's bf16 half (planspec.py's FETCH_BYTES), and GPU-stepped units' weights cross as halves
+    through chunks of their own. Records of today's system replay as they are."""
+    plan = record.get("plan") if isinstance(record.get("plan"), dict) else {}
+    if plan.get("halves"):
+        yield
+        return
+    saved = dict(FETCH_BYTES), dict(LANDING_BYTES), footprint.HALVES_STAGES
+    copy = bool(plan.get("host_weight_copy"))
+    FETCH_BYTES.update({2: 2 if copy else 4, 4: 4})
+    LANDING_BYTES.update({2: 0 if copy else 4, 4: 0})
+    footprint.HALVES_STAGES = 0  # GPU-stepped units' state crossed in fp32, straight into scratch
+    try:
+        yield
+    finally:
+        FETCH_BYTES.update(saved[0])
+        LANDING_BYTES.update(saved[1])
+        footprint.HALVES_STAGES = saved[2]
 
 
 def _plan(record: dict) -> Plan:
@@ -96,7 +123,8 @@ def step_time(record: dict) -> tuple[float, Plan]:
     measured layer: the current cost model on the run's own inputs."""
     run = run_of(record)
     shape = model_shape(shape_of(run)[0], LayerMemory(**record["layer_mem"]))
-    p = evaluate(shape, batch_of(run), _plan(record), machine_of(record))
+    with as_recorded(record):
+        p = evaluate(shape, batch_of(run), _plan(record), machine_of(record))
     return p.step_time_s, p
 
 
@@ -104,7 +132,8 @@ def replay(record: dict) -> dict[str, tuple[int, int]]:
     """phase -> (measured, predicted) peak bytes."""
     run = run_of(record)  # seq=limit / layers=max: as resolved
     lm, world = LayerMemory(**record["layer_mem"]), world_of(record)
-    predicted = phase_peaks(shape_of(run)[0], batch_of(run), _plan(record), lm, world)
+    with as_recorded(record):
+        predicted = phase_peaks(shape_of(run)[0], batch_of(run), _plan(record), lm, world)
     return {k: (v, predicted[k]) for k, v in record["phase_peaks"].items() if isinstance(v, int)}
 
 
@@ -113,7 +142,8 @@ def replay_units(record: dict) -> dict[int, tuple[int, int]]:
     measured them (bench/_phases.py)."""
     run = run_of(record)
     lm, world = LayerMemory(**record["layer_mem"]), world_of(record)
-    predicted = unit_peaks(shape_of(run)[0], batch_of(run), _plan(record), lm, world)
+    with as_recorded(record):
+        predicted = unit_peaks(shape_of(run)[0], batch_of(run), _plan(record), lm, world)
     return {int(u): (v, predicted[int(u)]) for u, v in record.get("unit_peaks", {}).items()}
 
 
@@ -146,15 +176,12 @@ def _steps(paths: list[str]) -> None:
             )
 
 
-def auto_at(record: dict, adam_params_s: float) -> tuple[Plan, float]:
-    """The plan `gpu_step_units: auto` and `host_weight_copy: auto` make for a run's own inputs with
-    the host AdamW at `adam_params_s` (its kept layer graphs and its embedding's fetch, rows or the
-    table, as the run had them), and the copy's
-    gain by the cost model there (the step without it over the step with it, less one)."""
+def auto_at(record: dict, adam_params_s: float) -> Plan:
+    """The plan `gpu_step_units: auto` makes for a run's own inputs, as the run's system moved its
+    bytes (`as_recorded`), with the host AdamW at `adam_params_s` (its kept layer graphs and its
+    embedding's fetch, rows or the table, as the run had them)."""
     run = run_of(record)
-    # as a run plans today: the host kernel writes the copy as it steps (it loaded on every GPU host
-    # recorded; runs that did not ask for the copy recorded False)
-    m = replace(machine_of(record), adam_params_s=adam_params_s, copy_in_kernel=True)
+    m = replace(machine_of(record), adam_params_s=adam_params_s)
     off = record.get("system") == "megatrain-host" or run.get("gpu_state") == "off"
     c = Choices(
         gpu_state="off" if off else "auto",
@@ -163,10 +190,8 @@ def auto_at(record: dict, adam_params_s: float) -> tuple[Plan, float]:
         embedding_rows=record["plan"].get("embed_rows", False),  # as the run fetched the embedding
     )
     cfg, b, lm = shape_of(run)[0], batch_of(run), LayerMemory(**record["layer_mem"])
-    with_copy, without = (plan(cfg, b, m, replace(c, host_weight_copy=x), lm) for x in (True, False))
-    return plan(
-        cfg, b, m, replace(c, host_weight_copy=None), lm
-    ), without.step_time_s / with_copy.step_time_s - 1
+    with as_recorded(record):
+        return plan(cfg, b, m, c, lm)
 
 
 def _rates(paths: list[str]) -> None:
@@ -177,15 +202,15 @@ def _rates(paths: list[str]) -> None:
     )
     print("|---|---|---|---|---|---|")
 
-    def cell(p: Plan, gain: float) -> str:
-        return f"{'copy' if p.host_weight_copy else 'no copy'} ({gain:+.1%}), {p.gpu_stepped_units} stepped, {p.step_time_s:.3f} s"
+    def cell(p: Plan) -> str:
+        return f"{p.gpu_stepped_units} stepped, {p.step_time_s:.3f} s"
 
     for path in paths:
         for r in runs_in(path):
             if not r.get("step_s") or not _replayable(r, "plan"):
                 continue
             assumed, measured = machine_of(r).adam_params_s, r.get("host_adam_params_s")
-            at = [cell(*auto_at(r, rate)) if rate else "-" for rate in (assumed, measured)]
+            at = [cell(auto_at(r, rate)) if rate else "-" for rate in (assumed, measured)]
             rates = f"{assumed / 1e9:.2f} / " + (f"{measured / 1e9:.2f}" if measured else "-")
             print(
                 f"| {os.path.basename(path)} | {_name(r)} | {r['step_s']:.3f} | {rates} | {at[0]} | {at[1]} |"

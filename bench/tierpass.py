@@ -64,8 +64,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     grads = {}
     for u in order:
-        ram.flat(u).normal_(generator=gen)
-        disk.flat(u).copy_(ram.flat(u))
+        weights = torch.empty(u.numel).normal_(generator=gen)
+        ram.set_master(u, 0, weights)
+        disk.set_master(u, 0, weights)
         grads[u.index] = torch.randn(u.numel, generator=gen).mul_(1e-3)
     tier.expect(order)
     opts = {"ram": HostAdamW(ram, AdamWConfig(lr=1e-4)), "tier": HostAdamW(disk, AdamWConfig(lr=1e-4))}
@@ -91,7 +92,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     exact = all(
-        torch.equal(ram.flat(u), disk.flat(u))
+        torch.equal(ram.master(u), disk.master(u))
         and all(
             torch.equal(ram.flat(u, w), torch.cat(list(tier.pieces(u, w, 0, u.numel))))
             for w in ("exp_avg", "exp_avg_sq")

@@ -90,6 +90,13 @@ NOT_TAKEN = {
     "reference_free": "TRL 1.x removed it: DPO compares with a reference model; stage simpo (or orpo) "
     "needs none",
 }
+# megatrain's own keys that are gone, each with why (refused in one line, as NOT_TAKEN's are).
+RETIRED = {
+    "host_weight_copy": "the master weights' bf16 half is the copy now: every fetch in bf16 reads it, "
+    "2 bytes a parameter, at no extra host memory (docs/memory.md); remove the key",
+    "rollout_host_copy": "the rollout's streamed layers are fetched from the master weights' bf16 half "
+    "now, 2 bytes a parameter, with no copy to make (docs/grpo.md); remove the key",
+}
 # TRL 1.16's default learning rate of each stage's trainer (the others': 1e-6).
 STAGE_LEARNING_RATES = {"sft": 2e-5, "rm": 1e-4}
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # Hugging Face's, less "best"
@@ -309,14 +316,6 @@ class TrainConfig:
     the GPU. auto: every layer where the update's plan still fits beside the whole policy, else
     the most that leave it one (`megatrain plan` says how many stream); a number keeps that many
     (every layer where it is more)."""
-    rollout_host_copy: bool | None = None
-    """grpo: where the rollout streams layers (`rollout_resident_layers`), whether it fetches them
-    from a copy in the compute dtype in page-locked host memory (2 bytes a streamed parameter, cast
-    from the fp32 master weights once a rollout: half the bytes over PCIe in bf16) or from the fp32
-    master weights. auto (default): the copy where the host has room for it beside the update at
-    no cost to the update's estimated step; true: the copy (a host without room refuses the run in
-    one line); false: the fp32 master weights. Nothing to choose in fp32 or with every layer
-    resident."""
     rollout_engine: str = "megatrain"
     """grpo: what samples the rollouts. megatrain: the rollout engine (one KV cache for the
     generation batch allocated once, a batched prefill of the distinct prompts, each decode step a
@@ -513,14 +512,6 @@ class TrainConfig:
     from the forward sweep where that saves 1% of the step and fits under the stepped units' GPU
     peak. CUDA, one process. Opt-in: it spends GPU memory that `gpu_state: off` otherwise leaves
     free."""
-    host_weight_copy: bool | None = None
-    """Keep a copy of the master weights in the compute dtype in host memory, cast by the host
-    optimizer as it steps each range, and fetch the units it steps from it: half the bytes of
-    each weight fetch over PCIe in bf16, for 2 more bytes a parameter of host memory (page-locked
-    on CUDA), with the same numbers (docs/memory.md). Not the GPU-resident or GPU-stepped units.
-    Default (auto): where the plan's cost model puts the step faster with it and the host holds
-    it, all moments in memory (CUDA, 16-bit compute, one process); true: always; false: never.
-    Changes nothing where the compute dtype is float32."""
     embedding_rows: bool | None = None
     """Step the embedding's table in host memory and fetch only the rows a step looks up: the
     host optimizer computes those rows first, so the next forward sweep can start, and the whole
@@ -680,14 +671,10 @@ class TrainConfig:
         for i, d in enumerate(where):
             if d in where[:i]:
                 bad("offload_dir", f"{folders[i]} is given twice: give each drive's folder once")
-        if self.host_weight_copy is not None and not isinstance(self.host_weight_copy, bool):
-            bad("host_weight_copy", "must be true, false or auto")
         if self.embedding_rows is not None and not isinstance(self.embedding_rows, bool):
             bad("embedding_rows", "must be true, false or auto")
         if self.embedding_rows and self.world().ranks > 1:
             bad("embedding_rows", "is built for one process (nproc_per_node 1, one machine); set it false")
-        if self.host_weight_copy and self.world().ranks > 1:
-            bad("host_weight_copy", "is built for one process (nproc_per_node 1, one machine); set it false")
         if self.max_disk_memory is not None and self.offload_dir is None:
             bad("max_disk_memory", "needs offload_dir (the folder the disk tier goes to)")
 
@@ -879,6 +866,9 @@ class TrainConfig:
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
         known = {f.name: f for f in fields(cls) if f.name != "extra"}
         unknown = [k for k in raw if k not in known]
+        retired = [k for k in unknown if k in RETIRED]
+        if retired:
+            raise ConfigError("; ".join(f"config key {k!r} is retired: {RETIRED[k]}" for k in retired))
         not_taken = [k for k in unknown if k in NOT_TAKEN]
         if len(not_taken) == 1:
             k = not_taken[0]

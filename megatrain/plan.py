@@ -23,7 +23,7 @@ from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
-from .planning.footprint import reward_model_bytes, rollout_bytes, rollout_copy_bytes
+from .planning.footprint import reward_model_bytes, rollout_bytes
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
 from .rl import rewards
@@ -39,9 +39,6 @@ KNOBS = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_leng
 GRPO_KNOBS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "max_completion_length",
 )  # fmt: skip
-
-
-ROLLOUT_COPY = "rollout's copy of the streamed layers"  # plan.host's key
 
 
 class InsufficientMemory(MegatrainError):
@@ -78,7 +75,6 @@ def choices_of(cfg) -> Choices:
         offload_activations=cfg.offload_activations,
         mlp_tile_tokens=cfg.mlp_tile_tokens,
         gpu_step_units=None if cfg.gpu_step_units == "auto" else cfg.gpu_step_units,
-        host_weight_copy=cfg.host_weight_copy,
         embedding_rows=cfg.embedding_rows,
     )
 
@@ -244,14 +240,12 @@ def rollout_memory(
     compute_bytes: int,
     processes: int | None = None,
     resident_layers: int | None = None,
-    host_copy: bool = False,
 ) -> dict[str, int]:
     """stage grpo: the GPU memory a rollout adds, by part (footprint.rollout_bytes), for the most
     completions a process samples at a time: a generation batch, per_device_train_batch_size x
     steps_per_generation (over `processes`: default, the config's world), or an evaluation's
     per_device_eval_batch_size, the policy's layers from `resident_layers` on streamed (a plan's
-    `rollout_layers`), fetched from a host copy where `host_copy` (a plan's `rollout_host_copy`);
-    the training plan gets the GPU less this. Empty for the other stages."""
+    `rollout_layers`); the training plan gets the GPU less this. Empty for the other stages."""
     if (grpo := cfg.grpo(processes)) is None:
         return {}
     rows = cfg.per_device_train_batch_size * grpo.steps_per_generation
@@ -267,9 +261,7 @@ def rollout_memory(
     prefill = (
         min(rows, distinct + 1) if cfg.rollout_engine == "megatrain" else rows
     )  # a batch's edge splits a group
-    parts = rollout_bytes(
-        model_cfg, rows, prompt, completion, compute_bytes, resident_layers, host_copy, prefill
-    )
+    parts = rollout_bytes(model_cfg, rows, prompt, completion, compute_bytes, resident_layers, prefill)
     scorers = [
         ModelConfig.from_json(rewards.model_config(spec)) for spec in rewards.model_dirs(cfg.reward_funcs)
     ]
@@ -282,47 +274,14 @@ def rollout_memory(
 
 def rollout_split(update, cfg, layers: int, device: str) -> Plan:
     """The one rule for how many of the policy's `layers` decoder layers a grpo rollout keeps on
-    the GPU (`Plan.rollout_layers`; None: all), and whether it fetches the streamed ones from a
-    copy in the compute dtype in host memory (`Plan.rollout_host_copy`), given
-    `update(resident, host_copy)`, the update's plan beside such a rollout (PlanError where none
-    fits). The rollout and the update take turns
-    on the GPU, the update planned for the GPU less the rollout's room (`_less_rollout`): the whole
-    policy where the update still fits beside it (every run that fitted before streaming existed
-    keeps its plan), else the most layers that leave the update a plan that fits. Each layer kept
-    saves its fetch over PCIe in every decode step, so the rollout takes what it can; the update's
-    plan makes the best of the rest. On the CPU every layer stays (nothing to save).
-    `rollout_resident_layers: N` keeps N instead (every layer where N is more). Whatever the count,
-    the streamed layers come from the host copy where the host has room for it beside the update
-    at no cost to the update's estimated step (a copy that pushed the moments to disk would not
-    pay): it halves the bytes each decode step fetches, and spares the GPU the fp32 staging buffer.
-    `rollout_host_copy: true / false` takes the copy, or the fp32 fetch, whatever this rule says.
-    """
-
-    def split(resident: int | None) -> Plan:
-        if resident is None or cfg.rollout_host_copy is False:
-            return update(resident, False)
-        if cfg.rollout_host_copy:  # the user's choice, whatever it costs
-            try:
-                return update(resident, True)
-            except PlanError as e:
-                raise PlanError(
-                    f"{e} (with rollout_host_copy: true; false fetches the fp32 weights)"
-                ) from None
-        try:
-            fp32 = update(resident, False)
-        except PlanError:  # the staging buffer the copy spares may be what the GPU lacks
-            return update(resident, True)
-        with contextlib.suppress(PlanError):
-            copied = update(resident, True)
-            if copied.step_time_s <= fp32.step_time_s:
-                return copied
-        return fp32
-
-    return _split_layers(split, cfg, layers, device)
-
-
-def _split_layers(update, cfg, layers: int, device: str) -> Plan:
-    """`rollout_split`'s count of resident layers, `update(resident)` the update's plan."""
+    the GPU (`Plan.rollout_layers`; None: all), given `update(resident)`, the update's plan beside
+    such a rollout (PlanError where none fits). The rollout and the update take turns on the GPU,
+    the update planned for the GPU less the rollout's room (`_less_rollout`): the whole policy
+    where the update still fits beside it (every run that fitted before streaming existed keeps
+    its plan), else the most layers that leave the update a plan that fits. Each layer kept saves
+    its fetch over PCIe in every decode step (the master's bf16 half in bf16), so the rollout
+    takes what it can; the update's plan makes the best of the rest. On the CPU every layer stays
+    (nothing to save). `rollout_resident_layers: N` keeps N instead (every layer where N is more)."""
     cap = cfg.rollout_resident_layers
     if cfg.grpo() is None or (cap == "auto" and device != "cuda"):
         return update(None)
@@ -336,20 +295,9 @@ def _split_layers(update, cfg, layers: int, device: str) -> Plan:
     return update(0 if best is None else best - 1)
 
 
-def with_rollout(p: Plan, model_cfg: ModelConfig, compute_bytes: int, world: Layout, resident: int | None,
-                 host_copy: bool) -> Plan:  # fmt: skip
-    """`p`, the update's plan, beside a rollout keeping `resident` layers, the others fetched from
-    a host copy where `host_copy` and the compute dtype is not fp32 (its page-locked bytes, one a
-    process, counted in `p`'s host memory: `p` must have been planned in the host less them,
-    `rollout_copy_bytes`)."""
-    copy = (
-        rollout_copy_bytes(model_cfg, resident, compute_bytes) * world.ranks_per_machine if host_copy else 0
-    )
-    p = replace(p, rollout_layers=resident, rollout_host_copy=copy > 0)
-    if not copy:
-        return p
-    pinned = p.pinned + copy if p.device == "cuda" else p.pinned
-    return replace(p, host={**p.host, ROLLOUT_COPY: copy}, pinned=pinned)
+def with_rollout(p: Plan, resident: int | None) -> Plan:
+    """`p`, the update's plan, beside a rollout keeping `resident` layers on the GPU."""
+    return replace(p, rollout_layers=resident)
 
 
 def _less_rollout(machine: Machine, rollout: dict[str, int]) -> Machine:
@@ -378,14 +326,10 @@ def _attempt(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, 
         c = with_knobs(cfg, machine.world.ranks, **knobs)
         batch = batch_of(c, model_cfg, compute_bytes, span)
 
-        def update(resident: int | None, host_copy: bool) -> Plan:
-            rollout = rollout_memory(
-                c, model_cfg, compute_bytes, resident_layers=resident, host_copy=host_copy
-            )
-            copy = rollout_copy_bytes(model_cfg, resident, compute_bytes) * machine.world.ranks_per_machine
-            room = _less_host(_less_rollout(host, rollout), copy if host_copy else 0)
-            p = make_placement(model_cfg, batch, room, choices_of(cfg), layer_mem)
-            return with_rollout(p, model_cfg, compute_bytes, machine.world, resident, host_copy)
+        def update(resident: int | None) -> Plan:
+            rollout = rollout_memory(c, model_cfg, compute_bytes, resident_layers=resident)
+            p = make_placement(model_cfg, batch, _less_rollout(host, rollout), choices_of(cfg), layer_mem)
+            return with_rollout(p, resident)
 
         p = rollout_split(update, c, model_cfg.num_hidden_layers, machine.device)
         return replace(p, host={**p.host, **extra}) if extra else p
@@ -410,7 +354,7 @@ def _largest(fits, start: int) -> int | None:
 
 def _less_host(machine: Machine, used: int) -> Machine:
     """The machine less `used` bytes of host memory: `plan`'s tokenized dataset (in `train` it
-    already sits in memory), a rollout's host copy."""
+    already sits in memory)."""
     if not used or machine.host_bytes is None:
         return machine
     return replace(machine, host_bytes=machine.host_bytes - used)
@@ -463,8 +407,6 @@ def measured(model_cfg: ModelConfig, cfg, device, compute_bytes: int, world: Lay
 
     return probe_machine(
         machine_of(cfg, device, world),
-        choices_of(cfg),
-        _compute_dtype(compute_bytes),
         lambda: layer_memory(model_cfg, cfg, device, compute_bytes),
     )
 
@@ -494,14 +436,7 @@ def preflight(
     batch = batch_of(cfg, model_cfg, compute_bytes, attention_span)
     choices = replace(choices_of(cfg), gpu_state="off")
     p = rollout_split(
-        lambda r, copy: with_rollout(
-            make_placement(model_cfg, batch, unlimited, choices, layer_mem),
-            model_cfg,
-            compute_bytes,
-            machine.world,
-            r,
-            copy,
-        ),
+        lambda r: with_rollout(make_placement(model_cfg, batch, unlimited, choices, layer_mem), r),
         cfg,
         model_cfg.num_hidden_layers,
         machine.device,

@@ -8,7 +8,6 @@ from . import plan
 from .checks import beyond_positions
 from .models.config import ModelConfig
 from .models.family import describe
-from .planning.footprint import WEIGHT_COPY
 from .planning.placement import Machine, fmt_bytes
 from .stages import row_length, row_length_text
 
@@ -62,9 +61,7 @@ def report(
         lines.append("does not fit: " + result.problem)
         return "\n".join(lines)
     lines += [f"plan: {note}" for note in p.notes] or ["plan: all state in host memory"]
-    rollout = plan.rollout_memory(
-        cfg, model_cfg, b.compute_bytes, m.world.ranks, p.rollout_layers, p.rollout_host_copy
-    )
+    rollout = plan.rollout_memory(cfg, model_cfg, b.compute_bytes, m.world.ranks, p.rollout_layers)
     if rollout and p.device == "cuda":
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in rollout.items())
         lines.append(f"rollout: ~{fmt_bytes(sum(rollout.values()))} of the GPU kept for sampling ({parts}); "
@@ -73,23 +70,8 @@ def report(
         layers = model_cfg.num_hidden_layers
         lines.append(f"rollout: {layers - p.rollout_layers} of {layers} layers streamed through the "
                      f"{'GPU' if p.device == 'cuda' else 'device'} in every decode step (the first "
-                     f"{p.rollout_layers} resident), fetched from "
-                     + (f"a {dtype_name} copy in host memory ({fmt_bytes(p.host[plan.ROLLOUT_COPY])})"
-                        if p.rollout_host_copy else "the fp32 master weights"))  # fmt: skip
-    if p.host_weight_copy and not p.host.get(WEIGHT_COPY):
-        lines.append(
-            "weights: host_weight_copy copies nothing here: every unit is GPU-resident or GPU-stepped"
-        )
-    elif p.host_weight_copy:
-        lead = p.stepped.stop  # the GPU-resident and GPU-stepped units, fetched as before
-        which = f"all units but the first {lead} (the host optimizer's)" if lead else "every unit"
-        if p.embed_rows:  # the embedding's rows come from a buffer of their own (engine/rows.py)
-            which = f"all units but the first {lead} (the host optimizer's; the embedding as its rows)"
-        lines.append(f"weights: {which} fetched from a {dtype_name} "
-                     f"copy in host memory ({fmt_bytes(p.host[WEIGHT_COPY])}, host_weight_copy), "
-                     "half the fp32 bytes a fetch")  # fmt: skip
-    elif cfg.host_weight_copy:
-        lines.append("weights: host_weight_copy changes nothing in float32 compute (the master is fetched)")
+                     f"{p.rollout_layers} resident), fetched from host memory as the master weights' "
+                     + ("bf16 half" if dtype_name == "bfloat16" else "two halves"))  # fmt: skip
     lines.append("")
     if p.device == "cuda":
         lines.append("GPU memory at its peak (predicted torch.cuda.max_memory_allocated)")

@@ -12,12 +12,11 @@ import torch
 
 from . import CUDA_ALLOC_CONF, OMP_WAIT_POLICY
 from .engine.engine import Engine
-from .engine.optim import AdamWConfig, HostAdamW, copies_in_kernel
+from .engine.optim import AdamWConfig, HostAdamW
 from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
 from .host.disk import DiskTier
 from .host.state import HostState, build_units
-from .host.weightcopy import WeightCopy
 from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
 from .objectives.base import Objective
@@ -106,20 +105,13 @@ class TrainableModel:
 
 
 def probe_machine(
-    machine: Machine,
-    choices: Choices,
-    compute_dtype: torch.dtype,
-    probe_layer: Callable[[], LayerMemory | None],
+    machine: Machine, probe_layer: Callable[[], LayerMemory | None]
 ) -> tuple[Machine, LayerMemory | None]:
     """What a plan takes of this machine beyond its budgets (`placement.measure`), the same for
-    every way a run is planned (`make_plan`, `train`'s preflight, `megatrain plan`): whether the
-    host optimizer writes the weight copy in its own kernel's pass (where the copy may be taken),
-    one layer measured on the device (`probe_layer`), and the host's AdamW read once more after
-    that, seconds after the first reading, the better one kept: a host busy at a process's start
+    every way a run is planned (`make_plan`, `train`'s preflight, `megatrain plan`): one layer
+    measured on the device (`probe_layer`), and the host's AdamW read once more after that, seconds after the first reading, the better one kept: a host busy at a process's start
     reads slow, and the plan then steps too many units on the GPU (a 32-core host read 2.96 G
     params/s there and ran 4.46 in the steps: bench/results/2026-11-27_2140_x2-summary.md)."""
-    if choices.host_weight_copy is not False and compute_dtype == torch.bfloat16:
-        machine = replace(machine, copy_in_kernel=copies_in_kernel())
     layer_mem = probe_layer()
     rate = placement.host_adam_rate(machine.device, machine.world, again=True)
     return replace(machine, adam_params_s=rate), layer_mem
@@ -150,8 +142,6 @@ def make_plan(
     choices = choices or Choices()
     machine, layer_mem = probe_machine(
         placement.measure(device, max_gpu_memory, max_host_memory, world),
-        choices,
-        compute_dtype,
         lambda: layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
     )
     batch = Batch(
@@ -224,11 +214,6 @@ def build_model(
         if collective.world_size > 1:
             raise ConfigError("offload_dir: the disk tier is built for one process per machine")
         DiskTier(state, plan.disk_units, offload_dir)
-    copied = plan.copied(len(state.units))
-    if copied:  # before anything is written to the master weights (a plan has none in fp32)
-        if collective.world_size > 1:
-            raise ConfigError("host_weight_copy: built for one process; set it false")
-        state.copy = WeightCopy(state, [state.units[i] for i in copied], dtype)
     clock.mark("the host state")
     if collective.holds_state:
         if weights is not None:

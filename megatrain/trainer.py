@@ -480,7 +480,6 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
                 compute_dtype.itemsize,
                 world.world_size,
                 inputs.plan.rollout_layers,
-                inputs.plan.rollout_host_copy,
             ).values()
         )
         if device.type == "cuda"
@@ -555,7 +554,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
         rollout = Rollout(
             cfg.grpo(world.world_size), inputs.prompts, inputs.reward_funcs, inputs.tokenizer, model, device, compute_dtype, world,
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
-            resident_layers=inputs.plan.rollout_layers, host_copy=inputs.plan.rollout_host_copy, start=start,
+            resident_layers=inputs.plan.rollout_layers, start=start,
             cache=cfg.rollout_cache, engine=cfg.rollout_engine, compile=cfg.rollout_compile,
         )  # fmt: skip
     run = _Run(

@@ -316,3 +316,11 @@ def hash_bits(*values) -> str:
         else:
             h.update(repr(v).encode())
     return h.hexdigest()[:12]
+
+
+def fp32_parameters(state, elsewhere=None) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master weights by transformers' name, made from the host state's
+    halves (host/split.py)."""
+    from megatrain.host.split import cast
+
+    return {k: cast(v, torch.float32) for k, v in state.named_parameters(elsewhere)}

@@ -12,6 +12,7 @@ import torch
 
 from megatrain.engine import clipadam
 from megatrain.engine.osthreads import OPTIMIZER_THREAD, name_os_thread
+from megatrain.host.split import split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _sched  # noqa: E402  (bench/ is not a package)
@@ -90,7 +91,7 @@ def test_clipadams_threads_take_the_optimizers_name_whichever_thread_starts_them
     monkeypatch.setattr(clipadam, "MIN_PER_THREAD", 64)
     kernel = clipadam.ClipAdamW()
     n = 4096
-    p, g, m, v = torch.zeros(n), torch.ones(n), torch.zeros(n), torch.ones(n)
+    p, g, m, v = split(torch.zeros(n)), torch.ones(n), torch.zeros(n), torch.ones(n)  # the master's halves
     before = _sched.snapshot()
     kernel.step(p, g, m, v, 0.5, 1e-3, 1, (0.9, 0.95), 1e-8, 0.0, threads=3)
     after = _sched.snapshot()

@@ -264,3 +264,23 @@ def test_a_trl_recipes_keys_megatrain_does_not_take_are_named_together_in_one_li
         assert f"{k!r}: {NOT_TAKEN[k]}" in line
     assert "'max_seq_length': TRL's name before 0.20; it is max_length" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_retired_keys_are_refused_in_one_line_saying_why(tmp_path, capsys):
+    """`host_weight_copy` (and `rollout_host_copy`) from a config before the master's halves: one
+    line, naming the key and what replaced it; nothing is written."""
+    from megatrain.config import RETIRED
+
+    run = make_run(tmp_path) | dict(output_dir=str(tmp_path / "out"), host_weight_copy=True)
+    rc, _, err = run_cli(capsys, "train", write_yaml(tmp_path / "run.yaml", run))
+    [line] = err.splitlines()
+    assert (
+        rc == 2
+        and line
+        == f"megatrain: error: config key 'host_weight_copy' is retired: {RETIRED['host_weight_copy']}"
+    )
+    assert "bf16 half is the copy now" in line and not (tmp_path / "out").exists()
+    with pytest.raises(
+        ConfigError, match=r"^config key 'host_weight_copy' is retired: .*; config key 'rollout_host_copy'"
+    ):
+        TrainConfig.from_dict({"model_config": "m", "host_weight_copy": False, "rollout_host_copy": "auto"})

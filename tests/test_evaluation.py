@@ -45,7 +45,7 @@ def _batch(vocab: int, B: int, S: int, seed: int) -> MicroBatch:
 
 
 def _host_state(state) -> list[torch.Tensor]:
-    return [state.master.clone(), state.exp_avg.clone(), state.exp_avg_sq.clone()]
+    return [state.master(), state.exp_avg.clone(), state.exp_avg_sq.clone()]
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen2", True), ("qwen3", False)])

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import DEEPSEEK_CONFIGS, FAMILY_OVERRIDES, MOE_CONFIGS, tiny_config, tiny_hf_model
+from helpers import (
+    DEEPSEEK_CONFIGS,
+    FAMILY_OVERRIDES,
+    MOE_CONFIGS,
+    fp32_parameters,
+    tiny_config,
+    tiny_hf_model,
+)
 
 from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
@@ -97,14 +104,14 @@ def test_random_init_follows_transformers_rules(family, norm):
     zero-centred (weight 0 means scale 1), linear weights N(0, initializer_range)."""
     cfg = ModelConfig.from_hf(tiny_config(family, initializer_range=0.05))
     mt = build_model(cfg, seed=3, device="cpu")
-    params = dict(mt.state.named_parameters())
+    params = fp32_parameters(mt.state)
     assert torch.equal(params["model.layers.0.post_attention_layernorm.weight"], torch.full((64,), norm))
     q = params["model.layers.1.self_attn.q_proj.weight"]
     assert 0.045 < q.std().item() < 0.055
-    again = dict(build_model(cfg, seed=3, device="cpu").state.named_parameters())
+    again = fp32_parameters(build_model(cfg, seed=3, device="cpu").state)
     assert all(torch.equal(params[k], again[k]) for k in params)  # the seed alone decides
     # the master weights are plain memory, not a node of the initialised modules' autograd graph
-    assert not mt.state.master.requires_grad and mt.state.master.grad_fn is None
+    assert not mt.state.master().requires_grad and mt.state.master().grad_fn is None
 
 
 _INIT_RSS = """

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import tiny_config, tiny_hf_model, tiny_tokenizer
+from helpers import fp32_parameters, tiny_config, tiny_hf_model, tiny_tokenizer
 from safetensors.torch import load_file, save_file
 from test_attention import LOGITS_TOL, _packed, cpu_flex  # noqa: F401 (fixture)
 from test_checkpoint import metrics, one_thread, tensors, write_yaml  # noqa: F401 (fixture)
@@ -19,6 +19,7 @@ from test_cli import run_cli
 
 from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
+from megatrain.host.split import cast
 from megatrain.models.config import ModelConfig
 from megatrain.models.family import family_of
 from megatrain.planning.placement import Choices
@@ -153,7 +154,7 @@ def test_mxfp4_checkpoint_loads_decoded_and_exports_plain(tmp_path):
     hf, src = _mxfp4_checkpoint(tmp_path / "mxfp4")
     cfg = ModelConfig.from_json(src)
     mt = build_model(cfg, weights=src, device="cpu")
-    master = dict(mt.state.named_parameters())
+    master = fp32_parameters(mt.state)
     for k, p in hf.named_parameters():
         assert torch.equal(master[k], p.detach()), k
     ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -169,7 +170,7 @@ def test_mxfp4_checkpoint_loads_decoded_and_exports_plain(tmp_path):
         written = tensors(out)
         assert set(written) == set(master)  # the plain layout: no _blocks / _scales
         for k in written:
-            assert torch.equal(written[k].float(), master[k].to(written[k].dtype).float()), k
+            assert torch.equal(written[k].float(), cast(master[k], written[k].dtype).float()), k
         back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
         assert torch.equal(
             back.model.layers[1].mlp.experts.down_proj, hf.model.layers[1].mlp.experts.down_proj

@@ -23,6 +23,8 @@ from megatrain.data.batch import MicroBatch
 from megatrain.engine import clipadam, optim
 from megatrain.engine.optim import AdamWConfig
 from megatrain.host import hostmem
+from megatrain.host.split import join, split, to_bf16
+from megatrain.host.state import BUFFERS
 from megatrain.models.compiling import INDUCTOR_OPTIONS, compiled
 from megatrain.models.config import ModelConfig
 from megatrain.planning.placement import Plan
@@ -77,14 +79,14 @@ def _plan(mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0, tile=0, 
     )
 
 
-def _build(cfg, plan, overlap=True, staging=None):
+def _build(cfg, plan, overlap=True, staging=None, dtype="bfloat16"):
     if staging:  # many chunks per unit: exercise the chunked pipelines (and a slow optimizer)
         plan = replace(plan, staging_elems=staging)
     return build_model(
         cfg,
         seed=3,
         device="cuda",
-        compute_dtype="bfloat16",
+        compute_dtype=dtype,
         adamw=ADAMW,
         overlap=overlap,
         plan=plan,
@@ -92,10 +94,10 @@ def _build(cfg, plan, overlap=True, staging=None):
     )
 
 
-def _train(cfg, plan, overlap, max_norm=0.5, staging=None):
-    m = _build(cfg, plan, overlap, staging)
+def _train(cfg, plan, overlap, max_norm=0.5, staging=None, dtype="bfloat16"):
+    m = _build(cfg, plan, overlap, staging, dtype)
     losses, norms = _steps(m, max_norm=max_norm)
-    out = (losses, norms, m.state.master.clone(), m.state.exp_avg_sq.clone())
+    out = (losses, norms, m.state.master(), m.state.exp_avg_sq.clone())
     moved = m.engine.host_acts.bytes_moved if m.engine.host_acts is not None else 0
     m.close()
     return out, moved
@@ -202,7 +204,7 @@ def test_the_step_stream_reads_the_callers_flags_after_it_lets_them_go():
     serial.step([(u, g.clone()) for u, g in zip(units, grads)], c, 1e-2, 1, k)
     torch.cuda.synchronize()
     serial.close()
-    pinned = hostmem.Registration(state.master)
+    pinned = [hostmem.Registration(state.hi), hostmem.Registration(state.lo)]  # the transport's
     load = torch.cuda.Stream()
     stepper = GpuStepper(state, ADAMW, units, torch.float32, 1000, compute, load)
     with torch.cuda.stream(load):
@@ -215,9 +217,10 @@ def test_the_step_stream_reads_the_callers_flags_after_it_lets_them_go():
     stepper.wait()
     torch.cuda.synchronize()
     stepper.close()
-    pinned.close()
-    assert not torch.equal(ref.master, before.master)  # the reference stepped at all
-    for w in ("master", "exp_avg", "exp_avg_sq"):
+    for r in pinned:
+        r.close()
+    assert not torch.equal(ref.master(), before.master())  # the reference stepped at all
+    for w in BUFFERS:
         assert torch.equal(getattr(state, w), getattr(ref, w)), w
     del junk
 
@@ -261,9 +264,9 @@ def test_gpu_stepped_units_equal_serial_and_resident_ones():
     m.engine.forward_backward([MicroBatch(ids, ids)])
     assert stepper.h2d_bytes == 3 * state_bytes  # queued during the backward sweep
     # the stepped units' weights come from their step in both sweeps (and for the tied head): only
-    # the other units' cross, layers 3 and 4 twice
+    # the other units' cross, layers 3 and 4 twice, as the master's bf16 halves
     n = [u.numel for u in m.state.units]
-    assert m.transport.h2d_bytes - fetched == 4 * (2 * n[3] + 2 * n[4] + n[5])
+    assert m.transport.h2d_bytes - fetched == 2 * (2 * n[3] + 2 * n[4] + n[5])
     m.engine.step(1e-3, m.engine.clip_grad_norm(0.5)[1])
     assert stepper.h2d_bytes == stepper.d2h_bytes == 3 * state_bytes
     m.close()
@@ -274,9 +277,9 @@ def test_the_embeddings_rows_equal_the_serial_schedule_bitwise():
     Overlapped, the worker computes the next pass's rows ahead and the table's update after the
     other host units; serial, the fetch gathers the rows from the stepped table. Both equal the
     serial schedule that fetches the whole table, bit for bit (losses, norms, weights, moments),
-    with a clip that fires (clipadam's kernel) and one that does not (torch's); so do overlapped
-    and serial with GPU-stepped units after the embedding, a kept graph and the bf16 copy. Only
-    the rows cross the link: fewer bytes than the table."""
+    with a clip that fires and one that does not; so do overlapped and serial with GPU-stepped
+    units after the embedding and a kept graph. Only the rows cross the link: fewer bytes than the
+    table."""
     cfg = _cfg("llama")
     for max_norm in (0.5, 1e9):
         ref, _ = _train(cfg, _plan(gpu_grads=1), overlap=False, max_norm=max_norm)
@@ -286,7 +289,7 @@ def test_the_embeddings_rows_equal_the_serial_schedule_bitwise():
             diff = (ref[2] - got[2]).abs()
             assert torch.equal(ref[2], got[2]), f"{max_norm, overlap}: max {diff.max():.3g}"
             assert torch.equal(ref[3], got[3]), (max_norm, overlap)
-    plan = replace(_plan(gpu_grads=0, keep=1, stepped=2), embed_rows=True, host_weight_copy=True)
+    plan = replace(_plan(gpu_grads=0, keep=1, stepped=2), embed_rows=True)
     ref, _ = _train(cfg, plan, overlap=False)
     got, _ = _train(cfg, plan, overlap=True, staging=10_000)
     assert ref[0] == got[0] and ref[1] == got[1]
@@ -297,8 +300,8 @@ def test_the_embeddings_rows_equal_the_serial_schedule_bitwise():
         _steps(m, n_steps=2, vocab=200)  # 768 tokens a step of the table's first 200 rows
         moved.append(m.transport.h2d_bytes)
         m.close()
-    # a step: the table from the fp32 master (4 B a parameter), or at most 200 rows in bf16
-    assert moved[0] - moved[1] >= 2 * (4 * 512 * 256 - 2 * 200 * 256), moved
+    # a step: the table as the master's bf16 halves (2 B a parameter), or at most 200 rows in bf16
+    assert moved[0] - moved[1] >= 2 * (2 * 512 * 256 - 2 * 200 * 256), moved
 
 
 def test_the_rows_wait_for_the_next_pass_is_counted_apart_from_the_adamw():
@@ -336,10 +339,10 @@ def test_page_locking_in_pieces(monkeypatch):
     m = _build(cfg, _plan(gpu_grads=0))
     assert all(len(r.ptrs) >= 3 for r in m.transport._registrations)
     losses, norms = _steps(m)
-    diff = (ref[2] - m.state.master).abs()
+    diff = (ref[2] - m.state.master()).abs()
     assert ref[0] == losses, (ref[0], losses)
     assert ref[1] == norms, (ref[1], norms)
-    assert torch.equal(ref[2], m.state.master), (
+    assert torch.equal(ref[2], m.state.master()), (
         f"weights differ: max {diff.max():.3g}, {int((diff > 0).sum())} elements"
     )
     m.close()
@@ -349,14 +352,14 @@ def test_bf16_cuda_tracks_fp32_cpu():
     cfg = _cfg("llama")
     ref = build_model(cfg, seed=5, device="cpu", compute_dtype="float32", adamw=ADAMW)
     gpu = build_model(cfg, seed=5, device="cuda", compute_dtype="bfloat16", adamw=ADAMW)  # its own plan
-    w_init = ref.state.master.clone()
+    w_init = ref.state.master()
     l_ref, n_ref = _steps(ref)
     l_gpu, n_gpu = _steps(gpu)
     for a, b in zip(l_ref, l_gpu):
         assert abs(a - b) / a < 2e-2, (l_ref, l_gpu)
     for a, b in zip(n_ref, n_gpu):
         assert abs(a - b) / a < 5e-2, (n_ref, n_gpu)
-    d_ref, d_gpu = ref.state.master - w_init, gpu.state.master - w_init
+    d_ref, d_gpu = ref.state.master() - w_init, gpu.state.master() - w_init
     cos = torch.nn.functional.cosine_similarity(d_ref, d_gpu, dim=0)
     assert cos > 0.95, f"update directions differ: cosine {cos:.3f}"
     gpu.close()
@@ -370,7 +373,7 @@ def test_fp32_cuda_matches_cpu():
     l_gpu, _ = _steps(gpu, n_steps=2)
     assert l_ref == pytest.approx(l_gpu, rel=1e-4)
     # Adam divides by sqrt(v): where a gradient is ~0, rounding noise moves a weight by up to lr.
-    diff = (gpu.state.master - ref.state.master).abs()
+    diff = (gpu.state.master() - ref.state.master()).abs()
     assert (diff > 1e-4).float().mean() < 1e-4, f"max {diff.max():.3g} mean {diff.mean():.3g}"
     assert diff.max() < 2 * ADAMW.lr
     gpu.close()
@@ -414,7 +417,7 @@ def test_eval_after_an_async_step_sees_the_updated_weights(case):
 
         m.engine.step = step_then_eval
         losses, norms = _steps(m, max_norm=max_norm)
-        results.append((evals, losses, norms, m.state.master.clone()))
+        results.append((evals, losses, norms, m.state.master()))
         m.close()
     (e0, l0, n0, w0), (e1, l1, n1, w1), (_, l2, n2, w2) = results
     assert len(e0) == 4 and e0 == e1, (e0, e1)
@@ -590,9 +593,9 @@ def test_tiled_mlp_compiled_tracks_the_untiled_layer():
             cfg, seed=3, device="cuda", compute_dtype="bfloat16", adamw=ADAMW, plan=plan, compile=True
         )
         assert all(t.mlp.tile_tokens == tile for t in m.engine.layers.values())
-        w_init = m.state.master.clone()
+        w_init = m.state.master()
         losses, norms = _steps(m)
-        runs.append((losses, norms, m.state.master - w_init))
+        runs.append((losses, norms, m.state.master() - w_init))
         m.close()
     (l0, n0, d0), (l1, n1, d1) = runs
     assert l1 == pytest.approx(l0, rel=1e-2) and n1 == pytest.approx(n0, rel=3e-2), (l0, l1, n0, n1)
@@ -666,23 +669,42 @@ def test_tiled_layer_memory_is_what_the_probe_predicts():
     assert rest == pytest.approx(want["rest"], rel=0.15), msg
 
 
-# --------------------------------------------------------------------------- host_weight_copy
-def test_fetches_from_the_host_weight_copy_train_bitwise_as_from_the_fp32_master():
-    """The host-stepped units fetched from the bf16 copy (host/weightcopy.py), overlapped and
-    serial, equal the serial fp32 fetch: losses, norms, weights, moments; beside GPU-resident and
-    GPU-stepped units (not copied). Without either, the fetches move half the bytes."""
+# --------------------------------------------------------------------------- the master's halves
+def test_the_halves_rule_on_cuda_is_the_cpus_bit_for_bit():
+    """split, join and to_bf16 (host/split.py), the device-side halves of every CUDA path (the
+    fp32 fetch's join, the GPU-stepped and GPU-resident units' split and cast, the rollout's),
+    give on CUDA the CPU's bits: every high half beside low halves of either sign."""
+    from test_split import patterns
+
+    x = patterns().view(torch.float32)
+    cpu, gpu = split(x), split(x.cuda())
+    assert torch.equal(gpu.hi.cpu().view(torch.int16), cpu.hi.view(torch.int16))
+    assert torch.equal(gpu.lo.cpu(), cpu.lo)
+    assert torch.equal(join(gpu).cpu().view(torch.int32), x.view(torch.int32))
+    assert torch.equal(to_bf16(x.cuda()).cpu().view(torch.int16), cpu.hi.view(torch.int16))
+
+
+def test_fetches_move_the_halves_and_fp32_compute_equals_the_serial_schedule():
+    """A fetch in bf16 moves the master's `hi` (2 B a parameter), in fp32 both halves (4 B),
+    joined on the device: twice the bytes. In fp32, the overlapped schedule (GPU-resident and
+    GPU-stepped units, gradients in host memory, many chunks) equals the serial one bitwise, and
+    the weights a bf16 run fetched are the halves' `hi` (the resident units' cast by that rule)."""
     cfg = _cfg()
-    for plan in (_plan(), _plan(resident=1, stepped=2)):
-        ref, _ = _train(cfg, plan, overlap=False)
-        for overlap in (False, True):
-            got, _ = _train(cfg, replace(plan, host_weight_copy=True), overlap, staging=10_000)
-            assert ref[0] == got[0] and ref[1] == got[1]
-            assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
+    for plan in (_plan(gpu_grads=0), _plan(gpu_grads=0, resident=1, stepped=2)):
+        ref, _ = _train(cfg, plan, overlap=False, dtype="float32")
+        got, _ = _train(cfg, plan, overlap=True, staging=10_000, dtype="float32")
+        assert ref[0] == got[0] and ref[1] == got[1]
+        assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
     moved = []
-    for copy in (False, True):
-        m = _build(cfg, replace(_plan(), host_weight_copy=copy))
-        assert (m.state.copy is not None) == copy
+    for dtype in ("bfloat16", "float32"):
+        m = _build(cfg, _plan(), dtype=dtype)
         _steps(m, n_steps=2)
         moved.append(m.transport.h2d_bytes)
         m.close()
-    assert moved[0] > 0 and moved[1] * 2 == moved[0]
+    assert moved[0] > 0 and moved[0] * 2 == moved[1]
+    m = _build(cfg, _plan(resident=2))
+    m.transport.begin(m.state.units)
+    for u in m.state.units:
+        fetched = m.transport.fetch(u).cpu()
+        assert torch.equal(fetched.view(torch.int16), m.state.flat(u, "hi").view(torch.int16)), u.name
+    m.close()

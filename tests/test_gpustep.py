@@ -18,7 +18,8 @@ from megatrain.config import TrainConfig
 from megatrain.engine.gpustep import GpuStepper
 from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.errors import ConfigError
-from megatrain.host.state import STATE_BYTES, HostState, build_units
+from megatrain.host.split import HALF_BYTES, to_bf16
+from megatrain.host.state import BUFFERS, STATE_BYTES, HostState, build_units
 from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
 from megatrain.parallel.distributed import Single
@@ -86,8 +87,10 @@ def test_gpu_peak_grows_by_the_scratch_the_held_gradients_and_the_kept_weights()
     the fetch window."""
     n = _numel(A)
     scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK  # layers are larger
+    halves = 2 * HALF_BYTES * planspec.STAGING_CHUNK  # the master's halves landing and leaving
     p0, p8, pall = (_off(A, k, prestage=False) for k in (0, 8, 30))
     assert p8.gpu["GPU-stepped state (scratch)"] == scratch
+    assert p8.gpu["GPU-stepped weights' halves (landing, leaving)"] == halves
     assert "GPU-stepped state (scratch)" not in p0.gpu
     assert p8.gpu_peak >= p0.gpu_peak + scratch
     peaks0 = footprint.phase_peaks(A, STEP16K, p0)
@@ -111,6 +114,7 @@ def test_prestaged_state_waits_on_the_gpu_through_the_backward_sweep():
     assert list(p8.prestaged) == list(range(8)) and list(old8.prestaged) == []
     assert "GPU-stepped state (scratch)" not in p8.gpu
     assert p8.gpu["GPU-stepped state (prestaged)"] == STATE_BYTES * sum(n[:8])
+    assert p8.gpu["GPU-stepped weights' halves (landing, leaving)"] == 2 * HALF_BYTES * planspec.STAGING_CHUNK
     new, old = (footprint.phase_peaks(A, STEP16K, p) for p in (p8, old8))
     # beside them, the updated weights of layers 1..7 wait for their backward fetch (2 B/param)
     state, kept = STATE_BYTES * sum(n[:8]), 2 * sum(n[1:8])
@@ -143,8 +147,9 @@ def test_step_time_falls_while_the_cpu_optimizer_binds_and_rises_once_pcie_does(
 
 
 def test_gpu_stepping_costs_its_state_on_pcie():
-    """Each GPU-stepped parameter moves 8 bytes more each way (12 B of state where a streamed unit
-    moves a 4 B gradient out and 4 B of weights in for the next forward). Where nothing else
+    """Each GPU-stepped parameter moves 8 bytes more out and 10 more in (12 B of state where a
+    streamed unit moves a 4 B gradient out and 2 B of weights in for the next forward: the
+    master's bf16 half). Where nothing else
     binds, the link is the step: each direction's bytes at the one-way rate, or both together at
     the joint rate (PCIE_DUPLEX_GAIN times one direction's), whichever is longer; with either
     schedule (prestaged, less the layers' backward fetches, which take their kept weights). Where
@@ -152,7 +157,8 @@ def test_gpu_stepping_costs_its_state_on_pcie():
     sweep hides none of it), which goes in and out through two scratch slots at once, each
     further unit costing its 24 B/param at the joint rate; prestaged, the backward sweep carries
     it beside its own fetches and the way back overlaps the next sweeps, so each further unit
-    costs at least its state's way in and at most its bytes both ways, at the joint rate."""
+    costs at least its state's way in and at most its bytes both ways, at the joint rate, less
+    the backward fetches its kept weights save."""
     n, rate = _numel(A), planspec.PCIE_BYTES_S
     duplex = costmodel.PCIE_DUPLEX_GAIN * rate
     link_only = Machine("cuda", 139 * 2**30, 1000 * 2**30, gpu_flops=1e18, adam_params_s=1e15)
@@ -161,16 +167,17 @@ def test_gpu_stepping_costs_its_state_on_pcie():
         for k in (0, 4, 15, 30):
             t = _off(A, k, link_only, prestage=prestage).step_time_s
             # prestaged layers' backward fetches take their updated weights, kept on the GPU
-            saved = 4 * sum(n[1 : min(k, 29)]) if prestage else 0
-            h2d = 8 * total + 8 * sum(n[:k]) - saved  # two fetches a step, the state less a fetch
+            saved = 2 * sum(n[1 : min(k, 29)]) if prestage else 0
+            h2d = 4 * total + 10 * sum(n[:k]) - saved  # two fetches a step, the state less a fetch
             d2h = 4 * total + 8 * sum(n[:k])  # the gradients, the state less a gradient
             assert t == pytest.approx(max(h2d / rate, d2h / rate, (h2d + d2h) / duplex), abs=1e-4), k
     fast_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e15)
     t22, t30 = (_off(A, k, fast_cpu, prestage=False).step_time_s for k in (22, 30))
     assert t30 - t22 == pytest.approx(24 * sum(n[22:30]) / duplex, rel=1e-6)
     t22, t30 = (_off(A, k, fast_cpu, prestage=True).step_time_s for k in (22, 30))
-    both_ways = 24 * sum(n[22:30]) - 4 * sum(n[22:29])  # the state both ways, less the layers' fetches
-    assert 12 * sum(n[22:30]) / duplex - 1e-6 <= t30 - t22 <= both_ways / duplex + 1e-6
+    both_ways = 24 * sum(n[22:30]) - 2 * sum(n[22:29])  # the state both ways, less the layers' fetches
+    way_in = 12 * sum(n[22:30]) - 2 * sum(n[22:29])  # the state in, less the layers' fetches
+    assert way_in / duplex - 1e-6 <= t30 - t22 <= both_ways / duplex + 1e-6
 
 
 def test_gpu_stepping_in_every_gradient_mode_is_counted():
@@ -191,7 +198,9 @@ def test_gpu_stepping_in_every_gradient_mode_is_counted():
         )
     )
     n = _numel(cfg)
-    scratch = footprint.STEP_SLOTS * STATE_BYTES * planspec.STAGING_CHUNK
+    scratch = (
+        footprint.STEP_SLOTS * STATE_BYTES + 2 * HALF_BYTES
+    ) * planspec.STAGING_CHUNK  # and the halves'
     slow_cpu = Machine("cuda", 139 * 2**30, 1000 * 2**30, adam_params_s=1e9)  # it binds, not the link
     for mode, clip in (("two_pass", True), ("auto", False)):
         batch = placement.Batch(1024, 1, 1024, 2, clip)
@@ -335,7 +344,7 @@ def _state(cfg: ModelConfig, seed: int) -> HostState:
 
 def _copy(state: HostState) -> HostState:
     out = HostState(state.units)
-    for w in ("master", "exp_avg", "exp_avg_sq"):
+    for w in BUFFERS:
         getattr(out, w).copy_(getattr(state, w))
     return out
 
@@ -360,18 +369,18 @@ def test_the_stepper_steps_in_chunks_exactly_as_the_host_optimizer_steps_whole_u
         stepper.step([(u, gr.clone()) for u, gr in zip(units, grads)], coef, 1e-2, step)
         for u, gr in zip(units, grads):
             host.step_range(u, 0, u.numel, clip_scaled(gr, coef), 1e-2, step)
-        for w in ("master", "exp_avg", "exp_avg_sq"):
+        for w in BUFFERS:
             assert torch.equal(getattr(state, w), getattr(ref, w)), (step, w)
         for u in units:
             fresh, _ = stepper.take(u)
-            assert torch.equal(fresh, ref.flat(u).to(torch.bfloat16))
+            assert torch.equal(fresh, ref.flat(u, "hi"))
             assert stepper.take(u) is None
     assert stepper.take(state.units[3]) is None and 3 not in stepper and 2 in stepper
     assert stepper.h2d_bytes == stepper.d2h_bytes == 2 * 12 * sum(u.numel for u in units)
-    before = state.master.clone()
+    before = state.master()
     stepper.step([(units[0], torch.randn(units[0].numel))], None, 1e-2, 3, skip=torch.tensor(True))
-    assert torch.equal(state.master, before)
-    assert torch.equal(stepper.take(units[0])[0], before[: units[0].numel].to(torch.bfloat16))
+    assert torch.equal(state.master(), before)
+    assert torch.equal(stepper.take(units[0])[0], to_bf16(before[: units[0].numel]))
 
 
 def test_prestaged_stepping_equals_the_chunked_path_and_whole_unit_adamw_bitwise():
@@ -410,13 +419,13 @@ def test_prestaged_stepping_equals_the_chunked_path_and_whole_unit_adamw_bitwise
         if step < 4:
             for u, gr in zip(units, grads):
                 host.step_range(u, 0, u.numel, clip_scaled(gr.clone(), coef), 1e-2, step)
-        for w in ("master", "exp_avg", "exp_avg_sq"):
+        for w in BUFFERS:
             assert torch.equal(getattr(state, w), getattr(ref, w)), (step, w)
             assert torch.equal(getattr(chunked_state, w), getattr(ref, w)), (step, w)
         for u in units:
             fresh, _ = staged.take(u, keep=True)  # the forward sweep's fetch, then the backward's
             assert staged.take(u)[0] is fresh and staged.take(u) is None
-            assert torch.equal(fresh, ref.flat(u).to(torch.bfloat16)), (step, u.name)
+            assert torch.equal(fresh, ref.flat(u, "hi")), (step, u.name)
             assert torch.equal(fresh, chunked.take(chunked_state.units[u.index])[0])
     assert staged.h2d_bytes == staged.d2h_bytes + 12 * math.ceil(0.7 * total)  # the dropped load
 
@@ -459,5 +468,5 @@ def test_prestaged_write_backs_come_after_every_kernel_with_the_gradients_let_go
     host = HostAdamW(ref, adamw)
     for u, gr in zip(units, grads):
         host.step_range(u, 0, u.numel, clip_scaled(gr, torch.tensor(0.5)), 1e-2, 1)
-    for w in ("master", "exp_avg", "exp_avg_sq"):
+    for w in BUFFERS:
         assert torch.equal(getattr(state, w), getattr(ref, w)), w

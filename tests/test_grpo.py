@@ -13,17 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import saved_parameters, tiny_hf_model, tiny_tokenizer
+from helpers import fp32_parameters, saved_parameters, tiny_hf_model, tiny_tokenizer
 from safetensors.torch import load_file
 from test_parity import _decay_groups
 
 from megatrain.config import TrainConfig
 from megatrain.data.batch import MicroBatch
 from megatrain.errors import ConfigError
+from megatrain.host.split import cast, to_bf16
 from megatrain.models.config import ModelConfig
+from megatrain.models.family import layer_params
 from megatrain.objectives.grpo import GRPO, GRPOConfig, reference_copy_bytes
 from megatrain.objectives.losshead import Head
-from megatrain.planning.footprint import rollout_copy_bytes
 from megatrain.rl import rollout
 from megatrain.rl.rewards import RewardError
 from megatrain.rl.rollout import EVAL_STREAM, ROLLOUT_FILE, generation_order
@@ -758,7 +759,8 @@ def test_the_generation_order_is_a_permutation_of_the_seed_and_the_generation_ba
 
 
 def test_the_reference_copy_is_the_initial_weights_in_the_compute_dtype(setup):
-    """stages.grpo_reference: the initial weights, in bf16 as on a GPU, as many bytes as
+    """stages.grpo_reference: the initial weights, in bf16 as on a GPU by the master's halves'
+    rounding (the policy's own numbers before its first step: host/split.py), as many bytes as
     reference_copy_bytes counts for the plan; nothing without a KL term."""
     tmp_path, tok = setup
     args = dict(
@@ -772,7 +774,7 @@ def test_the_reference_copy_is_the_initial_weights_in_the_compute_dtype(setup):
     model_cfg = ModelConfig.from_json(tmp_path / "model")
     copy = grpo_reference(cfg, model_cfg, torch.bfloat16)
     for k, p in model(len(tok)).named_parameters():
-        assert torch.equal(copy[k], p.detach().to(torch.bfloat16)), k
+        assert torch.equal(copy[k].view(torch.int16), to_bf16(p.detach().float()).view(torch.int16)), k
     size = sum(v.numel() * v.element_size() for v in copy.values())
     assert size == reference_copy_bytes(model_cfg.num_params, 2, cfg.grpo()) > 0
     assert grpo_reference(TrainConfig(**args), model_cfg, torch.bfloat16) is None
@@ -917,27 +919,26 @@ def test_streamed_rollout_layers_train_as_resident_ones(setup):
     assert all(r.get("rollout/streamed_layers", 0) == 0 for r in resident[0])
 
 
-def test_streamed_layers_fetched_from_the_host_copy_train_as_resident_ones(setup):
-    """In bf16 the plan fetches the streamed layers from their copy in bf16 in host memory (cast
-    from the fp32 master every rollout, after the step): the run samples, trains and ends bitwise
-    as one that keeps every layer, each rollout fetching 2 bytes a streamed parameter a time."""
+def test_streamed_layers_fetched_from_the_masters_bf16_half_train_as_resident_ones(setup):
+    """In bf16 the streamed layers are fetched from the master weights' bf16 halves as they are
+    (host/split.py): the run samples, trains and ends bitwise as one that keeps every layer, each
+    rollout fetching 2 bytes a streamed parameter a time."""
     tmp_path, _ = setup
     kw = dict(max_steps=2, num_iterations=1, compute_dtype="bfloat16")
     resident = run(tmp_path, "resident", **kw)
-    records, rollouts, weights = run(tmp_path, "copied", rollout_resident_layers=0, **kw)
-    plan = json.loads((tmp_path / "copied" / "plan.json").read_text())["plan"]
-    assert plan["rollout_host_copy"] and plan["rollout_layers"] == 0
+    records, rollouts, weights = run(tmp_path, "streamed", rollout_resident_layers=0, **kw)
+    plan = json.loads((tmp_path / "streamed" / "plan.json").read_text())["plan"]
+    assert plan["rollout_layers"] == 0
     assert rollouts == resident[1]
     losses = [(r["loss"], r["grad_norm"]) for r in records if "loss" in r]
     assert losses == [(r["loss"], r["grad_norm"]) for r in resident[0] if "loss" in r]
     assert all(torch.equal(weights[k], resident[2][k]) for k in weights)
     model_cfg = ModelConfig.from_json(tmp_path / "model")
-    layer = rollout_copy_bytes(model_cfg, 0, 2) // model_cfg.num_hidden_layers  # one layer in bf16
+    layer = layer_params(model_cfg)[0] * 2  # one layer in bf16
     sampled = [r for r in records if "rollout/fetched_bytes" in r]
     fetched = [r["rollout/fetched_bytes"] for r in sampled]
     assert fetched and all(n % layer == 0 < n for n in fetched)
     assert all(n % (2 * layer) for n in fetched)  # an odd number of layers: not fp32 bytes
-    assert all(0 <= r["time/rollout_cast_s"] <= r["time/rollout_build_s"] for r in sampled)
 
 
 @pytest.mark.gpu
@@ -990,14 +991,14 @@ def test_on_cuda_the_policy_reads_device_resident_units_on_the_device(setup, mon
     seen = []
     build = rollout_module.Rollout._on_device
 
-    def checked(self, weights, host_copy=None):
+    def checked(self, weights):
         weights = [(n, t) for n, t in weights]
-        on_device = sum(t.device.type == "cuda" for _, t in weights)
+        on_device = sum(isinstance(t, torch.Tensor) and t.device.type == "cuda" for _, t in weights)
         self.model.transport.synchronize()  # host memory current: what the rollout used to read
-        host = dict(self.model.state.named_parameters())
-        assert all(torch.equal(t.cpu(), host[n]) for n, t in weights)
+        host = fp32_parameters(self.model.state)
+        assert all(torch.equal(cast(t, torch.float32).cpu(), host[n]) for n, t in weights)
         seen.append(on_device)
-        return build(self, weights, host_copy)
+        return build(self, weights)
 
     monkeypatch.setattr(rollout_module.Rollout, "_on_device", checked)
     run(tmp_path, max_steps=3, device="cuda", compute_dtype="float32")  # gpu_state auto: resident state

@@ -40,7 +40,7 @@ def _cfg(family="olmoe"):
 def _run(cfg, plan, overlap, max_norm=0.5):
     m = _build(cfg, plan, overlap, staging=10_000 if overlap else None)
     losses, norms = _steps(m, max_norm=max_norm)
-    out = (losses, norms, m.state.master.clone(), m.state.exp_avg_sq.clone())
+    out = (losses, norms, m.state.master(), m.state.exp_avg_sq.clone())
     m.close()
     return out
 

@@ -17,7 +17,7 @@ from megatrain.config import TrainConfig
 from megatrain.data.batch import MicroBatch
 from megatrain.engine.optim import AdamWConfig
 from megatrain.host.hostmem import PAGE, host_buffer, pieces
-from megatrain.host.state import HostState, build_units
+from megatrain.host.state import BUFFERS, HostState, build_units
 from megatrain.models.attention import span
 from megatrain.models.config import ModelConfig
 from megatrain.plan import batch_of
@@ -174,11 +174,12 @@ def test_registration_pieces_cut_only_at_unit_boundaries():
     assert pieces([10, 20, 30], 40, 25 * 4, 4) == [(0, 20), (20, 40)]
     assert pieces([10, 20, 30], 40, 10 * 4, 4) == [(0, 10), (10, 20), (20, 30), (30, 40)]
     assert pieces([], 40, 4, 4) == [(0, 40)]  # nowhere to cut: one piece, however large
-    # Units start on pages of their own, and host buffers start on a page.
+    # Units start on pages of their own in every buffer (the halves' 2-byte ones too), and host
+    # buffers start on a page.
     state = HostState(build_units(ModelConfig.from_hf(tiny_config("qwen3"))))
-    for which in ("master", "exp_avg", "exp_avg_sq"):
+    for which in BUFFERS:
         t = getattr(state, which)
-        assert all((t.data_ptr() + 4 * b) % PAGE == 0 for b in state.boundaries)
+        assert all((t.data_ptr() + t.element_size() * b) % PAGE == 0 for b in state.boundaries), which
     assert host_buffer(3).data_ptr() % PAGE == 0 and host_buffer(3).sum() == 0
 
 
@@ -209,20 +210,6 @@ def test_plan_command_needs_no_dataset_and_plans_for_another_machine(tmp_path, c
     assert "GPU memory at its peak" in stdout and "plan: gradients:" in stdout
     assert re.search(r"largest that fit.*max_length=\d+", stdout)
     assert not (tmp_path / "out").exists()
-
-
-def test_plan_command_says_a_forced_copy_with_no_unit_to_copy(tmp_path, capsys):
-    """`host_weight_copy: true` where the plan steps every unit's state on the GPU (a tiny model's
-    five units, `gpu_step_units: 5`): `megatrain plan` says the copy copies nothing, where it used
-    to fail on the copy's missing bytes; `auto` there plans without the copy."""
-    settings = _cuda_plan_run(tmp_path, gpu_state="off", gpu_step_units=5)
-    forced = write_yaml(tmp_path / "forced.yaml", dict(settings, host_weight_copy=True))
-    rc, stdout, _ = run_cli(capsys, "plan", forced)
-    assert rc == 0, stdout
-    assert "weights: host_weight_copy copies nothing here: every unit is GPU-resident" in stdout
-    rc, stdout, _ = run_cli(capsys, "plan", write_yaml(tmp_path / "auto.yaml", settings))
-    assert rc == 0, stdout
-    assert "host_weight_copy" not in stdout
 
 
 def test_planner_limit_trains_and_three_percent_past_it_is_refused(tmp_path, capsys):
@@ -449,9 +436,7 @@ def test_every_plan_takes_the_best_of_two_readings_of_the_host_adamw(monkeypatch
     steps then ran 4.46) and the plan stepped 31 units on the GPU where 25 measured 33% faster
     (bench/results/2026-11-27_2140_x2-summary.md). A reading is never above what the host does.
     `train`'s plan (preflight, as `megatrain plan` makes it) and the library's (`make_plan`, what
-    bench/ runs) complete the machine alike: the second reading, and whether the host optimizer
-    writes the weight copy in its own pass (train's plan once left that out, and costed the copy as
-    a cast of its own where the benchmarks' plans did not)."""
+    bench/ runs) complete the machine alike: the second reading."""
     from megatrain import plan as planning
     from megatrain import runtime
     from megatrain.planning import probe
@@ -462,7 +447,6 @@ def test_every_plan_takes_the_best_of_two_readings_of_the_host_adamw(monkeypatch
     monkeypatch.setattr(probe, "_adam_rate", lambda numel: next(readings))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(runtime, "configure_allocator", lambda: None)
-    monkeypatch.setattr(runtime, "copies_in_kernel", lambda: True)
     seen = []
 
     def layer_memory(cfg, *args):  # the layer's probe comes between the two readings
@@ -473,9 +457,8 @@ def test_every_plan_takes_the_best_of_two_readings_of_the_host_adamw(monkeypatch
     monkeypatch.setattr(probe, "layer_memory_for", layer_memory)
     cfg = ModelConfig.from_hf(tiny_config())
     if path == "make_plan":
-        auto = Choices(host_weight_copy=None)  # `auto`, the config's default
         plan, machine = runtime.make_plan(
-            cfg, "cuda", torch.bfloat16, choices=auto, max_gpu_memory=80 * GiB, max_host_memory=100 * GiB
+            cfg, "cuda", torch.bfloat16, max_gpu_memory=80 * GiB, max_host_memory=100 * GiB
         )
     else:
         run = TrainConfig(**make_run(tmp_path), output_dir=str(tmp_path / "out"), max_gpu_memory="80GiB",
@@ -483,7 +466,6 @@ def test_every_plan_takes_the_best_of_two_readings_of_the_host_adamw(monkeypatch
         plan, machine = planning.preflight(cfg, run, "cuda", 2)
     assert list(seen[0].values()) == [2.0e9]  # the first reading, before the layer's probe
     assert machine.adam_params_s == ADAM_IN_STEP * 5.0e9  # the second, faster one
-    assert machine.copy_in_kernel
     ((threads, _),) = probe._ADAM_RATES
     assert probe.adam_rate(threads, again=True) == 5.0e9  # a third reading, 3.0: the best is kept
     assert plan.step_time_s is not None

@@ -12,9 +12,8 @@ import torch
 import transformers
 from helpers import tiny_hf_model
 
-from megatrain.models.config import ModelConfig
-from megatrain.planning.footprint import rollout_copy_bytes
-from megatrain.rl.policy import HostCopy, PolicyModel
+from megatrain.host.split import Halves, split, to_bf16
+from megatrain.rl.policy import PolicyModel
 from megatrain.rl.sampling import RowSampler
 
 LAYERS, NEW = 3, 6
@@ -36,23 +35,22 @@ def sample(model, ids, mask, device, sampled: bool):
     ).cpu()  # fmt: skip
 
 
-def fp32_weights(hf, pinned=False):
-    """The host state's view of the weights: fp32 tensors under transformers' names (page-locked,
-    as the engine's transport keeps them, for the copies to be asynchronous)."""
-    out = [(n, p.detach().float().clone()) for n, p in hf.named_parameters()]
-    return [(n, w.pin_memory()) for n, w in out] if pinned else out
-
-
-def model_cfg(hf) -> ModelConfig:
-    return ModelConfig.from_hf(hf.config)
+def master_weights(hf, pinned=False):
+    """The host state's view of the weights: the fp32 master's halves under transformers' names
+    (page-locked, as the engine's transport keeps them, for the copies to be asynchronous)."""
+    out = [(n, split(p.detach().float())) for n, p in hf.named_parameters()]
+    return [(n, Halves(*(t.pin_memory() for t in h))) for n, h in out] if pinned else out
 
 
 def whole_model(hf, device, dtype):
     """The whole policy on the device, as transformers builds it in the compute dtype (RoPE's
-    frequencies stay fp32), the weights copied in."""
+    frequencies stay fp32), its weights the master's in that dtype: in bf16 the halves' `hi`."""
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf.config, dtype=dtype)
-    model.load_state_dict(hf.state_dict())
+    params = dict(hf.named_parameters())
+    state = {k: to_bf16(v.detach().float()) if k in params and dtype == torch.bfloat16 else v
+             for k, v in hf.state_dict().items()}  # fmt: skip
+    model.load_state_dict(state)
     return model.eval()
 
 
@@ -63,24 +61,16 @@ def check_same(device, dtype, tied=False):
     layer = sum(p.numel() for p in hf.model.layers[0].parameters())
     for sampled in (False, True):
         want = sample(resident, ids, mask, device, sampled)
-        for r, copied in ((0, False), (0, True), (1, False), (1, True), (LAYERS, False)):
-            # The host copy, where the compute dtype is not fp32: each streamed parameter in it once.
-            numel = rollout_copy_bytes(model_cfg(hf), r, dtype.itemsize) // dtype.itemsize
-            copy = HostCopy(numel, dtype, device) if copied and numel else None
-            weights = fp32_weights(hf, device == "cuda")
-            policy = PolicyModel(hf.config, weights, device, dtype, r, copy and copy.tensor)
+        for r in (0, 1, LAYERS):
+            policy = PolicyModel(hf.config, master_weights(hf, device == "cuda"), device, dtype, r)
             with policy as model:
                 got = sample(model, ids, mask, device, sampled)
             assert policy.streamed_layers == LAYERS - r
             # A forward (prefill, each step) fetches each streamed layer once, and the last one the
-            # first's again, for the next forward: from the copy in the compute dtype where there is
-            # one (half the fp32 bytes in bf16), else from the fp32 master.
-            size = dtype.itemsize if copy is not None else 4
+            # first's again, for the next forward: the master's bf16 half in bf16, both halves in fp32.
+            size = 2 if dtype == torch.bfloat16 else 4
             assert policy.fetched_bytes == (NEW * (LAYERS - r) + (r < LAYERS)) * layer * size
-            assert torch.equal(got, want), (r, copied, sampled, got, want)
-            if copy is not None:
-                assert policy.stream is None and numel == (LAYERS - r) * layer
-                copy.close()
+            assert torch.equal(got, want), (r, sampled, got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,31 +78,34 @@ def test_streamed_layers_sample_what_the_resident_model_does(dtype):
     check_same("cpu", dtype)
 
 
-def test_the_host_copy_rounds_as_the_device_cast_does():
-    """The cast into the host copy (a `copy_` on the CPU's threads) gives bitwise what `.to(bf16)`
-    gives, and both round to nearest even, as CUDA's cast does: ties, the largest finite values,
-    subnormals, infinities and random values, checked against the rounding done on the bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_streamed_and_resident_weights_are_the_masters_by_the_halves_rounding(dtype):
+    """A streamed layer's weights, and a resident one's, in bf16 are the master's `hi` bit for
+    bit (ties rounded away from zero, not to even: the engine's fetch's numbers), in fp32 the
+    master itself, joined from its halves; a unit whose fp32 state is on the device (a tensor
+    among the weights) is cast by the same rule."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7F7FFF, 0x00018000, 0x7F800000]).to(
+        torch.int32
+    )
     g = torch.Generator().manual_seed(0)
-    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0x7F7F7FFF, 0x00018000,
-                         0x80008000, 0x7F800000, 0xFF800000, 0x3F7FFFFF]).to(torch.int32)  # fmt: skip
-    x = torch.cat([bits.view(torch.float32), torch.randn(1 << 16, generator=g) * 1e3])
-    hf = tiny_hf_model("llama", num_hidden_layers=1)
-    weights = [(n, x.clone() if n.endswith("up_proj.weight") else w) for n, w in fp32_weights(hf)]
+    hf = tiny_hf_model("llama", num_hidden_layers=2)
     shape = hf.model.layers[0].mlp.up_proj.weight.shape
-    weights = [(n, w[: shape.numel()].view(shape) if n.endswith("up_proj.weight") else w) for n, w in weights]
-    x = x[: shape.numel()]
-    numel = rollout_copy_bytes(model_cfg(hf), 0, 2) // 2
-    copy = HostCopy(numel, torch.bfloat16, "cpu")
-    PolicyModel(hf.config, weights, "cpu", torch.bfloat16, 0, copy.tensor)
-    names = [n for n, _ in weights if n.startswith("model.layers.0.")]
-    at = sum(w.numel() for n, w in weights if n in names[: names.index("model.layers.0.mlp.up_proj.weight")])
-    got = copy.tensor[at : at + x.numel()].view(torch.int16).int() & 0xFFFF
-    assert torch.equal(got, x.to(torch.bfloat16).view(torch.int16).int() & 0xFFFF)
-    u = x.view(torch.int32).long() & 0xFFFFFFFF  # round to nearest even on the bits (finite values)
-    rne = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    finite = x.isfinite()
-    assert torch.equal(got[finite].long(), rne[finite])
-    assert torch.equal(got[~finite].long(), (u[~finite] >> 16))
+    x = torch.cat([bits.view(torch.float32), torch.randn(shape.numel(), generator=g)])[: shape.numel()].view(
+        shape
+    )
+    want = to_bf16(x) if dtype == torch.bfloat16 else x
+    assert dtype == torch.float32 or not torch.equal(want, x.to(torch.bfloat16))  # a tie that rounds apart
+    for layer in (0, 1):  # streamed (resident 1: layer 1 streamed), resident
+        name = f"model.layers.{layer}.mlp.up_proj.weight"
+        for as_tensor in (False, True):
+            weights = [(n, (x if as_tensor else split(x)) if n == name else h) for n, h in master_weights(hf)]
+            policy = PolicyModel(hf.config, weights, "cpu", dtype, resident=1)
+            module = policy.model.model.layers[layer].mlp.up_proj
+            if layer == 1:
+                policy.stream.before(0)  # layer 1 is the first streamed one: its weights in place
+            assert torch.equal(module.weight.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (layer, as_tensor)  # fmt: skip
+            policy.__exit__(None, None, None)
 
 
 def test_a_tied_head_and_missing_weights():
@@ -120,7 +113,9 @@ def test_a_tied_head_and_missing_weights():
     hf = tiny_hf_model("llama", num_hidden_layers=LAYERS)
     for missing in ("lm_head.weight", "model.layers.2.mlp.up_proj.weight"):  # resident, streamed
         with pytest.raises(ValueError, match=missing):
-            PolicyModel(hf.config, [w for w in fp32_weights(hf) if w[0] != missing], "cpu", torch.float32, 1)
+            PolicyModel(
+                hf.config, [w for w in master_weights(hf) if w[0] != missing], "cpu", torch.float32, 1
+            )
 
 
 def test_leaving_frees_the_model_at_once():
@@ -134,7 +129,7 @@ def test_leaving_frees_the_model_at_once():
     gc.disable()
     try:
         for r in (None, 1, 0):
-            policy = PolicyModel(hf.config, fp32_weights(hf), "cpu", torch.float32, resident=r)
+            policy = PolicyModel(hf.config, master_weights(hf), "cpu", torch.float32, resident=r)
             with policy as model:
                 sample(model, ids, mask, "cpu", False)
             gone = weakref.ref(model)
@@ -146,34 +141,28 @@ def test_leaving_frees_the_model_at_once():
 
 @pytest.mark.gpu
 def test_on_cuda_streamed_layers_sample_the_same_in_less_memory():
-    """On the GPU, bf16 from the fp32 weights: the same completions, and a peak while sampling
-    below the resident policy's by the streamed layers' bytes less the two bf16 buffers and, unless
-    the layers come from a bf16 host copy, the fp32 staging buffer."""
+    """On the GPU, bf16 from the master's halves: the same completions, and a peak while sampling
+    below the resident policy's by the streamed layers' bytes less the two bf16 buffers (the
+    halves' `hi` lands in them as it is: no staging buffer)."""
     check_same("cuda", torch.bfloat16)
     hf = tiny_hf_model(
         "llama", num_hidden_layers=8, hidden_size=512, intermediate_size=1536, attn_implementation="sdpa"
     )
     ids, mask = prompts(hf.config.vocab_size)
-    weights = fp32_weights(hf, pinned=True)
-    numel = rollout_copy_bytes(model_cfg(hf), 2, 2) // 2
+    weights = master_weights(hf, pinned=True)
     peaks = {}
-    for r, copied in ((None, False), (2, False), (2, True)):
-        copy = HostCopy(numel, torch.bfloat16, "cuda") if copied else None
+    for r in (None, 2):
         gc.collect()  # the last run's policy gone before the baseline
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
-        with PolicyModel(hf.config, weights, "cuda", torch.bfloat16, r, copy and copy.tensor) as model:
-            # while sampling: building the resident layers casts each fp32 tensor on the device
-            # (a transient of the largest tensor), which is not what streaming saves
+        with PolicyModel(hf.config, weights, "cuda", torch.bfloat16, r) as model:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             sample(model, ids, mask, "cuda", True)
-        peaks[r, copied] = torch.cuda.max_memory_allocated() - base
+        peaks[r] = torch.cuda.max_memory_allocated() - base
         del model
-        if copy is not None:
-            copy.close()
     layer = sum(p.numel() for p in hf.model.layers[0].parameters())
     streamed = 6 * layer * 2  # 6 layers' bf16 weights no longer on the device
-    for copied, kept in ((False, layer * (2 * 2 + 4)), (True, layer * 2 * 2)):  # two buffers (and a stage)
-        saved = peaks[None, False] - peaks[2, copied]
-        assert 0.9 * (streamed - kept) < saved < 1.1 * (streamed - kept), (copied, peaks, layer)
+    kept = layer * 2 * 2  # the two buffers
+    saved = peaks[None] - peaks[2]
+    assert 0.9 * (streamed - kept) < saved < 1.1 * (streamed - kept), (peaks, layer)

@@ -4,7 +4,6 @@ completions, the prefill) is kept out of the GPU budget the update is planned in
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import replace
@@ -18,7 +17,7 @@ from megatrain.config import TrainConfig
 from megatrain.errors import ConfigError
 from megatrain.models.config import ModelConfig
 from megatrain.planning.footprint import HOST_RESERVE, usable_gpu
-from megatrain.planning.placement import Machine, fmt_bytes
+from megatrain.planning.placement import Machine
 from megatrain.planning.placement import plan as make_placement
 from megatrain.planning.planspec import Plan
 
@@ -224,14 +223,13 @@ def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_
         lo, hi = (lo, mid) if fits(mid, rollout_resident_layers=12) else (mid, hi)
     machine = Machine("cuda", hi, 64 * GiB)
     got = planning.check(model_cfg, cfg, machine, 2)
-    assert got.fits and got.plan.rollout_layers == 12 and got.plan.rollout_host_copy
+    assert got.fits and got.plan.rollout_layers == 12
 
     batch, choices = planning.batch_of(cfg, model_cfg, 2), planning.choices_of(cfg)
 
     def update_fits(resident):
-        rollout = sum(planning.rollout_memory(cfg, model_cfg, 2, None, resident, host_copy=True).values())
-        copy = planning.rollout_copy_bytes(model_cfg, resident, 2)
-        room = Machine("cuda", machine.gpu_bytes - rollout, machine.host_bytes - copy)
+        rollout = sum(planning.rollout_memory(cfg, model_cfg, 2, None, resident).values())
+        room = Machine("cuda", machine.gpu_bytes - rollout, machine.host_bytes)
         try:
             make_placement(model_cfg, batch, room, choices)
             return True
@@ -242,13 +240,15 @@ def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_
     parts = planning.rollout_memory(cfg, model_cfg, 2, resident_layers=12)
     whole = planning.rollout_memory(cfg, model_cfg, 2)
     assert whole["policy weights"] - parts["policy weights"] == 12 * layer * 2
-    assert parts["streamed layers' buffers"] == layer * (2 * 2 + 4)  # two bf16 buffers, an fp32 stage
-    copied = planning.rollout_memory(cfg, model_cfg, 2, resident_layers=12, host_copy=True)
-    assert copied["streamed layers' buffers"] == layer * 2 * 2  # from the host copy: no stage
+    # two bf16 buffers the master's bf16 halves land in as they are; in fp32 two fp32 buffers and
+    # the halves' landing buffer
+    assert parts["streamed layers' buffers"] == layer * 2 * 2
+    fp32 = planning.rollout_memory(cfg, model_cfg, 4, resident_layers=12)
+    assert fp32["streamed layers' buffers"] == layer * (2 * 4 + 4)
     text = planreport.report(model_cfg, got, "a GPU", "bfloat16", cfg)
     assert (
         "rollout: 12 of 24 layers streamed through the GPU in every decode step (the first 12 "
-        f"resident), fetched from a bfloat16 copy in host memory ({fmt_bytes(12 * layer * 2)})" in text
+        "resident), fetched from host memory as the master weights' bf16 half" in text
     )
 
     roomy = Machine("cuda", 64 * GiB, 64 * GiB)
@@ -262,69 +262,12 @@ def test_a_policy_that_does_not_fit_beside_the_update_streams_the_fewest_layers_
         replace(cfg, rollout_resident_layers="some")
 
 
-def test_streamed_layers_are_fetched_from_a_host_copy_where_the_host_has_room_for_it():
-    """The plan keeps a copy of the streamed layers in the compute dtype in host memory (2 bytes a
-    parameter, one a process, page-locked: `rollout_copy_bytes`, the size the rollout allocates)
-    where the host holds it beside the update, counts it, and records the choice in plan.json;
-    on a host without room for it the layers are fetched from the fp32 master weights, and in
-    fp32 there is no copy to make."""
-    model_cfg, cfg = shapes()
-    cfg = replace(cfg, rollout_resident_layers=2)
-    machine = Machine("cuda", 80 * GiB, 64 * GiB)
-    p = planning.check(model_cfg, cfg, machine, 2).plan
-    copy = planning.rollout_copy_bytes(model_cfg, 2, 2)
-    whole = planning.rollout_memory(cfg, model_cfg, 2, None, 0)["policy weights"] // 2  # all but layers
-    assert copy == 4 * (model_cfg.num_params - whole) // 6 * 2  # 4 of 6 layers, 2 bytes a parameter
-    assert p.rollout_host_copy and p.host[planning.ROLLOUT_COPY] == copy
-    fp32 = planning.check(model_cfg, cfg, machine, 4).plan
-    assert not fp32.rollout_host_copy and planning.ROLLOUT_COPY not in fp32.host
-    assert (
-        planning.rollout_copy_bytes(model_cfg, 2, 4) == planning.rollout_copy_bytes(model_cfg, None, 2) == 0
-    )
-    assert Plan.from_json(json.loads(json.dumps(p.to_json()))).rollout_host_copy
-
-    without = p.host_total - copy  # the update's host memory, and the rest beside it
-    short = Machine("cuda", 80 * GiB, int((without + copy // 2) / (1 - HOST_RESERVE)))
-    tight = planning.check(model_cfg, cfg, short, 2).plan
-    assert not tight.rollout_host_copy and tight.host_total == without and tight.rollout_layers == 2
-    text = planreport.report(model_cfg, planning.check(model_cfg, cfg, short, 2), "a GPU", "bfloat16", cfg)
-    assert "fetched from the fp32 master weights" in text
-    roomy = Machine("cuda", 80 * GiB, int((without + copy) / (1 - HOST_RESERVE)) + 2**20)
-    assert planning.check(model_cfg, cfg, roomy, 2).plan.rollout_host_copy
-
-
-def test_rollout_host_copy_overrides_the_plans_choice():
-    """`rollout_host_copy: false` fetches the streamed layers from the fp32 master weights where
-    the plan would take the copy; `true` takes the copy where the plan would not, and a host
-    without room for it refuses the run in one line; neither changes a rollout that streams
-    nothing or a run in fp32; `auto` is the default and reads as the plan's own choice."""
-    model_cfg, cfg = shapes()
-    cfg = replace(cfg, rollout_resident_layers=2)
-    roomy = Machine("cuda", 80 * GiB, 64 * GiB)
-    auto = planning.check(model_cfg, cfg, roomy, 2).plan
-    assert auto.rollout_host_copy and cfg.rollout_host_copy is None
-    off = planning.check(model_cfg, replace(cfg, rollout_host_copy=False), roomy, 2).plan
-    assert not off.rollout_host_copy and planning.ROLLOUT_COPY not in off.host
-    assert off.rollout_layers == auto.rollout_layers == 2
-    copy = planning.rollout_copy_bytes(model_cfg, 2, 2)
-    assert off.host_total == auto.host_total - copy
-
-    # a host with room for the update but not for the copy: auto declines it, true is refused
-    short = Machine("cuda", 80 * GiB, int((off.host_total + copy // 2) / (1 - HOST_RESERVE)))
-    assert not planning.check(model_cfg, cfg, short, 2).plan.rollout_host_copy
-    forced = planning.check(model_cfg, replace(cfg, rollout_host_copy=True), short, 2)
-    assert forced.plan is None and "\n" not in forced.problem
-    assert re.match(r"no placement fits: host memory: .* \(with rollout_host_copy: true;", forced.problem)
-    on = planning.check(model_cfg, replace(cfg, rollout_host_copy=True), roomy, 2).plan
-    assert on.rollout_host_copy and on.host[planning.ROLLOUT_COPY] == copy
-
-    resident = replace(cfg, rollout_resident_layers=6, rollout_host_copy=True)  # nothing streams
-    assert not planning.check(model_cfg, resident, roomy, 2).plan.rollout_host_copy
-    assert not planning.check(
-        model_cfg, replace(cfg, rollout_host_copy=True), roomy, 4
-    ).plan.rollout_host_copy
+def test_the_retired_rollout_host_copy_key_is_refused_in_one_line():
+    """The rollout's copy of the streamed layers is gone (the master's bf16 half is fetched as it
+    is): the key is refused, saying why, and plan.json's of a run before keeps loading."""
     keys = {"model_config": "m", "dataset": "d"}
-    assert TrainConfig.from_dict({**keys, "rollout_host_copy": "auto"}).rollout_host_copy is None
-    assert TrainConfig.from_dict({**keys, "rollout_host_copy": False}).rollout_host_copy is False
-    with pytest.raises(ConfigError, match=r"^rollout_host_copy: expected bool"):
-        TrainConfig.from_dict({**keys, "rollout_host_copy": "sometimes"})
+    with pytest.raises(ConfigError, match=r"^config key 'rollout_host_copy' is retired: .*bf16 half") as e:
+        TrainConfig.from_dict({**keys, "rollout_host_copy": True})
+    assert "\n" not in str(e.value)
+    old = {**Plan("cuda", "stored", 0, 0, 0, 0, 64).to_json(), "rollout_host_copy": True}
+    assert Plan.from_json(old).rollout_layers is None

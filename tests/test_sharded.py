@@ -70,7 +70,11 @@ def whole(path: Path) -> dict[str, torch.Tensor]:
     state = HostState(build_units(cfg))
     load_hf_weights(state, path, cfg, progress=False)
     open_checkpoint(path, cfg).load_moments(state)
-    return {w: getattr(state, w).clone() for w in ("master", "exp_avg", "exp_avg_sq")}
+    return {
+        "master": state.master(),
+        "exp_avg": state.exp_avg.clone(),
+        "exp_avg_sq": state.exp_avg_sq.clone(),
+    }
 
 
 @pytest.mark.slow

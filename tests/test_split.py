@@ -97,8 +97,10 @@ def test_halves_write_into_views_and_refuse_other_shapes():
     assert torch.equal(out, x) and S.join(into[64:128]).equal(x[1])
     with pytest.raises(ValueError, match="halves of 192 elements for 64"):
         S.split_(x[0], into)
-    with pytest.raises(ValueError, match="contiguous float32"):
-        S.split(x.double())
+    with pytest.raises(ValueError, match="made from float32, not torch.int64"):
+        S.split(torch.arange(3))
+    assert torch.equal(S.join(S.split(x.t())), x.t())  # any layout, any float dtype, made fp32
+    assert torch.equal(S.join(S.split(x.to(torch.bfloat16))), x.to(torch.bfloat16).float())
 
 
 def test_cast_of_halves_and_of_other_dtypes():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from helpers import saved_parameters
+from helpers import fp32_parameters, saved_parameters
 from test_parity import _decay_groups, steps_against_plain_loop
 from vision_helpers import IMAGE, KEY_BIAS, VLMS, hf_inputs, tiny_vlm, vlm_batch
 
@@ -160,13 +160,13 @@ def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     model always."""
     hf = tiny_vlm(kind)
     mt = _megatrain(hf, tmp_path, tower=False, projector=projector)
-    before = dict((k, v.clone()) for k, v in mt.state.named_parameters())
+    before = fp32_parameters(mt.state)
     for step in range(3):
         mt.engine.forward_backward([vlm_batch(kind, seed=step)])
         graded = set(mt.engine.named_grads())
         norm, coef = mt.engine.clip_grad_norm(1.0)
         mt.engine.step(1e-2, coef)
-    after = dict(mt.state.named_parameters())
+    after = fp32_parameters(mt.state)
     embed = mt.state.units[0]
     tower_keys = [p.key for p in embed.params if "vision" in p.key or "visual.blocks" in p.key]
     proj_keys = [p.key for p in embed.params if "projector" in p.key or "merger" in p.key]

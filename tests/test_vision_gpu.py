@@ -63,7 +63,7 @@ def test_overlapped_equals_the_serial_schedule_bitwise(kind, plan, tmp_path):
             plan=replace(PLANS[plan], staging_elems=10_000),
             compile=False,
         )
-        runs.append((*_steps(m, kind), m.state.master.clone(), m.state.exp_avg_sq.clone()))
+        runs.append((*_steps(m, kind), m.state.master(), m.state.exp_avg_sq.clone()))
         m.close()
     (l0, n0, w0, v0), (l1, n1, w1, v1) = runs
     assert l0 == l1 and n0 == n1

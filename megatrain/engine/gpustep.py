@@ -9,8 +9,9 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
 
 * their gradients wait on the GPU for the clip (the plan counts them);
 * **prestaged** (`Plan.prestaged`: gradients held for the clip): the state's way in does not
-  depend on the clip coefficient, so each unit's fp32 master weights and two AdamW moments are
-  copied host->device during the backward sweep, into buffers of their own held until the step.
+  depend on the clip coefficient, so each unit's master weights (their halves, joined into fp32
+  on the GPU a chunk at a time: host/split.py) and two AdamW moments are copied host->device
+  during the backward sweep, into buffers of their own held until the step.
   The transport says how far the sweep has come (`prestage`); the copies queue on its
   host->device stream a share at a time, behind the sweep's own weight fetches, in the order the
   units will be stepped. After the clip only the kernels and the way back remain: every unit's
@@ -20,7 +21,8 @@ numbers, so a unit stepped this way ends bitwise where a resident one would:
   plan without prestage): after the clip, each unit's state is copied in a chunk at a time into
   one of `STEP_SLOTS` scratch slots, stepped there and copied back; one slot loads while the
   other is stepped and written back (AdamW is elementwise: chunks change nothing);
-* either way, the updated weights are cast to the compute dtype into a buffer that the unit's next
+* either way, the updated weights go back as their halves (split on the GPU) and in the compute
+  dtype (in bf16 the halves' `hi`, the numbers a fetch brings) into a buffer that the unit's next
   fetch takes as it is (`take`): the next forward sweep's weights of these units never cross PCIe.
   Prestaged units keep it for every fetch of the next step's schedule (the backward sweep's, a
   tied head's): their weights cross PCIe only as part of their state. Any later fetch, and the
@@ -40,11 +42,12 @@ import math
 import torch
 
 from ..host.hostmem import Registration
-from ..host.state import HostState, Unit
+from ..host.split import HI, Halves, join_, split_, to_bf16
+from ..host.state import MOMENTS, STATE_BYTES, HostState, Unit
 from ..planning.footprint import STEP_SLOTS
 from .optim import AdamWConfig, adamw_range, chunk_ranges, clip_scaled
 
-STATE = ("master", "exp_avg", "exp_avg_sq")
+STATE = ("master", *MOMENTS)  # the rows of a unit's state on the GPU: fp32 weights, moments
 
 
 def _mark(stream) -> torch.cuda.Event | None:
@@ -91,6 +94,9 @@ class GpuStepper:
         self.prestaging = prestage
         slots = 0 if prestage else STEP_SLOTS
         self.slots = [torch.empty(len(STATE), self.chunk, device=self.device) for _ in range(slots)]
+        # The master weights cross as their halves, a chunk at a time through these: joined into
+        # fp32 on the load stream, split from it on the step stream (host/split.py's rule).
+        self.landing, self.leaving = (self._halves(self.chunk) for _ in range(2))
         self._free: list[torch.cuda.Event | None] = [None] * slots  # slot written back
         self._next = 0  # the slot the next chunk loads into
         # Prestaged state: unit -> (its master and moments on the GPU, elements loaded, the event
@@ -103,6 +109,34 @@ class GpuStepper:
         self._registrations = self._register(units)
         self.h2d_bytes = self.d2h_bytes = 0  # accounting for benchmarks
 
+    def _halves(self, n: int) -> Halves:
+        return Halves(
+            torch.empty(n, dtype=HI, device=self.device),
+            torch.empty(n, dtype=torch.int16, device=self.device),
+        )
+
+    def _get_master(self, unit: Unit, a: int, b: int, p: torch.Tensor) -> None:
+        """Queue on the current stream (the load stream) the master weights [a, b) of `unit` into
+        `p` (fp32 on the GPU): their halves copied in, then joined."""
+        for c in range(a, b, self.chunk):
+            d = min(b, c + self.chunk)
+            stage = self.landing[: d - c]
+            for dst, src in zip(stage, self.state.halves(unit, c, d)):
+                dst.copy_(src, non_blocking=True)
+            join_(stage, p[c - a : d - a])
+
+    def _put_master(self, unit: Unit, a: int, p: torch.Tensor, fresh: torch.Tensor | None = None) -> None:
+        """Queue on the current stream (the step stream) `p`, the unit's fp32 master weights from
+        element `a` on, into host memory as their halves; and into `fresh` (the compute dtype, the
+        same range) where given: in bf16 their `hi`, as a fetch would bring them."""
+        for c in range(0, p.numel(), self.chunk):
+            d = min(p.numel(), c + self.chunk)
+            stage = split_(p[c:d], self.leaving[: d - c])
+            if fresh is not None:
+                fresh[c:d].copy_(stage.hi if fresh.dtype == HI else p[c:d])
+            for dst, src in zip(self.state.halves(unit, a + c, a + d), stage):
+                dst.copy_(src, non_blocking=True)
+
     def _register(self, units: list[Unit]) -> list[Registration]:
         """Page-lock the moments of `units` (the transport locks all master weights): copies from
         pageable memory would run 7x slower and block this thread."""
@@ -110,7 +144,7 @@ class GpuStepper:
             return []
         lo, hi = units[0].start, units[-1].start + units[-1].numel
         cuts = [u.start - lo for u in units]
-        return [Registration(getattr(self.state, w)[lo:hi], cuts) for w in STATE[1:]]
+        return [Registration(getattr(self.state, w)[lo:hi], cuts) for w in MOMENTS]
 
     def __contains__(self, index: int) -> bool:
         return index in self.units
@@ -144,10 +178,11 @@ class GpuStepper:
                 self._held[unit.index] = (buf, 0, None)
             buf, done, _ = self._held[unit.index]
             assert done == a, (unit.name, done, a)
-            for which, t in zip(STATE, buf):
+            for which, t in zip(MOMENTS, buf[1:]):
                 t[a:b].copy_(self.state.flat(unit, which)[a:b], non_blocking=True)
+            self._get_master(unit, a, b, buf[0][a:b])
             self._held[unit.index] = (buf, b, _mark(self.load))
-        self.h2d_bytes += len(STATE) * 4 * (b - a)
+        self.h2d_bytes += STATE_BYTES * (b - a)
 
     def discard(self) -> None:
         """Drop the prestaged state (a step skipped or begun again): host memory holds it as it was."""
@@ -204,19 +239,23 @@ class GpuStepper:
         p, m, v = buf
         with torch.cuda.stream(self.stream):
             adamw_range(unit, 0, unit.numel, p, clip_scaled(grad, coef), m, v, self.cfg, lr, step, skip)
-            fresh.copy_(p)  # the same rounding as a fetch's cast of the fp32 master
+            if fresh.dtype == HI:  # the halves' hi, as a fetch would bring it
+                to_bf16(p, out=fresh)
+            else:
+                fresh.copy_(p)
             self._fresh[unit.index] = (fresh, _mark(self.stream))
 
     def _write_back(self, unit: Unit) -> None:
         """Queue the copy of a stepped unit's prestaged state to host memory, and let the buffer go."""
         buf, _, _ = self._held.pop(unit.index)
         with torch.cuda.stream(self.stream):
-            for which, t in zip(STATE, buf):
+            for which, t in zip(MOMENTS, buf[1:]):
                 self.state.flat(unit, which).copy_(t, non_blocking=True)
+            self._put_master(unit, 0, buf[0])
             self._written[unit.index] = _mark(self.stream)
         if self.overlap:
             buf.record_stream(self.stream)  # freed on return; not reused before the copy is done
-        self.d2h_bytes += len(STATE) * 4 * unit.numel
+        self.d2h_bytes += STATE_BYTES * unit.numel
 
     def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:
         """AdamW through the scratch slots, a chunk at a time."""
@@ -226,13 +265,13 @@ class GpuStepper:
             with torch.cuda.stream(self.stream):
                 g = clip_scaled(grad[a:b], coef)
                 adamw_range(unit, a, b, p, g, m, v, self.cfg, lr, step, skip, base=a)
-                fresh[a:b].copy_(p)  # the same rounding as a fetch's cast of the fp32 master
+                self._put_master(unit, a, p, fresh[a:b])
                 if i == len(ranges) - 1:
                     self._fresh[unit.index] = (fresh, _mark(self.stream))
-                for which, t in zip(STATE, (p, m, v)):
+                for which, t in zip(MOMENTS, (m, v)):
                     self.state.flat(unit, which)[a:b].copy_(t, non_blocking=True)
                 self._free[s] = _mark(self.stream)
-            self.d2h_bytes += len(STATE) * 4 * (b - a)
+            self.d2h_bytes += STATE_BYTES * (b - a)
         self._written[unit.index] = self._free[s]
 
     def _load(self, unit: Unit, a: int, b: int) -> tuple[int, list[torch.Tensor]]:
@@ -244,11 +283,12 @@ class GpuStepper:
         with torch.cuda.stream(self.load):
             _wait(self.load, self._free[s])  # the slot's previous chunk is back in host memory
             _wait(self.load, self._written.get(unit.index))  # and the unit's previous update
-            for which, t in zip(STATE, views):
+            for which, t in zip(MOMENTS, views[1:]):
                 t.copy_(self.state.flat(unit, which)[a:b], non_blocking=True)
+            self._get_master(unit, a, b, views[0])
             loaded = _mark(self.load)
         _wait(self.stream, loaded)
-        self.h2d_bytes += len(STATE) * 4 * (b - a)
+        self.h2d_bytes += STATE_BYTES * (b - a)
         return s, views
 
     # ------------------------------------------------------------- after the step

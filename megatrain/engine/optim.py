@@ -1,6 +1,6 @@
 """AdamW on the host-resident fp32 master weights (the learning-rate schedules: schedule.py).
 
-The update is torch's fused CPU AdamW kernel (`torch._fused_adamw_`, what
+The update is torch's fused CPU AdamW kernel's arithmetic (`torch._fused_adamw_`, what
 `torch.optim.AdamW(fused=True)` calls), applied to any sub-range of a unit's flat state: AdamW
 is elementwise, so stepping a unit in chunks as its gradients arrive gives bitwise the same
 result as stepping it whole, where the chunks are cut at multiples of 64 elements (the kernel
@@ -9,10 +9,11 @@ vector loop's; its threads split a tensor at multiples of 16 elements, so that l
 tensor's last length-mod-8-or-16 elements whatever the thread count, and a cut at a multiple of
 64 leaves every element in the loop it takes in the whole tensor; parameters start on 64-element
 boundaries, and every cut the engine makes is on one). Semantics follow the Hugging Face
-Trainer: no weight decay on biases and norm weights, one global step count. Where the clip fires
-on gradients held in host memory, or a bf16 copy of the weights is kept (host_weight_copy), a
-kernel of ours that repeats torch's arithmetic steps instead and multiplies, or writes the copy, in
-the same pass (`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise. Two other ways
+Trainer: no weight decay on biases and norm weights, one global step count. The master weights
+are two 16-bit halves (host/split.py): a kernel of ours that repeats torch's arithmetic reads and
+writes them in its one pass, and multiplies by the clip coefficient as it steps
+(`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise; elsewhere torch's kernel
+steps fp32 made from the halves a piece at a time and split back. Two other ways
 to take the multiply off the pass were measured and removed: the gradient scaled in cache-sized
 pieces just before each is stepped (27-60% of the kernel on a 64-core host, against 67% for the
 multiply's own pass), and the multiply on threads of its own beside the kernel (69-79% on 16- and
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from ..host.hostmem import populate
+from ..host.split import Halves, cast, join
 from ..host.state import HostState, Unit
-from ..host.weightcopy import WeightCopy
 from ..parallel.distributed import Collective, Single
 from . import clipadam
 
@@ -43,21 +44,18 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-# Whether a clip that fires is stepped by the kernel that multiplies as it steps
-# (`clipadam.py`: one read of the gradient, 28 bytes an element against 36), and the bf16 copy of
-# the weights (host_weight_copy) written in its pass rather than cast after it, where it builds and
-# its results equal torch's kernel on this host (checked once a process; else torch's kernel after
-# a multiply of its own, and a warning says why). The engine's clipped pass against torch's kernel
+# Whether the host AdamW is clipadam's kernel, which steps the master weights' halves in its pass
+# and multiplies a clip that fires as it steps (one read of the gradient, 28 bytes an element
+# against 36), where it builds and its results equal torch's kernel on this host (checked once a
+# process; else torch's kernel on fp32 made from the halves, after a multiply of its own, and a
+# warning says why). The engine's clipped pass against torch's kernel
 # at the same state size, with it and without: 111% against 69% on a 16-core host (2.58B),
 # 99% against 61% on a 32-core host (5.0B), 105% against 71% on the 2-core development host
 # (results/2026-11-27_1256_h100-adamw-engine.md, _1254_x2-adamw-engine.md, _1202_adamw-engine.md).
 FUSED_CLIP = True
-
-
-def copies_in_kernel() -> bool:
-    """Whether the host AdamW writes a bf16 copy of the weights (host_weight_copy) in its own
-    kernel's pass here: `FUSED_CLIP`, and clipadam's kernel builds and checks on this host."""
-    return FUSED_CLIP and clipadam.load()[0] is not None
+# Elements of the fp32 weights torch's kernel steps at a time, made from the halves and split
+# back (a multiple of 64: cuts there leave each element in the loop it takes in a whole tensor).
+PASS_CHUNK = 1 << 18
 
 
 def chunk_ranges(unit: Unit, max_elems: int, span: tuple[int, int] | None = None) -> list[tuple[int, int]]:
@@ -158,8 +156,7 @@ class HostAdamW:
         self.state, self.cfg = state, cfg
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
-        # clipadam's kernel steps a clip that fires and writes the bf16 copy, where it is available
-        # (FUSED_CLIP)
+        # clipadam's kernel steps the halves, where it is available (FUSED_CLIP)
         self.fused_clip = FUSED_CLIP
         self._fused: clipadam.ClipAdamW | None = None
 
@@ -183,28 +180,51 @@ class HostAdamW:
         self.world.updated(unit)
 
     def step_range(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, lr: float, step: int) -> None:
-        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range. A unit of the disk
-        tier is stepped a block at a time, on its moments staged in host memory (host/disk.py).
-        Each range stepped is cast into the state's compute-dtype copy at once (host/weightcopy.py):
-        in the kernel's own pass where clipadam's kernel writes it (`_kernel`)."""
-        kernel = self._kernel(unit, None)
-        if kernel is not None:
-            self._step_fused(kernel, unit, lo, hi, grad, None, lr, step)
-            return
+        """Update elements [lo, hi) of `unit`; `grad` holds exactly that range (multiplied by the
+        clip coefficient already)."""
+        self._step(unit, lo, hi, grad, None, lr, step)
+
+    def _step(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, coef, lr: float, step: int) -> None:
+        """Elements [lo, hi) of `unit` from `grad` (exactly that range) times `coef` (a float, for
+        clipadam's kernel alone; None: as it is). A unit of the disk tier is stepped a block at a
+        time, on its moments staged in host memory (host/disk.py)."""
         if unit.index not in self._populated:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
-        p, tier = st.flat(unit), st.tier
+        tier = st.tier
         if tier is None or not tier.holds(unit):
             m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
-            adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=base)
-            st.written(unit, lo, hi)  # the compute-dtype copy, while the range is in cache
+            self._pass(unit, lo, hi, grad, m[lo - base :], v[lo - base :], coef, lr, step)
             return
         for a, b in tier.blocks(unit, lo, hi):
             with tier.staged(unit, a, b) as (m, v):
-                g = grad[a - lo : b - lo]
-                adamw_range(unit, a, b, p[a - base :], g, m, v, self.cfg, lr, step, base=a)
-            st.written(unit, a, b)
+                self._pass(unit, a, b, grad[a - lo : b - lo], m, v, coef, lr, step)
+
+    def _pass(self, unit: Unit, lo: int, hi: int, grad, m, v, coef, lr: float, step: int) -> None:
+        """AdamW on elements [lo, hi) of `unit`, `m` and `v` its moments from `lo` on and `grad`
+        exactly the range: clipadam's kernel on the halves, the same tensors as torch's kernel is
+        given (`tensors`), each split over the optimizer's threads, `grad` left unscaled; else
+        torch's kernel on the weights made fp32 from the halves and split back, cut at multiples
+        of PASS_CHUNK (64 elements' multiples: bitwise the range stepped whole)."""
+        kernel = self._loaded()
+        if kernel is not None:
+            hyper = (lr, step, self.cfg.betas, self.cfg.eps)
+            for decay, spans in tensors(unit, lo, hi).items():
+                wd = self.cfg.weight_decay if decay else 0.0
+                for a, b in spans:
+                    s = slice(a - lo, b - lo)
+                    p = self.state.halves(unit, a, b)
+                    kernel.step(p, grad[s], m[s], v[s], coef, *hyper, wd, torch.get_num_threads())
+            return
+        assert coef is None, "torch's kernel steps a gradient multiplied already"
+        a = lo
+        while a < hi:
+            b = min(hi, (a // PASS_CHUNK + 1) * PASS_CHUNK)
+            p = self.state.master(unit, a, b)
+            g, mm, vv = grad[a - lo : b - lo], m[a - lo : b - lo], v[a - lo : b - lo]
+            adamw_range(unit, a, b, p, g, mm, vv, self.cfg, lr, step, base=a)
+            self.state.set_master(unit, a, p)
+            a = b
 
     def _populate(self, unit: Unit) -> None:
         """Before the first update of `unit`, the pages of this process's span of its moments
@@ -226,12 +246,11 @@ class HostAdamW:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
         covers the span; scaled in place, but by clipadam's kernel), times the clip coefficient (a
         host tensor; None: not clipped): the optimizer worker's pass over held gradients. A clip
-        that fires is stepped by clipadam's kernel where asked for and available (`fused_clip`),
-        else multiplied `chunk` elements at a time before torch's kernel steps them."""
+        that fires is multiplied in clipadam's pass where asked for and available (`fused_clip`),
+        else `chunk` elements at a time before torch's kernel steps them."""
         lo, hi = self.span(unit)
-        kernel = self._kernel(unit, coef)
-        if kernel is not None:
-            self._step_fused(kernel, unit, lo, hi, grad, coef.item() if multiplies(coef) else None, lr, step)
+        if self._loaded() is not None:
+            self._step(unit, lo, hi, grad, coef.item() if multiplies(coef) else None, lr, step)
             return
         for a, b in chunk_ranges(unit, chunk, (lo, hi)):
             self.step_range(unit, a, b, clip_scaled(grad[a - lo : b - lo], coef), lr, step)
@@ -260,18 +279,20 @@ class HostAdamW:
         tensors' lengths are multiples of KERNEL_TAIL (a hidden size the plan allows), as every
         element of the copies does in theirs."""
         spec = unit.params[0]
-        p, m, v = (
+        table = self.state.halves(unit, spec.offset, spec.offset + spec.numel).view(spec.shape)
+        m, v = (
             self.state.flat(unit, w)[spec.offset : spec.offset + spec.numel].view(spec.shape)
-            for w in ("master", "exp_avg", "exp_avg_sq")
+            for w in ("exp_avg", "exp_avg_sq")
         )
         wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
         kernel = self._loaded()
         if kernel is not None and out.dtype == torch.bfloat16:
             c = coef.item() if multiplies(coef) else None
             hyper = (lr, step, self.cfg.betas, self.cfg.eps, wd, torch.get_num_threads())
-            kernel.rows((p, grad, m, v), rows, out, c, *hyper, index=index)
+            kernel.rows((table, grad, m, v), rows, out, c, *hyper, index=index)
             return
-        p, m, v = (t.index_select(0, rows) for t in (p, m, v))
+        p = join(Halves(table.hi.index_select(0, rows), table.lo.index_select(0, rows)))
+        m, v = (t.index_select(0, rows) for t in (m, v))
         if index is None:
             g = grad.index_select(0, rows)
         else:
@@ -280,18 +301,7 @@ class HostAdamW:
             [p], [clip_scaled(g, coef)], [m], [v], [], [torch.full((), float(step))],
             amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=self.cfg.eps, maximize=False,
         )  # fmt: skip
-        out.copy_(p)
-
-    def _kernel(self, unit: Unit, coef: torch.Tensor | None) -> clipadam.ClipAdamW | None:
-        """clipadam's kernel where it saves a pass over a unit in host memory: a clip that fires
-        (the multiply), or a bf16 copy of the unit's weights to write (the cast); where asked for
-        (`fused_clip`) and available here. None: torch's kernel, after the multiply, then the cast."""
-        tier = self.state.tier
-        if not self.fused_clip or (tier is not None and tier.holds(unit)):
-            return None
-        if not (multiplies(coef) or self._bf16_copy(unit) is not None):
-            return None
-        return self._loaded()
+        out.copy_(cast(p, out.dtype))  # a fetch's rounding (host/split.py)
 
     def _loaded(self) -> clipadam.ClipAdamW | None:
         """clipadam's kernel where asked for (`fused_clip`) and it builds and checks here."""
@@ -302,45 +312,7 @@ class HostAdamW:
             if self._fused is None:
                 self.fused_clip = False
                 log.warning(
-                    "host AdamW: torch's kernel, the clip's multiply and the copy's cast apart (%s)", why
+                    "host AdamW: torch's kernel on fp32 made from the halves, the clip's multiply apart (%s)",
+                    why,
                 )
         return self._fused
-
-    def _step_fused(
-        self,
-        kernel: clipadam.ClipAdamW,
-        unit: Unit,
-        lo: int,
-        hi: int,
-        grad: torch.Tensor,
-        coef: float | None,
-        lr: float,
-        step: int,
-    ) -> None:
-        """Elements [lo, hi) of `unit` stepped by the kernel that multiplies as it steps (`coef`;
-        None: no clip) and writes the state's bf16 copy of the weights where it holds the unit:
-        the same tensors as torch's kernel is given (`tensors`), each split over the optimizer's
-        threads; `grad` (covering [lo, hi)) is left unscaled."""
-        if unit.index not in self._populated:
-            self._populate(unit)
-        st, base = self.state, self.state.part(unit)[0]
-        p, m, v = st.flat(unit), st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
-        bf16, hyper = self._bf16_copy(unit), (lr, step, self.cfg.betas, self.cfg.eps)
-        for decay, spans in tensors(unit, lo, hi).items():
-            wd = self.cfg.weight_decay if decay else 0.0
-            for a, b in spans:
-                sl, gl = slice(a - base, b - base), slice(a - lo, b - lo)
-                into = None if bf16 is None else bf16.range(unit, a, b)
-                kernel.step(
-                    p[sl], grad[gl], m[sl], v[sl], coef, *hyper, wd, torch.get_num_threads(), copy=into
-                )
-                if bf16 is None:
-                    st.written(unit, a, b)  # a copy the kernel does not write (fp16), cast apart
-
-    def _bf16_copy(self, unit: Unit) -> WeightCopy | None:
-        """The state's compute-dtype copy of the weights where it holds `unit` and is bf16, the
-        dtype clipadam's kernel writes (host/weightcopy.py's `WeightCopy`); else None."""
-        copy = self.state.copy
-        if copy is None or not copy.holds(unit) or copy.dtype != torch.bfloat16:
-            return None
-        return copy

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host.split import Halves, cast
 from ..host.state import HostState, Unit
 from ..planning.planspec import ROW_HEADROOM
 from .optim import HostAdamW
@@ -139,8 +140,9 @@ class EmbeddingRows:
             ready()
             self._wait_read()
             self.out = _room(self.out, n)
-            table = self.state.flat(self.unit)[self.span].view(self.vocab, self.width)
-            self.out[:n].view(-1, self.width).copy_(table.index_select(0, rows))
+            table = self.state.halves(self.unit)[self.span].view(self.vocab, self.width)
+            picked = Halves(table.hi.index_select(0, rows), table.lo.index_select(0, rows))
+            self.out[:n].view(-1, self.width).copy_(cast(picked, self.out.dtype))
         with torch.cuda.stream(h2d):
             buf = torch.empty(n, dtype=self.out.dtype, device=device)
             buf.copy_(self.out[:n], non_blocking=True)

@@ -5,13 +5,12 @@ The engine asks for one unit's weights at a time (`fetch`) in an order it announ
 known (`hold`, then `step` for all of them) or stepped at once (`step_unit`), as the placement
 plan says (placement.py). Two implementations of the `Transport` protocol:
 
-* `SerialTransport`: the plain schedule. Each fetch copies a unit's fp32 master to the device
-  (on the CPU with fp32 compute it is the master itself); every update runs inline. This is the
+* `SerialTransport`: the plain schedule. Each fetch copies a unit's master weights to the device
+  (on the CPU in bf16 they are the state's own `hi`); every update runs inline. This is the
   reference the fast path must equal.
 
-Where the state keeps a compute-dtype copy of the host-stepped units' master weights
-(`host_weight_copy`, host/weightcopy.py), both fetch those units from it (`source`): half the
-bytes in bf16, no cast on the device, the same numbers.
+Both fetch from the master weights' halves (host/split.py): in bf16 their `hi` alone, as it is
+(2 bytes a parameter, no cast on the device), in fp32 both halves, joined on the device.
 
 * `StreamingTransport` (CUDA): the overlapped schedule. Host->device copies run on their own
   stream, `prefetch` units ahead of compute, from master weights page-locked in place. Held
@@ -48,7 +47,8 @@ from typing import Protocol
 import torch
 
 from ..host.hostmem import Registration, host_buffer
-from ..host.state import HostState, Unit
+from ..host.split import HALF_BYTES, Halves, join_, split, to_bf16, to_device
+from ..host.state import MOMENTS, HostState, Unit
 from ..parallel.distributed import Collective, Single
 from ..planning.placement import Plan, optimizer_threads
 from .gpustep import GpuStepper
@@ -130,15 +130,6 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def source(state: HostState, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-    """Where a fetch of elements [lo, hi) of `unit` reads from: the compute-dtype copy of the
-    master weights where the state keeps one for the unit (host/weightcopy.py), else the fp32
-    master weights, cast on the device."""
-    if state.copy is not None and state.copy.holds(unit):
-        return state.copy.range(unit, lo, hi)
-    return state.range(unit, lo, hi)
-
-
 class SerialTransport:
     """The plain schedule (see the module docstring); the CPU's transport."""
 
@@ -166,11 +157,11 @@ class SerialTransport:
 
     def fetch(self, unit: Unit) -> torch.Tensor:
         lo, hi = self.world.piece(unit)
-        src, n = source(self.state, unit, lo, hi), self.world.padded(unit)
-        if hi - lo == n:  # the whole unit (on the CPU in its dtype: the master or copy itself)
-            return src.to(self.device, self.dtype)
+        got, n = to_device(self.state.halves(unit, lo, hi), self.device, self.dtype), self.world.padded(unit)
+        if hi - lo == n:  # the whole unit
+            return got
         buf = torch.empty(n, dtype=self.dtype, device=self.device)
-        buf[lo:hi].copy_(src)
+        buf[lo:hi].copy_(got)
         self.world.gather_(unit, buf)
         return buf[: unit.numel]
 
@@ -232,11 +223,12 @@ class StreamingTransport:
         self.h2d = torch.cuda.Stream(self.device) if overlap else self.compute
         self.d2h = torch.cuda.Stream(self.device) if overlap else self.compute
         units = state.units
-        # Page-lock the master weights in place (5x faster than allocating pinned memory, and no
-        # second copy); copies from pageable memory would run 7x slower.
-        self._registrations = [Registration(state.master, state.boundaries)]
-        if state.copy is not None:  # and the compute-dtype copy the host-stepped units come from
-            self._registrations.append(Registration(state.copy.buffer, state.copy.boundaries))
+        # Page-lock the master weights' halves in place (5x faster than allocating pinned memory,
+        # and no second copy); copies from pageable memory would run 7x slower.
+        self._registrations = [
+            Registration(state.hi, state.boundaries),
+            Registration(state.lo, state.boundaries),
+        ]
         # Gradients the plan keeps in host memory until the clip: one page-locked buffer, holding
         # the part of each unit this process steps (`optimizer.span`).
         self._host_slots: dict[int, torch.Tensor] = {}
@@ -313,7 +305,7 @@ class StreamingTransport:
             return
         if unit.index in self.resident:
             p32 = self.resident[unit.index][0]
-            buf = p32 if self.dtype == torch.float32 else p32.to(self.dtype)  # on the compute stream
+            buf = p32 if self.dtype == torch.float32 else to_bf16(p32)  # on the compute stream
             ev = torch.cuda.Event()
             ev.record(self.compute)
             self._issued[k] = (buf, ev)
@@ -325,16 +317,15 @@ class StreamingTransport:
             return
         self._wait_ready(unit)
         lo, hi = self.world.piece(unit)  # the whole unit, or this rank's span of it (sharded)
-        src = source(self.state, unit, lo, hi)
+        src = self.state.halves(unit, lo, hi)
         self.stepper.order_read(self.h2d, unit)
         with torch.cuda.stream(self.h2d):
             buf = torch.empty(self.world.padded(unit), dtype=self.dtype, device=self.device)
-            if src.dtype == self.dtype:  # fp32 compute, or the compute-dtype copy
-                buf[lo:hi].copy_(src, non_blocking=True)
-            else:
-                stage = torch.empty(hi - lo, device=self.device)
-                stage.copy_(src, non_blocking=True)
-                buf[lo:hi].copy_(stage)
+            if self.dtype == src.hi.dtype:  # bf16: the halves' hi as it is
+                buf[lo:hi].copy_(src.hi, non_blocking=True)
+            else:  # fp32: both halves, joined here (the landing buffer lives while this is issued)
+                stage = Halves(*(t.to(self.device, non_blocking=True) for t in src))
+                join_(stage, buf[lo:hi])
                 del stage
             if hi - lo < buf.numel():
                 self.world.gather_(unit, buf)  # the other ranks' pieces, on this stream's timeline
@@ -342,7 +333,7 @@ class StreamingTransport:
             ev.record(self.h2d)
         if self.overlap:
             buf.record_stream(self.compute)
-        self.h2d_bytes += (hi - lo) * src.element_size()
+        self.h2d_bytes += (hi - lo) * (2 if self.dtype == src.hi.dtype else HALF_BYTES)
         self._issued[k] = (buf[: unit.numel], ev)
 
     def fetch_rows(self, unit: Unit, rows: torch.Tensor) -> torch.Tensor:
@@ -574,11 +565,15 @@ class StreamingTransport:
 
     def synchronize(self) -> None:
         self.wait_updates()
-        for i, tensors in self.resident.items():
+        for i, (p, *moments) in self.resident.items():
             unit = self.state.units[i]
             lo, hi = self.optimizer.span(unit)  # every rank's copy is whole; each writes its part
-            for which, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
+            for which, t in zip(MOMENTS, moments):
                 self.state.flat(unit, which)[lo:hi].copy_(t[lo:hi], non_blocking=True)
+            for a, b in chunk_ranges(unit, self.chunk_elems, (lo, hi)):  # split here, a chunk at a time
+                host = self.state.halves(unit, a, b)
+                for dst, src in zip(host, split(p[a:b])):  # freed in this stream's order, after its copy
+                    dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize(self.device)
 
     def device_masters(self) -> dict[int, torch.Tensor]:
@@ -590,10 +585,8 @@ class StreamingTransport:
     def _make_resident(self, units: list[Unit]) -> None:
         """Move the fp32 weights and moments of `units` to the device for good."""
         for u in units:
-            self.resident[u.index] = tuple(
-                self.state.flat(u, w).to(self.device, non_blocking=True)
-                for w in ("master", "exp_avg", "exp_avg_sq")
-            )
+            moments = (self.state.flat(u, w).to(self.device, non_blocking=True) for w in MOMENTS)
+            self.resident[u.index] = (self.state.master(u).to(self.device), *moments)
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:

@@ -53,11 +53,10 @@ from pathlib import Path
 import torch
 
 from .hostmem import PAGE, host_buffer
-from .state import UNIT_ALIGN, HostState, Unit, fill_range
+from .state import MOMENTS, UNIT_ALIGN, HostState, Unit, fill_range
 from .tierfile import ALIGN_ELEMS, DiskTierError, TierFile, free_bytes, tier_error
 
 GiB, MiB = 2**30, 2**20
-MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENT_BYTES = 8  # per parameter: the two fp32 moments the tier holds
 BLOCK_ELEMS = 8 * 2**20  # elements of each moment in a block: 64 MiB read and written at once
 RING_SLOTS = 6  # blocks staged in host memory: one stepped, AHEAD read ahead, the rest written back

@@ -15,10 +15,11 @@ which the spare half of zero's 65,536 (the values that round to zero are only 32
 for them, so a finite weight never fetches as inf. inf and NaN keep their high half (a NaN
 whose payload lies in the low bits alone fetches as inf: 16 bits cannot name every NaN).
 
-The host state (host/state.py) does not yet hold its master in this form: docs/open-work.md has
-what holding it needs (every path that makes bf16 weights from fp32 ones on this one rule, the
-host AdamW's kernel reading and writing the halves). The functions here are plain torch integer
-ops, so they run alike on the CPU and on CUDA.
+Every path that makes bf16 weights from fp32 ones uses this module (`to_bf16`, `cast`): the
+host fetch (the halves themselves), the GPU-stepped units' and GPU-resident units' casts, the
+rollout's policy, the reference policy, exports in bf16; the host AdamW's kernel
+(engine/clipadam.py) repeats the rule in C, checked against it. The functions here are plain
+torch integer ops, so they run alike on the CPU and on CUDA.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ import torch
 
 HI, LO = torch.bfloat16, torch.int16  # the halves' dtypes
 HALF_BYTES = 4  # a parameter's two halves
-CHUNK = 1 << 22  # elements a call takes at a time: its temporaries stay a few times this
+# Elements a call takes at a time, so that its temporaries stay a few times this: on the host
+# within the allocator's reused blocks (whole-tensor temporaries of a large one grew the resident
+# set by half the weights written) and in cache; on a GPU few enough launches.
+CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}
 
 # The high halves' magnitudes the rule names (bits 14..0 of a bf16).
 _MAG, _TOP = 0x7FFF, 0x7F7F  # the largest finite bf16 magnitude
@@ -81,26 +85,30 @@ def _top(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     return torch.where(carry & (mag == 0), hi | _TOP, top)
 
 
-def _chunks(n: int):
-    return ((a, min(a + CHUNK, n)) for a in range(0, n, CHUNK))
+def _chunks(n: int, device: torch.device):
+    step = CHUNK.get(device.type, CHUNK["cuda"])
+    return ((a, min(a + step, n)) for a in range(0, n, step))
 
 
 @torch.no_grad()
 def split_(x: torch.Tensor, into: Halves) -> Halves:
-    """Write the halves of fp32 `x` into `into` (contiguous, `x`'s length; on `x`'s device)."""
-    pairs, hi, lo = _pairs(x), into.hi.view(-1).view(LO), into.lo.view(-1)
-    if hi.numel() != pairs.shape[0] or lo.numel() != pairs.shape[0]:
-        raise ValueError(f"halves of {hi.numel()} elements for {pairs.shape[0]} fp32 ones")
-    for a, b in _chunks(pairs.shape[0]):
-        low = pairs[a:b, 0]
-        hi[a:b].copy_(_high(pairs[a:b, 1], low))
+    """Write the halves of `x` (fp32, or any float dtype made fp32 a chunk at a time) into `into`
+    (contiguous, `x`'s length; on `x`'s device)."""
+    if not x.is_floating_point():
+        raise ValueError(f"the halves are made from float32, not {x.dtype}")
+    flat, hi, lo = x.reshape(-1), into.hi.view(-1).view(LO), into.lo.view(-1)
+    if hi.numel() != flat.numel() or lo.numel() != flat.numel():
+        raise ValueError(f"halves of {hi.numel()} elements for {flat.numel()} fp32 ones")
+    for a, b in _chunks(flat.numel(), flat.device):
+        pairs = _pairs(flat[a:b].to(torch.float32).contiguous())
+        low = pairs[:, 0]
+        hi[a:b].copy_(_high(pairs[:, 1], low))
         lo[a:b].copy_(low)
     return into
 
 
 def split(x: torch.Tensor) -> Halves:
     """The halves of fp32 `x`, new tensors of its shape on its device."""
-    x = x.contiguous()
     into = Halves(
         torch.empty(x.shape, dtype=HI, device=x.device), torch.empty(x.shape, dtype=LO, device=x.device)
     )
@@ -113,7 +121,7 @@ def join_(halves: Halves, out: torch.Tensor) -> torch.Tensor:
     pairs, hi, lo = _pairs(out), halves.hi.reshape(-1).view(LO), halves.lo.reshape(-1)
     if hi.numel() != pairs.shape[0] or lo.numel() != pairs.shape[0]:
         raise ValueError(f"{hi.numel()} halves for {pairs.shape[0]} fp32 elements")
-    for a, b in _chunks(pairs.shape[0]):
+    for a, b in _chunks(pairs.shape[0], pairs.device):
         pairs[a:b, 0].copy_(lo[a:b])
         pairs[a:b, 1].copy_(_top(hi[a:b], lo[a:b]))
     return out
@@ -132,9 +140,20 @@ def to_bf16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     pairs, hi = _pairs(x), out.view(-1).view(LO)
     if hi.numel() != pairs.shape[0]:
         raise ValueError(f"{hi.numel()} bf16 elements for {pairs.shape[0]} fp32 ones")
-    for a, b in _chunks(pairs.shape[0]):
+    for a, b in _chunks(pairs.shape[0], pairs.device):
         hi[a:b].copy_(_high(pairs[a:b, 1], pairs[a:b, 0]))
     return out
+
+
+def to_device(halves: Halves, device, dtype: torch.dtype, non_blocking: bool = False) -> torch.Tensor:
+    """fp32 weights held as `halves` on `device` in `dtype` (bf16 or fp32): in bf16 `hi` crosses
+    alone, as it is (on its own device: the view itself); in fp32 both halves, joined there."""
+    if dtype == HI:
+        return halves.hi.to(device, non_blocking=non_blocking)
+    if dtype != torch.float32:
+        raise ValueError(f"weights are fetched in bfloat16 or float32, not {dtype}")
+    on = Halves(*(t.to(device, non_blocking=non_blocking) for t in halves))
+    return join(on)
 
 
 def cast(x: torch.Tensor | Halves, dtype: torch.dtype) -> torch.Tensor:

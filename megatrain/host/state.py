@@ -3,10 +3,11 @@ AdamW moments in host memory.
 
 A model is a sequence of *units*, the granularity at which weights travel to the device:
 `embed`, `layers.0` ... `layers.{L-1}`, `head` (final norm + LM head). Each unit's parameters
-are packed into one flat fp32 range of a single host allocation (`HostState.master`), in the
-template's parameter order, each parameter's start aligned to 64 elements. The AdamW moments
-have the same layout, so a unit's state is three contiguous ranges and a checkpoint is three
-tensors per unit.
+are packed into one flat range of each host allocation, in the template's parameter order, each
+parameter's start aligned to 64 elements. The fp32 master weights are held as two 16-bit halves
+(split.py: `hi`, the bf16 weights a fetch reads as they are, and `lo`), 4 bytes a parameter,
+exact; `master` makes fp32 of them where a reader needs it. The AdamW moments have the same
+layout, so a unit's state is four contiguous ranges and a checkpoint is three tensors per unit.
 
 In a world partitioned over several machines (layout.py) a machine's `HostState` holds only its
 *part* of each unit, a consecutive range of elements; the parts of all machines make the whole.
@@ -24,12 +25,15 @@ import torch
 from ..models.config import ModelConfig
 from ..models.family import checkpoint_pieces, family_of, templates
 from .hostmem import PAGE, host_buffer
+from .split import HALF_BYTES, HI, LO, Halves, join, split_
 
 ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
-# Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit
-# boundaries (hostmem.py).
-UNIT_ALIGN = PAGE // 4
-STATE_BYTES = 12  # fp32 master weights and two AdamW moments, per parameter
+# Every unit starts on a page of its own in each buffer, the 16-bit halves' too, so host memory
+# can be page-locked in pieces cut at unit boundaries (hostmem.py).
+UNIT_ALIGN = PAGE // 2
+MOMENTS = ("exp_avg", "exp_avg_sq")
+BUFFERS = ("hi", "lo", *MOMENTS)  # the state's host allocations, in the order they are made
+STATE_BYTES = HALF_BYTES + 8  # the master weights' two halves and two fp32 AdamW moments, per parameter
 
 # Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
 # normalisation weights, by the (lower-cased) name, and on the parameters of LayerNorm modules
@@ -127,8 +131,8 @@ def piece_views(flat: torch.Tensor, unit: Unit):
 
 
 class HostState:
-    """fp32 master weights and AdamW moments of every unit (or of a part of each), each one host
-    allocation."""
+    """The master weights, as two 16-bit halves (split.py), and the AdamW moments of every unit
+    (or of a part of each), each one host allocation."""
 
     def __init__(
         self,
@@ -137,9 +141,9 @@ class HostState:
         alloc=host_buffer,
         parts: list[tuple[int, int]] | None = None,
     ):
-        """`alloc(numel)` makes each buffer (master, exp_avg, exp_avg_sq, in that order): by
-        default private memory; the ranks of a machine share theirs (processgroup.py). `parts`:
-        the elements [lo, hi) of each unit held here (default: whole units)."""
+        """`alloc(numel, dtype)` makes each buffer (`BUFFERS`, in that order): by default private
+        memory; the ranks of a machine share theirs (processgroup.py). `parts`: the elements
+        [lo, hi) of each unit held here (default: whole units)."""
         self.units = units
         self.parts = parts or [(0, u.numel) for u in units]
         self.whole = all(p == (0, u.numel) for p, u in zip(self.parts, units))
@@ -147,61 +151,71 @@ class HostState:
         self.starts = [sum(lengths[:i]) for i in range(len(units))]  # each part's place in a buffer
         self.numel = sum(lengths)
         # Fresh zero pages, page-aligned: nothing is touched until a unit is written.
-        self.master = alloc(self.numel)
-        self.exp_avg = alloc(self.numel) if with_optimizer else None
-        self.exp_avg_sq = alloc(self.numel) if with_optimizer else None
+        self.hi = alloc(self.numel, HI)
+        """The master weights' bf16 halves: what a fetch in bf16 reads as it is."""
+        self.lo = alloc(self.numel, LO)
+        """Their low halves: with `hi`, the fp32 master weights exactly (`master`)."""
+        self.exp_avg = alloc(self.numel, torch.float32) if with_optimizer else None
+        self.exp_avg_sq = alloc(self.numel, torch.float32) if with_optimizer else None
         self.step = 0  # optimizer steps taken
         self.tier = None
         """The disk tier holding the AdamW moments of the last units (host/disk.py's `DiskTier`),
         or None. Their moments are read and written through it only: the moment buffers stop
         where its units start."""
-        self.copy = None
-        """The compute-dtype copy of the master weights of the units the host optimizer steps
-        (host/weightcopy.py's `WeightCopy`, `host_weight_copy`), or None. Every write of master
-        weights refreshes it: through `load` and `written` here, and the host optimizer's."""
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the state takes (weights, and moments where there are)."""
-        buffers = [b for b in (self.master, self.exp_avg, self.exp_avg_sq) if b is not None]
-        return sum(b.numel() for b in buffers) * self.master.element_size()
+        buffers = [getattr(self, w) for w in BUFFERS]
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
     def part(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` held here."""
         return self.parts[unit.index]
 
-    def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:
-        """The unit's part held here (the whole unit in a whole state)."""
-        if which != "master" and self.tier is not None and self.tier.holds(unit):
+    def flat(self, unit: Unit, which: str) -> torch.Tensor:
+        """The unit's part held here (the whole unit in a whole state) of one buffer (`BUFFERS`)."""
+        if which in MOMENTS and self.tier is not None and self.tier.holds(unit):
             raise ValueError(f"{unit.name}: its AdamW moments are in the disk tier, not in host memory")
         lo, hi = self.parts[unit.index]
         start = self.starts[unit.index]
         return getattr(self, which)[start : start + hi - lo]
 
-    def range(self, unit: Unit, lo: int, hi: int, which: str = "master") -> torch.Tensor:
-        """Elements [lo, hi) of `unit`, which must lie in its part held here."""
+    def range(self, unit: Unit, lo: int, hi: int, which: str) -> torch.Tensor:
+        """Elements [lo, hi) of `unit` of one buffer; they must lie in its part held here."""
         a, b = self.parts[unit.index]
         if not a <= lo <= hi <= b:
             raise ValueError(f"{unit.name}[{lo}:{hi}] is outside the part held here [{a}:{b}]")
         return self.flat(unit, which)[lo - a : hi - a]
 
-    def load(self, unit: Unit, which: str, entries, read: Callable[[str, int, int], torch.Tensor]) -> None:
-        """Fill the part of `unit` held here from tensors: `entries` are (key, start in the unit,
-        shape) as `tensor_entries` gives them, `read(key, a, b)` the elements [a, b) of the
-        tensor flattened. Tensors outside the part are not read. Without autograd: a copy from a
-        tensor that requires grad (a module's parameter) would make the whole buffer a node of
-        its graph, holding every such source alive (a second fp32 copy of the model)."""
-        lo, hi = self.parts[unit.index]
-        fill_range(self.flat(unit, which), lo, hi, entries, read)
-        if which == "master":
-            self.written(unit, lo, hi)
+    def halves(self, unit: Unit, lo: int | None = None, hi: int | None = None) -> Halves:
+        """The master weights [lo, hi) of `unit` (default: its part held here) as their halves."""
+        a, b = self.parts[unit.index]
+        lo, hi = a if lo is None else lo, b if hi is None else hi
+        return Halves(self.range(unit, lo, hi, "hi"), self.range(unit, lo, hi, "lo"))
 
-    def written(self, unit: Unit, lo: int | None = None, hi: int | None = None) -> None:
-        """The master weights [lo, hi) of `unit` (default: its part held here) were just written:
-        the compute-dtype copy, where there is one, is cast again from them."""
-        if self.copy is not None:
-            a, b = self.parts[unit.index]
-            self.copy.refresh(unit, a if lo is None else lo, b if hi is None else hi)
+    def master(self, unit: Unit | None = None, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """The fp32 master weights [lo, hi) of `unit` (default: its part held here; no unit: every
+        part held, back to back), made from the halves: a new tensor, for the readers that need
+        fp32 (checkpoints, the fp32 fetches, the torch AdamW's ranges, tests)."""
+        if unit is None:
+            return join(Halves(self.hi, self.lo))
+        return join(self.halves(unit, lo, hi))
+
+    def set_master(self, unit: Unit, lo: int, values: torch.Tensor) -> None:
+        """Write fp32 `values` (flat) as the master weights of `unit` from element `lo` on."""
+        split_(values, self.halves(unit, lo, lo + values.numel()))
+
+    def load(self, unit: Unit, which: str, entries, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        """Fill the part of `unit` held here of `master` (its halves) or a moment from tensors:
+        `entries` are (key, start in the unit, shape) as `tensor_entries` gives them, `read(key,
+        a, b)` the elements [a, b) of the tensor flattened. Tensors outside the part are not read.
+        Without autograd: a copy from a tensor that requires grad (a module's parameter) would
+        make the whole buffer a node of its graph, holding every such source alive (a second fp32
+        copy of the model)."""
+        lo, hi = self.parts[unit.index]
+        flat = self.halves(unit) if which == "master" else self.flat(unit, which)
+        fill_range(flat, lo, hi, entries, read)
 
     def _whole(self) -> None:
         if not self.whole:
@@ -212,14 +226,17 @@ class HostState:
         """Element offsets where units start: where host memory may be cut into pieces."""
         return list(self.starts)
 
-    def params(self, unit: Unit) -> dict[str, torch.Tensor]:
+    def params(self, unit: Unit) -> dict[str, Halves]:
+        """The unit's parameters, by template name, as the halves of their master weights."""
         self._whole()
-        return unit_views(self.flat(unit), unit)
+        h = self.halves(unit)
+        return {p.name: h[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params}
 
     def named_parameters(self, elsewhere: dict[int, torch.Tensor] | None = None):
-        """(transformers' parameter name, fp32 master view) for every parameter, in forward order;
-        a unit of `elsewhere` (unit index -> its flat fp32 weights, e.g. on the device) read from
-        there."""
+        """(transformers' parameter name, master weights) for every parameter, in forward order:
+        the halves' views (split.py's `Halves`), or for a unit of `elsewhere` (unit index -> its
+        flat fp32 master weights, e.g. on the device) fp32 views of those. A consumer takes them
+        in its dtype with split.cast (bf16: the halves' `hi` as it is) or fetches the halves."""
         for u in self.units:
             views = (
                 unit_views(elsewhere[u.index], u) if elsewhere and u.index in elsewhere else self.params(u)
@@ -228,10 +245,15 @@ class HostState:
                 yield p.key, views[p.name]
 
     def checkpoint_tensors(self):
-        """(checkpoint key, fp32 master view) for every tensor of a Hugging Face checkpoint."""
+        """(checkpoint key, its master weights as halves) for every tensor of a Hugging Face
+        checkpoint: written in bf16 as their `hi`, in fp32 joined (io/writing.py, split.cast)."""
         self._whole()
         for u in self.units:
-            yield from piece_views(self.flat(u), u)
+            h = self.halves(u)
+            for p in u.params:
+                for c in p.pieces:
+                    start = p.offset + c.offset
+                    yield c.key, h[start : start + math.prod(c.shape)].view(c.shape)
 
     @property
     def num_params(self) -> int:
@@ -240,14 +262,19 @@ class HostState:
 
 @torch.no_grad()
 def fill_range(
-    flat: torch.Tensor, lo: int, hi: int, entries, read: Callable[[str, int, int], torch.Tensor]
+    flat: torch.Tensor | Halves, lo: int, hi: int, entries, read: Callable[[str, int, int], torch.Tensor]
 ) -> None:
-    """Fill `flat`, elements [lo, hi) of a unit, from the tensors of `entries` (key, start in the
-    unit, shape) that meet it; `read(key, a, b)`: the elements [a, b) of the tensor flattened."""
+    """Fill `flat`, elements [lo, hi) of a unit (fp32, or the master's halves), from the tensors of
+    `entries` (key, start in the unit, shape) that meet it; `read(key, a, b)`: the elements
+    [a, b) of the tensor flattened, in any float dtype."""
     for key, start, shape in entries:
         a, b = max(lo, start), min(hi, start + math.prod(shape))
         if a < b:
-            flat[a - lo : b - lo].copy_(read(key, a - start, b - start))
+            values = read(key, a - start, b - start)
+            if isinstance(flat, Halves):
+                split_(values, flat[a - lo : b - lo])
+            else:
+                flat[a - lo : b - lo].copy_(values)
 
 
 def tensor_entries(unit: Unit, per: str = "piece") -> Iterable[tuple[str, int, tuple[int, ...]]]:

@@ -234,7 +234,11 @@ class _Parts:
                     if a < b:
                         k = segment_key(name + key, a - start, b - start)
                         entries.append((k, (b - a,)))
-                        getters[k] = self.state.range(unit, a, b, which)
+                        getters[k] = (
+                            self.state.halves(unit, a, b)
+                            if which == "master"
+                            else self.state.range(unit, a, b, which)
+                        )
         return entries, getters
 
 

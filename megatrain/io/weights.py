@@ -1,12 +1,13 @@
 """Hugging Face checkpoints in and out: safetensors read one unit at a time straight into the
 host master weights, and written back as sharded safetensors with an index.
 
-Reading never builds the model: each tensor is memory-mapped by safetensors, converted to fp32
-into its place in `HostState.master`, and dropped, so peak host memory is the state plus one
+Reading never builds the model: each tensor is memory-mapped by safetensors, split into the
+halves of the fp32 master weights in their place in the host state, and dropped, so peak host memory is the state plus one
 tensor (reader.py reads whole tensors and a partitioned checkpoint's segments alike; a state
 holding a part of the model reads only what falls in its part). Writing streams the same way
 (writing.AtomicDir.write_tensors): the header is computed from the shapes, then each tensor is
-converted and appended, so fp32 master weights are written straight from host memory and an
+converted and appended, so the master weights are written straight from host memory (in bf16
+their halves' `hi` as it is, in fp32 joined a tensor at a time) and an
 export never holds a second copy of the model. Every directory is written atomically, with a
 checksum manifest (manifest.py).
 """
@@ -28,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError, ConfigError, OutputError
+from ..host.split import cast
 from ..host.state import HostState, build_units, checkpoint_entries, tensor_entries
 from ..models.config import ModelConfig
 from ..models.score import SCORE, classification_class
@@ -39,7 +41,7 @@ from .writing import AtomicDir
 def load_hf_weights(
     state: HostState, model_dir: str | Path, cfg: ModelConfig, progress=True, seed: int = 0
 ) -> None:
-    """Fill `state.master` (the part of the model it holds) from a Hugging Face safetensors
+    """Fill the master weights of `state` (the part of the model it holds) from a Hugging Face safetensors
     checkpoint or a partitioned checkpoint, units in parallel threads (reading, and converting to
     fp32, release the GIL). A reward model read from a causal LM's checkpoint gets a new score
     head (`new_score`, of `seed`)."""
@@ -95,27 +97,17 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
 
     def fill(unit) -> None:
         gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
-        lo, hi = state.part(unit)
         for p in unit.params:
-            inside = lo <= p.offset and p.offset + p.numel <= hi
-            # A parameter the state holds only in part is drawn whole, so every part holds the
+            # Drawn whole, also where the state holds a part of it, so every part holds the
             # numbers the whole state would (and the generator moves on as far).
-            v = (
-                state.range(unit, p.offset, p.offset + p.numel).view(p.shape)
-                if inside
-                else torch.empty(p.shape)
-            )
+            v = torch.empty(p.shape)
             if "norm" in p.name:
                 v.fill_(1.0)
             elif p.name.endswith("bias"):
                 v.zero_()
             else:
                 v.normal_(0.0, std, generator=gen)
-            if not inside:
-                state.load(
-                    unit, "master", [(p.key, p.offset, p.shape)], lambda k, a, b, v=v: v.reshape(-1)[a:b]
-                )
-        state.written(unit)  # the parameters drawn in place
+            state.load(unit, "master", [(p.key, p.offset, p.shape)], lambda k, a, b, v=v: v.reshape(-1)[a:b])
 
     _per_unit(fill, state.units, "initialising weights", progress)
 
@@ -124,15 +116,16 @@ def parameters_in(
     cfg: ModelConfig, model_dir: str | Path | None, seed: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Every parameter by transformers' name, in `dtype`, in host memory: `model_dir`'s weights,
-    or (None) the random initialisation of `seed`, as build_model fills a host state. Read
-    through an fp32 state of the weights alone, freed on return unless `dtype` is fp32 (the
-    parameters are then its views)."""
+    or (None) the random initialisation of `seed`, as build_model fills a host state, so the same
+    numbers as a policy built from that state (in bf16 its halves' `hi`, host/split.py). Read
+    through a state of the weights alone: in bf16 the parameters are views of its `hi`, the rest
+    freed on return."""
     state = HostState(build_units(cfg), with_optimizer=False)
     if model_dir is not None:
         load_hf_weights(state, model_dir, cfg, progress=False, seed=seed)
     else:
         init_random(state, cfg, seed)
-    return {name: value.to(dtype) for name, value in state.named_parameters()}
+    return {name: cast(value, dtype) for name, value in state.named_parameters()}
 
 
 def _init_as_transformers(state: HostState, cfg: ModelConfig, seed: int, progress: bool) -> None:

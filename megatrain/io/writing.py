@@ -12,7 +12,9 @@ Safetensors files are written by a pool of threads, one file per thread at a tim
 tensor at a time per file: the header is computed from the shapes, then each tensor is
 converted to the target dtype and appended while its CRC-32 is updated. File writes, dtype
 conversion and zlib.crc32 release the GIL, so the writers keep a fast disk busy; peak memory is
-one converted tensor per writer (none for fp32 views of the master weights, written in place).
+one converted tensor per writer (none for the master weights' bf16 halves and the moments'
+fp32 views, written in place). fp32 becomes bf16 by the master weights' rounding (host/split.py),
+and the master weights' halves are joined where the file holds fp32.
 
 An OSError while writing (a full disk above all) removes the temporary directory and becomes one
 OutputError naming the directory, the file, and the bytes needed and free. A killed writer
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import OutputError
+from ..host.split import Halves, cast
 from ..metrics import ByteProgress
 from ..planning.placement import fmt_bytes
 from . import manifest, ownership
@@ -152,13 +155,13 @@ def _write_shard(path: Path, shard: Shard, progress: ByteProgress, stop: threadi
                 if stop.is_set():
                     raise _Stopped
                 got = shard.get(key)
-                if isinstance(got, torch.Tensor):
+                if isinstance(got, (torch.Tensor, Halves)):
                     if tuple(got.shape) != tuple(shape):
                         raise ValueError(f"{key}: shape {tuple(got.shape)}, announced {shape}")
                     got = iter((got,))  # which lets go of it once it is written
                 numel = 0
                 for t in got:  # the tensor, or its pieces in order
-                    t = t.to(shard.dtype(key)).contiguous()
+                    t = cast(t, shard.dtype(key)).contiguous()  # bf16 by the master's rounding
                     data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                     for i in range(0, len(data), CHUNK):
                         chunk = data[i : i + CHUNK]

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from ..host.disk import MOMENT_BYTES
 from ..host.state import STATE_BYTES
-from .planspec import Batch, Machine, Plan, Shape, looked_up_rows
+from .planspec import FETCH_BYTES, Batch, Machine, Plan, Shape, looked_up_rows
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
@@ -69,19 +69,6 @@ OPT_INTERFERENCE = 0.25
 ADAM_LANDING_GAIN = 1.2
 # The fused CUDA AdamW: ~1 ms per GB of fp32 state (weights and moments) on H100/H200.
 GPU_ADAMW_STATE_BYTES_S = 1e12
-# The compute-dtype copy's cast (host_weight_copy) in the host optimizer's pass, as a share of the
-# AdamW's own time on the same parameters. Memory traffic alone would say 6/28 (the kernel moves 28
-# bytes a parameter, the cast reads 4 and writes 2), but torch's fused AdamW followed by a `copy_`
-# into bf16 of each 32 Mi-element chunk ran 1.72x the plain step on a 16-core host (1.8e9 params;
-# 1.53-1.78x over the slice sizes tried, results/2026-11-23_2213_adamw.md): the cast is a parallel
-# pass of its own. Taken from that kernel bench, not yet fitted to a training step.
-COPY_CAST_SHARE = 0.72
-# The same where the host optimizer's own kernel writes the copy as it steps (engine/clipadam.py,
-# `Machine.copy_in_kernel`): 2 bytes a parameter more than its 28. The engine's clipped pass with
-# it ran 1.054x the pass without on the 2-core development host (0.372 against 0.353 s, 0.3e9
-# parameters; results/2026-11-27_1315_adamw-engine-copy.md); the bytes' 1/14 is taken until a
-# big host measures it.
-COPY_KERNEL_SHARE = 2 / 28
 
 
 def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
@@ -103,35 +90,34 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
         gpu += passes * tiles
         backward += tiles
     n = len(s.units)
-    share = COPY_KERNEL_SHARE if m.copy_in_kernel else COPY_CAST_SHARE
-    cast = share * sum(s.units[u] for u in plan.copied(n))  # in parameters AdamW'd
     if m.device == "cpu":
-        return gpu + (s.total + cast) / m.adam_params_s + _tier_wait(plan, m, m.adam_params_s)
+        return gpu + s.total / m.adam_params_s + _tier_wait(plan, m, m.adam_params_s)
     rate = m.pcie_bytes_s
     streamed = sum(s.units[plan.resident_units :])
     gpu_stepped = sum(s.units[u] for u in plan.stepped)
     act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
     # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
-    # and the next forward fetches its weights (4 B): STATE_BYTES - 4 more each way.
-    extra = (STATE_BYTES - 4) * gpu_stepped
+    # and the next forward fetches its weights (FETCH_BYTES): the rest of STATE_BYTES more.
+    extra_in = (STATE_BYTES - FETCH_BYTES[b.compute_bytes]) * gpu_stepped
+    extra_out = (STATE_BYTES - 4) * gpu_stepped
     # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
     # fetch of the embedding is not counted here either way).
-    kept = fetched_bytes(s, plan, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
-    fetches = fetched_bytes(s, plan, range(plan.resident_units, n))
-    h2d = fetches * (1 + passes) + act_bytes * passes + extra - kept
-    d2h = 4 * streamed + act_bytes + extra
+    kept = fetched_bytes(s, b, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
+    fetches = fetched_bytes(s, b, range(plan.resident_units, n))
+    h2d = fetches * (1 + passes) + act_bytes * passes + extra_in - kept
+    d2h = 4 * streamed + act_bytes + extra_out
     # The embedding's rows (`embed_rows`): the looked-up rows cross, not the table (its weights in
     # compute dtype, its gradient's rows back in fp32); the host computes those rows in the next
     # forward sweep's window and steps the whole table (`late`) in the backward sweep's.
     rows = looked_up_rows(s, b) * s.hidden if plan.embed_rows else 0
     late = s.units[0] if plan.embed_rows else 0
     if plan.embed_rows:
-        h2d += rows * b.compute_bytes - (1 + passes) * fetched_bytes(s, plan, [0])
+        h2d += rows * b.compute_bytes - (1 + passes) * fetched_bytes(s, b, [0])
         d2h -= 4 * (s.units[0] - rows)
     pcie = max(h2d, d2h) / rate
     duplex = (h2d + d2h) / (PCIE_DUPLEX_GAIN * rate)  # the link's two directions together
     adam = m.adam_params_s * (ADAM_LANDING_GAIN if plan.grad_mode != "stored" else 1)
-    cpu = (streamed - gpu_stepped - late + rows + cast) / adam + _tier_wait(plan, m, adam)
+    cpu = (streamed - gpu_stepped - late + rows) / adam + _tier_wait(plan, m, adam)
     late /= adam
     forward = L * layer_fwd  # the next forward sweep
     if plan.grad_mode == "stored":
@@ -140,16 +126,16 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
         window = forward
     else:
         window = 3 * forward  # the backward sweep that lands the gradients
-    stretch, gpu_step = _gpu_stepping(s, plan, backward, forward, act_bytes, rate)
+    stretch, gpu_step = _gpu_stepping(s, b, plan, backward, forward, act_bytes, rate)
     waits = max(0.0, cpu - window, gpu_step)  # the GPU, for the last update it needs
     idle = max(0.0, cpu - window)  # the link, for the CPU optimizer (GPU stepping keeps it busy)
     busy = max(gpu + stretch + waits, pcie + idle, duplex, cpu + late)  # the host: all its work
     return busy + OPT_INTERFERENCE * (min(cpu, window) + late)
 
 
-def fetched_bytes(s: Shape, plan: Plan, units) -> int:
-    """Bytes one fetch of each of `units` moves host->device (`Plan.fetch_bytes` a parameter)."""
-    return sum(s.units[u] * plan.fetch_bytes(u, len(s.units)) for u in units)
+def fetched_bytes(s: Shape, b: Batch, units) -> int:
+    """Bytes one fetch of each of `units` moves host->device (FETCH_BYTES a parameter)."""
+    return FETCH_BYTES[b.compute_bytes] * sum(s.units[u] for u in units)
 
 
 def tier_io_s(disk: int, m: Machine) -> float:
@@ -185,7 +171,7 @@ def _rates(s: Shape, m: Machine) -> tuple[float, float]:
 
 
 def _gpu_stepping(
-    s: Shape, plan: Plan, backward_s: float, forward_s: float, act_bytes: int, rate: float
+    s: Shape, b: Batch, plan: Plan, backward_s: float, forward_s: float, act_bytes: int, rate: float
 ) -> tuple[float, float]:
     """The GPU-stepped units' time on the critical path: how long the GPU waits for their state
     beyond the sweeps it comes in beside (prestaged), and its wait after the clip before the next
@@ -202,7 +188,7 @@ def _gpu_stepping(
         # 1.90 (15 and 22 units within 4%); the 14.77B shape with 39 (`auto`'s count there, too
         # many to prestage) 6.42 s, this 6.80 (PERFORMANCE.md, 2026-11-26).
         return 0.0, 2 * STATE_BYTES * stepped / (PCIE_DUPLEX_GAIN * rate)
-    # Prestaged: the backward sweep carries its fetches (fp32 weights of the recomputed streamed
+    # Prestaged: the backward sweep carries its fetches (the weights of the recomputed streamed
     # layers but the prestaged ones), the parked activations and the state. The step stream takes
     # the units in forward order, each once its state is in, and the next forward sweep waits
     # only for the unit it reaches: the state has the backward sweep and the next forward sweep
@@ -212,7 +198,7 @@ def _gpu_stepping(
     # _2236_auto-repeat.json); counted so, -2% to +11%.
     skip = set(plan.kept_fresh(s.layers, s.embed_again))
     recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
-    fetched = fetched_bytes(s, plan, [u for u in recomputed if u not in skip])
+    fetched = fetched_bytes(s, b, [u for u in recomputed if u not in skip])
     link = (fetched + act_bytes + STATE_BYTES * prestaged) / rate
     reach = forward_s * min(plan.stepped.stop - 1, s.layers) / max(1, s.layers)
     return max(0.0, link - backward_s - reach), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S

@@ -15,13 +15,24 @@ from dataclasses import dataclass, replace
 
 from ..host.activations import HostActivations
 from ..host.disk import MOMENT_BYTES, ring_bytes
+from ..host.split import HALF_BYTES
 from ..host.state import STATE_BYTES
 from ..models.attention import mask_bytes
 from ..models.config import ModelConfig
 from ..models.family import layer_params
 from ..parallel.layout import Layout
 from .costmodel import step_time
-from .planspec import EMBED_GRAD_ROWS, ROW_HEADROOM, Batch, Machine, Plan, Shape, looked_up_rows, model_shape
+from .planspec import (
+    EMBED_GRAD_ROWS,
+    LANDING_BYTES,
+    ROW_HEADROOM,
+    Batch,
+    Machine,
+    Plan,
+    Shape,
+    looked_up_rows,
+    model_shape,
+)
 from .probe import BACKWARD_H, FORWARD_H, GRAPH_F, GRAPH_H, LayerMemory, formula_layer_memory
 
 GiB, MiB = 2**30, 2**20
@@ -107,17 +118,16 @@ def _schedule(s: Shape, plan: Plan) -> list[list[int]]:
 
 def _windows(s: Shape, plan: Plan, cb: int) -> list[tuple[int, int]]:
     """For each fetch of a step, in order: the weight buffers alive while that unit computes (it
-    and the `prefetch` units copied ahead, in compute dtype), and the fp32 landing buffer of the
-    unit being copied then (converted on the device; resident units and those fetched from the
-    compute-dtype copy need none). The landing buffer lives only while that copy is issued, before
-    the unit's own work allocates anything."""
-    out, n = [], len(s.units)
+    and the `prefetch` units copied ahead, in compute dtype), and the landing buffer of the unit
+    being copied then (in fp32 the master's halves, joined on the device; resident units and bf16
+    fetches need none). The landing buffer lives only while that copy is issued, before the unit's
+    own work allocates anything."""
+    out = []
     for order in _schedule(s, plan):
         for i in range(len(order)):
             win = order[i : i + plan.prefetch + 1]
             newest = win[-1]
-            fetched = plan.fetch_bytes(newest, n)
-            stage = fetched * s.units[newest] if fetched != cb and newest >= plan.resident_units else 0
+            stage = LANDING_BYTES[cb] * s.units[newest] if newest >= plan.resident_units else 0
             out.append((cb * sum(s.units[u] for u in win), stage))
     return out
 
@@ -167,6 +177,7 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
     resident = {  # in every phase
         "fp32 state of GPU-resident units": STATE_BYTES * sum(s.units[:R]),
         "GPU-stepped state (scratch)": _step_scratch(s, plan),
+        "GPU-stepped weights' halves (landing, leaving)": _step_halves(s, plan),
         "attention masks": _masks(b, flex=True),
     }
 
@@ -319,14 +330,28 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
     return phases
 
 
+# GPU-stepped units' master weights cross as their halves through a chunk on the way in and one
+# on the way out (engine/gpustep.py).
+HALVES_STAGES = 2
+
+
+def _step_chunk(s: Shape, plan: Plan) -> int:
+    """Elements of a GPU-stepped unit's chunk: `staging_elems`, or the largest such unit's."""
+    return min(plan.staging_elems, max(s.units[u] for u in plan.stepped))
+
+
 def _step_scratch(s: Shape, plan: Plan) -> int:
     """GPU scratch for the state of GPU-stepped units, allocated for the whole run: STEP_SLOTS
-    chunks of `staging_elems` elements (or of the largest such unit, if smaller); none where all
-    of them are prestaged."""
+    chunks (`_step_chunk`); none where all of them are prestaged."""
     if not plan.gpu_stepped_units or plan.prestaged:
         return 0
-    chunk = min(plan.staging_elems, max(s.units[u] for u in plan.stepped))
-    return STEP_SLOTS * STATE_BYTES * chunk
+    return STEP_SLOTS * STATE_BYTES * _step_chunk(s, plan)
+
+
+def _step_halves(s: Shape, plan: Plan) -> int:
+    """The HALVES_STAGES chunks the GPU-stepped units' master weights land in and leave through as
+    their halves (engine/gpustep.py), allocated for the whole run."""
+    return HALVES_STAGES * HALF_BYTES * _step_chunk(s, plan) if plan.gpu_stepped_units else 0
 
 
 def _gpu_peak(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[int, dict[str, int]]:
@@ -379,9 +404,6 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     host = {"fp32 weights + AdamW moments": STATE_BYTES * state - disk_tier_bytes(s, plan.disk_units, world)}
     if plan.disk_units:  # the tier's moments pass through it a block at a time
         host["disk tier staging (host buffers)"] = ring_bytes(s.units[len(s.units) - plan.disk_units :])
-    copy = weight_copy_bytes(s, b, plan, world)
-    if copy:
-        host[WEIGHT_COPY] = copy
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -395,7 +417,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
             host["attention masks"] = _masks(b, flex=False)
         host["runtime"] = _runtime(plan.device, world)
         return host, 0
-    pinned = 4 * state + copy  # the master weights (and their copy), registered in place
+    pinned = HALF_BYTES * state  # the master weights' halves, registered in place
     pinned += 8 * world.held(s.units[u] for u in plan.stepped)  # and GPU-stepped units' moments
     spilled = world.held(s.units[plan.gpu_grad_lead :]) if plan.grad_mode == "stored" else 0
     if spilled > 0:
@@ -416,15 +438,6 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         pinned += host["embedding rows (page-locked)"]
     host["runtime"] = _runtime(plan.device, world)
     return host, pinned
-
-
-WEIGHT_COPY = "compute-dtype weight copy (host_weight_copy)"  # plan.host's key
-
-
-def weight_copy_bytes(s: Shape, b: Batch, plan: Plan, world: Layout) -> int:
-    """The host memory of the compute-dtype copy of the master weights (host/weightcopy.py): the
-    compute dtype's bytes a parameter of the units it holds (`Plan.copied`)."""
-    return b.compute_bytes * world.held(s.units[u] for u in plan.copied(len(s.units)))
 
 
 def disk_tier_bytes(s: Shape, units: int, world: Layout) -> int:
@@ -452,8 +465,8 @@ def _parked_layer_bytes(b: Batch, hidden: int) -> int:
 ROLLOUT_PREFILL_TOKEN_H = 6
 ROLLOUT_LOGIT_COPIES = 4
 # A rollout whose policy streams its last layers (rl/policy.py) fetches them, in every forward,
-# a layer ahead into this many rotating buffers in the compute dtype (a double buffer), through one
-# fp32 staging buffer where the fp32 master weights are converted on the GPU.
+# a layer ahead into this many rotating buffers in the compute dtype (a double buffer), in fp32
+# through one landing buffer of the master's halves.
 ROLLOUT_BUFFERS = 2
 
 
@@ -474,16 +487,14 @@ def rollout_bytes(
     completion_tokens: int,
     compute_bytes: int,
     resident_layers: int | None = None,
-    host_copy: bool = False,
     prefill_rows: int | None = None,
 ) -> dict[str, int]:
     """The GPU memory a rollout adds to what the engine holds between steps, by part: `rows`
     completions of prompts up to `prompt_tokens`, each up to `completion_tokens` long, of which
     `prefill_rows` distinct prompts are prefilled (default: every row; the rollout engine
     prefills a prompt once for its group, rl/decode.py), the policy's
-    decoder layers from `resident_layers` on streamed (None: none), fetched from the fp32 master
-    weights through a staging buffer, or with `host_copy` from their copy in the compute dtype
-    (`rollout_copy_bytes`) straight into the two buffers."""
+    decoder layers from `resident_layers` on streamed (None: none), fetched from the master's
+    halves into the two buffers (in fp32 through a landing buffer, LANDING_BYTES)."""
     if cfg.mla is not None:  # transformers' DeepSeek caches each head's whole key and value
         kv = cfg.num_attention_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
     else:
@@ -493,7 +504,7 @@ def rollout_bytes(
     streamed = layer_params(cfg)[resident_layers:] if resident_layers is not None else []
     buffers = {}
     if streamed:
-        stage = 4 if compute_bytes != 4 and not host_copy else 0
+        stage = LANDING_BYTES[compute_bytes]
         buffers = {"streamed layers' buffers": max(streamed) * (ROLLOUT_BUFFERS * compute_bytes + stage)}
     return {
         "policy weights": (cfg.num_params - sum(streamed)) * compute_bytes,
@@ -505,16 +516,6 @@ def rollout_bytes(
         * compute_bytes,
         "sampling logits": rows * cfg.vocab_size * 4 * ROLLOUT_LOGIT_COPIES,
     }
-
-
-def rollout_copy_bytes(cfg: ModelConfig, resident_layers: int | None, compute_bytes: int) -> int:
-    """The host memory of the streamed layers' copy in the compute dtype that a rollout fetches
-    instead of their fp32 master weights (rl/policy.py: `HostCopy`), of one process: the layers
-    from `resident_layers` on (None: none streamed) at `compute_bytes` a parameter; 0 where the
-    compute dtype is fp32 (the master weights are fetched as they are)."""
-    if resident_layers is None or compute_bytes == 4:
-        return 0
-    return sum(layer_params(cfg)[resident_layers:]) * compute_bytes
 
 
 def usable_gpu(m: Machine) -> int | None:

@@ -55,7 +55,6 @@ from .costmodel import ADAM_IN_STEP
 from .footprint import (
     CUDA_CONTEXT,
     HOST_RESERVE,
-    WEIGHT_COPY,
     GiB,
     disk_tier_bytes,
     evaluate,
@@ -151,8 +150,6 @@ class Choices:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None  # 0: never tile
     gpu_step_units: int | None = 0  # streamed units stepped on the GPU (None: the plan chooses)
-    # host-stepped units fetched from a compute-dtype copy (a run's default is None: TrainConfig's)
-    host_weight_copy: bool | None = False
     # the embedding fetched as the rows a step looks up (None: the plan decides, with
     # gpu_step_units: auto)
     embedding_rows: bool | None = None
@@ -170,41 +167,11 @@ def plan(
     `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula).
     Where host memory cannot hold the state and the machine has a disk tier (`disk_bytes`), the
     AdamW moments of the fewest trailing units that make the run fit go to disk."""
-    c = choices or Choices()
-    if c.host_weight_copy is None:
-        return _copy_if_it_pays(cfg, batch, machine, c, layer_mem)
-    return _placed(cfg, batch, machine, c, layer_mem)
-
-
-def _copy_if_it_pays(cfg: ModelConfig, batch: Batch, m: Machine, c: Choices, layer_mem) -> Plan:
-    """`host_weight_copy: auto`: the plan with the compute-dtype copy of the host-stepped units'
-    weights where it copies some unit, fits with every moment in host memory, and the cost model
-    puts its step faster at all; else the plan without.
-    - No margin: the model puts the copy's gain small where it measured large. 8B at 16k with all
-      state in host memory: +1.1% to +4.2% on the plans of the H200 runs of 2026-11-27, where the
-      copy ran 21% faster (bench/results/2026-11-27_1800_x2-summary.md); -2.1% to -3.2% on the
-      H100 runs' plans, where it ran 1% slower. A margin of STEPPING_GAIN left it out of all.
-    - Only for one CUDA process in 16-bit compute: on the CPU no link is spared, in fp32 the
-      master is what is fetched, and several processes refuse the copy.
-    - Not where moments are on disk: a host that cannot hold them has no room for a copy (and
-      planning the tier twice would double the longest plans' time: 21 s for 122B)."""
-    without = _placed(cfg, batch, m, replace(c, host_weight_copy=False), layer_mem)
-    if m.device != "cuda" or batch.compute_bytes == 4 or m.world.ranks > 1 or without.disk_units:
-        return without
-    try:
-        copied = _placed(cfg, batch, m, replace(c, host_weight_copy=True), layer_mem)
-    except PlanError:
-        return without
-    if copied.disk_units or not copied.host.get(WEIGHT_COPY) or copied.step_time_s >= without.step_time_s:
-        return without  # `without` has none on disk (above); a plan with no unit left to copy is not the copy
-    saved = without.step_time_s - copied.step_time_s
-    copied.notes.append(f"host_weight_copy: auto takes the copy ({fmt_bytes(copied.host.get(WEIGHT_COPY, 0))}): "
-                        f"~{saved:.2f} s a step faster by the cost model")  # fmt: skip
-    return copied
+    return _placed(cfg, batch, machine, choices or Choices(), layer_mem)
 
 
 def _placed(cfg: ModelConfig, batch: Batch, machine: Machine, choices: Choices, layer_mem) -> Plan:
-    """`plan` with the user's host_weight_copy decided: in memory, else with the disk tier."""
+    """`plan`: in memory, else with the disk tier."""
     try:
         return _in_memory(cfg, batch, machine, choices, layer_mem)
     except PlanError as e:
@@ -299,14 +266,14 @@ def _in_memory(
     else:
         parked_options = range(L - keep + 1)
 
-    copy = c.host_weight_copy and batch.compute_bytes != 4  # in fp32 the master is the copy
     if c.embedding_rows and (why := rows_refused(s, m, resident)):
         raise ConfigError(f"embedding_rows: {why}; set it false or auto")
 
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
         rows = bool(c.embedding_rows) and mode == "stored"
-        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped,
-                 host_weight_copy=copy, embed_rows=rows)  # fmt: skip
+        p = Plan(
+            m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped, embed_rows=rows
+        )
         return _stepped_loading(s, batch, p, m)
 
     # the fastest plan of each gradient mode that fits, whichever mode wins below
@@ -619,9 +586,7 @@ def _too_big(p: Plan, m: Machine, b: Batch) -> str:
         )
     host = usable_host(m)
     if host is not None and p.host_total > host:
-        copy = p.host.get(WEIGHT_COPY, 0)
-        why = f" (host_weight_copy: true takes {fmt_bytes(copy)} of it)" if copy else ""
-        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}{why}, {fmt_bytes(host)} usable")
+        parts.append(f"host memory: needs ~{fmt_bytes(p.host_total)}, {fmt_bytes(host)} usable")
     return "no placement fits: " + "; ".join(parts or ["unknown"])
 
 

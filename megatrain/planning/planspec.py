@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..host.split import HALF_BYTES
 from ..host.state import build_units
 from ..models.config import ModelConfig
 from ..models.family import family_of
@@ -24,6 +25,11 @@ EMBED_GRAD_ROWS = 32768  # tokens per scatter-add of the embedding's gradient
 # training step (costmodel.py says where the figures come from)
 PCIE_BYTES_S = 55e9
 ADAM_PARAMS_S = 3e9
+# Bytes a parameter takes over the link at each fetch from host memory, by the compute dtype's
+# bytes: the master weights' `hi` in bf16, both halves in fp32 (host/split.py); and those it lands
+# in on the device beside its compute-dtype buffer: none in bf16, the halves (joined there) in fp32.
+FETCH_BYTES = {2: 2, 4: HALF_BYTES}
+LANDING_BYTES = {2: 0, 4: HALF_BYTES}
 # The host AdamW kernel (torch's fused one, and engine/clipadam.py's) takes a tensor's last
 # `n % KERNEL_TAIL` elements in a form of their own, the others all in one.
 KERNEL_TAIL = 8
@@ -57,15 +63,13 @@ class Machine:
     """The tier's I/O is O_DIRECT (False: offload_dir's file system refuses it; buffered)."""
     disk_folders: int = 1
     """Folders of offload_dir, one per drive, the tier is striped over (the rates are their sums)."""
-    copy_in_kernel: bool = False
-    """The host optimizer writes a bf16 copy of the weights (host_weight_copy) in its own kernel's
-    pass (engine/clipadam.py builds and checks here), not in a cast after torch's kernel."""
 
     @classmethod
     def from_json(cls, d: dict) -> Machine:
         """The machine `dataclasses.asdict` wrote (records of bench/ runs; before the disk's read
         and write rates were apart, one rate for both)."""
         d = dict(d)
+        d.pop("copy_in_kernel", None)  # records from when a bf16 copy of the weights was kept
         if "disk_bytes_s" in d:  # one rate each way, the two in turn
             rate = d.pop("disk_bytes_s")
             d |= {"disk_read_bytes_s": rate, "disk_write_bytes_s": rate, "disk_duplex_bytes_s": rate}
@@ -123,16 +127,6 @@ class Plan:
     rollout_layers: int | None = None
     """stage grpo: the decoder layers the rollout's policy keeps on the GPU, the others streamed
     through it in every forward (rl/policy.py); None: every layer (plan.py's `rollout_split`)."""
-    rollout_host_copy: bool = False
-    """stage grpo, layers streamed: they are fetched from a copy in the compute dtype that each
-    rollout casts once into page-locked host memory (half the fp32 master's bytes over PCIe),
-    where the host has room for it beside the update (`rollout_split`); False: from the fp32
-    master weights."""
-    host_weight_copy: bool = False
-    """The host keeps a copy of the `copied` units' master weights in the compute dtype, cast by
-    the host optimizer as it steps them, and the transports fetch those units from it (half the
-    fp32 bytes over PCIe in bf16; host/weightcopy.py). The user's `host_weight_copy`, where the
-    compute dtype is not fp32."""
     embed_rows: bool = False
     """The embedding (untied, its state in host memory) stepped by the host optimizer and fetched
     as the rows a step looks up, each step's rows computed ahead of its whole table's pass
@@ -178,17 +172,6 @@ class Plan:
         backward = range(1, layers - self.keep_layers + 1)
         return [u for u in self.prestaged if u in backward or (u == 0 and tied)]
 
-    def copied(self, units: int) -> range:
-        """The units of a model of `units` units that the compute-dtype copy holds: where there is
-        one, those the host optimizer steps (neither GPU-resident nor GPU-stepped)."""
-        return range(self.stepped.stop, units) if self.host_weight_copy else range(0)
-
-    def fetch_bytes(self, unit: int, units: int) -> int:
-        """Bytes a parameter of `unit` (of `units`) takes over the link at each fetch from host
-        memory: its compute-dtype copy's 2 (a copy exists only where the compute dtype is not
-        fp32), else the fp32 master's 4."""
-        return 2 if unit in self.copied(units) else 4
-
     @property
     def gpu_grad_lead(self) -> int:
         """Stored mode: the leading units whose gradients wait on the GPU for the clip (resident
@@ -196,7 +179,9 @@ class Plan:
         return max(self.gpu_grad_units, self.stepped.stop)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "host_total": self.host_total}
+        # `halves`: the run fetched the master weights' halves (FETCH_BYTES), which the records of
+        # the system before them lack (bench/replay.py replays those with the bytes they moved).
+        return {**asdict(self), "host_total": self.host_total, "halves": True}
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:

@@ -13,30 +13,26 @@ every layer stays on the device, as the whole policy's does. The weights are the
 the same ops as a resident model's, so the completions are bitwise the same; on the CPU the
 fetches are plain copies, so the same code runs (and is tested) there.
 
-The source of the streamed weights is the one the caller holds. For the policy, where the plan
-has room for it (`Plan.rollout_host_copy`): a copy in the compute dtype in page-locked host
-memory (`HostCopy`, allocated once a run), into which building the policy casts the host state's
-fp32 master weights once a rollout, on torch's CPU threads; every fetch then moves half the fp32
-bytes, straight into its device buffer. Measured on one H100 (a 7B model, 14 of 28 layers
-streamed), the link set the rate: 452 completion tokens/s from the fp32 master against 3,514 with
-the policy resident. The copy costs 2 bytes a streamed parameter of host memory, which the plan
-counts (footprint.rollout_copy_bytes); where the host has no room, the fetches read the fp32
-master weights themselves (the engine's transport page-locks them in place for its own fetches),
-converted on the device after the copy through a staging buffer. Both casts round to nearest
-even, so the weights are the same numbers either way. The reference policy's weights (beta > 0)
-are already a host copy in the compute dtype (stages.grpo_reference), fetched as they are.
+The source of the streamed weights is the one the caller holds. For the policy: the host state's
+master weights as their halves (host/split.py), which the engine's transport page-locks in place:
+in bf16 a fetch moves their `hi` straight into its device buffer (2 bytes a parameter, the numbers
+the engine's own fetch brings), in fp32 both halves, joined on the device through a landing
+buffer; units whose fp32 state lives on the device are cast there by the halves' rounding. The
+reference policy's weights (beta > 0) are already a host copy in the compute dtype
+(stages.grpo_reference), fetched as they are. (Measured on one H100 before the halves, a 7B model
+with 14 of 28 layers streamed from the fp32 master: 452 completion tokens/s against 3,514 with the
+policy resident; the link set the rate.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from ..host.hostmem import Registration, host_buffer
+from ..host.split import HI, Halves, cast, join_, to_bf16
 from ..planning.footprint import ROLLOUT_BUFFERS as SLOTS
 
 ALIGN = 256  # elements: every view in a buffer starts 512-byte aligned in bf16, as an allocation
@@ -47,19 +43,18 @@ class _Param:
     module: torch.nn.Module
     name: str
     offset: int  # in the layer's buffer
-    source: torch.Tensor  # in host memory
+    source: torch.Tensor | Halves  # in host memory (the master's halves), or fp32 on the device
     placeholder: torch.nn.Parameter  # on the meta device: the module's between its forwards
 
 
 class PolicyModel:
-    """A transformers model of `weights` ((name, tensor) pairs, transformers' names) for `hf_config`,
-    on `device` in `dtype`, its decoder layers from `resident` on streamed (None: none streamed),
-    from `host_copy` (a `HostCopy`'s tensor) where given: the streamed weights not in `dtype` are
-    cast into it first, and fetched from it. Use it in a `with` block: leaving it waits for the
-    last fetch and frees the buffers."""
+    """A transformers model of `weights` ((name, weights) pairs, transformers' names: tensors, or
+    the master's halves) for `hf_config`, on `device` in `dtype`, its decoder layers from
+    `resident` on streamed (None: none streamed). Use it in a `with` block: leaving it waits for
+    the last fetch and frees the buffers."""
 
-    def __init__(self, hf_config, weights: Iterable[tuple[str, torch.Tensor]], device, dtype,
-                 resident: int | None = None, host_copy: torch.Tensor | None = None):  # fmt: skip
+    def __init__(self, hf_config, weights: Iterable[tuple[str, torch.Tensor | Halves]], device, dtype,
+                 resident: int | None = None):  # fmt: skip
         import transformers
 
         self.device, self.dtype = torch.device(device), dtype
@@ -79,8 +74,8 @@ class PolicyModel:
                 module = self.model.get_submodule(path)
                 i = owner.get(id(module))
                 if i is None or attr not in module._parameters:  # resident, or a buffer (made on the device)
-                    target = getattr(module, attr)
-                    target.copy_(value, non_blocking=True)
+                    target = getattr(module, attr)  # in its dtype (a buffer kept in fp32 too)
+                    target.copy_(cast(value, target.dtype), non_blocking=True)
                     unwritten.pop(id(target), None)
                     continue
                 self.layers[i].append(_Param(module, attr, ends[i], value, module._parameters[attr]))
@@ -88,9 +83,6 @@ class PolicyModel:
                 ends[i] += -(-value.numel() // ALIGN) * ALIGN
         if unwritten:
             raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
-        self.cast_s = 0.0  # the time taken to cast the weights into `host_copy`
-        if host_copy is not None:
-            self._cast(host_copy)
         self.fetched_bytes = 0
         self.stream = _LayerStream(self, max(ends, default=0)) if streamed else None
         # Removed on leaving: they refer to this object, which holds the model, and a cycle would
@@ -103,24 +95,6 @@ class PolicyModel:
                 layer.register_forward_hook(lambda m, args, out, i=i: self.stream.after(i)),
             )
         ]
-
-    def _cast(self, copy: torch.Tensor) -> None:
-        """The streamed weights not in the compute dtype cast into `copy`, one after another in
-        the layers' order, and fetched from there: a `copy_` (torch's threads), which rounds to
-        nearest even, as the device's cast does. `copy` must hold them exactly (the plan counted
-        it: footprint.rollout_copy_bytes)."""
-        t0 = time.perf_counter()
-        params = [p for layer in self.layers for p in layer if p.source.dtype != self.dtype]
-        need = sum(p.source.numel() for p in params)
-        if copy.dtype != self.dtype or copy.numel() != need:
-            raise ValueError(f"host copy: {copy.numel()} {copy.dtype} elements for {need} {self.dtype} ones")
-        at = 0
-        with torch.no_grad():
-            for p in params:
-                view = copy[at : at + p.source.numel()].view(p.source.shape)
-                view.copy_(p.source)
-                p.source, at = view, at + view.numel()
-        self.cast_s = time.perf_counter() - t0
 
     def _materialize(self, streamed: dict[int, int]) -> dict[int, str]:
         """Every parameter outside the streamed layers allocated on the device (a tied head keeps
@@ -164,10 +138,15 @@ class _LayerStream:
         device, dtype = policy.device, policy.dtype
         self.cuda = device.type == "cuda"
         self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(SLOTS)]
-        # Without a host copy the fp32 master crosses as it is and is converted on the device: one
-        # staging buffer, as the copies and the conversions are in order on the copy stream.
-        sources = {p.source.dtype for layer in self.layers for p in layer}
-        self.stage = {s: torch.empty(numel, dtype=s, device=device) for s in sources if s != dtype}
+        # In fp32 the master's halves land here and are joined into the buffer: one landing
+        # buffer, as the copies and the joins are in order on the copy stream.
+        halves = any(isinstance(p.source, Halves) for layer in self.layers for p in layer)
+        self.landing = None
+        if halves and dtype != HI:
+            self.landing = Halves(
+                torch.empty(numel, dtype=HI, device=device),
+                torch.empty(numel, dtype=torch.int16, device=device),
+            )
         self.copies = torch.cuda.Stream(device) if self.cuda else None
         self.compute = torch.cuda.current_stream(device) if self.cuda else None
         self.free: list[torch.cuda.Event | None] = [None] * SLOTS  # when each buffer's reader finished
@@ -204,35 +183,32 @@ class _LayerStream:
             if self.free[slot] is not None:
                 self.copies.wait_event(self.free[slot])
             for p in self.layers[i]:
-                n = p.source.numel()
-                stage = self.stage.get(p.source.dtype, buf)
-                stage[p.offset : p.offset + n].copy_(p.source.view(-1), non_blocking=True)
-                if stage is not buf:
-                    buf[p.offset : p.offset + n].copy_(stage[p.offset : p.offset + n])
-                self.policy.fetched_bytes += n * p.source.element_size()
+                self._copy(p, buf[p.offset : p.offset + p.source.numel()])
             ready = self.copies.record_event() if self.cuda else None
         self.pending = (i, slot, ready)
+
+    def _copy(self, p: _Param, into: torch.Tensor) -> None:
+        """Queue the weights of `p` into `into` (flat, the policy's dtype, on the device)."""
+        src, n = p.source, into.numel()
+        if isinstance(src, Halves) and into.dtype == HI:  # the master's hi, as it is
+            into.copy_(src.hi.view(-1), non_blocking=True)
+            self.policy.fetched_bytes += 2 * n
+        elif isinstance(src, Halves):  # fp32: both halves, joined here
+            stage = self.landing[p.offset : p.offset + n]
+            for dst, half in zip(stage, src):
+                dst.copy_(half.view(-1), non_blocking=True)
+            join_(stage, into)
+            self.policy.fetched_bytes += 4 * n
+        elif src.dtype == into.dtype:
+            into.copy_(src.view(-1), non_blocking=True)
+            self.policy.fetched_bytes += n * src.element_size()
+        else:  # fp32 state on the device, cast there by the halves' rounding
+            to_bf16(src.reshape(-1).to(into.device), out=into)
 
     def close(self) -> None:
         if self.cuda:
             self.copies.synchronize()  # the last fetch (the next forward's) still writes a buffer
-        self.buffers, self.stage = [], {}
-
-
-class HostCopy:
-    """The host memory `PolicyModel` casts the streamed layers into (its `host_copy`): `numel`
-    elements of `dtype` (footprint.rollout_copy_bytes, as the plan counts them), allocated once a
-    run and cast into again every rollout; page-locked where `device` is CUDA, so that the fetches
-    are asynchronous and at the link's full rate. `close()` unlocks it."""
-
-    def __init__(self, numel: int, dtype: torch.dtype, device):
-        self.tensor = host_buffer(numel, dtype)
-        self.registration = Registration(self.tensor) if torch.device(device).type == "cuda" else None
-
-    def close(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
-            self.registration = None
+        self.buffers, self.landing = [], None
 
 
 @contextlib.contextmanager

@@ -80,9 +80,8 @@ from ..objectives.grpo import (
     log_probs,
 )
 from ..objectives.rloo import RLOOConfig, sequence_kl
-from ..planning.footprint import rollout_copy_bytes
 from .decode import Decoder, supports
-from .policy import HostCopy, PolicyModel
+from .policy import PolicyModel
 from .rewards import RewardFunc, score
 from .sampling import RowSampler, Warpers, row_seed
 
@@ -165,15 +164,12 @@ class Rollout:
                  model, device, dtype, world, batch_size: int, pad_id: int, out: Path | None, log_every: int,
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
                  batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
-                 host_copy: bool = False, start: int = 0, cache: str = "dynamic",
+                 start: int = 0, cache: str = "dynamic",
                  engine: str = "megatrain", compile: bool = False):  # fmt: skip
         self.seed = seed
         self.engine, self.compile = engine, compile  # rollout_engine, rollout_compile
         self.cache = cache  # rollout_cache (check_cache has allowed it)
         self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
-        # The plan's `rollout_host_copy`: the streamed layers' copy in the compute dtype, for the run.
-        copy = rollout_copy_bytes(model.cfg, resident_layers, dtype.itemsize) if host_copy else 0
-        self.host_copy = HostCopy(copy // dtype.itemsize, dtype, device) if copy else None
         self.reference = reference  # beta > 0: the reference policy's weights (stages.grpo_reference)
         self.batches = batches  # the rollout being trained on (a resume's: `resumed_rollout`)
         self.cfg, self.prompts, self.funcs, self.tokenizer = grpo, prompts, funcs, tokenizer
@@ -296,11 +292,10 @@ class Rollout:
             transport = self.model.transport
             transport.wait_updates()  # the optimizer may still be writing the last step
             t1 = time.perf_counter()
-            copy = self.host_copy.tensor if self.host_copy is not None else None
             # The units whose state lives on the device are read there, where they are current:
             # not copied back to host memory (with their moments) for the policy's build.
             weights = self.model.state.named_parameters(transport.device_masters())
-            policy = self._on_device(weights, copy)
+            policy = self._on_device(weights)
             if self.device.type == "cuda":  # its copies done: the build's time, not the sampling's
                 torch.cuda.synchronize(self.device)
             t2 = time.perf_counter()
@@ -313,13 +308,11 @@ class Rollout:
                     if bar is not None:
                         bar.update(1)
             self.streamed = (policy.streamed_layers, policy.fetched_bytes)
-            policy_cast = policy.cast_s
             del model, policy  # before the allocator's peak is read
         # Where a rollout's time goes: the last step's host AdamW it waits for, the policy's build
-        # from host memory (of which the cast into the host copy), and the sampling itself (the
-        # rest of time/rollout_s is the cutting).
+        # from host memory, and the sampling itself (the rest of time/rollout_s is the cutting).
         self.timing = {"time/rollout_wait_s": t1 - t0, "time/rollout_build_s": t2 - t1,
-                       "time/rollout_cast_s": policy_cast, "time/rollout_sample_s": time.perf_counter() - t2}  # fmt: skip
+                       "time/rollout_sample_s": time.perf_counter() - t2}  # fmt: skip
         return completions, truncated
 
     # ------------------------------------------------------------------ evaluation
@@ -441,13 +434,11 @@ class Rollout:
             .tolist()
         )
 
-    def _on_device(self, weights, host_copy: torch.Tensor | None = None) -> PolicyModel:
-        """A transformers model of `weights` ((name, tensor) pairs), on the device in the compute
-        dtype, the layers after the plan's `rollout_layers` streamed (from `host_copy`, where
-        given: PolicyModel); a `with` block frees it."""
-        return PolicyModel(
-            self.model.cfg.hf_config, weights, self.device, self.dtype, self.resident_layers, host_copy
-        )
+    def _on_device(self, weights) -> PolicyModel:
+        """A transformers model of `weights` ((name, weights) pairs: tensors or the master's
+        halves), on the device in the compute dtype, the layers after the plan's `rollout_layers`
+        streamed (PolicyModel); a `with` block frees it."""
+        return PolicyModel(self.model.cfg.hf_config, weights, self.device, self.dtype, self.resident_layers)
 
     # ------------------------------------------------------------------ log-probs
     def _attach_logps(self, batches: list[MicroBatch], sampling: bool = True) -> None:
@@ -579,12 +570,10 @@ class Rollout:
         ]
 
     def close(self) -> None:
-        """Close the record files, unlock the host copy."""
+        """Close the record files."""
         for f in (self.completions_file, self.eval_completions_file):
             if f is not None:
                 f.close()
-        if self.host_copy is not None:
-            self.host_copy.close()
 
     # ------------------------------------------------------------------ batches
     def _micro_batch(self, rows) -> MicroBatch:
