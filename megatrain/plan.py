@@ -80,6 +80,7 @@ def choices_of(cfg) -> Choices:
         gpu_step_units=None if cfg.gpu_step_units == "auto" else cfg.gpu_step_units,
         host_weight_copy=cfg.host_weight_copy,
         embedding_rows=cfg.embedding_rows,
+        moments=cfg.moments().name,
     )
 
 

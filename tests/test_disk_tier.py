@@ -29,12 +29,15 @@ from megatrain import plan as planning
 from megatrain.config import TrainConfig
 from megatrain.errors import MegatrainError
 from megatrain.host import disk, tierfile
-from megatrain.host.disk import MOMENT_BYTES, DiskTier, DiskTierError
+from megatrain.host.disk import DiskTier, DiskTierError
+from megatrain.host.moments import FP32
 from megatrain.host.state import HostState, build_units
 from megatrain.models.config import ModelConfig
 from megatrain.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
+
+MOMENT_BYTES = int(FP32.bytes_per_param)  # the fp32 moments a parameter
 
 
 def takes_o_direct(directory: Path) -> bool:
@@ -676,9 +679,9 @@ def test_a_disk_smaller_than_all_the_moments_still_takes_the_units_it_holds():
     n = len(s.units)
     host = math.ceil(footprint.evaluate(s, batch, replace(whole, disk_units=n // 2), m).host_total
                      / (1 - footprint.HOST_RESERVE))  # fmt: skip
-    half = footprint.disk_tier_bytes(s, n // 2, m.world)
+    half = footprint.disk_tier_bytes(s, n // 2, m.world, FP32)
     small = replace(m, host_bytes=host, disk_bytes=half)  # holds the last half's moments, not all
-    assert footprint.disk_tier_bytes(s, n, m.world) > small.disk_bytes
+    assert footprint.disk_tier_bytes(s, n, m.world, FP32) > small.disk_bytes
     p = placement.plan(cfg, batch, small, two_pass)
     assert p.disk_units == n // 2 and p.host_total <= footprint.usable_host(small)
     with pytest.raises(placement.PlanError, match=f"the last {n // 2} of {n} units'") as e:

@@ -18,7 +18,7 @@ from megatrain.config import TrainConfig
 from megatrain.engine.gpustep import GpuStepper
 from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.errors import ConfigError
-from megatrain.host.state import STATE_BYTES, HostState, build_units
+from megatrain.host.state import HostState, build_units, state_bytes
 from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
 from megatrain.parallel.distributed import Single
@@ -29,6 +29,8 @@ from megatrain.planning.probe import formula_layer_memory
 from megatrain.runtime import build_model
 
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
+
+STATE_BYTES = int(state_bytes())  # fp32 weights and moments a parameter
 
 
 def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K, prestage: bool | None = None) -> Plan:

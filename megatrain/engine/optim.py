@@ -27,10 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from ..host.hostmem import populate
+from ..host.moments import BLOCK, FP32, Moments
 from ..host.state import HostState, Unit
 from ..host.weightcopy import WeightCopy
 from ..parallel.distributed import Collective, Single
 from . import clipadam
+from . import moments as low
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    moments: Moments = FP32
+    """How the moments are stored (`optim`, host/moments.py): fp32 steps with torch's fused kernel,
+    the others with engine/moments.py's arithmetic."""
 
 
 # Whether a clip that fires is stepped by the kernel that multiplies as it steps
@@ -104,23 +109,29 @@ def adamw_range(
     hi: int,
     p: torch.Tensor,
     g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
+    moments: tuple[torch.Tensor, ...],
     cfg: AdamWConfig,
     lr: float,
     step: int,
     found_inf: torch.Tensor | None = None,
     base: int = 0,
 ) -> None:
-    """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the unit's flat state from
-    element `base` on (the whole unit, a machine's part of it, or a chunk of it in a GPU scratch)
-    and `g` exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag
-    on the same device) makes the kernel leave everything unchanged.
+    """AdamW on elements [lo, hi) of one unit. `p` and `moments` (the state's moment buffers,
+    `Moments.fields` order) hold the unit's flat state from element `base` on (the whole unit, a
+    machine's part of it, or a chunk of it in a GPU scratch; an absmax from `base`'s block) and `g`
+    exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag on the
+    same device) leaves everything unchanged.
 
-    Parameters that follow each other with no padding between them (sizes in multiples of 64, as
-    a layer's matrices are) and with the same weight decay are stepped as one tensor: the kernel
+    Parameters that follow each other with no padding between them (sizes in multiples of ALIGN,
+    as a layer's matrices are) and with the same weight decay are stepped as one tensor: the kernel
     runs each tensor in a parallel region of its own, and their starts and ends cost threads idle
-    at the barrier; the elements its vector loop covers stay the same."""
+    at the barrier; the elements its vector loop covers stay the same. Moments in bf16 or 8 bits
+    take engine/moments.py's arithmetic; 8-bit ones are cut only on blocks (`lo`, `hi` and `base`
+    multiples of BLOCK, or `hi` the unit's end)."""
+    if cfg.moments != FP32:
+        _moments_range(unit, lo, hi, p, g, moments, cfg, lr, step, found_inf, base)
+        return
+    m, v = moments
     for decay, spans in tensors(unit, lo, hi).items():
         if not spans:
             continue
@@ -147,6 +158,24 @@ def adamw_range(
         )
 
 
+def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, found_inf, base) -> None:
+    """`adamw_range` of bf16 or 8-bit moments: engine/moments.py's step, span by span."""
+    quantized = cfg.moments.quantized
+    if quantized and (lo % BLOCK or base % BLOCK or (hi % BLOCK and hi != unit.numel)):
+        raise ValueError(
+            f"{unit.name}[{lo}:{hi}] from {base}: 8-bit moments are stepped in whole blocks of {BLOCK}"
+        )
+    for decay, spans in tensors(unit, lo, hi).items():
+        h = low.Hyper.of(lr, step, cfg.betas, cfg.eps, cfg.weight_decay if decay else 0.0)
+        for a, b in spans:
+            if quantized:  # codes element for element, absmax block for block
+                ka, kb = (a - base) // BLOCK, -(-(b - base) // BLOCK)
+                views = (*(t[a - base : b - base] for t in moments[:2]), *(t[ka:kb] for t in moments[2:]))
+            else:
+                views = tuple(t[a - base : b - base] for t in moments)
+            low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
+
+
 class HostAdamW:
     """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range.
 
@@ -155,6 +184,10 @@ class HostAdamW:
     `published` it."""
 
     def __init__(self, state: HostState, cfg: AdamWConfig, world: Collective | None = None):
+        if state.moments != cfg.moments:
+            raise ValueError(
+                f"the host state holds {state.moments.name} moments, the optimizer steps {cfg.moments.name}"
+            )
         self.state, self.cfg = state, cfg
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
@@ -196,14 +229,14 @@ class HostAdamW:
         st, base = self.state, self.state.part(unit)[0]
         p, tier = st.flat(unit), st.tier
         if tier is None or not tier.holds(unit):
-            m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
-            adamw_range(unit, lo, hi, p, grad, m, v, self.cfg, lr, step, base=base)
+            moments = tuple(st.flat(unit, w) for w in st.moment_names)
+            adamw_range(unit, lo, hi, p, grad, moments, self.cfg, lr, step, base=base)
             st.written(unit, lo, hi)  # the compute-dtype copy, while the range is in cache
             return
         for a, b in tier.blocks(unit, lo, hi):
-            with tier.staged(unit, a, b) as (m, v):
+            with tier.staged(unit, a, b) as moments:
                 g = grad[a - lo : b - lo]
-                adamw_range(unit, a, b, p[a - base :], g, m, v, self.cfg, lr, step, base=a)
+                adamw_range(unit, a, b, p[a - base :], g, moments, self.cfg, lr, step, base=a)
             st.written(unit, a, b)
 
     def _populate(self, unit: Unit) -> None:
@@ -217,7 +250,7 @@ class HostAdamW:
             return
         lo, hi = self.span(unit)
         populate(
-            [self.state.range(unit, lo, hi, w) for w in ("exp_avg", "exp_avg_sq")], torch.get_num_threads()
+            [self.state.range(unit, lo, hi, w) for w in self.state.moment_names], torch.get_num_threads()
         )
 
     def step_held(
@@ -260,11 +293,26 @@ class HostAdamW:
         tensors' lengths are multiples of KERNEL_TAIL (a hidden size the plan allows), as every
         element of the copies does in theirs."""
         spec = unit.params[0]
+        wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
+
+        def gathered() -> torch.Tensor:  # the rows' gradient, times the clip coefficient
+            if index is None:
+                return clip_scaled(grad.index_select(0, rows), coef)
+            g = grad.index_select(0, index.clamp(min=0)).masked_fill_((index < 0)[:, None], 0.0)
+            return clip_scaled(g, coef)
+
+        if self.cfg.moments != FP32:  # engine/moments.py's arithmetic on the rows' decoded moments
+            width = spec.shape[1]
+            at = (spec.offset + rows[:, None] * width + torch.arange(width)).view(-1)
+            m, v = low.decode_at(tuple(self.state.flat(unit, w) for w in self.state.moment_names), at)
+            h = low.Hyper.of(lr, step, self.cfg.betas, self.cfg.eps, wd)
+            new = low.update(self.state.flat(unit)[at], gathered().view(-1), m, v, h, spec.decay)
+            out.copy_(new.view(out.shape))
+            return
         p, m, v = (
             self.state.flat(unit, w)[spec.offset : spec.offset + spec.numel].view(spec.shape)
             for w in ("master", "exp_avg", "exp_avg_sq")
         )
-        wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
         kernel = self._loaded()
         if kernel is not None and out.dtype == torch.bfloat16:
             c = coef.item() if multiplies(coef) else None
@@ -272,12 +320,8 @@ class HostAdamW:
             kernel.rows((p, grad, m, v), rows, out, c, *hyper, index=index)
             return
         p, m, v = (t.index_select(0, rows) for t in (p, m, v))
-        if index is None:
-            g = grad.index_select(0, rows)
-        else:
-            g = grad.index_select(0, index.clamp(min=0)).masked_fill_((index < 0)[:, None], 0.0)
         torch._fused_adamw_(
-            [p], [clip_scaled(g, coef)], [m], [v], [], [torch.full((), float(step))],
+            [p], [gathered()], [m], [v], [], [torch.full((), float(step))],
             amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=self.cfg.eps, maximize=False,
         )  # fmt: skip
         out.copy_(p)
@@ -287,7 +331,7 @@ class HostAdamW:
         (the multiply), or a bf16 copy of the unit's weights to write (the cast); where asked for
         (`fused_clip`) and available here. None: torch's kernel, after the multiply, then the cast."""
         tier = self.state.tier
-        if not self.fused_clip or (tier is not None and tier.holds(unit)):
+        if not self.fused_clip or self.cfg.moments != FP32 or (tier is not None and tier.holds(unit)):
             return None
         if not (multiplies(coef) or self._bf16_copy(unit) is not None):
             return None

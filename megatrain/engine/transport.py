@@ -258,7 +258,7 @@ class StreamingTransport:
         self._held: dict[int, object] = {}
         # Gradients handed to the worker and still on the GPU: at most `inflight_units` at once.
         self._inflight = threading.BoundedSemaphore(max(1, plan.inflight_units))
-        self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.resident: dict[int, tuple[torch.Tensor, ...]] = {}  # master, then the moment buffers
         self._make_resident(units[: plan.resident_units])
         stepped = [units[i] for i in plan.stepped]
         self.stepper = GpuStepper(
@@ -425,8 +425,8 @@ class StreamingTransport:
         self.stepper.discard()
 
     def _step_resident(self, unit: Unit, g: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
-        p, m, v = self.resident[unit.index]  # on the compute stream, ~1 ms per GB
-        adamw_range(unit, 0, unit.numel, p, _scaled(g, coef), m, v, self.optimizer.cfg, lr, step, skip)
+        p, *moments = self.resident[unit.index]  # on the compute stream, ~1 ms per GB
+        adamw_range(unit, 0, unit.numel, p, _scaled(g, coef), moments, self.optimizer.cfg, lr, step, skip)
 
     def _submit(self, items, coef, lr: float, step: int, release: bool = False, skip=None) -> None:
         if not items:
@@ -577,8 +577,10 @@ class StreamingTransport:
         for i, tensors in self.resident.items():
             unit = self.state.units[i]
             lo, hi = self.optimizer.span(unit)  # every rank's copy is whole; each writes its part
-            for which, t in zip(("master", "exp_avg", "exp_avg_sq"), tensors):
-                self.state.flat(unit, which)[lo:hi].copy_(t[lo:hi], non_blocking=True)
+            for which, t in zip(("master", *self.state.moment_names), tensors):
+                self.state.range(unit, lo, hi, which).copy_(
+                    self.state.cut(t, lo, hi, which), non_blocking=True
+                )
         torch.cuda.synchronize(self.device)
 
     def device_masters(self) -> dict[int, torch.Tensor]:
@@ -592,7 +594,7 @@ class StreamingTransport:
         for u in units:
             self.resident[u.index] = tuple(
                 self.state.flat(u, w).to(self.device, non_blocking=True)
-                for w in ("master", "exp_avg", "exp_avg_sq")
+                for w in ("master", *self.state.moment_names)
             )
         torch.cuda.synchronize(self.device)
 

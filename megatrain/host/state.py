@@ -4,9 +4,9 @@ AdamW moments in host memory.
 A model is a sequence of *units*, the granularity at which weights travel to the device:
 `embed`, `layers.0` ... `layers.{L-1}`, `head` (final norm + LM head). Each unit's parameters
 are packed into one flat fp32 range of a single host allocation (`HostState.master`), in the
-template's parameter order, each parameter's start aligned to 64 elements. The AdamW moments
-have the same layout, so a unit's state is three contiguous ranges and a checkpoint is three
-tensors per unit.
+template's parameter order, each parameter's start aligned to ALIGN elements. The AdamW moments
+have the same layout in the dtype of their format (moments.py; an 8-bit one's absmax one element
+per block), so a unit's state is a contiguous range of each buffer.
 
 In a world partitioned over several machines (layout.py) a machine's `HostState` holds only its
 *part* of each unit, a consecutive range of elements; the parts of all machines make the whole.
@@ -24,12 +24,15 @@ import torch
 from ..models.config import ModelConfig
 from ..models.family import checkpoint_pieces, family_of, templates
 from .hostmem import PAGE, host_buffer
+from .moments import BLOCK, FP32, Field, Moments
 
-ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
+# Elements: every parameter starts on a block of the 8-bit moments, so a block holds one tensor as
+# in bitsandbytes (1 KiB aligned in fp32, 512 bytes in bf16).
+ALIGN = BLOCK
 # Every unit starts on a page of its own, so host memory can be page-locked in pieces cut at unit
 # boundaries (hostmem.py).
 UNIT_ALIGN = PAGE // 4
-STATE_BYTES = 12  # fp32 master weights and two AdamW moments, per parameter
+MASTER_BYTES = 4  # the fp32 master weights, per parameter
 
 # Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
 # normalisation weights.
@@ -106,6 +109,11 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
     return units
 
 
+def state_bytes(moments: Moments = FP32) -> float:
+    """Host bytes a parameter's state takes: its fp32 master weight and its AdamW moments."""
+    return MASTER_BYTES + moments.bytes_per_param
+
+
 def unit_views(flat: torch.Tensor, unit: Unit) -> dict[str, torch.Tensor]:
     """Parameter-shaped views of a unit's flat range (`flat` holds that unit alone)."""
     return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params}
@@ -120,8 +128,8 @@ def piece_views(flat: torch.Tensor, unit: Unit):
 
 
 class HostState:
-    """fp32 master weights and AdamW moments of every unit (or of a part of each), each one host
-    allocation."""
+    """fp32 master weights and AdamW moments of every unit (or of a part of each), each buffer one
+    host allocation."""
 
     def __init__(
         self,
@@ -129,20 +137,26 @@ class HostState:
         with_optimizer: bool = True,
         alloc=host_buffer,
         parts: list[tuple[int, int]] | None = None,
+        moments: Moments = FP32,
     ):
-        """`alloc(numel)` makes each buffer (master, exp_avg, exp_avg_sq, in that order): by
-        default private memory; the ranks of a machine share theirs (processgroup.py). `parts`:
-        the elements [lo, hi) of each unit held here (default: whole units)."""
+        """`alloc(numel, dtype)` makes each buffer (master, then the moments' `moments.fields`, in
+        that order): by default private memory; the ranks of a machine share theirs
+        (processgroup.py). `parts`: the elements [lo, hi) of each unit held here (default: whole
+        units)."""
         self.units = units
         self.parts = parts or [(0, u.numel) for u in units]
         self.whole = all(p == (0, u.numel) for p, u in zip(self.parts, units))
         lengths = [hi - lo for lo, hi in self.parts]
         self.starts = [sum(lengths[:i]) for i in range(len(units))]  # each part's place in a buffer
         self.numel = sum(lengths)
+        self.moments = moments
+        self._per = {f.name: f.per for f in moments.fields}
         # Fresh zero pages, page-aligned: nothing is touched until a unit is written.
-        self.master = alloc(self.numel)
-        self.exp_avg = alloc(self.numel) if with_optimizer else None
-        self.exp_avg_sq = alloc(self.numel) if with_optimizer else None
+        self.master = alloc(self.numel, torch.float32)
+        for f in moments.fields:
+            setattr(
+                self, f.name, alloc(f.length(self.numel), getattr(torch, f.dtype)) if with_optimizer else None
+            )
         self.step = 0  # optimizer steps taken
         self.tier = None
         """The disk tier holding the AdamW moments of the last units (host/disk.py's `DiskTier`),
@@ -154,29 +168,49 @@ class HostState:
         weights refreshes it: through `load` and `written` here, and the host optimizer's."""
 
     @property
+    def moment_names(self) -> tuple[str, ...]:
+        """The moment buffers (`moments.fields`), in the order the optimizer takes them."""
+        return tuple(self._per)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of host memory the state takes (weights, and moments where there are)."""
-        buffers = [b for b in (self.master, self.exp_avg, self.exp_avg_sq) if b is not None]
-        return sum(b.numel() for b in buffers) * self.master.element_size()
+        buffers = [getattr(self, w) for w in ("master", *self.moment_names)]
+        return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
     def part(self, unit: Unit) -> tuple[int, int]:
         """The elements [lo, hi) of `unit` held here."""
         return self.parts[unit.index]
 
     def flat(self, unit: Unit, which: str = "master") -> torch.Tensor:
-        """The unit's part held here (the whole unit in a whole state)."""
+        """The unit's part held here (the whole unit in a whole state) of buffer `which`: an
+        8-bit absmax has one element per block (parts start and end on whole pages)."""
         if which != "master" and self.tier is not None and self.tier.holds(unit):
             raise ValueError(f"{unit.name}: its AdamW moments are in the disk tier, not in host memory")
         lo, hi = self.parts[unit.index]
-        start = self.starts[unit.index]
-        return getattr(self, which)[start : start + hi - lo]
+        start, per = self.starts[unit.index], self._per.get(which, 1)
+        return getattr(self, which)[start // per : (start + hi - lo) // per]
 
     def range(self, unit: Unit, lo: int, hi: int, which: str = "master") -> torch.Tensor:
-        """Elements [lo, hi) of `unit`, which must lie in its part held here."""
+        """Elements [lo, hi) of `unit`, which must lie in its part held here; of an absmax, the
+        blocks they cover (`lo` on a block, `hi` on one or a tensor's end)."""
         a, b = self.parts[unit.index]
         if not a <= lo <= hi <= b:
             raise ValueError(f"{unit.name}[{lo}:{hi}] is outside the part held here [{a}:{b}]")
-        return self.flat(unit, which)[lo - a : hi - a]
+        per = self._per.get(which, 1)
+        if (lo - a) % per:
+            raise ValueError(f"{unit.name}[{lo}:{hi}]: {which} is cut at blocks of {per} elements")
+        return self.flat(unit, which)[(lo - a) // per : -(-(hi - a) // per)]
+
+    def per(self, which: str) -> int:
+        """Elements of the state per element of buffer `which` (an 8-bit absmax: a block's)."""
+        return self._per.get(which, 1)
+
+    def cut(self, t: torch.Tensor, lo: int, hi: int, which: str = "master") -> torch.Tensor:
+        """Elements [lo, hi) of a unit in `t`, a buffer `which` of that unit (from its start): of an
+        absmax, the blocks they cover."""
+        per = self._per.get(which, 1)
+        return t[lo // per : -(-hi // per)]
 
     def load(self, unit: Unit, which: str, entries, read: Callable[[str, int, int], torch.Tensor]) -> None:
         """Fill the part of `unit` held here from tensors: `entries` are (key, start in the unit,
@@ -185,7 +219,8 @@ class HostState:
         tensor that requires grad (a module's parameter) would make the whole buffer a node of
         its graph, holding every such source alive (a second fp32 copy of the model)."""
         lo, hi = self.parts[unit.index]
-        fill_range(self.flat(unit, which), lo, hi, entries, read)
+        per = self._per.get(which, 1)  # an absmax's entries count blocks (`moment_entries`)
+        fill_range(self.flat(unit, which), lo // per, -(-hi // per), entries, read)
         if which == "master":
             self.written(unit, lo, hi)
 
@@ -253,6 +288,15 @@ def tensor_entries(unit: Unit, per: str = "piece") -> Iterable[tuple[str, int, t
         else:
             for c in p.pieces:
                 yield c.key, p.offset + c.offset, c.shape
+
+
+def moment_entries(unit: Unit, field: Field) -> Iterable[tuple[str, int, tuple[int, ...]]]:
+    """(key, start, shape) of a moment buffer's checkpoint tensors of `unit`, in that buffer's
+    elements: one per parameter, keyed `<field>.<parameter key>`, the parameter's shape, or an
+    absmax's blocks of it (bitsandbytes' absmax of a tensor)."""
+    for p in unit.params:
+        shape = p.shape if field.per == 1 else (field.length(p.numel),)
+        yield f"{field.name}.{p.key}", p.offset // field.per, shape
 
 
 def checkpoint_entries(units: list[Unit]) -> list[tuple[str, tuple[int, ...]]]:

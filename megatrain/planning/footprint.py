@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..host.activations import HostActivations
-from ..host.disk import MOMENT_BYTES, ring_bytes
-from ..host.state import STATE_BYTES
+from ..host.disk import ring_bytes, tier_bytes
+from ..host.moments import FP32, STEP_CHUNK, STEP_TEMP_BYTES, Moments
 from ..models.attention import mask_bytes
 from ..models.config import ModelConfig
 from ..models.family import layer_params
@@ -164,8 +164,9 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
         suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if waits[u] else 0)
     resident = {  # in every phase
-        "fp32 state of GPU-resident units": STATE_BYTES * sum(s.units[:R]),
+        "fp32 state of GPU-resident units": plan.state_bytes(sum(s.units[:R])),
         "GPU-stepped state (scratch)": _step_scratch(s, plan),
+        "AdamW temporaries (bf16, 8-bit moments)": _moment_temporaries(s, plan),
         "attention masks": _masks(b, flex=True),
     }
 
@@ -185,7 +186,7 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         """Prestaged units >= u: their fp32 state, loaded during the backward sweep (counted whole
         from its start), stepped after the clip and freed after its write-back, which runs in
         forward order behind the next forward sweep (as the host optimizer does)."""
-        return STATE_BYTES * sum(s.units[v] for v in plan.prestaged if v >= u)
+        return plan.state_bytes(sum(s.units[v] for v in plan.prestaged if v >= u))
 
     tile = plan.mlp_tile_tokens
     kept_graph = lm.graph(Tm, tile) * b.micro_batches + act + cb * s.layer  # graphs, outputs, weights
@@ -308,7 +309,15 @@ def _step_scratch(s: Shape, plan: Plan) -> int:
     if not plan.gpu_stepped_units or plan.prestaged:
         return 0
     chunk = min(plan.staging_elems, max(s.units[u] for u in plan.stepped))
-    return STEP_SLOTS * STATE_BYTES * chunk
+    return STEP_SLOTS * plan.state_bytes(chunk)
+
+
+def _moment_temporaries(s: Shape, plan: Plan) -> int:
+    """GPU memory of engine/moments.py's step where the GPU steps bf16 or 8-bit moments: its fp32
+    temporaries of a chunk (host/moments.py's STEP_TEMP_BYTES)."""
+    if plan.moments == FP32.name or not (plan.resident_units or plan.gpu_stepped_units):
+        return 0
+    return STEP_TEMP_BYTES * min(STEP_CHUNK["cuda"], max(s.units))
 
 
 def _gpu_peak(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[int, dict[str, int]]:
@@ -358,9 +367,12 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     measure for the further processes)."""
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
-    host = {"fp32 weights + AdamW moments": STATE_BYTES * state - disk_tier_bytes(s, plan.disk_units, world)}
+    tier = disk_tier_bytes(s, plan.disk_units, world, plan.moment_format)
+    host = {"fp32 weights + AdamW moments": plan.state_bytes(state) - tier}
     if plan.disk_units:  # the tier's moments pass through it a block at a time
-        host["disk tier staging (host buffers)"] = ring_bytes(s.units[len(s.units) - plan.disk_units :])
+        host["disk tier staging (host buffers)"] = ring_bytes(
+            s.units[len(s.units) - plan.disk_units :], plan.moment_format
+        )
     copy = weight_copy_bytes(s, b, plan, world)
     if copy:
         host[WEIGHT_COPY] = copy
@@ -378,7 +390,9 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         host["runtime"] = _runtime(plan.device, world)
         return host, 0
     pinned = 4 * state + copy  # the master weights (and their copy), registered in place
-    pinned += 8 * world.held(s.units[u] for u in plan.stepped)  # and GPU-stepped units' moments
+    pinned += plan.moment_format.nbytes(
+        world.held(s.units[u] for u in plan.stepped)
+    )  # and GPU-stepped units' moments
     spilled = world.held(s.units[plan.gpu_grad_lead :]) if plan.grad_mode == "stored" else 0
     if spilled > 0:
         host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
@@ -409,9 +423,11 @@ def weight_copy_bytes(s: Shape, b: Batch, plan: Plan, world: Layout) -> int:
     return b.compute_bytes * world.held(s.units[u] for u in plan.copied(len(s.units)))
 
 
-def disk_tier_bytes(s: Shape, units: int, world: Layout) -> int:
-    """The AdamW moments a disk tier of the last `units` units holds (a plan's `disk_units`)."""
-    return MOMENT_BYTES * world.held(s.units[len(s.units) - units :]) if units else 0
+def disk_tier_bytes(s: Shape, units: int, world: Layout, moments: Moments) -> int:
+    """The AdamW moments a disk tier of the last `units` units holds (a plan's `disk_units`) in
+    their format."""
+    held = [world.held([n]) for n in s.units[len(s.units) - units :]] if units else []
+    return tier_bytes(held, moments)
 
 
 def _runtime(device: str, world: Layout) -> int:
@@ -515,7 +531,7 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     if plan.device == "cuda":
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan, m.world)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
-    plan.disk = disk_tier_bytes(s, plan.disk_units, m.world)
+    plan.disk = disk_tier_bytes(s, plan.disk_units, m.world, plan.moment_format)
     plan.step_time_s = step_time(s, b, plan, m)
     return plan
 
