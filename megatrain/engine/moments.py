@@ -9,8 +9,9 @@ the moments encoded again. The arithmetic is bitsandbytes' (its CPU backend's
     m = m * b1 + g * (1 - b1);  v = v * b2 + (g * (1 - b2)) * g
     p = p * (1 - lr * wd);  p = p + (m / (sqrt(v) / sqrt(1 - b2^t) + eps)) * (-lr / (1 - b1^t))
 
-every operation one fp32 rounding (no fused multiply-add), so a chunk, a thread, a device's
-vector or scalar loop give each element the same bits. bf16 moments are stored rounded to nearest
+every operation one correctly rounded fp32 operation (no fused multiply-add; the square root
+through fp64), so a chunk, a thread, a device, a vector or scalar loop give each element the same
+bits. bf16 moments are stored rounded to nearest
 even. 8-bit moments are bitsandbytes' blockwise quantisation: per BLOCK elements the absmax of the
 new moment, each element divided by it and stored as the index of the nearest value of the
 dynamic map (`dynamic_map`; the lower one of two as near; a block of zeros: all index 0), decoded
@@ -173,7 +174,9 @@ def update(
     moments in place; returns the new weights (`p` is only read)."""
     m.mul_(h.b1).add_(g * h.w1)
     v.mul_(h.b2).add_((g * h.w2).mul_(g))
-    d = v.sqrt().div_(h.c2).add_(h.eps)
+    # fp32's correctly rounded square root, through fp64 (exact: 53 bits > 2 x 24 + 2). torch's
+    # CPU vector sqrt is not correctly rounded (a fifth of fp32 values differ by an ulp).
+    d = v.double().sqrt_().float().div_(h.c2).add_(h.eps)
     new = p * h.keep if decay else p.clone()
     return new.add_(torch.div(m, d).mul_(h.step_size))
 

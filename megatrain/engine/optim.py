@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ..host.hostmem import populate
-from ..host.moments import BLOCK, FP32, Moments
+from ..host.moments import BF16, BLOCK, FP32, Q8, Moments
 from ..host.state import HostState, Unit
 from ..host.weightcopy import WeightCopy
 from ..parallel.distributed import Collective, Single
-from . import clipadam
+from . import clipadam, momentkernel
 from . import moments as low
 
 log = logging.getLogger(__name__)
@@ -159,8 +159,12 @@ def adamw_range(
 
 
 def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, found_inf, base) -> None:
-    """`adamw_range` of bf16 or 8-bit moments: engine/moments.py's step, span by span."""
+    """`adamw_range` of bf16 or 8-bit moments: engine/moments.py's step, span by span; in host
+    memory by momentkernel.py's kernel where it builds and checks (one pass, the same bits)."""
     quantized = cfg.moments.quantized
+    kernel = None
+    if p.device.type == "cpu" and found_inf is None and cfg.moments in (Q8, BF16):
+        kernel = momentkernel.load()[0]
     if quantized and (lo % BLOCK or base % BLOCK or (hi % BLOCK and hi != unit.numel)):
         raise ValueError(
             f"{unit.name}[{lo}:{hi}] from {base}: 8-bit moments are stepped in whole blocks of {BLOCK}"
@@ -173,7 +177,12 @@ def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, foun
                 views = (*(t[a - base : b - base] for t in moments[:2]), *(t[ka:kb] for t in moments[2:]))
             else:
                 views = tuple(t[a - base : b - base] for t in moments)
-            low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
+            if kernel is not None:
+                kernel.step(
+                    p[a - base : b - base], g[a - lo : b - lo], views, h, decay, torch.get_num_threads()
+                )
+            else:
+                low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
 
 
 class HostAdamW:
