@@ -293,3 +293,39 @@ def test_a_kernel_whose_results_differ_is_refused_and_the_torch_ops_step(monkeyp
     with caplog.at_level("WARNING"):
         assert momentkernel.load()[0] is None
     assert "the torch ops step" in caplog.text
+
+
+# ---------------------------------------------------------------------------- the GPU's paths
+@pytest.mark.parametrize("prestage", [False, True], ids=["chunked", "prestaged"])
+@pytest.mark.parametrize("moments", [Q8, BF16], ids=["8bit", "bf16"])
+def test_gpu_stepped_units_end_where_the_host_optimizer_puts_them(moments, prestage):
+    """The GPU stepper in program order (the CPU; with a skip flag, so its steps take the torch
+    ops CUDA runs) through scratch chunks of whole blocks, or prestaged a share of blocks at a
+    time, gives bitwise the state the host optimizer's kernel gives whole units, clipped, over
+    three steps; its fresh weights are the master's in the compute dtype; a skipped step changes
+    nothing; it moves each unit's state in its format's bytes."""
+    from megatrain.engine.gpustep import GpuStepper
+    from megatrain.engine.optim import clip_scaled
+
+    adamw = AdamWConfig(1e-2, BETAS, EPS, WD, moments)
+    state, ref = _state(moments), _state(moments)
+    units = state.units[:3]
+    stepper = GpuStepper(state, adamw, units, torch.bfloat16, chunk=1024, prestage=prestage)
+    host = HostAdamW(ref, adamw)
+    gen = torch.Generator().manual_seed(5)
+    buffers = ("master", *state.moment_names)
+    for step in (1, 2, 3, 4):
+        coef, skip = torch.tensor(0.3 + 0.1 * step), torch.tensor(step == 4)
+        for share in (0.3, 0.61):
+            stepper.prestage(share)
+        grads = [torch.randn(u.numel, generator=gen) * 1e-2 for u in units]
+        stepper.step([(u, g.clone()) for u, g in zip(units, grads)], coef, 1e-2, step, skip)
+        if step < 4:
+            for u, g in zip(units, grads):
+                host.step_range(u, 0, u.numel, clip_scaled(g.clone(), coef), 1e-2, step)
+        for w in buffers:
+            assert same(getattr(state, w), getattr(ref, w)), (step, w)
+        for u in units:
+            assert same(stepper.take(u)[0], ref.flat(u).to(torch.bfloat16))
+    nbytes = sum(4 * u.numel + moments.nbytes(u.numel) for u in units)
+    assert stepper.d2h_bytes == 4 * nbytes and stepper.h2d_bytes == 4 * nbytes

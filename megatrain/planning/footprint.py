@@ -368,7 +368,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
     tier = disk_tier_bytes(s, plan.disk_units, world, plan.moment_format)
-    host = {"fp32 weights + AdamW moments": plan.state_bytes(state) - tier}
+    host = {STATE_KEY: plan.state_bytes(state) - tier}
     if plan.disk_units:  # the tier's moments pass through it a block at a time
         host["disk tier staging (host buffers)"] = ring_bytes(
             s.units[len(s.units) - plan.disk_units :], plan.moment_format
@@ -414,7 +414,8 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     return host, pinned
 
 
-WEIGHT_COPY = "compute-dtype weight copy (host_weight_copy)"  # plan.host's key
+WEIGHT_COPY = "compute-dtype weight copy (host_weight_copy)"  # plan.host's keys
+STATE_KEY = "fp32 weights + AdamW moments"
 
 
 def weight_copy_bytes(s: Shape, b: Batch, plan: Plan, world: Layout) -> int:
