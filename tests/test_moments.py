@@ -329,3 +329,35 @@ def test_gpu_stepped_units_end_where_the_host_optimizer_puts_them(moments, prest
             assert same(stepper.take(u)[0], ref.flat(u).to(torch.bfloat16))
     nbytes = sum(4 * u.numel + moments.nbytes(u.numel) for u in units)
     assert stepper.d2h_bytes == 4 * nbytes and stepper.h2d_bytes == 4 * nbytes
+
+
+@pytest.mark.parametrize("moments", [Q8, BF16], ids=["8bit", "bf16"])
+def test_the_embeddings_rows_computed_ahead_are_its_updates_rows(moments):
+    """`step_rows` (the next pass's rows of the embedding, engine/rows.py) on bf16 and 8-bit
+    moments: from the table's gradient and from the step's rows alone, the weights the whole
+    table's pass then writes for them, bitwise; the state is left as it was. A row of 48 elements
+    is not a block: rows read the absmax of the blocks their elements lie in."""
+    state = _state(moments)
+    unit = state.units[0]
+    opt = HostAdamW(state, AdamWConfig(1e-2, BETAS, EPS, WD, moments))
+    V, H = unit.params[0].shape
+    assert H % BLOCK
+    gen = torch.Generator().manual_seed(1)
+    for step, coef in enumerate((0.37, None, 0.6), start=1):
+        grad = torch.zeros(unit.numel)  # the table, then its padding to the unit's page
+        table_grad = grad[: V * H].view(V, H)
+        touched = torch.randperm(V, generator=gen)[: V // 2].sort().values
+        table_grad[touched] = torch.randn(len(touched), H, generator=gen) * 1e-2
+        rows = torch.randperm(V, generator=gen)[: V // 3].sort().values
+        c = None if coef is None else torch.tensor(coef)
+        before = [state.flat(unit, w).clone() for w in ("master", *state.moment_names)]
+        pos = torch.searchsorted(touched, rows).clamp(max=len(touched) - 1)
+        index = torch.where(touched[pos] == rows, pos, -1)
+        outs = [torch.empty(len(rows), H, dtype=torch.bfloat16), torch.empty(len(rows), H)]
+        opt.step_rows(unit, rows, table_grad, c, 1e-2, step, outs[0])
+        opt.step_rows(unit, rows, table_grad[touched].contiguous(), c, 1e-2, step, outs[1], index)
+        for w, was in zip(("master", *state.moment_names), before):
+            assert same(state.flat(unit, w), was)
+        opt.step_held(unit, grad, c, 1e-2, step, 1 << 20)
+        table = state.flat(unit)[: V * H].view(V, H).index_select(0, rows)
+        assert same(outs[0], table.to(torch.bfloat16)) and same(outs[1], table), step

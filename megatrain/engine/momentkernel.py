@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import subprocess
 import tempfile
@@ -79,17 +80,16 @@ static inline float adamw(float p, float g, float *m, float *v, const hyper *h) 
     return q + r;
 }
 
-/* The index torch's `nearest` gives for x in [-1, 1] or NaN: the first value >= x (searchsorted),
-   then the nearer of it and the one before (the lower of two as near). `start[top 16 bits of x]`
-   is the first value >= the least float with those bits; at most one value lies between that
-   float and any other with those bits (`search_starts` checks), so one step finds the first. */
-static inline uint8_t nearest(float x, const float *code, const int32_t *start) {
+/* The index torch's `nearest` gives for x in [-1, 1] or NaN (searchsorted, then the nearer of two
+   neighbours): the number of `edge`s below x, where edge[j] is the largest float that the nearer
+   of values j and j + 1 takes to j (edge[255]: infinity). `start[top 16 bits of x]` counts the
+   edges below the least float with those bits; at most one edge lies among the floats of one
+   prefix (`tables` checks), so one comparison finishes the count. */
+static inline uint8_t nearest(float x, const float *edge, const int32_t *start) {
     int j = start[bits(x) >> 16];
-    j += code[j] < x;
-    int nan = x != x;
-    j += nan * (256 - j);  /* selects in arithmetic: a loop that vectorises */
-    int lo = j - (j > 0), hi = j - (j > 255);
-    return (uint8_t)(lo + ((x - code[lo]) > (code[hi] - x)) * (hi - lo));
+    j += edge[j] < x;
+    j += (x != x) * (255 - j); /* NaN: the last, as searchsorted has it */
+    return (uint8_t)j;
 }
 
 static inline float clamp1(float x) { return x < -1.0f ? -1.0f : (x > 1.0f ? 1.0f : x); }
@@ -98,7 +98,7 @@ static inline float clamp1(float x) { return x < -1.0f ? -1.0f : (x > 1.0f ? 1.0
    (the order of non-negative floats; a NaN's patterns lie above infinity's): a loop that
    vectorises, NaN-propagating as torch's amax. */
 static void encode(const float *restrict x, int64_t n, uint8_t *restrict codes, float *absmax,
-                   const float *restrict code, const int32_t *restrict start) {
+                   const float *restrict edge, const int32_t *restrict start) {
     uint32_t top = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t b = bits(x[i]) & 0x7FFFFFFFu;
@@ -111,13 +111,14 @@ static void encode(const float *restrict x, int64_t n, uint8_t *restrict codes, 
         memset(codes, 0, (size_t)n);
         return;
     }
-    for (int64_t i = 0; i < n; i++) codes[i] = nearest(clamp1(x[i] / a), code, start);
+    for (int64_t i = 0; i < n; i++) codes[i] = nearest(clamp1(x[i] / a), edge, start);
 }
 
 /* Blocks of a span of n elements (8-bit moments), `take` at a time from *next. */
 void q8_span(float *restrict p, const float *restrict g, uint8_t *restrict cm, uint8_t *restrict cv,
              float *restrict am, float *restrict av, int64_t n, int64_t *next, int64_t take,
              const hyper *h, const float *restrict signed_code, const float *restrict unsigned_code,
+             const float *restrict signed_edge, const float *restrict unsigned_edge,
              const int32_t *restrict signed_start, const int32_t *restrict unsigned_start) {
     int64_t blocks = (n + 255) / 256;
     float m[256], v[256];
@@ -135,8 +136,8 @@ void q8_span(float *restrict p, const float *restrict g, uint8_t *restrict cm, u
                 m[i] = mm;
                 v[i] = vv;
             }
-            encode(m, e - a, cm + a, am + k, signed_code, signed_start);
-            encode(v, e - a, cv + a, av + k, unsigned_code, unsigned_start);
+            encode(m, e - a, cm + a, am + k, signed_edge, signed_start);
+            encode(v, e - a, cv + a, av + k, unsigned_edge, unsigned_start);
         }
     }
 }
@@ -165,20 +166,45 @@ class _Hyper(ctypes.Structure):
     ]
 
 
-def search_starts(code: torch.Tensor) -> torch.Tensor:
-    """For each 16-bit prefix of an fp32 value, the first index of `code` (sorted, its last value
-    1) whose value is >= the least value with that prefix (at most 255): where the search for any
-    value in [-1, 1] with that prefix starts. Unavailable unless at most one value of `code` lies
-    among the values of one prefix (the kernel's search takes one step)."""
+def edges(code: torch.Tensor) -> torch.Tensor:
+    """edge[j]: the largest fp32 value x in [code[j], code[j + 1]) whose nearer of the two (in
+    fp32: x - code[j] <= code[j + 1] - x, ties to the lower) is j; edge[255] = infinity. The
+    choice is monotone in x: a bisection over the floats between the two, in their order (the
+    bit patterns as sign and magnitude), finds it, all pairs at once."""
+    a, b = code[:-1], code[1:]
+    lo, hi = _key(a), _key(b)  # lo takes j, hi takes j + 1
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        x = _float(mid)
+        lower = (x - a) <= (b - x)
+        lo, hi = torch.where(lower, mid, lo), torch.where(lower, hi, mid)
+    return torch.cat([_float(lo), torch.tensor([math.inf])])
+
+
+def _key(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 keys in their order (-0 and 0 alike)."""
+    bits = x.view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _float(k: torch.Tensor) -> torch.Tensor:
+    return torch.where(k < 0, (-k) | (1 << 31), k).to(torch.int32).view(torch.float32)
+
+
+def tables(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`edges(code)` and, for each 16-bit prefix of an fp32 value, how many edges lie below the
+    least value with that prefix: where the kernel's count starts. Unavailable unless at most one
+    edge lies among the values of one prefix in [-1, 1] (the kernel's count takes one step)."""
+    edge = edges(code)
     prefix = torch.arange(1 << 16, dtype=torch.int64)
     negative = prefix >= 1 << 15  # a negative prefix's least value has its largest magnitude
     least = ((prefix << 16) | torch.where(negative, 0xFFFF, 0)).to(torch.int32).view(torch.float32)
     most = ((prefix << 16) | torch.where(negative, 0, 0xFFFF)).to(torch.int32).view(torch.float32)
-    start = torch.searchsorted(code, torch.nan_to_num(least, nan=2.0)).clamp_(max=255)
-    inside = torch.searchsorted(code, torch.nan_to_num(most, nan=2.0)) - start
+    start = torch.searchsorted(edge, torch.nan_to_num(least, nan=2.0)).clamp_(max=255)
+    inside = torch.searchsorted(edge, torch.nan_to_num(most, nan=2.0)) - start
     if (inside[(least.abs() <= 1) & (most.abs() <= 1)] > 1).any():
-        raise Unavailable("the dynamic map has two values within one 16-bit prefix")
-    return start.to(torch.int32)
+        raise Unavailable("two edges of the dynamic map lie within one 16-bit prefix")
+    return edge, start.to(torch.int32)
 
 
 class MomentKernel:
@@ -200,11 +226,12 @@ class MomentKernel:
                 raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
             self._lib = ctypes.CDLL(lib)  # mapped: the file may go
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._lib.q8_span.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr] + [ptr] * 4
+        self._lib.q8_span.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr] + [ptr] * 6
         self._lib.bf16_span.argtypes = [ptr] * 4 + [i64, ptr, i64, ptr]
         self._lib.q8_span.restype = self._lib.bf16_span.restype = None
         signed, unsigned = (low.dynamic_map(s) for s in (True, False))
-        self._tables = (signed, unsigned, search_starts(signed), search_starts(unsigned))
+        (se, ss), (ue, us) = tables(signed), tables(unsigned)
+        self._tables = (signed, unsigned, se, ue, ss, us)
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
 

@@ -198,6 +198,8 @@ class HostAdamW:
                 f"the host state holds {state.moments.name} moments, the optimizer steps {cfg.moments.name}"
             )
         self.state, self.cfg = state, cfg
+        if cfg.moments in (Q8, BF16):
+            momentkernel.load()  # built and checked now, before a step: not on the optimizer's thread
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
         # clipadam's kernel steps a clip that fires and writes the bf16 copy, where it is available
