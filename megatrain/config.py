@@ -29,6 +29,7 @@ import yaml
 from .data.samples import SPLIT
 from .engine.schedule import SCHEDULES
 from .errors import ConfigError
+from .host import moments as moment_formats
 from .trackers import reporters
 
 if typing.TYPE_CHECKING:
@@ -67,8 +68,6 @@ NOT_TAKEN = {
     "gradient_checkpointing": "megatrain recomputes each layer's forward in its backward by design; the "
     "plan keeps the last layers' graphs where memory allows (keep_layers)",
     "gradient_checkpointing_kwargs": "megatrain recomputes each layer's forward in its backward by design",
-    "optim": "megatrain's optimizer is AdamW (torch.optim.AdamW's arithmetic), set by adam_beta1, "
-    "adam_beta2, adam_epsilon and weight_decay",
     "use_liger_kernel": "megatrain's loss head never forms a whole step's logits (docs/architecture.md)",
     "dataloader_num_workers": _NO_LOADER,
     "dataloader_pin_memory": _NO_LOADER,
@@ -376,6 +375,16 @@ class TrainConfig:
     """AdamW beta2."""
     adam_epsilon: float = 1e-8
     """AdamW epsilon."""
+    optim: str = "adamw_torch"
+    """How AdamW stores its moments, by Hugging Face's names: adamw_torch or adamw_torch_fused (fp32,
+    torch's AdamW, 12 bytes of state a parameter with the fp32 master), adamw_8bit, adamw_bnb_8bit
+    or paged_adamw_8bit (bitsandbytes' 8-bit blockwise moments, ~6.03 bytes), adamw_anyprecision
+    (the moments' dtypes in optim_args: bfloat16 for both, 8 bytes); paged_adamw_32bit is fp32.
+    The master weights stay exact fp32 in every mode; a resume keeps the mode it saved in
+    (docs/memory.md)."""
+    optim_args: str | None = None
+    """adamw_anyprecision's "key=value,key=value" (Hugging Face's form): momentum_dtype and
+    variance_dtype, float32 (the default) or bfloat16; use_kahan_summation false."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     lr_scheduler_type: str = "linear"
@@ -595,6 +604,7 @@ class TrainConfig:
                 bad(k, "must be in [0, 1)")
         if self.adam_epsilon <= 0:
             bad("adam_epsilon", "must be > 0")
+        self.moments()  # optim and optim_args name a format
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             bad("router_aux_loss_coef", "must be >= 0")
         if self.max_grad_norm < 0:
@@ -718,6 +728,10 @@ class TrainConfig:
                     raise ConfigError(f"{key}: not in stage {self.stage}: {why} (got {getattr(self, key)!r})")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()
+
+    def moments(self) -> moment_formats.Moments:
+        """How AdamW stores its moments, as optim and optim_args say (host/moments.py)."""
+        return moment_formats.resolve(self.optim, self.optim_args)
 
     def offload_dirs(self) -> list[str]:
         """offload_dir's folders, one per drive: a list as given, a string cut at its commas

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from .errors import ConfigError, MegatrainError
 from .host.disk import measure_drives
+from .host.moments import FORMATS, Moments
+from .host.state import state_bytes
 from .io.writing import free_bytes
 from .models.attention import span, uses_mask
 from .models.config import ModelConfig
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
-from .planning.footprint import reward_model_bytes, rollout_bytes
+from .planning.footprint import STATE_KEY, reward_model_bytes, rollout_bytes, usable_host
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
 from .rl import rewards
@@ -76,6 +78,7 @@ def choices_of(cfg) -> Choices:
         mlp_tile_tokens=cfg.mlp_tile_tokens,
         gpu_step_units=None if cfg.gpu_step_units == "auto" else cfg.gpu_step_units,
         embedding_rows=cfg.embedding_rows,
+        moments=cfg.moments().name,
     )
 
 
@@ -138,13 +141,52 @@ def check(
         return Check(attempt(), machine, None)
     except PlanError as e:
         base = with_knobs(cfg, machine.world.ranks)
-        fixes = [f"{k}={v}" for k in knobs_of(cfg) if (v := _search(attempt, base, k, below=True))]
+        fixes = [
+            " ".join(f"{k}={v}" for k, v in f.settings.items())
+            for f in leaner_formats(cfg)
+            if _fits(
+                _attempt(
+                    model_cfg, replace(cfg, **_settings(f)), machine, compute_bytes, layer_mem, attention_span
+                )
+            )
+        ][:1]  # the leanest would fit too: name the first
+        fixes += [f"{k}={v}" for k in knobs_of(cfg) if (v := _search(attempt, base, k, below=True))]
         hint = (
             "would fit with " + " or ".join(fixes)
             if fixes
             else "no batch setting fits: use a machine with more memory or a smaller model"
         )
         return Check(None, machine, f"{e}; {hint}")
+
+
+def leaner_formats(cfg) -> list[Moments]:
+    """The moment formats (host/moments.py) leaner than the one `cfg`'s optim selects, the
+    nearest first."""
+    own = cfg.moments().bytes_per_param
+    return sorted((f for f in FORMATS if f.bytes_per_param < own), key=lambda f: -f.bytes_per_param)
+
+
+def _settings(f: Moments) -> dict[str, str | None]:
+    """The config keys that select format `f` (optim_args cleared where it takes none)."""
+    return {"optim_args": None, **f.settings}
+
+
+def state_room(p: Plan, machine: Machine) -> int | None:
+    """Host memory left for the state (fp32 master weights and moments) beside the rest of plan
+    `p`'s host memory, under the machine's budget (None: no budget known)."""
+    host = usable_host(machine)
+    if host is None:
+        return None
+    return host - (p.host_total - p.host.get(STATE_KEY, 0))
+
+
+def largest_models(p: Plan, machine: Machine) -> dict[Moments, int]:
+    """The most parameters whose state each moment format holds in `state_room`: the largest
+    model this host holds in each optimizer mode, its other buffers as this run's."""
+    room = state_room(p, machine)
+    if room is None:
+        return {}
+    return {f: max(0, int(room // state_bytes(f))) for f in FORMATS}
 
 
 def knobs_of(cfg) -> tuple[str, ...]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import plan
 from .checks import beyond_positions
+from .host.state import state_bytes
 from .models.config import ModelConfig
 from .models.family import describe
 from .planning.placement import Machine, fmt_bytes
@@ -85,11 +86,26 @@ def report(
     lines.append(f"  {'total':<50}{fmt_bytes(sum(host.values())):>12}")
     if p.device == "cuda":
         lines.append(f"  {'of which page-locked':<50}{fmt_bytes(p.pinned):>12}")
+    lines += _modes(p, m, cfg)
     lines.append("")
     tps = b.tokens / p.step_time_s if p.step_time_s else 0
     lines.append(f"estimated step: {p.step_time_s:.2f} s ({tps:,.0f} tokens/s; a cost-model projection)")
     lines.append("fits")
     return "\n".join(lines)
+
+
+def _modes(p, machine: Machine, cfg) -> list[str]:
+    """The largest model this host holds in each optimizer mode (plan.largest_models)."""
+    largest = plan.largest_models(p, machine)
+    if not largest:
+        return []
+    lines = ["largest model whose state this host holds beside this run's other buffers, by optimizer mode"]
+    for f, n in largest.items():
+        how = " ".join(f"{k}={v}" for k, v in f.settings.items())
+        per = f"{state_bytes(f):.2f}".rstrip("0").rstrip(".")
+        ours = " (this run)" if f == cfg.moments() else ""
+        lines.append(f"  {_count(n):>8}  {f.name} moments, {per} B/param: {how}{ours}")
+    return lines
 
 
 def limits_line(model_cfg: ModelConfig, cfg, machine: Machine, compute_bytes: int, layer_mem=None) -> str:

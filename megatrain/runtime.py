@@ -195,7 +195,9 @@ def build_model(
     dtype = resolve_dtype(compute_dtype, device) if isinstance(compute_dtype, str) else compute_dtype
     if device.type == "cuda":
         configure_allocator()
+    adamw = adamw or AdamWConfig()
     if plan is None:
+        choices = replace(choices or Choices(), moments=adamw.moments.name)
         plan, machine = make_plan(
             cfg, device, dtype, choices=choices, compile=compile, world=collective.layout
         )
@@ -209,7 +211,7 @@ def build_model(
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
     clock.mark("the plan")
-    state = collective.host_state(build_units(cfg))
+    state = collective.host_state(build_units(cfg), adamw.moments)
     if plan.disk_units and state.exp_avg is not None:  # before anything is written to the moments
         if collective.world_size > 1:
             raise ConfigError("offload_dir: the disk tier is built for one process per machine")
@@ -224,7 +226,7 @@ def build_model(
             after_load(state)
     collective.barrier()  # the weights are in place before any rank reads them
     clock.mark("the weights" if weights is not None else "the random weights")
-    opt = HostAdamW(state, adamw or AdamWConfig(), world=collective)
+    opt = HostAdamW(state, adamw, world=collective)
     if compile is None:
         compile = device.type == "cuda"
     transport: Transport

@@ -170,7 +170,9 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         vision = VisionData(load_processor(tok_path))
     ckpt_path = resume_path(cfg)
     resume = (
-        open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main) if ckpt_path else None
+        open_checkpoint(ckpt_path, model_cfg, show_progress(cfg.disable_tqdm) and main, cfg.moments())
+        if ckpt_path
+        else None
     )
     fixed = resume.changed_settings(cfg.to_dict(), RESUME_FIXED) if resume else []
     if fixed and not cfg.resume_with_changes:
@@ -334,6 +336,7 @@ class _Run(_Inputs):
             run_id=self.outputs.run_id,
             weights_only=weights_only,
             objective_state=self.model.engine.objective.state_dict(),
+            optimizer_moments=self.model.state.moments.name,
             **self.evaluator.state(),
         )
         replacing = main and self.outputs.of_another_run(step)  # announced at the start, unless a signal's
@@ -497,7 +500,11 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
             device=device,
             compute_dtype=compute_dtype,
             adamw=AdamWConfig(
-                cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2), cfg.adam_epsilon, cfg.weight_decay
+                cfg.learning_rate,
+                (cfg.adam_beta1, cfg.adam_beta2),
+                cfg.adam_epsilon,
+                cfg.weight_decay,
+                cfg.moments(),
             ),
             progress=progress,
             plan=inputs.plan,

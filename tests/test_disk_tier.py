@@ -29,12 +29,15 @@ from megatrain import plan as planning
 from megatrain.config import TrainConfig
 from megatrain.errors import MegatrainError
 from megatrain.host import disk, tierfile
-from megatrain.host.disk import MOMENT_BYTES, DiskTier, DiskTierError
+from megatrain.host.disk import DiskTier, DiskTierError
+from megatrain.host.moments import FP32
 from megatrain.host.state import HostState, build_units
 from megatrain.models.config import ModelConfig
 from megatrain.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
+
+MOMENT_BYTES = int(FP32.bytes_per_param)  # the fp32 moments a parameter
 
 
 def takes_o_direct(directory: Path) -> bool:
@@ -124,8 +127,8 @@ def host_budget(base: dict, units: int, device: str = "cpu", compute_bytes: int 
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     state = HostState(build_units(model_cfg), with_optimizer=False)
     tail = [u.numel for u in state.units[len(state.units) - units :]]
-    ring = disk.ring_bytes(tail)  # the tier's staging ring takes host memory back
-    return hi - MOMENT_BYTES * sum(tail) + ring + 4096
+    ring = disk.ring_bytes(tail, cfg.moments())  # the tier's staging ring takes host memory back
+    return hi - disk.tier_bytes(tail, cfg.moments()) + ring + 4096
 
 
 @pytest.fixture
@@ -291,6 +294,36 @@ def test_a_resume_rebuilds_the_tier_from_its_checkpoint(tmp_path, base, tiers, f
     assert_bitwise(tensors(tmp_path / "disk" / "checkpoint-2"), tensors(tmp_path / "ram" / "checkpoint-2"))
     train(TrainConfig(**(base | kw | dict(resume_from_checkpoint=True))))
     assert len(tiers) == 2 and len(tiers[1].units) >= 1 and len(tiers[1].files) == folders
+    assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
+
+
+@pytest.mark.parametrize(
+    "optim",
+    [
+        dict(optim="adamw_8bit"),
+        dict(optim="adamw_anyprecision", optim_args="momentum_dtype=bfloat16,variance_dtype=bfloat16"),
+    ],
+)
+def test_a_tier_of_8bit_or_bf16_moments_trains_and_resumes_bitwise_as_in_memory(tmp_path, base, tiers, optim):
+    """The tier holds a format's buffers (8-bit codes and absmax, bf16) block by block, each from
+    a page: a run with it, its checkpoint (read from the file) and its resume (written back
+    through the ring) are bitwise the in-memory run's."""
+    base = base | optim
+    ram = dict(output_dir=str(tmp_path / "ram"), save_strategy="steps", save_steps=2)
+    train(TrainConfig(**(base | ram)))
+    kw = dict(
+        offload_dir=str(tmp_path / "nvme"),
+        max_host_memory=host_budget(base, 2),
+        output_dir=str(tmp_path / "disk"),
+    )
+    train(TrainConfig(**(base | kw | dict(max_steps=2, save_strategy="steps", save_steps=2))))
+    [tier] = tiers
+    fmt = TrainConfig(**base).moments()
+    assert tier.moments == fmt and tier.nbytes == disk.tier_bytes([u.numel for u in tier.units], fmt)
+    assert tier.nbytes < MOMENT_BYTES * sum(u.numel for u in tier.units)  # leaner than fp32's
+    assert_bitwise(tensors(tmp_path / "disk" / "checkpoint-2"), tensors(tmp_path / "ram" / "checkpoint-2"))
+    train(TrainConfig(**(base | kw | dict(resume_from_checkpoint=True))))
+    assert len(tiers) == 2
     assert_bitwise(tensors(tmp_path / "disk" / "final"), tensors(tmp_path / "ram" / "final"))
 
 
@@ -676,9 +709,9 @@ def test_a_disk_smaller_than_all_the_moments_still_takes_the_units_it_holds():
     n = len(s.units)
     host = math.ceil(footprint.evaluate(s, batch, replace(whole, disk_units=n // 2), m).host_total
                      / (1 - footprint.HOST_RESERVE))  # fmt: skip
-    half = footprint.disk_tier_bytes(s, n // 2, m.world)
+    half = footprint.disk_tier_bytes(s, n // 2, m.world, FP32)
     small = replace(m, host_bytes=host, disk_bytes=half)  # holds the last half's moments, not all
-    assert footprint.disk_tier_bytes(s, n, m.world) > small.disk_bytes
+    assert footprint.disk_tier_bytes(s, n, m.world, FP32) > small.disk_bytes
     p = placement.plan(cfg, batch, small, two_pass)
     assert p.disk_units == n // 2 and p.host_total <= footprint.usable_host(small)
     with pytest.raises(placement.PlanError, match=f"the last {n // 2} of {n} units'") as e:

@@ -19,7 +19,7 @@ from megatrain.engine.gpustep import GpuStepper
 from megatrain.engine.optim import AdamWConfig, HostAdamW, clip_scaled
 from megatrain.errors import ConfigError
 from megatrain.host.split import HALF_BYTES, to_bf16
-from megatrain.host.state import BUFFERS, STATE_BYTES, HostState, build_units
+from megatrain.host.state import HostState, build_units, state_bytes
 from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
 from megatrain.parallel.distributed import Single
@@ -30,6 +30,8 @@ from megatrain.planning.probe import formula_layer_memory
 from megatrain.runtime import build_model
 
 A = llama(3072, 28, 24, 8, 8192)  # 3.6B: 30 units (embedding, 28 layers, head)
+
+STATE_BYTES = int(state_bytes())  # fp32 weights and moments a parameter
 
 
 def _off(cfg, k: int, machine: Machine | None = None, batch=STEP16K, prestage: bool | None = None) -> Plan:
@@ -344,7 +346,7 @@ def _state(cfg: ModelConfig, seed: int) -> HostState:
 
 def _copy(state: HostState) -> HostState:
     out = HostState(state.units)
-    for w in BUFFERS:
+    for w in state.buffers:
         getattr(out, w).copy_(getattr(state, w))
     return out
 
@@ -369,7 +371,7 @@ def test_the_stepper_steps_in_chunks_exactly_as_the_host_optimizer_steps_whole_u
         stepper.step([(u, gr.clone()) for u, gr in zip(units, grads)], coef, 1e-2, step)
         for u, gr in zip(units, grads):
             host.step_range(u, 0, u.numel, clip_scaled(gr, coef), 1e-2, step)
-        for w in BUFFERS:
+        for w in state.buffers:
             assert torch.equal(getattr(state, w), getattr(ref, w)), (step, w)
         for u in units:
             fresh, _ = stepper.take(u)
@@ -419,7 +421,7 @@ def test_prestaged_stepping_equals_the_chunked_path_and_whole_unit_adamw_bitwise
         if step < 4:
             for u, gr in zip(units, grads):
                 host.step_range(u, 0, u.numel, clip_scaled(gr.clone(), coef), 1e-2, step)
-        for w in BUFFERS:
+        for w in state.buffers:
             assert torch.equal(getattr(state, w), getattr(ref, w)), (step, w)
             assert torch.equal(getattr(chunked_state, w), getattr(ref, w)), (step, w)
         for u in units:
@@ -468,5 +470,5 @@ def test_prestaged_write_backs_come_after_every_kernel_with_the_gradients_let_go
     host = HostAdamW(ref, adamw)
     for u, gr in zip(units, grads):
         host.step_range(u, 0, u.numel, clip_scaled(gr, torch.tensor(0.5)), 1e-2, 1)
-    for w in BUFFERS:
+    for w in state.buffers:
         assert torch.equal(getattr(state, w), getattr(ref, w)), w

@@ -17,7 +17,7 @@ from megatrain.engine.optim import AdamWConfig, HostAdamW
 from megatrain.host.disk import DiskTier
 from megatrain.host.hostmem import PAGE, host_buffer, populate
 from megatrain.host.split import join, split, to_bf16
-from megatrain.host.state import BUFFERS, MOMENTS, HostState, build_units
+from megatrain.host.state import HostState, build_units
 from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
 
@@ -94,7 +94,7 @@ def test_held_gradients_step_bitwise_as_torch_adamw_and_padding_stays_untouched(
                 assert torch.equal(v, torch_opt.state[ref[p.key]]["exp_avg_sq"]), (step, p.key)
             else:  # frozen: never stepped, its moments never written
                 assert not m.any() and not v.any()
-        for which in BUFFERS:  # the alignment padding is no parameter's
+        for which in state.buffers:  # the alignment padding is no parameter's
             flat = getattr(state, which).clone()
             for u, p in specs:
                 flat[state.starts[u.index] + p.offset :][: p.numel] = 0
@@ -176,7 +176,9 @@ def test_the_kernel_steps_every_unit_the_disk_tiers_too_as_torchs_kernel_on_fp32
         unit = state.units[-1]  # the tier's last unit, a range of it
         opt.step_range(unit, 64, 640, torch.randn(576, generator=g), 1e-2, 4)
         tier = state.tier
-        moments = [torch.cat(list(tier.pieces(u, w, 0, u.numel))) for u in tier.units for w in MOMENTS]
+        moments = [
+            torch.cat(list(tier.pieces(u, w, 0, u.numel))) for u in tier.units for w in state.moment_names
+        ]
         results.append([state.hi.clone(), state.lo.clone(), state.exp_avg.clone(), *moments])
     assert all(torch.equal(a, b) for a, b in zip(*results))
 

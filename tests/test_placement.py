@@ -17,7 +17,7 @@ from megatrain.config import TrainConfig
 from megatrain.data.batch import MicroBatch
 from megatrain.engine.optim import AdamWConfig
 from megatrain.host.hostmem import PAGE, host_buffer, pieces
-from megatrain.host.state import BUFFERS, HostState, build_units
+from megatrain.host.state import HostState, build_units
 from megatrain.models.attention import span
 from megatrain.models.config import ModelConfig
 from megatrain.plan import batch_of
@@ -177,7 +177,7 @@ def test_registration_pieces_cut_only_at_unit_boundaries():
     # Units start on pages of their own in every buffer (the halves' 2-byte ones too), and host
     # buffers start on a page.
     state = HostState(build_units(ModelConfig.from_hf(tiny_config("qwen3"))))
-    for which in BUFFERS:
+    for which in state.buffers:
         t = getattr(state, which)
         assert all((t.data_ptr() + t.element_size() * b) % PAGE == 0 for b in state.boundaries), which
     assert host_buffer(3).data_ptr() % PAGE == 0 and host_buffer(3).sum() == 0

@@ -41,13 +41,12 @@ import math
 
 import torch
 
-from ..host.hostmem import Registration
-from ..host.split import HI, Halves, join_, split_, to_bf16
-from ..host.state import MOMENTS, STATE_BYTES, HostState, Unit
+from ..host.hostmem import PAGE, Registration
+from ..host.moments import BLOCK
+from ..host.split import HALF_BYTES, HI, Halves, join_, split_, to_bf16
+from ..host.state import HostState, Unit
 from ..planning.footprint import STEP_SLOTS
 from .optim import AdamWConfig, adamw_range, chunk_ranges, clip_scaled
-
-STATE = ("master", *MOMENTS)  # the rows of a unit's state on the GPU: fp32 weights, moments
 
 
 def _mark(stream) -> torch.cuda.Event | None:
@@ -91,9 +90,15 @@ class GpuStepper:
         self.overlap = overlap and compute is not None
         self.stream = torch.cuda.Stream(self.device) if self.overlap else compute
         self.chunk = min(chunk, max((u.numel for u in units), default=0))
+        if state.moments.quantized and self.chunk % BLOCK:
+            raise ValueError(
+                f"GPU-stepped chunks of {self.chunk} elements: a multiple of {BLOCK} keeps 8-bit blocks whole"
+            )
         self.prestaging = prestage
+        # The buffers of a unit's state (master, then the moments), in their dtypes.
+        self.fields = ("master", *state.moment_names)
         slots = 0 if prestage else STEP_SLOTS
-        self.slots = [torch.empty(len(STATE), self.chunk, device=self.device) for _ in range(slots)]
+        self.slots = [self._buffers(self.chunk) for _ in range(slots)]
         # The master weights cross as their halves, a chunk at a time through these: joined into
         # fp32 on the load stream, split from it on the step stream (host/split.py's rule).
         self.landing, self.leaving = (self._halves(self.chunk) for _ in range(2))
@@ -101,7 +106,7 @@ class GpuStepper:
         self._next = 0  # the slot the next chunk loads into
         # Prestaged state: unit -> (its master and moments on the GPU, elements loaded, the event
         # after which they are there); `_queued` elements of `order` queued so far this step.
-        self._held: dict[int, tuple[torch.Tensor, int, torch.cuda.Event | None]] = {}
+        self._held: dict[int, tuple[list[torch.Tensor], int, torch.cuda.Event | None]] = {}
         self._queued = 0
         self._total = sum(u.numel for u in units)
         self._fresh: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
@@ -137,14 +142,39 @@ class GpuStepper:
             for dst, src in zip(self.state.halves(unit, a + c, a + d), stage):
                 dst.copy_(src, non_blocking=True)
 
+    def _buffers(self, numel: int) -> list[torch.Tensor]:
+        """Device buffers for `numel` elements of state: the fp32 master weights (joined from their
+        halves), then one per moment buffer of the host state, in its dtype."""
+        return [torch.empty(numel, device=self.device)] + [
+            torch.empty(
+                -(-numel // self.state.per(w)), dtype=getattr(self.state, w).dtype, device=self.device
+            )
+            for w in self.fields[1:]
+        ]
+
+    def _bytes(self, a: int, b: int) -> int:
+        """Bytes of elements [a, b) of a unit's state crossing the link: the master weights' halves
+        and the moment buffers (from a block: an 8-bit absmax's too)."""
+        return HALF_BYTES * (b - a) + sum(
+            (-(-b // self.state.per(w)) - a // self.state.per(w)) * getattr(self.state, w).element_size()
+            for w in self.fields[1:]
+        )
+
     def _register(self, units: list[Unit]) -> list[Registration]:
         """Page-lock the moments of `units` (the transport locks all master weights): copies from
-        pageable memory would run 7x slower and block this thread."""
+        pageable memory would run 7x slower and block this thread. A buffer of 1- or 2-byte
+        elements (8-bit, bf16) from its first unit's page to its last's: a unit starts on a page
+        of fp32 elements only."""
         if not units or self.compute is None:
             return []
         lo, hi = units[0].start, units[-1].start + units[-1].numel
-        cuts = [u.start - lo for u in units]
-        return [Registration(getattr(self.state, w)[lo:hi], cuts) for w in MOMENTS]
+        out = []
+        for w in self.fields[1:]:
+            t, per = getattr(self.state, w), self.state.per(w)
+            page = PAGE // t.element_size()  # elements a page
+            a, b = lo // per // page * page, min(t.numel(), -(-hi // per // page) * page)
+            out.append(Registration(t[a:b], [u.start // per // page * page - a for u in units]))
+        return out
 
     def __contains__(self, index: int) -> bool:
         return index in self.units
@@ -156,7 +186,8 @@ class GpuStepper:
         sweep advances, so the loads spread over it."""
         if not self.prestaging:
             return
-        target = min(self._total, math.ceil(share * self._total))
+        grain = BLOCK if self.state.moments.quantized else 1  # 8-bit state loads in whole blocks
+        target = min(self._total, math.ceil(share * self._total / grain) * grain)
         start = 0
         for unit in self.order:
             a, b = max(self._queued, start) - start, min(target - start, unit.numel)
@@ -174,15 +205,14 @@ class GpuStepper:
                 # Allocated on the load stream, which writes it first: memory the allocator hands
                 # back there is free of earlier work in that stream's order.
                 _wait(self.load, self._written.get(unit.index))  # its previous update is back
-                buf = torch.empty(len(STATE), unit.numel, device=self.device)
-                self._held[unit.index] = (buf, 0, None)
+                self._held[unit.index] = (self._buffers(unit.numel), 0, None)
             buf, done, _ = self._held[unit.index]
             assert done == a, (unit.name, done, a)
-            for which, t in zip(MOMENTS, buf[1:]):
-                t[a:b].copy_(self.state.flat(unit, which)[a:b], non_blocking=True)
+            for which, t in zip(self.fields[1:], buf[1:]):
+                self.state.cut(t, a, b, which).copy_(self.state.range(unit, a, b, which), non_blocking=True)
             self._get_master(unit, a, b, buf[0][a:b])
             self._held[unit.index] = (buf, b, _mark(self.load))
-        self.h2d_bytes += STATE_BYTES * (b - a)
+        self.h2d_bytes += self._bytes(a, b)
 
     def discard(self) -> None:
         """Drop the prestaged state (a step skipped or begun again): host memory holds it as it was."""
@@ -236,9 +266,9 @@ class GpuStepper:
         buf, done, loaded = self._held[unit.index]
         assert done == unit.numel, (unit.name, done)
         _wait(self.stream, loaded)
-        p, m, v = buf
+        p, *moments = buf
         with torch.cuda.stream(self.stream):
-            adamw_range(unit, 0, unit.numel, p, clip_scaled(grad, coef), m, v, self.cfg, lr, step, skip)
+            adamw_range(unit, 0, unit.numel, p, clip_scaled(grad, coef), moments, self.cfg, lr, step, skip)
             if fresh.dtype == HI:  # the halves' hi, as a fetch would bring it
                 to_bf16(p, out=fresh)
             else:
@@ -249,46 +279,47 @@ class GpuStepper:
         """Queue the copy of a stepped unit's prestaged state to host memory, and let the buffer go."""
         buf, _, _ = self._held.pop(unit.index)
         with torch.cuda.stream(self.stream):
-            for which, t in zip(MOMENTS, buf[1:]):
+            for which, t in zip(self.fields[1:], buf[1:]):
                 self.state.flat(unit, which).copy_(t, non_blocking=True)
             self._put_master(unit, 0, buf[0])
             self._written[unit.index] = _mark(self.stream)
         if self.overlap:
-            buf.record_stream(self.stream)  # freed on return; not reused before the copy is done
-        self.d2h_bytes += STATE_BYTES * unit.numel
+            for t in buf:
+                t.record_stream(self.stream)  # freed on return; not reused before the copy is done
+        self.d2h_bytes += self._bytes(0, unit.numel)
 
     def _step(self, unit: Unit, grad: torch.Tensor, coef, lr: float, step: int, skip, fresh) -> None:
         """AdamW through the scratch slots, a chunk at a time."""
         ranges = chunk_ranges(unit, self.chunk)
         for i, (a, b) in enumerate(ranges):
-            s, (p, m, v) = self._load(unit, a, b)
+            s, (p, *moments) = self._load(unit, a, b)
             with torch.cuda.stream(self.stream):
                 g = clip_scaled(grad[a:b], coef)
-                adamw_range(unit, a, b, p, g, m, v, self.cfg, lr, step, skip, base=a)
+                adamw_range(unit, a, b, p, g, moments, self.cfg, lr, step, skip, base=a)
                 self._put_master(unit, a, p, fresh[a:b])
                 if i == len(ranges) - 1:
                     self._fresh[unit.index] = (fresh, _mark(self.stream))
-                for which, t in zip(MOMENTS, (m, v)):
-                    self.state.flat(unit, which)[a:b].copy_(t, non_blocking=True)
+                for which, t in zip(self.fields[1:], moments):
+                    self.state.range(unit, a, b, which).copy_(t, non_blocking=True)
                 self._free[s] = _mark(self.stream)
-            self.d2h_bytes += STATE_BYTES * (b - a)
+            self.d2h_bytes += self._bytes(a, b)
         self._written[unit.index] = self._free[s]
 
     def _load(self, unit: Unit, a: int, b: int) -> tuple[int, list[torch.Tensor]]:
         """Queue the copy of elements [a, b) of the unit's state into the next slot; the step
-        stream waits for it. Returns the slot and its views (master, exp_avg, exp_avg_sq)."""
+        stream waits for it. Returns the slot and its views (master, then the moment buffers)."""
         s = self._next
         self._next = (s + 1) % STEP_SLOTS
-        views = [t[: b - a] for t in self.slots[s]]
+        views = [self.state.cut(t, 0, b - a, w) for w, t in zip(self.fields, self.slots[s])]
         with torch.cuda.stream(self.load):
             _wait(self.load, self._free[s])  # the slot's previous chunk is back in host memory
             _wait(self.load, self._written.get(unit.index))  # and the unit's previous update
-            for which, t in zip(MOMENTS, views[1:]):
-                t.copy_(self.state.flat(unit, which)[a:b], non_blocking=True)
+            for which, t in zip(self.fields[1:], views[1:]):
+                t.copy_(self.state.range(unit, a, b, which), non_blocking=True)
             self._get_master(unit, a, b, views[0])
             loaded = _mark(self.load)
         _wait(self.stream, loaded)
-        self.h2d_bytes += STATE_BYTES * (b - a)
+        self.h2d_bytes += self._bytes(a, b)
         return s, views
 
     # ------------------------------------------------------------- after the step

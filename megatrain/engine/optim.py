@@ -13,7 +13,9 @@ Trainer: no weight decay on biases and norm weights, one global step count. The 
 are two 16-bit halves (host/split.py): a kernel of ours that repeats torch's arithmetic reads and
 writes them in its one pass, and multiplies by the clip coefficient as it steps
 (`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise; elsewhere torch's kernel
-steps fp32 made from the halves a piece at a time and split back. Two other ways
+steps fp32 made from the halves a piece at a time and split back. bf16 and 8-bit moments
+(`optim`, host/moments.py) take engine/moments.py's arithmetic (momentkernel.py's kernel in host
+memory) on fp32 made from the halves in the same way. Two other ways
 to take the multiply off the pass were measured and removed: the gradient scaled in cache-sized
 pieces just before each is stepped (27-60% of the kernel on a 64-core host, against 67% for the
 multiply's own pass), and the multiply on threads of its own beside the kernel (69-79% on 16- and
@@ -28,10 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from ..host.hostmem import populate
+from ..host.moments import BF16, BLOCK, FP32, Q8, Moments
 from ..host.split import Halves, cast, join
 from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
-from . import clipadam
+from . import clipadam, momentkernel
+from . import moments as low
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,9 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    moments: Moments = FP32
+    """How the moments are stored (`optim`, host/moments.py): fp32 steps with torch's fused kernel,
+    the others with engine/moments.py's arithmetic."""
 
 
 # Whether the host AdamW is clipadam's kernel, which steps the master weights' halves in its pass
@@ -102,23 +109,29 @@ def adamw_range(
     hi: int,
     p: torch.Tensor,
     g: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
+    moments: tuple[torch.Tensor, ...],
     cfg: AdamWConfig,
     lr: float,
     step: int,
     found_inf: torch.Tensor | None = None,
     base: int = 0,
 ) -> None:
-    """AdamW on elements [lo, hi) of one unit. `p`, `m`, `v` hold the unit's flat state from
-    element `base` on (the whole unit, a machine's part of it, or a chunk of it in a GPU scratch)
-    and `g` exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag
-    on the same device) makes the kernel leave everything unchanged.
+    """AdamW on elements [lo, hi) of one unit. `p` and `moments` (the state's moment buffers,
+    `Moments.fields` order) hold the unit's flat state from element `base` on (the whole unit, a
+    machine's part of it, or a chunk of it in a GPU scratch; an absmax from `base`'s block) and `g`
+    exactly the range; host or device tensors alike. A nonzero `found_inf` (a float flag on the
+    same device) leaves everything unchanged.
 
-    Parameters that follow each other with no padding between them (sizes in multiples of 64, as
-    a layer's matrices are) and with the same weight decay are stepped as one tensor: the kernel
+    Parameters that follow each other with no padding between them (sizes in multiples of ALIGN,
+    as a layer's matrices are) and with the same weight decay are stepped as one tensor: the kernel
     runs each tensor in a parallel region of its own, and their starts and ends cost threads idle
-    at the barrier; the elements its vector loop covers stay the same."""
+    at the barrier; the elements its vector loop covers stay the same. Moments in bf16 or 8 bits
+    take engine/moments.py's arithmetic; 8-bit ones are cut only on blocks (`lo`, `hi` and `base`
+    multiples of BLOCK, or `hi` the unit's end)."""
+    if cfg.moments != FP32:
+        _moments_range(unit, lo, hi, p, g, moments, cfg, lr, step, found_inf, base)
+        return
+    m, v = moments
     for decay, spans in tensors(unit, lo, hi).items():
         if not spans:
             continue
@@ -145,6 +158,33 @@ def adamw_range(
         )
 
 
+def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, found_inf, base) -> None:
+    """`adamw_range` of bf16 or 8-bit moments: engine/moments.py's step, span by span; in host
+    memory by momentkernel.py's kernel where it builds and checks (one pass, the same bits)."""
+    quantized = cfg.moments.quantized
+    kernel = None
+    if p.device.type == "cpu" and found_inf is None and cfg.moments in (Q8, BF16):
+        kernel = momentkernel.load()[0]
+    if quantized and (lo % BLOCK or base % BLOCK or (hi % BLOCK and hi != unit.numel)):
+        raise ValueError(
+            f"{unit.name}[{lo}:{hi}] from {base}: 8-bit moments are stepped in whole blocks of {BLOCK}"
+        )
+    for decay, spans in tensors(unit, lo, hi).items():
+        h = low.Hyper.of(lr, step, cfg.betas, cfg.eps, cfg.weight_decay if decay else 0.0)
+        for a, b in spans:
+            if quantized:  # codes element for element, absmax block for block
+                ka, kb = (a - base) // BLOCK, -(-(b - base) // BLOCK)
+                views = (*(t[a - base : b - base] for t in moments[:2]), *(t[ka:kb] for t in moments[2:]))
+            else:
+                views = tuple(t[a - base : b - base] for t in moments)
+            if kernel is not None:
+                kernel.step(
+                    p[a - base : b - base], g[a - lo : b - lo], views, h, decay, torch.get_num_threads()
+                )
+            else:
+                low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
+
+
 class HostAdamW:
     """Steps ranges of units' host fp32 state in place, given fp32 gradients for the same range.
 
@@ -153,7 +193,13 @@ class HostAdamW:
     `published` it."""
 
     def __init__(self, state: HostState, cfg: AdamWConfig, world: Collective | None = None):
+        if state.moments != cfg.moments:
+            raise ValueError(
+                f"the host state holds {state.moments.name} moments, the optimizer steps {cfg.moments.name}"
+            )
         self.state, self.cfg = state, cfg
+        if cfg.moments in (Q8, BF16):
+            momentkernel.load()  # built and checked now, before a step: not on the optimizer's thread
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
         # clipadam's kernel steps the halves, where it is available (FUSED_CLIP)
@@ -193,36 +239,43 @@ class HostAdamW:
         st, base = self.state, self.state.part(unit)[0]
         tier = st.tier
         if tier is None or not tier.holds(unit):
-            m, v = st.flat(unit, "exp_avg"), st.flat(unit, "exp_avg_sq")
-            self._pass(unit, lo, hi, grad, m[lo - base :], v[lo - base :], coef, lr, step)
+            moments = tuple(st.flat(unit, w) for w in st.moment_names)
+            self._pass(unit, lo, hi, grad, moments, base, coef, lr, step)
             return
         for a, b in tier.blocks(unit, lo, hi):
-            with tier.staged(unit, a, b) as (m, v):
-                self._pass(unit, a, b, grad[a - lo : b - lo], m, v, coef, lr, step)
+            with tier.staged(unit, a, b) as moments:
+                self._pass(unit, a, b, grad[a - lo : b - lo], moments, a, coef, lr, step)
 
-    def _pass(self, unit: Unit, lo: int, hi: int, grad, m, v, coef, lr: float, step: int) -> None:
-        """AdamW on elements [lo, hi) of `unit`, `m` and `v` its moments from `lo` on and `grad`
-        exactly the range: clipadam's kernel on the halves, the same tensors as torch's kernel is
-        given (`tensors`), each split over the optimizer's threads, `grad` left unscaled; else
-        torch's kernel on the weights made fp32 from the halves and split back, cut at multiples
-        of PASS_CHUNK (64 elements' multiples: bitwise the range stepped whole)."""
+    def _pass(
+        self, unit: Unit, lo: int, hi: int, grad, moments, base: int, coef, lr: float, step: int
+    ) -> None:
+        """AdamW on elements [lo, hi) of `unit`, `moments` its moment buffers from element `base`
+        on (an absmax from its block) and `grad` exactly the range: clipadam's kernel on the
+        halves (fp32 moments), the same tensors as torch's kernel is given (`tensors`), each split
+        over the optimizer's threads, `grad` left unscaled; else the weights made fp32 from the
+        halves, stepped by torch's kernel (or engine/moments.py's arithmetic for bf16 and 8-bit
+        moments) and split back, cut at multiples of PASS_CHUNK (of 64 and of BLOCK: bitwise the
+        range stepped whole)."""
         kernel = self._loaded()
         if kernel is not None:
+            m, v = moments
             hyper = (lr, step, self.cfg.betas, self.cfg.eps)
             for decay, spans in tensors(unit, lo, hi).items():
                 wd = self.cfg.weight_decay if decay else 0.0
                 for a, b in spans:
-                    s = slice(a - lo, b - lo)
+                    s, g = slice(a - base, b - base), slice(a - lo, b - lo)
                     p = self.state.halves(unit, a, b)
-                    kernel.step(p, grad[s], m[s], v[s], coef, *hyper, wd, torch.get_num_threads())
+                    kernel.step(p, grad[g], m[s], v[s], coef, *hyper, wd, torch.get_num_threads())
             return
         assert coef is None, "torch's kernel steps a gradient multiplied already"
         a = lo
         while a < hi:
             b = min(hi, (a // PASS_CHUNK + 1) * PASS_CHUNK)
             p = self.state.master(unit, a, b)
-            g, mm, vv = grad[a - lo : b - lo], m[a - lo : b - lo], v[a - lo : b - lo]
-            adamw_range(unit, a, b, p, g, mm, vv, self.cfg, lr, step, base=a)
+            views = tuple(
+                t[(a - base) // self.state.per(w) :] for w, t in zip(self.state.moment_names, moments)
+            )
+            adamw_range(unit, a, b, p, grad[a - lo : b - lo], views, self.cfg, lr, step, base=a)
             self.state.set_master(unit, a, p)
             a = b
 
@@ -237,7 +290,7 @@ class HostAdamW:
             return
         lo, hi = self.span(unit)
         populate(
-            [self.state.range(unit, lo, hi, w) for w in ("exp_avg", "exp_avg_sq")], torch.get_num_threads()
+            [self.state.range(unit, lo, hi, w) for w in self.state.moment_names], torch.get_num_threads()
         )
 
     def step_held(
@@ -277,35 +330,51 @@ class HostAdamW:
         kernel); without it, or into another dtype than bf16, torch's kernel steps gathered
         copies of the rows. Every element of the table takes that one form in `step_held`, whose
         tensors' lengths are multiples of KERNEL_TAIL (a hidden size the plan allows), as every
-        element of the copies does in theirs."""
+        element of the copies does in theirs. bf16 and 8-bit moments: engine/moments.py's
+        arithmetic on the rows' decoded moments, element for element as a step of the table."""
         spec = unit.params[0]
         table = self.state.halves(unit, spec.offset, spec.offset + spec.numel).view(spec.shape)
+        wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
+
+        def gathered() -> torch.Tensor:  # the rows' gradient, times the clip coefficient
+            if index is None:
+                return clip_scaled(grad.index_select(0, rows), coef)
+            g = grad.index_select(0, index.clamp(min=0)).masked_fill_((index < 0)[:, None], 0.0)
+            return clip_scaled(g, coef)
+
+        def weights() -> torch.Tensor:  # the rows' fp32 master weights
+            return join(Halves(table.hi.index_select(0, rows), table.lo.index_select(0, rows)))
+
+        if self.cfg.moments != FP32:
+            width = spec.shape[1]
+            at = (spec.offset + rows[:, None] * width + torch.arange(width)).view(-1)
+            m, v = low.decode_at(tuple(self.state.flat(unit, w) for w in self.state.moment_names), at)
+            h = low.Hyper.of(lr, step, self.cfg.betas, self.cfg.eps, wd)
+            new = low.update(weights().view(-1), gathered().view(-1), m, v, h, spec.decay)
+            out.copy_(cast(new.view(out.shape), out.dtype))  # a fetch's rounding (host/split.py)
+            return
         m, v = (
             self.state.flat(unit, w)[spec.offset : spec.offset + spec.numel].view(spec.shape)
             for w in ("exp_avg", "exp_avg_sq")
         )
-        wd, (b1, b2) = (self.cfg.weight_decay if spec.decay else 0.0), self.cfg.betas
         kernel = self._loaded()
         if kernel is not None and out.dtype == torch.bfloat16:
             c = coef.item() if multiplies(coef) else None
             hyper = (lr, step, self.cfg.betas, self.cfg.eps, wd, torch.get_num_threads())
             kernel.rows((table, grad, m, v), rows, out, c, *hyper, index=index)
             return
-        p = join(Halves(table.hi.index_select(0, rows), table.lo.index_select(0, rows)))
+        p = weights()
         m, v = (t.index_select(0, rows) for t in (m, v))
-        if index is None:
-            g = grad.index_select(0, rows)
-        else:
-            g = grad.index_select(0, index.clamp(min=0)).masked_fill_((index < 0)[:, None], 0.0)
         torch._fused_adamw_(
-            [p], [clip_scaled(g, coef)], [m], [v], [], [torch.full((), float(step))],
+            [p], [gathered()], [m], [v], [], [torch.full((), float(step))],
             amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=self.cfg.eps, maximize=False,
         )  # fmt: skip
         out.copy_(cast(p, out.dtype))  # a fetch's rounding (host/split.py)
 
     def _loaded(self) -> clipadam.ClipAdamW | None:
-        """clipadam's kernel where asked for (`fused_clip`) and it builds and checks here."""
-        if not self.fused_clip:
+        """clipadam's kernel where asked for (`fused_clip`), the moments are fp32 (the kernel's
+        form) and it builds and checks here."""
+        if not self.fused_clip or self.cfg.moments != FP32:
             return None
         if self._fused is None:
             self._fused, why = clipadam.load()

@@ -48,7 +48,7 @@ import torch
 
 from ..host.hostmem import Registration, host_buffer
 from ..host.split import HALF_BYTES, Halves, join_, split, to_bf16, to_device
-from ..host.state import MOMENTS, HostState, Unit
+from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
 from ..planning.placement import Plan, optimizer_threads
 from .gpustep import GpuStepper
@@ -250,7 +250,7 @@ class StreamingTransport:
         self._held: dict[int, object] = {}
         # Gradients handed to the worker and still on the GPU: at most `inflight_units` at once.
         self._inflight = threading.BoundedSemaphore(max(1, plan.inflight_units))
-        self.resident: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.resident: dict[int, tuple[torch.Tensor, ...]] = {}  # master, then the moment buffers
         self._make_resident(units[: plan.resident_units])
         stepped = [units[i] for i in plan.stepped]
         self.stepper = GpuStepper(
@@ -416,8 +416,8 @@ class StreamingTransport:
         self.stepper.discard()
 
     def _step_resident(self, unit: Unit, g: torch.Tensor, coef, lr: float, step: int, skip=None) -> None:
-        p, m, v = self.resident[unit.index]  # on the compute stream, ~1 ms per GB
-        adamw_range(unit, 0, unit.numel, p, _scaled(g, coef), m, v, self.optimizer.cfg, lr, step, skip)
+        p, *moments = self.resident[unit.index]  # on the compute stream, ~1 ms per GB
+        adamw_range(unit, 0, unit.numel, p, _scaled(g, coef), moments, self.optimizer.cfg, lr, step, skip)
 
     def _submit(self, items, coef, lr: float, step: int, release: bool = False, skip=None) -> None:
         if not items:
@@ -568,8 +568,10 @@ class StreamingTransport:
         for i, (p, *moments) in self.resident.items():
             unit = self.state.units[i]
             lo, hi = self.optimizer.span(unit)  # every rank's copy is whole; each writes its part
-            for which, t in zip(MOMENTS, moments):
-                self.state.flat(unit, which)[lo:hi].copy_(t[lo:hi], non_blocking=True)
+            for which, t in zip(self.state.moment_names, moments):
+                self.state.range(unit, lo, hi, which).copy_(
+                    self.state.cut(t, lo, hi, which), non_blocking=True
+                )
             for a, b in chunk_ranges(unit, self.chunk_elems, (lo, hi)):  # split here, a chunk at a time
                 host = self.state.halves(unit, a, b)
                 for dst, src in zip(host, split(p[a:b])):  # freed in this stream's order, after its copy
@@ -585,7 +587,9 @@ class StreamingTransport:
     def _make_resident(self, units: list[Unit]) -> None:
         """Move the fp32 weights and moments of `units` to the device for good."""
         for u in units:
-            moments = (self.state.flat(u, w).to(self.device, non_blocking=True) for w in MOMENTS)
+            moments = (
+                self.state.flat(u, w).to(self.device, non_blocking=True) for w in self.state.moment_names
+            )
             self.resident[u.index] = (self.state.master(u).to(self.device), *moments)
         torch.cuda.synchronize(self.device)
 

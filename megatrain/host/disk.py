@@ -3,8 +3,9 @@ where host memory cannot hold the whole state.
 
 Where the moments are. One file (one per drive: below) holds the tier's units back to back, each
 cut in blocks of at most `BLOCK_ELEMS` elements (fewer in a small tier: `block_elems`), a block's
-two moments side by side (its exp_avg, then its exp_avg_sq), so that staging a block is one read
-and one write of one extent. One file per drive, not one per unit or per thread: what keeps a
+moment buffers side by side in their format (its exp_avg, then its exp_avg_sq, then an 8-bit
+format's absmax; each from a page: `record`), so that staging a block is one read and one write
+of one extent. One file per drive, not one per unit or per thread: what keeps a
 drive busy is large requests in flight (an O_DIRECT request of 64 MiB reaches the drive as many at
 once, and the I/O threads keep several of them going), not a number of files; a file is one
 reservation and one descriptor.
@@ -53,11 +54,11 @@ from pathlib import Path
 import torch
 
 from .hostmem import PAGE, host_buffer
-from .state import MOMENTS, UNIT_ALIGN, HostState, Unit, fill_range
+from .moments import FP32, Field, Moments
+from .state import UNIT_ALIGN, HostState, Unit, fill_range
 from .tierfile import ALIGN_ELEMS, DiskTierError, TierFile, free_bytes, tier_error
 
 GiB, MiB = 2**30, 2**20
-MOMENT_BYTES = 8  # per parameter: the two fp32 moments the tier holds
 BLOCK_ELEMS = 8 * 2**20  # elements of each moment in a block: 64 MiB read and written at once
 RING_SLOTS = 6  # blocks staged in host memory: one stepped, AHEAD read ahead, the rest written back
 AHEAD = 3
@@ -75,14 +76,35 @@ def block_elems(unit_numels: Sequence[int]) -> int:
     return max(UNIT_ALIGN, min(BLOCK_ELEMS, -(-share // UNIT_ALIGN) * UNIT_ALIGN))
 
 
-def ring_bytes(unit_numels: Sequence[int]) -> int:
+def record(numel: int, moments: Moments) -> list[tuple[Field, int]]:
+    """Where each moment buffer of a block of `numel` elements lies in its extent: (field, byte
+    offset), each from a page (O_DIRECT reads pages, and a checkpoint reads one buffer)."""
+    out, at = [], 0
+    for f in moments.fields:
+        out.append((f, at))
+        at += -(-f.nbytes(numel) // PAGE) * PAGE
+    return out
+
+
+def record_bytes(numel: int, moments: Moments) -> int:
+    """Bytes of a block of `numel` elements in the file (`record`)."""
+    return sum(-(-f.nbytes(numel) // PAGE) * PAGE for f in moments.fields)
+
+
+def tier_bytes(unit_numels: Sequence[int], moments: Moments) -> int:
+    """Bytes in offload_dir of a tier of units of these lengths (elements)."""
+    block = block_elems(unit_numels) if unit_numels else 0
+    return sum(record_bytes(min(block, n - a), moments) for n in unit_numels for a in range(0, n, block))
+
+
+def ring_bytes(unit_numels: Sequence[int], moments: Moments = FP32) -> int:
     """Host bytes of the staging ring of a tier of units of these lengths (elements): RING_SLOTS
     blocks, or as many as the tier has, each of the largest block's size."""
     if not unit_numels:
         return 0
     block = block_elems(unit_numels)
     blocks = sum(-(-n // block) for n in unit_numels)
-    return min(RING_SLOTS, blocks) * MOMENT_BYTES * min(block, max(unit_numels))
+    return min(RING_SLOTS, blocks) * record_bytes(min(block, max(unit_numels)), moments)
 
 
 @dataclass(frozen=True)
@@ -97,8 +119,8 @@ class DiskRates:
 
 
 def measure_rates(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> DiskRates:
-    """The rates the tier moves data at here, as it moves them: blocks of MOMENT_BYTES x
-    BLOCK_ELEMS on IO_THREADS threads, O_DIRECT where the file system takes it. `nbytes` are
+    """The rates the tier moves data at here, as it moves them: blocks of fp32 moments of
+    BLOCK_ELEMS elements on IO_THREADS threads, O_DIRECT where the file system takes it. `nbytes` are
     written, then timed: written again (the tier overwrites its blocks from its second step on,
     and a first write of reserved blocks can be slower), read back (buffered: from the drive, the
     page cache dropped), and read and written at once. Holds a block per thread in memory; leaves
@@ -108,7 +130,7 @@ def measure_rates(directory: str | Path, nbytes: int = RATE_PROBE_BYTES) -> Disk
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise tier_error(directory, "making it", e) from None
-    block = min(max(nbytes, PAGE), MOMENT_BYTES * BLOCK_ELEMS) // PAGE * PAGE
+    block = min(max(nbytes, PAGE), record_bytes(BLOCK_ELEMS, FP32)) // PAGE * PAGE
     count = max(1, nbytes // block)
     need = count * block
 
@@ -181,7 +203,8 @@ def measure_drives(directories: Sequence[str | Path], nbytes: int | None = None)
 
 @dataclass
 class _Slot:
-    """A ring buffer: a block's two moments, and the last read or write of it (queued or done)."""
+    """A ring buffer: a block's moments (`record`, bytes), and the last read or write of it
+    (queued or done)."""
 
     buf: torch.Tensor
     block: int | None = None
@@ -198,6 +221,7 @@ class DiskTier:
     becomes `state.tier`."""
 
     def __init__(self, state: HostState, units: int, directories: str | Path | Sequence[str | Path]):
+        self.moments = state.moments
         if state.exp_avg is None:
             raise ValueError("a disk tier holds AdamW moments; this state has none")
         if not state.whole:
@@ -220,15 +244,18 @@ class DiskTier:
                 b = min(a + B, u.numel)
                 f = len(self._blocks) % len(self.directories)
                 self._blocks.append((a, b, f, self.file_bytes[f]))
-                self.file_bytes[f] += MOMENT_BYTES * (b - a)
+                self.file_bytes[f] += record_bytes(b - a, self.moments)
         self.nbytes = sum(self.file_bytes)
         self.files = self._reserve()
         self.direct = all(f.direct for f in self.files)
         lo = state.starts[self.first]
-        state.exp_avg, state.exp_avg_sq = state.exp_avg[:lo], state.exp_avg_sq[:lo]
+        for f in self.moments.fields:
+            setattr(state, f.name, getattr(state, f.name)[: lo // f.per])
         state.tier = self
-        slot_elems = min(B, max(u.numel for u in self.units))
-        self._slots = [_Slot(host_buffer(2 * slot_elems)) for _ in range(min(RING_SLOTS, len(self._blocks)))]
+        slot = record_bytes(min(B, max(u.numel for u in self.units)), self.moments)
+        self._slots = [
+            _Slot(host_buffer(slot, torch.uint8)) for _ in range(min(RING_SLOTS, len(self._blocks)))
+        ]
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="megatrain-disk")
         self._lock = threading.Lock()
         self._written: dict[int, Future] = {}  # each block's last write
@@ -301,16 +328,19 @@ class DiskTier:
 
     # ------------------------------------------------------------- the optimizer's pass
     @contextmanager
-    def staged(self, unit: Unit, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(exp_avg, exp_avg_sq) of elements [lo, hi) of `unit`, which lie in one block: views of
-        its ring slot, read from disk (ahead of the call, as a rule) and written back on leaving.
-        One block is staged at a time."""
+    def staged(self, unit: Unit, lo: int, hi: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The moment buffers (`Moments.fields` order) of elements [lo, hi) of `unit`, which lie in
+        one block: views of its ring slot, read from disk (ahead of the call, as a rule) and
+        written back on leaving. One block is staged at a time."""
         block = self._block(unit, lo, hi)
         slot = self._acquire(block)
         a, b, _, _ = self._blocks[block]
-        n = b - a
+        views = []
+        for f, at in record(b - a, self.moments):
+            t = slot.buf[at : at + f.nbytes(b - a)].view(getattr(torch, f.dtype))
+            views.append(t[(lo - a) // f.per : -(-(hi - a) // f.per)])
         try:
-            yield slot.buf[lo - a : hi - a], slot.buf[n + lo - a : n + hi - a]
+            yield tuple(views)
         except BaseException:
             with self._lock:  # half stepped: dropped, not written (the run fails anyway)
                 slot.busy, slot.block = False, None
@@ -340,10 +370,10 @@ class DiskTier:
         with self._lock:
             block = slot.block
             a, b, f, offset = self._blocks[block]
-            buf = slot.buf[: 2 * (b - a)]
+            buf = slot.buf[: record_bytes(b - a, self.moments)]
             slot.io = self._written[block] = self._pool.submit(self.files[f].write, buf, offset)
             slot.busy = False
-            self.counters["disk_written_bytes"] += buf.numel() * 4
+            self.counters["disk_written_bytes"] += buf.numel()
 
     def _holding(self, block: int) -> _Slot | None:
         return next((s for s in self._slots if s.block == block), None)
@@ -377,11 +407,11 @@ class DiskTier:
         """Queue the read of `block` into `slot`, after the slot's last I/O and the block's last
         write (which another slot may still be doing)."""
         a, b, f, offset = self._blocks[block]
-        buf = slot.buf[: 2 * (b - a)]
+        buf = slot.buf[: record_bytes(b - a, self.moments)]
         after = [io for io in (slot.io, self._written.get(block)) if io is not None]
         slot.block = block
         slot.io = self._pool.submit(_after, after, self.files[f].read, buf, offset)
-        self.counters["disk_read_bytes"] += buf.numel() * 4
+        self.counters["disk_read_bytes"] += buf.numel()
 
     def _wait(self, io: Future, block: int, doing: str) -> None:
         """Wait for `io`, a read or write of `block`; its error is one line naming the block's folder."""
@@ -395,10 +425,9 @@ class DiskTier:
 
     # ------------------------------------------------------------- checkpoints
     def pieces(self, unit: Unit, which: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
-        """Elements [lo, hi) of `unit`'s moment `which` (exp_avg, exp_avg_sq), read from the file
-        a block at most at a time once the block's writes are done: each piece a tensor of its
-        own. What a checkpoint writes; not while a block is staged."""
-        half = MOMENTS.index(which)
+        """Elements [lo, hi) of `unit`'s moment buffer `which` (of an absmax: the blocks they
+        cover), read from the file a block at most at a time once the block's writes are done:
+        each piece a tensor of its own. What a checkpoint writes; not while a block is staged."""
         for a, b in self.blocks(unit, lo, hi):
             block = self._block(unit, a, b)
             with self._lock:
@@ -408,14 +437,16 @@ class DiskTier:
             if written is not None:
                 self._wait(written, block, "writing")
             ba, bb, f, offset = self._blocks[block]
-            s = (a - ba) // ALIGN_ELEMS * ALIGN_ELEMS  # whole pages around [a, b)
-            e = -(-(b - ba) // ALIGN_ELEMS) * ALIGN_ELEMS
-            buf = host_buffer(e - s)
+            field, at = next((g, at) for g, at in record(bb - ba, self.moments) if g.name == which)
+            first = at + (a - ba) // field.per * field.itemsize  # bytes of [a, b) in the block
+            end = at + -(-(b - ba) // field.per) * field.itemsize
+            s, e = first // PAGE * PAGE, -(-end // PAGE) * PAGE  # whole pages around them
+            buf = host_buffer(e - s, torch.uint8)
             try:
-                self.files[f].read(buf, offset + 4 * (half * (bb - ba) + s))
+                self.files[f].read(buf, offset + s)
             except OSError as err:
                 raise tier_error(self.directories[f], "reading the disk tier", err) from None
-            yield buf[a - ba - s : b - ba - s]
+            yield buf[first - s : end - s].view(getattr(torch, field.dtype))
 
     def fill(
         self, unit: Unit, entries: dict[str, list], read: Callable[[str, int, int], torch.Tensor]
@@ -424,8 +455,8 @@ class DiskTier:
         and `read` as `HostState.load` takes them (a resumed checkpoint's moments)."""
         for a, b in self.blocks(unit, 0, unit.numel):
             with self.staged(unit, a, b) as views:
-                for which, view in zip(MOMENTS, views):
-                    fill_range(view, a, b, entries[which], read)
+                for f, view in zip(self.moments.fields, views):  # an absmax's entries count blocks
+                    fill_range(view, a // f.per, -(-b // f.per), entries[f.name], read)
 
     def close(self) -> None:
         """Finish the I/O in flight and close the files (they are gone then: they have no name)."""

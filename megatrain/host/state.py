@@ -4,10 +4,11 @@ AdamW moments in host memory.
 A model is a sequence of *units*, the granularity at which weights travel to the device:
 `embed`, `layers.0` ... `layers.{L-1}`, `head` (final norm + LM head). Each unit's parameters
 are packed into one flat range of each host allocation, in the template's parameter order, each
-parameter's start aligned to 64 elements. The fp32 master weights are held as two 16-bit halves
+parameter's start aligned to ALIGN elements. The fp32 master weights are held as two 16-bit halves
 (split.py: `hi`, the bf16 weights a fetch reads as they are, and `lo`), 4 bytes a parameter,
 exact; `master` makes fp32 of them where a reader needs it. The AdamW moments have the same
-layout, so a unit's state is four contiguous ranges and a checkpoint is three tensors per unit.
+layout in the dtype of their format (moments.py; an 8-bit one's absmax one element per block),
+so a unit's state is a contiguous range of each buffer.
 
 In a world partitioned over several machines (layout.py) a machine's `HostState` holds only its
 *part* of each unit, a consecutive range of elements; the parts of all machines make the whole.
@@ -25,15 +26,18 @@ import torch
 from ..models.config import ModelConfig
 from ..models.family import checkpoint_pieces, family_of, templates
 from .hostmem import PAGE, host_buffer
+from .moments import BLOCK, FP32, Field, Moments
 from .split import HALF_BYTES, HI, LO, Halves, join, split_
 
-ALIGN = 64  # elements; keeps every parameter's start 256-byte aligned in fp32, 128 in bf16
-# Every unit starts on a page of its own in each buffer, the 16-bit halves' too, so host memory
-# can be page-locked in pieces cut at unit boundaries (hostmem.py).
+# Elements: every parameter starts on a block of the 8-bit moments, so a block holds one tensor as
+# in bitsandbytes (512 bytes aligned in the 16-bit halves).
+ALIGN = BLOCK
+# Every unit starts on a page of its own in each buffer of 2-byte elements or more (the halves',
+# fp32 and bf16 moments), so host memory can be page-locked in pieces cut at unit boundaries
+# (hostmem.py); 8-bit moments and their absmax are locked from their units' pages (gpustep.py).
 UNIT_ALIGN = PAGE // 2
-MOMENTS = ("exp_avg", "exp_avg_sq")
-BUFFERS = ("hi", "lo", *MOMENTS)  # the state's host allocations, in the order they are made
-STATE_BYTES = HALF_BYTES + 8  # the master weights' two halves and two fp32 AdamW moments, per parameter
+MASTER = ("hi", "lo")  # the master weights' buffers: its two halves
+MASTER_BYTES = HALF_BYTES  # per parameter
 
 # Hugging Face Trainer's rule (`get_decay_parameter_names`): no weight decay on biases and
 # normalisation weights, by the (lower-cased) name, and on the parameters of LayerNorm modules
@@ -117,6 +121,11 @@ def build_units(cfg: ModelConfig) -> list[Unit]:
     return units
 
 
+def state_bytes(moments: Moments = FP32) -> float:
+    """Host bytes a parameter's state takes: its fp32 master weight (two halves) and its AdamW moments."""
+    return MASTER_BYTES + moments.bytes_per_param
+
+
 def unit_views(flat: torch.Tensor, unit: Unit) -> dict[str, torch.Tensor]:
     """Parameter-shaped views of a unit's flat range (`flat` holds that unit alone)."""
     return {p.name: flat[p.offset : p.offset + p.numel].view(p.shape) for p in unit.params}
@@ -140,23 +149,29 @@ class HostState:
         with_optimizer: bool = True,
         alloc=host_buffer,
         parts: list[tuple[int, int]] | None = None,
+        moments: Moments = FP32,
     ):
-        """`alloc(numel, dtype)` makes each buffer (`BUFFERS`, in that order): by default private
-        memory; the ranks of a machine share theirs (processgroup.py). `parts`: the elements
-        [lo, hi) of each unit held here (default: whole units)."""
+        """`alloc(numel, dtype)` makes each buffer (the master's halves, then the moments'
+        `moments.fields`, in that order): by default private memory; the ranks of a machine share
+        theirs (processgroup.py). `parts`: the elements [lo, hi) of each unit held here (default:
+        whole units)."""
         self.units = units
         self.parts = parts or [(0, u.numel) for u in units]
         self.whole = all(p == (0, u.numel) for p, u in zip(self.parts, units))
         lengths = [hi - lo for lo, hi in self.parts]
         self.starts = [sum(lengths[:i]) for i in range(len(units))]  # each part's place in a buffer
         self.numel = sum(lengths)
+        self.moments = moments
+        self._per = {f.name: f.per for f in moments.fields}
         # Fresh zero pages, page-aligned: nothing is touched until a unit is written.
         self.hi = alloc(self.numel, HI)
         """The master weights' bf16 halves: what a fetch in bf16 reads as it is."""
         self.lo = alloc(self.numel, LO)
         """Their low halves: with `hi`, the fp32 master weights exactly (`master`)."""
-        self.exp_avg = alloc(self.numel, torch.float32) if with_optimizer else None
-        self.exp_avg_sq = alloc(self.numel, torch.float32) if with_optimizer else None
+        for f in moments.fields:
+            setattr(
+                self, f.name, alloc(f.length(self.numel), getattr(torch, f.dtype)) if with_optimizer else None
+            )
         self.step = 0  # optimizer steps taken
         self.tier = None
         """The disk tier holding the AdamW moments of the last units (host/disk.py's `DiskTier`),
@@ -164,9 +179,20 @@ class HostState:
         where its units start."""
 
     @property
+    def buffers(self) -> tuple[str, ...]:
+        """The state's host allocations, in the order they are made: the master's halves, then
+        the moment buffers."""
+        return (*MASTER, *self.moment_names)
+
+    @property
+    def moment_names(self) -> tuple[str, ...]:
+        """The moment buffers (`moments.fields`), in the order the optimizer takes them."""
+        return tuple(self._per)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of host memory the state takes (weights, and moments where there are)."""
-        buffers = [getattr(self, w) for w in BUFFERS]
+        buffers = [getattr(self, w) for w in self.buffers]
         return sum(b.numel() * b.element_size() for b in buffers if b is not None)
 
     def part(self, unit: Unit) -> tuple[int, int]:
@@ -174,19 +200,34 @@ class HostState:
         return self.parts[unit.index]
 
     def flat(self, unit: Unit, which: str) -> torch.Tensor:
-        """The unit's part held here (the whole unit in a whole state) of one buffer (`BUFFERS`)."""
-        if which in MOMENTS and self.tier is not None and self.tier.holds(unit):
+        """The unit's part held here (the whole unit in a whole state) of buffer `which`
+        (`buffers`): an 8-bit absmax has one element per block."""
+        if which not in MASTER and self.tier is not None and self.tier.holds(unit):
             raise ValueError(f"{unit.name}: its AdamW moments are in the disk tier, not in host memory")
         lo, hi = self.parts[unit.index]
-        start = self.starts[unit.index]
-        return getattr(self, which)[start : start + hi - lo]
+        start, per = self.starts[unit.index], self._per.get(which, 1)
+        return getattr(self, which)[start // per : (start + hi - lo) // per]
 
     def range(self, unit: Unit, lo: int, hi: int, which: str) -> torch.Tensor:
-        """Elements [lo, hi) of `unit` of one buffer; they must lie in its part held here."""
+        """Elements [lo, hi) of `unit` of buffer `which`, which must lie in its part held here; of
+        an absmax, the blocks they cover (`lo` on a block, `hi` on one or a tensor's end)."""
         a, b = self.parts[unit.index]
         if not a <= lo <= hi <= b:
             raise ValueError(f"{unit.name}[{lo}:{hi}] is outside the part held here [{a}:{b}]")
-        return self.flat(unit, which)[lo - a : hi - a]
+        per = self._per.get(which, 1)
+        if (lo - a) % per:
+            raise ValueError(f"{unit.name}[{lo}:{hi}]: {which} is cut at blocks of {per} elements")
+        return self.flat(unit, which)[(lo - a) // per : -(-(hi - a) // per)]
+
+    def per(self, which: str) -> int:
+        """Elements of the state per element of buffer `which` (an 8-bit absmax: a block's)."""
+        return self._per.get(which, 1)
+
+    def cut(self, t: torch.Tensor, lo: int, hi: int, which: str) -> torch.Tensor:
+        """Elements [lo, hi) of a unit in `t`, a buffer `which` of that unit (from its start): of an
+        absmax, the blocks they cover."""
+        per = self._per.get(which, 1)
+        return t[lo // per : -(-hi // per)]
 
     def halves(self, unit: Unit, lo: int | None = None, hi: int | None = None) -> Halves:
         """The master weights [lo, hi) of `unit` (default: its part held here) as their halves."""
@@ -214,8 +255,11 @@ class HostState:
         make the whole buffer a node of its graph, holding every such source alive (a second fp32
         copy of the model)."""
         lo, hi = self.parts[unit.index]
-        flat = self.halves(unit) if which == "master" else self.flat(unit, which)
-        fill_range(flat, lo, hi, entries, read)
+        if which == "master":
+            fill_range(self.halves(unit), lo, hi, entries, read)
+        else:
+            per = self._per.get(which, 1)  # an absmax's entries count blocks (`moment_entries`)
+            fill_range(self.flat(unit, which), lo // per, -(-hi // per), entries, read)
 
     def _whole(self) -> None:
         if not self.whole:
@@ -287,6 +331,15 @@ def tensor_entries(unit: Unit, per: str = "piece") -> Iterable[tuple[str, int, t
         else:
             for c in p.pieces:
                 yield c.key, p.offset + c.offset, c.shape
+
+
+def moment_entries(unit: Unit, field: Field) -> Iterable[tuple[str, int, tuple[int, ...]]]:
+    """(key, start, shape) of a moment buffer's checkpoint tensors of `unit`, in that buffer's
+    elements: one per parameter, keyed `<field>.<parameter key>`, the parameter's shape, or an
+    absmax's blocks of it (bitsandbytes' absmax of a tensor)."""
+    for p in unit.params:
+        shape = p.shape if field.per == 1 else (field.length(p.numel),)
+        yield f"{field.name}.{p.key}", p.offset // field.per, shape
 
 
 def checkpoint_entries(units: list[Unit]) -> list[tuple[str, tuple[int, ...]]]:

@@ -5,15 +5,19 @@ Layout of `output_dir/checkpoint-{step}/` (format 1):
     model.safetensors            fp32 master weights, Hugging Face keys (`model.layers.0...`);
                                  shards `model-0000i-of-0000N.safetensors` + index when large.
                                  With config.json beside it this is a loadable HF model.
-    optimizer.safetensors        fp32 AdamW moments, keys `exp_avg.<hf key>` and
-                                 `exp_avg_sq.<hf key>`; sharded the same way. Keyed by parameter,
-                                 not by the host layout, so the layout may change between versions.
+    optimizer.safetensors        AdamW moments, keys `exp_avg.<hf key>` and `exp_avg_sq.<hf key>`
+                                 in their format's dtype (fp32, bf16, 8-bit codes with
+                                 `exp_avg_absmax.<hf key>` and `exp_avg_sq_absmax.<hf key>`, fp32
+                                 per 256 elements: host/moments.py); sharded the same way. Keyed by
+                                 parameter, not by the host layout, so the layout may change
+                                 between versions.
     config.json                  the model config (plus generation_config.json)
     trainer_state.json           global_step, epoch, log_history tail (Hugging Face names), the
                                  run_id of the run (lineage) that wrote it, and what resuming
                                  needs: optimizer_step (AdamW's bias-correction count: skipped
                                  steps do not advance it), lr_scheduler (schedule parameters and
-                                 step), data_state (Batcher.state_dict()), nonfinite_streak; with
+                                 step), data_state (Batcher.state_dict()), nonfinite_streak,
+                                 optimizer_moments (the moments' format: a resume keeps it); with
                                  metric_for_best_model, best_metric, best_global_step and
                                  best_model_checkpoint (HF names)
     rng_state.pt                 python `random`, torch CPU and CUDA generator states
@@ -43,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import random
 import re
@@ -57,12 +62,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..host.state import HostState, build_units, checkpoint_entries, tensor_entries
+from ..host.moments import FP32, Moments, named
+from ..host.state import HostState, build_units, checkpoint_entries, moment_entries
 from ..models.config import ModelConfig
 from . import manifest
 from .reader import TensorReader, checkpoint_files
 from .weights import read_generation_config, write_model_config
-from .writing import AtomicDir
+from .writing import ST_DTYPES, AtomicDir
 
 FORMAT = 1
 TRAINER_STATE = "trainer_state.json"
@@ -101,6 +107,9 @@ class TrainerState:
     objective_state: dict[str, Any] = field(default_factory=dict)
     """What the objective carries from step to step (`Objective.state_dict`); empty for the
     built-in ones."""
+    optimizer_moments: str = FP32.name
+    """How optimizer.safetensors stores the moments (`Moments.name`: fp32, bf16, 8bit; a
+    checkpoint from before `optim` holds fp32 ones)."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, **dataclasses.asdict(self)}
@@ -147,6 +156,7 @@ class TrainerState:
             "best_global_step": int,
             "best_model_checkpoint": str,
             "objective_state": dict,
+            "optimizer_moments": str,
         }
         for key, tp in optional.items():
             v = raw.get(key)
@@ -156,9 +166,10 @@ class TrainerState:
         return cls(**{k: raw[k] for k in types}, **present)
 
 
-def checkpoint_bytes(num_params: int, weights_only: bool = False) -> int:
-    """Tensor bytes of a checkpoint: fp32 weights, and both fp32 AdamW moments unless weights only."""
-    return num_params * 4 * (1 if weights_only else 3)
+def checkpoint_bytes(num_params: int, weights_only: bool = False, moments: Moments = FP32) -> int:
+    """Tensor bytes of a checkpoint: fp32 weights, and the AdamW moments unless weights only (an
+    absmax's partial blocks, one per tensor, not counted)."""
+    return num_params * 4 + (0 if weights_only else math.ceil(num_params * moments.bytes_per_param))
 
 
 # ---------------------------------------------------------------------------- finding
@@ -249,24 +260,25 @@ def remove_temporaries(output_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- saving
-def _moments(state: HostState) -> tuple[list[tuple[str, tuple[int, ...]]], Callable[[str], Any]]:
-    """(key, shape) of every AdamW moment, `exp_avg.<key>` / `exp_avg_sq.<key>` parameter by
-    parameter, and what gives each: a view of the host moments, or the pieces the disk tier reads
-    from its file a block at a time (host/disk.py)."""
-    entries, gets = [], {}
+def _moments(state: HostState):
+    """(key, shape) of every tensor of the AdamW moments, `exp_avg.<key>` / `exp_avg_sq.<key>`
+    (and an 8-bit format's absmax) parameter by parameter, what gives each (a view of the host
+    moments, or the pieces the disk tier reads from its file a block at a time: host/disk.py), and
+    each key's dtype."""
+    entries, gets, dtypes = [], {}, {}
     tier = state.tier
     for unit in state.units:
         on_disk = tier is not None and tier.holds(unit)
-        for which in ("exp_avg", "exp_avg_sq"):
-            flat = None if on_disk else state.flat(unit, which)
-            for p in unit.params:
-                key, a, b = f"{which}.{p.key}", p.offset, p.offset + p.numel
-                entries.append((key, p.shape))
+        for f in state.moments.fields:
+            flat = None if on_disk else state.flat(unit, f.name)
+            for p, (key, start, shape) in zip(unit.params, moment_entries(unit, f)):
+                entries.append((key, shape))
+                dtypes[key] = getattr(torch, f.dtype)
                 if on_disk:
-                    gets[key] = partial(tier.pieces, unit, which, a, b)
+                    gets[key] = partial(tier.pieces, unit, f.name, p.offset, p.offset + p.numel)
                 else:
-                    gets[key] = partial(torch.Tensor.view, flat[a:b], p.shape)
-    return entries, lambda key: gets[key]()
+                    gets[key] = partial(torch.Tensor.view, flat[start : start + math.prod(shape)], shape)
+    return entries, lambda key: gets[key](), dtypes.__getitem__
 
 
 def rng_state() -> dict[str, Any]:
@@ -319,7 +331,7 @@ def save_checkpoint(
     must be current: call `transport.synchronize()` first. `write_tensors(d)` writes the weights
     and moments in place of the whole state's (a state partitioned over machines: partition.py).
     `files`: more files, name -> contents, that a resume reads (grpo's rollout)."""
-    nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only)
+    nbytes = checkpoint_bytes(state.num_params, trainer_state.weights_only, state.moments)
     with checkpoint_target(output_dir, trainer_state.global_step, nbytes, progress) as d:
         if write_tensors is not None:
             write_tensors(d)
@@ -328,8 +340,8 @@ def save_checkpoint(
             entries = [(k, tuple(v.shape)) for k, v in params.items()]
             d.write_tensors("model", entries, torch.float32, params.__getitem__, max_shard_bytes)
             if not trainer_state.weights_only:
-                entries, get = _moments(state)
-                d.write_tensors("optimizer", entries, torch.float32, get, max_shard_bytes)
+                entries, get, dtype = _moments(state)
+                d.write_tensors("optimizer", entries, dtype, get, max_shard_bytes)
         write_model_config(
             d.path, model_cfg, torch.float32, read_generation_config(generation_from), tokenizer
         )
@@ -410,10 +422,7 @@ class Checkpoint:
         The disk tier's units' moments go to its file, a block at a time (host/disk.py)."""
         tier = state.tier
         for unit in state.units:
-            entries = {
-                which: [(f"{which}.{k}", start, shape) for k, start, shape in tensor_entries(unit, "param")]
-                for which in ("exp_avg", "exp_avg_sq")
-            }
+            entries = {f.name: list(moment_entries(unit, f)) for f in state.moments.fields}
             if tier is not None and tier.holds(unit):
                 tier.fill(unit, entries, self.optimizer.get_range)
                 continue
@@ -443,11 +452,14 @@ class Checkpoint:
         return ts
 
 
-def open_checkpoint(path: str | Path, model_cfg: ModelConfig, progress: bool = False) -> Checkpoint:
-    """Check a checkpoint completely before anything is allocated: trainer state, model config
-    (must equal `model_cfg`), every weight and moment tensor (present, shape, fp32; the
-    safetensors headers are validated against the file sizes), RNG state, and last every file's
-    checksum against the manifest. Raises a CheckpointError naming the file at fault."""
+def open_checkpoint(
+    path: str | Path, model_cfg: ModelConfig, progress: bool = False, moments: Moments = FP32
+) -> Checkpoint:
+    """Check a checkpoint completely before anything is allocated: trainer state, the moments'
+    format (must be `moments`: a resume keeps the optimizer mode), model config (must equal
+    `model_cfg`), every weight and moment tensor (present, shape, dtype; the safetensors headers
+    are validated against the file sizes), RNG state, and last every file's checksum against the
+    manifest. Raises a CheckpointError naming the file at fault."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
@@ -456,6 +468,17 @@ def open_checkpoint(path: str | Path, model_cfg: ModelConfig, progress: bool = F
         raise CheckpointError(
             f"{path}: saved with save_only_model=true (weights only, no optimizer state), so it cannot "
             f"be resumed; start a new run from its weights with model_name_or_path={path}"
+        )
+    if ts.optimizer_moments != moments.name:
+        try:
+            theirs = ", ".join(f"{k}={v}" for k, v in named(ts.optimizer_moments).settings.items())
+        except ValueError:
+            raise CheckpointError(
+                f"{path / TRAINER_STATE}: optimizer_moments {ts.optimizer_moments!r} is unknown"
+            ) from None
+        raise CheckpointError(
+            f"{path}: its AdamW moments are {ts.optimizer_moments} ({theirs}), this run's {moments.name}; "
+            f"a run resumes in the optimizer mode it saved (set {theirs}, or start a new run from its weights)"
         )
     try:
         saved_cfg = ModelConfig.from_json(path / "config.json")
@@ -469,15 +492,15 @@ def open_checkpoint(path: str | Path, model_cfg: ModelConfig, progress: bool = F
             )
     # build_units uses meta-device templates: shapes only, nothing is allocated.
     units = build_units(model_cfg)
-    expected = [(p.key, p.shape) for u in units for p in u.params]  # the moments: per parameter
     weights = TensorReader(checkpoint_files(path, "model"), path / "model.safetensors")
     for key, shape in checkpoint_entries(units):
         weights.check(key, shape, "F32")
     weights.close()
     optimizer = TensorReader(checkpoint_files(path, "optimizer"), path / "optimizer.safetensors")
-    for key, shape in expected:
-        optimizer.check(f"exp_avg.{key}", shape, "F32")
-        optimizer.check(f"exp_avg_sq.{key}", shape, "F32")
+    for f in moments.fields:  # per parameter
+        st = ST_DTYPES[getattr(torch, f.dtype)]
+        for key, _, shape in (e for u in units for e in moment_entries(u, f)):
+            optimizer.check(key, shape, st)
     try:
         rng = torch.load(path / RNG_STATE, weights_only=True)
         if not {"python", "torch"} <= set(rng):

@@ -216,7 +216,7 @@ class OutputDir:
         share it where offload_dir is on the same file system (of several folders: the share the
         stripe puts in each one there, about 1/N of the tier)."""
         cfg = self.cfg
-        ckpt = checkpoint_bytes(num_params, cfg.save_only_model)
+        ckpt = checkpoint_bytes(num_params, cfg.save_only_model, cfg.moments())
         saves = schedule.count(self.resume.trainer_state.global_step if self.resume else 0)
         existing = len(lineages(self.path).get(self.run_id, [])) if self.resume else 0
         # Pruning runs after a new checkpoint is committed: keep + 1 exist for a moment.

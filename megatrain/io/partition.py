@@ -6,7 +6,8 @@ machines (layout.py) is written by every machine at once, each its part, into th
 the first rank creates (so `output_dir` must be on a file system the machines share):
 
     model.machine-00001-of-00002.safetensors      machine 1's segments of the fp32 weights
-    optimizer.machine-00001-of-00002.safetensors  and of the moments (`exp_avg.<key>[a:b]`, ...)
+    optimizer.machine-00001-of-00002.safetensors  and of the moments (`exp_avg.<key>[a:b]`, ...; an
+                                                  absmax's segments count its blocks)
     model.safetensors.index.json                  every segment key -> its file
     optimizer.safetensors.index.json
 
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import MegatrainError, OutputError
-from ..host.state import HostState, checkpoint_entries, tensor_entries
+from ..host.state import HostState, checkpoint_entries, moment_entries, tensor_entries
 from ..parallel.distributed import Collective
 from ..planning.placement import fmt_bytes
 from . import checkpoint, ownership
@@ -48,11 +49,7 @@ from .reader import TensorReader, checkpoint_files, segment_key
 from .weights import save_hf_checkpoint
 from .writing import AtomicDir, free_bytes, plan_shards, write_safetensors
 
-# What each file holds: (buffer of the host state, key prefix, tensors per checkpoint piece or parameter).
-CONTENTS = {
-    "model": [("master", "", "piece")],
-    "optimizer": [("exp_avg", "exp_avg.", "param"), ("exp_avg_sq", "exp_avg_sq.", "param")],
-}
+PREFIXES = ("model", "optimizer")  # the weights; the moment buffers of the state's format
 
 
 def save_checkpoint(
@@ -130,7 +127,7 @@ class _Parts:
 
     def __init__(self, world: Collective, state: HostState, weights_only: bool, max_shard_bytes: int):
         self.world, self.state = world, state
-        self.prefixes = ["model"] if weights_only else list(CONTENTS)
+        self.prefixes = ["model"] if weights_only else list(PREFIXES)
         self.max_shard_bytes = max_shard_bytes
         self.phase = "naming"  # -> writing -> written, or failed (every rank knows why)
 
@@ -198,19 +195,13 @@ class _Parts:
         maps: dict[str, dict[str, str]] = {}
         try:
             for prefix in self.prefixes:
-                entries, getters = self._entries(prefix)
+                entries, getters, dtype = self._entries(prefix)
                 name = f"{prefix}.machine-{machine + 1:05d}-of-{machines:05d}"
                 written = write_safetensors(
-                    directory,
-                    name,
-                    entries,
-                    torch.float32,
-                    getters.__getitem__,
-                    self.max_shard_bytes,
-                    index=False,
+                    directory, name, entries, dtype, getters.__getitem__, self.max_shard_bytes, index=False
                 )
                 files.update(written)
-                maps[prefix] = _weight_map(name, entries, self.max_shard_bytes)
+                maps[prefix] = _weight_map(name, entries, dtype, self.max_shard_bytes)
         except (OSError, MegatrainError) as e:
             where = f" ({Path(e.filename).name})" if isinstance(e, OSError) and e.filename else ""
             return (
@@ -224,27 +215,38 @@ class _Parts:
         return files, maps, None
 
     def _entries(self, prefix: str):
-        """The segments of this machine's part: (key, shape) entries and key -> tensor."""
-        entries, getters = [], {}
-        for which, name, per in CONTENTS[prefix]:
-            for unit in self.state.units:
-                lo, hi = self.state.part(unit)
-                for key, start, shape in tensor_entries(unit, per):
+        """The segments of this machine's part: (key, shape) entries, key -> tensor, key -> dtype.
+        A moment buffer's in its own elements (an absmax's: blocks; parts start on pages)."""
+        st = self.state
+        entries, getters, dtypes = [], {}, {}
+        buffers = ["master"] if prefix == "model" else [f.name for f in st.moments.fields]
+        for which in buffers:
+            per = st.per(which)
+            for unit in st.units:
+                lo, hi = st.part(unit)
+                if which == "master":  # its halves: written in fp32, joined (io/writing.py)
+                    flat, dtype = st.halves(unit), torch.float32
+                else:
+                    flat = st.flat(unit, which)
+                    dtype = flat.dtype
+                lo, hi = lo // per, -(-hi // per)
+                if which == "master":
+                    tensors = tensor_entries(unit, "piece")
+                else:
+                    tensors = moment_entries(unit, next(f for f in st.moments.fields if f.name == which))
+                for key, start, shape in tensors:
                     a, b = max(lo, start), min(hi, start + math.prod(shape))
                     if a < b:
-                        k = segment_key(name + key, a - start, b - start)
+                        k = segment_key(key, a - start, b - start)
                         entries.append((k, (b - a,)))
-                        getters[k] = (
-                            self.state.halves(unit, a, b)
-                            if which == "master"
-                            else self.state.range(unit, a, b, which)
-                        )
-        return entries, getters
+                        getters[k] = flat[a - lo : b - lo]
+                        dtypes[k] = dtype
+        return entries, getters, dtypes.__getitem__
 
 
-def _weight_map(prefix: str, entries, max_shard_bytes: int) -> dict[str, str]:
+def _weight_map(prefix: str, entries, dtype, max_shard_bytes: int) -> dict[str, str]:
     """Segment key -> file, as write_safetensors names the files for these entries."""
-    shards, _ = plan_shards(prefix, entries, torch.float32, None, max_shard_bytes)
+    shards, _ = plan_shards(prefix, entries, dtype, None, max_shard_bytes)
     return {k: s.name for s in shards for k, _ in s.entries}
 
 

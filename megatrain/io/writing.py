@@ -46,7 +46,7 @@ from ..metrics import ByteProgress
 from ..planning.placement import fmt_bytes
 from . import manifest, ownership
 
-ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 CHUNK = 64 << 20  # bytes per write: the progress bar moves, and a stop request is seen soon
 MAX_WRITERS = 8
 

@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from ..errors import ConfigError
+from ..host.moments import FP32, Moments
 from ..host.state import HostState, Unit, unit_views
 from .layout import Layout, resolve
 
@@ -107,9 +108,9 @@ class Collective(Protocol):
         `unit` reads are current (the units in the same order on every rank, from one thread:
         the optimizer's)."""
 
-    def host_state(self, units: list[Unit]) -> HostState:
-        """The machine's host state (its part of it, when partitioned): shared by its ranks,
-        allocated once."""
+    def host_state(self, units: list[Unit], moments: Moments = FP32) -> HostState:
+        """The machine's host state (its part of it, when partitioned), its moments stored as
+        `moments` says: shared by its ranks, allocated once."""
 
     def close(self) -> None: ...
 
@@ -180,8 +181,8 @@ class Single(Cuts):
     def updated(self, unit: Unit) -> None:
         pass
 
-    def host_state(self, units: list[Unit]) -> HostState:
-        return HostState(units)
+    def host_state(self, units: list[Unit], moments: Moments = FP32) -> HostState:
+        return HostState(units, moments=moments)
 
     def close(self) -> None:
         pass

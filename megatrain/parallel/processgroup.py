@@ -30,7 +30,8 @@ import torch
 
 from ..errors import ConfigError
 from ..host.hostmem import shared_buffer
-from ..host.state import BUFFERS, STATE_BYTES, HostState, Unit
+from ..host.moments import FP32, Moments
+from ..host.state import MASTER, MASTER_BYTES, HostState, Unit
 from .distributed import Collective, Cuts, Single, T, in_world, param_norms, world_device, world_layout
 from .layout import Layout, piece_len
 
@@ -139,13 +140,14 @@ class ProcessGroup(Cuts):
         # while the main threads go on with the next forward sweep and their own collectives.
         self.dist.barrier(group=self.updates)
 
-    def host_state(self, units: list[Unit]) -> HostState:
-        """The first rank of each machine creates the buffers of its machine's state (`BUFFERS`) as
-        files in /dev/shm, the machine's other ranks map them, and once all have, they are
-        unlinked: the memory lives while a rank maps it and nothing is left behind, whatever
-        happens later."""
+    def host_state(self, units: list[Unit], moments: Moments = FP32) -> HostState:
+        """The first rank of each machine creates the buffers of its machine's state (the master
+        weights' halves, `moments.fields`) as files in /dev/shm, the machine's other ranks map
+        them, and once all have, they are unlinked: the memory lives while a rank maps it and
+        nothing is left behind, whatever happens later."""
         parts = [self.layout.part(u.numel, self.machine) for u in units]
-        need = STATE_BYTES * sum(hi - lo for lo, hi in parts)
+        held = sum(hi - lo for lo, hi in parts)
+        need = MASTER_BYTES * held + moments.nbytes(held)
         free = shutil.disk_usage(SHM_DIR).free if SHM_DIR.is_dir() else 0
         if need > free:
             raise ConfigError(
@@ -154,16 +156,16 @@ class ProcessGroup(Cuts):
             )
         names = self.each(f"megatrain-{uuid.uuid4().hex[:12]}" if self.holds_state else None)
         name = names[self.machine * self.layout.ranks_per_machine]
-        paths = [SHM_DIR / f"{name}-{kind}" for kind in BUFFERS]
+        paths = [SHM_DIR / f"{name}-{kind}" for kind in (*MASTER, *(f.name for f in moments.fields))]
         files = iter(paths)
 
         def alloc(n: int, dtype: torch.dtype) -> torch.Tensor:
             return shared_buffer(next(files), n, create=self.holds_state, dtype=dtype)
 
-        state = HostState(units, alloc=alloc, parts=parts) if self.holds_state else None
+        state = HostState(units, alloc=alloc, parts=parts, moments=moments) if self.holds_state else None
         self.barrier()
         if state is None:
-            state = HostState(units, alloc=alloc, parts=parts)
+            state = HostState(units, alloc=alloc, parts=parts, moments=moments)
         self.barrier()
         if self.holds_state:
             for p in paths:

@@ -30,8 +30,6 @@ every run's measured and predicted step).
 
 from __future__ import annotations
 
-from ..host.disk import MOMENT_BYTES
-from ..host.state import STATE_BYTES
 from .planspec import FETCH_BYTES, Batch, Machine, Plan, Shape, looked_up_rows
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
@@ -97,9 +95,9 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     gpu_stepped = sum(s.units[u] for u in plan.stepped)
     act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
     # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
-    # and the next forward fetches its weights (FETCH_BYTES): the rest of STATE_BYTES more.
-    extra_in = (STATE_BYTES - FETCH_BYTES[b.compute_bytes]) * gpu_stepped
-    extra_out = (STATE_BYTES - 4) * gpu_stepped
+    # and the next forward fetches its weights (FETCH_BYTES): the rest of its state's bytes more.
+    extra_in = plan.state_bytes(gpu_stepped) - FETCH_BYTES[b.compute_bytes] * gpu_stepped
+    extra_out = plan.state_bytes(gpu_stepped) - 4 * gpu_stepped
     # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
     # fetch of the embedding is not counted here either way).
     kept = fetched_bytes(s, b, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
@@ -154,7 +152,8 @@ def _tier_wait(plan: Plan, m: Machine, adam_params_s: float) -> float:
     blocks the ring still holds from the step before (a few of a tier of hundreds)."""
     if not plan.disk_units:
         return 0.0
-    return max(0.0, tier_io_s(plan.disk, m) - plan.disk / MOMENT_BYTES / adam_params_s)
+    params = plan.disk / plan.moment_format.bytes_per_param
+    return max(0.0, tier_io_s(plan.disk, m) - params / adam_params_s)
 
 
 def _rates(s: Shape, m: Machine) -> tuple[float, float]:
@@ -187,7 +186,7 @@ def _gpu_stepping(
         # units took 1.85 s a step, where hiding a forward's length of it predicted 1.67 and this
         # 1.90 (15 and 22 units within 4%); the 14.77B shape with 39 (`auto`'s count there, too
         # many to prestage) 6.42 s, this 6.80 (PERFORMANCE.md, 2026-11-26).
-        return 0.0, 2 * STATE_BYTES * stepped / (PCIE_DUPLEX_GAIN * rate)
+        return 0.0, 2 * plan.state_bytes(stepped) / (PCIE_DUPLEX_GAIN * rate)
     # Prestaged: the backward sweep carries its fetches (the weights of the recomputed streamed
     # layers but the prestaged ones), the parked activations and the state. The step stream takes
     # the units in forward order, each once its state is in, and the next forward sweep waits
@@ -199,6 +198,6 @@ def _gpu_stepping(
     skip = set(plan.kept_fresh(s.layers, s.embed_again))
     recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
     fetched = fetched_bytes(s, b, [u for u in recomputed if u not in skip])
-    link = (fetched + act_bytes + STATE_BYTES * prestaged) / rate
+    link = (fetched + act_bytes + plan.state_bytes(prestaged)) / rate
     reach = forward_s * min(plan.stepped.stop - 1, s.layers) / max(1, s.layers)
-    return max(0.0, link - backward_s - reach), STATE_BYTES * prestaged / GPU_ADAMW_STATE_BYTES_S
+    return max(0.0, link - backward_s - reach), plan.state_bytes(prestaged) / GPU_ADAMW_STATE_BYTES_S

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, replace
 
 from ..host.activations import HostActivations
-from ..host.disk import MOMENT_BYTES, ring_bytes
+from ..host.disk import ring_bytes, tier_bytes
+from ..host.moments import FP32, STEP_CHUNK, STEP_TEMP_BYTES, Moments
 from ..host.split import HALF_BYTES
-from ..host.state import STATE_BYTES
 from ..models.attention import mask_bytes
 from ..models.config import ModelConfig
 from ..models.family import layer_params
@@ -175,9 +175,10 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         suffix[u] = suffix[u + 1] + (4 * s.units[u] if on_gpu[u] else 0)
         suffix_streamed[u] = suffix_streamed[u + 1] + (4 * s.units[u] if waits[u] else 0)
     resident = {  # in every phase
-        "fp32 state of GPU-resident units": STATE_BYTES * sum(s.units[:R]),
+        "fp32 state of GPU-resident units": plan.state_bytes(sum(s.units[:R])),
         "GPU-stepped state (scratch)": _step_scratch(s, plan),
         "GPU-stepped weights' halves (landing, leaving)": _step_halves(s, plan),
+        "AdamW temporaries (bf16, 8-bit moments)": _moment_temporaries(s, plan),
         "attention masks": _masks(b, flex=True),
     }
 
@@ -197,7 +198,7 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         """Prestaged units >= u: their fp32 state, loaded during the backward sweep (counted whole
         from its start), stepped after the clip and freed after its write-back, which runs in
         forward order behind the next forward sweep (as the host optimizer does)."""
-        return STATE_BYTES * sum(s.units[v] for v in plan.prestaged if v >= u)
+        return plan.state_bytes(sum(s.units[v] for v in plan.prestaged if v >= u))
 
     tile = plan.mlp_tile_tokens
     kept_graph = lm.graph(Tm, tile) * b.micro_batches + act + cb * s.layer  # graphs, outputs, weights
@@ -345,13 +346,21 @@ def _step_scratch(s: Shape, plan: Plan) -> int:
     chunks (`_step_chunk`); none where all of them are prestaged."""
     if not plan.gpu_stepped_units or plan.prestaged:
         return 0
-    return STEP_SLOTS * STATE_BYTES * _step_chunk(s, plan)
+    return STEP_SLOTS * plan.state_bytes(_step_chunk(s, plan))
 
 
 def _step_halves(s: Shape, plan: Plan) -> int:
     """The HALVES_STAGES chunks the GPU-stepped units' master weights land in and leave through as
     their halves (engine/gpustep.py), allocated for the whole run."""
     return HALVES_STAGES * HALF_BYTES * _step_chunk(s, plan) if plan.gpu_stepped_units else 0
+
+
+def _moment_temporaries(s: Shape, plan: Plan) -> int:
+    """GPU memory of engine/moments.py's step where the GPU steps bf16 or 8-bit moments: its fp32
+    temporaries of a chunk (host/moments.py's STEP_TEMP_BYTES)."""
+    if plan.moments == FP32.name or not (plan.resident_units or plan.gpu_stepped_units):
+        return 0
+    return STEP_TEMP_BYTES * min(STEP_CHUNK["cuda"], max(s.units))
 
 
 def _gpu_peak(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[int, dict[str, int]]:
@@ -401,9 +410,12 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     measure for the further processes)."""
     cb, T, h = b.compute_bytes, b.tokens, s.hidden
     state = world.held(s.units)
-    host = {"fp32 weights + AdamW moments": STATE_BYTES * state - disk_tier_bytes(s, plan.disk_units, world)}
+    tier = disk_tier_bytes(s, plan.disk_units, world, plan.moment_format)
+    host = {STATE_KEY: plan.state_bytes(state) - tier}
     if plan.disk_units:  # the tier's moments pass through it a block at a time
-        host["disk tier staging (host buffers)"] = ring_bytes(s.units[len(s.units) - plan.disk_units :])
+        host["disk tier staging (host buffers)"] = ring_bytes(
+            s.units[len(s.units) - plan.disk_units :], plan.moment_format
+        )
     if plan.device == "cpu":
         if plan.grad_mode == "stored":
             host["fp32 gradients"] = 4 * s.total
@@ -418,7 +430,9 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         host["runtime"] = _runtime(plan.device, world)
         return host, 0
     pinned = HALF_BYTES * state  # the master weights' halves, registered in place
-    pinned += 8 * world.held(s.units[u] for u in plan.stepped)  # and GPU-stepped units' moments
+    pinned += plan.moment_format.nbytes(
+        world.held(s.units[u] for u in plan.stepped)
+    )  # and GPU-stepped units' moments
     spilled = world.held(s.units[plan.gpu_grad_lead :]) if plan.grad_mode == "stored" else 0
     if spilled > 0:
         host["fp32 gradients waiting for the clip (page-locked)"] = 4 * spilled
@@ -440,9 +454,14 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
     return host, pinned
 
 
-def disk_tier_bytes(s: Shape, units: int, world: Layout) -> int:
-    """The AdamW moments a disk tier of the last `units` units holds (a plan's `disk_units`)."""
-    return MOMENT_BYTES * world.held(s.units[len(s.units) - units :]) if units else 0
+STATE_KEY = "fp32 weights + AdamW moments"  # plan.host's key
+
+
+def disk_tier_bytes(s: Shape, units: int, world: Layout, moments: Moments) -> int:
+    """The AdamW moments a disk tier of the last `units` units holds (a plan's `disk_units`) in
+    their format."""
+    held = [world.held([n]) for n in s.units[len(s.units) - units :]] if units else []
+    return tier_bytes(held, moments)
 
 
 def _runtime(device: str, world: Layout) -> int:
@@ -534,7 +553,7 @@ def evaluate(s: Shape, b: Batch, plan: Plan, m: Machine) -> Plan:
     if plan.device == "cuda":
         plan.gpu_peak, plan.gpu = _gpu_peak(s, b, plan, m.world)
     plan.host, plan.pinned = _host(s, b, plan, m.world)
-    plan.disk = disk_tier_bytes(s, plan.disk_units, m.world)
+    plan.disk = disk_tier_bytes(s, plan.disk_units, m.world, plan.moment_format)
     plan.step_time_s = step_time(s, b, plan, m)
     return plan
 

@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import ConfigError, MegatrainError
-from ..host.state import STATE_BYTES
+from ..host.moments import FP32, named
 from ..models.config import ModelConfig
 from ..parallel.layout import Layout
 from .costmodel import ADAM_IN_STEP
@@ -153,6 +153,7 @@ class Choices:
     # the embedding fetched as the rows a step looks up (None: the plan decides, with
     # gpu_step_units: auto)
     embedding_rows: bool | None = None
+    moments: str = FP32.name  # how the AdamW moments are stored (`optim`: host/moments.py)
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -195,7 +196,7 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
     n, c = len(s.units), choices or Choices()
 
     def with_tier(k: int) -> Plan | None:
-        tier = disk_tier_bytes(s, k, m.world)
+        tier = disk_tier_bytes(s, k, m.world, named(c.moments))
         if tier > m.disk_bytes:
             return None
         # The moments on disk free their bytes of host memory for the rest of the plan: all of
@@ -229,11 +230,14 @@ def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: 
 
     # The most units whose moments the disk holds; more units on disk only free more host memory,
     # so if that many do not make the rest fit, no fewer do.
-    most = max((k for k in range(1, n + 1) if disk_tier_bytes(s, k, m.world) <= m.disk_bytes), default=0)
+    most = max(
+        (k for k in range(1, n + 1) if disk_tier_bytes(s, k, m.world, named(c.moments)) <= m.disk_bytes),
+        default=0,
+    )
     if not most or with_tier(most) is None:
         held = f"the last {most} of {n} units', " if most < n else "every unit's, "
         raise PlanError(f"{problem}; with the disk tier: the AdamW moments of the most units {_where(m)} holds "
-                        f"({held}{fmt_bytes(disk_tier_bytes(s, most, m.world))}; {fmt_bytes(m.disk_bytes)} free) "
+                        f"({held}{fmt_bytes(disk_tier_bytes(s, most, m.world, named(c.moments)))}; {fmt_bytes(m.disk_bytes)} free) "
                         "leave too much for host memory")  # fmt: skip
     lo, hi = 1, most  # the fewest units that fit
     while lo < hi:
@@ -271,9 +275,8 @@ def _in_memory(
 
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
         rows = bool(c.embedding_rows) and mode == "stored"
-        p = Plan(
-            m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped, embed_rows=rows
-        )
+        p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped,
+                 embed_rows=rows, moments=c.moments)  # fmt: skip
         return _stepped_loading(s, batch, p, m)
 
     # the fastest plan of each gradient mode that fits, whichever mode wins below
@@ -631,7 +634,7 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine, why_two_pass: str) -> Plan:
     if w.partitioned:
         notes.append(
             f"host state partitioned over {w.machines} machines: this machine holds "
-            f"{fmt_bytes(STATE_BYTES * w.held(s.units))} of {fmt_bytes(STATE_BYTES * s.total)}"
+            f"{fmt_bytes(p.state_bytes(w.held(s.units)))} of {fmt_bytes(p.state_bytes(s.total))}"
         )
     if p.grad_mode == "stored" and p.device == "cpu":
         notes.append("gradients: kept until the clip norm is known")
@@ -664,7 +667,7 @@ def _note(p: Plan, s: Shape, b: Batch, m: Machine, why_two_pass: str) -> Plan:
         notes.append(f"GPU-resident state: {p.resident_units} leading units")
     if p.gpu_stepped_units:
         notes.append(
-            f"GPU-stepped: {p.gpu_stepped_units} leading streamed units (fp32 state {STATE_BYTES} B/param "
+            f"GPU-stepped: {p.gpu_stepped_units} leading streamed units (state {p.state_bytes(1024) / 1024:g} B/param "
             "host->device and back each step, fused CUDA AdamW; gradients wait on the GPU)"
         )
     if p.embed_rows:

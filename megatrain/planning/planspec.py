@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..host.moments import FP32, Moments, named
 from ..host.split import HALF_BYTES
-from ..host.state import build_units
+from ..host.state import MASTER_BYTES, build_units, state_bytes
 from ..models.config import ModelConfig
 from ..models.family import family_of
 from ..models.vision import tower_shape
@@ -132,6 +133,9 @@ class Plan:
     as the rows a step looks up, each step's rows computed ahead of its whole table's pass
     (engine/rows.py); the GPU-stepped units then start after it. The user's `embedding_rows`, or
     with `auto` the cost model's choice (placement.py)."""
+    moments: str = FP32.name
+    """How the AdamW moments are stored (host/moments.py's `Moments.name`: fp32, bf16, 8bit), as
+    `optim` says: every byte of state below is counted in it."""
     prefetch: int = PREFETCH
     staging_elems: int = STAGING_CHUNK
     inflight_units: int = INFLIGHT_UNITS
@@ -178,10 +182,19 @@ class Plan:
         and GPU-stepped units' always, which the GPU steps there)."""
         return max(self.gpu_grad_units, self.stepped.stop)
 
+    @property
+    def moment_format(self) -> Moments:
+        return named(self.moments)
+
+    def state_bytes(self, numel: int) -> int:
+        """Bytes of the state of `numel` elements (whole units): the master weights' halves and moments."""
+        return MASTER_BYTES * numel + self.moment_format.nbytes(numel)
+
     def to_json(self) -> dict:
         # `halves`: the run fetched the master weights' halves (FETCH_BYTES), which the records of
         # the system before them lack (bench/replay.py replays those with the bytes they moved).
-        return {**asdict(self), "host_total": self.host_total, "halves": True}
+        per = state_bytes(self.moment_format)
+        return {**asdict(self), "host_total": self.host_total, "halves": True, "state_bytes_per_param": per}
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:

@@ -1,0 +1,333 @@
+"""The host's AdamW on bf16 and 8-bit moments in one pass over each element: a C kernel with
+engine/moments.py's arithmetic, operation for operation.
+
+engine/moments.py's torch ops are the arithmetic (and run it on CUDA); on the CPU they make a pass
+over memory per operation and a parallel region per chunk, 12-25x slower than torch's fused fp32
+kernel. This kernel decodes a block's moments, steps its weights and encodes the moments again in
+one pass, on threads that take blocks from a shared counter (as clipadam.py's do). Every
+operation is one IEEE rounding in both (compiled without contraction), so the results are the same
+bits; whether they are here is checked when the kernel is first asked for (`check`: every kind of
+block end, decay and none, zero and huge moments, several threads), else `load` says why and the
+host steps with the torch ops. The nearest value of the dynamic map is found from a table of its
+search's start for each value's top 16 bits, then a short scan: the index torch's searchsorted
+gives, exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..host.moments import BLOCK
+from . import moments as low
+from .clipadam import FLAGS, Unavailable
+from .osthreads import OPTIMIZER_THREAD, name_os_thread
+
+log = logging.getLogger(__name__)
+
+MIN_PER_THREAD = 1 << 16  # elements a thread is given at least (clipadam's figure)
+TAKE = 256  # blocks a thread takes from the shared counter at a time: 64K elements
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { float b1, w1, b2, w2, c2, eps, keep, step_size; int decay; } hyper;
+
+static inline uint16_t to_bf16(float x) {  /* round to nearest even, as torch's cast */
+    if (isnan(x)) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline uint32_t bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* engine/moments.py's `update`, one rounding an operation: the new weight; the moments in place. */
+static inline float adamw(float p, float g, float *m, float *v, const hyper *h) {
+    float mm = *m * h->b1, t = g * h->w1;
+    mm = mm + t;
+    float vv = *v * h->b2, u = g * h->w2;
+    u = u * g;
+    vv = vv + u;
+    float d = sqrtf(vv);
+    d = d / h->c2;
+    d = d + h->eps;
+    float q = h->decay ? p * h->keep : p;
+    float r = mm / d;
+    r = r * h->step_size;
+    *m = mm;
+    *v = vv;
+    return q + r;
+}
+
+/* The index torch's `nearest` gives for x in [-1, 1] or NaN (searchsorted, then the nearer of two
+   neighbours): the number of `edge`s below x, where edge[j] is the largest float that the nearer
+   of values j and j + 1 takes to j (edge[255]: infinity). `start[top 16 bits of x]` counts the
+   edges below the least float with those bits; at most one edge lies among the floats of one
+   prefix (`tables` checks), so one comparison finishes the count. */
+static inline uint8_t nearest(float x, const float *edge, const int32_t *start) {
+    int j = start[bits(x) >> 16];
+    j += edge[j] < x;
+    j += (x != x) * (255 - j); /* NaN: the last, as searchsorted has it */
+    return (uint8_t)j;
+}
+
+static inline float clamp1(float x) { return x < -1.0f ? -1.0f : (x > 1.0f ? 1.0f : x); }
+
+/* x's absmax into *absmax, x's codes into `codes`. The absmax as the largest bit pattern of |x|
+   (the order of non-negative floats; a NaN's patterns lie above infinity's): a loop that
+   vectorises, NaN-propagating as torch's amax. */
+static void encode(const float *restrict x, int64_t n, uint8_t *restrict codes, float *absmax,
+                   const float *restrict edge, const int32_t *restrict start) {
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b = bits(x[i]) & 0x7FFFFFFFu;
+        top = b > top ? b : top;
+    }
+    float a;
+    memcpy(&a, &top, sizeof a);
+    *absmax = a;
+    if (a == 0.0f) {
+        memset(codes, 0, (size_t)n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) codes[i] = nearest(clamp1(x[i] / a), edge, start);
+}
+
+/* Blocks of a span of n elements (8-bit moments), `take` at a time from *next. */
+void q8_span(float *restrict p, const float *restrict g, uint8_t *restrict cm, uint8_t *restrict cv,
+             float *restrict am, float *restrict av, int64_t n, int64_t *next, int64_t take,
+             const hyper *h, const float *restrict signed_code, const float *restrict unsigned_code,
+             const float *restrict signed_edge, const float *restrict unsigned_edge,
+             const int32_t *restrict signed_start, const int32_t *restrict unsigned_start) {
+    int64_t blocks = (n + 255) / 256;
+    float m[256], v[256];
+    const hyper hh = *h;
+    for (;;) {
+        int64_t k0 = __atomic_fetch_add(next, take, __ATOMIC_RELAXED);
+        if (k0 >= blocks) return;
+        int64_t k1 = k0 + take < blocks ? k0 + take : blocks;
+        for (int64_t k = k0; k < k1; k++) {
+            int64_t a = k * 256, e = a + 256 < n ? a + 256 : n;
+            float sm = am[k], sv = av[k];
+            for (int64_t i = 0; i < e - a; i++) {
+                float mm = signed_code[cm[a + i]] * sm, vv = unsigned_code[cv[a + i]] * sv;
+                p[a + i] = adamw(p[a + i], g[a + i], &mm, &vv, &hh);
+                m[i] = mm;
+                v[i] = vv;
+            }
+            encode(m, e - a, cm + a, am + k, signed_edge, signed_start);
+            encode(v, e - a, cv + a, av + k, unsigned_edge, unsigned_start);
+        }
+    }
+}
+
+/* Elements of a span of n elements (bf16 moments), TAKE * 256 at a time from *next. */
+void bf16_span(float *p, const float *g, uint16_t *m, uint16_t *v, int64_t n, int64_t *next,
+               int64_t take, const hyper *h) {
+    for (;;) {
+        int64_t a = __atomic_fetch_add(next, take * 256, __ATOMIC_RELAXED);
+        if (a >= n) return;
+        int64_t e = a + take * 256 < n ? a + take * 256 : n;
+        for (int64_t i = a; i < e; i++) {
+            float mm = from_bf16(m[i]), vv = from_bf16(v[i]);
+            p[i] = adamw(p[i], g[i], &mm, &vv, h);
+            m[i] = to_bf16(mm);
+            v[i] = to_bf16(vv);
+        }
+    }
+}
+"""
+
+
+class _Hyper(ctypes.Structure):
+    _fields_ = [(k, ctypes.c_float) for k in ("b1", "w1", "b2", "w2", "c2", "eps", "keep", "step_size")] + [
+        ("decay", ctypes.c_int)
+    ]
+
+
+def edges(code: torch.Tensor) -> torch.Tensor:
+    """edge[j]: the largest fp32 value x in [code[j], code[j + 1]) whose nearer of the two (in
+    fp32: x - code[j] <= code[j + 1] - x, ties to the lower) is j; edge[255] = infinity. The
+    choice is monotone in x: a bisection over the floats between the two, in their order (the
+    bit patterns as sign and magnitude), finds it, all pairs at once."""
+    a, b = code[:-1], code[1:]
+    lo, hi = _key(a), _key(b)  # lo takes j, hi takes j + 1
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        x = _float(mid)
+        lower = (x - a) <= (b - x)
+        lo, hi = torch.where(lower, mid, lo), torch.where(lower, hi, mid)
+    return torch.cat([_float(lo), torch.tensor([math.inf])])
+
+
+def _key(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 keys in their order (-0 and 0 alike)."""
+    bits = x.view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _float(k: torch.Tensor) -> torch.Tensor:
+    return torch.where(k < 0, (-k) | (1 << 31), k).to(torch.int32).view(torch.float32)
+
+
+def tables(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`edges(code)` and, for each 16-bit prefix of an fp32 value, how many edges lie below the
+    least value with that prefix: where the kernel's count starts. Unavailable unless at most one
+    edge lies among the values of one prefix in [-1, 1] (the kernel's count takes one step)."""
+    edge = edges(code)
+    prefix = torch.arange(1 << 16, dtype=torch.int64)
+    negative = prefix >= 1 << 15  # a negative prefix's least value has its largest magnitude
+    least = ((prefix << 16) | torch.where(negative, 0xFFFF, 0)).to(torch.int32).view(torch.float32)
+    most = ((prefix << 16) | torch.where(negative, 0, 0xFFFF)).to(torch.int32).view(torch.float32)
+    start = torch.searchsorted(edge, torch.nan_to_num(least, nan=2.0)).clamp_(max=255)
+    inside = torch.searchsorted(edge, torch.nan_to_num(most, nan=2.0)) - start
+    if (inside[(least.abs() <= 1) & (most.abs() <= 1)] > 1).any():
+        raise Unavailable("two edges of the dynamic map lie within one 16-bit prefix")
+    return edge, start.to(torch.int32)
+
+
+class MomentKernel:
+    """The built kernel; `step` runs it over one span on the given threads."""
+
+    def __init__(self):
+        with tempfile.TemporaryDirectory(prefix="megatrain-moments-") as d:
+            src, lib = os.path.join(d, "moments.c"), os.path.join(d, "moments.so")
+            with open(src, "w") as f:
+                f.write(SOURCE)
+            cc = os.environ.get("CC", "cc")
+            try:
+                done = subprocess.run(
+                    [cc, *FLAGS, "-o", lib, src], capture_output=True, text=True, timeout=120
+                )
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise Unavailable(f"no C compiler ({cc}: {e})") from None
+            if done.returncode:
+                raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
+            self._lib = ctypes.CDLL(lib)  # mapped: the file may go
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._lib.q8_span.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr] + [ptr] * 6
+        self._lib.bf16_span.argtypes = [ptr] * 4 + [i64, ptr, i64, ptr]
+        self._lib.q8_span.restype = self._lib.bf16_span.restype = None
+        signed, unsigned = (low.dynamic_map(s) for s in (True, False))
+        (se, ss), (ue, us) = tables(signed), tables(unsigned)
+        self._tables = (signed, unsigned, se, ue, ss, us)
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
+
+    def step(
+        self, p, g, moments: tuple[torch.Tensor, ...], h: low.Hyper, decay: bool, threads: int = 1
+    ) -> None:
+        """engine/moments.py's `step_span` (on contiguous host tensors, no skip flag)."""
+        n = p.numel()
+        hy = ctypes.byref(_Hyper(h.b1, h.w1, h.b2, h.w2, h.c2, h.eps, h.keep, h.step_size, int(decay)))
+        taken = ctypes.c_int64(0)
+        head = [t.data_ptr() for t in (p, g, *moments)]
+        if len(moments) == 4:
+            fn, args = (
+                self._lib.q8_span,
+                (*head, n, ctypes.addressof(taken), TAKE, hy, *(t.data_ptr() for t in self._tables)),
+            )
+        elif all(t.dtype == torch.bfloat16 for t in moments):
+            fn, args = self._lib.bf16_span, (*head, n, ctypes.addressof(taken), TAKE, hy)
+        else:
+            raise ValueError("the kernel steps 8-bit moments or two bf16 moments")
+        self._run(max(1, min(threads, n // MIN_PER_THREAD)), fn, *args)
+
+    def _run(self, parts: int, fn, *args) -> None:
+        """`fn(*args)` on `parts` threads at once (the caller's alone for one)."""
+        if parts == 1:
+            fn(*args)
+            return
+        if self._pool is None or self._workers < parts:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._pool = ThreadPoolExecutor(
+                parts,
+                thread_name_prefix="megatrain-moments",
+                initializer=name_os_thread,
+                initargs=(OPTIMIZER_THREAD,),
+            )
+            self._workers = parts
+        for job in [self._pool.submit(fn, *args) for _ in range(parts)]:
+            job.result()
+
+
+def check(kernel: MomentKernel) -> None:
+    """Raise Unavailable unless the kernel's results equal the torch ops' bit for bit (a NaN a
+    NaN): spans of every kind of end (one element, a block less one, whole blocks, partial blocks
+    over several threads' takes), weight decay and none, zero moments, huge and tiny values in
+    one block, both formats, three steps."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 255, 256, 1000, 3 * TAKE * BLOCK + 77):
+        for decay in (True, False):
+            for q8 in (True, False):
+                p = torch.randn(n, generator=gen) * 0.02
+                if q8:
+                    st = [torch.zeros(n, dtype=torch.uint8) for _ in "mv"] + [
+                        torch.zeros(-(-n // BLOCK)) for _ in "mv"
+                    ]
+                else:
+                    st = [torch.zeros(n, dtype=torch.bfloat16) for _ in "mv"]
+                ours, theirs = [p.clone(), *(t.clone() for t in st)], [p.clone(), *(t.clone() for t in st)]
+                for step in (1, 2, 3):
+                    g = torch.randn(n, generator=gen) * 1e-2
+                    if step == 2:
+                        g[:300] = 0.0  # a block of zero moments after a step or two
+                    if step == 3:
+                        g[n // 2] = 4e18  # its square near fp32's largest, beside tiny ones
+                    h = low.Hyper.of(1e-3, step, (0.9, 0.95), 1e-8, 0.1 if decay else 0.0)
+                    kernel.step(ours[0], g, tuple(ours[1:]), h, decay, threads=2)
+                    low.step_span(theirs[0], g, tuple(theirs[1:]), h, decay)
+                if not all(_same(a, b) for a, b in zip(ours, theirs)):
+                    raise Unavailable(
+                        f"its results differ from the torch ops' here ({n} elements, {'8-bit' if q8 else 'bf16'}, "
+                        f"weight decay {decay})"
+                    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_floating_point() and a.isnan().any():
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+    view = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[a.element_size()]
+    return torch.equal(a.view(view), b.view(view))
+
+
+_LOADED: tuple[MomentKernel | None, str] | None = None
+
+
+def load() -> tuple[MomentKernel | None, str]:
+    """The kernel, built and checked once a process, or None and why not."""
+    global _LOADED
+    if _LOADED is None:
+        try:
+            kernel = MomentKernel()
+            check(kernel)
+            _LOADED = (kernel, "built and equal to the torch ops here")
+        except Unavailable as e:
+            _LOADED = (None, str(e))
+            log.warning(
+                "host AdamW of bf16 and 8-bit moments: the torch ops step, a pass an operation (%s)", e
+            )
+    return _LOADED
