@@ -88,6 +88,10 @@ class PolicyModel:
                 ends[i] += -(-value.numel() // ALIGN) * ALIGN
         if unwritten:
             raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
+        # Whether the model reads none of `weights` after its build: every layer on the device, or
+        # every streamed one cast into the host copy (a snapshot of the weights, rl/offpolicy.py).
+        cast = host_copy is not None and all(p.source.dtype != dtype for layer in self.layers for p in layer)
+        self.owns_weights = not streamed or cast
         self.cast_s = 0.0  # the time taken to cast the weights into `host_copy`
         if host_copy is not None:
             self._cast(host_copy)
