@@ -12,6 +12,7 @@ distribution."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -19,6 +20,7 @@ import test_grpo
 import torch
 import trl
 from helpers import saved_parameters, tiny_tokenizer
+from safetensors.torch import load_file
 from test_checkpoint import signal_after_step
 from test_grpo import (
     GA,
@@ -41,11 +43,12 @@ from transformers import AutoModelForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
 from megatrain.engine.engine import Engine
+from megatrain.engine.transport import SerialTransport
 from megatrain.errors import ConfigError
 from megatrain.guard import TrainingInterrupted
 from megatrain.rl.decode import Decoder
 from megatrain.rl.offpolicy import PENDING_FILE
-from megatrain.rl.rollout import ROLLOUT_FILE, generation_order
+from megatrain.rl.rollout import ROLLOUT_FILE, Rollout, generation_order
 from megatrain.rl.sampling import RowSampler, Warpers, row_seed
 
 EPS = 1e-4  # AdamW's (test_grpo's)
@@ -296,6 +299,40 @@ def test_the_stale_rollout_is_sampled_by_the_weights_the_step_before_started_fro
     assert [r["completion_ids"] for r in rollouts if r["step"] == 3] != sampled_by(weights[2], 3)
 
 
+@pytest.mark.parametrize("stale", [0, 1])
+def test_the_stale_rollout_samples_before_it_waits_for_the_last_update(setup, monkeypatch, stale):
+    """The order of a run's waits for the last step's optimizer, samplings and updates. On-policy
+    a rollout waits for the last update, then samples. Stale, it lets the last update run and
+    samples from the policy built before it (a snapshot), and waits only after, to build the next
+    step's snapshot; the last step builds none. So on a GPU the sampling overlaps the host AdamW
+    of the step before."""
+    tmp_path, _ = setup
+    events = []
+
+    def logged(cls, name, event):
+        orig = getattr(cls, name)
+
+        def call(self, *a, **k):
+            events.append(event)
+            return orig(self, *a, **k)
+
+        monkeypatch.setattr(cls, name, call)
+
+    logged(Rollout, "_sample", "sample")
+    logged(SerialTransport, "wait_updates", "wait")
+    logged(SerialTransport, "run_updates", "run")
+    logged(Engine, "step", "update")
+    run(tmp_path, max_staleness=stale)
+    if not stale:
+        assert events == ["wait", "sample", "update"] * 3
+    else:
+        assert events == ["wait", "sample", "wait", "update"] + ["run", "sample", "wait", "update"] + [
+            "run",
+            "sample",
+            "update",
+        ]
+
+
 def test_max_staleness_0_is_the_default_and_the_correction_keys_leave_it_alone(setup):
     """The correction's keys act with max_staleness 1 alone: set with 0 the run is the default's,
     bitwise, and neither logs the sampler's metrics nor checkpoints a sampled batch."""
@@ -398,3 +435,46 @@ def test_bad_staleness_settings_are_one_line(setup, kw, match):
     with pytest.raises(ConfigError, match=match):
         run(tmp_path, **kw)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every", [1, 2], ids=["metrics-in-the-loss", "metrics-when-sampled"])
+def test_two_stale_processes_equal_one(setup, every):
+    """max_staleness 1 with the step's prompts split over two gloo processes (each samples its half
+    by the snapshot of the step before, advantages over both halves, reused for num_iterations
+    steps, each process's metrics of the correction gathered as TRL gathers them): the same
+    completions, losses, rewards, the correction's least and most ratio and log-prob difference,
+    and weights as one process with the same global batch (grpo's loss: a mean over completions;
+    truncated ratios: the processes' micro-batches hold other completions, so the policy's
+    log-probs differ in their rounding, which could move a masked ratio across its bound)."""
+    from test_checkpoint import write_yaml
+    from test_distributed import assert_close_weights, launch
+
+    tmp_path, _ = setup
+    kw = dict(max_staleness=1, learning_rate=LR_STALE, num_iterations=every, loss_type="grpo", max_steps=4, **TOKEN,
+              vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
+    base = dict(
+        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
+        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0], num_generations=G,
+        max_completion_length=MAX_NEW, per_device_train_batch_size=B, lr_scheduler_type="constant",
+        weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
+        disable_tqdm=True, logging_steps=1, adam_epsilon=EPS, **kw,
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", base), f"gradient_accumulation_steps={GA // 2}",
+                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
+        mine = [r["completion_ids"] for r in two_rollouts if r["step"] == step]
+        assert mine == [r["completion_ids"] for r in one_rollouts if r["step"] == step][: len(mine)]
+    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
+    assert len(got) == len(want) == 4
+    names = ["loss", "grad_norm", "reward", "reward_std", SAMPLING[1], SAMPLING[2], SAMPLING[4]]
+    for a, b in zip(got, want):  # the ratios: exp of differences of log-probs, their rounding up
+        for k in names:
+            assert (k in a) == (k in b), (a["step"], k)
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)

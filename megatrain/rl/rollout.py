@@ -321,6 +321,7 @@ class Rollout:
         if snapshot is None:
             return
         ga, per = self.cfg.gradient_accumulation_steps, self.cfg.micro_batches_per_generation
+        self.model.transport.run_updates()  # the last step's host AdamW runs while these sample
         with snapshot.policy:
             for micro in snapshot.starts:
                 self.pending[micro // per] = self._draw(snapshot.step, micro % ga, micro // per, snapshot)
