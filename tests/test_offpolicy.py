@@ -160,7 +160,7 @@ def trl_stale_run(tok, rollouts, steps, kw):
         _decay_groups(hf, WD), lr=kw.get("learning_rate", LR), betas=(0.9, 0.999), eps=EPS
     )
     history = [copy.deepcopy(hf.state_dict())]  # the weights after each step (0: the initial ones)
-    pending, out = iter(rollouts), []
+    pending, out, seen = iter(rollouts), [], 0
     for step in range(1, steps + 1):
         sampled, loss, metrics = [], 0.0, []
         for micro in range((step - 1) * GA, step * GA):
@@ -172,6 +172,7 @@ def trl_stale_run(tok, rollouts, steps, kw):
                 order = generation_order(SEED, micro // (slices * k), len(rows))
                 rows, adv = [rows[i] for i in order.tolist()], adv[order]
                 num_items = sum(len(c) for _, c, _ in rows)
+                seen += sum(len(p) + len(c) for p, c, _ in rows)  # num_input_tokens_seen, when generated
                 mbs = [trl_inputs(rows[m * B : (m + 1) * B], False) for m in range(slices)]
                 sampler.load_state_dict(history[max(step - 2, 0)])
                 with torch.no_grad():  # once per generation batch, as TRL takes them
@@ -202,6 +203,7 @@ def trl_stale_run(tok, rollouts, steps, kw):
             {n: sum(s[n] for s in sampled) / len(sampled) for n in SAMPLING} if sampled and corrects else {}
         )
         record |= {n: sum(mm[n] for mm in metrics) / len(metrics) for n in metrics[0]}
+        record |= {"num_tokens": seen} if sampled else {}  # TRL logs it where it generates
         out.append(record | {"loss": loss})
     assert next(pending, None) is None
     return hf, out, history
@@ -435,6 +437,38 @@ def test_bad_staleness_settings_are_one_line(setup, kw, match):
     with pytest.raises(ConfigError, match=match):
         run(tmp_path, **kw)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kw",
+    [dict(compute_dtype="float32"), dict(compute_dtype="float32", gpu_state="off"),
+     dict(compute_dtype="bfloat16", rollout_resident_layers=1)],
+    ids=["fp32", "host-adamw", "bf16-host-copy"],
+)  # fmt: skip
+def test_on_cuda_the_overlapped_stale_rollout_equals_one_sampled_before_the_update(setup, monkeypatch, kw):
+    """On the GPU the stale rollout samples from its snapshot while the streaming transport's
+    worker runs the step before's host AdamW into the weights it was built from (all of them with
+    gpu_state off; the streamed layers from the host copy in bf16): the same completions, losses
+    and weights, bitwise, as a run that samples every snapshot at once, before the update."""
+    from test_checkpoint import assert_bitwise
+
+    from megatrain.rl.offpolicy import StaleSampler
+
+    tmp_path, _ = setup
+    kw = kw | dict(device="cuda", full_determinism=True, max_staleness=1, learning_rate=LR_STALE, max_steps=4)
+    overlapped = run(tmp_path, "overlapped", **kw)
+    ahead = StaleSampler.ahead
+
+    def at_once(self, rollout, step):
+        ahead(self, rollout, step)
+        self.settle(rollout)
+
+    monkeypatch.setattr(StaleSampler, "ahead", at_once)
+    before = run(tmp_path, "before", **kw)
+    assert [c["completion_ids"] for c in overlapped[1]] == [c["completion_ids"] for c in before[1]]
+    assert [r.get("loss") for r in overlapped[0]] == [r.get("loss") for r in before[0]]
+    assert_bitwise(before[2], overlapped[2])
 
 
 @pytest.mark.slow

@@ -56,24 +56,72 @@ class Snapshot:
     policy: object  # rl/policy.py's PolicyModel
     timing: dict[str, float]  # its build's: the wait for the last update, the build, the cast
 
+    def take_timing(self) -> dict[str, float]:
+        """Its build's times, for the first batch sampled from it (0 for the others)."""
+        out, self.timing = self.timing, dict.fromkeys(self.timing, 0.0)
+        return out
+
+
+class StaleSampler:
+    """A rollout's batches sampled ahead (`pending`, by their generation batch's index in the run)
+    and the snapshot it holds (rl/rollout.py's Rollout: its `build_policy`, `sample_batch`)."""
+
+    def __init__(self, pending: dict[int, Sampled] | None = None):
+        self.pending = pending or {}
+        self.snapshot: Snapshot | None = None
+
+    def ahead(self, rollout, step: int) -> None:
+        """At the start of step `step` - 1, the generation batches step `step` starts: their
+        policy built now of the weights this step starts from (its wait: the last update), kept
+        for `settle` where it holds its own copy of them, else sampled now, before this step's
+        update writes them."""
+        starts = generation_starts(step, rollout.cfg)
+        if not starts:
+            return
+        cuda = rollout.device.type == "cuda"
+        with torch.random.fork_rng(devices=[rollout.device] if cuda else []):  # the model's init draws
+            base = torch.cuda.memory_allocated(rollout.device) if cuda else 0
+            policy = rollout.build_policy()
+            if cuda:
+                rollout.memory["rollout_snapshot"] = torch.cuda.memory_allocated(rollout.device) - base
+        self.snapshot = Snapshot(step, starts, policy, dict(rollout.timing))
+        if not policy.owns_weights:
+            self.settle(rollout)
+
+    def settle(self, rollout) -> None:
+        """The snapshot's generation batches sampled into `pending`, its policy freed: at its
+        step, and before an evaluation or a checkpoint."""
+        snapshot, self.snapshot = self.snapshot, None
+        if snapshot is None:
+            return
+        ga, per = rollout.cfg.gradient_accumulation_steps, rollout.cfg.micro_batches_per_generation
+        rollout.model.transport.run_updates()  # the last step's host AdamW runs while these sample
+        with snapshot.policy:
+            for micro in snapshot.starts:
+                self.pending[micro // per] = rollout.sample_batch(
+                    snapshot.step, micro % ga, micro // per, snapshot
+                )
+        del snapshot
+        if rollout.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def state(self, world) -> bytes | None:
+        """PENDING_FILE's bytes: every rank's batches sampled and not trained on (None: none).
+        Called by every rank."""
+        mine = {g: asdict(s) for g, s in self.pending.items()}
+        ranks = world.each(mine) if world.world_size > 1 else [mine]
+        if not any(ranks):
+            return None
+        buffer = io.BytesIO()
+        torch.save(ranks, buffer)
+        return buffer.getvalue()
+
 
 def generation_starts(step: int, cfg) -> list[int]:
     """The micro-batches of the run (0-based) in optimizer step `step` that start a generation
     batch: those a multiple of steps_per_generation x num_iterations."""
     ga = cfg.gradient_accumulation_steps
     return [m for m in range((step - 1) * ga, step * ga) if m % cfg.micro_batches_per_generation == 0]
-
-
-def pending_state(pending: dict[int, Sampled], world) -> bytes | None:
-    """PENDING_FILE's bytes: every rank's batches sampled and not trained on (None: none). Called
-    by every rank."""
-    mine = {g: asdict(s) for g, s in pending.items()}
-    ranks = world.each(mine) if world.world_size > 1 else [mine]
-    if not any(ranks):
-        return None
-    buffer = io.BytesIO()
-    torch.save(ranks, buffer)
-    return buffer.getvalue()
 
 
 def resumed_pending(checkpoint: Path, world) -> dict[int, Sampled]:

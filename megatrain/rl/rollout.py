@@ -84,7 +84,7 @@ from ..objectives.offpolicy import combine, sampling_metrics, sampling_stats
 from ..objectives.rloo import RLOOConfig, sequence_kl
 from ..planning.footprint import rollout_copy_bytes
 from .decode import Decoder, supports
-from .offpolicy import PENDING_FILE, Sampled, Snapshot, generation_starts, pending_state
+from .offpolicy import PENDING_FILE, Sampled, Snapshot, StaleSampler
 from .policy import HostCopy, PolicyModel
 from .rewards import RewardFunc, score
 from .sampling import RowSampler, Warpers, row_seed
@@ -97,7 +97,6 @@ SHUFFLE_STREAM = -2  # row_seed's step for the order a generation batch is split
 REFERENCE_LOGIT_BYTES = 2**30
 ROLLOUT_CACHES = ("dynamic", "static")  # the `rollout_cache` values (rollout_engine: generate)
 ROLLOUT_ENGINES = ("megatrain", "generate")  # the `rollout_engine` values
-SNAPSHOT_PARTS = ("time/rollout_wait_s", "time/rollout_build_s")  # a snapshot's share of the rollout
 
 
 def check_cache(cache: str, hf_config, streamed: bool) -> None:
@@ -174,8 +173,7 @@ class Rollout:
                  pending: dict[int, Sampled] | None = None):  # fmt: skip
         self.seed = seed
         self.steps = steps  # the run's optimizer steps (None: no end): the stale sampler's last
-        self.pending = pending or {}  # batches sampled, not yet trained on, by generation (offpolicy.py)
-        self.snapshot: Snapshot | None = None
+        self.stale = StaleSampler(pending)  # max_staleness 1's batches and snapshot (offpolicy.py)
         self.draw: Callable[[], list[MicroBatch]] | None = None  # the Batcher's next prompt batch
         self.sampler_logps: list[list[float]] | None = None  # the last `generate`'s, where asked
         self.engine, self.compile = engine, compile  # rollout_engine, rollout_compile
@@ -223,16 +221,20 @@ class Rollout:
         for micro in range((step - 1) * ga, step * ga):
             if new_generation(micro, self.cfg) or self.batches is None:
                 generation = micro // self.cfg.micro_batches_per_generation
-                batch = self.pending.pop(generation, None) or self._draw(step, micro % ga, generation)
+                batch = self.stale.pending.pop(generation, None) or self.sample_batch(
+                    step, micro % ga, generation
+                )
                 self.batches = self._finish(batch)
                 sampled.append(self.metrics)
             out.append(self.batches[micro % slices])
         self.metrics = _mean_metrics(sampled)
-        if self.cfg.stale:
-            self._ahead(step + 1)
+        if self.cfg.stale and (self.steps is None or step < self.steps):
+            self.stale.ahead(self, step + 1)
         return out
 
-    def _draw(self, step: int, offset: int, generation: int, snapshot: Snapshot | None = None) -> Sampled:
+    def sample_batch(
+        self, step: int, offset: int, generation: int, snapshot: Snapshot | None = None
+    ) -> Sampled:
         """Generation batch `generation` of this rank's next prompts (`self.draw()`), sampled for
         step `step`'s micro-batch `offset` on by `snapshot`'s policy (None: one of the current
         weights)."""
@@ -246,10 +248,10 @@ class Rollout:
         completions, truncated = self.generate([self.prompts[i].ids for i in units for _ in range(g)], seeds,
                                                policy=policy, logps=self.cfg.stale)  # fmt: skip
         metrics = {"time/rollout_s": time.perf_counter() - t0, **self.timing}
-        if snapshot is not None:  # its build's wait and times are this batch's part of the rollout
-            metrics = metrics | snapshot.timing
-            metrics["time/rollout_s"] += sum(snapshot.timing[k] for k in SNAPSHOT_PARTS)
-            snapshot.timing = dict.fromkeys(snapshot.timing, 0.0)  # counted once
+        if snapshot is not None:  # its build's wait and times: the first batch's part of the rollout
+            built = snapshot.take_timing()
+            metrics = metrics | built
+            metrics["time/rollout_s"] += built["time/rollout_wait_s"] + built["time/rollout_build_s"]
         # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
         metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
         return Sampled(units, step, offset, generation, completions, truncated, self.sampler_logps, metrics)
@@ -295,45 +297,16 @@ class Rollout:
                 self.completions_file.append(rec)
         return batches
 
-    # ------------------------------------------------------------------ the stale sampler
-    def _ahead(self, step: int) -> None:
-        """max_staleness 1, at the start of step `step` - 1: the generation batches step `step`
-        starts, sampled by the weights this step starts from (offpolicy.py). Their policy is
-        built now (its wait: the last update); kept as a snapshot for `settle` where it holds its
-        own copy of the weights, else sampled now, before this step's update writes them."""
-        starts = generation_starts(step, self.cfg)
-        if not starts or (self.steps is not None and step > self.steps):
-            return
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # the model's init draws
-            base = torch.cuda.memory_allocated(self.device) if devices else 0
-            policy = self._build()
-            if devices:
-                self.memory["rollout_snapshot"] = torch.cuda.memory_allocated(self.device) - base
-        self.snapshot = Snapshot(step, starts, policy, dict(self.timing))
-        if not policy.owns_weights:
-            self.settle()
-
     def settle(self) -> None:
-        """A snapshot's generation batches sampled (`pending`) and its policy freed: before its
-        step, an evaluation or a checkpoint."""
-        snapshot, self.snapshot = self.snapshot, None
-        if snapshot is None:
-            return
-        ga, per = self.cfg.gradient_accumulation_steps, self.cfg.micro_batches_per_generation
-        self.model.transport.run_updates()  # the last step's host AdamW runs while these sample
-        with snapshot.policy:
-            for micro in snapshot.starts:
-                self.pending[micro // per] = self._draw(snapshot.step, micro % ga, micro // per, snapshot)
-        del snapshot
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """max_staleness 1: a snapshot's generation batches sampled and its policy freed (before
+        an evaluation or a checkpoint: offpolicy.py)."""
+        self.stale.settle(self)
 
     def files(self, step: int) -> dict[str, bytes]:
         """What a checkpoint after step `step` holds of the rollouts, by file name: the current
         generation batch where the next step trains on it again (ROLLOUT_FILE), the batches
         sampled and not trained on (PENDING_FILE). Called by every rank."""
-        out = {ROLLOUT_FILE: self.state(step), PENDING_FILE: pending_state(self.pending, self.world)}
+        out = {ROLLOUT_FILE: self.state(step), PENDING_FILE: self.stale.state(self.world)}
         return {k: v for k, v in out.items() if v is not None}
 
     def _advantages(self, every: list[torch.Tensor], batches: list[MicroBatch], order: torch.Tensor,
@@ -370,7 +343,7 @@ class Rollout:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), self._measured(snapshot=policy is not None):
             owned = policy is None
-            policy = self._build() if owned else policy
+            policy = self.build_policy() if owned else policy
             t2 = time.perf_counter()
             with policy if owned else contextlib.nullcontext(policy.model) as model:
                 for a in range(0, len(prompt_ids), size):
@@ -391,7 +364,7 @@ class Rollout:
         self.sampler_logps = sampled if logps else None
         return completions, truncated
 
-    def _build(self) -> PolicyModel:
+    def build_policy(self) -> PolicyModel:
         """The policy of the host state's current weights on the device, once the last step's
         updates are in (`timing`: the wait, the build and its cast)."""
         t0 = time.perf_counter()
@@ -704,7 +677,7 @@ class Rollout:
 
     def close(self) -> None:
         """Close the record files, unlock the host copy."""
-        self.snapshot = None
+        self.stale.snapshot = None
         for f in (self.completions_file, self.eval_completions_file):
             if f is not None:
                 f.close()
