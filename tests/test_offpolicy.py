@@ -53,8 +53,11 @@ from megatrain.rl.sampling import RowSampler, Warpers, row_seed
 
 EPS = 1e-4  # AdamW's (test_grpo's)
 LR_STALE = 1e-3  # the sampler two steps behind: ratios that reach the clip bounds, not all of them
-SAMPLING = [f"sampling/{k}" for k in ("sampling_logp_difference/mean", "sampling_logp_difference/max",
-            "importance_sampling_ratio/min", "importance_sampling_ratio/mean", "importance_sampling_ratio/max")]  # fmt: skip
+SAMPLING = [
+    f"sampling/{k}"
+    for k in ("sampling_logp_difference/mean", "sampling_logp_difference/max", "importance_sampling_ratio/min",
+              "importance_sampling_ratio/mean", "importance_sampling_ratio/max")
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -485,8 +488,8 @@ def test_two_stale_processes_equal_one(setup, every):
     from test_distributed import assert_close_weights, launch
 
     tmp_path, _ = setup
-    kw = dict(max_staleness=1, learning_rate=LR_STALE, num_iterations=every, loss_type="grpo", max_steps=4, **TOKEN,
-              vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+    kw = dict(max_staleness=1, learning_rate=LR_STALE, num_iterations=every, loss_type="grpo", max_steps=4,
+              vllm_importance_sampling_mode="token_truncate", **TOKEN)  # fmt: skip
     one, one_rollouts, final_one = run(tmp_path, "one", **kw)
     base = dict(
         model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",

@@ -21,7 +21,7 @@ from torch import Tensor
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # One process's share of a generation batch's sampling metrics, in this order (`sampling_stats`).
-STATS = ("delta_sum", "tokens", "delta_max", "ratio_sum", "ratios", "ratio_min", "ratio_max")
+SAMPLING_STATS = ("delta_sum", "tokens", "delta_max", "ratio_sum", "ratios", "ratio_min", "ratio_max")
 
 
 def per_sequence(mode: str) -> bool:
@@ -55,10 +55,10 @@ def off_policy_keep(adv: Tensor, kl_sum: Tensor, tokens: Tensor, threshold: floa
 
 
 def sampling_stats(cfg, old: Tensor, sampler: Tensor, mask: Tensor, rows: int) -> Tensor:
-    """One micro-batch's share (STATS, float64 on the inputs' device) of TRL's sampling metrics:
-    |old - sampler| over its tokens in the loss (sum, count, most), and the correction's ratios
-    (over those tokens; one a completion, every row, in the sequence modes): sum, count, least and
-    most (an empty set's least and most are +-inf). Flat [rows x length] inputs."""
+    """One micro-batch's share (SAMPLING_STATS, float64 on the inputs' device) of TRL's sampling
+    metrics: |old - sampler| over its tokens in the loss (sum, count, most), and the correction's
+    ratios (over those tokens; one a completion, every row, in the sequence modes): sum, count,
+    least and most (an empty set's least and most are +-inf). Flat [rows x length] inputs."""
     diff = old - sampler
     delta = diff.abs()[(mask > 0) & ~torch.isnan(diff)].double()
     diff = torch.nan_to_num(diff * mask, nan=0.0)
@@ -77,20 +77,21 @@ def sampling_stats(cfg, old: Tensor, sampler: Tensor, mask: Tensor, rows: int) -
 
 
 def combine(parts: list[list[float]]) -> list[float]:
-    """The STATS of several micro-batches of one generation batch on one process."""
+    """The SAMPLING_STATS of several micro-batches of one generation batch on one process."""
     s = [list(col) for col in zip(*parts)]
     return [sum(s[0]), sum(s[1]), max(s[2]), sum(s[3]), sum(s[4]), min(s[5]), max(s[6])]
 
 
 def sampling_metrics(ranks: list[list[float]]) -> dict[str, float]:
-    """TRL's metrics of one generation batch from every process's STATS of it: each process's mean
-    and most |old - sampler|, least, mean and most ratio (0 where it has none), then the mean of
-    the means, the most of the most and the least of the least over the processes."""
+    """TRL's metrics of one generation batch from every process's SAMPLING_STATS of it: each
+    process's mean and most |old - sampler|, least, mean and most ratio (0 where it has none), then
+    the mean of the means, the most of the most and the least of the least over the processes."""
     per = []
     for s in ranks:
         tokens, ratios = s[1], s[4]
-        per.append((s[0] / tokens if tokens else 0.0, s[2] if tokens else 0.0,
-                    s[5] if ratios else 0.0, s[3] / ratios if ratios else 0.0, s[6] if ratios else 0.0))  # fmt: skip
+        delta = (s[0] / tokens, s[2]) if tokens else (0.0, 0.0)
+        ratio = (s[5], s[3] / ratios, s[6]) if ratios else (0.0, 0.0, 0.0)
+        per.append(delta + ratio)
     mean_delta, max_delta, lo, mean, hi = zip(*per)
     return {
         "sampling/sampling_logp_difference/mean": sum(mean_delta) / len(per),

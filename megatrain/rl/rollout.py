@@ -10,9 +10,10 @@ shuffled and split into steps_per_generation micro-batches (`generation_order`) 
 num_iterations times over (TRL's buffered generation): micro-batch m of the run (0-based,
 gradient_accumulation_steps a step) starts a new one where m is a multiple of
 steps_per_generation x num_iterations, and is its slice m mod steps_per_generation. A step's
-generation batches are all sampled before it trains, with the weights it starts from; their
-metrics go with the step that sampled them (their mean where it sampled several), as TRL logs
-them.
+generation batches are all sampled before it trains, with the weights it starts from (with
+`max_staleness: 1`, those the step before started from, and each token's log-prob under them kept
+for the loss's correction: offpolicy.py); their metrics go with the step that sampled them (their
+mean where it sampled several), as TRL logs them.
 
 Sampling is the rollout engine (decode.py; `rollout_engine: generate`: transformers' `generate`)
 on a transformers model built on the device in the compute dtype from the host state's current
@@ -329,8 +330,9 @@ class Rollout:
         return adv, metrics
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], seeds: list[int], batch_size: int | None = None, bar=None,
-                 policy: PolicyModel | None = None, logps: bool = False) -> tuple[list[list[int]], list[bool]]:  # fmt: skip
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], batch_size: int | None = None,
+                 bar=None, policy: PolicyModel | None = None,
+                 logps: bool = False) -> tuple[list[list[int]], list[bool]]:  # fmt: skip
         """Completions of the prompts, each sampled from its own stream (`seeds`, sampling.py),
         `batch_size` at a time (default: all at once) by one model of the policy (`policy`, a
         snapshot's, inside its `with` block; None: one built of the current weights), each cut
