@@ -456,6 +456,8 @@ def test_on_cuda_the_overlapped_stale_rollout_equals_one_sampled_before_the_upda
     and weights, bitwise, as a run that samples every snapshot at once, before the update."""
     from test_checkpoint import assert_bitwise
 
+    from megatrain.models.config import ModelConfig
+    from megatrain.planning.footprint import rollout_bytes
     from megatrain.rl.offpolicy import StaleSampler
 
     tmp_path, _ = setup
@@ -472,6 +474,16 @@ def test_on_cuda_the_overlapped_stale_rollout_equals_one_sampled_before_the_upda
     assert [c["completion_ids"] for c in overlapped[1]] == [c["completion_ids"] for c in before[1]]
     assert [r.get("loss") for r in overlapped[0]] == [r.get("loss") for r in before[0]]
     assert_bitwise(before[2], overlapped[2])
+    # The snapshot held through the update is the rollout's policy (its weights, its streamed layers'
+    # buffers), which the rollout's room counts.
+    measured = json.loads((tmp_path / "overlapped" / "plan.json").read_text())["measured"]
+    model_cfg = ModelConfig.from_json(tmp_path / "model")
+    layers = kw.get("rollout_resident_layers")
+    room = rollout_bytes(
+        model_cfg, 1, 1, 1, 2 if kw["compute_dtype"] == "bfloat16" else 4, layers, bool(layers)
+    )
+    policy = room["policy weights"] + room.get("streamed layers' buffers", 0)
+    assert 0 < measured["rollout_snapshot"] <= 1.1 * policy + 2**20
 
 
 @pytest.mark.slow
