@@ -142,7 +142,7 @@ def run_trl(d: Path, model: Path, data: Path, args) -> dict:
     return rec
 
 
-# A rollout's time by part (Rollout.generate): the last step's host AdamW it waits for, building
+# A rollout's time by part (Rollout.build_policy, generate): the last step's host AdamW it waits for, building
 # the policy on the device from host memory, sampling.
 ROLLOUT_PARTS = (
     ("waiting for the optimizer", "wait_s"),

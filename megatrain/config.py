@@ -115,6 +115,17 @@ STAGE_ONLY = {
     "normalize_advantages": ("rloo", "GRPO scales its advantages by scale_rewards"),
     "reward_clip_range": ("rloo", "GRPOTrainer clips no rewards"),
     "use_bias_correction_kl": ("grpo", "RLOO puts the KL in the reward, not the loss"),
+    **{
+        key: ("grpo", "TRL's RLOOTrainer has no importance-sampling correction nor off-policy mask")
+        for key in (
+            "max_staleness",
+            "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+            "off_policy_mask_threshold",
+        )
+    },
 }
 # Keys TRL 1.x's DPOTrainer and KTOTrainer dropped (stages orpo, simpo, rm, grpo and rloo keep
 # theirs): refused under dpo and kto (objectives.preference.JOINT_STAGES), with what TRL 1.x does.
@@ -309,6 +320,27 @@ class TrainConfig:
     """grpo: completions sampled at a time over all processes, a multiple of
     per_device_train_batch_size x processes (TRL's); default per_device_train_batch_size x
     processes x steps_per_generation. Not with steps_per_generation."""
+    max_staleness: int = 0
+    """grpo: how many optimizer steps the weights that sample a generation batch may lag behind
+    those it trains from (TRL's async GRPO's name). 0: none, every batch sampled on-policy. 1: the
+    batches a step starts are sampled by the weights the step before started from, so their
+    rollout need not wait for that step's host AdamW (it runs while they sample), corrected in the
+    loss by the `vllm_importance_sampling_*` keys (docs/grpo.md). More is not built."""
+    vllm_importance_sampling_correction: bool = True
+    """grpo, max_staleness 1: weight each completion token's policy term by the importance ratio of
+    the trainer's log-prob to the stale sampler's (TRL's correction of vLLM's sampler)."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """grpo, max_staleness 1: the ratio per token or per completion (its log-prob differences
+    summed), clipped to [clip_min, clip_max] or set to 0 outside them: token_truncate, token_mask,
+    sequence_truncate or sequence_mask (TRL's)."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """grpo, max_staleness 1: the ratio's upper bound (null: none)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """grpo, max_staleness 1: the ratio's lower bound (null: none)."""
+    off_policy_mask_threshold: float | None = None
+    """grpo: leave out of the loss each completion with a negative advantage whose mean per-token
+    KL from the sampling policy to the policy exceeds this (DeepSeek-V3.2's off-policy sequence
+    mask, TRL's; null: off)."""
     rollout_resident_layers: int | str = "auto"
     """grpo: decoder layers the rollout's policy keeps on the GPU in the compute dtype; the others
     are streamed through it in every forward (the prefill and each decode step), the KV cache on

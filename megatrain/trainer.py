@@ -52,7 +52,8 @@ from .plan import preflight, rollout_memory
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
 from .rl import rewards
-from .rl.rollout import ROLLOUT_FILE, Rollout, check_cache, resumed_rollout
+from .rl.offpolicy import resumed_pending
+from .rl.rollout import Rollout, check_cache, resumed_rollout
 from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
 from .stages import (
     Reference,
@@ -85,6 +86,8 @@ RESUME_SENSITIVE = (
     "max_completion_length", "truncation_mode", "ref_model_name_or_path", "num_generations", "num_iterations",
     "temperature", "top_p", "top_k", "epsilon", "epsilon_high", "use_bias_correction_kl", "scale_rewards",
     "mask_truncated_completions", "reward_funcs", "reward_weights", "steps_per_generation", "generation_batch_size",
+    "max_staleness", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "off_policy_mask_threshold",
 )
 # fmt: on
 # Of those, what a resume refuses to change (another model, other data, another objective: no
@@ -136,6 +139,7 @@ class _Inputs:
     prompts: list | None  # grpo: the prompts the samples are, with their columns
     reward_funcs: list | None  # grpo
     resumed_rollout: list | None  # grpo: the rollout a resume trains on again
+    resumed_pending: dict | None  # grpo, max_staleness 1: the batches a resume's next steps start
     batcher: Batcher
     total_steps: int
     warmup: int
@@ -181,7 +185,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
             "resume_with_changes: true continues from it anyway"
         )
     outputs = OutputDir(cfg, resume)  # refuses a used output_dir, a final/ megatrain did not write
-    prompts, reward_funcs, resumed = None, None, None
+    prompts, reward_funcs, resumed, pending = None, None, None, None
     grpo = cfg.grpo(world.world_size)  # the generation batch is counted over the run's processes
     if grpo is not None:
         prompts, reward_funcs = (
@@ -191,6 +195,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         samples = prompt_samples(prompts)
         if resume:  # taken in the middle of a rollout's num_iterations steps, it holds the rollout
             resumed = resumed_rollout(resume.path, resume.trainer_state.global_step, grpo, world)
+            pending = resumed_pending(resume.path, world)
     else:
         samples = build_stage_samples(
             cfg,
@@ -251,6 +256,7 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
         prompts,
         reward_funcs,
         resumed,
+        pending,
         batcher,
         total_steps,
         warmup,
@@ -314,6 +320,8 @@ class _Run(_Inputs):
         """Checkpoint after `step` optimizer steps, then prune this run's to save_total_limit
         (never the best)."""
         cfg, main = self.cfg, self.main
+        if self.rollout is not None:  # max_staleness 1: the next step's batches sampled, to be saved
+            self.rollout.settle()
         self.model.transport.synchronize()  # the CUDA optimizer runs behind; the host state must be current
         self.world.barrier()  # every rank's part of the shared state is
         self.evaluator.checkpointed(step)  # is this checkpoint the best so far?
@@ -340,7 +348,7 @@ class _Run(_Inputs):
             **self.evaluator.state(),
         )
         replacing = main and self.outputs.of_another_run(step)  # announced at the start, unless a signal's
-        rollout = self.rollout.state(step) if self.rollout is not None and not weights_only else None
+        rollout = self.rollout.files(step) if self.rollout is not None and not weights_only else None
         # Every rank: the first one writes a whole state, every machine its part of a partitioned one.
         path = save_checkpoint(
             self.world,
@@ -353,7 +361,7 @@ class _Run(_Inputs):
             generation_from=cfg.model_name_or_path,
             max_shard_bytes=parse_size(cfg.max_shard_size),
             progress=self.log.interactive,
-            files={ROLLOUT_FILE: rollout} if rollout is not None else None,
+            files=rollout or None,
         )
         if main:
             prune_checkpoints(
@@ -563,6 +571,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
             cfg.per_device_train_batch_size, batcher.pad_id, out, every, cfg.seed, initial, inputs.resumed_rollout,
             resident_layers=inputs.plan.rollout_layers, start=start,
             cache=cfg.rollout_cache, engine=cfg.rollout_engine, compile=cfg.rollout_compile,
+            steps=inputs.total_steps, pending=inputs.resumed_pending,
         )  # fmt: skip
     run = _Run(
         **vars(inputs),

@@ -313,11 +313,16 @@ def test_trls_rloo_trainer_on_the_same_completions_trains_alike(setup, monkeypat
     records, rollouts, final = run(tmp_path, stage="rloo", **kw)
     pending = iter(rollouts)
 
+    seen = []  # TRL's num_input_tokens_seen after each generation batch (counted in `_generate`)
+
     def generate(self, prompts):  # RLOOTrainer._generate: megatrain's completions of these prompts
         recs = [next(pending) for _ in prompts]
         assert [r["prompt"] for r in recs] == prompts
         ids = [tok(p)["input_ids"] for p in prompts]
-        return ids, [r["completion_ids"] for r in recs], [r["completion"] for r in recs]
+        completion_ids = [r["completion_ids"] for r in recs]
+        total_prompt_tokens = torch.tensor([len(i) for i in ids]).sum()  # TRL's count, transcribed
+        seen.append((seen[-1] if seen else 0) + (total_prompt_tokens + sum(map(len, completion_ids))).item())
+        return ids, completion_ids, [r["completion"] for r in recs]
 
     generations = iter(range(STEPS))
 
@@ -379,6 +384,9 @@ def test_trls_rloo_trainer_on_the_same_completions_trains_alike(setup, monkeypat
             # log-probs (~5e-7) is its floor, not 1e-5 of it
             tol = 1e-6 if name == "kl" else 1e-7
             assert ours[name] == pytest.approx(trls[name], rel=1e-5, abs=tol), (step, name)
+    # num_tokens: each generation batch's prompt and completion tokens, once (not when trained again)
+    assert [r["num_tokens"] for r in got if "reward" in r] == seen
+    assert all(r["num_tokens"] == got[i - 1]["num_tokens"] for i, r in enumerate(got) if "reward" not in r)
     assert abs(got[1]["loss"]) > 1e-3 and got[1]["clip_ratio/region_mean"] > 0  # the rollout trained again
     for k, p in saved_parameters(trainer.model).items():
         torch.testing.assert_close(final[k], p.detach(), rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

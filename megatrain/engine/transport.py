@@ -116,6 +116,10 @@ class Transport(Protocol):
     def discard(self) -> None:
         """Drop held gradients: the step is skipped."""
 
+    def run_updates(self) -> None:
+        """Let the pending updates run without waiting for the next pass (nothing computed ahead
+        for it: `Plan.embed_rows`), not waiting for them either: the caller reads no weight."""
+
     def wait_updates(self) -> None:
         """Block until every pending update has been applied to the host state."""
 
@@ -185,6 +189,9 @@ class SerialTransport:
 
     def discard(self) -> None:
         self.held = {}
+
+    def run_updates(self) -> None:
+        pass
 
     def wait_updates(self) -> None:
         pass
@@ -555,9 +562,12 @@ class StreamingTransport:
             e, self._error = self._error, None
             raise RuntimeError("the optimizer worker failed") from e
 
-    def wait_updates(self) -> None:
+    def run_updates(self) -> None:
         if self.rows is not None:
             self.rows.release()
+
+    def wait_updates(self) -> None:
+        self.run_updates()
         for u in self.state.units:
             self._ready[u.index].wait()
         self.stepper.wait()

@@ -32,7 +32,9 @@ gradient that flows back into the hidden states token by token.
 * Group-relative policy optimisation (GRPO, built: grpo.py): `targets` carries per-token advantages, the
   sampling policy's log-probabilities (the ratio's denominator), a reference model's where a KL
   term is wanted, and the mask of generated tokens; `count` the tokens (or sequences) the loss is
-  averaged over. Every term is per token, so one `backward` pass computes it chunk by chunk.
+  averaged over. Every term is per token, so one `backward` pass computes it chunk by chunk; TRL's
+  correction of a stale sampler (offpolicy.py) adds the sampler's log-probs, and where it weights
+  a completion as a whole (or masks it) one `forward` pass first.
 * REINFORCE leave-one-out (RLOO, built: rloo.py): GRPO's micro-batches, a loss per completion
   over its summed log-probs, so two passes over the head, as the preference losses take.
 

@@ -24,6 +24,11 @@ default) summed over the step's completion tokens and divided by its generation 
 completion tokens per optimizer step (MicroBatch.extra, column TOKENS_PER_STEP): with one
 generation batch a step, TRL's default, every completion token of the step.
 
+Where the generation batch was sampled by the weights of one step before (`max_staleness: 1`),
+each token's policy term is weighted as TRL weights vLLM's samples (offpolicy.py), with the
+sampler's log-probs from the rollout (MicroBatch.token_extra, column SAMPLER_LOGP); TRL's
+off-policy mask (`off_policy_mask_threshold`) applies in either mode.
+
 The metrics are TRL's, each the mean over the completion tokens of a micro-batch and its
 counterparts on the other ranks, averaged over the step's micro-batches: `entropy`, `kl`
 (beta > 0), `clip_ratio/low_mean` (r below 1 - epsilon where A < 0), `clip_ratio/high_mean`
@@ -44,9 +49,12 @@ from ..errors import ConfigError
 from .base import Objective
 from .logprobs import entropy, log_normaliser, token_logps
 from .losshead import Head
+from .offpolicy import IS_MODES, factors, needs_policy, sampling_ratio, step_metrics
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
-OLD_LOGP, REF_LOGP = 0, 1  # the columns of MicroBatch.token_extra: sampling policy's, reference's
+# The columns of MicroBatch.token_extra: the sampling policy's log-probs (computed by the trainer),
+# the reference's, and the sampler's own (max_staleness: 1; rl/decode.py).
+OLD_LOGP, REF_LOGP, SAMPLER_LOGP = 0, 1, 2
 ADVANTAGE, TOKENS_PER_STEP = 0, 1  # the columns of MicroBatch.extra (rows: completions)
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
@@ -81,6 +89,15 @@ class GRPOConfig:
     """Leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
     """Times each generation batch is trained on."""
+    max_staleness: int = 0
+    """0: each generation batch sampled by the weights its first step starts from; 1: by those of
+    the step before (rl/rollout.py), corrected as TRL corrects vLLM's sampler (offpolicy.py)."""
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    off_policy_mask_threshold: float | None = None
+    """Drop completions with A < 0 whose mean KL from the sampler exceeds it (None: off)."""
     reward_weights: list[float] | None = None
     generation_batch_size: int | None = None
     """Completions sampled at a time over every process (TRL's; default: per_device_train_batch_size
@@ -133,6 +150,13 @@ class GRPOConfig:
             bad("beta", "must be >= 0 with stage grpo (0: no KL term)")
         if self.num_iterations < 1:
             bad("num_iterations", "must be >= 1")
+        if self.max_staleness not in (0, 1):
+            bad(
+                "max_staleness",
+                "must be 0 (on-policy) or 1 (the weights of one step before); more is not built",
+            )
+        if self.vllm_importance_sampling_mode not in IS_MODES:
+            bad("vllm_importance_sampling_mode", f"must be one of {', '.join(IS_MODES)}")
         self._generation_batch(bad)
 
     def _generation_batch(self, bad) -> None:
@@ -167,6 +191,17 @@ class GRPOConfig:
         is trained on by more than one optimizer step (reused, or split over steps), so the policy
         moves between its sampling and some of its micro-batches (TRL's test)."""
         return self.gradient_accumulation_steps % self.micro_batches_per_generation > 0
+
+    @property
+    def stale(self) -> bool:
+        """Whether generation batches are sampled by the weights of one step before (their
+        per-token log-probs under the sampler carried with them)."""
+        return self.max_staleness > 0
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the loss corrects the stale sampler (TRL's importance sampling)."""
+        return self.stale and self.vllm_importance_sampling_correction
 
     @property
     def needs_reference(self) -> bool:
@@ -282,6 +317,9 @@ class _Targets:
     tokens_in_mb: int
     per_step: float | None  # dapo's divisor: its generation batch's loss tokens per optimizer step
     row_tokens: Tensor  # [rows] each completion's tokens in the loss
+    sampler: Tensor | None = None  # [N] the stale sampler's log-prob of the token (max_staleness: 1)
+    keep: Tensor | None = None  # [rows] the off-policy mask of each completion (None: keep all)
+    row_ratio: Tensor | None = None  # [rows] the sampler's correction of each (sequence modes)
 
 
 class GRPO(Objective):
@@ -319,10 +357,11 @@ class GRPO(Objective):
             return dev(mb.token_extra[..., c]) if wanted and mb.token_extra is not None else None
 
         old, ref = column(OLD_LOGP, self.cfg.needs_old_logps), column(REF_LOGP, self.cfg.needs_reference)
+        sampled = mb.token_extra is not None and mb.token_extra.shape[-1] > SAMPLER_LOGP  # a stale rollout's
         per_step = float(mb.extra[0, TOKENS_PER_STEP]) if mb.extra.shape[1] > TOKENS_PER_STEP else None
         return _Targets(
             dev(labels.clamp(min=0)), dev(mask), dev(adv), dev(weight), old, ref, int(mask.sum()), per_step,
-            mask.sum(1).to(device),
+            mask.sum(1).to(device), column(SAMPLER_LOGP, sampled),
         )  # fmt: skip
 
     def count(self, mb: MicroBatch) -> int:
@@ -352,6 +391,16 @@ class GRPO(Objective):
         ratio = torch.exp(torch.where(real, logp - old, 0.0))
         low, high = 1 - cfg.epsilon, 1 + cfg.epsilon_high
         per_token = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)
+        if t.keep is not None or t.row_ratio is not None:  # a completion's (offpolicy.py)
+            row = torch.arange(a, a + n, device=logits.device) // (len(t.mask) // len(t.row_tokens))
+        if t.keep is not None:  # TRL's order: the off-policy mask, then the sampler's correction
+            per_token = per_token * t.keep[row]
+        if t.sampler is not None and cfg.corrects:
+            per_token = per_token * (
+                t.row_ratio[row]
+                if t.row_ratio is not None
+                else sampling_ratio(cfg, torch.nan_to_num((old - t.sampler[a : a + n]) * mask, nan=0.0))
+            )
         kl = torch.zeros_like(logp)
         if t.ref is not None:
             d = torch.where(real, t.ref[a : a + n] - logp, 0.0)
@@ -366,7 +415,23 @@ class GRPO(Objective):
             stats = torch.stack([ent, below.float(), above.float(), (below | above).float(), kl.detach()])
         return loss, stats @ mask, stats[1:3].T * mask[:, None]
 
+    def _per_completion(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> list[_Targets]:
+        """`targets` with each completion's factors on its policy term (offpolicy.py: the
+        off-policy mask, the sampler's sequence-level correction), from a forward of the head
+        where they take the policy's own log-probs; where those are TRL's old ones (a stale
+        generation batch trained within this step), the sampler's metrics recorded too."""
+        cfg = self.cfg
+        if not (cfg.off_policy_mask_threshold is not None or cfg.corrects):
+            return targets
+        own = [cfg.corrects and t.sampler is not None and t.old is None for t in targets]
+        current = self.token_logps(head, hidden, targets) if needs_policy(cfg, targets) else None
+        out = [replace(t, keep=k, row_ratio=r) for t, (k, r) in zip(targets, factors(cfg, targets, current))]
+        if any(own):
+            self.record(step_metrics(cfg, targets, current, self.collective))
+        return out
+
     def loss_and_grads(self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int):
+        targets = self._per_completion(head, hidden, targets)
         stats = torch.zeros(len(targets), len(STATS), device=head.W.device)
         rows = [torch.zeros(len(t.row_tokens), 2, device=head.W.device) for t in targets]
 
@@ -421,7 +486,7 @@ class GRPO(Objective):
         log-probs at evaluation are the policy's), the loss aggregated by loss_type over the
         micro-batch alone, not accumulated (dapo: over its own completion tokens)."""
         out = torch.zeros(len(targets), 2 + len(STATS), device=head.W.device)
-        targets = [replace(t, old=None) for t in targets]
+        targets = self._per_completion(head, hidden, [replace(t, old=None, sampler=None) for t in targets])
         for m, a, logits in head.forward(hidden):
             t = targets[m]
             scale = max(t.tokens_in_mb, 1) if self.cfg.loss_type == "dapo" else 1.0
@@ -433,6 +498,7 @@ class GRPO(Objective):
 
     def loss_sum(self, head: Head, hidden: list[Tensor], targets: list[_Targets]) -> Tensor:
         loss = torch.zeros((), device=head.W.device)
+        targets = self._per_completion(head, hidden, targets)
         for m, a, logits in head.forward(hidden):
             loss += self._chunk(targets[m], a, logits, 1.0)[0]
         return loss

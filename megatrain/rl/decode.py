@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 
 from ..models.attention import eager_attention
+from ..objectives.logprobs import token_logps
 from .sampling import Warpers, device_uniforms, draw
 
 ATTENTION = "megatrain_rollout"  # the attention implementation the engine's model runs with
@@ -176,8 +177,10 @@ class Decoder:
     compiled by torch.compile first (its elementwise work fused; once a process, `compiled_decode`)."""
 
     def __init__(self, model, device, stops: list[int], pad_id: int, warpers: Warpers, graphs: bool,
-                 compile: bool = False):  # fmt: skip
+                 compile: bool = False, logps: bool = False):  # fmt: skip
         self.model, self.device = model, torch.device(device)
+        self.logps = logps  # keep each drawn token's log-prob (`sampled_logps`)
+        self.sampled_logps: torch.Tensor | None = None  # the last `sample`'s [rows, max_new], on the host
         self.compile = compile and self.device.type == "cuda"  # the CPU runs the step as it is
         self.stops = torch.tensor(stops or [-1], device=self.device)
         self.pad_id, self.warpers = pad_id, warpers
@@ -219,6 +222,7 @@ class Decoder:
                 if n % SYNC_EVERY == 0 and bool(s.done.all()):
                     break
             out = s.out.cpu()
+            self.sampled_logps = s.logps.cpu() if s.logps is not None else None
         self.timing = {"prefill_s": t1 - t0, "capture_s": capture_s, "graphs": len(graphs),
                        "decode_s": time.perf_counter() - t1 - capture_s, "steps": steps,
                        "cache_bytes": cache.nbytes()}  # fmt: skip
@@ -243,6 +247,9 @@ class _State:
         self.drawn = torch.zeros(1, dtype=torch.long, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.out = torch.full((rows, max_new), dec.pad_id, dtype=torch.long, device=device)
+        # Each drawn token's log-prob under the warped distribution it was drawn from (vLLM's
+        # processed logprobs: the stale sampler's, for its correction in the loss).
+        self.logps = torch.zeros(rows, max_new, device=device) if dec.logps else None
 
     def _forward(self, ids, positions, pad, queries) -> torch.Tensor:
         """The last position's fp32 logits [rows, vocab] of `ids` at `positions`, the cache written."""
@@ -260,7 +267,10 @@ class _State:
     def _take(self, logits: torch.Tensor) -> None:
         """Draw every row's next token, record it, and feed it next."""
         u = device_uniforms(self.seeds, self.drawn)
-        token = draw(self.dec.warpers(logits), u)
+        warped = self.dec.warpers(logits)
+        token = draw(warped, u)
+        if self.logps is not None:
+            self.logps.index_copy_(1, self.drawn, token_logps(warped, token)[:, None])
         token = torch.where(self.done, self.dec.pad_id, token)
         self.out.index_copy_(1, self.drawn, token[:, None])
         self.done |= torch.isin(token, self.dec.stops)

@@ -83,6 +83,10 @@ class PolicyModel:
                 ends[i] += -(-value.numel() // ALIGN) * ALIGN
         if unwritten:
             raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
+        # Whether the model reads none of `weights` after its build (a snapshot of the weights,
+        # rl/offpolicy.py): every layer on the device. Streamed layers read the master's halves,
+        # which the next update rewrites.
+        self.owns_weights = not streamed
         self.fetched_bytes = 0
         self.stream = _LayerStream(self, max(ends, default=0)) if streamed else None
         # Removed on leaving: they refer to this object, which holds the model, and a cycle would

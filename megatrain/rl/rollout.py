@@ -10,9 +10,10 @@ shuffled and split into steps_per_generation micro-batches (`generation_order`) 
 num_iterations times over (TRL's buffered generation): micro-batch m of the run (0-based,
 gradient_accumulation_steps a step) starts a new one where m is a multiple of
 steps_per_generation x num_iterations, and is its slice m mod steps_per_generation. A step's
-generation batches are all sampled before it trains, with the weights it starts from; their
-metrics go with the step that sampled them (their mean where it sampled several), as TRL logs
-them.
+generation batches are all sampled before it trains, with the weights it starts from (with
+`max_staleness: 1`, those the step before started from, and each token's log-prob under them kept
+for the loss's correction: offpolicy.py); their metrics go with the step that sampled them (their
+mean where it sampled several), as TRL logs them.
 
 Sampling is the rollout engine (decode.py; `rollout_engine: generate`: transformers' `generate`)
 on a transformers model built on the device in the compute dtype from the host state's current
@@ -73,14 +74,17 @@ from ..objectives.grpo import (
     ADVANTAGE,
     OLD_LOGP,
     REF_LOGP,
+    SAMPLER_LOGP,
     TOKENS_PER_STEP,
     GRPOConfig,
     advantages,
     eval_metrics,
     log_probs,
 )
+from ..objectives.offpolicy import combine, sampling_metrics, sampling_stats
 from ..objectives.rloo import RLOOConfig, sequence_kl
 from .decode import Decoder, supports
+from .offpolicy import PENDING_FILE, Sampled, Snapshot, StaleSampler
 from .policy import PolicyModel
 from .rewards import RewardFunc, score
 from .sampling import RowSampler, Warpers, row_seed
@@ -165,8 +169,13 @@ class Rollout:
                  seed: int, reference: dict[str, torch.Tensor] | None = None,
                  batches: list[MicroBatch] | None = None, resident_layers: int | None = None,
                  start: int = 0, cache: str = "dynamic",
-                 engine: str = "megatrain", compile: bool = False):  # fmt: skip
+                 engine: str = "megatrain", compile: bool = False, steps: int | None = None,
+                 pending: dict[int, Sampled] | None = None):  # fmt: skip
         self.seed = seed
+        self.steps = steps  # the run's optimizer steps (None: no end): the stale sampler's last
+        self.stale = StaleSampler(pending)  # max_staleness 1's batches and snapshot (offpolicy.py)
+        self.draw: Callable[[], list[MicroBatch]] | None = None  # the Batcher's next prompt batch
+        self.sampler_logps: list[list[float]] | None = None  # the last `generate`'s, where asked
         self.engine, self.compile = engine, compile  # rollout_engine, rollout_compile
         self.cache = cache  # rollout_cache (check_cache has allowed it)
         self.resident_layers = resident_layers  # the plan's `rollout_layers` (None: every layer)
@@ -199,41 +208,66 @@ class Rollout:
         slice of a generation batch (TRL's buffered generation): a new one of this rank's next
         prompts (`draw()`, the Batcher's next prompt batch) where a micro-batch starts one, or
         where a resume has none; else the current one's. A step's metrics are the mean of its
-        generation batches' (their times summed), as TRL logs them."""
+        generation batches' (their times summed), as TRL logs them. max_staleness 1: the new ones
+        were sampled by the weights of the step before (offpolicy.py), and the next step's are
+        readied here."""
+        self.draw = draw
+        self.settle()
         ga, slices = self.cfg.gradient_accumulation_steps, self.cfg.steps_per_generation
         sampled, out = [], []
         for micro in range((step - 1) * ga, step * ga):
             if new_generation(micro, self.cfg) or self.batches is None:
                 generation = micro // self.cfg.micro_batches_per_generation
-                self.batches = self._sample_step(draw(), step, micro % ga, generation)
+                batch = self.stale.pending.pop(generation, None) or self.sample_batch(
+                    step, micro % ga, generation
+                )
+                self.batches = self._finish(batch)
                 sampled.append(self.metrics)
             out.append(self.batches[micro % slices])
         self.metrics = _mean_metrics(sampled)
+        if self.cfg.stale and (self.steps is None or step < self.steps):
+            self.stale.ahead(self, step + 1)
         return out
 
-    def _sample_step(
-        self, prompt_batches: list[MicroBatch], step: int, offset: int, generation: int
-    ) -> list[MicroBatch]:
-        """Generation batch `generation` of `prompt_batches` (this rank's prompts) sampled at step
-        `step` for its micro-batch `offset` on, as steps_per_generation micro-batches of its rows
-        in `generation_order`."""
-        (pb,) = prompt_batches
-        prompts = [self.prompts[i] for i in pb.units for _ in range(self.cfg.num_generations)]
+    def sample_batch(
+        self, step: int, offset: int, generation: int, snapshot: Snapshot | None = None
+    ) -> Sampled:
+        """Generation batch `generation` of this rank's next prompts (`self.draw()`), sampled for
+        step `step`'s micro-batch `offset` on by `snapshot`'s policy (None: one of the current
+        weights)."""
+        (pb,) = self.draw()
+        units, g = [int(i) for i in pb.units], self.cfg.num_generations
         t0 = time.perf_counter()
         # A second generation batch of a step has streams of its own (a prompt may be in both).
         where = (step, offset) if offset else (step,)
-        seeds = [row_seed(self.seed, *where, i, j) for i in pb.units for j in range(self.cfg.num_generations)]
-        completions, truncated = self.generate([p.ids for p in prompts], seeds)
-        t1 = time.perf_counter()
+        seeds = [row_seed(self.seed, *where, i, j) for i in units for j in range(g)]
+        policy = snapshot.policy if snapshot is not None else None
+        completions, truncated = self.generate([self.prompts[i].ids for i in units for _ in range(g)], seeds,
+                                               policy=policy, logps=self.cfg.stale)  # fmt: skip
+        metrics = {"time/rollout_s": time.perf_counter() - t0, **self.timing}
+        if snapshot is not None:  # its build's wait and times: the first batch's part of the rollout
+            built = snapshot.take_timing()
+            metrics = metrics | built
+            metrics["time/rollout_s"] += built["time/rollout_wait_s"] + built["time/rollout_build_s"]
+        # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
+        metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
+        return Sampled(units, step, offset, generation, completions, truncated, self.sampler_logps, metrics)
+
+    def _finish(self, batch: Sampled) -> list[MicroBatch]:
+        """A sampled generation batch scored and cut into steps_per_generation micro-batches of
+        its rows in `generation_order`, with their advantages and log-probs."""
+        prompts = [self.prompts[i] for i in batch.units for _ in range(self.cfg.num_generations)]
+        completions, truncated = batch.completions, batch.truncated
         # TRL's num_tokens counts a generation batch once, when sampled (every rank's).
         self.sampled_tokens += self.world.sum_count(
             sum(len(p.ids) for p in prompts) + sum(map(len, completions))
         )
+        t1 = time.perf_counter()
         rewards = self._score(prompts, completions)
         t2 = time.perf_counter()
         every = self.world.each(rewards) if self.world.world_size > 1 else [rewards]
-        order = generation_order(self.seed, generation, len(prompts))
-        rows = [(prompts[i].ids, completions[i], bool(truncated[i])) for i in order.tolist()]
+        order = generation_order(self.seed, batch.generation, len(prompts)).tolist()
+        rows = [(prompts[i].ids, completions[i], bool(truncated[i])) for i in order]
         size = self.batch_size
         batches = [self._micro_batch(rows[a : a + size]) for a in range(0, len(rows), size)]
         # dapo's divisor (TRL's): the generation batch's loss tokens, every rank's, per optimizer step.
@@ -242,19 +276,35 @@ class Rollout:
             mb.extra[:, TOKENS_PER_STEP] = (
                 tokens * self.cfg.gradient_accumulation_steps / self.cfg.steps_per_generation
             )
-        if self.cfg.needs_old_logps or self.cfg.needs_reference:
+        timing, sampling = {}, {}
+        if self.cfg.needs_old_logps or self.cfg.needs_reference or batch.logps is not None:
             t3 = time.perf_counter()
-            self._attach_logps(batches)
-            self.timing["time/logps_s"] = time.perf_counter() - t3
-        adv, metrics = self._advantages(every, batches, order)
-        self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated)
-        self.metrics.update({"time/rollout_s": t1 - t0, "time/scoring_s": t2 - t1} | self.timing)
-        # What streaming costs (rl/policy.py): layers fetched every forward, and their bytes.
-        self.metrics.update(zip(("rollout/streamed_layers", "rollout/fetched_bytes"), self.streamed))
+            sampler = None if batch.logps is None else [batch.logps[i] for i in order]
+            sampling = self._attach_logps(batches, sampler=sampler)
+            timing["time/logps_s"] = time.perf_counter() - t3
+        adv, metrics = self._advantages(every, batches, torch.tensor(order))
+        self.metrics = metrics | self._metrics(torch.cat(every), completions, truncated) | sampling
+        rollout = {k: v for k, v in batch.metrics.items() if not k.startswith("rollout/")}
+        self.metrics.update({"time/rollout_s": rollout.pop("time/rollout_s"), "time/scoring_s": t2 - t1})
+        self.metrics.update(rollout | timing)
+        self.metrics.update({k: v for k, v in batch.metrics.items() if k.startswith("rollout/")})
+        step = batch.step
         if self.completions_file is not None and (step % self.log_every == 0 or step == 1):
             for rec in self._records(step, prompts, completions, truncated, rewards, adv):
                 self.completions_file.append(rec)
         return batches
+
+    def settle(self) -> None:
+        """max_staleness 1: a snapshot's generation batches sampled and its policy freed (before
+        an evaluation or a checkpoint: offpolicy.py)."""
+        self.stale.settle(self)
+
+    def files(self, step: int) -> dict[str, bytes]:
+        """What a checkpoint after step `step` holds of the rollouts, by file name: the current
+        generation batch where the next step trains on it again (ROLLOUT_FILE), the batches
+        sampled and not trained on (PENDING_FILE). Called by every rank."""
+        out = {ROLLOUT_FILE: self.state(step), PENDING_FILE: self.stale.state(self.world)}
+        return {k: v for k, v in out.items() if v is not None}
 
     def _advantages(self, every: list[torch.Tensor], batches: list[MicroBatch], order: torch.Tensor,
                     group: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
@@ -276,44 +326,57 @@ class Rollout:
         return adv, metrics
 
     @torch.no_grad()
-    def generate(
-        self, prompt_ids: list[list[int]], seeds: list[int], batch_size: int | None = None, bar=None
-    ) -> tuple[list[list[int]], list[bool]]:
+    def generate(self, prompt_ids: list[list[int]], seeds: list[int], batch_size: int | None = None,
+                 bar=None, policy: PolicyModel | None = None,
+                 logps: bool = False) -> tuple[list[list[int]], list[bool]]:  # fmt: skip
         """Completions of the prompts, each sampled from its own stream (`seeds`, sampling.py),
-        `batch_size` at a time (default: all at once) by one model of the policy, each cut after
-        its first end token, and whether each was cut at max_completion_length instead. `bar` is
-        told of each batch."""
+        `batch_size` at a time (default: all at once) by one model of the policy (`policy`, a
+        snapshot's, inside its `with` block; None: one built of the current weights), each cut
+        after its first end token, and whether each was cut at max_completion_length instead.
+        `bar` is told of each batch. `logps`: each completion token's log-prob under the sampler
+        in `sampler_logps`."""
         if not prompt_ids:
             return [], []
-        size, completions, truncated = batch_size or len(prompt_ids), [], []
+        size, completions, truncated, sampled = batch_size or len(prompt_ids), [], [], []
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self._measured():  # the model's init draws
-            t0 = time.perf_counter()
-            transport = self.model.transport
-            transport.wait_updates()  # the optimizer may still be writing the last step
-            t1 = time.perf_counter()
-            # The units whose state lives on the device are read there, where they are current:
-            # not copied back to host memory (with their moments) for the policy's build.
-            weights = self.model.state.named_parameters(transport.device_masters())
-            policy = self._on_device(weights)
-            if self.device.type == "cuda":  # its copies done: the build's time, not the sampling's
-                torch.cuda.synchronize(self.device)
+        with torch.random.fork_rng(devices=devices), self._measured(snapshot=policy is not None):
+            owned = policy is None
+            policy = self.build_policy() if owned else policy
             t2 = time.perf_counter()
-            with policy as model:
+            with policy if owned else contextlib.nullcontext(policy.model) as model:
                 for a in range(0, len(prompt_ids), size):
-                    c, t = self._sample(
-                        model, prompt_ids[a : a + size], seeds[a : a + size], policy.streamed_layers
+                    c, t, lp = self._sample(
+                        model, prompt_ids[a : a + size], seeds[a : a + size], policy.streamed_layers, logps
                     )
-                    completions, truncated = completions + c, truncated + t
+                    completions, truncated, sampled = completions + c, truncated + t, sampled + lp
                     if bar is not None:
                         bar.update(1)
             self.streamed = (policy.streamed_layers, policy.fetched_bytes)
             del model, policy  # before the allocator's peak is read
         # Where a rollout's time goes: the last step's host AdamW it waits for, the policy's build
-        # from host memory, and the sampling itself (the rest of time/rollout_s is the cutting).
-        self.timing = {"time/rollout_wait_s": t1 - t0, "time/rollout_build_s": t2 - t1,
-                       "time/rollout_sample_s": time.perf_counter() - t2}  # fmt: skip
+        # from host memory (a snapshot's are counted apart), and the sampling itself (the rest of
+        # time/rollout_s is the cutting).
+        if not owned:
+            self.timing = {}
+        self.timing["time/rollout_sample_s"] = time.perf_counter() - t2
+        self.sampler_logps = sampled if logps else None
         return completions, truncated
+
+    def build_policy(self) -> PolicyModel:
+        """The policy of the host state's current weights on the device, once the last step's
+        updates are in (`timing`: the wait and the build)."""
+        t0 = time.perf_counter()
+        transport = self.model.transport
+        transport.wait_updates()  # the optimizer may still be writing the last step
+        t1 = time.perf_counter()
+        # The units whose state lives on the device are read there, where they are current:
+        # not copied back to host memory (with their moments) for the policy's build.
+        weights = self.model.state.named_parameters(transport.device_masters())
+        policy = self._on_device(weights)
+        if self.device.type == "cuda":  # its copies done: the build's time, not the sampling's
+            torch.cuda.synchronize(self.device)
+        self.timing = {"time/rollout_wait_s": t1 - t0, "time/rollout_build_s": time.perf_counter() - t1}  # fmt: skip
+        return policy
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, prompts: list[Prompt], batch_size: int, progress, step: int) -> dict[str, float]:
@@ -326,6 +389,7 @@ class Rollout:
         run changes: no random number is drawn from its generators, no rollout state is touched.
         Every rank's completions go to output_dir/eval_completions.jsonl, each with the optimizer
         step evaluated (`step`). `progress(total)` makes a tqdm-like bar over the batches."""
+        self.settle()  # a snapshot's batches first: the GPU holds one policy at a time
         g, n, world = self.cfg.num_generations_eval, len(prompts), self.world
         mine = range(world.rank * n // world.world_size, (world.rank + 1) * n // world.world_size)
         rows = [(i, j) for i in mine for j in range(g)]
@@ -368,9 +432,10 @@ class Rollout:
         return rule(self.cfg, world.each(mine) if world.world_size > 1 else [mine])
 
     @contextlib.contextmanager
-    def _measured(self):
-        """The GPU memory the rollout adds to what the engine holds (`memory`); the allocator's peak
-        counter starts again after it, so the run's recorded peak is the update's, as planned."""
+    def _measured(self, snapshot: bool = False):
+        """The GPU memory the rollout adds to what the engine holds (`memory`; with a `snapshot`'s
+        policy, built before: its bytes too); the allocator's peak counter starts again after it,
+        so the run's recorded peak is the update's, as planned."""
         if self.device.type != "cuda":
             yield
             return
@@ -381,58 +446,65 @@ class Rollout:
             yield
         finally:
             added = torch.cuda.max_memory_allocated(self.device) - base
+            added += self.memory.get("rollout_snapshot", 0) if snapshot else 0
             self.memory["rollout_gpu_added"] = max(self.memory.get("rollout_gpu_added", 0), added)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _sample(
-        self, model, prompt_ids: list[list[int]], seeds: list[int], streamed: int = 0
-    ) -> tuple[list[list[int]], list[bool]]:
+        self, model, prompt_ids: list[list[int]], seeds: list[int], streamed: int = 0, logps: bool = False
+    ) -> tuple[list[list[int]], list[bool], list[list[float]]]:
         """Completions of `prompt_ids` by `model` (`streamed` of its layers streamed), each cut
-        after its first end token, and whether each reached max_completion_length instead."""
+        after its first end token, whether each reached max_completion_length instead, and
+        (`logps`; else empty) each completion token's log-prob under the warped distribution it
+        was drawn from (vLLM's processed logprobs)."""
         cfg = self.cfg
         if self.engine == "megatrain" and supports(model):
             warpers = Warpers(cfg.temperature, cfg.top_k, cfg.top_p)
             graphs = not streamed  # streamed layers: eager steps, paced by their fetches
             decoder = Decoder(
-                model, self.device, self.stops, self.pad_id, warpers, graphs, graphs and self.compile
+                model, self.device, self.stops, self.pad_id, warpers, graphs, graphs and self.compile, logps
             )
             rows = decoder.sample(prompt_ids, seeds, cfg.max_completion_length)
+            drawn = decoder.sampled_logps
         else:
-            rows = self._generate(model, prompt_ids, seeds)
-        completions, truncated = [], []
-        for row in rows:
+            rows, drawn = self._generate(model, prompt_ids, seeds, logps)
+        completions, truncated, out = [], [], []
+        for r, row in enumerate(rows):
             end = next((i for i, t in enumerate(row) if t in self.stops), None)
             completions.append(row if end is None else row[: end + 1])
             truncated.append(end is None)
-        return completions, truncated
+            if logps:
+                out.append(drawn[r, : len(completions[-1])].tolist())
+        return completions, truncated, out
 
-    def _generate(self, model, prompt_ids: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def _generate(
+        self, model, prompt_ids: list[list[int]], seeds: list[int], logps: bool = False
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
         """transformers' `generate` (`rollout_engine: generate`): each row's max_completion_length
-        new tokens (padding after an end token), the prompts left-padded into one batch."""
+        new tokens (padding after an end token), the prompts left-padded into one batch, and
+        (`logps`) each drawn token's log-prob [rows, tokens]."""
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompt_ids):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        return (
-            model.generate(
-                ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                do_sample=False,  # RowSampler leaves each row its sampled token only
-                logits_processor=[
-                    RowSampler(seeds, self.device, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
-                ],
-                max_new_tokens=self.cfg.max_completion_length,
-                eos_token_id=self.stops or None,
-                pad_token_id=self.pad_id,
-                # static: generate sizes it at width + max_new_tokens and, on CUDA, compiles the decode
-                **({"cache_implementation": "static"} if self.cache == "static" else {}),
-            )[:, width:]
-            .cpu()
-            .tolist()
-        )
+        cfg = self.cfg
+        sampler = RowSampler(seeds, self.device, cfg.temperature, cfg.top_k, cfg.top_p, logps)
+        out = model.generate(
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            do_sample=False,  # RowSampler leaves each row its sampled token only
+            logits_processor=[sampler],
+            max_new_tokens=cfg.max_completion_length,
+            eos_token_id=self.stops or None,
+            pad_token_id=self.pad_id,
+            # static: generate sizes it at width + max_new_tokens and, on CUDA, compiles the decode
+            **({"cache_implementation": "static"} if self.cache == "static" else {}),
+        )[:, width:]
+        drawn = torch.stack(sampler.logps, 1).cpu() if logps else None
+        return out.cpu().tolist(), drawn
 
     def _on_device(self, weights) -> PolicyModel:
         """A transformers model of `weights` ((name, weights) pairs: tensors or the master's
@@ -441,10 +513,15 @@ class Rollout:
         return PolicyModel(self.model.cfg.hf_config, weights, self.device, self.dtype, self.resident_layers)
 
     # ------------------------------------------------------------------ log-probs
-    def _attach_logps(self, batches: list[MicroBatch], sampling: bool = True) -> None:
+    def _attach_logps(
+        self, batches: list[MicroBatch], sampling: bool = True, sampler: list[list[float]] | None = None
+    ) -> dict[str, float]:
         """Each micro-batch's `token_extra`: the sampling policy's log-probs (OLD_LOGP; not with
         `sampling` False: an evaluation's, whose sampling policy is the policy) and the reference
-        policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere)."""
+        policy's (REF_LOGP) of every token, where the loss needs them (0 elsewhere), and a stale
+        sampler's own (SAMPLER_LOGP: `sampler`, each row's completion tokens', in the micro-batches'
+        order). Returns TRL's metrics of the sampler's correction where OLD_LOGP holds its old
+        log-probs (offpolicy.py; else the loss takes them), as TRL takes them when it samples."""
         engine, ga = self.model.engine, self.cfg.gradient_accumulation_steps
         ref = self._reference_logps(batches) if self.cfg.needs_reference and batches else None
         old = None
@@ -454,13 +531,36 @@ class Rollout:
             most = max(self.world.each(len(sweeps))) if self.world.world_size > 1 else len(sweeps)
             for _ in range(most - len(sweeps)):
                 engine.keep_pace()  # an evaluation's ranks may hold fewer rows: the sweeps pair up
+        rows = iter(sampler or [])
         for i, mb in enumerate(batches):
-            values = torch.zeros(*mb.input_ids.shape, 2)
+            values = torch.zeros(*mb.input_ids.shape, 2 if sampler is None else 3)
             if old is not None:
                 values[..., OLD_LOGP] = old[i].view(mb.input_ids.shape).cpu()
             if ref is not None:
                 values[..., REF_LOGP] = ref[i]
+            for r in range(len(mb.input_ids) if sampler is not None else 0):
+                logps = next(rows)  # a row's last real token is its completion's last
+                end = (
+                    int(mb.attention_mask[r].sum())
+                    if mb.attention_mask is not None
+                    else mb.input_ids.shape[1]
+                )
+                values[r, end - 1 - len(logps) : end - 1, SAMPLER_LOGP] = torch.tensor(logps)
             mb.token_extra = values
+        if old is None or sampler is None or not self.cfg.corrects:
+            return {}
+        stats = [
+            sampling_stats(self.cfg, *self._flat(mb, OLD_LOGP, SAMPLER_LOGP), len(mb.input_ids))
+            for mb in batches
+        ]
+        mine = combine(torch.stack(stats).tolist())
+        return sampling_metrics(self.world.each(mine) if self.world.world_size > 1 else [mine])
+
+    @staticmethod
+    def _flat(mb: MicroBatch, *columns: int) -> list[torch.Tensor]:
+        """The `token_extra` columns of a micro-batch and its loss mask, flat [rows x length]."""
+        mask = (mb.shifted_labels != IGNORE_INDEX).float().reshape(-1)
+        return [mb.token_extra[..., c].reshape(-1) for c in columns] + [mask]
 
     @torch.no_grad()
     def _reference_logps(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
@@ -571,6 +671,7 @@ class Rollout:
 
     def close(self) -> None:
         """Close the record files."""
+        self.stale.snapshot = None
         for f in (self.completions_file, self.eval_completions_file):
             if f is not None:
                 f.close()

@@ -26,6 +26,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..objectives.logprobs import token_logps
+
 
 def row_seed(*parts: int) -> int:
     """A 63-bit seed from integers (the run's seed, the step, a prompt's index in the dataset, the
@@ -128,17 +130,22 @@ class RowSampler(LogitsProcessor):
     its tokens on `device`."""
 
     def __init__(self, seeds: list[int], device, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float = 1.0):  # fmt: skip
+                 top_p: float = 1.0, logps: bool = False):  # fmt: skip
         self.warpers = Warpers(temperature, top_k, top_p)
         self.device = torch.device(device)
         self.seeds = np.array(seeds, dtype=np.uint64)
         self.drawn = 0  # tokens drawn per row so far: generate calls once per new token
+        # `logps`: each drawn token's log-prob under the warped distribution, a [rows] tensor a token
+        self.logps: list[torch.Tensor] | None = [] if logps else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.shape[0] != len(self.seeds):
             raise ValueError(f"{scores.shape[0]} rows to sample, seeds for {len(self.seeds)}")
         u = torch.from_numpy(uniforms(self.seeds, self.drawn)).to(self.device, non_blocking=True)
         self.drawn += 1
-        choice = draw(self.warpers(scores.float()), u)
+        warped = self.warpers(scores.float())
+        choice = draw(warped, u)
+        if self.logps is not None:
+            self.logps.append(token_logps(warped, choice))
         out = torch.full_like(scores, -float("inf"))
         return out.scatter_(1, choice[:, None], 0.0)
