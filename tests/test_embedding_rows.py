@@ -21,7 +21,7 @@ from megatrain.data.batch import MicroBatch
 from megatrain.engine import clipadam
 from megatrain.engine.optim import AdamWConfig, HostAdamW
 from megatrain.errors import ConfigError
-from megatrain.host.state import BUFFERS, HostState, build_units
+from megatrain.host.state import HostState, build_units
 from megatrain.io.weights import init_random
 from megatrain.models.config import ModelConfig
 from megatrain.parallel.layout import Layout
@@ -67,14 +67,14 @@ def test_rows_computed_ahead_equal_the_tables_update_bitwise(fused, monkeypatch)
             rows = torch.randperm(V, generator=g)[: V // 3].sort().values  # the next pass's
             assert (~torch.isin(rows, touched)).any() and torch.isin(rows, touched).any()
             c = None if coef is None else torch.tensor(coef)
-            before_state = [state.flat(unit, w).clone() for w in BUFFERS]
+            before_state = [state.flat(unit, w).clone() for w in state.buffers]
             # from the table's gradient, and from the step's rows alone (the others zero)
             pos = torch.searchsorted(touched, rows).clamp(max=len(touched) - 1)
             index = torch.where(touched[pos] == rows, pos, -1)
             outs = [torch.empty(len(rows), H, dtype=torch.bfloat16) for _ in range(2)]
             opt.step_rows(unit, rows, grad.view(V, H), c, 1e-2, step, outs[0])
             opt.step_rows(unit, rows, grad.view(V, H)[touched].contiguous(), c, 1e-2, step, outs[1], index)
-            for w, was in zip(BUFFERS, before_state):
+            for w, was in zip(state.buffers, before_state):
                 assert torch.equal(state.flat(unit, w), was)  # nothing written yet
             opt.step_held(unit, grad, c, 1e-2, step, 1024)
             table = state.flat(unit, "hi").view(V, H)  # the table's bf16 halves, as a fetch reads them

@@ -125,6 +125,8 @@ class Engine:
             raise ValueError("a tied LM head reads the whole table: the embedding's rows alone do not do")
         family, t = family_of(cfg), templates(cfg)
         self.embed, self.head, self.layers = t["embed"], t["head"], t["layers"]
+        for module in (self.embed, self.head, *self.layers.values()):
+            _buffers_to(module, self.device)
         for layer in self.layers.values():
             set_mlp_tiles(layer, plan.mlp_tile_tokens)
         self.layer_keys = t["keys"]
@@ -603,3 +605,12 @@ class Engine:
         self.transport.begin(self._forward_order(), rows)
         h, _ = self._forward_sweep(prep, keep=False, rows=rows)
         return Head(self.head, *self._head_params(), self.loss_chunk_tokens).logits(h[0])
+
+
+def _buffers_to(module: torch.nn.Module, device: torch.device) -> None:
+    """A template's buffers (a vision tower's position ids: transformers computes them on the
+    host) onto the device it runs on; its parameters are the streamed state's, given per call."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                m._buffers[name] = b.to(device)
