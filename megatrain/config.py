@@ -127,15 +127,15 @@ STAGE_ONLY = {
         )
     },
 }
-# Keys TRL 1.x's DPOTrainer and KTOTrainer dropped (stages orpo, simpo, rm, grpo and rloo keep
-# theirs): refused under dpo and kto (objectives.preference.JOINT_STAGES), with what TRL 1.x does.
-_ONE_BOUND = (
-    "prompt + completion are tokenised together and bounded by max_length alone, cut as "
-    "truncation_mode says (keep_start: the prompt's start is kept; docs/preference.md)"
-)
-DROPPED_BY_TRL1 = {
-    "max_prompt_length": f"TRL 1.x's DPOTrainer and KTOTrainer have none: {_ONE_BOUND}",
-    "max_completion_length": f"TRL 1.x's DPOTrainer and KTOTrainer have none: {_ONE_BOUND}",
+# Keys TRL 1.x's preference trainers lack (stages rm, grpo and rloo keep theirs): refused under
+# each stage of objectives.preference.TOKENISATION, with what its TRL 1.16 trainer does instead.
+DROPPED_BY_TRL1 = ("max_prompt_length", "max_completion_length")
+_ONE_BOUND = "bounded by max_length alone, cut as truncation_mode says (docs/preference.md)"
+WHY_DROPPED = {
+    "joint": "TRL 1.x's DPOTrainer and KTOTrainer have none: prompt + completion are tokenised together "
+    f"and {_ONE_BOUND}",
+    "answer": "TRL 1.16's ORPOTrainer and CPOTrainer have none for a causal LM: prompt + completion are "
+    "bounded by max_length alone, the prompt kept whole and the completion cut at its end (docs/preference.md)",
 }
 
 
@@ -267,15 +267,16 @@ class TrainConfig:
     undesirable_weight: float = 1.0
     """kto: weight of the undesirable examples' losses."""
     max_prompt_length: int | None = 512
-    """grpo, rloo: prompt tokens kept (their last ones); orpo, simpo, rm: the same, before
-    max_length's cut; null: all. Not in dpo or kto (TRL 1.x: max_length alone bounds a sequence)."""
+    """grpo, rloo: prompt tokens kept (their last ones); rm: the same, before max_length's cut;
+    null: all. Not in dpo, kto, orpo or simpo (TRL 1.x: max_length alone bounds a sequence)."""
     max_completion_length: int | None = None
-    """orpo, simpo, rm: completion tokens kept (its first ones), default null: all; grpo: the most
-    tokens a completion is sampled to, default 512 (TRL 1.16: grpo and rloo). Not in dpo or kto."""
+    """rm: completion tokens kept (its first ones), default null: all; grpo: the most tokens a
+    completion is sampled to, default 512 (TRL 1.16: grpo and rloo). Not in dpo, kto, orpo or
+    simpo."""
     truncation_mode: str | None = None
     """Preference stages: what of a prompt + completion over max_length is kept, keep_start
-    (default for dpo: TRL 1.16's DPOConfig; kto's only one, as its KTOTrainer) or keep_end (default
-    for orpo, simpo and rm)."""
+    (default for dpo: TRL 1.16's DPOConfig; kto's, orpo's and simpo's only one, as their TRL 1.16
+    trainers) or keep_end (default for rm)."""
     precompute_ref_log_probs: bool = True
     """dpo/kto: the reference log-probs come from one forward pass over the training and eval data
     before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
@@ -753,10 +754,11 @@ class TrainConfig:
                     "rollout_cache: is the KV cache of rollout_engine: generate (the megatrain engine has its own)"
                 )
         if self.stage != default["stage"]:
-            from .objectives.preference import JOINT_STAGES
+            from .objectives.preference import TOKENISATION
 
-            for key, why in DROPPED_BY_TRL1.items():
-                if self.stage in JOINT_STAGES and getattr(self, key) != default[key]:
+            for key in DROPPED_BY_TRL1:
+                if self.stage in TOKENISATION and getattr(self, key) != default[key]:
+                    why = WHY_DROPPED[TOKENISATION[self.stage]]
                     raise ConfigError(f"{key}: not in stage {self.stage}: {why} (got {getattr(self, key)!r})")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()

@@ -300,12 +300,20 @@ class SilentLogger:
         pass
 
 
-def mean_metrics(metrics: dict[str, tuple[float, int]], world, prefix: str = "") -> dict[str, float]:
-    """An objective's metrics (name -> (sum, micro-batches)) averaged over every rank's
-    micro-batches. `world`: the ranks (parallel/distributed.py's Collective)."""
+def mean_metrics(metrics: dict[str, tuple[str, list[float]]], world, prefix: str = "") -> dict[str, float]:
+    """An objective's metrics (name -> (how, each micro-batch's values): Objective.take_metrics)
+    averaged over every rank's micro-batches. A "min" or "max" metric is first taken over the
+    ranks' m-th micro-batches, as TRL gathers every process's batch at each forward, then
+    averaged over m. `world`: the ranks (parallel/distributed.py's Collective)."""
     parts = world.each(metrics) if world.world_size > 1 else [metrics]
-    names = dict.fromkeys(k for p in parts for k in p)
-    return {
-        prefix + k: sum(p[k][0] for p in parts if k in p) / sum(p[k][1] for p in parts if k in p)
-        for k in names
-    }
+    out = {}
+    for k in dict.fromkeys(k for p in parts for k in p):
+        how = next(p[k][0] for p in parts if k in p)
+        ranks = [p[k][1] for p in parts if k in p]
+        if how == "mean":
+            out[prefix + k] = sum(map(sum, ranks)) / sum(map(len, ranks))
+            continue
+        extreme = min if how == "min" else max
+        each = [extreme(v[m] for v in ranks if m < len(v)) for m in range(max(map(len, ranks)))]
+        out[prefix + k] = sum(each) / len(each)
+    return out

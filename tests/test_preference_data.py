@@ -230,15 +230,17 @@ def test_bad_limits_name_the_key(kw, key):
 
 
 @pytest.mark.parametrize(
-    "stage, mode, joint", [("dpo", "keep_start", True), ("kto", "keep_start", True), ("orpo", "keep_end", False),
-                           ("simpo", "keep_end", False), ("rm", "keep_end", False)],
+    "stage, mode, rule", [("dpo", "keep_start", "joint"), ("kto", "keep_start", "joint"),
+                          ("orpo", "keep_start", "answer"), ("simpo", "keep_start", "answer"),
+                          ("rm", "keep_end", "apart")],
 )  # fmt: skip
-def test_each_stage_tokenises_and_cuts_as_its_trl_trainer(stage, mode, joint):
-    """dpo and kto: TRL 1.16's joint tokenisation, keep_start by default, max_length the one bound;
-    orpo, simpo and rm: TRL 0.x's, which trl.experimental's ORPO and CPO trainers keep."""
+def test_each_stage_tokenises_and_cuts_as_its_trl_trainer(stage, mode, rule):
+    """dpo and kto: TRL 1.16's joint tokenisation; orpo and simpo: TRL 1.16's ORPO and CPO
+    trainers' tokenize_row; all four keep_start by default, max_length the one bound. rm: TRL 0.x's
+    DPOTrainer's, prompt and completion apart."""
     limits = TrainConfig(model_config="unused", stage=stage).preference().limits(64)
-    assert (limits.truncation_mode, limits.joint) == (mode, joint)
-    assert limits.max_prompt_length == (None if joint else 512)
+    assert (limits.truncation_mode, limits.rule) == (mode, rule)
+    assert limits.max_prompt_length == (512 if rule == "apart" else None)
 
 
 @pytest.mark.parametrize(
@@ -248,12 +250,17 @@ def test_each_stage_tokenises_and_cuts_as_its_trl_trainer(stage, mode, joint):
      ("kto", dict(max_completion_length=64), "max_completion_length: not in stage kto: TRL 1.x's"),
      ("dpo", dict(max_prompt_length=None), "max_prompt_length: not in stage dpo"),
      ("kto", dict(truncation_mode="keep_end"), "truncation_mode: TRL 1.x's KTOTrainer has none: a sequence keeps "
-      "its first max_length tokens")],
+      "its first max_length tokens"),
+     ("orpo", dict(max_prompt_length=192), "max_prompt_length: not in stage orpo: TRL 1.16's ORPOTrainer and "
+      "CPOTrainer have none for a causal LM: prompt + completion are bounded by max_length alone"),
+     ("simpo", dict(max_completion_length=64), "max_completion_length: not in stage simpo: TRL 1.16's ORPOTrainer"),
+     ("simpo", dict(truncation_mode="keep_end"), "truncation_mode: TRL 1.x's CPOTrainer has none"),
+     ("orpo", dict(truncation_mode="keep_end"), "truncation_mode: TRL 1.x's ORPOTrainer has none")],
 )  # fmt: skip
-def test_keys_trl1_dropped_from_dpo_and_kto_are_refused_in_one_line(stage, kw, what):
+def test_keys_trl1_dropped_from_its_preference_trainers_are_refused_in_one_line(stage, kw, what):
     with pytest.raises(ConfigError, match=rf"^{re.escape(what)}[^\n]*$"):
         TrainConfig(model_config="unused", stage=stage, **kw)
-    TrainConfig(model_config="unused", stage="orpo", **kw)  # orpo keeps TRL 0.x's keys
+    TrainConfig(model_config="unused", stage="rm", **kw)  # rm keeps TRL 0.x's keys
     assert (
         TrainConfig(
             model_config="unused", stage="grpo", per_device_train_batch_size=8, max_prompt_length=192

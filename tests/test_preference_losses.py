@@ -490,12 +490,7 @@ def test_config_defaults_are_trls():
     cfg, simpo = PreferenceConfig(), PreferenceConfig(stage="simpo")
     assert (cfg.stage, cfg.beta, cfg.loss_type, cfg.label_smoothing) == ("dpo", 0.1, ["sigmoid"], 0)
     assert cfg.truncation_mode == "keep_start"  # TRL 1.16's DPOConfig; dpo and kto take max_length alone
-    orpo = PreferenceConfig(stage="orpo")
-    assert (orpo.max_prompt_length, orpo.max_completion_length, orpo.truncation_mode) == (
-        512,
-        None,
-        "keep_end",
-    )
+    assert PreferenceConfig(stage="orpo").truncation_mode == "keep_start"  # ORPOConfig: max_length alone
     assert PreferenceConfig(stage="kto").loss_type == ["kto"]
     assert (simpo.loss_type, simpo.cpo_alpha, simpo.simpo_gamma) == (["simpo"], 1.0, 0.5)
     assert PreferenceConfig(stage="orpo").needs_reference is False
@@ -529,8 +524,7 @@ def test_a_validated_config_validates_again(stage):
         (dict(discopop_tau=0.0), "discopop_tau"),
         (dict(cpo_alpha=-0.1), "cpo_alpha"),
         (dict(desirable_weight=0.0, undesirable_weight=0.0), "desirable_weight"),
-        (dict(stage="orpo", max_prompt_length=0), "max_prompt_length"),
-        (dict(stage="orpo", max_completion_length=2.5), "max_completion_length"),
+        (dict(stage="simpo", truncation_mode="keep_end"), "truncation_mode"),
         (dict(truncation_mode="keep_middle"), "truncation_mode"),
     ],
 )

@@ -144,3 +144,61 @@ def test_a_causal_lm_starts_a_reward_model_and_eval_reports_trl_metrics(tmp_path
         assert last[f"eval_{k}"] == pytest.approx(want, rel=1e-5, abs=1e-6), k
     with pytest.raises(ConfigError, match="a sequence-classification model .* trains with stage rm"):
         run(tmp_path, data, name="dpo", stage="dpo", model_name_or_path=str(out / "final"))
+
+
+@pytest.mark.slow
+def test_two_processes_take_min_and_max_reward_over_both_as_trl(tmp_path):
+    """Two gloo processes of B pairs a micro-batch against one process of 2B: rank r's micro-batch
+    is the r-th half of the one process's, and TRL's min_reward / max_reward are over every
+    process's batch at once, so both runs log the same figures, in training and evaluation; each
+    rank's own extremes averaged (which the data makes differ) would not."""
+    from test_checkpoint import write_yaml
+    from test_distributed import launch
+
+    reward_model().save_pretrained(tmp_path / "model")
+    rows = pairs(2 * B * STEPS, seed=3)
+    data = write(tmp_path / "pairs.jsonl", rows)
+    kw = dict(eval_dataset=data, eval_steps=STEPS, gradient_accumulation_steps=1)
+    one, out_one = run(tmp_path, data, "one", per_device_train_batch_size=2 * B, **kw)
+    cfg = dict(
+        stage="rm", model_name_or_path=str(tmp_path / "model"), dataset=data, per_device_train_batch_size=B,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", weight_decay=WD,
+        max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32", disable_tqdm=True,
+        max_length=64, center_rewards_coefficient=CENTER, **kw,
+    )  # fmt: skip
+    proc = launch(write_yaml(tmp_path / "run.yaml", cfg), f"output_dir={tmp_path / 'two'}")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    two = [r for r in records if "loss" in r]
+    (got_eval,) = [r for r in records if "eval_loss" in r]
+    (want_eval,) = [
+        json.loads(line)
+        for line in (out_one / "metrics.jsonl").read_text().splitlines()
+        if "eval_loss" in line
+    ]
+    assert len(two) == len(one) == STEPS
+    names = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+    for got, want in zip(two, one):
+        for k in names:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (got["step"], k)
+    for k in names[2:]:
+        assert got_eval[f"eval_{k}"] == pytest.approx(want_eval[f"eval_{k}"], rel=1e-5, abs=1e-6), k
+    # the weights as close as this file's TRL comparison asks: the two sum a gradient in other
+    # orders, and AdamW's first steps turn a near-0 entry's rounding into lr x its sign (2 of the
+    # 6,208 embedding entries 5e-6 apart, all else under 6e-7)
+    final, final_one = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "two", out_one))
+    assert final.keys() == final_one.keys()
+    for k in final:
+        torch.testing.assert_close(
+            final[k], final_one[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}"
+        )
+    # The extremes of the final model's rewards over the eval pairs: each half's averaged differs.
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(out_one / "final").float().eval()
+    with torch.no_grad():
+        halves = [trl_loss(model, rows[a : a + B])[1] for a in range(0, len(rows), B)]
+        whole = [trl_loss(model, rows[a : a + 2 * B])[1] for a in range(0, len(rows), 2 * B)]
+    for k in ("min_reward", "max_reward"):
+        assert want_eval[f"eval_{k}"] == pytest.approx(
+            sum(m[k] for m in whole) / len(whole), rel=1e-5, abs=1e-6
+        )
+        assert abs(sum(m[k] for m in halves) / len(halves) - want_eval[f"eval_{k}"]) > 1e-3, k

@@ -6,7 +6,8 @@ final weights must agree. A TRL release that changes a formula fails here.
 TRL tokenises text itself; the data here is megatrain's pre-tokenised form, handed to TRL's
 trainer as the token ids its own preprocessing would produce (`_prepare_dataset` left out; ORPO's
 and CPO's `tokenize_row` given the ids), so the two sides see the same ids whatever either's
-tokenisation. Stages: SFT (SFTTrainer), DPO (every loss type), KTO, ORPO and SimPO (trl.experimental's
+tokenisation; that each trainer's own text preprocessing gives megatrain's ids is tested apart,
+on text and conversational records (the `*_records_are_tokenised_as_trls` tests). Stages: SFT (SFTTrainer), DPO (every loss type), KTO, ORPO and SimPO (trl.experimental's
 ORPOTrainer and CPOTrainer), and GRPO: GRPOTrainer on the completions megatrain sampled (its
 `rollout_func`), scored by the same reward functions."""
 
@@ -462,6 +463,72 @@ def test_kto_records_are_tokenised_as_trls(tmp_path, form, max_length):
     assert len(theirs) == 2 * len(records) - 2 * (max_length is not None)  # a pair's two, unpaired
     assert [ex["label"] for ex in trainer.train_dataset] == [e.label for e in examples]
     assert [[ours(e.sequence), ours(e.kl)] for e in examples] == theirs
+
+
+# ORPO's and CPO's tokenize_row on text, conversational and implicit-prompt records: a prompt
+# ending mid-word whose last tokens merge with the chosen completion's first but not with the
+# rejected one's (each side its own prompt), a completion ending with the EOS; with max_length 28
+# completions cut and in each form one prompt that fills it (TRL keeps it, empty; megatrain
+# leaves it out: docs/preference.md).
+LONG = "Pip the rabbit ran to the old house by the river at night, far from the wood."
+ANSWER_RECORDS = {
+    "text": PREF_RECORDS["text"] + [
+        {"prompt": "Pip ran to the ho", "chosen": "use.", "rejected": " river."},
+        {"prompt": "The cat sa", "chosen": "t down on the warm mat by the door.", "rejected": "ng."},
+    ],
+    "conversational": PREF_RECORDS["conversational"] + [
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": LONG}],
+         "chosen": [{"role": "assistant", "content": "Home."}], "rejected": [{"role": "assistant", "content": "No."}]},
+    ],
+    "implicit text": [
+        {"chosen": "The cat sat. It purred.", "rejected": "The cat sat. purred It."},
+        {"chosen": "Pip ran to the house by the river and slept there all night, warm and dry.",
+         "rejected": "Pip ran to the hill."},
+        {"chosen": LONG + " Home.", "rejected": LONG + " Away."},
+    ],
+    "implicit conversational": [
+        {"chosen": [USER, {"role": "assistant", "content": "In a burrow by the river."}],
+         "rejected": [USER, {"role": "assistant", "content": "Nowhere."}]},
+        {"chosen": [{"role": "user", "content": LONG}, {"role": "assistant", "content": "Yes."}],
+         "rejected": [{"role": "user", "content": LONG}, {"role": "assistant", "content": "No."}]},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("max_length", [1024, 28])
+@pytest.mark.parametrize("form", list(ANSWER_RECORDS))
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+@pytest.mark.parametrize("stage", ["orpo", "simpo"])
+def test_orpo_and_simpo_records_are_tokenised_as_trls(tmp_path, stage, template, form, max_length):
+    """trl.experimental's ORPOTrainer and CPOTrainer (loss_type simpo) build their train_dataset
+    (maybe_extract_prompt, maybe_apply_chat_template, tokenize_row: prompt + completion tokenised
+    together, the BOS and EOS ids added where missing, the completion cut to max_length) with the
+    ids and labels megatrain's pairs have, under a template that writes the BOS and its own
+    end-of-turn EOS (llama3) and one that writes neither (chatml)."""
+    records, tok = ANSWER_RECORDS[form], tiny_tokenizer(template)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = TrainConfig(model_config="unused", dataset=str(data), stage=stage)
+    pairs_ = build_preference_pairs([data], tok, cfg.preference().limits(max_length))
+    if stage == "orpo":
+        args = trl_args(tmp_path, ORPOConfig, max_length=max_length)
+        trainer = trl.experimental.orpo.ORPOTrainer(model=model(), args=args, train_dataset=Dataset.from_list(records),
+                                                    processing_class=tok)  # fmt: skip
+    else:
+        args = trl_args(tmp_path, CPOConfig, max_length=max_length, loss_type="simpo")
+        trainer = trl.experimental.cpo.CPOTrainer(model=model(), args=args, train_dataset=Dataset.from_list(records),
+                                                  processing_class=tok)  # fmt: skip
+    theirs = [[(r[f"{k}_input_ids"], [int(x != -100) for x in r[f"{k}_labels"]]) for k in ("chosen", "rejected")]
+              for r in trainer.train_dataset]  # fmt: skip
+    kept = [i for i, row in enumerate(theirs) if all(any(mask) for _, mask in row)]
+    assert [p.source for p in pairs_] == [f"{data}:{i + 1}" for i in kept]
+    assert [[ours(p.chosen), ours(p.rejected)] for p in pairs_] == [theirs[i] for i in kept]
+    if max_length == 28:  # the limits are exercised: a pair left out, a completion cut
+        assert len(kept) < len(records)
+        assert any(len(ids) == 28 for p in pairs_ for ids in (p.chosen.input_ids, p.rejected.input_ids))
+    if form == "text":  # "ho": chosen's prompt lost its last token, merged into " house"; rejected's kept it
+        (p,) = [p for p in pairs_ if p.source == f"{data}:5"]
+        assert p.rejected.prompt_length == p.chosen.prompt_length + 1
 
 
 def test_dpo_is_as_close_to_fp64_as_trls(pair_data, tmp_path):

@@ -302,7 +302,7 @@ def test_dpo_pairs_are_trls_vision_collation(model, tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     vision = VisionData(processor)
-    pairs = build_preference_pairs([data], processor.tokenizer, Limits(128, joint=True), vision=vision)
+    pairs = build_preference_pairs([data], processor.tokenizer, Limits(128, rule="joint"), vision=vision)
     collate = DataCollatorForVisionPreference(processor=processor)
     for pair, rec in zip(pairs, records):
         image = decode(str(tmp_path / rec["images"][0]), "test")
@@ -344,7 +344,7 @@ def test_dpo_with_images_trains_from_transformers_reference_logps(model, tmp_pat
     from megatrain.data.preference import Limits, build_preference_pairs
 
     pairs = build_preference_pairs(
-        [data], processor.tokenizer, Limits(128, joint=True), vision=VisionData(processor)
+        [data], processor.tokenizer, Limits(128, rule="joint"), vision=VisionData(processor)
     )
     for i, pair in enumerate(pairs):
         pixels = VisionData(processor).pixels([[("t", pair.images)]])

@@ -11,14 +11,19 @@ Unpaired records (stage kto): {"prompt", "completion", "label": true|false}, its
 {"prompt_input_ids", "completion_input_ids", "label"}, or any paired file (unpaired as TRL's
 unpair_preference_dataset does it).
 
-Tokenisation (Limits.joint): stages dpo and kto follow TRL 1.16's DPOTrainer and KTOTrainer,
-prompt + completion tokenised together (chat.joint_prompt_completions, SFT's rule), the completion
-starting where that parts from the prompt's own tokenisation; chosen and rejected keep the shorter
-of their two prompts. orpo, simpo and rm follow TRL 0.27.2's DPOTrainer (trl.experimental's ORPO
-and CPO trainers still do): a conversation's prompt is rendered with the generation prompt and
-each completion is what the chat template writes after it (its end-of-turn token included, no EOS
-added); standard text gets the tokenizer's EOS after each completion; prompt and completion are
-tokenised apart, a standard prompt with the BOS the tokenizer adds by default.
+Tokenisation (Limits.rule), TRL's trainer of each stage:
+  joint (dpo, kto: TRL 1.16's DPOTrainer and KTOTrainer): prompt + completion tokenised together
+    (chat.joint_prompt_completions, SFT's rule), the completion starting where that parts from the
+    prompt's own tokenisation; chosen and rejected keep the shorter of their two prompts.
+  answer (orpo, simpo: TRL 1.16's ORPOTrainer and CPOTrainer, `tokenize_row`): prompt + completion
+    tokenised together without special tokens, the completion starting at the prompt's own length
+    (one token before where the last merged across the boundary), each side its own prompt; then
+    the BOS id before a prompt that does not start with it and the EOS id after a completion that
+    does not end with it, rendered conversations too.
+  apart (rm: TRL 0.27.2's DPOTrainer): prompt and completion tokenised apart, a standard prompt
+    with the BOS the tokenizer adds by default, a standard completion with the EOS after it.
+A conversation's prompt is rendered with the generation prompt and each completion is what the
+chat template writes after it (render_completions), in every rule.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from .sources import DataFile, read_records
 log = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
+RULES = ("joint", "answer", "apart")  # how prompt and completion are tokenised (Limits)
 # TRL unpairs a paired dataset through datasets.map's default batches of 1000 rows: each batch
 # lists its chosen completions, then its rejected ones. The KL pairs are made from that order.
 UNPAIR_BLOCK = 1000
@@ -103,19 +109,17 @@ class UnpairedExample:
 
 @dataclass(frozen=True)
 class Limits:
-    """How prompt and completion become one sequence, and its length limits. `joint` (TRL 1.16's
-    DPOTrainer and KTOTrainer): prompt + completion tokenised together, the completion starting
-    where the joint tokenisation leaves the prompt (chat.joint_prompt_completions), then a
-    sequence over `max_length` keeps its first (keep_start) or last (keep_end) max_length tokens.
-    Otherwise (TRL 0.x's DPOTrainer, which stages orpo, simpo and rm follow): prompt and completion
-    tokenised apart, the prompt keeps its last `max_prompt_length` tokens and each completion its
-    first `max_completion_length` before that cut. None: no limit."""
+    """How prompt and completion become one sequence (`rule`, the module docstring's), and its
+    length limits: a sequence over `max_length` keeps its first (keep_start) or last (keep_end)
+    max_length tokens. Under rule apart (TRL 0.x's DPOTrainer) the prompt first keeps its last
+    `max_prompt_length` tokens and each completion its first `max_completion_length`; the other
+    rules have neither (TRL 1.16's trainers: max_length alone). None: no limit."""
 
     max_length: int | None
     max_prompt_length: int | None = None
     max_completion_length: int | None = None
     truncation_mode: str = "keep_end"
-    joint: bool = False
+    rule: str = "apart"
 
     def __post_init__(self):
         for key in ("max_length", "max_prompt_length", "max_completion_length"):
@@ -126,7 +130,9 @@ class Limits:
             raise ConfigError(
                 f"truncation_mode: must be one of {', '.join(TRUNCATION_MODES)} (got {self.truncation_mode!r})"
             )
-        if self.joint and (self.max_prompt_length, self.max_completion_length) != (None, None):
+        if self.rule not in RULES:
+            raise ValueError(f"tokenisation rule {self.rule!r}: one of {RULES}")
+        if self.rule != "apart" and (self.max_prompt_length, self.max_completion_length) != (None, None):
             raise ConfigError(
                 "max_prompt_length, max_completion_length: not with prompt + completion tokenised together"
             )
@@ -216,21 +222,17 @@ def build_preference_pairs(
     `vocab_size` (default: the tokenizer's size). `vision`: a vision-language model's processor
     (data/vision.py's `VisionData.pair`), which reads the records' images."""
     pairs, skipped = [], []
-    for where, prompt, (chosen, rejected), _, margin, images in _encoded(
-        paths, tokenizer, vocab_size, limits.joint, paired_only=True, vision=vision
+    for where, prompts, completions, _, margin, images in _encoded(
+        paths, tokenizer, vocab_size, limits.rule, paired_only=True, vision=vision
     ):
-        if (
-            images
-            and limits.max_length is not None
-            and len(prompt) + max(len(chosen), len(rejected)) > limits.max_length
-        ):
+        longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        if images and limits.max_length is not None and longest > limits.max_length:
             raise DataError(
-                f"{where}: the pair has {len(prompt) + max(len(chosen), len(rejected))} tokens with its images', "
+                f"{where}: the pair has {longest} tokens with its images', "
                 f"more than max_length {limits.max_length}; pairs with images are not cut (raise max_length)"
             )
-        pair = PreferencePair(
-            limits.cut(prompt, chosen), limits.cut(prompt, rejected), where, margin, images or None
-        )
+        chosen, rejected = (limits.cut(p, c) for p, c in zip(prompts, completions))
+        pair = PreferencePair(chosen, rejected, where, margin, images or None)
         if pair.chosen.n_targets and pair.rejected.n_targets:
             pairs.append(pair)
         else:
@@ -259,7 +261,7 @@ def build_unpaired_examples(
         )
     kept, skipped = [], []
     for where, prompt, completion, label in _unpaired(
-        _encoded(paths, tokenizer, vocab_size, limits.joint, paired_only=False)
+        _encoded(paths, tokenizer, vocab_size, limits.rule, paired_only=False)
     ):
         example = UnpairedExample(limits.cut(prompt, completion), label, where)
         if example.sequence.n_targets:
@@ -293,11 +295,11 @@ def _unpaired(records):
     """(where, prompt, completion, label) per example: a paired record gives a chosen (label true)
     and a rejected (false) example, the chosen ones first within each UNPAIR_BLOCK records."""
     block: list = []
-    for where, prompt, completions, label, _, _ in records:
+    for where, prompts, completions, label, _, _ in records:
         if label is not None:
-            yield where, prompt, completions[0], label
+            yield where, prompts[0], completions[0], label
             continue
-        block.append((where, prompt, completions))
+        block.append((where, prompts, completions))
         if len(block) == UNPAIR_BLOCK:
             yield from _unpair(block)
             block = []
@@ -306,8 +308,8 @@ def _unpaired(records):
 
 def _unpair(block):
     for side, label in ((0, True), (1, False)):
-        for where, prompt, completions in block:
-            yield where, prompt, completions[side], label
+        for where, prompts, completions in block:
+            yield where, prompts[side], completions[side], label
 
 
 # ------------------------------------------------------------------------ reading and tokenising
@@ -321,10 +323,11 @@ class _Text:
     chat: bool
 
 
-def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only: bool, vision=None):
-    """(file:line, prompt ids, completion ids (chosen and rejected, or one), label or None, margin,
-    images) per record, in order; text tokenised as `joint` says (Limits), a record with images
-    as TRL's vision collator does (`VisionData.pair`). `paired_only` refuses unpaired files."""
+def _encoded(paths, tokenizer, vocab_size: int | None, rule: str, paired_only: bool, vision=None):
+    """(file:line, prompt ids of each completion, completion ids (chosen and rejected, or one),
+    label or None, margin, images) per record, in order; text tokenised as `rule` says (Limits), a
+    record with images as TRL's vision collator does (`VisionData.pair`). `paired_only` refuses
+    unpaired files."""
     if vocab_size is None:
         vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
     for path in paths:
@@ -341,7 +344,7 @@ def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only:
                 keys = ("prompt_input_ids", "completion_input_ids") if unpaired else PAIRED_TOKEN_KEYS
                 for (where, rec), label in zip(chunk, labels):
                     prompt, *completions = (_ids(rec, k, where, vocab_size) for k in keys)
-                    yield where, prompt, completions, label, _margin(rec, where), ()
+                    yield where, [prompt] * len(completions), completions, label, _margin(rec, where), ()
                 continue
             split = [(where, *_split(rec, where, not unpaired)) for where, rec in chunk]
             images = [images_of(rec, where, DataFile(Path(path))) for where, rec in chunk]
@@ -355,7 +358,7 @@ def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only:
                     _check_vocab(where, (ids, *done), vocab_size)
                     yield (
                         where,
-                        ids,
+                        [ids] * len(done),
                         done,
                         label,
                         _margin(rec, where),
@@ -364,14 +367,14 @@ def _encoded(paths, tokenizer, vocab_size: int | None, joint: bool, paired_only:
                 continue
             margins = [_margin(rec, where) for where, rec in chunk]
             split = [(w, _plain(p), [_plain(c) for c in cs]) for w, p, cs in split]  # a text model's turns
-            encoded = (
-                _joint(tokenizer, split)
-                if joint
-                else _tokenize(tokenizer, [_text(tokenizer, *x) for x in split])
-            )
-            for (where, *_), (prompt, completions), label, margin in zip(split, encoded, labels, margins):
-                _check_vocab(where, (prompt, *completions), vocab_size)
-                yield where, prompt, completions, label, margin, ()
+            if rule == "joint":
+                encoded = _joint(tokenizer, split)
+            else:
+                texts = [_text(tokenizer, *x) for x in split]
+                encoded = _answers(tokenizer, texts) if rule == "answer" else _tokenize(tokenizer, texts)
+            for (where, *_), (prompts, completions), label, margin in zip(split, encoded, labels, margins):
+                _check_vocab(where, (*prompts, *completions), vocab_size)
+                yield where, prompts, completions, label, margin, ()
 
 
 def _plain(x):
@@ -498,7 +501,7 @@ def _require_tokenizer(tokenizer, where: str, prompt) -> None:
             )
 
 
-def _joint(tokenizer, records: list[tuple]) -> list[tuple[list[int], list[list[int]]]]:
+def _joint(tokenizer, records: list[tuple]) -> list[tuple[list[list[int]], list[list[int]]]]:
     """TRL 1.16's DPOTrainer and KTOTrainer: for each (file:line, prompt, completions) record, each
     completion tokenised with its prompt (chat.joint_prompt_completions); the prompt tokens are
     what all of them keep of it, the shortest (chosen and rejected share them), as TRL takes them."""
@@ -514,7 +517,7 @@ def _joint(tokenizer, records: list[tuple]) -> list[tuple[list[int], list[list[i
     for _, _, completions in records:
         row = [next(seqs) for _ in completions]
         n = min(p for _, p in row)
-        out.append((row[0][0][:n], [ids[n:] for ids, _ in row]))
+        out.append(([row[0][0][:n]] * len(row), [ids[n:] for ids, _ in row]))
     return out
 
 
@@ -525,7 +528,7 @@ def _text(tokenizer, where: str, prompt, completions) -> _Text:
     return _Text(where, *render_completions(tokenizer, prompt, completions, where), chat=True)
 
 
-def _tokenize(tokenizer, texts: list[_Text]) -> list[tuple[list[int], list[list[int]]]]:
+def _tokenize(tokenizer, texts: list[_Text]) -> list[tuple[list[list[int]], list[list[int]]]]:
     """Token ids of each record's prompt and completions, in two batched tokenizer calls.
 
     A standard prompt gets the tokenizer's default special tokens (its BOS) and each standard
@@ -539,7 +542,44 @@ def _tokenize(tokenizer, texts: list[_Text]) -> list[tuple[list[int], list[list[
     out = []
     for x in texts:
         prompt = list(next(plain) if x.chat else next(with_bos))
-        out.append((prompt, [list(next(plain)) + ([] if x.chat else eos) for _ in x.completions]))
+        completions = [list(next(plain)) + ([] if x.chat else eos) for _ in x.completions]
+        out.append(([prompt] * len(completions), completions))
+    return out
+
+
+def _answers(tokenizer, texts: list[_Text]) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """TRL 1.16's ORPOTrainer and CPOTrainer (`tokenize_row`, `build_tokenized_answer`), in two
+    batched tokenizer calls: each completion tokenised with its prompt, no special tokens; its
+    prompt is the joint tokens up to the prompt's own length, one fewer where the last of those
+    differs (a token merged across the boundary); the BOS id goes before a prompt that does not
+    start with it and the EOS id after a completion that does not end with it (a rendered
+    conversation's too). As TRL refuses them, chosen and rejected prompts more than one token
+    apart are an error."""
+    own = tokenizer([x.prompt for x in texts], add_special_tokens=False)["input_ids"]
+    joint = iter(
+        tokenizer([x.prompt + c for x in texts for c in x.completions], add_special_tokens=False)["input_ids"]
+    )
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out = []
+    for x, prompt in zip(texts, own):
+        prompts, completions = [], []
+        for _ in x.completions:
+            ids = list(next(joint))
+            n = len(prompt) - (ids[: len(prompt)] != prompt)
+            prompts.append(ids[:n])
+            completions.append(ids[n:])
+        if len(prompts) == 2 and (
+            abs(len(prompts[0]) - len(prompts[1])) > 1 or sum(a != b for a, b in zip(*prompts)) > 1
+        ):
+            raise DataError(
+                f"{x.where}: the prompt tokenises with chosen and with rejected more than one token apart "
+                "(TRL's ORPO and CPO trainers refuse it)"
+            )
+        if bos is not None:
+            prompts = [p if p[:1] == [bos] else [bos, *p] for p in prompts]
+        if eos is not None:
+            completions = [c if c[-1:] == [eos] else [*c, eos] for c in completions]
+        out.append((prompts, completions))
     return out
 
 

@@ -45,13 +45,18 @@ class Objective(ABC):
         scalar), whose ratio to their summed `count` is the loss; the chunks `loss_and_grads` runs,
         in the same order."""
 
-    def take_metrics(self) -> dict[str, tuple[float, int]]:
-        """The metrics of the micro-batches seen since the last call, by name (TRL's): (their sum,
-        how many micro-batches gave one), which callers sum over ranks and divide. None unless the
-        objective `record`s some: cross-entropy's loss is the trainer's own record."""
+    extremes: dict[str, str] = {}
+    """Metrics TRL takes over every process's batch at once, name -> "min" or "max": each
+    micro-batch's value meets the other ranks' of its place in the step (metrics.mean_metrics)."""
+
+    def take_metrics(self) -> dict[str, tuple[str, list[float]]]:
+        """The metrics of the micro-batches seen since the last call, by name (TRL's): how they
+        meet over the ranks ("mean", or `extremes`'), and each micro-batch's value in order, which
+        metrics.mean_metrics reduces. None unless the objective `record`s some: cross-entropy's
+        loss is the trainer's own record."""
         taken = getattr(self, "_metrics", {})
         self._metrics: dict[str, list[float]] = {}
-        return {k: (sum(v), len(v)) for k, v in taken.items()}
+        return {k: (self.extremes.get(k, "mean"), v) for k, v in taken.items()}
 
     def record(self, metrics: dict[str, float]) -> None:
         """Add one micro-batch's (or one step's) metrics for `take_metrics`."""

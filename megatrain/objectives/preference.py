@@ -40,10 +40,12 @@ DPO_LOSS_TYPES = (
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 # The loss types each stage takes, its default first; orpo has its one loss and no loss_type.
 LOSS_TYPES = {"dpo": DPO_LOSS_TYPES, "kto": KTO_LOSS_TYPES, "orpo": (), "simpo": ("simpo",)}
-# The stages that follow TRL 1.16's tokenisation (prompt + completion together, max_length the one
-# bound, keep_start by default); orpo and simpo follow trl.experimental's ORPO and CPO trainers,
-# which keep TRL 0.x's (prompt and completion apart, max_prompt_length, keep_end).
-JOINT_STAGES = ("dpo", "kto")
+# How each stage's TRL 1.16 trainer tokenises prompt + completion (data/preference.py's rules):
+# DPOTrainer and KTOTrainer as SFT does, ORPOTrainer and CPOTrainer by their `tokenize_row`. In
+# all of them max_length is the one bound (no max_prompt_length), keep_start by default.
+TOKENISATION = {"dpo": "joint", "kto": "joint", "orpo": "answer", "simpo": "answer"}
+# The trainers among them without a truncation_mode: a sequence keeps its first max_length tokens.
+KEEP_START_ONLY = {"kto": "KTOTrainer", "orpo": "ORPOTrainer", "simpo": "CPOTrainer"}
 
 
 @dataclass
@@ -74,13 +76,9 @@ class PreferenceConfig:
     """kto: weight of the losses of desirable (label true) examples."""
     undesirable_weight: float = 1.0
     """kto: weight of the losses of undesirable (label false) examples."""
-    max_prompt_length: int | None = 512
-    """orpo, simpo: prompt tokens kept (its last ones); null: all. dpo and kto have none (TRL 1.x)."""
-    max_completion_length: int | None = None
-    """orpo, simpo: completion tokens kept (its first ones); null: all. dpo and kto have none."""
     truncation_mode: str | None = None
-    """What of a prompt + completion over max_length is kept: keep_start (default for dpo, kto's
-    only one: TRL 1.16) or keep_end (default for orpo, simpo)."""
+    """What of a prompt + completion over max_length is kept: keep_start (the default; kto's,
+    orpo's and simpo's only one: TRL 1.16) or, for dpo, keep_end."""
 
     def __post_init__(self):
         def bad(key, why):
@@ -121,11 +119,11 @@ class PreferenceConfig:
         if self.desirable_weight == self.undesirable_weight == 0:
             bad("desirable_weight", "and undesirable_weight cannot both be 0")
         if self.truncation_mode is None:
-            self.truncation_mode = "keep_start" if self.stage in JOINT_STAGES else "keep_end"
-        if self.stage == "kto" and self.truncation_mode != "keep_start":
+            self.truncation_mode = "keep_start"
+        if self.stage in KEEP_START_ONLY and self.truncation_mode != "keep_start":
             bad(
                 "truncation_mode",
-                "TRL 1.x's KTOTrainer has none: a sequence keeps its first max_length tokens",
+                f"TRL 1.x's {KEEP_START_ONLY[self.stage]} has none: a sequence keeps its first max_length tokens",
             )
         self.limits(None)
 
@@ -147,9 +145,7 @@ class PreferenceConfig:
 
     def limits(self, max_length: int | None) -> Limits:
         """The data's tokenisation and length limits with the run's max_length."""
-        if self.stage in JOINT_STAGES:
-            return Limits(max_length, truncation_mode=self.truncation_mode, joint=True)
-        return Limits(max_length, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
+        return Limits(max_length, truncation_mode=self.truncation_mode, rule=TOKENISATION[self.stage])
 
     @property
     def needs_reference(self) -> bool:

@@ -8,7 +8,8 @@ micro-batch's loss is TRL's Bradley-Terry loss over its pairs,
 mean((chosen + rejected)^2)` where that is set; the step's is the mean of its micro-batches' (TRL's
 gradient accumulation: `count` is 1 a micro-batch). Metrics, TRL's names: accuracy, margin (of the
 rewards, without the margin column), min_reward, mean_reward, max_reward, each micro-batch's, which
-the log averages (TRL takes min and max over every process's batch at once; here each rank's).
+the log averages; min_reward and max_reward are first taken over the ranks' micro-batches of the
+same place in the step, as TRL takes them over every process's batch at once (`extremes`).
 
 The loss takes two passes over the head, as the preference stages' do, on the scored tokens'
 hidden states alone: `Head.forward` for the rewards, the loss and its derivative w.r.t. each
@@ -89,6 +90,8 @@ def reward_metrics(chosen: Tensor, rejected: Tensor) -> dict[str, float]:
 
 class Reward(Objective):
     """The reward model's loss of `cfg` over micro-batches of scored pairs."""
+
+    extremes = {"min_reward": "min", "max_reward": "max"}
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
