@@ -70,10 +70,10 @@ def device_state(
     moments zero where `zero_moments` (the host's are, untouched: reading them would map every
     page), else copied."""
     halves = state.halves(unit)
-    n = halves.numel()
-    master = fetch_join_(halves, torch.empty(n, device=device), landing)
+    n, f32 = halves.numel(), torch.float32
+    master = fetch_join_(halves, torch.empty(n, dtype=f32, device=device), landing)
     if zero_moments:
-        return master, torch.zeros(n, device=device), torch.zeros(n, device=device)
+        return master, torch.zeros(n, dtype=f32, device=device), torch.zeros(n, dtype=f32, device=device)
     m, v = (state.flat(unit, w).to(device, non_blocking=True) for w in MOMENTS)
     return master, m, v
 
