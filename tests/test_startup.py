@@ -160,3 +160,37 @@ def test_the_bench_reads_the_trainers_ready_line():
     }
     assert startup.parse_ready("megatrain: step 1 loss 2.3") is None
     assert "| **total** | **162.0** |" in startup.table(got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("resumed", [False, True])
+def test_the_gpu_resident_state_is_the_hosts_bits(resumed):
+    """On CUDA, build_model's resident units hold the host's master weights (joined on the GPU from
+    the halves, through a landing slot smaller than a unit) and its moments: zero made there, or a
+    resume's (`after_load`) copied; the parts of the setup are timed."""
+    from megatrain.planning.placement import Plan
+
+    cfg = ModelConfig.from_hf(tiny_config("llama", vocab_size=512, hidden_size=256, intermediate_size=640))
+    plan = Plan("cuda", "stored", 5, 3, 0, 0, 100, staging_elems=1000)
+
+    def moments(state: HostState) -> None:
+        gen = torch.Generator().manual_seed(1)
+        for w in MOMENTS:
+            getattr(state, w).copy_(torch.rand(state.numel, generator=gen))
+
+    timings: dict[str, float] = {}
+    model = runtime.build_model(
+        cfg, seed=2, device="cuda", plan=plan, compile=False, timings=timings,
+        after_load=moments if resumed else None,
+    )  # fmt: skip
+    try:
+        assert len(model.transport.resident) == 3
+        for i, (p, m, v) in model.transport.resident.items():
+            u = model.state.units[i]
+            assert torch.equal(_bits(p.cpu()), _bits(model.state.master(u)))
+            assert torch.equal(m.cpu(), model.state.flat(u, "exp_avg"))
+            assert torch.equal(v.cpu(), model.state.flat(u, "exp_avg_sq"))
+            assert m.any() == resumed
+        assert {"page-locking the host memory", "the GPU-resident state"} <= set(timings)
+    finally:
+        model.close()
