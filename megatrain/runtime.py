@@ -188,7 +188,8 @@ def build_model(
     transport copies any of it to the device. `objective`: the loss the engine computes
     (objectives/; default: next-token cross-entropy). `offload_dir`: where the plan's disk tier
     (`plan.disk_units`) goes, a folder or one per drive (host/disk.py). `timings` gets the
-    seconds of its parts: the host state, its weights, the device's engine."""
+    seconds of its parts: the host state, its weights, on CUDA the host memory's page-locking and
+    the GPU-resident state, and the rest of the device's engine."""
     clock = _Clock(timings)
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
@@ -233,8 +234,17 @@ def build_model(
     if device.type == "cuda":
         threads = optimizer_threads(collective.local_world_size)
         transport = StreamingTransport(
-            state, opt, device, dtype, plan, overlap=overlap, threads=threads, collective=collective
+            state,
+            opt,
+            device,
+            dtype,
+            plan,
+            overlap=overlap,
+            threads=threads,
+            collective=collective,
+            zero_moments=after_load is None,  # nothing but after_load writes moments before this
         )
+        clock.parts(transport.setup_s)
     else:
         if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands
             torch.set_num_threads(cpu_threads(collective.local_world_size))
@@ -260,3 +270,11 @@ class _Clock:
         if self.into is not None:
             self.into[name] = self.into.get(name, 0.0) + now - self.t
         self.t = now
+
+    def parts(self, seconds: dict[str, float]) -> None:
+        """Parts of the time since the last mark, timed by the code that ran (each a part of its
+        own, out of the next mark's)."""
+        for name, s in seconds.items():
+            if self.into is not None:
+                self.into[name] = self.into.get(name, 0.0) + s
+            self.t += s

@@ -72,6 +72,7 @@ from .trackers import RunInfo
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+PLAN_PART = "the memory plan"  # of the "ready for step" line: preflight, its probe of a layer included
 # Settings whose change between a checkpoint and its resume makes the continuation differ from
 # an uninterrupted run; changing them is allowed, with a warning.
 # fmt: off
@@ -149,10 +150,12 @@ class _Inputs:
     saves: SaveSchedule
 
 
-def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, compute_dtype) -> _Inputs:
+def _check_inputs(
+    cfg: TrainConfig, world: Collective, device: torch.device, compute_dtype, timings: dict[str, float]
+) -> _Inputs:
     """Read and check everything a run takes (model, checkpoint, output_dir, tokenizer, data, eval
     data, memory plan, disk space), raising a one-line error at the first fault, before anything
-    is written."""
+    is written. `timings` gets the memory plan's seconds (its probe of a layer on the device)."""
     main = world.is_main
     say = print if main else lambda text: None  # every rank meets the same: the first one tells
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
@@ -239,9 +242,11 @@ def _check_inputs(cfg: TrainConfig, world: Collective, device: torch.device, com
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     docs = batcher.packed_lengths  # attention stays inside packed documents: its cost
     span = attention.span(docs, model_cfg.windows) if docs else None
+    t = time.monotonic()
     plan, machine = preflight(
         model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
     )
+    timings[PLAN_PART] = time.monotonic() - t
     if grpo is not None:
         check_cache(cfg.rollout_cache, model_cfg.hf_config, streamed=plan.rollout_layers is not None)
     saves = SaveSchedule.of(cfg, total_steps, steps_per_epoch)
@@ -479,8 +484,10 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     t = time.monotonic()
     compute_dtype = resolve_dtype(cfg.compute_dtype, device)
     main = world.is_main  # writes the outputs and shows progress
-    inputs = _check_inputs(cfg, world, device, compute_dtype)
-    timings["the inputs and the memory plan"] = time.monotonic() - t
+    planned: dict[str, float] = {}
+    inputs = _check_inputs(cfg, world, device, compute_dtype, planned)
+    timings["the inputs"] = time.monotonic() - t - planned[PLAN_PART]
+    timings.update(planned)
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
     rollout = (

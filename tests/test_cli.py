@@ -669,6 +669,15 @@ def test_the_time_to_the_first_step_is_told_by_part(tmp_path, capsys, monkeypatc
         return slow(*a, **kw)
 
     monkeypatch.setattr(runtime, "init_random", slow_init)
+    import megatrain.trainer as trainer
+
+    plan = trainer.preflight
+
+    def slow_plan(*a, **kw):
+        time.sleep(0.4)
+        return plan(*a, **kw)
+
+    monkeypatch.setattr(trainer, "preflight", slow_plan)
     base = make_run(tmp_path)
     train(TrainConfig(**base, output_dir=str(tmp_path / "out"), max_steps=1, save_strategy="no"))
     out, err = capsys.readouterr()
@@ -676,5 +685,6 @@ def test_the_time_to_the_first_step_is_told_by_part(tmp_path, capsys, monkeypatc
     total = float(re.search(r"ready for step 1 ([\d.]+) s after the command", line).group(1))
     parts = dict((k.strip(), float(v)) for k, v in re.findall(r"(?:: |, )([a-z ]+?) ([\d.]+)(?=,|$)", line))
     assert parts["the random weights"] >= 0.6, line
+    assert parts["the memory plan"] >= 0.4 and parts.get("the inputs", 0.0) < 0.4, line  # apart
     assert "imports and the command line" in parts, line  # (parts under 0.05 s are left out)
     assert abs(sum(parts.values()) - total) <= 0.05 * len(parts) + 0.1, line  # each part is rounded

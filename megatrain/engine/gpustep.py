@@ -43,7 +43,7 @@ import torch
 
 from ..host.hostmem import PAGE, Registration
 from ..host.moments import BLOCK
-from ..host.split import HALF_BYTES, HI, Halves, join_, split_, to_bf16
+from ..host.split import HALF_BYTES, HI, Halves, fetch_join_, split_, to_bf16
 from ..host.state import HostState, Unit
 from ..planning.footprint import STEP_SLOTS
 from .optim import AdamWConfig, adamw_range, chunk_ranges, clip_scaled
@@ -122,13 +122,8 @@ class GpuStepper:
 
     def _get_master(self, unit: Unit, a: int, b: int, p: torch.Tensor) -> None:
         """Queue on the current stream (the load stream) the master weights [a, b) of `unit` into
-        `p` (fp32 on the GPU): their halves copied in, then joined."""
-        for c in range(a, b, self.chunk):
-            d = min(b, c + self.chunk)
-            stage = self.landing[: d - c]
-            for dst, src in zip(stage, self.state.halves(unit, c, d)):
-                dst.copy_(src, non_blocking=True)
-            join_(stage, p[c - a : d - a])
+        `p` (fp32 on the GPU): their halves copied in through `landing`, then joined."""
+        fetch_join_(self.state.halves(unit, a, b), p, self.landing)
 
     def _put_master(self, unit: Unit, a: int, p: torch.Tensor, fresh: torch.Tensor | None = None) -> None:
         """Queue on the current stream (the step stream) `p`, the unit's fp32 master weights from

@@ -47,7 +47,7 @@ from typing import Protocol
 import torch
 
 from ..host.hostmem import Registration, host_buffer
-from ..host.split import HALF_BYTES, Halves, join_, split, to_bf16, to_device
+from ..host.split import HALF_BYTES, HI, LO, Halves, fetch_join_, join_, split, to_bf16, to_device
 from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
 from ..planning.placement import Plan, optimizer_threads
@@ -56,6 +56,26 @@ from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 from .rows import EmbeddingRows, RowsGrad
+
+PINNING, RESIDENT = "page-locking the host memory", "the GPU-resident state"  # `setup_s`'s parts
+
+
+def device_state(
+    state: HostState, unit: Unit, device, landing: Halves, zero_moments: bool
+) -> tuple[torch.Tensor, ...]:
+    """The fp32 master weights and moment buffers of `unit` (its part held here) as new tensors
+    on `device`, queued on the current stream: the weights as their halves, from page-locked host
+    memory through `landing` (on `device`), joined there (the same bits as a join on the host,
+    without the host's pass over them and a copy from pageable memory twice their size); the
+    moments zero where `zero_moments` (the host's are, untouched: reading them would map every
+    page; zero is every format's fresh state, an 8-bit block's codes and absmax too), else copied."""
+    halves = state.halves(unit)
+    master = fetch_join_(halves, torch.empty(halves.numel(), dtype=torch.float32, device=device), landing)
+    if zero_moments:
+        moments = (torch.zeros_like(state.flat(unit, w), device=device) for w in state.moment_names)
+    else:
+        moments = (state.flat(unit, w).to(device, non_blocking=True) for w in state.moment_names)
+    return (master, *moments)
 
 
 @dataclass
@@ -219,8 +239,14 @@ class StreamingTransport:
         overlap: bool = True,
         threads: int | None = None,
         collective: Collective | None = None,
+        zero_moments: bool = False,
     ):
+        """`zero_moments`: the host state's AdamW moments are all zero still (a run that resumes
+        none), so the GPU-resident units' moments are made zero on the device, not copied."""
         self.state, self.optimizer, self.plan = state, optimizer, plan
+        # Seconds of the parts of this setup that take them (build_model's `timings`).
+        self.setup_s: dict[str, float] = {}
+        t = time.monotonic()
         self.world = collective or Single()
         if plan.resident_units and self.world.layout.sharded:
             raise ValueError("sharded traffic keeps no fp32 state on the GPU (resident_units must be 0)")
@@ -249,6 +275,7 @@ class StreamingTransport:
                 cuts.append(off)
                 off += hi - lo
             self._registrations.append(Registration(buf, cuts))
+        self.setup_s[PINNING] = time.monotonic() - t
         self.chunk_elems = min(plan.staging_elems, max(u.numel for u in units))
         self.staging = [torch.empty(self.chunk_elems, pin_memory=True) for _ in range(2)]
         self._ready = {u.index: threading.Event() for u in units}
@@ -258,7 +285,9 @@ class StreamingTransport:
         # Gradients handed to the worker and still on the GPU: at most `inflight_units` at once.
         self._inflight = threading.BoundedSemaphore(max(1, plan.inflight_units))
         self.resident: dict[int, tuple[torch.Tensor, ...]] = {}  # master, then the moment buffers
-        self._make_resident(units[: plan.resident_units])
+        t = time.monotonic()
+        self._make_resident(units[: plan.resident_units], zero_moments)
+        self.setup_s[RESIDENT] = time.monotonic() - t
         stepped = [units[i] for i in plan.stepped]
         self.stepper = GpuStepper(
             state,
@@ -594,13 +623,13 @@ class StreamingTransport:
         return {i: tensors[0] for i, tensors in self.resident.items()}
 
     # ------------------------------------------------------------- device-resident units
-    def _make_resident(self, units: list[Unit]) -> None:
-        """Move the fp32 weights and moments of `units` to the device for good."""
+    def _make_resident(self, units: list[Unit], zero_moments: bool) -> None:
+        """Move the fp32 weights and moments of `units` to the device for good (`device_state`)."""
+        if not units:
+            return
+        landing = Halves(*(torch.empty(self.chunk_elems, dtype=d, device=self.device) for d in (HI, LO)))
         for u in units:
-            moments = (
-                self.state.flat(u, w).to(self.device, non_blocking=True) for w in self.state.moment_names
-            )
-            self.resident[u.index] = (self.state.master(u).to(self.device), *moments)
+            self.resident[u.index] = device_state(self.state, u, self.device, landing, zero_moments)
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:

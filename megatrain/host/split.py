@@ -127,6 +127,23 @@ def join_(halves: Halves, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()
+def fetch_join_(src: Halves, out: torch.Tensor, landing: Halves) -> torch.Tensor:
+    """Write the fp32 values `src` holds (in host memory) into `out` (on its device), a chunk of
+    `landing`'s length at a time: both halves copied into `landing` (on `out`'s device; queued on
+    the current stream, so from page-locked memory the copies do not block), then joined there."""
+    n, step = src.numel(), landing.numel()
+    if out.numel() != n:
+        raise ValueError(f"{n} halves for {out.numel()} fp32 elements")
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        stage = landing[: b - a]
+        for dst, part in zip(stage, src[a:b]):
+            dst.copy_(part, non_blocking=True)
+        join_(stage, out[a:b])
+    return out
+
+
 def join(halves: Halves) -> torch.Tensor:
     """The fp32 values `halves` hold: a new tensor of their shape on their device."""
     return join_(halves, torch.empty(halves.shape, dtype=torch.float32, device=halves.hi.device))

@@ -71,24 +71,53 @@ def new_score(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return {SCORE: torch.empty(cfg.num_labels, cfg.hidden_size).normal_(0.0, std, generator=gen)}
 
 
+# Elements of a parameter drawn at a time (a multiple of 16: see `draw_chunks`), so a unit's
+# draws and their split into the halves stay in cache and no parameter-sized fp32 copy is made.
+DRAW = 1 << 18
+
+
 def _per_unit(fn, units, desc: str, progress: bool) -> None:
-    """fn(unit) for every unit on a thread pool, with a progress bar; the first error is raised."""
-    workers = min(len(units), os.cpu_count() or 1, 32)
-    with (
-        ThreadPoolExecutor(workers) as pool,
-        tqdm(total=len(units), desc=desc, disable=not progress, unit="unit") as bar,
-    ):
-        for fut in as_completed([pool.submit(fn, u) for u in units]):
-            fut.result()
-            bar.update(1)
+    """fn(unit) for every unit on a thread pool, the largest first (the last to start is then a
+    small one: the pool's wall time is near the units' total over its threads), with a progress
+    bar; the first error is raised. Each unit's torch ops run on the cores the pool leaves per
+    thread (one where units outnumber cores): a thread per unit and an OpenMP team per op would
+    put the cores' square of threads on them."""
+    cores = os.cpu_count() or 1
+    workers = min(len(units), cores, 32)
+    order = sorted(units, key=lambda u: -u.numel)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(threads, cores // workers)))  # the pool's threads inherit it
+    try:
+        with (
+            ThreadPoolExecutor(workers) as pool,
+            tqdm(total=len(units), desc=desc, disable=not progress, unit="unit") as bar,
+        ):
+            for fut in as_completed([pool.submit(fn, u) for u in order]):
+                fut.result()
+                bar.update(1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def draw_chunks(n: int, chunk: int = DRAW) -> list[tuple[int, int]]:
+    """[a, b) ranges of `n` elements that torch's CPU `normal_` fills, one after the other from one
+    generator, with the same numbers as one call on all `n`: it draws a uniform per element, turns
+    each 16 in place into normals and, where `n` is no multiple of 16, draws the last 16 again. So
+    every range but the last is a multiple of 16 (`chunk` is), and the last at least 16 long
+    (tests/test_startup.py holds it)."""
+    bounds = list(range(0, n, chunk)) + [n]
+    if len(bounds) > 2 and n - bounds[-2] < 16:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = False) -> None:
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
     zeros for biases, ones for norms. Each unit draws from its own generator seeded from `seed`
-    and its index, so units fill in parallel threads and the result depends on the seed alone.
-    Other families are initialised by transformers' own rules (Gemma's norms are zero-centred,
-    for one), a unit at a time."""
+    and its index, so units fill in parallel threads and the result depends on the seed alone;
+    a parameter is drawn `DRAW` elements at a time, each split into the halves at once (the same
+    numbers as drawn whole: `draw_chunks`). Other families are initialised by transformers' own
+    rules (Gemma's norms are zero-centred, for one), a unit at a time."""
     from ..models.family import family_of
 
     if family_of(cfg).hf_init:
@@ -97,17 +126,19 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
 
     def fill(unit) -> None:
         gen = torch.Generator().manual_seed(seed * 100_003 + unit.index)
+        buf = torch.empty(DRAW + 16)
         for p in unit.params:
             # Drawn whole, also where the state holds a part of it, so every part holds the
             # numbers the whole state would (and the generator moves on as far).
-            v = torch.empty(p.shape)
-            if "norm" in p.name:
-                v.fill_(1.0)
-            elif p.name.endswith("bias"):
-                v.zero_()
-            else:
-                v.normal_(0.0, std, generator=gen)
-            state.load(unit, "master", [(p.key, p.offset, p.shape)], lambda k, a, b, v=v: v.reshape(-1)[a:b])
+            for a, b in draw_chunks(p.numel, DRAW):
+                v = buf[: b - a]
+                if "norm" in p.name:
+                    v.fill_(1.0)
+                elif p.name.endswith("bias"):
+                    v.zero_()
+                else:
+                    v.normal_(0.0, std, generator=gen)
+                state.load(unit, "master", [(p.key, p.offset + a, (b - a,))], lambda k, i, j, v=v: v[i:j])
 
     _per_unit(fill, state.units, "initialising weights", progress)
 
