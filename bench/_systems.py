@@ -130,6 +130,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     from megatrain.config import parse_size
     from megatrain.data.batch import MicroBatch
     from megatrain.engine.optim import AdamWConfig, chunk_ranges
+    from megatrain.host.moments import resolve
     from megatrain.models.config import ModelConfig
     from megatrain.parallel.processgroup import start
     from megatrain.planning.placement import Batch, Choices, phase_peaks, unit_peaks
@@ -149,6 +150,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     gpu_state = "off" if spec["system"] == "megatrain-host" else "auto"
     size = lambda k: parse_size(spec[k]) if spec.get(k) else None  # noqa: E731
     accum = spec["tokens_per_step"] // spec["seq"] // spec["mbs"] // world.world_size
+    moments = resolve(spec.get("optim", "adamw_torch"), spec.get("optim_args"))  # records before: fp32
     plan, machine = make_plan(
         mcfg,
         dev,
@@ -162,6 +164,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
             # records before the key: none fetched the rows
             embedding_rows=_tristate(spec.get("embedding_rows", "false")),
             keep_layers=spec.get("keep_layers"),
+            moments=moments.name,
         ),
         max_gpu_memory=size("max_gpu_memory"),
         max_host_memory=size("max_host_memory"),
@@ -183,7 +186,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
         seed=0,
         device=dev,
         compute_dtype=dtype,
-        adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0),
+        adamw=AdamWConfig(lr=LR, betas=BETAS, weight_decay=0.0, moments=moments),
         plan=plan,
         machine=machine,
         collective=world,

@@ -91,6 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatrain's kept layer graphs (the last N layers not recomputed; default: the plan's)",
     )
     ap.add_argument(
+        "--optim",
+        default="adamw_torch",
+        help="megatrain's optim (Hugging Face's names): adamw_torch (fp32 moments), adamw_8bit; bf16 "
+        "moments are adamw_anyprecision with --optim-args momentum_dtype=bfloat16,variance_dtype=bfloat16",
+    )
+    ap.add_argument("--optim-args", default=None, help="megatrain's optim_args")
+    ap.add_argument(
         "--embedding-rows",
         nargs="?",
         const="true",
@@ -401,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                 "max_gpu_memory": a.max_gpu_memory,
                 "gpu_step_units": a.gpu_step_units,
                 "embedding_rows": a.embedding_rows,
+                "optim": a.optim,
+                "optim_args": a.optim_args,
                 "keep_layers": a.keep_layers,
                 "full_determinism": a.full_determinism,
                 "trace": str(out / rec["log"]).removesuffix(".log") + ".trace.json.gz" if a.trace else None,
