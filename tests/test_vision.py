@@ -72,13 +72,20 @@ def test_logits_and_every_gradient_match_transformers(kind, tmp_path):
     tower = [k for k in grads if "vision" in k or "visual.blocks" in k]
     projector = [k for k in grads if "projector" in k or "connector" in k or "merger" in k]
     assert tower and projector
+    assert ("image_newline" in grads) == (kind == "llava_next")  # LLaVA-NeXT's, beside its projector
     for k, g in grads.items():
         assert g.abs().sum() > 0, k
         torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # One kind per gradient mode of the clip, the tower and projector trained.
-MODES = [("llava", "stored"), ("idefics3", "two_pass"), ("qwen2_5_vl", "stored"), ("llava-tied", "immediate")]
+MODES = [
+    ("llava", "stored"),
+    ("idefics3", "two_pass"),
+    ("qwen2_5_vl", "stored"),
+    ("llava-tied", "immediate"),
+    ("llava_next", "two_pass"),
+]
 
 
 @pytest.mark.parametrize("kind,mode", MODES)
@@ -131,7 +138,7 @@ def _unused(hf, kind) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl", "llava_next"])
 def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     """The image decides the logits after its tokens, never before them (causal attention), and
     the loss; moving its tokens moves the features with them, as in transformers."""
@@ -152,7 +159,7 @@ def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     assert not torch.allclose(got[:, 25:], a[:, 25:])
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "llava_next"])
 @pytest.mark.parametrize("projector", [False, True], ids=["all-frozen", "projector-trained"])
 def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     """freeze_vision_tower (the default): three steps leave every tower weight bitwise as loaded,
@@ -169,8 +176,10 @@ def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     after = fp32_parameters(mt.state)
     embed = mt.state.units[0]
     tower_keys = [p.key for p in embed.params if "vision" in p.key or "visual.blocks" in p.key]
-    proj_keys = [p.key for p in embed.params if "projector" in p.key or "merger" in p.key]
-    assert tower_keys and proj_keys
+    proj_keys = [
+        p.key for p in embed.params if any(w in p.key for w in ("projector", "merger", "image_newline"))
+    ]
+    assert tower_keys and proj_keys and ("image_newline" in proj_keys) == (kind == "llava_next")
     frozen = {p.key for p in embed.params if not p.train}
     assert set(tower_keys) <= frozen and bool(set(proj_keys) & frozen) != projector
     for k in tower_keys:
@@ -246,3 +255,27 @@ def test_the_plan_counts_the_tower_its_activations_and_its_refetch():
     grows = peaks["trained"]["embedding"] - peaks["frozen"]["embedding"]
     assert grows >= 3 * 4 * 512 * 2 * (14.4 * 32 + 2.5 * 48), grows
     assert peaks["frozen"]["forward"] >= 4 * 512 * 2 * (9.0 * 32 + 48)
+
+
+def test_the_plan_bounds_llava_next_tower_tokens_by_its_tiles():
+    """LLaVA-NeXT's tower runs on the base image and each tile (every one with its CLS), its image
+    tokens unpadded to the image's aspect: the plan's tower tokens per image token bound
+    transformers' own counts for images of every shape, and grow with the grids' tiles."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    from megatrain.models.vision import tower_shape
+
+    hf = tiny_vlm("llava_next")
+    per = tower_shape(ModelConfig.from_hf(hf.config).vision)[0]
+    sizes = [(48, 24), (20, 64), (64, 64), (8, 64), (64, 8), (32, 32), (1, 100), (100, 1)]
+    ratios = []
+    for h, w in sizes:
+        crops = image_size_to_num_patches((h, w), hf.config.image_grid_pinpoints, 32)
+        pixels = {"pixel_values": torch.randn(1, crops, 3, 32, 32), "image_sizes": torch.tensor([[h, w]])}
+        with torch.no_grad():
+            tokens = hf.model.get_image_features(**pixels).pooler_output[0].shape[0]
+        ratios.append(crops * 17 / tokens)
+        assert ratios[-1] <= per, (h, w, crops, tokens)
+    assert max(ratios) > 3  # a thin image's rows unpadded away: more than LLaVA's bound of 2
+    wider = transformers.LlavaNextConfig(**{**hf.config.to_dict(), "image_grid_pinpoints": [[96, 96]]})
+    assert tower_shape(ModelConfig.from_hf(wider).vision)[0] == pytest.approx(per * 10 / 5)

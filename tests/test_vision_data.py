@@ -20,7 +20,7 @@ from megatrain.data.vision import VisionData, decode
 from megatrain.errors import DataError
 from megatrain.trainer import train
 
-KINDS = ["llava", "idefics3"]
+KINDS = ["llava", "idefics3", "llava_next"]
 
 
 def _cfg(data, **kw) -> TrainConfig:

@@ -60,15 +60,31 @@ QWEN_VIT = dict(
 # rounding noise (1e-9) that AdamW normalises into steps of up to the learning rate; two sums of
 # another order step it elsewhere. Compared to within those steps.
 KEY_BIAS = re.compile(r"k_proj\.bias$|attn\.qkv\.bias$")
-FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16}  # image tokens per image
-VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl"]
+# LLaVA-NeXT's tiles: 32x32 crops of a grid of up to 2x2 (and the base image, each 16 features),
+# unpadded to the image's aspect with a newline after each row of features.
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+# Its images' (height, width) in the tests' micro-batches: both tiled 2x1 or 1x2 (3 crops); the
+# first keeps its 8x4 grid (56 tokens with the base image's 16 and 8 newlines), the second is
+# unpadded from 4x8 to 2x8 (34).
+NEXT_SIZES = [(48, 24), (20, 64)]
+# Image tokens per image, or of each image in turn (transformers refuses a count that is not its own).
+FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16, "llava_next": (56, 34)}
+VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl", "llava_next"]
 
 
 def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
-    """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`."""
+    """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`,
+    `llava_next`."""
     family, _, tied = kind.partition("-")
     t = dict(TEXT, **text)
-    if family == "llava":
+    if family == "llava_next":
+        cfg = transformers.LlavaNextConfig(
+            text_config=dict(model_type="llama", **t),
+            vision_config=CLIP,
+            image_token_id=image_token_id,
+            image_grid_pinpoints=PINPOINTS,
+        )
+    elif family == "llava":
         cfg = transformers.LlavaConfig(
             text_config=dict(model_type="llama", **t),
             vision_config=CLIP,
@@ -115,6 +131,12 @@ def image_inputs(kind: str, images: int, gen: torch.Generator) -> dict[str, torc
     family = kind.partition("-")[0]
     if family == "llava":
         return {"pixel_values": torch.randn(images, 3, 32, 32, generator=gen)}
+    if family == "llava_next":  # [images, crops, ...], padded to the most crops, and each image's size
+        sizes = [NEXT_SIZES[i % len(NEXT_SIZES)] for i in range(images)]
+        return {
+            "pixel_values": torch.randn(images, 3, 3, 32, 32, generator=gen),
+            "image_sizes": torch.tensor(sizes),
+        }
     if family in ("idefics3", "smolvlm"):  # [batch, images, ...]; a micro-batch's images as one row of them
         return {"pixel_values": torch.randn(1, images, 3, 32, 32, generator=gen)}
     grid = torch.tensor([[1, 8, 8]] * images)
@@ -128,11 +150,14 @@ def vlm_batch(kind: str, rows: int = 2, length: int = 48, seed: int = 1, starts=
     from megatrain.data.batch import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, IMAGE - 4, (rows, length), generator=g)
     n = FEATURES[kind.partition("-")[0]]
+    if isinstance(n, tuple):  # images of other sizes: rows long enough for the largest
+        length = max(length, max(n) + 40)
+    n = [n[r % len(n)] if isinstance(n, tuple) else n for r in range(rows)]
     starts = starts or [3 + 5 * r for r in range(rows)]
+    ids = torch.randint(0, IMAGE - 4, (rows, length), generator=g)
     for r, a in enumerate(starts):
-        ids[r, a : a + n] = IMAGE
+        ids[r, a : a + n[r]] = IMAGE
     labels = ids.clone()
     labels[:, :3] = -100
     labels[ids == IMAGE] = -100
@@ -161,11 +186,25 @@ PARTS_TEMPLATE = (
 def tiny_processor(kind: str):
     """The family's processor over the tests' tiny BPE tokenizer (helpers.tiny_tokenizer), its
     image tokens added, sized for the tiny towers: LLaVA's CLIP at 32x32 (16 image tokens),
-    Idefics3's at 32x32 without splitting (4)."""
+    Idefics3's at 32x32 without splitting (4), LLaVA-NeXT's in 32x32 crops of the tests' grids."""
     from helpers import tiny_tokenizer
 
     family = kind.partition("-")[0]
     tok = tiny_tokenizer("chatml")
+    if family == "llava_next":  # torchvision-free: the Pillow image processor
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        images = transformers.LlavaNextImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=PINPOINTS
+        )
+        return transformers.LlavaNextProcessor(
+            image_processor=images,
+            tokenizer=tok,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            image_token="<image>",
+            chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
+        )
     if family == "llava":
         tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
         images = transformers.CLIPImageProcessor(

@@ -63,6 +63,11 @@ class _Kind:
 QWEN_VL = _Kind(tower=("visual.patch_embed", "visual.blocks"), projector=("visual.merger",), mrope=True)
 VLMS = {
     "llava": _Kind(tower=("vision_tower",), projector=("multi_modal_projector",), unused=_llava_unused),
+    # LLaVA-NeXT's `image_newline` (a parameter of the base model) is the projector's: LlamaFactory
+    # trains and freezes it with the projector.
+    "llava_next": _Kind(
+        tower=("vision_tower",), projector=("multi_modal_projector", "image_newline"), unused=_llava_unused
+    ),
     "idefics3": _Kind(tower=("vision_model",), projector=("connector",)),
     "smolvlm": _Kind(tower=("vision_model",), projector=("connector",)),
     "qwen2_vl": QWEN_VL,
@@ -147,7 +152,7 @@ def skeleton(spec: VisionSpec) -> Skeleton:
     prefix = model.base_model_prefix
     known = [f"{prefix}.{texts[0]}.", "lm_head."] + [f"{prefix}.{p}." for p in (*spec.tower, *spec.projector)]
     params = dict(model.named_parameters())
-    extra = [n for n in params if not n.startswith(tuple(known))]
+    extra = [n for n in params if not n.startswith(tuple(known)) and f"{n}." not in known]
     if extra:
         raise ConfigError(
             f"model_type {spec.model_type!r}: parameters outside its known parts ({extra[0]}, ...)"
@@ -196,18 +201,25 @@ class VisionEmbedding(nn.Module):
         base = sk.model.base_model
         shell = copy.copy(base)  # the base model's methods, over our copies of its vision modules
         shell._modules = dict(base._modules)
+        # The base model's own parameters (LLaVA-NeXT's image_newline) are ours, the shell reading
+        # them from our dict: functional_call swaps tensors in it in place.
+        shell._parameters = self._parameters
         for root in roots(spec):
             mine = copy.deepcopy(getattr(base, root))
-            self.add_module(root, mine)
-            shell._modules[root] = mine
+            if isinstance(mine, nn.Parameter):
+                self.register_parameter(root, mine)
+            else:
+                self.add_module(root, mine)
+                shell._modules[root] = mine
         object.__setattr__(self, "_shell", shell)
         trained = [
             p for p, t in ((spec.tower, spec.train_tower), (spec.projector, spec.train_projector)) if t
         ]
-        trained = tuple(f"{path}." for paths in trained for path in paths)
+        trained = tuple(path for paths in trained for path in paths)
         for name, p in self.named_parameters():
             if name.split(".")[0] in roots(spec):
-                p.requires_grad_(name.startswith(trained) and name not in spec.unused)
+                under = any(name == t or name.startswith(f"{t}.") for t in trained)
+                p.requires_grad_(under and name not in spec.unused)
         self.weight_name, self.scale, self.padding_idx = text.weight_name, text.scale, text.padding_idx
         self.image_token_id = spec.image_token_id
         # Gemma's image token lies past the text vocabulary: transformers looks it up as token 0.
@@ -236,12 +248,20 @@ class VisionEmbedding(nn.Module):
 
 def tower_shape(spec: VisionSpec) -> tuple[float, int, int, int]:
     """What the memory plan needs of a tower: its tokens per image token (at most: LLaVA's CLS
-    beside each image's patches, Idefics3's pixel shuffle and Qwen2-VL's merge of patches), width,
-    MLP width and layers."""
+    beside each image's patches, Idefics3's pixel shuffle and Qwen2-VL's merge of patches,
+    LLaVA-NeXT's tiles), width, MLP width and layers."""
     hf, v = spec.hf_config, spec.hf_config.vision_config
     hidden = getattr(v, "embed_dim", None) or v.hidden_size
     ffn = getattr(v, "intermediate_size", None) or int(getattr(v, "mlp_ratio", 4) * hidden)
-    if spec.mrope:
+    if getattr(hf, "image_grid_pinpoints", None):
+        # LLaVA-NeXT: the tower sees the base image and each tile of the largest grid, every one
+        # with its CLS; the image's tokens are at least the base image's patches (its tiles'
+        # features are unpadded, some rows or columns dropped).
+        tile = v.image_size
+        tiles = max((h // tile) * (w // tile) for h, w in hf.image_grid_pinpoints)
+        patches = (tile // v.patch_size) ** 2
+        per = (1 + tiles) * (patches + 1) / patches
+    elif spec.mrope:
         per = v.spatial_merge_size**2
     elif getattr(hf, "scale_factor", None):
         per = hf.scale_factor**2
