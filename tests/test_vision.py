@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 from helpers import fp32_parameters, saved_parameters
 from test_parity import _decay_groups, steps_against_plain_loop
-from vision_helpers import IMAGE, KEY_BIAS, VLMS, hf_inputs, tiny_vlm, vlm_batch
+from vision_helpers import FEATURES, IMAGE, KEY_BIAS, VLMS, hf_inputs, tiny_vlm, vlm_batch
 
 from megatrain.engine.optim import AdamWConfig
 from megatrain.io.weights import save_hf_checkpoint
@@ -39,7 +39,8 @@ def _loss_sum(hf, kind, mb):
 @pytest.mark.parametrize("kind", VLMS)
 def test_each_model_says_its_tower_and_language_model(kind):
     cfg = ModelConfig.from_hf(tiny_vlm(kind).config)
-    assert describe(cfg) == "fast block (llama) with transformers' vision tower"
+    block = "gemma" if kind == "gemma3" else "llama"
+    assert describe(cfg) == f"fast block ({block}) with transformers' vision tower"
     assert cfg.name == kind.partition("-")[0]
 
 
@@ -85,6 +86,7 @@ MODES = [
     ("qwen2_5_vl", "stored"),
     ("llava-tied", "immediate"),
     ("llava_next", "two_pass"),
+    ("gemma3", "stored"),
 ]
 
 
@@ -138,7 +140,7 @@ def _unused(hf, kind) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl", "llava_next"])
+@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl", "llava_next", "gemma3"])
 def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     """The image decides the logits after its tokens, never before them (causal attention), and
     the loss; moving its tokens moves the features with them, as in transformers."""
@@ -159,7 +161,7 @@ def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     assert not torch.allclose(got[:, 25:], a[:, 25:])
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "llava_next"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "llava_next", "gemma3"])
 @pytest.mark.parametrize("projector", [False, True], ids=["all-frozen", "projector-trained"])
 def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     """freeze_vision_tower (the default): three steps leave every tower weight bitwise as loaded,
@@ -279,3 +281,67 @@ def test_the_plan_bounds_llava_next_tower_tokens_by_its_tiles():
     assert max(ratios) > 3  # a thin image's rows unpadded away: more than LLaVA's bound of 2
     wider = transformers.LlavaNextConfig(**{**hf.config.to_dict(), "image_grid_pinpoints": [[96, 96]]})
     assert tower_shape(ModelConfig.from_hf(wider).vision)[0] == pytest.approx(per * 10 / 5)
+
+
+def test_gemma3_images_attend_within_themselves_in_packed_rows(tmp_path):
+    """Gemma 3's image tokens attend to their whole image (bidirectionally, the sliding layers'
+    window still bounding the way back), the rest causally: a packed row of two documents, each
+    with an image, gives each document the logits transformers gives it alone; and these are not
+    the causal model's (transformers without token types)."""
+    from megatrain.data.batch import MicroBatch
+
+    hf = tiny_vlm("gemma3")
+    mt = _megatrain(hf, tmp_path)
+    docs = [vlm_batch("gemma3", rows=1, length=20, seed=s, starts=[a]) for s, a in ((1, 5), (2, 9))]
+    n = [d.input_ids.shape[1] for d in docs]
+    packed = MicroBatch(
+        torch.cat([d.input_ids for d in docs], 1),
+        torch.cat([d.labels for d in docs], 1),
+        position_ids=torch.cat([torch.arange(k) for k in n])[None],
+        document_ids=torch.cat([torch.full((k,), i) for i, k in enumerate(n)])[None],
+        images={"pixel_values": torch.cat([d.images["pixel_values"] for d in docs])},
+    )
+    got = mt.engine.logits(packed)
+    with torch.no_grad():
+        ref = torch.cat([hf(**hf_inputs("gemma3", d)).logits for d in docs], 1)
+        causal = hf(input_ids=docs[0].input_ids, **docs[0].images).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert (got[:, 5 : n[0]] - causal[:, 5:]).abs().amax() > 1e-2  # from the image's first token on
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_gemma3_images_through_flex_attention_match_transformers(monkeypatch, tmp_path):
+    """The masks CUDA takes (FlexAttention, run here eagerly, its CPU refusal lifted as in
+    test_attention.py, which checks the block tables): images across a 128-token block edge give
+    transformers' logits and gradients."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    hf = tiny_vlm("gemma3")
+    mt = _megatrain(hf, tmp_path)
+    mt.engine.flex_masks = True
+    mb = vlm_batch("gemma3", length=300, starts=[126, 254])
+    torch.testing.assert_close(
+        mt.engine.logits(mb), hf(**hf_inputs("gemma3", mb)).logits, rtol=1e-5, atol=2e-5
+    )
+    loss = _loss_sum(hf, "gemma3", mb) / mb.num_label_tokens
+    loss.backward()
+    assert mt.engine.forward_backward([mb])[0].item() == pytest.approx(loss.item(), rel=1e-6)
+    ref = {k: p.grad for k, p in saved_parameters(hf).items()}
+    for k, g in mt.engine.named_grads().items():
+        torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_the_plan_counts_gemma3_pooled_patches():
+    """Gemma 3's tower sees every patch of an image, its projector pools them into
+    `mm_tokens_per_image` image tokens: the plan's tower tokens per image token are the
+    tower's sequence over the features transformers gives an image."""
+    from megatrain.models.vision import tower_shape
+
+    hf = tiny_vlm("gemma3")
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        seq = hf.model.vision_tower(pixel_values=pixels).last_hidden_state.shape[1]
+        feats = hf.model.get_image_features(pixel_values=pixels).pooler_output.shape[1]
+    assert (seq, feats) == (16, FEATURES["gemma3"])
+    assert tower_shape(ModelConfig.from_hf(hf.config).vision)[0] == seq / feats
