@@ -10,7 +10,7 @@ from helpers import tiny_hf_model
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from megatrain.data.batch import IGNORE_INDEX, MicroBatch
-from megatrain.models.attention import BLOCK, attention_mask, mask_bytes, mask_rule
+from megatrain.models.attention import BLOCK, attention_mask, image_groups, mask_bytes, mask_rule
 from megatrain.models.config import ModelConfig
 from megatrain.planning.placement import Choices
 from megatrain.runtime import build_model
@@ -71,6 +71,36 @@ def test_block_tables_equal_torchs(layouts, window):
             a = torch.where(torch.arange(a.shape[-1]) < n[..., None], a, -1)
             b = torch.where(torch.arange(b.shape[-1]) < n[..., None], b, -1)
         assert torch.equal(a, b), name
+
+
+def _groups(runs) -> torch.Tensor:
+    """Image groups ([2, S], models/attention.py's `image_groups`) of each row's (start, length) runs."""
+    mask = torch.zeros(len(runs), S, dtype=torch.bool)
+    for r, row in enumerate(runs):
+        for a, n in row:
+            mask[r, a : a + n] = True
+    return image_groups(mask)
+
+
+IMAGE_RUNS = [[(100, 60), (200, 5), (205, 3)], [(0, 1), (250, 50)]]  # across blocks, adjacent, at the edges
+
+
+@pytest.mark.parametrize("window", [None, 100, 20])
+@pytest.mark.parametrize("docs", [False, True])
+def test_block_tables_with_images_equal_torchs(window, docs):
+    """Images' tokens attending to their whole image (Gemma 3) widen the tables: the blocks that
+    two tokens of one image share become partial, as create_block_mask finds them; the dense
+    mask is the same rule."""
+    doc = _doc_ids([[100, 200], [250, 50]]) if docs else None
+    groups = _groups(IMAGE_RUNS)
+    assert groups[0, 199] == -1 and groups[0, 204] == 1 and groups[0, 205] == 1  # one run, one image
+    ours = attention_mask(doc, S, window, "cpu", flex=True, groups=groups)
+    ref = create_block_mask(mask_rule(doc, window, groups), 2, None, S, S, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+    dense = attention_mask(doc, S, window, "cpu", flex=False, groups=groups)
+    assert dense[0, 0, 100, 159] and not dense[0, 0, 99, 100]  # forward within an image, not into it
+    assert bool(dense[0, 0, 159, 100]) == (window is None or window > 59)  # the window bounds the way back
 
 
 def test_window_alone_needs_no_documents():

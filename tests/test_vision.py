@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 from helpers import fp32_parameters, saved_parameters
 from test_parity import _decay_groups, steps_against_plain_loop
-from vision_helpers import IMAGE, KEY_BIAS, VLMS, hf_inputs, tiny_vlm, vlm_batch
+from vision_helpers import FEATURES, IMAGE, KEY_BIAS, VLMS, hf_inputs, tiny_vlm, vlm_batch
 
 from megatrain.engine.optim import AdamWConfig
 from megatrain.io.weights import save_hf_checkpoint
@@ -39,7 +39,8 @@ def _loss_sum(hf, kind, mb):
 @pytest.mark.parametrize("kind", VLMS)
 def test_each_model_says_its_tower_and_language_model(kind):
     cfg = ModelConfig.from_hf(tiny_vlm(kind).config)
-    assert describe(cfg) == "fast block (llama) with transformers' vision tower"
+    block = "gemma" if kind == "gemma3" else "llama"
+    assert describe(cfg) == f"fast block ({block}) with transformers' vision tower"
     assert cfg.name == kind.partition("-")[0]
 
 
@@ -72,13 +73,21 @@ def test_logits_and_every_gradient_match_transformers(kind, tmp_path):
     tower = [k for k in grads if "vision" in k or "visual.blocks" in k]
     projector = [k for k in grads if "projector" in k or "connector" in k or "merger" in k]
     assert tower and projector
+    assert ("image_newline" in grads) == (kind == "llava_next")  # LLaVA-NeXT's, beside its projector
     for k, g in grads.items():
         assert g.abs().sum() > 0, k
         torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # One kind per gradient mode of the clip, the tower and projector trained.
-MODES = [("llava", "stored"), ("idefics3", "two_pass"), ("qwen2_5_vl", "stored"), ("llava-tied", "immediate")]
+MODES = [
+    ("llava", "stored"),
+    ("idefics3", "two_pass"),
+    ("qwen2_5_vl", "stored"),
+    ("llava-tied", "immediate"),
+    ("llava_next", "two_pass"),
+    ("gemma3", "stored"),
+]
 
 
 @pytest.mark.parametrize("kind,mode", MODES)
@@ -131,7 +140,7 @@ def _unused(hf, kind) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl", "llava_next", "gemma3"])
 def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     """The image decides the logits after its tokens, never before them (causal attention), and
     the loss; moving its tokens moves the features with them, as in transformers."""
@@ -152,7 +161,7 @@ def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     assert not torch.allclose(got[:, 25:], a[:, 25:])
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "llava_next", "gemma3"])
 @pytest.mark.parametrize("projector", [False, True], ids=["all-frozen", "projector-trained"])
 def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     """freeze_vision_tower (the default): three steps leave every tower weight bitwise as loaded,
@@ -169,8 +178,10 @@ def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     after = fp32_parameters(mt.state)
     embed = mt.state.units[0]
     tower_keys = [p.key for p in embed.params if "vision" in p.key or "visual.blocks" in p.key]
-    proj_keys = [p.key for p in embed.params if "projector" in p.key or "merger" in p.key]
-    assert tower_keys and proj_keys
+    proj_keys = [
+        p.key for p in embed.params if any(w in p.key for w in ("projector", "merger", "image_newline"))
+    ]
+    assert tower_keys and proj_keys and ("image_newline" in proj_keys) == (kind == "llava_next")
     frozen = {p.key for p in embed.params if not p.train}
     assert set(tower_keys) <= frozen and bool(set(proj_keys) & frozen) != projector
     for k in tower_keys:
@@ -246,3 +257,91 @@ def test_the_plan_counts_the_tower_its_activations_and_its_refetch():
     grows = peaks["trained"]["embedding"] - peaks["frozen"]["embedding"]
     assert grows >= 3 * 4 * 512 * 2 * (14.4 * 32 + 2.5 * 48), grows
     assert peaks["frozen"]["forward"] >= 4 * 512 * 2 * (9.0 * 32 + 48)
+
+
+def test_the_plan_bounds_llava_next_tower_tokens_by_its_tiles():
+    """LLaVA-NeXT's tower runs on the base image and each tile (every one with its CLS), its image
+    tokens unpadded to the image's aspect: the plan's tower tokens per image token bound
+    transformers' own counts for images of every shape, and grow with the grids' tiles."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    from megatrain.models.vision import tower_shape
+
+    hf = tiny_vlm("llava_next")
+    per = tower_shape(ModelConfig.from_hf(hf.config).vision)[0]
+    sizes = [(48, 24), (20, 64), (64, 64), (8, 64), (64, 8), (32, 32), (1, 100), (100, 1)]
+    ratios = []
+    for h, w in sizes:
+        crops = image_size_to_num_patches((h, w), hf.config.image_grid_pinpoints, 32)
+        pixels = {"pixel_values": torch.randn(1, crops, 3, 32, 32), "image_sizes": torch.tensor([[h, w]])}
+        with torch.no_grad():
+            tokens = hf.model.get_image_features(**pixels).pooler_output[0].shape[0]
+        ratios.append(crops * 17 / tokens)
+        assert ratios[-1] <= per, (h, w, crops, tokens)
+    assert max(ratios) > 3  # a thin image's rows unpadded away: more than LLaVA's bound of 2
+    wider = transformers.LlavaNextConfig(**{**hf.config.to_dict(), "image_grid_pinpoints": [[96, 96]]})
+    assert tower_shape(ModelConfig.from_hf(wider).vision)[0] == pytest.approx(per * 10 / 5)
+
+
+def test_gemma3_images_attend_within_themselves_in_packed_rows(tmp_path):
+    """Gemma 3's image tokens attend to their whole image (bidirectionally, the sliding layers'
+    window still bounding the way back), the rest causally: a packed row of two documents, each
+    with an image, gives each document the logits transformers gives it alone; and these are not
+    the causal model's (transformers without token types)."""
+    from megatrain.data.batch import MicroBatch
+
+    hf = tiny_vlm("gemma3")
+    mt = _megatrain(hf, tmp_path)
+    docs = [vlm_batch("gemma3", rows=1, length=20, seed=s, starts=[a]) for s, a in ((1, 5), (2, 9))]
+    n = [d.input_ids.shape[1] for d in docs]
+    packed = MicroBatch(
+        torch.cat([d.input_ids for d in docs], 1),
+        torch.cat([d.labels for d in docs], 1),
+        position_ids=torch.cat([torch.arange(k) for k in n])[None],
+        document_ids=torch.cat([torch.full((k,), i) for i, k in enumerate(n)])[None],
+        images={"pixel_values": torch.cat([d.images["pixel_values"] for d in docs])},
+    )
+    got = mt.engine.logits(packed)
+    with torch.no_grad():
+        ref = torch.cat([hf(**hf_inputs("gemma3", d)).logits for d in docs], 1)
+        causal = hf(input_ids=docs[0].input_ids, **docs[0].images).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert (got[:, 5 : n[0]] - causal[:, 5:]).abs().amax() > 1e-2  # from the image's first token on
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_gemma3_images_through_flex_attention_match_transformers(monkeypatch, tmp_path):
+    """The masks CUDA takes (FlexAttention, run here eagerly, its CPU refusal lifted as in
+    test_attention.py, which checks the block tables): images across a 128-token block edge give
+    transformers' logits and gradients."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    hf = tiny_vlm("gemma3")
+    mt = _megatrain(hf, tmp_path)
+    mt.engine.flex_masks = True
+    mb = vlm_batch("gemma3", length=300, starts=[126, 254])
+    torch.testing.assert_close(
+        mt.engine.logits(mb), hf(**hf_inputs("gemma3", mb)).logits, rtol=1e-5, atol=2e-5
+    )
+    loss = _loss_sum(hf, "gemma3", mb) / mb.num_label_tokens
+    loss.backward()
+    assert mt.engine.forward_backward([mb])[0].item() == pytest.approx(loss.item(), rel=1e-6)
+    ref = {k: p.grad for k, p in saved_parameters(hf).items()}
+    for k, g in mt.engine.named_grads().items():
+        torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_the_plan_counts_gemma3_pooled_patches():
+    """Gemma 3's tower sees every patch of an image, its projector pools them into
+    `mm_tokens_per_image` image tokens: the plan's tower tokens per image token are the
+    tower's sequence over the features transformers gives an image."""
+    from megatrain.models.vision import tower_shape
+
+    hf = tiny_vlm("gemma3")
+    pixels = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        seq = hf.model.vision_tower(pixel_values=pixels).last_hidden_state.shape[1]
+        feats = hf.model.get_image_features(pixel_values=pixels).pooler_output.shape[1]
+    assert (seq, feats) == (16, FEATURES["gemma3"])
+    assert tower_shape(ModelConfig.from_hf(hf.config).vision)[0] == seq / feats

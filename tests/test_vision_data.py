@@ -16,11 +16,11 @@ from vision_helpers import ANSWERS, KEY_BIAS, image_chat, write_image_chats, wri
 from megatrain.config import TrainConfig
 from megatrain.data import Batcher, build_samples
 from megatrain.data.batch import IGNORE_INDEX
-from megatrain.data.vision import VisionData, decode
+from megatrain.data.vision import TEXT_KEYS, VisionData, decode
 from megatrain.errors import DataError
 from megatrain.trainer import train
 
-KINDS = ["llava", "idefics3"]
+KINDS = ["llava", "idefics3", "llava_next", "gemma3"]
 
 
 def _cfg(data, **kw) -> TrainConfig:
@@ -58,11 +58,12 @@ def test_tokens_are_the_processors_and_the_loss_is_on_the_answers(model, train_o
         want = processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
         assert s.input_ids == list(want)
         assert s.images == (str(data.parent / rec["images"][0]),)
-        image = processor.image_token_id
-        assert image in s.input_ids and all(lab != image for lab in s.labels)
+        # the placeholder's token, and Gemma 3's image soft tokens it expands into
+        image = {processor.image_token_id, getattr(tok, "image_token_id", processor.image_token_id)}
+        assert image <= set(s.input_ids) and all(lab not in image for lab in s.labels)
         trained = [t for t, lab in zip(s.input_ids, s.labels) if lab != IGNORE_INDEX]
         if train_on_prompt:
-            assert trained == [t for t in s.input_ids if t != image]
+            assert trained == [t for t in s.input_ids if t not in image]
         else:
             answer = rec["messages"][1]["content"][0]["text"]
             assert tok.decode(trained) == answer + "<|im_end|>"
@@ -82,7 +83,7 @@ def test_a_micro_batch_carries_its_images_in_token_order(model):
     for mb in step:
         images = [decode(samples[i].images[0], "test") for i in mb.units]
         want = processor(images=[[im] for im in images], return_tensors="pt")
-        assert mb.images.keys() == {k for k in want if k not in ("input_ids", "attention_mask")}
+        assert mb.images.keys() == {k for k in want if k not in TEXT_KEYS}
         for k, v in mb.images.items():
             assert torch.equal(v, want[k]), k
         counts = (mb.input_ids == processor.image_token_id).sum(1)
@@ -228,7 +229,7 @@ def test_a_run_resumes_exactly_and_exports_model_and_processor(model, tmp_path):
     from megatrain.runtime import build_model
 
     mt = build_model(ModelConfig.from_json(final), weights=final, device="cpu")
-    images = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    images = {k: v for k, v in inputs.items() if k not in TEXT_KEYS}
     ids = inputs["input_ids"]
     torch.testing.assert_close(
         mt.engine.logits(MicroBatch(ids, ids, images=images)), logits, rtol=1e-5, atol=1e-5
@@ -350,8 +351,10 @@ def test_dpo_with_images_trains_from_transformers_reference_logps(model, tmp_pat
         pixels = VisionData(processor).pixels([[("t", pair.images)]])
         for code, seq in enumerate((pair.chosen, pair.rejected)):
             ids = torch.tensor([seq.input_ids])
+            # TRL passes Gemma 3's token types (its bidirectional images) to the model
+            types = {"token_type_ids": (ids == hf.config.image_token_id).long()} if kind == "gemma3" else {}
             with torch.no_grad():
-                logits = hf(input_ids=ids, **pixels).logits[0, :-1].double()
+                logits = hf(input_ids=ids, **pixels, **types).logits[0, :-1].double()
             logps = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
             want = logps[seq.prompt_length - 1 :].sum()
             assert float(stored[i, code]) == pytest.approx(float(want), rel=1e-5)

@@ -60,15 +60,50 @@ QWEN_VIT = dict(
 # rounding noise (1e-9) that AdamW normalises into steps of up to the learning rate; two sums of
 # another order step it elsewhere. Compared to within those steps.
 KEY_BIAS = re.compile(r"k_proj\.bias$|attn\.qkv\.bias$")
-FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16}  # image tokens per image
-VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl"]
+# LLaVA-NeXT's tiles: 32x32 crops of a grid of up to 2x2 (and the base image, each 16 features),
+# unpadded to the image's aspect with a newline after each row of features.
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+# Its images' (height, width) in the tests' micro-batches: both tiled 2x1 or 1x2 (3 crops); the
+# first keeps its 8x4 grid (56 tokens with the base image's 16 and 8 newlines), the second is
+# unpadded from 4x8 to 2x8 (34).
+NEXT_SIZES = [(48, 24), (20, 64)]
+# Image tokens per image, or of each image in turn (transformers refuses a count that is not its own).
+FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16, "llava_next": (56, 34), "gemma3": 4}
+VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl", "llava_next", "gemma3"]
+# Gemma 3's language model: sliding layers around a global one, a window shorter than an image
+# (3 < its 4 tokens: an image's last token does not see its first there), SigLIP's 16 patches
+# average-pooled 2x2 into 4 image tokens.
+GEMMA3_TEXT = dict(
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=3,
+    final_logit_softcapping=3.0,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)
 
 
 def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
-    """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`."""
+    """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`,
+    `llava_next`, `gemma3`."""
     family, _, tied = kind.partition("-")
     t = dict(TEXT, **text)
-    if family == "llava":
+    if family == "gemma3":
+        cfg = transformers.Gemma3Config(
+            text_config=dict(model_type="gemma3_text", **t, **GEMMA3_TEXT),
+            vision_config=dict(SIGLIP, model_type="siglip_vision_model", vision_use_head=False),
+            mm_tokens_per_image=4,
+            image_token_index=image_token_id,
+            boi_token_index=image_token_id - 1,
+            eoi_token_index=image_token_id - 2,
+        )
+    elif family == "llava_next":
+        cfg = transformers.LlavaNextConfig(
+            text_config=dict(model_type="llama", **t),
+            vision_config=CLIP,
+            image_token_id=image_token_id,
+            image_grid_pinpoints=PINPOINTS,
+        )
+    elif family == "llava":
         cfg = transformers.LlavaConfig(
             text_config=dict(model_type="llama", **t),
             vision_config=CLIP,
@@ -107,14 +142,22 @@ def tiny_vlm(kind: str, seed: int = 0, **text):
         for n, p in model.named_parameters():
             if "norm" in n or "ln_" in n or n.endswith("bias"):
                 p.normal_(1.0 if "bias" not in n else 0.0, 0.1)
+            elif n.endswith("mm_input_projection_weight"):  # Gemma 3's projector, zeros at init
+                p.normal_(0.0, 0.2)
     return model.eval()
 
 
 def image_inputs(kind: str, images: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random pixel inputs of `images` images, as the family's processor lays them out."""
     family = kind.partition("-")[0]
-    if family == "llava":
+    if family in ("llava", "gemma3"):
         return {"pixel_values": torch.randn(images, 3, 32, 32, generator=gen)}
+    if family == "llava_next":  # [images, crops, ...], padded to the most crops, and each image's size
+        sizes = [NEXT_SIZES[i % len(NEXT_SIZES)] for i in range(images)]
+        return {
+            "pixel_values": torch.randn(images, 3, 3, 32, 32, generator=gen),
+            "image_sizes": torch.tensor(sizes),
+        }
     if family in ("idefics3", "smolvlm"):  # [batch, images, ...]; a micro-batch's images as one row of them
         return {"pixel_values": torch.randn(1, images, 3, 32, 32, generator=gen)}
     grid = torch.tensor([[1, 8, 8]] * images)
@@ -128,11 +171,14 @@ def vlm_batch(kind: str, rows: int = 2, length: int = 48, seed: int = 1, starts=
     from megatrain.data.batch import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, IMAGE - 4, (rows, length), generator=g)
     n = FEATURES[kind.partition("-")[0]]
+    if isinstance(n, tuple):  # images of other sizes: rows long enough for the largest
+        length = max(length, max(n) + 40)
+    n = [n[r % len(n)] if isinstance(n, tuple) else n for r in range(rows)]
     starts = starts or [3 + 5 * r for r in range(rows)]
+    ids = torch.randint(0, IMAGE - 4, (rows, length), generator=g)
     for r, a in enumerate(starts):
-        ids[r, a : a + n] = IMAGE
+        ids[r, a : a + n[r]] = IMAGE
     labels = ids.clone()
     labels[:, :3] = -100
     labels[ids == IMAGE] = -100
@@ -140,11 +186,14 @@ def vlm_batch(kind: str, rows: int = 2, length: int = 48, seed: int = 1, starts=
 
 
 def hf_inputs(kind: str, mb) -> dict:
-    """What transformers' model takes for a micro-batch: ids, the images, and for Qwen2.5-VL the
-    token types its processor returns (which switch its 3D positions on)."""
+    """What transformers' model takes for a micro-batch: ids, the images, and for Qwen2.5-VL and
+    Gemma 3 the token types their processors return (which switch Qwen's 3D positions and
+    Gemma's bidirectional images on)."""
     kw = dict(input_ids=mb.input_ids, **(mb.images or {}))
     if kind.startswith("qwen"):
         kw["mm_token_type_ids"] = (mb.input_ids == IMAGE).int()
+    if kind == "gemma3":
+        kw["token_type_ids"] = (mb.input_ids == IMAGE).long()
     return kw
 
 
@@ -161,11 +210,38 @@ PARTS_TEMPLATE = (
 def tiny_processor(kind: str):
     """The family's processor over the tests' tiny BPE tokenizer (helpers.tiny_tokenizer), its
     image tokens added, sized for the tiny towers: LLaVA's CLIP at 32x32 (16 image tokens),
-    Idefics3's at 32x32 without splitting (4)."""
+    Idefics3's at 32x32 without splitting (4), LLaVA-NeXT's in 32x32 crops of the tests' grids,
+    Gemma 3's at 32x32 (4)."""
     from helpers import tiny_tokenizer
 
     family = kind.partition("-")[0]
     tok = tiny_tokenizer("chatml")
+    if family == "gemma3":  # the template writes <start_of_image>, expanded into 4 soft tokens
+        boi, eoi, soft = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+        tok.add_special_tokens({"additional_special_tokens": [boi, eoi, soft]})
+        tok._set_model_specific_special_tokens(
+            special_tokens=dict(boi_token=boi, eoi_token=eoi, image_token=soft)
+        )
+        return transformers.Gemma3Processor(
+            image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+            tokenizer=tok,
+            image_seq_length=4,
+            chat_template=PARTS_TEMPLATE.replace("{image}", boi),
+        )
+    if family == "llava_next":  # torchvision-free: the Pillow image processor
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        images = transformers.LlavaNextImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=PINPOINTS
+        )
+        return transformers.LlavaNextProcessor(
+            image_processor=images,
+            tokenizer=tok,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            image_token="<image>",
+            chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
+        )
     if family == "llava":
         tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
         images = transformers.CLIPImageProcessor(
@@ -199,10 +275,11 @@ def write_vlm_dir(kind: str, path, seed: int = 0):
     processor's tokenizer, and the processor's files (tokenizer, image processor, chat template)."""
     processor = tiny_processor(kind)
     tok = processor.tokenizer
+    image = getattr(tok, "image_token_id", None) or processor.image_token_id  # Gemma 3's: its soft token
     model = tiny_vlm(
         kind,
         seed=seed,
-        image_token_id=processor.image_token_id,
+        image_token_id=image,
         vocab_size=len(tok),
         pad_token_id=tok.pad_token_id,
     )

@@ -21,6 +21,10 @@ from .batch import IGNORE_INDEX
 from .chat import render_with_spans, require_chat_template
 from .formats import ImageChat, ImageRef, Messages, with_images
 
+# What a processor gives for text, beside the images' own inputs (Gemma 3's gives token types
+# even for images alone): no input of the tower's.
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+
 
 def load_processor(path: str | Path):
     """The processor of a local model directory (AutoProcessor), or a ConfigError naming it."""
@@ -60,7 +64,10 @@ class VisionData:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.placeholder = processor.image_token  # what the chat template writes for an image
-        self.image_ids = {processor.image_token_id}
+        # The placeholder's token and the model's image token, where they differ (Gemma 3's
+        # processor expands `<start_of_image>` into `<image_soft_token>`s): neither is a label.
+        model_token = getattr(self.tokenizer, "image_token_id", None)
+        self.image_ids = {processor.image_token_id} | ({model_token} if model_token is not None else set())
 
     def encode(self, items: list[tuple[str, Messages | ImageChat]], train_on_prompt: bool):
         """Token ids and unshifted labels of each (file:line, conversation)."""
@@ -141,4 +148,4 @@ class VisionData:
         if not rows:
             return None
         out = self.processor(images=rows, return_tensors="pt")
-        return {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        return {k: v for k, v in out.items() if k not in TEXT_KEYS}

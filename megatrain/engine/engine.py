@@ -232,10 +232,11 @@ class Engine:
         if self.vision is not None and mb.images is not None:
             images = {k: self._image_input(v) for k, v in mb.images.items()}
             mask = ids == self.vision.image_token_id
+        seen = {"image_mask": mask} if self.vision is not None else {}  # Gemma 3's masks read it
         return _Prepared(
             ids=ids,
             targets=self.objective.targets(mb, dev),
-            inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks),
+            inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks, **seen),
             row_ids=None if row_ids is None else row_ids.to(dev, non_blocking=True),
             images=images,
             image_mask=mask,

@@ -1,7 +1,9 @@
 """Causal self-attention for plain, packed and sliding-window batches: one rule, three kernels.
 
 The rule: a token attends to itself and earlier tokens of the same document (packed rows carry
-`document_ids`), at most `sliding_window - 1` positions back (Mistral). How it is applied:
+`document_ids`), at most `sliding_window - 1` positions back (Mistral); a vision-language model's
+image tokens also attend to every token of their own image, later ones too (Gemma 3's `groups`,
+transformers' blockwise overlay: the window still bounds how far back). How it is applied:
 * no documents, no window shorter than the row: SDPA's `is_causal` (the flash kernel on CUDA);
 * otherwise, on CUDA: FlexAttention with a `BlockMask`, compiled. Its tables are per 128x128
   block of the score matrix, built here from each block's first/last position and document ids
@@ -65,11 +67,21 @@ def mask_bytes(rows: int, seq_len: int, flex: bool, compute_bytes: int = 4) -> i
     return rows * n * (n + 1) * BLOCK_TABLE_BYTES
 
 
-def mask_rule(document_ids: torch.Tensor | None, window: int | None):
+def image_groups(image_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool (image tokens) -> each image token's image, numbered along its row from 0 (a
+    run of image tokens is one image, as transformers' `get_block_sequence_ids_for_mask` reads
+    them), -1 for every other token."""
+    start = image_mask & ~F.pad(image_mask, (1, 0))[:, :-1]
+    return torch.where(image_mask, start.long().cumsum(1) - 1, -1)
+
+
+def mask_rule(document_ids: torch.Tensor | None, window: int | None, groups: torch.Tensor | None = None):
     """The rule as a FlexAttention mask_mod: (batch, head, q, kv) -> attend?"""
 
     def rule(b, h, q, kv):
         keep = q >= kv
+        if groups is not None:
+            keep = keep | ((groups[b, q] == groups[b, kv]) & (groups[b, q] >= 0))
         if window is not None:
             keep = keep & (q - kv < window)
         if document_ids is not None:
@@ -86,21 +98,30 @@ def attention_mask(
     device,
     flex: bool,
     always: bool = False,
+    groups: torch.Tensor | None = None,
 ) -> Mask:
     """The mask of one micro-batch: None (plain causal, unless `always`: for attention that takes
     no causal flag), a BlockMask (`flex`) or a dense boolean [B|1, 1, S, S] tensor (True =
-    attend). `document_ids` [B, S] must be on `device`."""
+    attend). `document_ids` and the image `groups` ([B, S], `image_groups`) must be on `device`."""
     window = effective_window(sliding_window, seq_len)
-    if document_ids is None and window is None and not always:
+    if document_ids is None and window is None and groups is None and not always:
         return None
-    rule = mask_rule(document_ids, window)
-    rows = 1 if document_ids is None else document_ids.shape[0]
+    rule = mask_rule(document_ids, window, groups)
+    rows = next((t.shape[0] for t in (document_ids, groups) if t is not None), 1)
     if not flex:
         return create_mask(rule, rows, 1, seq_len, seq_len, device)
-    return _block_mask(rule, document_ids, seq_len, window, torch.device(device))
+    return _block_mask(rule, document_ids, seq_len, window, torch.device(device), groups)
 
 
-def _block_mask(rule, document_ids, seq_len: int, window: int | None, device) -> BlockMask:
+def _blocks(ids: torch.Tensor, n: int, seq_len: int, fill: int | None) -> torch.Tensor:
+    """[B, S] ids -> [B, n, BLOCK]: the row cut into blocks, the last one padded with `fill` (None:
+    its last id)."""
+    pad = n * BLOCK - seq_len
+    tail = ids[:, -1:].expand(-1, pad) if fill is None else ids.new_full((ids.shape[0], pad), fill)
+    return torch.cat([ids, tail], 1).view(-1, n, BLOCK)
+
+
+def _block_mask(rule, document_ids, seq_len: int, window: int | None, device, groups=None) -> BlockMask:
     """Classify each (q block, kv block) pair from block bounds alone: *empty* when no pair of
     tokens in it may attend, *full* when every pair may (the kernel then skips the rule), else
     *partial*. Both tests are exact bounds, so the classification is safe for any ids."""
@@ -108,21 +129,24 @@ def _block_mask(rule, document_ids, seq_len: int, window: int | None, device) ->
     first = torch.arange(n, device=device) * BLOCK
     last = torch.clamp(first + BLOCK, max=seq_len) - 1
     q0, q1, k0, k1 = first[:, None], last[:, None], first[None], last[None]
-    some = k0 <= q1  # causal: the earliest key is not after the latest query
-    every = k1 <= q0
+    some = (k0 <= q1)[None]  # causal: the earliest key is not after the latest query
+    every = (k1 <= q0)[None]
+    if groups is not None:  # or an image's tokens in both blocks (a full block stays full)
+        g = _blocks(groups, n, seq_len, -1)
+        lo, hi = torch.where(g >= 0, g, torch.iinfo(g.dtype).max).amin(-1), g.amax(-1)
+        some = some | ((lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= hi[:, :, None]))
     if window is not None:
         some = some & (q0 - k1 < window)
         every = every & (q1 - k0 < window)
     whole = last - first + 1 == BLOCK  # a block cut by the row's end is never full, as in torch
     every = every & whole[:, None] & whole[None]
-    some, every = some[None], every[None]
     if document_ids is not None:
-        pad = n * BLOCK - seq_len
-        d = torch.cat([document_ids, document_ids[:, -1:].expand(-1, pad)], 1).view(-1, n, BLOCK)
+        d = _blocks(document_ids, n, seq_len, None)
         lo, hi = d.amin(-1), d.amax(-1)
         some = some & (lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= hi[:, :, None])
         single = lo == hi
         every = every & single[:, :, None] & single[:, None] & (lo[:, :, None] == lo[:, None])
+    every = every & some  # a no-op but for the batch dimension (images' groups are per row)
     partial = some & ~every
     return BlockMask.from_kv_blocks(
         *_ordered(partial), *_ordered(every), BLOCK_SIZE=BLOCK, mask_mod=rule, seq_lengths=(seq_len, seq_len)

@@ -121,6 +121,9 @@ class VisionSpec:
     """The language model's attribute in the composite base model (`language_model`, `text_model`)."""
     mrope: bool = False
     """The language model's rotary takes 3D positions computed from the images' grids (M-RoPE)."""
+    bidirectional: bool = False
+    """Each image's tokens attend to all of their image, later ones too (Gemma 3), on top of the
+    causal rule and the sliding window (models/attention.py)."""
     unused: tuple[str, ...] = ()
     """Tower parameters (names in the base model) no image feature depends on (LLaVA's layers
     after its `vision_feature_layer`): frozen whatever the settings, as transformers never steps
@@ -380,7 +383,8 @@ class ModelConfig:
     @property
     def needs_mask(self) -> bool:
         """Whether attention takes an explicit mask even for unpacked rows (for the memory plan)."""
-        return any(self.windows) or self.attn_implementation == "eager"
+        images = self.vision is not None and self.vision.bidirectional
+        return any(self.windows) or self.attn_implementation == "eager" or images
 
     def with_router(
         self, output_router_logits: bool | None, router_aux_loss_coef: float | None

@@ -303,19 +303,20 @@ def layer_type_inputs(cfg: ModelConfig, device: torch.device, always_mask: bool 
     """The per-micro-batch inputs of families that alternate sliding-window and full attention
     (`layer_types`): each kind's rotary tables (Gemma 3's local layers have their own base) and
     mask. `always_mask`: the scores have no fused kernel but FlexAttention's (Gemma 2's soft cap,
-    gpt-oss's sinks), so on CUDA even plain rows take a block mask and no score matrix exists."""
+    gpt-oss's sinks), so on CUDA even plain rows take a block mask and no score matrix exists.
+    `groups`: images whose tokens attend to all of their image (attention.py's `image_groups`)."""
     windows = {layer_type(cfg, i): w for i, w in enumerate(cfg.windows)}
     ropes = {}
     for kind in windows:
         inv, scale = rope_inv_freq(cfg, kind)
         ropes[kind] = (inv.to(device), scale)
 
-    def inputs(position_ids, document_ids, seq_len, dtype, flex):
+    def inputs(position_ids, document_ids, seq_len, dtype, flex, groups=None):
         return {
             kind: {
                 "rope": rope_cos_sin(*ropes[kind], position_ids, dtype),
                 "mask": attention_mask(
-                    document_ids, seq_len, window, position_ids.device, flex, always=always_mask and flex
+                    document_ids, seq_len, window, position_ids.device, flex, always_mask and flex, groups
                 ),
             }
             for kind, window in windows.items()
@@ -328,9 +329,11 @@ def _inputs(cfg: ModelConfig, device: torch.device):
     inv_freq, scale = rope_inv_freq(cfg)
     inv_freq = inv_freq.to(device)
 
-    def inputs(position_ids, document_ids, seq_len, dtype, flex):
+    def inputs(position_ids, document_ids, seq_len, dtype, flex, groups=None):
         rope = rope_cos_sin(inv_freq, scale, position_ids, dtype)
-        mask = attention_mask(document_ids, seq_len, cfg.sliding_window, position_ids.device, flex)
+        mask = attention_mask(
+            document_ids, seq_len, cfg.sliding_window, position_ids.device, flex, groups=groups
+        )
         return {"layer": {"rope": rope, "mask": mask}}
 
     return inputs

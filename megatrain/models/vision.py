@@ -11,7 +11,8 @@ transformers' does. Checkpoint keys are the names transformers saves (`SavedName
 its own weight-conversion rules: LLaVA's `language_model.model.layers.0...`). Which modules are
 the tower and which the projector is data (`VLMS`, LlamaFactory's keys); frozen ones are
 frozen tensors of the unit (`ParamSpec.train`). Qwen2-VL's and Qwen2.5-VL's language model takes
-3D positions (M-RoPE), computed by transformers' `get_rope_index` (`positions`).
+3D positions (M-RoPE), computed by transformers' `get_rope_index` (`positions`); Gemma 3's
+attends bidirectionally within each image (its masks, `_inputs`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .attention import image_groups
 from .base import Family
 from .config import VisionSpec
 
@@ -55,6 +57,9 @@ class _Kind:
     tower: tuple[str, ...]
     projector: tuple[str, ...]
     mrope: bool = False
+    bidirectional: bool = False
+    text: tuple[tuple[str, Any], ...] = ()
+    """Language-model config keys the composite model does not apply (set so in its text config)."""
     unused: Callable[[Any, list[str]], tuple[str, ...]] | None = None
     """The tower's parameters (of its names) that no image feature depends on (frozen)."""
 
@@ -63,6 +68,18 @@ class _Kind:
 QWEN_VL = _Kind(tower=("visual.patch_embed", "visual.blocks"), projector=("visual.merger",), mrope=True)
 VLMS = {
     "llava": _Kind(tower=("vision_tower",), projector=("multi_modal_projector",), unused=_llava_unused),
+    # LLaVA-NeXT's `image_newline` (a parameter of the base model) is the projector's: LlamaFactory
+    # trains and freezes it with the projector.
+    "llava_next": _Kind(
+        tower=("vision_tower",), projector=("multi_modal_projector", "image_newline"), unused=_llava_unused
+    ),
+    # Gemma3ForConditionalGeneration caps no logits, whatever its text config says.
+    "gemma3": _Kind(
+        tower=("vision_tower",),
+        projector=("multi_modal_projector",),
+        bidirectional=True,
+        text=(("final_logit_softcapping", None),),
+    ),
     "idefics3": _Kind(tower=("vision_model",), projector=("connector",)),
     "smolvlm": _Kind(tower=("vision_model",), projector=("connector",)),
     "qwen2_vl": QWEN_VL,
@@ -90,6 +107,8 @@ def vision_spec(hf) -> tuple[Any, VisionSpec] | None:
     text = copy.deepcopy(hf.text_config)
     # The composite config decides the tying (transformers ties by it, the text config follows).
     text.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+    for key, value in kind.text:
+        setattr(text, key, value)
     spec = VisionSpec(
         model_type=mt,
         hf_config=hf,
@@ -98,6 +117,7 @@ def vision_spec(hf) -> tuple[Any, VisionSpec] | None:
         projector=kind.projector,
         text_model="",
         mrope=kind.mrope,
+        bidirectional=kind.bidirectional,
     )
     sk = skeleton(spec)
     names = [n.removeprefix(f"{sk.model.base_model_prefix}.") for n, _ in sk.model.named_parameters()]
@@ -147,7 +167,7 @@ def skeleton(spec: VisionSpec) -> Skeleton:
     prefix = model.base_model_prefix
     known = [f"{prefix}.{texts[0]}.", "lm_head."] + [f"{prefix}.{p}." for p in (*spec.tower, *spec.projector)]
     params = dict(model.named_parameters())
-    extra = [n for n in params if not n.startswith(tuple(known))]
+    extra = [n for n in params if not n.startswith(tuple(known)) and f"{n}." not in known]
     if extra:
         raise ConfigError(
             f"model_type {spec.model_type!r}: parameters outside its known parts ({extra[0]}, ...)"
@@ -196,18 +216,25 @@ class VisionEmbedding(nn.Module):
         base = sk.model.base_model
         shell = copy.copy(base)  # the base model's methods, over our copies of its vision modules
         shell._modules = dict(base._modules)
+        # The base model's own parameters (LLaVA-NeXT's image_newline) are ours, the shell reading
+        # them from our dict: functional_call swaps tensors in it in place.
+        shell._parameters = self._parameters
         for root in roots(spec):
             mine = copy.deepcopy(getattr(base, root))
-            self.add_module(root, mine)
-            shell._modules[root] = mine
+            if isinstance(mine, nn.Parameter):
+                self.register_parameter(root, mine)
+            else:
+                self.add_module(root, mine)
+                shell._modules[root] = mine
         object.__setattr__(self, "_shell", shell)
         trained = [
             p for p, t in ((spec.tower, spec.train_tower), (spec.projector, spec.train_projector)) if t
         ]
-        trained = tuple(f"{path}." for paths in trained for path in paths)
+        trained = tuple(path for paths in trained for path in paths)
         for name, p in self.named_parameters():
             if name.split(".")[0] in roots(spec):
-                p.requires_grad_(name.startswith(trained) and name not in spec.unused)
+                under = any(name == t or name.startswith(f"{t}.") for t in trained)
+                p.requires_grad_(under and name not in spec.unused)
         self.weight_name, self.scale, self.padding_idx = text.weight_name, text.scale, text.padding_idx
         self.image_token_id = spec.image_token_id
         # Gemma's image token lies past the text vocabulary: transformers looks it up as token 0.
@@ -236,12 +263,22 @@ class VisionEmbedding(nn.Module):
 
 def tower_shape(spec: VisionSpec) -> tuple[float, int, int, int]:
     """What the memory plan needs of a tower: its tokens per image token (at most: LLaVA's CLS
-    beside each image's patches, Idefics3's pixel shuffle and Qwen2-VL's merge of patches), width,
-    MLP width and layers."""
+    beside each image's patches, Idefics3's pixel shuffle, Qwen2-VL's merge of patches, Gemma 3's
+    pooling, LLaVA-NeXT's tiles), width, MLP width and layers."""
     hf, v = spec.hf_config, spec.hf_config.vision_config
     hidden = getattr(v, "embed_dim", None) or v.hidden_size
     ffn = getattr(v, "intermediate_size", None) or int(getattr(v, "mlp_ratio", 4) * hidden)
-    if spec.mrope:
+    if getattr(hf, "image_grid_pinpoints", None):
+        # LLaVA-NeXT: the tower sees the base image and each tile of the largest grid, every one
+        # with its CLS; the image's tokens are at least the base image's patches (its tiles'
+        # features are unpadded, some rows or columns dropped).
+        tile = v.image_size
+        tiles = max((h // tile) * (w // tile) for h, w in hf.image_grid_pinpoints)
+        patches = (tile // v.patch_size) ** 2
+        per = (1 + tiles) * (patches + 1) / patches
+    elif getattr(hf, "mm_tokens_per_image", None):  # Gemma 3: the patches average-pooled
+        per = (v.image_size // v.patch_size) ** 2 / hf.mm_tokens_per_image
+    elif spec.mrope:
         per = v.spatial_merge_size**2
     elif getattr(hf, "scale_factor", None):
         per = hf.scale_factor**2
@@ -292,16 +329,27 @@ def multimodal(fam: Family) -> Family:
 
 
 def _inputs(fam: Family, cfg, device: torch.device):
-    """The family's per-micro-batch inputs; with M-RoPE and 3D positions [3, B, S], the rotary
-    tables transformers' own rotary module makes of them (text positions, equal on the three
-    axes, give the family's own tables)."""
+    """The family's per-micro-batch inputs, given the micro-batch's `image_mask` [B, S] too (None:
+    no images): with Gemma 3's bidirectional images, masks where each image's tokens attend to
+    all of their image; with M-RoPE and 3D positions [3, B, S], the rotary tables transformers'
+    own rotary module makes of them (text positions, equal on the three axes, give the family's
+    own tables)."""
     inner = fam.inputs(cfg, device)
+    if cfg.vision.bidirectional:
+
+        def bidirectional(position_ids, document_ids, seq_len, dtype, flex, image_mask=None):
+            groups = None if image_mask is None else image_groups(image_mask)
+            return inner(position_ids, document_ids, seq_len, dtype, flex, groups=groups)
+
+        return bidirectional
     if not cfg.vision.mrope:
-        return inner
+        return lambda position_ids, document_ids, seq_len, dtype, flex, image_mask=None: inner(
+            position_ids, document_ids, seq_len, dtype, flex
+        )
     base = skeleton(cfg.vision).model.base_model
     rotary = copy.deepcopy(getattr(base, skeleton(cfg.vision).text_model).rotary_emb).to(device)
 
-    def inputs(position_ids, document_ids, seq_len, dtype, flex):
+    def inputs(position_ids, document_ids, seq_len, dtype, flex, image_mask=None):
         if position_ids.dim() == 2:
             return inner(position_ids, document_ids, seq_len, dtype, flex)
         out = inner(position_ids[0], document_ids, seq_len, dtype, flex)
