@@ -51,8 +51,9 @@ MIN_PER_THREAD = 1 << 16
 # (the split before, which bench/adamw.py --beside times beside it).
 BLOCK = 1 << 16
 
-SOURCE = r"""
-#include <math.h>
+# The halves' rule in C (host/split.py's, checked against it in `check`), which momentkernel.py's
+# kernel takes too.
+HALVES = r"""
 #include <stdint.h>
 #include <string.h>
 
@@ -76,6 +77,12 @@ static inline uint16_t high(float x) {
     uint32_t hi = top + (carry & (mag < 0x7F7Fu));
     return (uint16_t)((carry & (mag == 0x7F7Fu)) ? (top & 0x8000u) : hi);
 }
+"""
+
+SOURCE = (
+    HALVES
+    + r"""
+#include <math.h>
 
 void halves(const float *x, uint16_t *hi, uint16_t *lo, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -228,6 +235,7 @@ void rows_adamw_shared(const uint16_t *ph, const uint16_t *pl, const float *g, c
     }
 }
 """
+)
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 
