@@ -31,7 +31,7 @@ import torch
 from ..host.moments import BLOCK
 from ..host.split import Halves, split
 from . import moments as low
-from .clipadam import FLAGS, HALVES, Unavailable
+from .clipadam import FLAGS, HALVES, Unavailable, check_halves
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,8 @@ def tables(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MomentKernel:
-    """The built kernel; `step` runs it over one span on the given threads."""
+    """The built kernel; `step` (fp32 weights) and `step_halves` run it over one span on the given
+    threads."""
 
     def __init__(self):
         with tempfile.TemporaryDirectory(prefix="megatrain-moments-") as d:
@@ -299,7 +300,8 @@ class MomentKernel:
         coef: float | None = None,
     ) -> None:
         """engine/moments.py's `step_span` (on contiguous host tensors, no skip flag) of fp32
-        weights `p`, the gradient times `coef` first (None: as it is; `g` is left as it was)."""
+        weights `p`, the gradient times `coef` first (an fp32 value, as `clip_scaled` multiplies;
+        None: as it is; `g` is left as it was)."""
         self._span((p.data_ptr(), None, None), g, moments, h, decay, threads, coef)
 
     def step_halves(
@@ -314,10 +316,7 @@ class MomentKernel:
     ) -> None:
         """`step` of weights held as the fp32 master's halves (host/split.py), read and written in
         the pass: no fp32 copy made of them, none split back."""
-        n = g.numel()
-        if not (p.hi.dtype == torch.bfloat16 and p.lo.dtype == torch.int16 and p.hi.is_contiguous()
-                and p.lo.is_contiguous() and p.hi.numel() == p.lo.numel() == n):  # fmt: skip
-            raise ValueError(f"the weights are the halves of {n} contiguous elements (bf16 hi, int16 lo)")
+        check_halves(p, g.numel())
         self._span((None, p.hi.data_ptr(), p.lo.data_ptr()), g, moments, h, decay, threads, coef)
 
     def _span(self, weights: tuple, g, moments, h: low.Hyper, decay: bool, threads: int, coef) -> None:

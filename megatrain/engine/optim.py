@@ -240,8 +240,8 @@ class HostAdamW:
 
     def _step(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, coef, lr: float, step: int) -> None:
         """Elements [lo, hi) of `unit` from `grad` (exactly that range) times `coef` (a float, for
-        a kernel on the halves alone, `_loaded`; None: as it is). A unit of the disk tier is stepped a block at a
-        time, on its moments staged in host memory (host/disk.py)."""
+        a kernel on the halves alone, `_loaded`; None: as it is). A unit of the disk tier is
+        stepped a block at a time, on its moments staged in host memory (host/disk.py)."""
         if unit.index not in self._populated:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
@@ -312,7 +312,7 @@ class HostAdamW:
         self, unit: Unit, grad: torch.Tensor, coef: torch.Tensor | None, lr: float, step: int, chunk: int
     ) -> None:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
-        covers the span; scaled in place, but by clipadam's kernel), times the clip coefficient (a
+        covers the span; scaled in place, but by a kernel on the halves), times the clip coefficient (a
         host tensor; None: not clipped): the optimizer worker's pass over held gradients. A clip
         that fires is multiplied in the pass of a kernel on the halves where asked for and
         available (`fused_clip`, `_loaded`), else `chunk` elements at a time before torch's kernel
