@@ -369,7 +369,7 @@ def check(kernel: MomentKernel) -> None:
         for decay in (True, False):
             for q8 in (True, False):
                 p = torch.randn(n, generator=gen) * 0.02
-                k = min(n, len(special))  # the largest magnitudes, a bf16 tie, a subnormal
+                k = min(n, len(special))  # bf16 half a zero; the largest below them; a subnormal
                 p[:k] = special[:k]
                 if q8:
                     st = [torch.zeros(n, dtype=torch.uint8) for _ in "mv"] + [
