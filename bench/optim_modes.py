@@ -10,8 +10,8 @@ moments side by side, and the host optimizer's pass over each mode's state.
 * **pass**: `HostAdamW.step_held` (the optimizer worker's pass over gradients held in host memory)
   over the state of a Llama of `--shape`'s layers nearest `--pass-params` parameters, in each
   mode, on one thread and on every CPU: elements a second, beside fp32's
-  (torch's fused kernel); the bf16 and 8-bit ones by engine/momentkernel.py's kernel where it
-  builds (the run says which).
+  (clipadam's kernel on the master's halves); the bf16 and 8-bit ones by engine/momentkernel.py's
+  kernel on the halves where it builds (the run says which).
 
 Results: JSON (both curves, every step) + Markdown under --out.
 

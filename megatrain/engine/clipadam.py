@@ -51,8 +51,9 @@ MIN_PER_THREAD = 1 << 16
 # (the split before, which bench/adamw.py --beside times beside it).
 BLOCK = 1 << 16
 
-SOURCE = r"""
-#include <math.h>
+# The halves' rule in C (host/split.py's, checked against it in `check`), which momentkernel.py's
+# kernel takes too.
+HALVES = r"""
 #include <stdint.h>
 #include <string.h>
 
@@ -76,6 +77,12 @@ static inline uint16_t high(float x) {
     uint32_t hi = top + (carry & (mag < 0x7F7Fu));
     return (uint16_t)((carry & (mag == 0x7F7Fu)) ? (top & 0x8000u) : hi);
 }
+"""
+
+SOURCE = (
+    HALVES
+    + r"""
+#include <math.h>
 
 void halves(const float *x, uint16_t *hi, uint16_t *lo, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -228,6 +235,7 @@ void rows_adamw_shared(const uint16_t *ph, const uint16_t *pl, const float *g, c
     }
 }
 """
+)
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 
@@ -291,7 +299,7 @@ class ClipAdamW:
         weights `p` as the fp32 master's halves (read and written in the pass, host/split.py), the
         gradient times `coef` first (None: as it is); `g` is left as it was."""
         n = g.numel()
-        _check_halves(p, n)
+        check_halves(p, n)
         args = (n - n % self.ones, *_hyper(coef, lr, step, betas, eps, weight_decay))
         taken = ctypes.c_int64(0)  # the counter the threads take their blocks from
         head = (*(t.data_ptr() for t in (p.hi, p.lo, g, m, v)), ctypes.addressof(taken))
@@ -332,7 +340,7 @@ class ClipAdamW:
             raise ValueError(
                 f"rows are written into [{n}, {width}] contiguous bf16, not {out.dtype} x {out.shape}"
             )
-        _check_halves(p, m.numel())
+        check_halves(p, m.numel())
         if not all(t.is_contiguous() and t.dtype == torch.float32 and t.shape == m.shape for t in (m, v)):
             raise ValueError("the moments must be contiguous fp32 of one shape")
         if exact is not None and (
@@ -387,7 +395,8 @@ class ClipAdamW:
         return self._round_trips(first, n)
 
 
-def _check_halves(p: Halves, n: int) -> None:
+def check_halves(p: Halves, n: int) -> None:
+    """Raise ValueError unless `p` is the halves of `n` contiguous elements, as the kernels take them."""
     if not (p.hi.dtype == torch.bfloat16 and p.lo.dtype == torch.int16 and p.hi.is_contiguous()
             and p.lo.is_contiguous() and p.hi.numel() == p.lo.numel() == n):  # fmt: skip
         raise ValueError(f"the weights are the halves of {n} contiguous elements (bf16 hi, int16 lo)")

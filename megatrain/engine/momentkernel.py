@@ -4,13 +4,16 @@ engine/moments.py's arithmetic, operation for operation.
 engine/moments.py's torch ops are the arithmetic (and run it on CUDA); on the CPU they make a pass
 over memory per operation and a parallel region per chunk, 12-25x slower than torch's fused fp32
 kernel. This kernel decodes a block's moments, steps its weights and encodes the moments again in
-one pass, on threads that take blocks from a shared counter (as clipadam.py's do). Every
-operation is one IEEE rounding in both (compiled without contraction), so the results are the same
-bits; whether they are here is checked when the kernel is first asked for (`check`: every kind of
-block end, decay and none, zero and huge moments, several threads), else `load` says why and the
-host steps with the torch ops. The nearest value of the dynamic map is found from a table of its
-search's start for each value's top 16 bits, then a short scan: the index torch's searchsorted
-gives, exactly.
+one pass, on threads that take blocks from a shared counter (as clipadam.py's do). The weights are
+fp32 or the master's halves (`step_halves`: joined and split in-register by clipadam.py's rule,
+as its kernel does, so the host pass makes no fp32 copy of them), and the gradient is multiplied
+by the clip coefficient as it is read. Every operation is one IEEE rounding in both (compiled
+without contraction), so the results are the same bits; whether they are here is checked when
+the kernel is first asked for (`check`: both forms of the weights, every kind of block end, decay
+and none, a clip and none, zero and huge moments, several threads), else `load` says why and the
+host steps with the torch ops on fp32 made from the halves. The nearest value of the dynamic map
+is found from a table of its search's start for each value's top 16 bits, then a short scan: the
+index torch's searchsorted gives, exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..host.moments import BLOCK
+from ..host.split import Halves, split
 from . import moments as low
-from .clipadam import FLAGS, Unavailable
+from .clipadam import FLAGS, HALVES, Unavailable, check_halves
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 log = logging.getLogger(__name__)
@@ -35,12 +39,18 @@ log = logging.getLogger(__name__)
 MIN_PER_THREAD = 1 << 16  # elements a thread is given at least (clipadam's figure)
 TAKE = 256  # blocks a thread takes from the shared counter at a time: 64K elements
 
-SOURCE = r"""
+SOURCE = (
+    HALVES
+    + r"""
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-typedef struct { float b1, w1, b2, w2, c2, eps, keep, step_size; int decay; } hyper;
+typedef struct { float b1, w1, b2, w2, c2, eps, keep, step_size, coef; int decay, scale; } hyper;
+
+/* A span's weights: fp32 `p`, or the master's halves `hi` and `lo`, joined as they are read and
+   split as they are written (clipadam.py's rule, `HALVES`). */
+typedef struct { float *p; uint16_t *hi, *lo; } weights;
+
+#define INLINE static inline __attribute__((always_inline))
 
 static inline uint16_t to_bf16(float x) {  /* round to nearest even, as torch's cast */
     if (isnan(x)) return 0x7FC0;
@@ -62,8 +72,22 @@ static inline uint32_t bits(float x) {
     return u;
 }
 
-/* engine/moments.py's `update`, one rounding an operation: the new weight; the moments in place. */
+/* `halves` a constant where these are inlined: a loop of its own for each form. */
+INLINE float load(weights w, int64_t i, int halves) { return halves ? join(w.hi[i], w.lo[i]) : w.p[i]; }
+
+INLINE void store(weights w, int64_t i, float x, int halves) {
+    if (halves) {
+        w.hi[i] = high(x);
+        w.lo[i] = (uint16_t)bits(x);
+    } else {
+        w.p[i] = x;
+    }
+}
+
+/* engine/moments.py's `update`, one rounding an operation, the gradient first times the clip
+   coefficient (optim.py's `clip_scaled`: one fp32 multiply): the new weight; the moments in place. */
 static inline float adamw(float p, float g, float *m, float *v, const hyper *h) {
+    g = h->scale ? g * h->coef : g;
     float mm = *m * h->b1, t = g * h->w1;
     mm = mm + t;
     float vv = *v * h->b2, u = g * h->w2;
@@ -114,12 +138,12 @@ static void encode(const float *restrict x, int64_t n, uint8_t *restrict codes, 
     for (int64_t i = 0; i < n; i++) codes[i] = nearest(clamp1(x[i] / a), edge, start);
 }
 
-/* Blocks of a span of n elements (8-bit moments), `take` at a time from *next. */
-void q8_span(float *restrict p, const float *restrict g, uint8_t *restrict cm, uint8_t *restrict cv,
-             float *restrict am, float *restrict av, int64_t n, int64_t *next, int64_t take,
-             const hyper *h, const float *restrict signed_code, const float *restrict unsigned_code,
-             const float *restrict signed_edge, const float *restrict unsigned_edge,
-             const int32_t *restrict signed_start, const int32_t *restrict unsigned_start) {
+INLINE void q8_blocks(weights w, const float *restrict g, uint8_t *restrict cm, uint8_t *restrict cv,
+                      float *restrict am, float *restrict av, int64_t n, int64_t *next, int64_t take,
+                      const hyper *h, const float *restrict signed_code,
+                      const float *restrict unsigned_code, const float *restrict signed_edge,
+                      const float *restrict unsigned_edge, const int32_t *restrict signed_start,
+                      const int32_t *restrict unsigned_start, int halves) {
     int64_t blocks = (n + 255) / 256;
     float m[256], v[256];
     const hyper hh = *h;
@@ -132,7 +156,7 @@ void q8_span(float *restrict p, const float *restrict g, uint8_t *restrict cm, u
             float sm = am[k], sv = av[k];
             for (int64_t i = 0; i < e - a; i++) {
                 float mm = signed_code[cm[a + i]] * sm, vv = unsigned_code[cv[a + i]] * sv;
-                p[a + i] = adamw(p[a + i], g[a + i], &mm, &vv, &hh);
+                store(w, a + i, adamw(load(w, a + i, halves), g[a + i], &mm, &vv, &hh), halves);
                 m[i] = mm;
                 v[i] = vv;
             }
@@ -142,27 +166,56 @@ void q8_span(float *restrict p, const float *restrict g, uint8_t *restrict cm, u
     }
 }
 
-/* Elements of a span of n elements (bf16 moments), TAKE * 256 at a time from *next. */
-void bf16_span(float *p, const float *g, uint16_t *m, uint16_t *v, int64_t n, int64_t *next,
-               int64_t take, const hyper *h) {
+/* Blocks of a span of n elements (8-bit moments), `take` at a time from *next; the weights fp32
+   `p`, or the halves `hi` and `lo` where `hi` is given. */
+void q8_span(float *p, uint16_t *hi, uint16_t *lo, const float *g, uint8_t *cm, uint8_t *cv,
+             float *am, float *av, int64_t n, int64_t *next, int64_t take, const hyper *h,
+             const float *signed_code, const float *unsigned_code, const float *signed_edge,
+             const float *unsigned_edge, const int32_t *signed_start, const int32_t *unsigned_start) {
+    weights w = {p, hi, lo};
+    if (hi)
+        q8_blocks(w, g, cm, cv, am, av, n, next, take, h, signed_code, unsigned_code, signed_edge,
+                  unsigned_edge, signed_start, unsigned_start, 1);
+    else
+        q8_blocks(w, g, cm, cv, am, av, n, next, take, h, signed_code, unsigned_code, signed_edge,
+                  unsigned_edge, signed_start, unsigned_start, 0);
+}
+
+INLINE void bf16_elements(weights w, const float *restrict g, uint16_t *restrict m,
+                          uint16_t *restrict v, int64_t n, int64_t *next, int64_t take,
+                          const hyper *h, int halves) {
+    const hyper hh = *h;
     for (;;) {
         int64_t a = __atomic_fetch_add(next, take * 256, __ATOMIC_RELAXED);
         if (a >= n) return;
         int64_t e = a + take * 256 < n ? a + take * 256 : n;
         for (int64_t i = a; i < e; i++) {
             float mm = from_bf16(m[i]), vv = from_bf16(v[i]);
-            p[i] = adamw(p[i], g[i], &mm, &vv, h);
+            store(w, i, adamw(load(w, i, halves), g[i], &mm, &vv, &hh), halves);
             m[i] = to_bf16(mm);
             v[i] = to_bf16(vv);
         }
     }
 }
+
+/* Elements of a span of n elements (bf16 moments), `take` * 256 at a time from *next; the
+   weights as `q8_span`'s. */
+void bf16_span(float *p, uint16_t *hi, uint16_t *lo, const float *g, uint16_t *m, uint16_t *v,
+               int64_t n, int64_t *next, int64_t take, const hyper *h) {
+    weights w = {p, hi, lo};
+    if (hi)
+        bf16_elements(w, g, m, v, n, next, take, h, 1);
+    else
+        bf16_elements(w, g, m, v, n, next, take, h, 0);
+}
 """
+)
 
 
 class _Hyper(ctypes.Structure):
-    _fields_ = [(k, ctypes.c_float) for k in ("b1", "w1", "b2", "w2", "c2", "eps", "keep", "step_size")] + [
-        ("decay", ctypes.c_int)
+    _fields_ = [
+        *((k, ctypes.c_float) for k in ("b1", "w1", "b2", "w2", "c2", "eps", "keep", "step_size", "coef")),
+        *((k, ctypes.c_int) for k in ("decay", "scale")),
     ]
 
 
@@ -208,7 +261,8 @@ def tables(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class MomentKernel:
-    """The built kernel; `step` runs it over one span on the given threads."""
+    """The built kernel; `step` (fp32 weights) and `step_halves` run it over one span on the given
+    threads."""
 
     def __init__(self):
         with tempfile.TemporaryDirectory(prefix="megatrain-moments-") as d:
@@ -226,8 +280,8 @@ class MomentKernel:
                 raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
             self._lib = ctypes.CDLL(lib)  # mapped: the file may go
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._lib.q8_span.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr] + [ptr] * 6
-        self._lib.bf16_span.argtypes = [ptr] * 4 + [i64, ptr, i64, ptr]
+        self._lib.q8_span.argtypes = [ptr] * 8 + [i64, ptr, i64, ptr] + [ptr] * 6
+        self._lib.bf16_span.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr]
         self._lib.q8_span.restype = self._lib.bf16_span.restype = None
         signed, unsigned = (low.dynamic_map(s) for s in (True, False))
         (se, ss), (ue, us) = tables(signed), tables(unsigned)
@@ -236,20 +290,48 @@ class MomentKernel:
         self._workers = 0
 
     def step(
-        self, p, g, moments: tuple[torch.Tensor, ...], h: low.Hyper, decay: bool, threads: int = 1
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        moments: tuple[torch.Tensor, ...],
+        h: low.Hyper,
+        decay: bool,
+        threads: int = 1,
+        coef: float | None = None,
     ) -> None:
-        """engine/moments.py's `step_span` (on contiguous host tensors, no skip flag)."""
-        n = p.numel()
-        hy = ctypes.byref(_Hyper(h.b1, h.w1, h.b2, h.w2, h.c2, h.eps, h.keep, h.step_size, int(decay)))
+        """engine/moments.py's `step_span` (on contiguous host tensors, no skip flag) of fp32
+        weights `p`, the gradient times `coef` first (an fp32 value, as `clip_scaled` multiplies;
+        None: as it is; `g` is left as it was)."""
+        self._span((p.data_ptr(), None, None), g, moments, h, decay, threads, coef)
+
+    def step_halves(
+        self,
+        p: Halves,
+        g: torch.Tensor,
+        moments: tuple[torch.Tensor, ...],
+        h: low.Hyper,
+        decay: bool,
+        threads: int = 1,
+        coef: float | None = None,
+    ) -> None:
+        """`step` of weights held as the fp32 master's halves (host/split.py), read and written in
+        the pass: no fp32 copy made of them, none split back."""
+        check_halves(p, g.numel())
+        self._span((None, p.hi.data_ptr(), p.lo.data_ptr()), g, moments, h, decay, threads, coef)
+
+    def _span(self, weights: tuple, g, moments, h: low.Hyper, decay: bool, threads: int, coef) -> None:
+        n = g.numel()
+        c = 1.0 if coef is None else coef
+        hyper = _Hyper(
+            h.b1, h.w1, h.b2, h.w2, h.c2, h.eps, h.keep, h.step_size, c, int(decay), int(coef is not None)
+        )
         taken = ctypes.c_int64(0)
-        head = [t.data_ptr() for t in (p, g, *moments)]
+        head = [*weights, g.data_ptr(), *(t.data_ptr() for t in moments)]
+        tail = (n, ctypes.addressof(taken), TAKE, ctypes.byref(hyper))
         if len(moments) == 4:
-            fn, args = (
-                self._lib.q8_span,
-                (*head, n, ctypes.addressof(taken), TAKE, hy, *(t.data_ptr() for t in self._tables)),
-            )
+            fn, args = self._lib.q8_span, (*head, *tail, *(t.data_ptr() for t in self._tables))
         elif all(t.dtype == torch.bfloat16 for t in moments):
-            fn, args = self._lib.bf16_span, (*head, n, ctypes.addressof(taken), TAKE, hy)
+            fn, args = self._lib.bf16_span, (*head, *tail)
         else:
             raise ValueError("the kernel steps 8-bit moments or two bf16 moments")
         self._run(max(1, min(threads, n // MIN_PER_THREAD)), fn, *args)
@@ -275,14 +357,20 @@ class MomentKernel:
 
 def check(kernel: MomentKernel) -> None:
     """Raise Unavailable unless the kernel's results equal the torch ops' bit for bit (a NaN a
-    NaN): spans of every kind of end (one element, a block less one, whole blocks, partial blocks
-    over several threads' takes), weight decay and none, zero moments, huge and tiny values in
-    one block, both formats, three steps."""
+    NaN), of fp32 weights and of the master's halves (`step_halves`: split.py's halves of the
+    torch ops' weights): spans of every kind of end (one element, a block less one, whole blocks,
+    partial blocks over several threads' takes), weight decay and none, zero moments, huge and
+    tiny values in one block, weights at the halves' special cases, both formats, three steps, the
+    gradient as it is and times two clip coefficients."""
     gen = torch.Generator().manual_seed(0)
+    patterns = (0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF, 0x00008000)  # fp32 bits, as int32 below
+    special = torch.tensor([b - (b >> 31 << 32) for b in patterns], dtype=torch.int32).view(torch.float32)
     for n in (1, 255, 256, 1000, 3 * TAKE * BLOCK + 77):
         for decay in (True, False):
             for q8 in (True, False):
                 p = torch.randn(n, generator=gen) * 0.02
+                k = min(n, len(special))  # bf16 half a zero; the largest below them; a subnormal
+                p[:k] = special[:k]
                 if q8:
                     st = [torch.zeros(n, dtype=torch.uint8) for _ in "mv"] + [
                         torch.zeros(-(-n // BLOCK)) for _ in "mv"
@@ -290,16 +378,24 @@ def check(kernel: MomentKernel) -> None:
                 else:
                     st = [torch.zeros(n, dtype=torch.bfloat16) for _ in "mv"]
                 ours, theirs = [p.clone(), *(t.clone() for t in st)], [p.clone(), *(t.clone() for t in st)]
-                for step in (1, 2, 3):
+                halves = [split(p), *(t.clone() for t in st)]
+                for step, coef in ((1, None), (2, 0.37), (3, 0.61)):
                     g = torch.randn(n, generator=gen) * 1e-2
                     if step == 2:
                         g[:300] = 0.0  # a block of zero moments after a step or two
                     if step == 3:
                         g[n // 2] = 4e18  # its square near fp32's largest, beside tiny ones
                     h = low.Hyper.of(1e-3, step, (0.9, 0.95), 1e-8, 0.1 if decay else 0.0)
-                    kernel.step(ours[0], g, tuple(ours[1:]), h, decay, threads=2)
-                    low.step_span(theirs[0], g, tuple(theirs[1:]), h, decay)
-                if not all(_same(a, b) for a, b in zip(ours, theirs)):
+                    kernel.step(ours[0], g, tuple(ours[1:]), h, decay, threads=2, coef=coef)
+                    kernel.step_halves(halves[0], g, tuple(halves[1:]), h, decay, threads=2, coef=coef)
+                    scaled = g if coef is None else g * torch.tensor(coef)  # optim.py's clip_scaled
+                    low.step_span(theirs[0], scaled, tuple(theirs[1:]), h, decay)
+                want = split(theirs[0])
+                bits = [(t.hi.view(torch.int16), t.lo) for t in (halves[0], want)]
+                if not (
+                    all(_same(a, b) for a, b in zip(ours, theirs))
+                    and all(_same(a, b) for a, b in zip((*bits[0], *halves[1:]), (*bits[1], *theirs[1:])))
+                ):
                     raise Unavailable(
                         f"its results differ from the torch ops' here ({n} elements, {'8-bit' if q8 else 'bf16'}, "
                         f"weight decay {decay})"
@@ -328,6 +424,8 @@ def load() -> tuple[MomentKernel | None, str]:
         except Unavailable as e:
             _LOADED = (None, str(e))
             log.warning(
-                "host AdamW of bf16 and 8-bit moments: the torch ops step, a pass an operation (%s)", e
+                "host AdamW of bf16 and 8-bit moments: the torch ops step fp32 made from the halves, a pass an "
+                "operation (%s)",
+                e,
             )
     return _LOADED

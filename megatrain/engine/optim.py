@@ -14,8 +14,9 @@ are two 16-bit halves (host/split.py): a kernel of ours that repeats torch's ari
 writes them in its one pass, and multiplies by the clip coefficient as it steps
 (`clipadam.py`, where it builds and checks: `FUSED_CLIP`), bitwise; elsewhere torch's kernel
 steps fp32 made from the halves a piece at a time and split back. bf16 and 8-bit moments
-(`optim`, host/moments.py) take engine/moments.py's arithmetic (momentkernel.py's kernel in host
-memory) on fp32 made from the halves in the same way. Two other ways
+(`optim`, host/moments.py) take engine/moments.py's arithmetic: in host memory momentkernel.py's
+kernel, which reads and writes the halves and multiplies the clip in its pass in the same way
+(else the torch ops on fp32 made from the halves). Two other ways
 to take the multiply off the pass were measured and removed: the gradient scaled in cache-sized
 pieces just before each is stepped (27-60% of the kernel on a 64-core host, against 67% for the
 multiply's own pass), and the multiply on threads of its own beside the kernel (69-79% on 16- and
@@ -51,13 +52,14 @@ class AdamWConfig:
     the others with engine/moments.py's arithmetic."""
 
 
-# Whether the host AdamW is clipadam's kernel, which steps the master weights' halves in its pass
-# and multiplies a clip that fires as it steps (one read of the gradient, 28 bytes an element
-# against 36), where it builds and its results equal torch's kernel on this host (checked once a
-# process; else torch's kernel on fp32 made from the halves, after a multiply of its own, and a
-# warning says why). The engine's clipped pass against torch's kernel
-# at the same state size, with it and without: 111% against 69% on a 16-core host (2.58B),
-# 99% against 61% on a 32-core host (5.0B), 105% against 71% on the 2-core development host
+# Whether the host AdamW is a kernel that steps the master weights' halves in its pass and
+# multiplies a clip that fires as it steps (one read of the gradient, 28 bytes an element against
+# 36 with fp32 moments): clipadam's, or momentkernel's for bf16 and 8-bit moments, where it builds
+# and its results equal torch's kernel (the torch ops) on this host (checked once a process; else
+# fp32 made from the halves, after a multiply of its own, and a warning says why). The engine's
+# clipped pass against torch's kernel at the same state size, with it and without: 111% against
+# 69% on a 16-core host (2.58B), 99% against 61% on a 32-core host (5.0B), 105% against 71% on the
+# 2-core development host
 # (results/2026-11-27_1256_h100-adamw-engine.md, _1254_x2-adamw-engine.md, _1202_adamw-engine.md).
 FUSED_CLIP = True
 # Elements of the fp32 weights torch's kernel steps at a time, made from the halves and split
@@ -161,10 +163,21 @@ def adamw_range(
 def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, found_inf, base) -> None:
     """`adamw_range` of bf16 or 8-bit moments: engine/moments.py's step, span by span; in host
     memory by momentkernel.py's kernel where it builds and checks (one pass, the same bits)."""
-    quantized = cfg.moments.quantized
     kernel = None
     if p.device.type == "cpu" and found_inf is None and cfg.moments in (Q8, BF16):
         kernel = momentkernel.load()[0]
+    for a, b, views, h, decay in moment_spans(unit, lo, hi, moments, cfg, lr, step, base):
+        if kernel is not None:
+            kernel.step(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, torch.get_num_threads())
+        else:
+            low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
+
+
+def moment_spans(unit: Unit, lo: int, hi: int, moments, cfg: AdamWConfig, lr: float, step: int, base: int):
+    """The spans [a, b) of elements [lo, hi) of `unit` that engine/moments.py's step takes as one
+    (`tensors`), each with its moment buffers' views (`moments` from element `base` on, an absmax
+    from its block), its constants and its weight decay; 8-bit moments cut only on blocks."""
+    quantized = cfg.moments.quantized
     if quantized and (lo % BLOCK or base % BLOCK or (hi % BLOCK and hi != unit.numel)):
         raise ValueError(
             f"{unit.name}[{lo}:{hi}] from {base}: 8-bit moments are stepped in whole blocks of {BLOCK}"
@@ -177,12 +190,7 @@ def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, foun
                 views = (*(t[a - base : b - base] for t in moments[:2]), *(t[ka:kb] for t in moments[2:]))
             else:
                 views = tuple(t[a - base : b - base] for t in moments)
-            if kernel is not None:
-                kernel.step(
-                    p[a - base : b - base], g[a - lo : b - lo], views, h, decay, torch.get_num_threads()
-                )
-            else:
-                low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
+            yield a, b, views, h, decay
 
 
 class HostAdamW:
@@ -202,7 +210,7 @@ class HostAdamW:
             momentkernel.load()  # built and checked now, before a step: not on the optimizer's thread
         self.world = world or Single()
         self._populated: set[int] = set()  # units whose moments' pages are mapped (`_populate`)
-        # clipadam's kernel steps the halves, where it is available (FUSED_CLIP)
+        # a kernel steps the halves, where it is available (FUSED_CLIP, `_loaded`)
         self.fused_clip = FUSED_CLIP
         self._fused: clipadam.ClipAdamW | None = None
 
@@ -232,8 +240,8 @@ class HostAdamW:
 
     def _step(self, unit: Unit, lo: int, hi: int, grad: torch.Tensor, coef, lr: float, step: int) -> None:
         """Elements [lo, hi) of `unit` from `grad` (exactly that range) times `coef` (a float, for
-        clipadam's kernel alone; None: as it is). A unit of the disk tier is stepped a block at a
-        time, on its moments staged in host memory (host/disk.py)."""
+        a kernel on the halves alone, `_loaded`; None: as it is). A unit of the disk tier is
+        stepped a block at a time, on its moments staged in host memory (host/disk.py)."""
         if unit.index not in self._populated:
             self._populate(unit)
         st, base = self.state, self.state.part(unit)[0]
@@ -250,13 +258,20 @@ class HostAdamW:
         self, unit: Unit, lo: int, hi: int, grad, moments, base: int, coef, lr: float, step: int
     ) -> None:
         """AdamW on elements [lo, hi) of `unit`, `moments` its moment buffers from element `base`
-        on (an absmax from its block) and `grad` exactly the range: clipadam's kernel on the
-        halves (fp32 moments), the same tensors as torch's kernel is given (`tensors`), each split
-        over the optimizer's threads, `grad` left unscaled; else the weights made fp32 from the
-        halves, stepped by torch's kernel (or engine/moments.py's arithmetic for bf16 and 8-bit
-        moments) and split back, cut at multiples of PASS_CHUNK (of 64 and of BLOCK: bitwise the
-        range stepped whole)."""
+        on (an absmax from its block) and `grad` exactly the range: a kernel on the halves
+        (`_loaded`: clipadam's for fp32 moments, the same tensors as torch's kernel is given,
+        `tensors`; momentkernel's for bf16 and 8-bit ones, `moment_spans`), each split over the
+        optimizer's threads, `grad` left unscaled; else the weights made fp32 from the halves,
+        stepped by torch's kernel (or engine/moments.py's arithmetic for bf16 and 8-bit moments)
+        and split back, cut at multiples of PASS_CHUNK (of 64 and of BLOCK: bitwise the range
+        stepped whole)."""
         kernel = self._loaded()
+        if isinstance(kernel, momentkernel.MomentKernel):
+            threads = torch.get_num_threads()
+            for a, b, views, h, decay in moment_spans(unit, lo, hi, moments, self.cfg, lr, step, base):
+                p = self.state.halves(unit, a, b)
+                kernel.step_halves(p, grad[a - lo : b - lo], views, h, decay, threads, coef)
+            return
         if kernel is not None:
             m, v = moments
             hyper = (lr, step, self.cfg.betas, self.cfg.eps)
@@ -297,10 +312,11 @@ class HostAdamW:
         self, unit: Unit, grad: torch.Tensor, coef: torch.Tensor | None, lr: float, step: int, chunk: int
     ) -> None:
         """Update this process's span of `unit` from its gradient held in host memory (`grad`
-        covers the span; scaled in place, but by clipadam's kernel), times the clip coefficient (a
+        covers the span; scaled in place, but by a kernel on the halves), times the clip coefficient (a
         host tensor; None: not clipped): the optimizer worker's pass over held gradients. A clip
-        that fires is multiplied in clipadam's pass where asked for and available (`fused_clip`),
-        else `chunk` elements at a time before torch's kernel steps them."""
+        that fires is multiplied in the pass of a kernel on the halves where asked for and
+        available (`fused_clip`, `_loaded`), else `chunk` elements at a time before torch's kernel
+        (or engine/moments.py's arithmetic) steps them."""
         lo, hi = self.span(unit)
         if self._loaded() is not None:
             self._step(unit, lo, hi, grad, coef.item() if multiplies(coef) else None, lr, step)
@@ -371,10 +387,16 @@ class HostAdamW:
         )  # fmt: skip
         out.copy_(cast(p, out.dtype))  # a fetch's rounding (host/split.py)
 
-    def _loaded(self) -> clipadam.ClipAdamW | None:
-        """clipadam's kernel where asked for (`fused_clip`), the moments are fp32 (the kernel's
-        form) and it builds and checks here."""
-        if not self.fused_clip or self.cfg.moments != FP32:
+    def _loaded(self) -> clipadam.ClipAdamW | momentkernel.MomentKernel | None:
+        """The kernel that steps the master's halves in its pass and multiplies the clip as it
+        steps, where asked for (`fused_clip`) and it builds and checks here: clipadam's for fp32
+        moments, momentkernel's for bf16 and 8-bit ones (else, and for moments of two formats, the
+        join/step/split path, and `load` has warned why)."""
+        if not self.fused_clip:
+            return None
+        if self.cfg.moments in (Q8, BF16):
+            return momentkernel.load()[0]
+        if self.cfg.moments != FP32:
             return None
         if self._fused is None:
             self._fused, why = clipadam.load()
