@@ -244,6 +244,23 @@ class Unavailable(RuntimeError):
     """Why the kernel cannot stand in for torch's here (no compiler, another CPU, another build)."""
 
 
+def build(source: str, name: str) -> ctypes.CDLL:
+    """C `source` compiled with FLAGS by $CC (default cc) into a shared library, loaded; the
+    files are gone once it is mapped. Unavailable (one line) where no compiler builds it."""
+    with tempfile.TemporaryDirectory(prefix=f"megatrain-{name}-") as d:
+        src, lib = os.path.join(d, f"{name}.c"), os.path.join(d, f"{name}.so")
+        with open(src, "w") as f:
+            f.write(source)
+        cc = os.environ.get("CC", "cc")
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", lib, src], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Unavailable(f"no C compiler ({cc}: {e})") from None
+        if done.returncode:
+            raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
+        return ctypes.CDLL(lib)
+
+
 def f32(x: float) -> float:
     """`x` rounded to fp32, as torch's kernel casts its double constants (a C cast)."""
     return ctypes.c_float(x).value
@@ -254,20 +271,7 @@ class ClipAdamW:
 
     def __init__(self, ones: int = ONES):
         self.ones = ones
-        with tempfile.TemporaryDirectory(prefix="megatrain-clipadam-") as d:
-            src, lib = os.path.join(d, "clipadam.c"), os.path.join(d, "clipadam.so")
-            with open(src, "w") as f:
-                f.write(SOURCE)
-            cc = os.environ.get("CC", "cc")
-            try:
-                done = subprocess.run(
-                    [cc, *FLAGS, "-o", lib, src], capture_output=True, text=True, timeout=120
-                )
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise Unavailable(f"no C compiler ({cc}: {e})") from None
-            if done.returncode:
-                raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
-            self._lib = ctypes.CDLL(lib)  # mapped: the file may go
+        self._lib = build(SOURCE, "clipadam")
         f, i64, ptr, i = ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         hyper = [i, f, i, f, f, i, f, f, f, f, f]  # _hyper's
         self._fn = self._lib.clip_adamw_shared

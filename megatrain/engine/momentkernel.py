@@ -21,9 +21,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -31,7 +28,7 @@ import torch
 from ..host.moments import BLOCK
 from ..host.split import Halves, split
 from . import moments as low
-from .clipadam import FLAGS, HALVES, Unavailable, check_halves
+from .clipadam import HALVES, Unavailable, build, check_halves
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 log = logging.getLogger(__name__)
@@ -265,20 +262,7 @@ class MomentKernel:
     threads."""
 
     def __init__(self):
-        with tempfile.TemporaryDirectory(prefix="megatrain-moments-") as d:
-            src, lib = os.path.join(d, "moments.c"), os.path.join(d, "moments.so")
-            with open(src, "w") as f:
-                f.write(SOURCE)
-            cc = os.environ.get("CC", "cc")
-            try:
-                done = subprocess.run(
-                    [cc, *FLAGS, "-o", lib, src], capture_output=True, text=True, timeout=120
-                )
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise Unavailable(f"no C compiler ({cc}: {e})") from None
-            if done.returncode:
-                raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
-            self._lib = ctypes.CDLL(lib)  # mapped: the file may go
+        self._lib = build(SOURCE, "moments")
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._lib.q8_span.argtypes = [ptr] * 8 + [i64, ptr, i64, ptr] + [ptr] * 6
         self._lib.bf16_span.argtypes = [ptr] * 6 + [i64, ptr, i64, ptr]
