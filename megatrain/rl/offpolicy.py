@@ -124,15 +124,21 @@ def generation_starts(step: int, cfg) -> list[int]:
     return [m for m in range((step - 1) * ga, step * ga) if m % cfg.micro_batches_per_generation == 0]
 
 
+def load_ranks(path: Path) -> list:
+    """Every rank's records of a checkpoint's file of them (torch.save's, tensors and plain
+    values only); a corrupt one is one line."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # pickle/zip errors of a corrupt file; their messages run to pages
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__})") from None
+
+
 def resumed_pending(checkpoint: Path, world) -> dict[int, Sampled]:
     """This rank's batches sampled and not trained on that a checkpoint holds (empty: none)."""
     path = Path(checkpoint) / PENDING_FILE
     if not path.is_file():
         return {}
-    try:
-        ranks = torch.load(path, weights_only=True)
-    except Exception as e:  # pickle/zip errors of a corrupt file; their messages run to pages
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__})") from None
+    ranks = load_ranks(path)
     if len(ranks) != world.world_size:
         raise CheckpointError(
             f"{path}: the sampled batches of {len(ranks)} processes; resume it with {len(ranks)} processes"

@@ -84,7 +84,7 @@ from ..objectives.grpo import (
 from ..objectives.offpolicy import combine, sampling_metrics, sampling_stats
 from ..objectives.rloo import RLOOConfig, sequence_kl
 from .decode import Decoder, supports
-from .offpolicy import PENDING_FILE, Sampled, Snapshot, StaleSampler
+from .offpolicy import PENDING_FILE, Sampled, Snapshot, StaleSampler, load_ranks
 from .policy import PolicyModel
 from .rewards import RewardFunc, score
 from .sampling import RowSampler, Warpers, row_seed
@@ -151,10 +151,7 @@ def resumed_rollout(checkpoint: Path, step: int, cfg: GRPOConfig, world) -> list
     path = Path(checkpoint) / ROLLOUT_FILE
     if not continues(step, cfg) or not path.is_file():
         return None
-    try:
-        ranks = torch.load(path, weights_only=True)
-    except Exception as e:  # pickle/zip errors of a corrupt file; their messages run to pages
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__})") from None
+    ranks = load_ranks(path)
     if len(ranks) != world.world_size:
         raise CheckpointError(
             f"{path}: a rollout of {len(ranks)} processes with steps left to train; resume it with "
