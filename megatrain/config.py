@@ -448,7 +448,7 @@ class TrainConfig:
     save_steps: int | float = 0
     """With save_strategy steps: every N steps, or a fraction < 1 of all steps (0: only the last)."""
     save_only_model: bool = False
-    """Checkpoints hold the fp32 weights only (4 instead of 12 bytes per parameter); they cannot
+    """Checkpoints hold the fp32 weights only (4 bytes per parameter, not 12 with fp32 moments); they cannot
     be resumed. A checkpoint saved on SIGTERM/SIGINT is always complete."""
     save_total_limit: int | None = None
     """Keep only this run's newest N checkpoint-* directories (None: keep all); the best one
@@ -476,7 +476,7 @@ class TrainConfig:
     preflight_check: bool = True
     """Refuse a run that the memory estimate (`megatrain plan`) or the free disk space says cannot
     fit (false: warn). Disk: the checkpoints that coexist (save_total_limit + 1 while one is
-    written, 12 bytes per parameter each) plus final/ in save_dtype."""
+    written, 12 bytes per parameter each with fp32 moments, ~6 with adamw_8bit's) plus final/ in save_dtype."""
     # --- mixture of experts: the model config's keys, as transformers names them
     output_router_logits: bool | None = None
     """MoE models: add router_aux_loss_coef x the load-balancing loss to the loss (default: the
