@@ -1,9 +1,12 @@
 """Sampling alone: the rollout engine (megatrain/rl/decode.py) against transformers' `generate` on
 the same GPU, model and batch, beside the memory-bandwidth bound measured in the same call; the
 decode attention kernels PyTorch ships at the shape; and the engine with streamed layers against
-the host-to-device link's measured rate.
+the host-to-device link's measured rate. The engine and profile parts run each of `--layouts`:
+`separate` (transformers' q/k/v and gate/up projections) and `fused` (the rollout's policy,
+rl/fuse.py: one q/k/v GEMM and one gate/up GEMM a layer, built from the same weights).
 
     python bench/rollout.py --shape Q7 --rows 128 --prompt 128 --completion 256,512 --out bench/results
+    python bench/rollout.py --shape Q7 --parts engine,compiled --completion 256 --layouts separate,fused
 
 Random weights in bf16, random prompts, every completion run to its limit (no end token). The
 bound: a decode step reads every weight but the embedding once and each row's keys and values up
@@ -30,6 +33,7 @@ from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
 from _systems import model_config  # noqa: E402
 
+LAYOUTS = ("separate", "fused")  # the engine's model: transformers' projections, or rl/fuse.py's
 HBM_SHEET = 4.8e12  # H200 (H100 SXM: 3.35e12)
 lines: list[str] = []
 records: list[dict] = []
@@ -128,7 +132,8 @@ def step_bytes(cfg, rows: int, prompt: int, completion: int) -> float:
     return sum(weights + rows * (prompt + n) * kv_token for n in range(1, completion))
 
 
-def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, compile: bool = False) -> None:
+def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, compile: bool = False,
+           layout: str = "separate") -> None:  # fmt: skip
     from megatrain.models.config import ModelConfig
     from megatrain.planning.footprint import rollout_bytes
     from megatrain.rl.decode import Decoder
@@ -157,7 +162,7 @@ def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, c
     planned = sum(v for k, v in plan.items() if k != "policy weights")
     rate = rows * completion / s
     steady = rows * (completion - 1) / t["decode_s"]
-    what = "megatrain engine" + (", compiled" if compile else "")
+    what = f"megatrain engine, {layout}" + (", compiled" if compile else "")
     say(f"{what}, {rows} rows x ({prompt} + {completion}): **{rate:,.0f} completion tokens/s** (first call {first_s:.1f} s) "
         f"({s:.2f} s: prefill {t['prefill_s']:.2f}, {t['graphs']} graph captures {t['capture_s']:.2f}, "
         f"{t['steps']} decode steps {t['decode_s']:.2f} = {t['decode_s'] / t['steps'] * 1e3:.2f} ms a step, "
@@ -165,14 +170,15 @@ def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, c
         f"measured copy rate, {rows * completion / (bound / HBM_SHEET):,.0f} at 4.8 TB/s "
         f"({rate / (rows * completion / (bound / HBM_SHEET)):.0%} of it); GPU added {added / 2**30:.2f} GiB, "
         f"the plan keeps {planned / 2**30:.2f} GiB past the weights",
-        part="engine", compile=compile, first_call_s=first_s, rows=rows, prompt=prompt, completion=completion, s=s, tokens_per_s=rate,
+        part="engine", layout=layout, compile=compile, first_call_s=first_s, rows=rows, prompt=prompt, completion=completion, s=s, tokens_per_s=rate,
         decode_tokens_per_s=steady, timing=t, bound_bytes=bound,
         bound_tokens_per_s_measured=rows * completion / (bound / ceiling["d2d"]),
         bound_tokens_per_s_sheet=rows * completion / (bound / HBM_SHEET), gpu_added=added,
         plan_bytes=plan)  # fmt: skip
 
 
-def profile(model, cfg, rows: int, prompt: int, span: int, compile: bool, steps: int = 10) -> None:
+def profile(model, cfg, rows: int, prompt: int, span: int, compile: bool, layout: str = "separate",
+            steps: int = 10) -> None:  # fmt: skip
     """Where one eager decode step's GPU time goes at `span` attended positions: the kernels'
     time a step (CUDA's own records through the profiler), largest first, grouped by kind. A
     graphed step runs the same kernels without the launches between them."""
@@ -206,9 +212,9 @@ def profile(model, cfg, rows: int, prompt: int, span: int, compile: bool, steps:
     kinds: dict[str, float] = {}
     for name, ms in kernels.items():
         kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + ms
-    say(f"profile{', compiled' if compile else ''}, {rows} rows at span {span}: kernels {total:.2f} ms a decode step; by kind: "
+    say(f"profile, {layout}{', compiled' if compile else ''}, {rows} rows at span {span}: kernels {total:.2f} ms a decode step; by kind: "
         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
-        part="profile", compile=compile, rows=rows, span=span, kernel_ms=total, kinds=kinds,
+        part="profile", layout=layout, compile=compile, rows=rows, span=span, kernel_ms=total, kinds=kinds,
         kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:40]))  # fmt: skip
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
         say(f"    {ms:7.3f} ms  {name[:110]}")
@@ -262,7 +268,7 @@ def streamed(model, cfg, rows: int, prompt: int, completion: int, resident: int,
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, cfg.vocab_size, (rows, prompt), generator=g).tolist()
     seeds = [row_seed(0, 2, i) for i in range(rows)]
-    policy = PolicyModel(cfg, weights, "cuda", torch.bfloat16, resident)
+    policy = PolicyModel(cfg, weights, "cuda", torch.bfloat16, resident)  # fused, as the rollout's
     with policy as hf:
         dec = Decoder(hf, "cuda", [], 0, Warpers(), graphs=False)
         dec.sample(prompts[:8], seeds[:8], 4)
@@ -280,6 +286,18 @@ def streamed(model, cfg, rows: int, prompt: int, completion: int, resident: int,
         tokens_per_s=rows * completion / s, h2d_bytes_per_s=rate, link=ceiling["h2d"])  # fmt: skip
 
 
+def layout_of(model, cfg, layout: str):
+    """`model` itself (`separate`), or the rollout's fused policy of its weights (`fused`: a second
+    copy of them on the GPU while the block runs)."""
+    import contextlib
+
+    from megatrain.rl.policy import PolicyModel
+
+    if layout == "separate":
+        return contextlib.nullcontext(model)
+    return PolicyModel(cfg, [(n, p.detach()) for n, p in model.named_parameters()], "cuda", torch.bfloat16)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="Q7")
@@ -287,12 +305,16 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", default="256,512")
     p.add_argument("--parts", default="machine,attention,profile,engine,compiled,generate,streamed")
+    p.add_argument("--layouts", default="separate,fused", help="projection layouts of engine and profile")
     p.add_argument("--streamed-rows", type=int, default=128)
     p.add_argument("--streamed-completion", type=int, default=32)
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="rollout")
     a = p.parse_args()
     parts, completions = a.parts.split(","), [int(c) for c in a.completion.split(",")]
+    layouts = a.layouts.split(",")
+    if set(layouts) - set(LAYOUTS):
+        p.error(f"--layouts: {a.layouts!r} names a layout not among {', '.join(LAYOUTS)}")
     shape = DENSE_SHAPES[a.shape]
     stopped = None
     try:
@@ -304,15 +326,17 @@ def main() -> None:
         cfg = model_config({"shape": shape, "seq": a.prompt + max(completions)})
         with torch.device("cuda"):
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-        for c in completions:
-            if "engine" in parts:
-                engine(model, cfg, a.rows, a.prompt, c, ceiling)
-            if "compiled" in parts:
-                engine(model, cfg, a.rows, a.prompt, c, ceiling, compile=True)
-            if "generate" in parts and c == completions[0]:
-                generate(model, cfg, a.rows, a.prompt, c)
-        for compiled in [False, True] if "profile" in parts else []:
-            profile(model, cfg, a.rows, a.prompt, a.prompt + max(completions) // 2, compiled)
+        for layout in layouts:
+            with layout_of(model, cfg, layout) as m:
+                for c in completions:
+                    if "engine" in parts:
+                        engine(m, cfg, a.rows, a.prompt, c, ceiling, layout=layout)
+                    if "compiled" in parts:
+                        engine(m, cfg, a.rows, a.prompt, c, ceiling, compile=True, layout=layout)
+                for compiled in [False, True] if "profile" in parts else []:
+                    profile(m, cfg, a.rows, a.prompt, a.prompt + max(completions) // 2, compiled, layout)
+        if "generate" in parts:
+            generate(model, cfg, a.rows, a.prompt, completions[0])
         if "streamed" in parts:
             streamed(
                 model, cfg, a.streamed_rows, a.prompt, a.streamed_completion, shape["layers"] // 2, ceiling

@@ -9,8 +9,8 @@ and the weights alone. A row that has drawn an end token takes padding from then
 looks every SYNC_EVERY steps whether every row has ended.
 
 Attention goes through a function of this module registered with transformers
-(`ATTENTION`): the model's own layers, projections and rotary embeddings, with the cache and the
-mask this module owns. A decode step reads the keys up to the current length rounded up to
+(`ATTENTION`): the model's own layers, projections (the rollout's policy fuses q/k/v and gate/up,
+rl/fuse.py) and rotary embeddings, with the cache and the mask this module owns. A decode step reads the keys up to the current length rounded up to
 SPAN_BLOCK; grouped-query heads are read once (the query heads of a group as the rows of one
 attention). On CUDA, with the whole policy on the device, each decode step of a span is captured
 once in a CUDA graph and replayed (no launch overhead, no host sync); streamed layers

@@ -2,7 +2,9 @@
 computes the reference log-probs with it): the embedding, the final norm, the LM head and the
 first `resident` decoder layers in the compute dtype on the device, and the other decoder layers
 streamed through the device during every forward (the prefill and each decode step of
-transformers' `generate`, which stays the decode loop).
+transformers' `generate`, which stays the decode loop). Each layer's q/k/v and gate/up
+projections are one fused parameter each where fuse.py knows the layer: every member's weights are
+written (or fetched) straight into their rows of it, so the fused layout costs no copy.
 
 A streamed layer's weights are fetched one layer ahead, on a copy stream of their own, into one
 of SLOTS rotating device buffers: the layer waits for its fetch's event before it computes, and a
@@ -34,53 +36,86 @@ import torch
 
 from ..host.split import HI, Halves, cast, join_, to_bf16
 from ..planning.footprint import ROLLOUT_BUFFERS as SLOTS
+from .fuse import fuse
 
 ALIGN = 256  # elements: every view in a buffer starts 512-byte aligned in bf16, as an allocation
 
 
 @dataclass
 class _Param:
+    """A parameter of a streamed layer: its view of the layer's buffer, installed for the forward."""
+
     module: torch.nn.Module
     name: str
     offset: int  # in the layer's buffer
-    source: torch.Tensor | Halves  # in host memory (the master's halves), or fp32 on the device
+    shape: torch.Size
     placeholder: torch.nn.Parameter  # on the meta device: the module's between its forwards
+
+
+@dataclass
+class _Source:
+    """Weights a streamed layer fetches: a whole parameter's, or a fused parameter's member's."""
+
+    offset: int  # in the layer's buffer
+    source: torch.Tensor | Halves  # in host memory (the master's halves), or fp32 on the device
 
 
 class PolicyModel:
     """A transformers model of `weights` ((name, weights) pairs, transformers' names: tensors, or
     the master's halves) for `hf_config`, on `device` in `dtype`, its decoder layers from
-    `resident` on streamed (None: none streamed). Use it in a `with` block: leaving it waits for
-    the last fetch and frees the buffers."""
+    `resident` on streamed (None: none streamed), its projections fused where fuse.py knows the
+    layer (`fused` False: as transformers builds them, for comparison). Use it in a `with` block:
+    leaving it waits for the last fetch and frees the buffers."""
 
     def __init__(self, hf_config, weights: Iterable[tuple[str, torch.Tensor | Halves]], device, dtype,
-                 resident: int | None = None):  # fmt: skip
+                 resident: int | None = None, fused: bool = True):  # fmt: skip
         import transformers
 
         self.device, self.dtype = torch.device(device), dtype
         with _parameters_on_meta(), torch.device(self.device):  # buffers (RoPE's) made as usual
             self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+        self.fused = fuse(self.model) if fused else {}  # a member's name -> its fused parameter's rows
         layers = list(self.model.get_decoder().layers)
         resident = len(layers) if resident is None else min(resident, len(layers))
         streamed = layers[resident:]
         self.streamed_layers = len(streamed)
         owner = {id(m): i for i, layer in enumerate(streamed) for m in layer.modules()}
-        unwritten = self._materialize(owner)
+        # The weights must give every parameter, a fused one by its members: (id, start) -> name.
+        unwritten = {(i, 0): name for i, name in self._materialize(owner).items()}
+        for name, m in self.fused.items():
+            unwritten[(id(getattr(self.model.get_submodule(m.module), m.attr)), m.start)] = name
+        # Each streamed layer's parameters, one after another in its buffer (a fused one's members
+        # adjacent in it, as in the parameter), and the weights fetched into them.
         self.layers: list[list[_Param]] = [[] for _ in streamed]
+        self.sources: list[list[_Source]] = [[] for _ in streamed]
         ends = [0] * len(streamed)
+        offsets: dict[int, int] = {}
+        for i, layer in enumerate(streamed):
+            for module in layer.modules():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        self.layers[i].append(_Param(module, name, ends[i], p.shape, p))
+                        offsets[id(p)], ends[i] = ends[i], ends[i] + -(-p.numel() // ALIGN) * ALIGN
         with torch.no_grad():
             for name, value in weights:
+                member = self.fused.get(name)
                 path, _, attr = name.rpartition(".")
+                start = 0
+                if member is not None:
+                    path, attr, start = member.module, member.attr, member.start
                 module = self.model.get_submodule(path)
                 i = owner.get(id(module))
+                target = getattr(module, attr)  # in its dtype (a buffer kept in fp32 too)
+                unwritten.pop((id(target), start), None)
                 if i is None or attr not in module._parameters:  # resident, or a buffer (made on the device)
-                    target = getattr(module, attr)  # in its dtype (a buffer kept in fp32 too)
-                    target.copy_(cast(value, target.dtype), non_blocking=True)
-                    unwritten.pop(id(target), None)
+                    into = (
+                        target
+                        if member is None
+                        else target.view(-1)[start:][: value.numel()].view(value.shape)
+                    )
+                    into.copy_(cast(value, target.dtype), non_blocking=True)
                     continue
-                self.layers[i].append(_Param(module, attr, ends[i], value, module._parameters[attr]))
-                unwritten.pop(id(module._parameters[attr]), None)
-                ends[i] += -(-value.numel() // ALIGN) * ALIGN
+                self.sources[i].append(_Source(offsets[id(target)] + start, value))
         if unwritten:
             raise ValueError(f"no weights for {', '.join(list(unwritten.values())[:3])}")
         # Whether the model reads none of `weights` after its build (a snapshot of the weights,
@@ -138,13 +173,13 @@ class _LayerStream:
     buffer n mod SLOTS, issued as the layer before it starts."""
 
     def __init__(self, policy: PolicyModel, numel: int):
-        self.policy, self.layers = policy, policy.layers
+        self.policy, self.layers, self.sources = policy, policy.layers, policy.sources
         device, dtype = policy.device, policy.dtype
         self.cuda = device.type == "cuda"
         self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(SLOTS)]
         # In fp32 the master's halves land here and are joined into the buffer: one landing
         # buffer, as the copies and the joins are in order on the copy stream.
-        halves = any(isinstance(p.source, Halves) for layer in self.layers for p in layer)
+        halves = any(isinstance(s.source, Halves) for layer in self.sources for s in layer)
         self.landing = None
         if halves and dtype != HI:
             self.landing = Halves(
@@ -168,7 +203,7 @@ class _LayerStream:
             self.compute.wait_event(ready)
         buf = self.buffers[slot]
         for p in self.layers[i]:
-            view = buf[p.offset : p.offset + p.source.numel()].view(p.source.shape)
+            view = buf[p.offset : p.offset + p.shape.numel()].view(p.shape)
             p.module._parameters[p.name] = torch.nn.Parameter(view, requires_grad=False)
         self.current = slot
         self._fetch((i + 1) % len(self.layers))
@@ -186,19 +221,19 @@ class _LayerStream:
         with torch.cuda.stream(self.copies) if self.cuda else contextlib.nullcontext():
             if self.free[slot] is not None:
                 self.copies.wait_event(self.free[slot])
-            for p in self.layers[i]:
-                self._copy(p, buf[p.offset : p.offset + p.source.numel()])
+            for s in self.sources[i]:
+                self._copy(s, buf[s.offset : s.offset + s.source.numel()])
             ready = self.copies.record_event() if self.cuda else None
         self.pending = (i, slot, ready)
 
-    def _copy(self, p: _Param, into: torch.Tensor) -> None:
-        """Queue the weights of `p` into `into` (flat, the policy's dtype, on the device)."""
-        src, n = p.source, into.numel()
+    def _copy(self, s: _Source, into: torch.Tensor) -> None:
+        """Queue the weights of `s` into `into` (flat, the policy's dtype, on the device)."""
+        src, n = s.source, into.numel()
         if isinstance(src, Halves) and into.dtype == HI:  # the master's hi, as it is
             into.copy_(src.hi.view(-1), non_blocking=True)
             self.policy.fetched_bytes += 2 * n
         elif isinstance(src, Halves):  # fp32: both halves, joined here
-            stage = self.landing[p.offset : p.offset + n]
+            stage = self.landing[s.offset : s.offset + n]
             for dst, half in zip(stage, src):
                 dst.copy_(half.view(-1), non_blocking=True)
             join_(stage, into)
