@@ -127,15 +127,20 @@ STAGE_ONLY = {
         )
     },
 }
-# Keys TRL 1.x's preference trainers lack (stages rm, grpo and rloo keep theirs): refused under
-# each stage of objectives.preference.TOKENISATION, with what its TRL 1.16 trainer does instead.
+# Keys TRL 1.x's preference trainers lack (stages grpo and rloo keep theirs): refused under each
+# stage of objectives.preference.TOKENISATION and under rm (whose RewardConfig lacks
+# truncation_mode too), with what its TRL 1.16 trainer does instead (WHY_DROPPED: by the stage's
+# tokenisation rule; rm's by its name).
 DROPPED_BY_TRL1 = ("max_prompt_length", "max_completion_length")
+DROPPED_BY_REWARD = (*DROPPED_BY_TRL1, "truncation_mode")
 _ONE_BOUND = "bounded by max_length alone, cut as truncation_mode says (docs/preference.md)"
 WHY_DROPPED = {
     "joint": "TRL 1.x's DPOTrainer and KTOTrainer have none: prompt + completion are tokenised together "
     f"and {_ONE_BOUND}",
     "answer": "TRL 1.16's ORPOTrainer and CPOTrainer have none for a causal LM: prompt + completion are "
     "bounded by max_length alone, the prompt kept whole and the completion cut at its end (docs/preference.md)",
+    "rm": "TRL 1.16's RewardConfig has none: chosen and rejected are tokenised whole (prompt + completion "
+    "together), and a pair with a sequence over max_length is left out, not cut (docs/reward.md)",
 }
 
 
@@ -236,9 +241,9 @@ class TrainConfig:
     stage: str = "sft"
     """sft (supervised fine-tuning); dpo, kto, orpo or simpo (preference optimisation on TRL's
     preference formats; per_device_train_batch_size then counts pairs, or KTO examples, and
-    max_length bounds each sequence); rm (a reward model: TRL's RewardTrainer on the pairs of
-    those formats, a score head in place of the LM head, exported as transformers'
-    sequence-classification model); grpo (completions sampled by the policy, scored by
+    max_length bounds each sequence); rm (a reward model: TRL 1.16's RewardTrainer on the pairs
+    of those formats, each sequence tokenised whole and a pair over max_length left out, a score
+    head in place of the LM head, exported as transformers' sequence-classification model); grpo (completions sampled by the policy, scored by
     reward_funcs; per_device_train_batch_size counts completions); rloo (grpo's rollouts, TRL
     1.16's RLOO loss: docs/rloo.md)."""
     beta: float | None = None
@@ -267,16 +272,16 @@ class TrainConfig:
     undesirable_weight: float = 1.0
     """kto: weight of the undesirable examples' losses."""
     max_prompt_length: int | None = 512
-    """grpo, rloo: prompt tokens kept (their last ones); rm: the same, before max_length's cut;
-    null: all. Not in dpo, kto, orpo or simpo (TRL 1.x: max_length alone bounds a sequence)."""
+    """grpo, rloo: prompt tokens kept (their last ones); null: all. Not in dpo, kto, orpo, simpo or
+    rm (TRL 1.x: max_length alone bounds a sequence)."""
     max_completion_length: int | None = None
-    """rm: completion tokens kept (its first ones), default null: all; grpo: the most tokens a
-    completion is sampled to, default 512 (TRL 1.16: grpo and rloo). Not in dpo, kto, orpo or
-    simpo."""
+    """grpo, rloo: the most tokens a completion is sampled to, default 512 (TRL 1.16). Not in dpo,
+    kto, orpo, simpo or rm."""
     truncation_mode: str | None = None
-    """Preference stages: what of a prompt + completion over max_length is kept, keep_start
-    (default for dpo: TRL 1.16's DPOConfig; kto's, orpo's and simpo's only one, as their TRL 1.16
-    trainers) or keep_end (default for rm)."""
+    """dpo, kto, orpo, simpo: what of a prompt + completion over max_length is kept, keep_start
+    (the default: TRL 1.16's DPOConfig; kto's, orpo's and simpo's only one, as their TRL 1.16
+    trainers) or keep_end (dpo). Not in rm (TRL 1.16's RewardTrainer leaves a pair over
+    max_length out)."""
     precompute_ref_log_probs: bool = True
     """dpo/kto: the reference log-probs come from one forward pass over the training and eval data
     before the first step, stored in output_dir/reference/ (a resume reads them). megatrain always
@@ -756,9 +761,9 @@ class TrainConfig:
         if self.stage != default["stage"]:
             from .objectives.preference import TOKENISATION
 
-            for key in DROPPED_BY_TRL1:
-                if self.stage in TOKENISATION and getattr(self, key) != default[key]:
-                    why = WHY_DROPPED[TOKENISATION[self.stage]]
+            why = WHY_DROPPED.get(TOKENISATION.get(self.stage, self.stage))
+            for key in (DROPPED_BY_REWARD if self.stage == "rm" else DROPPED_BY_TRL1) if why else ():
+                if getattr(self, key) != default[key]:
                     raise ConfigError(f"{key}: not in stage {self.stage}: {why} (got {getattr(self, key)!r})")
         self.preference()  # the preference keys, checked by their owner
         self.grpo()

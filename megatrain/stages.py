@@ -33,6 +33,7 @@ from .data.preference import (
     KL,
     REJECTED,
     build_preference_pairs,
+    build_reward_pairs,
     build_unpaired_examples,
     pair_sample,
     score_sample,
@@ -74,14 +75,15 @@ def build_stage_samples(
     if pref is None:
         return build_samples(cfg, tokenizer, vocab_size, key=key, warn=warn, vision=vision)
     paths = [f.path for f in resolve_dataset(cfg, key)]
+    if pref.stage == "rm":
+        return [
+            score_sample(p, pad_id) for p in build_reward_pairs(paths, tokenizer, cfg.max_length, vocab_size)
+        ]
     limits = pref.limits(cfg.max_length)
     if pref.stage == "kto":
         kl = batch_size if pref.needs_kl else None
         return [unpaired_sample(e) for e in build_unpaired_examples(paths, tokenizer, limits, kl, vocab_size)]
-    pairs = build_preference_pairs(paths, tokenizer, limits, vocab_size, vision)
-    if pref.stage == "rm":
-        return [score_sample(p, pad_id) for p in pairs]
-    return [pair_sample(p) for p in pairs]
+    return [pair_sample(p) for p in build_preference_pairs(paths, tokenizer, limits, vocab_size, vision)]
 
 
 # The stages a vision-language model trains with (the others' data and rollouts take no images).

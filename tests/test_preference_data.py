@@ -25,7 +25,7 @@ from megatrain.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "preference"
-NO_LIMIT = Limits(None, None, None)
+NO_LIMIT = Limits(None)
 USER = {"role": "user", "content": "Where does Pip live?"}
 
 
@@ -182,13 +182,11 @@ PROMPT, COMPLETION = [1, 2, 3, 4, 5], [6, 7, 8]
 @pytest.mark.parametrize(
     "limits, expected",
     [
-        (Limits(None, max_prompt_length=2), CompletionTokens([4, 5, 6, 7, 8], 2)),  # the prompt's end
-        (Limits(None, max_completion_length=2), CompletionTokens([1, 2, 3, 4, 5, 6, 7], 5)),  # its start
         (Limits(6, truncation_mode="keep_start"), CompletionTokens([1, 2, 3, 4, 5, 6], 5)),
         (Limits(6, truncation_mode="keep_end"), CompletionTokens([3, 4, 5, 6, 7, 8], 3)),
         (Limits(2, truncation_mode="keep_end"), CompletionTokens([7, 8], 0)),  # into the completion
-        (Limits(4, 3, 1, "keep_end"), CompletionTokens([3, 4, 5, 6], 3)),  # prompt, completion, then total
-        (Limits(8, 512), CompletionTokens(PROMPT + COMPLETION, 5)),  # within every limit
+        (Limits(4), CompletionTokens([1, 2, 3, 4], 4)),  # keep_start by default: the completion gone
+        (Limits(8), CompletionTokens(PROMPT + COMPLETION, 5)),  # within the limit
     ],
 )
 def test_limits_follow_trl(limits, expected):
@@ -207,7 +205,7 @@ def test_pairs_left_without_a_completion_are_skipped(tok, tmp_path, caplog):
         {"prompt": "Hi", "chosen": " a", "rejected": " b"},
         {"prompt": long, "chosen": " a", "rejected": " b"},
     )
-    limits = Limits(6, None, None, "keep_start")
+    limits = Limits(6, "keep_start")
     with caplog.at_level(logging.WARNING):
         pairs = build_preference_pairs([path], tok, limits)
     assert [p.source for p in pairs] == [f"{path}:1"]
@@ -221,7 +219,7 @@ def test_pairs_left_without_a_completion_are_skipped(tok, tmp_path, caplog):
 
 @pytest.mark.parametrize(
     "kw, key",
-    [(dict(max_length=0), "max_length"), (dict(max_prompt_length=-1), "max_prompt_length"),
+    [(dict(max_length=0), "max_length"), (dict(max_length=2.5), "max_length"),
      (dict(truncation_mode="left"), "truncation_mode")],
 )  # fmt: skip
 def test_bad_limits_name_the_key(kw, key):
@@ -231,16 +229,14 @@ def test_bad_limits_name_the_key(kw, key):
 
 @pytest.mark.parametrize(
     "stage, mode, rule", [("dpo", "keep_start", "joint"), ("kto", "keep_start", "joint"),
-                          ("orpo", "keep_start", "answer"), ("simpo", "keep_start", "answer"),
-                          ("rm", "keep_end", "apart")],
+                          ("orpo", "keep_start", "answer"), ("simpo", "keep_start", "answer")],
 )  # fmt: skip
 def test_each_stage_tokenises_and_cuts_as_its_trl_trainer(stage, mode, rule):
     """dpo and kto: TRL 1.16's joint tokenisation; orpo and simpo: TRL 1.16's ORPO and CPO
-    trainers' tokenize_row; all four keep_start by default, max_length the one bound. rm: TRL 0.x's
-    DPOTrainer's, prompt and completion apart."""
+    trainers' tokenize_row; all four keep_start by default, max_length the one bound (rm's pairs:
+    build_reward_pairs, tests/test_reward.py)."""
     limits = TrainConfig(model_config="unused", stage=stage).preference().limits(64)
-    assert (limits.truncation_mode, limits.rule) == (mode, rule)
-    assert limits.max_prompt_length == (512 if rule == "apart" else None)
+    assert (limits.max_length, limits.truncation_mode, limits.rule) == (64, mode, rule)
 
 
 @pytest.mark.parametrize(
@@ -260,7 +256,6 @@ def test_each_stage_tokenises_and_cuts_as_its_trl_trainer(stage, mode, rule):
 def test_keys_trl1_dropped_from_its_preference_trainers_are_refused_in_one_line(stage, kw, what):
     with pytest.raises(ConfigError, match=rf"^{re.escape(what)}[^\n]*$"):
         TrainConfig(model_config="unused", stage=stage, **kw)
-    TrainConfig(model_config="unused", stage="rm", **kw)  # rm keeps TRL 0.x's keys
     assert (
         TrainConfig(
             model_config="unused", stage="grpo", per_device_train_batch_size=8, max_prompt_length=192
@@ -354,7 +349,7 @@ def test_example_dataset_is_what_its_script_makes_and_fits_the_quickstart(tok):
     assert done.returncode == 0, done.stdout + done.stderr
     data = EXAMPLE / "data.jsonl"
     assert data.stat().st_size < 300_000
-    pairs = build_preference_pairs([data], tok, Limits(256, None, None, "keep_end"))
+    pairs = build_preference_pairs([data], tok, Limits(256, "keep_end"))
     assert len(pairs) == len(data.read_text().splitlines()) >= 200  # none skipped
     for p in pairs:
         assert max(len(p.chosen.input_ids), len(p.rejected.input_ids)) <= 256

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -19,10 +20,12 @@ from safetensors.torch import load_file
 from test_parity import _decay_groups
 
 from megatrain.config import TrainConfig
-from megatrain.errors import ConfigError
+from megatrain.data.preference import build_reward_pairs
+from megatrain.errors import ConfigError, DataError
 from megatrain.trainer import train
 
 V, B, GA, STEPS, PAD = 97, 2, 2, 3, 0
+PAIRED_KEYS = ("chosen_input_ids", "rejected_input_ids")  # TRL's legacy pre-tokenised keys
 LR, WD, MAX_NORM, CENTER = 5e-3, 0.01, 0.05, 0.1
 
 
@@ -44,11 +47,12 @@ def pairs(n=B * GA * STEPS, seed=0):
     return out
 
 
-def write(path, rows):
+def write(path, rows, keys=("chosen_ids", "rejected_ids")):
+    """The pairs as TRL 1.16's RewardTrainer reads them pre-tokenised: whole sequences (`keys`:
+    its own or its legacy chosen_input_ids, rejected_input_ids) and the margin column."""
     with open(path, "w") as f:
         for p, c, r, m in rows:
-            rec = {"prompt_input_ids": p, "chosen_input_ids": c, "rejected_input_ids": r, "margin": m}
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps({keys[0]: p + c, keys[1]: p + r, "margin": m}) + "\n")
     return str(path)
 
 
@@ -202,3 +206,62 @@ def test_two_processes_take_min_and_max_reward_over_both_as_trl(tmp_path):
             sum(m[k] for m in whole) / len(whole), rel=1e-5, abs=1e-6
         )
         assert abs(sum(m[k] for m in halves) / len(halves) - want_eval[f"eval_{k}"]) > 1e-3, k
+
+
+def test_pretokenised_pairs_are_read_as_trls_whole_sequences(tmp_path, caplog):
+    """chosen_ids / rejected_ids and TRL's legacy chosen_input_ids / rejected_input_ids are whole
+    sequences; a prompt_input_ids beside them (which TRL 1.16 would not read) is refused; pairs
+    over max_length are left out with one warning counting them."""
+    rows = pairs(4, seed=1)
+    new = build_reward_pairs([write(tmp_path / "new.jsonl", rows)], None, None)
+    legacy = build_reward_pairs([write(tmp_path / "old.jsonl", rows, PAIRED_KEYS)], None, None)
+    want = [(p + c, p + r, m) for p, c, r, m in rows]
+    for got in (new, legacy):
+        assert [(x.chosen.input_ids, x.rejected.input_ids, x.margin) for x in got] == want
+    limit = sorted(max(len(c), len(r)) for c, r, _ in want)[1]
+    with caplog.at_level("WARNING"):
+        kept = build_reward_pairs([tmp_path / "new.jsonl"], None, limit)
+    assert [(x.chosen.input_ids, x.rejected.input_ids) for x in kept] == [
+        (c, r) for c, r, _ in want if max(len(c), len(r)) <= limit
+    ]
+    over = len(want) - len(kept)
+    assert over > 0 and f"left out {over} pairs with a sequence over max_length {limit}" in caplog.text
+    rec = {"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(rec) + "\n")
+    with pytest.raises(
+        DataError, match=r"p.jsonl:1: prompt_input_ids: TRL 1.16's RewardTrainer reads none[^\n]*$"
+    ):
+        build_reward_pairs([tmp_path / "p.jsonl"], None, None)
+
+
+def test_every_pair_over_max_length_is_one_line_naming_the_key_and_file(tmp_path):
+    data = write(tmp_path / "pairs.jsonl", [([1, 2], [3, 4], [5], 0.0), ([1], [2, 3, 4], [5, 6], 0.0)])
+    with pytest.raises(
+        ConfigError,
+        match=rf"^max_length: all 2 pairs of {re.escape(data)} have a sequence over max_length 3 "
+        r"\(the shortest 4 tokens\)[^\n]*raise max_length$",
+    ):
+        build_reward_pairs([data], None, 3)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(max_prompt_length=128), dict(max_prompt_length=None), dict(max_completion_length=64),
+           dict(truncation_mode="keep_end"), dict(truncation_mode="keep_start")],
+)  # fmt: skip
+def test_trl_1_16s_missing_reward_keys_are_refused_in_one_line(kw):
+    """TRL 1.16's RewardConfig has no max_prompt_length, max_completion_length nor truncation_mode;
+    their defaults (unset) pass."""
+    import dataclasses
+
+    import trl
+
+    assert not {"max_prompt_length", "max_completion_length", "truncation_mode"} & {
+        f.name for f in dataclasses.fields(trl.RewardConfig)
+    }
+    ((key, value),) = kw.items()
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{key}: not in stage rm: TRL 1.16's RewardConfig has none: [^\n]*\(got {re.escape(repr(value))}\)$",
+    ):
+        TrainConfig(model_config="unused", stage="rm", **kw)
+    TrainConfig(model_config="unused", stage="rm")

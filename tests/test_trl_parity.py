@@ -34,7 +34,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict as trl_shuffle
 
 from megatrain.config import TrainConfig
-from megatrain.data.preference import build_preference_pairs, build_unpaired_examples
+from megatrain.data.preference import build_preference_pairs, build_reward_pairs, build_unpaired_examples
 from megatrain.data.samples import build_samples
 from megatrain.objectives.preference import DPO_LOSS_TYPES
 from megatrain.rl.rewards import exact_match, length
@@ -601,3 +601,50 @@ def test_rm_trains_as_trls_reward_trainer(tmp_path, center):
     for k, p in exact.items():
         for who, w in (("megatrain", final), ("TRL", trained)):
             assert (w[k].double() - p).abs().max() <= 0.02 * rm.LR, (who, k)
+
+
+# stage rm's records as TRL 1.16's RewardTrainer reads them: text with a prompt (a token merged
+# across its boundary, a completion ending with the EOS already) and without one (chosen and
+# rejected whole, no prompt extracted), conversations with a prompt and without (one whose first
+# messages differ: no shared prompt), a margin column; with each form's REWARD_MAX_LENGTH the
+# longer pairs are left out (the text forms keep a pair of exactly max_length tokens).
+REWARD_RECORDS = {
+    "text": PREF_RECORDS["text"],
+    "implicit text": ANSWER_RECORDS["implicit text"],
+    "conversational": PREF_RECORDS["conversational"],
+    "implicit conversational": ANSWER_RECORDS["implicit conversational"] + [
+        {"chosen": [USER, {"role": "assistant", "content": "Home."}],
+         "rejected": [{"role": "user", "content": "Who is Pip?"}, {"role": "assistant", "content": "A rabbit."}]},
+    ],
+    "margin": [dict(r, margin=m) for r, m in zip(PREF_RECORDS["text"], (0.5, -1.0, 0.0, 2.25))],
+}  # fmt: skip
+REWARD_MAX_LENGTH = {"text": 13, "implicit text": 35, "conversational": 45, "implicit conversational": 45,
+                     "margin": 13}  # fmt: skip
+
+
+@pytest.mark.parametrize("limited", [False, True])
+@pytest.mark.parametrize("form", list(REWARD_RECORDS))
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+def test_rm_records_are_tokenised_as_trls(tmp_path, template, form, limited):
+    """trl.RewardTrainer's train_dataset (the EOS string added to text completions without it,
+    prompt + completion tokenised as one sequence, a conversation through the chat template
+    whole, pairs with a sequence over max_length filtered out) holds the chosen and rejected ids
+    and margins of megatrain's rm pairs, under templates with (llama3) and without a BOS."""
+    import test_reward as rm
+
+    records, tok = REWARD_RECORDS[form], tiny_tokenizer(template)
+    max_length = REWARD_MAX_LENGTH[form] if limited else None
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    pairs_ = build_reward_pairs([data], tok, max_length)
+    args = trl_args(tmp_path, trl.RewardConfig, max_length=max_length)
+    trainer = trl.RewardTrainer(
+        model=rm.reward_model(), args=args, train_dataset=Dataset.from_list(records), processing_class=tok
+    )
+    theirs = list(trainer.train_dataset)
+    assert [(p.chosen.input_ids, p.rejected.input_ids) for p in pairs_] == [
+        (r["chosen_ids"], r["rejected_ids"]) for r in theirs
+    ]
+    assert [p.margin for p in pairs_] == [r.get("margin", 0.0) for r in theirs]
+    if max_length is not None:  # the filter is exercised: some pairs left out, some kept
+        assert 0 < len(pairs_) < len(records)

@@ -169,24 +169,37 @@ def joint_prompt_completions(
     tokenizer, rows: list[tuple[str, object, object]]
 ) -> list[tuple[list[int], int]]:
     """TRL 1.16's tokenisation of (file:line, prompt, completion) rows (SFTTrainer's, DPOTrainer's,
-    KTOTrainer's): prompt + completion tokenised together, the completion starting where the
-    prompt's own tokenisation parts from it (their common prefix: a token merged across the
-    boundary belongs to the completion). Text is tokenised as the tokenizer does by default (its
-    BOS), the tokenizer's EOS string added to a completion that does not end with it;
-    conversations are rendered by the chat template, the prompt with the generation prompt.
-    Each: (ids, the prompt's length)."""
-    prompts, fulls = [], []
+    KTOTrainer's): prompt + completion tokenised together (`joint_sequences`), the completion
+    starting where the prompt's own tokenisation parts from it (their common prefix: a token
+    merged across the boundary belongs to the completion); a conversation's prompt is rendered
+    with the generation prompt. Each: (ids, the prompt's length)."""
+    prompts = [_render(tokenizer, p, True, w) if isinstance(p, list) else p for w, p, _ in rows]
+    fulls = joint_sequences(tokenizer, rows)
+    return [(f, _common_prefix(p, f)) for p, f in zip(_encode(tokenizer, rows, prompts), fulls)]
+
+
+def joint_sequences(tokenizer, rows: list[tuple[str, object, object]]) -> list[list[int]]:
+    """TRL 1.16's token ids of prompt + completion as one sequence, for each (file:line, prompt,
+    completion) row (the full sequence of SFTTrainer, DPOTrainer and KTOTrainer; RewardTrainer's
+    chosen and rejected sequences, whose prompt may be empty: "" or []). Text: the tokenizer's
+    EOS string added to a completion that does not end with it, tokenised as the tokenizer does by
+    default (its BOS); a conversation: rendered whole by the chat template (no generation prompt),
+    no special tokens added (the template writes its own)."""
     eos = tokenizer.eos_token or ""
-    for where, prompt, completion in rows:
-        if isinstance(prompt, list):
-            prompts.append(_render(tokenizer, prompt, True, where))
-            fulls.append(_render(tokenizer, prompt + completion, False, where))
-        else:
-            prompts.append(prompt)
-            fulls.append(prompt + completion + ("" if completion.endswith(eos) else eos))
-    chat = isinstance(rows[0][1], list) if rows else False
-    enc = lambda texts: tokenizer(texts, add_special_tokens=not chat)["input_ids"]  # noqa: E731
-    return [(list(f), _common_prefix(p, f)) for p, f in zip(enc(prompts), enc(fulls))]
+    texts = [
+        _render(tokenizer, p + c, False, w)
+        if isinstance(c, list)
+        else p + c + ("" if c.endswith(eos) else eos)
+        for w, p, c in rows
+    ]
+    return [list(ids) for ids in _encode(tokenizer, rows, texts)]
+
+
+def _encode(tokenizer, rows, texts: list[str]) -> list[list[int]]:
+    """`texts` tokenised in one batched call, with the tokenizer's special tokens for text rows
+    and without them for rendered conversations (all of a kind, as the first row)."""
+    chat = isinstance(rows[0][2], list) if rows else False
+    return tokenizer(texts, add_special_tokens=not chat)["input_ids"] if texts else []
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,5 +1,5 @@
 """Preference data: TRL's preference formats -> token ids of prompt + completion, with the loss on
-the completion only.
+the completion only; stage rm's pairs of whole sequences.
 
 Paired records (stages dpo, orpo, simpo), one format per file, detected from its first record:
   {"prompt": str, "chosen": str, "rejected": str}                        standard
@@ -11,6 +11,13 @@ Unpaired records (stage kto): {"prompt", "completion", "label": true|false}, its
 {"prompt_input_ids", "completion_input_ids", "label"}, or any paired file (unpaired as TRL's
 unpair_preference_dataset does it).
 
+Reward pairs (stage rm: TRL 1.16's RewardTrainer, `build_reward_pairs`): {"prompt"?, "chosen",
+"rejected", "margin"?}, text or messages, each of chosen and rejected tokenised whole, the prompt
+(where there is one; none is extracted) before it: chat.joint_sequences, the joint rule's full
+sequence; or their pre-tokenised form {"chosen_ids", "rejected_ids"} (TRL's legacy
+"chosen_input_ids", "rejected_input_ids" too), each a whole sequence. A pair with either sequence
+over max_length is left out, not cut, as TRL filters it.
+
 Tokenisation (Limits.rule), TRL's trainer of each stage:
   joint (dpo, kto: TRL 1.16's DPOTrainer and KTOTrainer): prompt + completion tokenised together
     (chat.joint_prompt_completions, SFT's rule), the completion starting where that parts from the
@@ -20,10 +27,9 @@ Tokenisation (Limits.rule), TRL's trainer of each stage:
     (one token before where the last merged across the boundary), each side its own prompt; then
     the BOS id before a prompt that does not start with it and the EOS id after a completion that
     does not end with it, rendered conversations too.
-  apart (rm: TRL 0.27.2's DPOTrainer): prompt and completion tokenised apart, a standard prompt
-    with the BOS the tokenizer adds by default, a standard completion with the EOS after it.
 A conversation's prompt is rendered with the generation prompt and each completion is what the
-chat template writes after it (render_completions), in every rule.
+chat template writes after it (the answer rule's render_completions, the joint rule's common
+prefix).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 
 from ..errors import ConfigError, DataError
 from .batch import IGNORE_INDEX
-from .chat import _render, joint_prompt_completions, require_chat_template
+from .chat import _render, joint_prompt_completions, joint_sequences, require_chat_template
 from .formats import CHAT_ROLES, Messages, _int_list, _parts, images_of, joined, out_of_vocab
 from .samples import CHUNK, INT64_LIMIT, Sample
 from .sources import DataFile, read_records
@@ -46,12 +52,15 @@ from .sources import DataFile, read_records
 log = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("keep_end", "keep_start")
-RULES = ("joint", "answer", "apart")  # how prompt and completion are tokenised (Limits)
+RULES = ("joint", "answer")  # how prompt and completion are tokenised (Limits)
 # TRL unpairs a paired dataset through datasets.map's default batches of 1000 rows: each batch
 # lists its chosen completions, then its rejected ones. The KL pairs are made from that order.
 UNPAIR_BLOCK = 1000
 _PROMPT_ENDS = ("user", "tool")  # the roles after which the generation prompt makes sense
 PAIRED_TOKEN_KEYS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+# stage rm's pre-tokenised whole sequences, as TRL 1.16's RewardTrainer reads them: its own keys,
+# then its legacy ones (renamed to them).
+REWARD_TOKEN_KEYS = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
 # The per-sequence sums a sample's tokens feed (`Sample.slots` codes): a pair's chosen and
 # rejected completions and its chosen prompt (ORPO's NLL covers it); a KTO example's completion
 # and its KL sequence's.
@@ -110,39 +119,24 @@ class UnpairedExample:
 @dataclass(frozen=True)
 class Limits:
     """How prompt and completion become one sequence (`rule`, the module docstring's), and its
-    length limits: a sequence over `max_length` keeps its first (keep_start) or last (keep_end)
-    max_length tokens. Under rule apart (TRL 0.x's DPOTrainer) the prompt first keeps its last
-    `max_prompt_length` tokens and each completion its first `max_completion_length`; the other
-    rules have neither (TRL 1.16's trainers: max_length alone). None: no limit."""
+    length limit: a sequence over `max_length` keeps its first (keep_start) or last (keep_end)
+    max_length tokens (TRL 1.16's trainers: max_length the one bound). None: no limit."""
 
     max_length: int | None
-    max_prompt_length: int | None = None
-    max_completion_length: int | None = None
-    truncation_mode: str = "keep_end"
-    rule: str = "apart"
+    truncation_mode: str = "keep_start"
+    rule: str = "joint"
 
     def __post_init__(self):
-        for key in ("max_length", "max_prompt_length", "max_completion_length"):
-            value = getattr(self, key)
-            if value is not None and (type(value) is not int or value < 1):
-                raise ConfigError(f"{key}: must be a number of tokens >= 1 or null (got {value!r})")
+        _check_max_length(self.max_length)
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ConfigError(
                 f"truncation_mode: must be one of {', '.join(TRUNCATION_MODES)} (got {self.truncation_mode!r})"
             )
         if self.rule not in RULES:
             raise ValueError(f"tokenisation rule {self.rule!r}: one of {RULES}")
-        if self.rule != "apart" and (self.max_prompt_length, self.max_completion_length) != (None, None):
-            raise ConfigError(
-                "max_prompt_length, max_completion_length: not with prompt + completion tokenised together"
-            )
 
     def cut(self, prompt: list[int], completion: list[int]) -> CompletionTokens:
-        """prompt + completion within the limits."""
-        if self.max_prompt_length is not None:
-            prompt = prompt[-self.max_prompt_length :]
-        if self.max_completion_length is not None:
-            completion = completion[: self.max_completion_length]
+        """prompt + completion within the limit."""
         ids, p = prompt + completion, len(prompt)
         excess = len(ids) - self.max_length if self.max_length is not None else 0
         if excess > 0 and self.truncation_mode == "keep_start":
@@ -150,6 +144,11 @@ class Limits:
         elif excess > 0:
             ids, p = ids[excess:], max(p - excess, 0)
         return CompletionTokens(ids, p)
+
+
+def _check_max_length(value) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ConfigError(f"max_length: must be a number of tokens >= 1 or null (got {value!r})")
 
 
 # ------------------------------------------------------------------------ samples
@@ -312,6 +311,82 @@ def _unpair(block):
             yield where, prompts[side], completions[side], label
 
 
+# ------------------------------------------------------------------------ stage rm
+def build_reward_pairs(
+    paths: Iterable[str | Path], tokenizer, max_length: int | None, vocab_size: int | None = None
+) -> list[PreferencePair]:
+    """stage rm's pairs of the files, in file order, as TRL 1.16's RewardTrainer prepares them
+    (the module docstring): chosen and rejected whole sequences (`prompt_length` 0), the margin
+    column's value. A pair with either sequence over `max_length` is left out, counted in one
+    warning; none left is a ConfigError naming max_length and the files."""
+    _check_max_length(max_length)
+    paths = [str(p) for p in paths]
+    pairs, over = [], []
+    for where, sequences, margin in _reward_sequences(paths, tokenizer, vocab_size):
+        if max_length is not None and max(map(len, sequences)) > max_length:
+            over.append((where, max(map(len, sequences))))
+            continue
+        pairs.append(PreferencePair(*(CompletionTokens(ids, 0) for ids in sequences), where, margin))
+    if over and not pairs:
+        raise ConfigError(
+            f"max_length: all {len(over)} pairs of {', '.join(paths)} have a sequence over max_length "
+            f"{max_length} (the shortest {min(n for _, n in over)} tokens), and TRL's RewardTrainer "
+            "leaves such pairs out; raise max_length"
+        )
+    if over:
+        log.warning(
+            "left out %d pairs with a sequence over max_length %d, as TRL's RewardTrainer does (first: %s)",
+            len(over),
+            max_length,
+            over[0][0],
+        )
+    return pairs
+
+
+def _reward_sequences(paths: list[str], tokenizer, vocab_size: int | None):
+    """(file:line, [chosen ids, rejected ids], margin) per record of the files, in order."""
+    if vocab_size is None:
+        vocab_size = len(tokenizer) if tokenizer is not None else INT64_LIMIT
+    for path in paths:
+        records = read_records(Path(path))
+        first = f"{path}:{records[0][0]}"
+        keys = next((k for k in REWARD_TOKEN_KEYS if set(k) <= set(records[0][1])), None)
+        if keys is None and _detect(first, records[0][1]).startswith("unpaired"):
+            raise DataError(f"{first}: unpaired (KTO) preference data; this stage needs chosen and rejected")
+        chat = keys is None and isinstance(_text_or_messages(records[0][1], "chosen", first), list)
+        for a in range(0, len(records), CHUNK):
+            chunk = [(f"{path}:{line}", rec) for line, rec in records[a : a + CHUNK]]
+            if keys is not None:
+                for where, rec in chunk:
+                    if keys[0] != "chosen_ids" and "prompt_input_ids" in rec:
+                        raise DataError(
+                            f"{where}: prompt_input_ids: TRL 1.16's RewardTrainer reads none; chosen_input_ids "
+                            "and rejected_input_ids are the whole sequences (put the prompt's ids at their start)"
+                        )
+                    yield where, [_ids(rec, k, where, vocab_size) for k in keys], _margin(rec, where)
+                continue
+            rows = [(where, *_reward_texts(rec, where, chat)) for where, rec in chunk]
+            _need_tokenizer(tokenizer, first, chat)
+            seqs = iter(joint_sequences(tokenizer, [(w, p, c) for w, p, cs in rows for c in cs]))
+            for where, rec in chunk:
+                sequences = [next(seqs), next(seqs)]
+                _check_vocab(where, sequences, vocab_size)
+                yield where, sequences, _margin(rec, where)
+
+
+def _reward_texts(rec: dict, where: str, chat: bool) -> tuple[str | Messages, list[str | Messages]]:
+    """A reward record's prompt ("" or [] where it has none: TRL extracts none) and its chosen
+    and rejected completions, all text or all messages as the file's first record (`chat`)."""
+    chosen, rejected = (_plain(_text_or_messages(rec, k, where)) for k in ("chosen", "rejected"))
+    has_prompt = rec.get("prompt") is not None
+    prompt = _plain(_text_or_messages(rec, "prompt", where)) if has_prompt else [] if chat else ""
+    if any(isinstance(x, list) != chat for x in (prompt, chosen, rejected)):
+        keys = ("'prompt', " if has_prompt else "") + "'chosen', 'rejected'"
+        kind = "message lists" if chat else "strings"
+        raise DataError(f"{where}: fields {keys} must all be {kind}, as in the file's first record")
+    return prompt, [chosen, rejected]
+
+
 # ------------------------------------------------------------------------ reading and tokenising
 @dataclass
 class _Text:
@@ -370,8 +445,7 @@ def _encoded(paths, tokenizer, vocab_size: int | None, rule: str, paired_only: b
             if rule == "joint":
                 encoded = _joint(tokenizer, split)
             else:
-                texts = [_text(tokenizer, *x) for x in split]
-                encoded = _answers(tokenizer, texts) if rule == "answer" else _tokenize(tokenizer, texts)
+                encoded = _answers(tokenizer, [_text(tokenizer, *x) for x in split])
             for (where, *_), (prompts, completions), label, margin in zip(split, encoded, labels, margins):
                 _check_vocab(where, (*prompts, *completions), vocab_size)
                 yield where, prompts, completions, label, margin, ()
@@ -488,17 +562,22 @@ def _extract_prompt(where: str, chosen, rejected) -> tuple[str | Messages, list[
     return chosen[:i], [chosen[i:], rejected[i:]]
 
 
+def _need_tokenizer(tokenizer, where: str, chat: bool) -> None:
+    """Text needs a tokenizer; a conversation (`chat`) its chat template too."""
+    if tokenizer is None:
+        raise ConfigError(f"{where}: preference text needs a tokenizer (set tokenizer_name_or_path)")
+    if chat:
+        require_chat_template(tokenizer, where)
+
+
 def _require_tokenizer(tokenizer, where: str, prompt) -> None:
     """Text needs a tokenizer; a conversation its chat template and a prompt ending on a user or
     tool turn (after which the generation prompt makes sense)."""
-    if tokenizer is None:
-        raise ConfigError(f"{where}: preference text needs a tokenizer (set tokenizer_name_or_path)")
-    if isinstance(prompt, list):
-        require_chat_template(tokenizer, where)
-        if prompt[-1]["role"] not in _PROMPT_ENDS:
-            raise DataError(
-                f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user or tool turn"
-            )
+    _need_tokenizer(tokenizer, where, isinstance(prompt, list))
+    if isinstance(prompt, list) and prompt[-1]["role"] not in _PROMPT_ENDS:
+        raise DataError(
+            f"{where}: the prompt's last message is {prompt[-1]['role']!r}; it must be a user or tool turn"
+        )
 
 
 def _joint(tokenizer, records: list[tuple]) -> list[tuple[list[list[int]], list[list[int]]]]:
@@ -526,25 +605,6 @@ def _text(tokenizer, where: str, prompt, completions) -> _Text:
     if isinstance(prompt, str):
         return _Text(where, prompt, completions, chat=False)
     return _Text(where, *render_completions(tokenizer, prompt, completions, where), chat=True)
-
-
-def _tokenize(tokenizer, texts: list[_Text]) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """Token ids of each record's prompt and completions, in two batched tokenizer calls.
-
-    A standard prompt gets the tokenizer's default special tokens (its BOS) and each standard
-    completion the EOS; rendered chats get neither: the template writes its own BOS and
-    end-of-turn tokens, so adding special tokens would double them."""
-    standard = [x.prompt for x in texts if not x.chat]
-    bare = [t for x in texts for t in ([x.prompt] if x.chat else []) + x.completions]
-    with_bos = iter(tokenizer(standard, add_special_tokens=True)["input_ids"] if standard else [])
-    plain = iter(tokenizer(bare, add_special_tokens=False)["input_ids"])
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    out = []
-    for x in texts:
-        prompt = list(next(plain) if x.chat else next(with_bos))
-        completions = [list(next(plain)) + ([] if x.chat else eos) for _ in x.completions]
-        out.append(([prompt] * len(completions), completions))
-    return out
 
 
 def _answers(tokenizer, texts: list[_Text]) -> list[tuple[list[list[int]], list[list[int]]]]:

@@ -1,8 +1,9 @@
 """Stage rm: reward modelling as TRL 1.16's RewardTrainer does it, over the score head
 (models/score.py) of a sequence-classification model.
 
-Each pair's chosen and rejected sequences get one reward each, the score of the token their
-sample codes (data/preference.py `score_sample`: transformers' last non-pad token). A
+Each pair's chosen and rejected sequences (data/preference.py `build_reward_pairs`: tokenised as
+TRL 1.16's RewardTrainer does) get one reward each, the score of the token their sample codes
+(`score_sample`: transformers' last non-pad token). A
 micro-batch's loss is TRL's Bradley-Terry loss over its pairs,
 `-logsigmoid(chosen - rejected - margin).mean()`, plus `center_rewards_coefficient x
 mean((chosen + rejected)^2)` where that is set; the step's is the mean of its micro-batches' (TRL's
@@ -26,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..data.batch import MicroBatch
-from ..data.preference import Limits
 from ..errors import ConfigError
 from .base import Objective
 from .losshead import Head
@@ -34,15 +34,14 @@ from .losshead import Head
 
 @dataclass
 class RewardConfig:
-    """The keys of reward modelling: TRL RewardConfig's, and the preference data's limits."""
+    """The keys of reward modelling: TRL 1.16 RewardConfig's. It has no max_prompt_length,
+    max_completion_length nor truncation_mode: its data is whole sequences, a pair over max_length
+    left out (data/preference.py `build_reward_pairs`); config.py refuses them under stage rm."""
 
     stage: str = "rm"
     center_rewards_coefficient: float | None = None
     """Weight of mean((chosen + rejected)^2) added to the loss, which centres the rewards on 0
     (TRL's; None: none)."""
-    max_prompt_length: int | None = 512
-    max_completion_length: int | None = None
-    truncation_mode: str = "keep_end"
 
     # What the stages' shared code asks of a preference stage's settings (PreferenceConfig's).
     needs_reference = False
@@ -53,11 +52,6 @@ class RewardConfig:
         c = self.center_rewards_coefficient
         if c is not None and not (math.isfinite(c) and c >= 0):
             raise ConfigError(f"center_rewards_coefficient: must be a number >= 0 or null (got {c!r})")
-        Limits(None, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
-
-    def limits(self, max_length: int | None) -> Limits:
-        """The data's length limits with the run's max_length."""
-        return Limits(max_length, self.max_prompt_length, self.max_completion_length, self.truncation_mode)
 
 
 @dataclass
