@@ -13,8 +13,9 @@ times `generate` alone both ways (eager with the dynamic cache; the static cache
 
 Random weights rarely sample the end token, so every completion runs to --completion tokens: the
 longest rollout the settings allow. The reward (`_grpo_reward.py`: the parity of a completion's
-token sum) only has to vary within a group. Rates are over the steps after the first (whose
-rollout and update compile). Writes {stamp}_{tag}.json/.md into --out.
+token sum) only has to vary within a group. Rates are over the steps after the first `--warmup`
+(default 1: the step whose rollout and update compile), for every system alike. Writes
+{stamp}_{tag}.json/.md into --out.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
 from _systems import model_config  # noqa: E402
 
-WARMUP = 1  # steps left out of the rate
+WARMUP = 1  # steps left out of the rate (--warmup)
 
 
 def write_inputs(d: Path, shape: dict, args) -> tuple[Path, Path]:
@@ -90,7 +91,7 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
                              sample_s=r.get("time/rollout_sample_s"),
                              streamed_layers=r.get("rollout/streamed_layers", 0),
                              fetched_bytes=r.get("rollout/fetched_bytes", 0)))  # fmt: skip
-    timed = per_step[WARMUP:]
+    timed = per_step[args.warmup :]
     rec.update(
         steps=per_step,
         tokens_per_s=sum(s["tokens"] for s in timed) / sum(s["step_s"] for s in timed),
@@ -130,7 +131,7 @@ def run_trl(d: Path, model: Path, data: Path, args) -> dict:
     cmd = [sys.executable, str(HERE / "_trl_grpo.py"), "--model", str(model), "--data", str(data),
            "--prompts", str(args.prompts), "--generations", str(args.generations), "--completion",
            str(args.completion), "--rows-per-micro-batch", str(args.rows_per_micro_batch),
-           "--steps", str(args.steps), "--warmup", str(WARMUP), "--out", str(out)]  # fmt: skip
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out)]  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     rec = {"system": "TRL GRPOTrainer", "command": " ".join(cmd[1:]), "rc": proc.returncode,
@@ -151,7 +152,7 @@ ROLLOUT_PARTS = (
 )
 
 
-def table(runs: list[dict]) -> str:
+def table(runs: list[dict], warmup: int = WARMUP) -> str:
     gib = lambda b: f"{b / 2**30:.1f}" if b else "-"  # noqa: E731
     lines = []
     for r in runs:
@@ -160,7 +161,7 @@ def table(runs: list[dict]) -> str:
             continue
         if r["system"] == "TRL GRPOTrainer":
             lines.append(f"TRL {r['trl']} GRPOTrainer (bf16 weights on the GPU, transformers `generate`): "
-                         f"**{r['tokens_per_s']:,.0f} tokens/s** over the steps after the first; steps "
+                         f"**{r['tokens_per_s']:,.0f} tokens/s** over the steps after the warm-up; steps "
                          + ", ".join(f"{s['step_s']:.1f}" for s in r["steps"]) + " s; "
                          f"GPU peak {gib(r.get('gpu_peak_bytes'))} GiB")  # fmt: skip
             continue
@@ -171,12 +172,12 @@ def table(runs: list[dict]) -> str:
                 "|---|---|---|---|---|---|---|---|",
             ]
             for i, s in enumerate(r["steps"], 1):
-                lines.append(f"| {i}{' (warm-up)' if i <= WARMUP else ''} | {s['step_s']:.1f} | {s['rollout_s']:.1f} | "
+                lines.append(f"| {i}{' (warm-up)' if i <= warmup else ''} | {s['step_s']:.1f} | {s['rollout_s']:.1f} | "
                              f"{s['scoring_s']:.2f} | {s['update_s']:.1f} | {s['tokens']:,.0f} | "
                              f"{s['tokens'] / s['step_s']:,.0f} | {s['reward']:.3f} |")  # fmt: skip
             lines += [
                 "",
-                f"megatrain GRPO: **{r['tokens_per_s']:,.0f} tokens/s** over the steps after the first; "
+                f"megatrain GRPO: **{r['tokens_per_s']:,.0f} tokens/s** over the steps after the warm-up; "
                 f"{r['decode_tokens_per_s']:,.0f} completion tokens/s of rollout time"
                 + (f", {r['sample_tokens_per_s']:,.0f} of sampling time" if r.get("sample_tokens_per_s") else ""),
                 "the last step's rollout: "
@@ -219,6 +220,7 @@ def main() -> None:
     p.add_argument("--completion", type=int, default=512, help="max_completion_length")
     p.add_argument("--rows-per-micro-batch", type=int, default=16, help="per_device_train_batch_size")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=WARMUP, help="steps left out of the rates, every system")
     p.add_argument(
         "--systems", default="megatrain,trl,generate", help="of megatrain, trl, generate, generate-static"
     )
@@ -266,7 +268,7 @@ def write(args, runs: list[dict], stopped: str | None) -> None:
     }
     if stopped:
         meta["stopped"] = stopped
-    text = table(runs)
+    text = table(runs, args.warmup)
     print(text)
     write_once(args.out, args.tag, f"{args.tag}: GRPO", meta, runs, text, key="runs",
                stamp=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M"))  # fmt: skip
