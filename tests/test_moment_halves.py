@@ -134,3 +134,22 @@ def test_a_kernel_whose_halves_differ_is_refused_and_the_join_path_steps(monkeyp
             ref.set_master(u, a, w)
     for name in state.buffers:
         assert same(getattr(state, name), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["exp_avg", "exp_avg_sq"])
+def test_the_kernels_lookup_gives_the_torch_ops_nearest_index(signed):
+    """The kernel's table for the nearest value of the dynamic map (one load and one comparison a
+    value, `momentkernel.lookup`) gives the index engine/moments.py's `nearest` gives: at every
+    edge between two values and the floats either side of it, at 0, -0, 1 and -1, and on values
+    spread over [-1, 1] and over their magnitudes down to 1e-12."""
+    code = low.dynamic_map(signed)
+    look = momentkernel.lookup(code)
+    gen = torch.Generator().manual_seed(3)
+    edge = momentkernel.edges(code)[:-1]
+    spread = torch.rand(1 << 20, generator=gen) * 2 - 1
+    x = torch.cat([
+        edge, edge.nextafter(torch.tensor(2.0)), edge.nextafter(torch.tensor(-2.0)), code,
+        torch.tensor([0.0, -0.0, 1.0, -1.0]), spread, spread * 10 ** (-12 * torch.rand(1 << 20, generator=gen)),
+    ])  # fmt: skip
+    x = x.clamp(-1.0, 1.0) if signed else x.abs().clamp(max=1.0)
+    assert torch.equal(momentkernel._nearest(look, x), low.nearest(x, code))

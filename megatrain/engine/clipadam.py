@@ -244,16 +244,19 @@ class Unavailable(RuntimeError):
     """Why the kernel cannot stand in for torch's here (no compiler, another CPU, another build)."""
 
 
-def build(source: str, name: str) -> ctypes.CDLL:
-    """C `source` compiled with FLAGS by $CC (default cc) into a shared library, loaded; the
-    files are gone once it is mapped. Unavailable (one line) where no compiler builds it."""
+def build(source: str, name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """C `source` compiled with FLAGS (and `extra`) by $CC (default cc) into a shared library,
+    loaded; the files are gone once it is mapped. Unavailable (one line) where no compiler builds
+    it."""
     with tempfile.TemporaryDirectory(prefix=f"megatrain-{name}-") as d:
         src, lib = os.path.join(d, f"{name}.c"), os.path.join(d, f"{name}.so")
         with open(src, "w") as f:
             f.write(source)
         cc = os.environ.get("CC", "cc")
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", lib, src], capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [cc, *FLAGS, *extra, "-o", lib, src], capture_output=True, text=True, timeout=120
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             raise Unavailable(f"no C compiler ({cc}: {e})") from None
         if done.returncode:

@@ -14,6 +14,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from .costmodel import adam_params_s
 from .placement import Machine, Plan, fmt_bytes
 
 PLAN_FILE = "plan.json"
@@ -70,7 +71,7 @@ class MemoryRecord:
     def predicted(self) -> dict[str, float]:
         out: dict[str, float] = {"host_peak_rss": self.baseline + self.plan.host_total}
         if self.machine.world.ranks_per_machine == 1:  # the plan's rate is all its ranks' together
-            out["host_adam_params_s"] = self.machine.adam_params_s
+            out["host_adam_params_s"] = adam_params_s(self.plan, self.machine)
         if self.plan.device == "cuda":
             out["gpu_peak_allocated"] = self.plan.gpu_peak
             if self.rollout_gpu:
