@@ -65,8 +65,8 @@ def run_megatrain(d: Path, model: Path, data: Path, args, stage: str) -> dict:
         model_config=str(model), dataset=str(data), stage=stage, output_dir=str(out),
         max_length=args.prompt + args.completion,
         per_device_train_batch_size=args.pairs // args.accum, gradient_accumulation_steps=args.accum,
-        max_steps=args.steps, learning_rate=1e-6, save_strategy="no", disable_tqdm=True, logging_steps=1,
-        shuffle=False,
+        max_steps=args.steps, learning_rate=1e-6, save_strategy="no", save_final_model=False,
+        disable_tqdm=True, logging_steps=1, shuffle=False,  # no export: its minute and disk are no step's
     )  # fmt: skip
     (d / f"{stage}.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
     cmd = [sys.executable, "-m", "megatrain", "train", str(d / f"{stage}.yaml"), *args.megatrain]
