@@ -297,18 +297,23 @@ def test_export_loads_in_transformers_with_the_same_logits(kind, tmp_path):
     assert not torch.allclose(ref, hf(**hf_inputs(kind, mb)).logits)
 
 
-def test_text_only_micro_batches_train_a_vision_language_model(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_text_only_micro_batches_train_a_vision_language_model(kind, tmp_path):
     """A micro-batch without images (a text conversation in a multimodal dataset) runs the language
-    model alone, as transformers does without pixel values."""
+    model alone, as transformers does without pixel values (Qwen3-VL's without DeepStack features),
+    in a step beside one with images."""
     from megatrain.data.batch import MicroBatch
 
-    hf = tiny_vlm("qwen2_5_vl")
+    hf = tiny_vlm(kind)
     mt = _megatrain(hf, tmp_path)
     ids = torch.randint(0, IMAGE - 4, (2, 16), generator=torch.Generator().manual_seed(3))
     mb = MicroBatch(ids, ids.clone())
     torch.testing.assert_close(mt.engine.logits(mb), hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    loss, _ = mt.engine.forward_backward([mb, vlm_batch("qwen2_5_vl")])
-    assert torch.isfinite(loss)
+    mbs = [mb, vlm_batch(kind)]
+    loss, _ = mt.engine.forward_backward(mbs)
+    ref_loss, ref = _reference_grads(hf, kind, mbs)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
+    _assert_grads_match(mt.engine.named_grads(), ref)
 
 
 def test_the_plan_counts_the_tower_its_activations_and_its_refetch():
