@@ -493,7 +493,8 @@ class TrainConfig:
     # --- vision-language models: LlamaFactory's keys
     freeze_vision_tower: bool = True
     """Vision-language models: keep the vision tower as loaded, never stepped (false: train it with
-    the language model, its weights and AdamW moments in host memory like theirs)."""
+    the language model, its weights and AdamW moments in host memory like theirs). Qwen3-VL's
+    tower holds its position grid and DeepStack mergers too, as LlamaFactory's does."""
     freeze_multi_modal_projector: bool = True
     """Vision-language models: keep the multi-modal projector (LLaVA's `multi_modal_projector`,
     Idefics3's `connector`, Qwen2-VL's `visual.merger`) as loaded (false: train it)."""

@@ -48,7 +48,7 @@ def test_each_family_says_which_path_it_takes(family, path):
     [
         ({"model_type": "t5"}, "encoder-decoder"),
         ({"model_type": "clip"}, "composite (multimodal)"),
-        ({"model_type": "qwen3_vl"}, "a vision-language model megatrain does not train yet"),
+        ({"model_type": "qwen3_vl_moe"}, "a vision-language model megatrain does not train yet"),
         ({"model_type": "vit"}, "no causal language model"),
         ({"model_type": "gpt2"}, "(wpe, ln_f) are not supported"),  # learned positions
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "not a causal decoder"),

@@ -26,6 +26,12 @@ def _megatrain(hf, tmp_path, tower=True, projector=True, **kw):
     return build_model(cfg, weights=tmp_path / "hf", device="cpu", **kw)
 
 
+# The tower's checkpoint keys (LLaVA's, Idefics3's vision_model, Qwen's ViT with Qwen3-VL's
+# position grid and DeepStack mergers), and the projector's.
+TOWER = ("vision", "visual.patch_embed", "visual.pos_embed", "visual.blocks", "deepstack_merger")
+PROJECTOR = ("projector", "connector", "visual.merger", "image_newline")
+
+
 def _loss_sum(hf, kind, mb):
     logits = hf(**hf_inputs(kind, mb)).logits.float()
     return F.cross_entropy(
@@ -70,8 +76,8 @@ def test_logits_and_every_gradient_match_transformers(kind, tmp_path):
     unused = {k for k, g in ref.items() if g is None}
     assert set(grads) == set(ref) - unused, set(grads) ^ (set(ref) - unused)
     assert bool(unused) == kind.startswith("llava"), unused  # its last CLIP layer and final norm
-    tower = [k for k in grads if "vision" in k or "visual.blocks" in k]
-    projector = [k for k in grads if "projector" in k or "connector" in k or "merger" in k]
+    tower = [k for k in grads if any(w in k for w in TOWER)]
+    projector = [k for k in grads if any(w in k for w in PROJECTOR)]
     assert tower and projector
     assert ("image_newline" in grads) == (kind == "llava_next")  # LLaVA-NeXT's, beside its projector
     for k, g in grads.items():
@@ -79,11 +85,84 @@ def test_logits_and_every_gradient_match_transformers(kind, tmp_path):
         torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def _reference_grads(hf, kind, mbs) -> tuple[float, dict[str, torch.Tensor | None]]:
+    """transformers' loss over the micro-batches (summed over their label tokens) and each
+    checkpoint key's gradient of it (None: no gradient reached it)."""
+    hf.zero_grad(set_to_none=True)
+    n = sum(mb.num_label_tokens for mb in mbs)
+    total = 0.0
+    for mb in mbs:
+        loss = _loss_sum(hf, kind, mb) / n
+        loss.backward()
+        total += loss.item()
+    return total, {k: p.grad for k, p in saved_parameters(hf).items()}
+
+
+def _assert_grads_match(grads, ref) -> None:
+    assert set(grads) == {k for k, g in ref.items() if g is not None}, set(grads) ^ set(ref)
+    for k, g in grads.items():
+        assert g.abs().sum() > 0, k
+        torch.testing.assert_close(g, ref[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("keep", [0, 1], ids=["recomputed", "kept"])
+def test_qwen3_vl_deepstack_features_reach_their_layers(keep, monkeypatch, tmp_path):
+    """Qwen3-VL's DeepStack features are added at the image tokens to the outputs of its first
+    layers (here both of its two: the last one's gradient comes straight from the loss head, its
+    graph recomputed or kept): the loss and every gradient, the DeepStack mergers' too, are
+    transformers'; and they are not what transformers gives without the features (its
+    `_deepstack_process` skipped), whose mergers get no gradient at all."""
+    kind = "qwen3_vl"
+    hf = tiny_vlm(kind, num_hidden_layers=2)
+    mt = _megatrain(hf, tmp_path, choices=Choices(loss_chunk_tokens=7, keep_layers=keep))
+    mbs = [vlm_batch(kind, seed=1), vlm_batch(kind, seed=2, starts=[20, 7])]
+    loss, _ = mt.engine.forward_backward(mbs)
+    grads = mt.engine.named_grads()
+    ref_loss, ref = _reference_grads(hf, kind, mbs)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
+    _assert_grads_match(grads, ref)
+    stacks = [k for k in grads if "deepstack_merger_list" in k]
+    assert {k.split(".")[3] for k in stacks} == {"0", "1"}, stacks  # both mergers, both layers
+
+    lm = type(hf.model.language_model)
+    monkeypatch.setattr(lm, "_deepstack_process", lambda self, h, mask, feats: h)
+    bare_loss, bare = _reference_grads(hf, kind, mbs)
+    assert abs(bare_loss - ref_loss) > 1e-3 * abs(ref_loss), (bare_loss, ref_loss)
+    assert all(bare[k] is None for k in stacks)
+    for k in (
+        "model.language_model.layers.0.self_attn.q_proj.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+    ):
+        assert (bare[k] - ref[k]).abs().amax() > 1e-3 * ref[k].abs().amax(), k
+
+
+@pytest.mark.parametrize("projector", [False, True], ids=["all-frozen", "projector-trained"])
+def test_qwen3_vl_gradients_with_a_frozen_tower_match_transformers(projector, tmp_path):
+    """freeze_vision_tower: Qwen3-VL's DeepStack features still reach the first layers but train
+    nothing (their mergers are the tower's): the loss and every gradient as transformers' with the
+    tower's parameters (and the projector's, where it is frozen) frozen."""
+    kind = "qwen3_vl"
+    hf = tiny_vlm(kind)
+    mt = _megatrain(hf, tmp_path, tower=False, projector=projector, choices=Choices(keep_layers=1))
+    frozen = TOWER if projector else TOWER + PROJECTOR
+    for k, p in saved_parameters(hf).items():
+        p.requires_grad_(not any(w in k for w in frozen))
+    mbs = [vlm_batch(kind, seed=3), vlm_batch(kind, seed=4, starts=[9, 30])]
+    loss, _ = mt.engine.forward_backward(mbs)
+    ref_loss, ref = _reference_grads(hf, kind, mbs)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
+    grads = mt.engine.named_grads()
+    _assert_grads_match(grads, ref)
+    assert any("visual.merger" in k for k in grads) == projector
+    assert not any(any(w in k for w in TOWER) for k in grads)
+
+
 # One kind per gradient mode of the clip, the tower and projector trained.
 MODES = [
     ("llava", "stored"),
     ("idefics3", "two_pass"),
     ("qwen2_5_vl", "stored"),
+    ("qwen3_vl", "two_pass"),
     ("llava-tied", "immediate"),
     ("llava_next", "two_pass"),
     ("gemma3", "stored"),
@@ -140,7 +219,7 @@ def _unused(hf, kind) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl", "llava_next", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "idefics3", "qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3"])
 def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     """The image decides the logits after its tokens, never before them (causal attention), and
     the loss; moving its tokens moves the features with them, as in transformers."""
@@ -161,7 +240,7 @@ def test_image_features_are_at_the_image_tokens(kind, tmp_path):
     assert not torch.allclose(got[:, 25:], a[:, 25:])
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "llava_next", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3"])
 @pytest.mark.parametrize("projector", [False, True], ids=["all-frozen", "projector-trained"])
 def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
     """freeze_vision_tower (the default): three steps leave every tower weight bitwise as loaded,
@@ -177,10 +256,8 @@ def test_a_frozen_tower_is_never_stepped(kind, projector, tmp_path):
         mt.engine.step(1e-2, coef)
     after = fp32_parameters(mt.state)
     embed = mt.state.units[0]
-    tower_keys = [p.key for p in embed.params if "vision" in p.key or "visual.blocks" in p.key]
-    proj_keys = [
-        p.key for p in embed.params if any(w in p.key for w in ("projector", "merger", "image_newline"))
-    ]
+    tower_keys = [p.key for p in embed.params if any(w in p.key for w in TOWER)]
+    proj_keys = [p.key for p in embed.params if any(w in p.key for w in PROJECTOR)]
     assert tower_keys and proj_keys and ("image_newline" in proj_keys) == (kind == "llava_next")
     frozen = {p.key for p in embed.params if not p.train}
     assert set(tower_keys) <= frozen and bool(set(proj_keys) & frozen) != projector
@@ -220,18 +297,23 @@ def test_export_loads_in_transformers_with_the_same_logits(kind, tmp_path):
     assert not torch.allclose(ref, hf(**hf_inputs(kind, mb)).logits)
 
 
-def test_text_only_micro_batches_train_a_vision_language_model(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_text_only_micro_batches_train_a_vision_language_model(kind, tmp_path):
     """A micro-batch without images (a text conversation in a multimodal dataset) runs the language
-    model alone, as transformers does without pixel values."""
+    model alone, as transformers does without pixel values (Qwen3-VL's without DeepStack features),
+    in a step beside one with images."""
     from megatrain.data.batch import MicroBatch
 
-    hf = tiny_vlm("qwen2_5_vl")
+    hf = tiny_vlm(kind)
     mt = _megatrain(hf, tmp_path)
     ids = torch.randint(0, IMAGE - 4, (2, 16), generator=torch.Generator().manual_seed(3))
     mb = MicroBatch(ids, ids.clone())
     torch.testing.assert_close(mt.engine.logits(mb), hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    loss, _ = mt.engine.forward_backward([mb, vlm_batch("qwen2_5_vl")])
-    assert torch.isfinite(loss)
+    mbs = [mb, vlm_batch(kind)]
+    loss, _ = mt.engine.forward_backward(mbs)
+    ref_loss, ref = _reference_grads(hf, kind, mbs)
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
+    _assert_grads_match(mt.engine.named_grads(), ref)
 
 
 def test_the_plan_counts_the_tower_its_activations_and_its_refetch():

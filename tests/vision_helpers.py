@@ -23,7 +23,9 @@ TEXT = dict(
 # Each family's tiny tower, and the image inputs one image of it takes (`image_inputs`): LLaVA's
 # CLIP (32x32 images in 8x8 patches: 16 features, the CLS cropped), Idefics3's SigLIP (the same
 # patches, pixel-shuffled 2x2: 4 features), Qwen2.5-VL's windowed ViT (32x32 images in 4x4
-# patches merged 2x2: 16 features, windows of 2x2 merged patches and one full-attention block).
+# patches merged 2x2: 16 features, windows of 2x2 merged patches and one full-attention block),
+# Qwen3-VL's ViT (the same patches; its learned 4x4 position grid interpolated to the image's 8x8,
+# DeepStack features of its first and last blocks).
 CLIP = dict(
     model_type="clip_vision_model",
     hidden_size=32,
@@ -56,6 +58,27 @@ QWEN_VIT = dict(
     fullatt_block_indexes=[1],
     initializer_range=0.2,
 )
+QWEN3_VIT = dict(
+    depth=3,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+    deepstack_visual_indexes=[0, 2],
+    initializer_range=0.2,
+)
+# Qwen3-VL's language model: Qwen3's (q/k norms), its M-RoPE's frequencies interleaved over the
+# three axes; its two DeepStack features go to the first two of its three layers.
+QWEN3_TEXT = dict(
+    head_dim=16,
+    rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True
+    ),
+)
 # A key bias shifts all of a query's scores alike: the softmax ignores it, and its gradient is
 # rounding noise (1e-9) that AdamW normalises into steps of up to the learning rate; two sums of
 # another order step it elsewhere. Compared to within those steps.
@@ -68,8 +91,16 @@ PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 # unpadded from 4x8 to 2x8 (34).
 NEXT_SIZES = [(48, 24), (20, 64)]
 # Image tokens per image, or of each image in turn (transformers refuses a count that is not its own).
-FEATURES = {"llava": 16, "idefics3": 4, "smolvlm": 4, "qwen2_5_vl": 16, "llava_next": (56, 34), "gemma3": 4}
-VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl", "llava_next", "gemma3"]
+FEATURES = {
+    "llava": 16,
+    "idefics3": 4,
+    "smolvlm": 4,
+    "qwen2_5_vl": 16,
+    "qwen3_vl": 16,
+    "llava_next": (56, 34),
+    "gemma3": 4,
+}
+VLMS = ["llava", "llava-tied", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3"]
 # Gemma 3's language model: sliding layers around a global one, a window shorter than an image
 # (3 < its 4 tokens: an image's last token does not see its first there), SigLIP's 16 patches
 # average-pooled 2x2 into 4 image tokens.
@@ -84,7 +115,7 @@ GEMMA3_TEXT = dict(
 
 def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
     """The composite config of a tiny model: `llava`, `llava-tied`, `idefics3`, `qwen2_5_vl`,
-    `llava_next`, `gemma3`."""
+    `qwen3_vl`, `llava_next`, `gemma3`."""
     family, _, tied = kind.partition("-")
     t = dict(TEXT, **text)
     if family == "gemma3":
@@ -126,6 +157,15 @@ def tiny_vlm_config(kind: str, image_token_id: int = IMAGE, **text):
             image_token_id=IMAGE,
             video_token_id=IMAGE - 1,
             vision_start_token_id=IMAGE - 2,
+        )
+    elif family == "qwen3_vl":
+        cfg = transformers.Qwen3VLConfig(
+            text_config=dict(t, **QWEN3_TEXT, bos_token_id=1, eos_token_id=2),
+            vision_config=QWEN3_VIT,
+            image_token_id=IMAGE,
+            video_token_id=IMAGE - 1,
+            vision_start_token_id=IMAGE - 2,
+            vision_end_token_id=IMAGE - 3,
         )
     else:
         raise ValueError(kind)
@@ -186,8 +226,8 @@ def vlm_batch(kind: str, rows: int = 2, length: int = 48, seed: int = 1, starts=
 
 
 def hf_inputs(kind: str, mb) -> dict:
-    """What transformers' model takes for a micro-batch: ids, the images, and for Qwen2.5-VL and
-    Gemma 3 the token types their processors return (which switch Qwen's 3D positions and
+    """What transformers' model takes for a micro-batch: ids, the images, and for Qwen2.5-VL,
+    Qwen3-VL and Gemma 3 the token types their processors return (which switch Qwen's 3D positions and
     Gemma's bidirectional images on)."""
     kw = dict(input_ids=mb.input_ids, **(mb.images or {}))
     if kind.startswith("qwen"):
@@ -267,7 +307,9 @@ def tiny_processor(kind: str):
             image_seq_len=4,
             chat_template=PARTS_TEMPLATE.replace("{image}", "<image>"),
         )
-    raise ValueError(f"{kind}: no tiny processor (Qwen2-VL's needs torchvision for its video processor)")
+    raise ValueError(
+        f"{kind}: no tiny processor (Qwen2-VL's and Qwen3-VL's need torchvision for their video processors)"
+    )
 
 
 def write_vlm_dir(kind: str, path, seed: int = 0):

@@ -35,6 +35,7 @@ from ..models.compiling import compiled
 from ..models.config import ModelConfig
 from ..models.decoder import set_mlp_tiles
 from ..models.family import family_of, templates
+from ..models.vision import add_deepstack
 from ..objectives.base import Objective
 from ..objectives.losshead import Head
 from ..parallel.distributed import Collective, Single
@@ -51,6 +52,9 @@ class _Prepared:
     row_ids: torch.Tensor | None = None  # ids into the step's looked-up rows (`Plan.embed_rows`)
     images: dict | None = None  # a vision-language model's image inputs, on device
     image_mask: torch.Tensor | None = None  # [B, S]: the image tokens, whose embeddings are the features
+    # Qwen3-VL's DeepStack features ([image tokens, hidden] each), from the embedding's forward:
+    # the k-th is added to decoder layer k's output at the image tokens (models/vision.py).
+    deepstack: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -167,6 +171,13 @@ class Engine:
         """Layer j on one micro-batch."""
         return self._layer_call(self.layers[self.layer_keys[j]], params, x, p.inputs[self.layer_kinds[j]])
 
+    def _stacked(self, j: int, h: torch.Tensor, p: _Prepared) -> torch.Tensor:
+        """Layer j's output hidden state with the micro-batch's DeepStack features for it added
+        (Qwen3-VL's first layers); as it is for every other layer and model."""
+        if j >= len(p.deepstack):
+            return h
+        return add_deepstack(h, p.image_mask, p.deepstack[j])
+
     def _hidden(self, j: int, m: int, out, record: bool) -> torch.Tensor:
         """A layer's output hidden state; with an auxiliary loss, its statistics recorded first."""
         if self.aux is None:
@@ -249,13 +260,17 @@ class Engine:
             return v
         return v.to(self.device, self.dtype if v.is_floating_point() else None, non_blocking=True)
 
-    def _embed(self, weights, p: _Prepared, features: bool = False) -> torch.Tensor:
+    def _embed(self, weights, p: _Prepared) -> torch.Tensor:
         """The embedding unit on one micro-batch: its first hidden state (a vision-language
-        model's with the image features in place), or with `features` the image features alone."""
+        model's with the image features in place, its DeepStack features kept in `p`)."""
         if self.vision is None:
             return functional_call(self.embed, weights, (p.ids,))
-        kw = {"images": p.images, "features": features}
-        return functional_call(self.embed, weights, (p.ids,), kw)
+        h, p.deepstack = functional_call(self.embed, weights, (p.ids,), {"images": p.images})
+        return h
+
+    def _features(self, weights, p: _Prepared) -> tuple[torch.Tensor, ...]:
+        """A vision-language model's image features of one micro-batch, then its DeepStack ones."""
+        return functional_call(self.embed, weights, (p.ids,), {"images": p.images, "features": True})
 
     def _grad_buffer(self, unit: Unit, names: list[str] | None = None) -> torch.Tensor:
         """A unit's fp32 gradient buffer, as long as the collective reduces it (padded to equal
@@ -295,7 +310,7 @@ class Engine:
                     saved.append([self.host_acts.park(x, j) for x in h] if park else h)
                 with torch.no_grad():
                     h = [
-                        self._hidden(j, m, self._run(j, params, x, p), keep)
+                        self._stacked(j, self._hidden(j, m, self._run(j, params, x, p), keep), p)
                         for m, (x, p) in enumerate(zip(h, prep))
                     ]
             else:
@@ -304,7 +319,10 @@ class Engine:
                 with torch.enable_grad():
                     ys = [self._run(j, params, x, p) for x, p in zip(xs, prep)]
                 saved.append(_Graph(params, xs, ys))
-                h = [self._hidden(j, m, y, keep).detach() for m, y in enumerate(ys)]
+                h = [
+                    self._stacked(j, self._hidden(j, m, y, keep).detach(), p)
+                    for m, (y, p) in enumerate(zip(ys, prep))
+                ]
             del params
         return h, saved
 
@@ -358,6 +376,7 @@ class Engine:
         into `embed_grad`, which holds the tied LM head's share or is None). With
         `consume=False` the boundary activations are left for a second sweep."""
         t = self.transport
+        stacked = [{} for _ in prep]  # micro-batch -> layer -> its DeepStack features' gradient
         order = list(zip(self.layer_units[::-1], saved[::-1]))
         fetched = {0: self._fetch_parked(order[0][1])} if order else {}
         for k, (unit, s) in enumerate(order):
@@ -370,6 +389,9 @@ class Engine:
             leaves = [params[n] for n in names]
             g = self._grad_buffer(unit, names if prep else [])
             for m, p in enumerate(prep):
+                j = unit.index - 1
+                if self.vision_grad and j < len(p.deepstack):  # added to the output: its gradient
+                    stacked[m][j] = dh[m][p.image_mask]
                 if kept:
                     x, y = s.xs[m], s.ys[m]
                     s.xs[m] = s.ys[m] = None
@@ -378,7 +400,7 @@ class Engine:
                     if consume:
                         s[m] = None  # the boundary activation is not needed again
                     with torch.enable_grad():
-                        y = self._run(unit.index - 1, params, x, p)
+                        y = self._run(j, params, x, p)
                 outs, gouts = self._grad_targets(m, y, dh[m])
                 grads = torch.autograd.grad(outs, [x, *leaves], gouts)
                 del outs, gouts
@@ -390,9 +412,9 @@ class Engine:
                 s.params = {}
             self.collective.reduce_then(unit, g, finish)  # reduced over ranks, then finished
             del g
-        self._embedding_backward(dh, prep, finish, embed_grad)
+        self._embedding_backward(dh, prep, finish, embed_grad, stacked)
 
-    def _embedding_backward(self, dh, prep, finish, embed_grad) -> None:
+    def _embedding_backward(self, dh, prep, finish, embed_grad, stacked) -> None:
         """The embedding's gradient: a scatter-add of the input gradient (no weights needed), in
         fp32, `EMBED_GRAD_ROWS` tokens at a time, so that the gradient's fp32 copy (and what the
         deterministic scatter allocates beside it) is a chunk's, not the sequence's: whole, it
@@ -418,29 +440,32 @@ class Engine:
                         )  # rounded as the forward's
                     view.index_add_(0, ic, dc.to(torch.float32))
         if self.vision_grad:
-            self._vision_backward(dh, prep, g)
+            self._vision_backward(dh, prep, g, stacked)
         self.collective.reduce_then(self.embed_unit, g, finish)
         self.collective.flush()
 
-    def _vision_backward(self, dh, prep, g: torch.Tensor) -> None:
+    def _vision_backward(self, dh, prep, g: torch.Tensor, stacked) -> None:
         """The trained vision modules' gradients, added into the embedding unit's buffer `g`: the
         image features of each micro-batch recomputed (the unit fetched again) and differentiated
-        with the gradient that reached their image tokens."""
+        with the gradient that reached their image tokens, its DeepStack features (`stacked`:
+        micro-batch -> layer -> gradient) with the gradient that reached their layer's output."""
         params = _bind(self.embed_unit, self.transport.fetch(self.embed_unit), grad=True)
         names = [n for n, v in params.items() if v.requires_grad]
         leaves = [params[n] for n in names]
         views = unit_views(g, self.embed_unit)
-        for d, p in zip(dh, prep):
+        for d, p, at in zip(dh, prep, stacked):
             if p.images is None:
                 continue
             with torch.enable_grad():
-                feats = self._embed(params, p, features=True)
-            df = d.reshape(-1, d.shape[-1])[p.image_mask.reshape(-1)].to(feats.dtype)
-            grads = torch.autograd.grad(feats, leaves, df.view_as(feats), allow_unused=True)
+                feats, *deepstack = self._features(params, p)
+            pairs = [(feats, d[p.image_mask])] + [(f, at[j]) for j, f in enumerate(deepstack) if j in at]
+            # only what the trained modules reach: a frozen tower's DeepStack features take none
+            outs, gouts = zip(*[(f, df.to(f.dtype)) for f, df in pairs if f.requires_grad])
+            grads = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
             used = [(views[n], gr) for n, gr in zip(names, grads) if gr is not None]
             if used:  # parameters the features do not depend on (CLIP's unused last norm) get none
                 torch._foreach_add_([v for v, _ in used], [gr for _, gr in used])
-            del feats, grads, used
+            del feats, deepstack, pairs, outs, gouts, grads, used
 
     # ------------------------------------------------------------------ public
     def forward_backward(self, micro_batches: list[MicroBatch]) -> tuple[torch.Tensor, int]:

@@ -39,10 +39,12 @@ FAMILIES = {
     # is a DeepSeek-V3 (MODEL_TYPE_ALIASES).
     "deepseek_v2": dict(block="deepseek", qkv_bias=None, o_bias=None, qk_norm=False),
     "deepseek_v3": dict(block="deepseek", qkv_bias=None, o_bias=None, qk_norm=False),
-    # The language models of Qwen2-VL and Qwen2.5-VL: Qwen2's block; their 3D (M-RoPE) positions
-    # are the vision-language model's inputs (vision.py), one position for all three in text.
+    # The language models of Qwen2-VL and Qwen2.5-VL (Qwen2's block) and Qwen3-VL (Qwen3's); their
+    # 3D (M-RoPE) positions are the vision-language model's inputs (vision.py), one position for
+    # all three in text.
     "qwen2_vl_text": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
     "qwen2_5_vl_text": dict(block="llama", qkv_bias=True, o_bias=False, qk_norm=False),
+    "qwen3_vl_text": dict(block="llama", qkv_bias=None, o_bias=None, qk_norm=True),
 }
 MOE_BLOCKS = ("moe", "gpt_oss", "deepseek")
 """The blocks whose MLP is a mixture of experts (their configs have a `MoESpec`; their model types

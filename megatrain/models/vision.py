@@ -10,9 +10,12 @@ tokens' embeddings (transformers' `masked_scatter`), so the first decoder layer 
 transformers' does. Checkpoint keys are the names transformers saves (`SavedNames`, read from
 its own weight-conversion rules: LLaVA's `language_model.model.layers.0...`). Which modules are
 the tower and which the projector is data (`VLMS`, LlamaFactory's keys); frozen ones are
-frozen tensors of the unit (`ParamSpec.train`). Qwen2-VL's and Qwen2.5-VL's language model takes
-3D positions (M-RoPE), computed by transformers' `get_rope_index` (`positions`); Gemma 3's
-attends bidirectionally within each image (its masks, `_inputs`).
+frozen tensors of the unit (`ParamSpec.train`). Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language
+model takes 3D positions (M-RoPE), computed by transformers' `get_rope_index` (`positions`);
+Gemma 3's attends bidirectionally within each image (its masks, `_inputs`). Qwen3-VL's tower also
+gives DeepStack features, one per tower layer of its `deepstack_visual_indexes`: the embedding
+unit returns them beside the first hidden state, and the k-th is added at the image tokens to the
+output of decoder layer k (`add_deepstack`, as transformers' `_deepstack_process`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ class _Kind:
 
 # model_type -> the modules (paths in the composite base model) of its tower and projector.
 QWEN_VL = _Kind(tower=("visual.patch_embed", "visual.blocks"), projector=("visual.merger",), mrope=True)
+# Qwen3-VL's tower: its learned position grid (interpolated to each image's) and the DeepStack
+# mergers are the tower's, as LlamaFactory freezes them.
+QWEN3_VL = _Kind(
+    tower=("visual.pos_embed", "visual.patch_embed", "visual.blocks", "visual.deepstack_merger_list"),
+    projector=("visual.merger",),
+    mrope=True,
+)
 VLMS = {
     "llava": _Kind(tower=("vision_tower",), projector=("multi_modal_projector",), unused=_llava_unused),
     # LLaVA-NeXT's `image_newline` (a parameter of the base model) is the projector's: LlamaFactory
@@ -84,6 +94,7 @@ VLMS = {
     "smolvlm": _Kind(tower=("vision_model",), projector=("connector",)),
     "qwen2_vl": QWEN_VL,
     "qwen2_5_vl": QWEN_VL,
+    "qwen3_vl": QWEN3_VL,
 }
 _CACHE = 8  # skeletons kept, by config object
 
@@ -157,11 +168,7 @@ def skeleton(spec: VisionSpec) -> Skeleton:
     _materialise_buffers(model)
     base = model.base_model
     embed = model.get_input_embeddings()
-    texts = [
-        n
-        for n, m in base.named_children()
-        if hasattr(m, "get_input_embeddings") and m.get_input_embeddings() is embed
-    ]
+    texts = [n for n, m in base.named_children() if _input_embeddings(m) is embed]
     if len(texts) != 1:
         raise ConfigError(f"model_type {spec.model_type!r}: no single language model found")
     prefix = model.base_model_prefix
@@ -179,6 +186,14 @@ def skeleton(spec: VisionSpec) -> Skeleton:
         _SKELETONS.pop(next(iter(_SKELETONS)))
     _SKELETONS[id(spec.hf_config)] = (spec.hf_config, sk)
     return sk
+
+
+def _input_embeddings(module: nn.Module) -> nn.Module | None:
+    """A child's token embedding; None where it has none (transformers raises for Qwen3-VL's tower)."""
+    try:
+        return module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    except NotImplementedError:
+        return None
 
 
 def _materialise_buffers(model: nn.Module) -> None:
@@ -202,8 +217,9 @@ def _materialise_buffers(model: nn.Module) -> None:
 class VisionEmbedding(nn.Module):
     """The token embedding of the language model (its parameters under their own names), the
     vision modules under their names in the composite base model. `forward(ids, images)`: the
-    embeddings with the images' features at the image tokens; `features=True`: the features alone
-    (what the backward sweep differentiates)."""
+    embeddings with the images' features at the image tokens, and the DeepStack features (a
+    tuple, empty but for Qwen3-VL's images); `features=True`: the features and the DeepStack ones
+    alone (what the backward sweep differentiates)."""
 
     looks_up_rows = False  # the unit holds more than the token table
 
@@ -250,15 +266,33 @@ class VisionEmbedding(nn.Module):
         ids = input_ids.masked_fill(mask, 0) if self.outside else input_ids
         h = self._text(ids)
         if images is None:
-            return h
-        feats = self.image_features(images).to(h.dtype)
-        return h.masked_scatter(mask[..., None], feats)
+            return h, ()
+        feats, *deepstack = self.image_features(images)
+        return h.masked_scatter(mask[..., None], feats.to(h.dtype)), tuple(deepstack)
 
-    def image_features(self, images: dict) -> torch.Tensor:
-        """Every image's features, in the order of the image tokens: [image tokens, hidden]."""
+    def image_features(self, images: dict) -> tuple[torch.Tensor, ...]:
+        """Every image's features, in the order of the image tokens ([image tokens, hidden]), then
+        each of the tower's DeepStack features (Qwen3-VL's), laid out alike."""
         shell = self._shell
-        out = type(shell).get_image_features(shell, **images, return_dict=True).pooler_output
-        return torch.cat(list(out)) if isinstance(out, (list, tuple)) else out.reshape(-1, out.shape[-1])
+        out = type(shell).get_image_features(shell, **images, return_dict=True)
+        stacks = getattr(out, "deepstack_features", None) or ()
+        return tuple(_flat(f) for f in (out.pooler_output, *stacks))
+
+
+def _flat(features) -> torch.Tensor:
+    """Features per image (a tuple of [tokens, hidden], or one batched tensor) as [image tokens, hidden]."""
+    if isinstance(features, (list, tuple)):
+        return torch.cat(list(features))
+    return features.reshape(-1, features.shape[-1])
+
+
+def add_deepstack(h: torch.Tensor, image_mask: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's output [B, S, hidden] with DeepStack `features` [image tokens, hidden]
+    added at the image tokens (`image_mask` [B, S]), in the compute dtype, as transformers'
+    `_deepstack_process` adds them."""
+    out = h.clone()
+    out[image_mask] = h[image_mask] + features.to(h.dtype)
+    return out
 
 
 def tower_shape(spec: VisionSpec) -> tuple[float, int, int, int]:
