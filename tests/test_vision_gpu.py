@@ -1,9 +1,9 @@
 """Vision-language models on CUDA (`pytest -m gpu`; skipped elsewhere): the embedding unit with
 its tower, the image features over the image tokens, the trained tower's second fetch in the
-backward sweep. For LLaVA, Idefics3, Qwen2.5-VL (M-RoPE), LLaVA-NeXT (tiles) and Gemma 3 (its
-images' bidirectional block masks), the overlapped schedule (gradients held on the GPU or in
-host memory, the embedding stepped on the GPU, a kept graph) equals the serial one bitwise,
-and fp32 CUDA matches the fp32 CPU in logits and after two steps."""
+backward sweep. For LLaVA, Idefics3, Qwen2.5-VL (M-RoPE), Qwen3-VL (DeepStack), LLaVA-NeXT
+(tiles) and Gemma 3 (its images' bidirectional block masks), the overlapped schedule (gradients
+held on the GPU or in host memory, the embedding stepped on the GPU, a kept graph) equals the
+serial one bitwise, and fp32 CUDA matches the fp32 CPU in logits and after two steps."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from megatrain.runtime import build_model
 
 pytestmark = pytest.mark.gpu
 
-KINDS = ["llava", "idefics3", "qwen2_5_vl", "llava_next", "gemma3"]
+KINDS = ["llava", "idefics3", "qwen2_5_vl", "qwen3_vl", "llava_next", "gemma3"]
 UNITS = 5  # embed (with the tower), 3 layers, head
 PLANS = {
     "gpu-grads-kept": _plan(gpu_grads=UNITS, keep=1),

@@ -120,6 +120,10 @@ class Engine:
         # gradients summed over all of them; a world of one changes nothing.
         self.collective = collective or Single()
         self.device, self.dtype = torch.device(device), compute_dtype
+        if self.device.type == "cuda" and compute_dtype == torch.float32:
+            # float32 compute is exact float32: cuBLAS's matmuls are by PyTorch's default, but
+            # cuDNN's convolutions (a vision tower's patch embedding) round to TF32 unless told.
+            torch.backends.cudnn.allow_tf32 = False
         self.units = state.units
         self.embed_unit, self.head_unit = self.units[0], self.units[-1]
         self.layer_units = self.units[1:-1]
