@@ -60,20 +60,46 @@ def setup(tmp_path):
     return tmp_path, tok
 
 
-def run(tmp_path, name="out", **kw):
-    out = tmp_path / name
+def settings(tmp_path, **kw) -> dict:
+    """The runs' settings on `setup`'s model and prompts, `kw` over them (no output_dir)."""
     args = dict(
         model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
-        output_dir=str(out), reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0],
+        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0],
         num_generations=G, max_completion_length=MAX_NEW, per_device_train_batch_size=B,
         gradient_accumulation_steps=GA, max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant",
         weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
         disable_tqdm=True, logging_steps=1, adam_epsilon=EPS,
     )  # fmt: skip
-    train(TrainConfig(**(args | kw)))
+    return args | kw
+
+
+def outputs(out: Path) -> tuple[list[dict], list[dict], dict]:
+    """A run's metrics.jsonl and completions.jsonl records and its final weights."""
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rollouts = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     return records, rollouts, load_file(out / "final" / "model.safetensors")
+
+
+def run(tmp_path, name="out", **kw):
+    out = tmp_path / name
+    train(TrainConfig(**settings(tmp_path, output_dir=str(out), **kw)))
+    return outputs(out)
+
+
+def run_two(tmp_path, name="two", **kw):
+    """`run`'s settings over two gloo processes through the command line, each of half the
+    micro-batches a step (the same global batch): `outputs` of the run (completions.jsonl holds
+    the main process's half of each step's completions, the first)."""
+    from test_checkpoint import write_yaml
+    from test_distributed import launch
+
+    cfg = settings(tmp_path, **kw)
+    half = f"gradient_accumulation_steps={cfg.pop('gradient_accumulation_steps') // 2}"
+    proc = launch(
+        write_yaml(tmp_path / f"{name}.yaml", cfg), half, f"output_dir={tmp_path / name}", timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return outputs(tmp_path / name)
 
 
 # ------------------------------------------------------------------------ TRL, transcribed
@@ -815,26 +841,14 @@ def test_two_processes_equal_one(setup):
     completions into two micro-batches, two processes each shuffle their 4 into one (as TRL's
     processes do), so the micro-batches hold other completions; grpo's loss, a mean over
     completions of micro-batches of one size, is the same."""
-    from test_checkpoint import write_yaml
-    from test_distributed import assert_close_weights, launch
+    from test_distributed import assert_close_weights
 
     tmp_path, _ = setup
     kw = dict(
         num_iterations=2, beta=0.04, loss_type="grpo", eval_dataset=write_eval_prompts(tmp_path), eval_steps=2
     )
     one, one_rollouts, final_one = run(tmp_path, "one", **kw)
-    base = dict(
-        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
-        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0], num_generations=G,
-        max_completion_length=MAX_NEW, per_device_train_batch_size=B, max_steps=STEPS, learning_rate=LR,
-        lr_scheduler_type="constant", weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no",
-        save_dtype="float32", disable_tqdm=True, logging_steps=1, adam_epsilon=EPS, **kw,
-    )  # fmt: skip
-    proc = launch(write_yaml(tmp_path / "run.yaml", base), f"gradient_accumulation_steps={GA // 2}",
-                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    two, two_rollouts, final_two = run_two(tmp_path, **kw)
     for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
         mine = [r["completion_ids"] for r in two_rollouts if r["step"] == step]
         assert mine == [r["completion_ids"] for r in one_rollouts if r["step"] == step][: len(mine)]
@@ -851,7 +865,7 @@ def test_two_processes_equal_one(setup):
         ):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    assert_close_weights(final_two, final_one)
     got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
     # Every process's eval completions, in the prompts' order, with their group's advantages.
@@ -871,23 +885,10 @@ def test_generation_batch_size_counts_every_process(setup):
     generation batch over 4 micro-batches (2 steps of 2), two processes of one micro-batch a step
     each over 2: generation batches at the same steps, the first sampled alike (each completion
     from its own stream), with the same rewards over both processes."""
-    from test_checkpoint import write_yaml
-    from test_distributed import launch
-
     tmp_path, _ = setup
     kw = dict(generation_batch_size=4 * B, max_steps=4, learning_rate=LR_AGAIN)
     one, one_rollouts, _ = run(tmp_path, "one", **kw)
-    base = dict(
-        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
-        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0], num_generations=G,
-        max_completion_length=MAX_NEW, per_device_train_batch_size=B, lr_scheduler_type="constant",
-        shuffle=False, save_strategy="no", disable_tqdm=True, logging_steps=1, **kw,
-    )  # fmt: skip
-    proc = launch(write_yaml(tmp_path / "run.yaml", base), "gradient_accumulation_steps=1",
-                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    two, two_rollouts, _ = run_two(tmp_path, **kw)
     assert [r["step"] for r in one if "reward" in r] == [r["step"] for r in two if "reward" in r] == [1, 3]
     # The first generation batch (the initial weights; the steps after train on other slices of
     # it): the main process writes its half, the first.

@@ -20,7 +20,6 @@ import test_grpo
 import torch
 import trl
 from helpers import saved_parameters, tiny_tokenizer
-from safetensors.torch import load_file
 from test_checkpoint import signal_after_step
 from test_grpo import (
     GA,
@@ -34,6 +33,7 @@ from test_grpo import (
     model,
     reward_table,
     run,
+    run_two,
     trl_advantages,
     trl_inputs,
     trl_logps,
@@ -492,25 +492,13 @@ def test_two_stale_processes_equal_one(setup, every):
     and weights as one process with the same global batch (grpo's loss: a mean over completions;
     truncated ratios: the processes' micro-batches hold other completions, so the policy's
     log-probs differ in their rounding, which could move a masked ratio across its bound)."""
-    from test_checkpoint import write_yaml
-    from test_distributed import assert_close_weights, launch
+    from test_distributed import assert_close_weights
 
     tmp_path, _ = setup
     kw = dict(max_staleness=1, learning_rate=LR_STALE, num_iterations=every, loss_type="grpo", max_steps=4,
               vllm_importance_sampling_mode="token_truncate", **TOKEN)  # fmt: skip
     one, one_rollouts, final_one = run(tmp_path, "one", **kw)
-    base = dict(
-        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"), stage="grpo",
-        reward_funcs=["length", "exact_match"], reward_weights=[-0.05, 1.0], num_generations=G,
-        max_completion_length=MAX_NEW, per_device_train_batch_size=B, lr_scheduler_type="constant",
-        weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
-        disable_tqdm=True, logging_steps=1, adam_epsilon=EPS, **kw,
-    )  # fmt: skip
-    proc = launch(write_yaml(tmp_path / "run.yaml", base), f"gradient_accumulation_steps={GA // 2}",
-                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    two, two_rollouts, final_two = run_two(tmp_path, **kw)
     for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
         mine = [r["completion_ids"] for r in two_rollouts if r["step"] == step]
         assert mine == [r["completion_ids"] for r in one_rollouts if r["step"] == step][: len(mine)]
@@ -522,4 +510,4 @@ def test_two_stale_processes_equal_one(setup, every):
             assert (k in a) == (k in b), (a["step"], k)
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
-    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    assert_close_weights(final_two, final_one)

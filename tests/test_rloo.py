@@ -12,7 +12,6 @@ import pytest
 import test_grpo
 import torch
 from helpers import saved_parameters, tiny_tokenizer
-from safetensors.torch import load_file
 from test_grpo import (
     EPS,
     GA,
@@ -26,6 +25,7 @@ from test_grpo import (
     B,
     model,
     run,
+    run_two,
     slices_of,
     trl_inputs,
     trl_logps,
@@ -494,25 +494,13 @@ def test_two_processes_equal_one(setup):
     same completions, losses, grad norms, rewards, kl, eval metrics and weights as one process
     with the same global batch (RLOO's loss is a mean over completions of micro-batches of one
     size, whichever micro-batch they are in)."""
-    from test_checkpoint import write_yaml
-    from test_distributed import assert_close_weights, launch
+    from test_distributed import assert_close_weights
 
     tmp_path, _ = setup
     kw = dict(stage="rloo", num_iterations=2, learning_rate=LR_AGAIN, eval_dataset=write_eval_prompts(tmp_path),
               eval_steps=2)  # fmt: skip
     one, one_rollouts, final_one = run(tmp_path, "one", **kw)
-    base = dict(
-        model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "prompts.jsonl"),
-        reward_funcs=["length", "exact_match"], reward_weights=WEIGHTS, num_generations=G,
-        max_completion_length=MAX_NEW, per_device_train_batch_size=B, max_steps=STEPS, lr_scheduler_type="constant",
-        weight_decay=WD, max_grad_norm=MAX_NORM, shuffle=False, save_strategy="no", save_dtype="float32",
-        disable_tqdm=True, logging_steps=1, adam_epsilon=EPS, **kw,
-    )  # fmt: skip
-    proc = launch(write_yaml(tmp_path / "run.yaml", base), f"gradient_accumulation_steps={GA // 2}",
-                  f"output_dir={tmp_path / 'two'}", timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    two_rollouts = [json.loads(x) for x in (tmp_path / "two" / "completions.jsonl").read_text().splitlines()]
+    two, two_rollouts, final_two = run_two(tmp_path, **kw)
     for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
         mine = [r for r in two_rollouts if r["step"] == step]
         theirs = [r for r in one_rollouts if r["step"] == step][: len(mine)]
@@ -524,7 +512,7 @@ def test_two_processes_equal_one(setup):
         for k in ("loss", "grad_norm", "reward", "reward_std", "kl", "clip_ratio/region_mean"):
             if k in b:
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-    assert_close_weights(load_file(tmp_path / "two" / "final" / "model.safetensors"), final_one)
+    assert_close_weights(final_two, final_one)
     got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
     for a, b in zip(got, want):

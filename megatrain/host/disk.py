@@ -93,8 +93,11 @@ def record_bytes(numel: int, moments: Moments) -> int:
 
 def tier_bytes(unit_numels: Sequence[int], moments: Moments) -> int:
     """Bytes in offload_dir of a tier of units of these lengths (elements)."""
-    block = block_elems(unit_numels) if unit_numels else 0
-    return sum(record_bytes(min(block, n - a), moments) for n in unit_numels for a in range(0, n, block))
+    if not unit_numels:
+        return 0
+    block = block_elems(unit_numels)  # each unit: its whole blocks, then the rest (0 bytes if none)
+    whole = record_bytes(block, moments)
+    return sum(n // block * whole + record_bytes(n % block, moments) for n in unit_numels)
 
 
 def ring_bytes(unit_numels: Sequence[int], moments: Moments = FP32) -> int:
