@@ -450,6 +450,7 @@ def measured(model_cfg: ModelConfig, cfg, device, compute_bytes: int, world: Lay
     return probe_machine(
         machine_of(cfg, device, world),
         lambda: layer_memory(model_cfg, cfg, device, compute_bytes),
+        cfg.moments(),
     )
 
 

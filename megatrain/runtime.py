@@ -6,16 +6,19 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from . import CUDA_ALLOC_CONF, OMP_WAIT_POLICY
+from .engine import momentkernel
 from .engine.engine import Engine
 from .engine.optim import AdamWConfig, HostAdamW
 from .engine.transport import SerialTransport, StreamingTransport, Transport
 from .errors import ConfigError
 from .host.disk import DiskTier
+from .host.moments import FP32, Moments, named
 from .host.state import HostState, build_units
 from .io.weights import init_random, load_hf_weights
 from .models.config import ModelConfig
@@ -105,16 +108,24 @@ class TrainableModel:
 
 
 def probe_machine(
-    machine: Machine, probe_layer: Callable[[], LayerMemory | None]
+    machine: Machine, probe_layer: Callable[[], LayerMemory | None], moments: Moments = FP32
 ) -> tuple[Machine, LayerMemory | None]:
     """What a plan takes of this machine beyond its budgets (`placement.measure`), the same for
     every way a run is planned (`make_plan`, `train`'s preflight, `megatrain plan`): one layer
     measured on the device (`probe_layer`), and the host's AdamW read once more after that, seconds after the first reading, the better one kept: a host busy at a process's start
     reads slow, and the plan then steps too many units on the GPU (a 32-core host read 2.96 G
-    params/s there and ran 4.46 in the steps: bench/results/2026-11-27_2140_x2-summary.md)."""
+    params/s there and ran 4.46 in the steps: bench/results/2026-11-27_2140_x2-summary.md). For
+    bf16 and 8-bit `moments`, their kernel's pass timed alike (`momentkernel.rate`): its share of
+    fp32's depends on the host (0.5 of it on a 2-core CPU, 0.95 on a 16-core H200 host)."""
     layer_mem = probe_layer()
     rate = placement.host_adam_rate(machine.device, machine.world, again=True)
-    return replace(machine, adam_params_s=rate), layer_mem
+    machine = replace(machine, adam_params_s=rate)
+    own = placement.measured_adam_rate(
+        machine.device, machine.world, partial(momentkernel.rate, moments), True
+    )
+    if own is not None:
+        machine = replace(machine, moment_adam_params_s={**machine.moment_adam_params_s, moments.name: own})
+    return machine, layer_mem
 
 
 def make_plan(
@@ -143,6 +154,7 @@ def make_plan(
     machine, layer_mem = probe_machine(
         placement.measure(device, max_gpu_memory, max_host_memory, world),
         lambda: layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
+        named(choices.moments),
     )
     batch = Batch(
         micro_batch_tokens=batch_size * seq_len,

@@ -17,7 +17,9 @@ the index torch's searchsorted gives, exactly. Where the CPU has AVX-512, a bloc
 encode run 16 elements at a time through 32-bit gathers (the compiler's own loops gathered 4 at a
 time through 64-bit indices), the update in the compiler's vector loop between them, the absmax
 taken in that loop: 2.4x the rate of 64-bit-indexed gathers on one core (bench/results'
-optim-modes runs give the rates beside fp32's).
+optim-modes runs give the rates beside fp32's). How fast it runs beside fp32's depends on the
+host (bound by its cores on a few, by memory like fp32's on many): the plan times its pass here
+(`rate`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..host.moments import BLOCK
+from ..host.moments import BF16, BLOCK, Q8, Moments
 from ..host.split import Halves, split
+from ..planning.probe import best_pass
 from . import moments as low
 from .clipadam import HALVES, Unavailable, build, check_halves
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
@@ -498,3 +501,44 @@ def load() -> tuple[MomentKernel | None, str]:
                 e,
             )
     return _LOADED
+
+
+def rate(moments: Moments, threads: int, numel: int, again: bool = False) -> float | None:
+    """Parameters per second of this kernel's pass over `numel` elements of the master's halves in
+    moment format `moments` (bf16 or 8-bit: the host state's buffers, `Moments.fields`) on
+    `threads` threads, alone, as the engine steps them (`step_halves`, no clip): the plan's
+    reading of the format on this host, beside probe.adam_rate's of fp32 (runtime.probe_machine).
+    None where the kernel does not step that format here (no kernel built: the torch ops step it).
+    Measured once per process, format, thread count and size; `again` reads once more and keeps
+    the best, as probe.adam_rate does."""
+    kernel = load()[0] if moments in (Q8, BF16) else None
+    if kernel is None:
+        return None
+    key = (moments.name, threads, numel)
+    if key not in _RATES or again:
+        seconds = best_pass(_probe_pass(kernel, moments, threads, numel))
+        _RATES[key] = max(_RATES.get(key, 0.0), numel / seconds)
+    return _RATES[key]
+
+
+_RATES: dict[tuple[str, int, int], float] = {}
+
+
+def _probe_pass(kernel: MomentKernel, moments: Moments, threads: int, numel: int):
+    """One pass of the kernel over fresh buffers of `numel` elements. Filled in parallel (each
+    page first touched by a thread that steps it, as probe.adam_rate's), from a block of varied
+    values repeated: a block of one value would find its moments' table entries in the cache
+    every time."""
+    gen = torch.Generator().manual_seed(0)
+    block = torch.randn(TAKE * BLOCK, generator=gen)
+
+    def filled(dtype: torch.dtype, scale: float) -> torch.Tensor:
+        out = torch.empty(-(-numel // block.numel()) * block.numel(), dtype=dtype)
+        out.view(-1, block.numel()).copy_(block * scale)
+        return out[:numel]
+
+    p = Halves(filled(torch.bfloat16, 0.02), torch.zeros(numel, dtype=torch.int16))
+    g = filled(torch.float32, 1e-3)
+    state = tuple(torch.zeros(f.length(numel), dtype=getattr(torch, f.dtype)) for f in moments.fields)
+    h = low.Hyper.of(1e-5, 10, (0.9, 0.999), 1e-8, 0.0)
+    return lambda: kernel.step_halves(p, g, state, h, False, threads)

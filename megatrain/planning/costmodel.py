@@ -19,8 +19,8 @@ happens, the plan uses the layer's rate measured on the device by probe.py
 apart: at long context attention is most of the work and runs slower than the matmuls; on the CPU,
 the rate of a matmul shaped like the layer's, `probe.cpu_layer_memory`) instead of GPU_FLOPS, and
 this host's AdamW rate
-(`probe.adam_rate`, times ADAM_IN_STEP, and for bf16 and 8-bit moments times MOMENT_RATE) instead of
-ADAM_PARAMS_S, and the disk tier's read and
+(`probe.adam_rate`, times ADAM_IN_STEP; for bf16 and 8-bit moments their own kernel's pass timed
+alike, `Machine.moment_adam_params_s`) instead of ADAM_PARAMS_S, and the disk tier's read and
 write rates measured in offload_dir at start (`host.disk.measure_drives`, summed over its folders) instead of DISK_BYTES_S;
 PCIE_BYTES_S is always the constant (all are the `Machine`'s defaults, planspec.py; the figures'
 sources are below).
@@ -31,6 +31,7 @@ every run's measured and predicted step).
 
 from __future__ import annotations
 
+from ..host.moments import FORMATS
 from .planspec import FETCH_BYTES, Batch, Machine, Plan, Shape, looked_up_rows
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
@@ -68,23 +69,25 @@ OPT_INTERFERENCE = 0.25
 ADAM_LANDING_GAIN = 1.2
 # The fused CUDA AdamW: ~1 ms per GB of fp32 state (weights and moments) on H100/H200.
 GPU_ADAMW_STATE_BYTES_S = 1e12
-# The host AdamW's rate in each moment format (host/moments.py's `Moments.name`) as a share of the
-# fp32 rate the machine carries (`Machine.adam_params_s`: torch's fused kernel's probe, which
-# clipadam.py's kernel matches): bf16 and 8-bit moments are stepped by engine/momentkernel.py's
-# kernel, moments of two formats by engine/moments.py's torch ops, a pass over memory an
-# operation. Before the kernel's 32-bit gathers the 8-bit pass ran at 0.38 of fp32's inside an 8B
-# step on a 16-core H200 host (1.39 against 3.66 G params/s, a 7.18 s step the plan, at fp32's
-# rate, put at 3.98 s; at 0.38 it puts it at 7.0). The figures below are the kernels' on a 2-core
-# CPU, two threads, beside clipadam's fp32 kernel on the same threads (docs/memory.md's optim
-# section); where fp32's pass is bound by a many-core host's memory and 8-bit's by its cores, the
-# share there is not measured yet.
-MOMENT_RATE = {"fp32": 1.0, "bf16": 0.8, "8bit": 0.5}
-MIXED_RATE = 0.1  # moments of two formats: the torch ops (docs/memory.md: 12-14% of fp32's)
+# The host AdamW's rate in each moment format (host/moments.py's `Moments.name`). bf16 and 8-bit
+# moments are stepped by engine/momentkernel.py's kernel, whose pass the plan times on this host
+# as it times fp32's (`Machine.moment_adam_params_s`, runtime.probe_machine): its share of fp32's
+# rate is the machine's. On a 2-core CPU, two threads, 8-bit read 0.5 of clipadam's fp32 pass and
+# bf16 0.8 (bound by the cores: docs/memory.md's optim section); on a 16-core H200 host, inside an
+# 8B step, 8-bit ran at 0.95 (3.48 against 3.66 G params/s: there fp32's pass is bound by memory),
+# a 4.23 s step that the 2-core share, a constant before the probe, put at 6.07 s. Where nothing
+# is probed (a plan made away from the run's host, at ADAM_PARAMS_S, those hosts' rate) the two
+# formats take fp32's rate. Moments of two formats are stepped by engine/moments.py's torch ops, a
+# pass over memory an operation: MIXED_RATE of fp32's (docs/memory.md: 12-14%).
+MIXED_RATE = 0.1
 
 
 def adam_params_s(plan: Plan, m: Machine) -> float:
     """Parameters a second of the host AdamW in the plan's moment format on machine `m`."""
-    return m.adam_params_s * MOMENT_RATE.get(plan.moment_format.name, MIXED_RATE)
+    f = plan.moment_format
+    if f.name in m.moment_adam_params_s:
+        return m.moment_adam_params_s[f.name]
+    return m.adam_params_s * (1.0 if f in FORMATS else MIXED_RATE)
 
 
 def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:

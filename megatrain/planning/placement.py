@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -728,24 +729,39 @@ def measure(
 
 def host_adam_rate(kind: str, world: Layout, again: bool = False) -> float:
     """The CPU AdamW rate (parameters/s) a plan on a `kind` device assumes: measured (~0.1 s) where
-    the run happens, on CUDA and on the CPU with torch's threads; else ADAM_PARAMS_S. `again`
-    (CUDA): read the host once more and keep the best of this process's readings
-    (`probe.adam_rate`)."""
+    the run happens (`measured_adam_rate` of `probe.adam_rate`, torch's fused fp32 kernel); else
+    ADAM_PARAMS_S. `again` (CUDA): read the host once more and keep the best of this process's
+    readings."""
+    from .probe import adam_rate
+
+    rate = measured_adam_rate(kind, world, adam_rate, again)
+    return ADAM_PARAMS_S if rate is None else rate
+
+
+def measured_adam_rate(
+    kind: str, world: Layout, reading: Callable[[int, int, bool], float | None], again: bool = False
+) -> float | None:
+    """The host AdamW rate a plan on a `kind` device takes from `reading(threads, parameters,
+    again)`, a kernel's pass alone in parameters/s (None: it does not run here): on the CPU on
+    torch's threads, over CPU_ADAM_PROBE parameters, as read; on CUDA on the optimizer threads of
+    all the machine's ranks, over ADAM_PROBE, times ADAM_IN_STEP (`again` passed on). None where
+    the run does not happen here (planned from a login node, or by a rank whose plan is not run)."""
     import torch
 
     from ..parallel.distributed import plans_for_all
-    from .probe import CPU_ADAM_PROBE, adam_rate
+    from .probe import ADAM_PROBE, CPU_ADAM_PROBE
 
     # This host's rate only where the run will happen (not when planning from a login node): the
     # machine's, all its ranks' optimizer threads together (each steps its share of every unit at
     # once, and AdamW is bound by the host's memory bandwidth, which they share). Measured by the
     # rank whose plan all run, alone: the others measuring at once would oversubscribe the cores.
     if kind == "cpu" and plans_for_all():  # planned where it runs; the optimizer steps after the backward
-        return adam_rate(torch.get_num_threads(), CPU_ADAM_PROBE)
+        return reading(torch.get_num_threads(), CPU_ADAM_PROBE, False)
     if not (kind == "cuda" and torch.cuda.is_available() and plans_for_all()):
-        return ADAM_PARAMS_S
+        return None
     threads = world.ranks_per_machine * optimizer_threads(world.ranks_per_machine)
-    return ADAM_IN_STEP * adam_rate(threads, again=again)
+    rate = reading(threads, ADAM_PROBE, again)
+    return None if rate is None else ADAM_IN_STEP * rate
 
 
 def allocator_fraction(machine: Machine, total_gpu_bytes: int) -> float | None:

@@ -51,6 +51,11 @@ class Machine:
     gpu_flops: float | None = None
     pcie_bytes_s: float = PCIE_BYTES_S
     adam_params_s: float = ADAM_PARAMS_S
+    """The host AdamW's rate inside a step with fp32 moments (placement.host_adam_rate)."""
+    moment_adam_params_s: dict[str, float] = field(default_factory=dict)
+    """Its rate in a moment format stepped by a kernel of its own (`Moments.name`: bf16, 8bit),
+    probed as adam_params_s is, with that kernel (runtime.probe_machine); a format not here takes
+    costmodel.py's rule."""
     world: Layout = Layout()
     """The data-parallel world this machine belongs to: partitioned over several machines, its
     host memory holds only its part of the state (layout.py); sharded, no state on the GPU."""

@@ -7,14 +7,16 @@ So before a CUDA run is planned, the layer the engine will run (same template, d
 compilation) is run on random data at two token counts, untiled and with its MLP tiled over the
 sequence, and the allocator's counters give the bytes per token of its graph and the peak while
 it is differentiated. placement.py turns these into the plan; without a device (`megatrain plan`
-on a login node) `formula_layer_memory` gives a conservative estimate instead. The probe
-decides nothing.
+on a login node) `formula_layer_memory` gives a conservative estimate instead. Beside it the
+host AdamW's rate (`adam_rate`: torch's fused fp32 kernel; `best_pass` times any kernel's pass,
+engine/momentkernel.py's for bf16 and 8-bit moments). The probe decides nothing.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,6 +40,7 @@ SCORE_COPIES = 4
 # these sizes (beyond them a CPU's GEMM runs no faster), for at least CPU_PROBE_SECONDS.
 CPU_PROBE_TOKENS, CPU_PROBE_WIDTH, CPU_PROBE_SECONDS = 512, 1024, 0.05
 CPU_ADAM_PROBE = 4 * 2**20  # parameters a CPU run's AdamW rate is timed on (64 MB of state: past the caches)
+ADAM_PROBE = 32 * 2**20  # and a CUDA run's (a pass ~5 ms on a 32-core host)
 ADAM_PROBE_SECONDS = 0.1  # the AdamW rate is the best pass over at least this long
 
 # One decoder layer's activations when no device is there to measure them: bytes per token =
@@ -449,7 +452,7 @@ def cpu_matmul_rate(tokens: int, hidden: int, ffn: int, dtype: torch.dtype) -> f
     return 2 * m * k * n * reps / (time.perf_counter() - t0)
 
 
-def adam_rate(threads: int, numel: int = 32 * 2**20, again: bool = False) -> float:
+def adam_rate(threads: int, numel: int = ADAM_PROBE, again: bool = False) -> float:
     """Parameters per second of the fused CPU AdamW on `threads` of this host's threads, alone.
     Measured on the threads the run's optimizers will have: under torchrun a process starts with
     one (OMP_NUM_THREADS=1), and an 18.7B run on two GPUs measured 0.4 G/s there, planned a step
@@ -478,10 +481,8 @@ def _adam_rate(numel: int) -> float:
     # thread pool); torch.rand fills on the calling thread alone.
     p, g, m, v = (torch.empty(numel).fill_(x) for x in (0.5, 1e-3, 1e-4, 1e-6))
     steps = [torch.tensor(1.0)]
-
-    def once() -> float:
-        t0 = time.perf_counter()
-        torch._fused_adamw_(
+    return numel / best_pass(
+        lambda: torch._fused_adamw_(
             [p],
             [g],
             [m],
@@ -496,15 +497,20 @@ def _adam_rate(numel: int) -> float:
             eps=1e-8,
             maximize=False,
         )
-        return time.perf_counter() - t0
+    )
 
-    # The best pass of ADAM_PROBE_SECONDS: a pass over 32M parameters takes ~5 ms on a 32-core
-    # host, so three of them, as this took before, were 17 ms that any hiccup of the host spoils
-    # (inside runs on 32-core hosts, 2.4-4.7 G params/s, where the same function alone read
-    # 5.1-6.2 and the runs' own passes 3.8-5.4 inside their steps:
-    # bench/results/2026-11-27_2015_x2-summary.md).
+
+def best_pass(once: Callable[[], object]) -> float:
+    """Seconds of the fastest call of `once` (a host AdamW's pass) after one to warm it, of at
+    least three calls over at least ADAM_PROBE_SECONDS: a pass over 32M parameters takes ~5 ms
+    on a 32-core host, so three of them, as this took before, were 17 ms that any hiccup of the
+    host spoils (inside runs on 32-core hosts, 2.4-4.7 G params/s, where the same function alone
+    read 5.1-6.2 and the runs' own passes 3.8-5.4 inside their steps:
+    bench/results/2026-11-27_2015_x2-summary.md)."""
     once()
     best, t0, reps = math.inf, time.perf_counter(), 0
     while reps < 3 or time.perf_counter() - t0 < ADAM_PROBE_SECONDS:
-        best, reps = min(best, once()), reps + 1
-    return numel / best
+        t = time.perf_counter()
+        once()
+        best, reps = min(best, time.perf_counter() - t), reps + 1
+    return best
