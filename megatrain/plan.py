@@ -29,7 +29,7 @@ from .planning.footprint import STATE_KEY, reward_model_bytes, rollout_bytes, us
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
 from .rl import rewards
-from .stages import row_length
+from .stages import autograd_head, row_length
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
 DATA_BYTES_PER_FILE_BYTE = {".parquet": 40, ".gz": 50, ".zst": 50, ".arrow": 15}
@@ -66,6 +66,7 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: fl
         clip=cfg.max_grad_norm > 0,
         masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, seq_len) or model_cfg.needs_mask,
         rows=rows,
+        autograd_head=autograd_head(cfg),
         attention_span=attention_span,
     )
 

@@ -192,6 +192,14 @@ def in_order(cfg, samples: list[Sample], batch_size: int, pad_id: int, pixels=No
     )
 
 
+def autograd_head(cfg) -> bool:
+    """Whether the stage's objective (`objective_of`) takes its loss through autograd over each
+    chunk's vocabulary-wide logits (log-probs: grpo, rloo, the preference stages) rather than in
+    cross-entropy's one pass; rm's score head is one logit a token. The plan's bytes a logit."""
+    pref = cfg.preference()
+    return cfg.grpo() is not None or (pref is not None and pref.stage != "rm")
+
+
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
     if (grpo := cfg.grpo(world.world_size)) is not None:

@@ -154,3 +154,95 @@ def test_compiled_on_cuda_it_equals_the_eager_function(dtype):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     rel = 1e-5 if dtype == torch.float32 else 2**-7  # fp32's rounding of exp and the sum; one bf16 step
     assert ((grad.float() - ref_grad.float()).abs() <= ref_grad.float().abs() * rel + 1e-9).all()
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes of tensors alive at once while `fn` runs, counted storage by storage as each
+    operation makes them and freed as they are collected."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Live(TorchDispatchMode):
+        now = peak = 0
+        seen: dict = {}
+
+        def free(self, key, n):
+            self.seen.pop(key, None)
+            self.now -= n
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and (st := t.untyped_storage()).data_ptr() not in self.seen:
+                    key, n = st.data_ptr(), st.nbytes()
+                    self.seen[key] = weakref.finalize(st, self.free, key, n)
+                    self.now += n
+                    self.peak = max(self.peak, self.now)
+            return out
+
+    live = Live()
+    with live:
+        fn()
+    return live.peak
+
+
+class _NormProject(torch.nn.Module):
+    """A final norm's scale, then the LM weight's projection."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16))
+
+    def forward(self, x, W):
+        return (x * self.weight) @ W.T
+
+
+@pytest.mark.parametrize("objective", ["grpo", "sequence sums"])
+def test_a_log_prob_objectives_head_holds_what_the_plan_counts_a_logit(objective):
+    """The objectives that take their loss through autograd over a chunk's fp32 logits (grpo's with
+    a temperature, a KL term and its entropy metric; the preference stages' weighted log-probs)
+    hold at most the plan's AUTOGRAD_LOGIT_BYTES a logit, and more than cross-entropy's one pass
+    (LOGIT_BYTES), by which the plan sized their chunks before."""
+    from megatrain.data.batch import MicroBatch
+    from megatrain.objectives.grpo import GRPO, GRPOConfig
+    from megatrain.objectives.logprobs import token_logps
+    from megatrain.planning.footprint import AUTOGRAD_LOGIT_BYTES, LOGIT_BYTES
+
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden_size, rows, width = 4096, 32, 4, 64
+    ids = torch.randint(1, vocab, (rows, width), generator=g)
+    labels = ids.clone()
+    labels[:, :8] = IGNORE_INDEX
+    hidden = [torch.randn(rows, width, hidden_size, generator=g).to(torch.bfloat16)]
+    W = (torch.randn(vocab, hidden_size, generator=g) * 0.1).to(torch.bfloat16)
+    scale = {"weight": torch.ones(hidden_size, dtype=torch.bfloat16)}
+    head = losshead.Head(
+        _NormProject(hidden_size), scale, W, chunk=rows * width,
+        grads={"weight": torch.zeros(hidden_size)}, grad_W=torch.zeros(vocab, hidden_size),
+    )  # fmt: skip
+    if objective == "grpo":
+        obj = GRPO(
+            GRPOConfig(num_generations=2, beta=0.04, num_iterations=2, temperature=0.7), micro_batches=1
+        )
+        mb = MicroBatch(
+            ids, labels, extra=torch.randn(rows, 1, generator=g).double(),
+            token_extra=torch.randn(rows, width, 2, generator=g) * 0.1 - 8,
+        )  # fmt: skip
+        targets = [obj.targets(mb, torch.device("cpu"))]
+
+        def run():
+            obj.loss_and_grads(head, hidden, targets, total=rows)
+    else:
+        tokens, weights = ids.reshape(-1), torch.randn(rows * width, generator=g)
+
+        def chunk_loss(m, a, z):  # objectives/sequence_sums.py's
+            term = (weights[a : a + len(z)] * token_logps(z, tokens[a : a + len(z)])).sum()
+            return term, term.detach() * 0
+
+        def run():
+            head.backward(hidden, chunk_loss)
+
+    per_logit = _peak_bytes(run) / (rows * width * vocab)
+    assert LOGIT_BYTES < per_logit <= AUTOGRAD_LOGIT_BYTES, per_logit

@@ -271,3 +271,30 @@ def test_the_retired_rollout_host_copy_key_is_refused_in_one_line():
     assert "\n" not in str(e.value)
     old = {**Plan("cuda", "stored", 0, 0, 0, 0, 64).to_json(), "rollout_host_copy": True}
     assert Plan.from_json(old).rollout_layers is None
+
+
+def test_the_log_prob_stages_plan_their_loss_head_at_autogradss_bytes_a_logit():
+    """grpo's and dpo's loss head (autograd over each chunk's logits) is planned at
+    AUTOGRAD_LOGIT_BYTES a logit, sft's (cross-entropy's one pass) and rm's (a score head) at
+    LOGIT_BYTES: their chunks hold the same bytes, so dpo's has fewer tokens."""
+    from types import SimpleNamespace
+
+    from megatrain.planning.footprint import AUTOGRAD_LOGIT_BYTES, LOGIT_BYTES, loss_chunk
+
+    model_cfg, cfg = shapes()
+    machine = Machine(device="cuda", gpu_bytes=200 * GiB, host_bytes=256 * GiB)
+    s = SimpleNamespace(vocab=model_cfg.vocab_size)  # all loss_chunk reads of the shape
+    chunks = {}
+    for stage in ("grpo", "dpo", "sft", "rm"):
+        c = cfg if stage == "grpo" else TrainConfig(
+            model_config="unused", dataset="unused", stage=stage, per_device_train_batch_size=8, max_length=2048
+        )  # fmt: skip
+        b = planning.batch_of(c, model_cfg, 2)
+        assert b.autograd_head == (stage in ("grpo", "dpo")), stage
+        chunks[stage] = loss_chunk(s, replace(b, micro_batch_tokens=2**20), machine, None)
+    assert chunks["sft"] == chunks["rm"]
+    assert (
+        chunks["dpo"] * AUTOGRAD_LOGIT_BYTES
+        <= chunks["sft"] * LOGIT_BYTES
+        < (chunks["dpo"] + 1) * AUTOGRAD_LOGIT_BYTES
+    )

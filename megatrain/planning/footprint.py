@@ -46,6 +46,14 @@ ALONE = Layout()  # a world of one process
 # bytes under the model at 16 (0.8-1.1 GiB; 19 runs of 2026-11-23, chunks of 1,646-2,092 tokens,
 # vocabularies of 128k-152k): 12.
 LOGIT_BYTES = 12
+# The objectives that take their loss through autograd over a chunk's logits (log-probs as logsumexp
+# and a gather: the preference stages but rm, grpo, rloo) hold more: the fp32 logits saved for the
+# backward, then the softmax, its product with the gradient, the gather's scatter and their sum.
+# Their runs with chunks sized at 12 stood 3.3-3.7 GiB above the plan on one H200 (DPO of the 3.6B
+# and 8B shapes, grpo of Qwen2.5-7B's, chunks of 357.8 M logits: bench/results/2026-12-03_1158_
+# dpo-rm, _1417_dpo-rm, _1111_grpo), 21.9-23.1 bytes a logit; tracked tensor by tensor on the CPU,
+# 22.25 (tests/test_loss_head.py). An objective tells the plan which it is (Batch.autograd_head).
+AUTOGRAD_LOGIT_BYTES = 23
 HEAD_TOKEN_H = 24
 LOGIT_GRAD_BYTES = 6  # the logits' gradient (fp32 and compute dtype) while the weight's is formed
 # The backward sweep's peak stood 3.9 and 7.3 GB above the model in the 8B runs at 128k and 256k
@@ -103,7 +111,12 @@ def loss_chunk(s: Shape, b: Batch, m: Machine, given: int | None) -> int:
     budget = LOSS_CHUNK_BUDGET[m.device]
     if m.device == "cuda" and m.gpu_bytes is not None:
         budget = min(budget, int(LOSS_CHUNK_SHARE * m.gpu_bytes))
-    return max(256, min(b.micro_batch_tokens, budget // (LOGIT_BYTES * s.vocab)))
+    return max(256, min(b.micro_batch_tokens, budget // (logit_bytes(b) * s.vocab)))
+
+
+def logit_bytes(b: Batch) -> int:
+    """The loss head's device bytes a logit of a chunk, by how the run's objective differentiates."""
+    return AUTOGRAD_LOGIT_BYTES if b.autograd_head else LOGIT_BYTES
 
 
 # ---------------------------------------------------------------------------- GPU memory model
@@ -261,7 +274,7 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         # beside the logits' gradient in compute dtype (wins for wide layers); the last hidden states
         # and their gradient
         "loss head": max(
-            plan.loss_chunk_tokens * (s.vocab * LOGIT_BYTES + h * HEAD_TOKEN_H),
+            plan.loss_chunk_tokens * (s.vocab * logit_bytes(b) + h * HEAD_TOKEN_H),
             plan.loss_chunk_tokens * s.vocab * LOGIT_GRAD_BYTES + cb * s.vocab * h,
         )
         + 2 * T * h * cb,
@@ -424,7 +437,7 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
         host["boundary activations"] = T * h * cb * s.layers
         Tm, tile = b.micro_batch_tokens, plan.mlp_tile_tokens
         host["layer working set"] = s.layer_mem.graph(Tm, tile) + s.layer_mem.backward(Tm, tile)
-        host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * LOGIT_BYTES
+        host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * logit_bytes(b)
         if b.masked:
             host["attention masks"] = _masks(b, flex=False)
         host["runtime"] = _runtime(plan.device, world)

@@ -95,6 +95,9 @@ class Batch:
     """Rows need attention masks (packing, a sliding window shorter than seq_len): FlexAttention's
     block tables, (seq_len / 128)^2 entries per row, all micro-batches' alive through the step."""
     rows: int = 1
+    autograd_head: bool = False
+    """The objective differentiates each loss-head chunk through autograd (stages.autograd_head),
+    not in cross-entropy's one pass: more bytes a logit (footprint.logit_bytes)."""
     attention_span: float | None = None
     """Keys a token's attention covers, on average, times two (the causal mean: whole causal rows
     of S tokens give S), over packed documents and the layers' windows (`attention.span`); None:
