@@ -712,10 +712,9 @@ def test_fetches_move_the_halves_and_fp32_compute_equals_the_serial_schedule():
 @pytest.mark.parametrize("moments", ["8bit", "bf16"])
 def test_low_precision_moments_on_the_gpu_equal_the_serial_schedule(moments):
     """bf16 and 8-bit AdamW moments (`optim`) stepped on the GPU: GPU-resident and GPU-stepped
-    units (torch ops on CUDA) beside host-stepped ones (the host kernel), gradients in host memory,
-    many chunks: the overlapped schedule equals the serial one bitwise; the units stepped on the
-    GPU end near where the host steps them (the same rule; CUDA's fused multiply-adds may round
-    apart)."""
+    units (the one-pass kernel on CUDA) beside host-stepped ones (the host kernel), gradients in host memory,
+    many chunks: the overlapped schedule equals the serial one bitwise, and the units stepped on
+    the GPU end where the host steps them, bitwise."""
     from megatrain.host.moments import BF16, Q8
 
     fmt = {"8bit": Q8, "bf16": BF16}[moments]
@@ -747,6 +746,7 @@ def test_low_precision_moments_on_the_gpu_equal_the_serial_schedule(moments):
     assert torch.equal(ref[2], got[2])
     assert all(torch.equal(a, b) for a, b in zip(ref[3], got[3]))
     host = train(_plan(gpu_grads=0), overlap=True)
-    diff = (host[2] - got[2]).abs().max().item()
-    assert abs(host[0][-1] - got[0][-1]) < 1e-2
-    assert diff < 2 * ADAMW.lr, diff  # an 8-bit code rounded apart moves a weight by under a step
+    # the GPU's one-pass kernel steps the host's bits (engine/momentgpu.py)
+    assert host[0] == got[0] and host[1] == got[1]
+    assert torch.equal(host[2], got[2])
+    assert all(torch.equal(a, b) for a, b in zip(host[3], got[3]))

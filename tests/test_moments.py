@@ -2,7 +2,8 @@
 bitwise, step for step, through the engine's own passes (held gradients, chunks, a clip, frozen
 and undecayed tensors, tensors that end mid-block, zero and huge gradients); and against
 bitsandbytes' own AdamW8bit on the CPU, step for step from the same state, within its CPU
-quantiser's table (bitsandbytes is in the test extra: this file needs it).
+quantiser's table (bitsandbytes is in the test extra: the CPU tests need it); and the GPU's
+one-pass kernel against the same transcriptions.
 
 The transcription is bitsandbytes' documented 8-bit blockwise update written as plainly as it
 reads: per block of 256 elements of a tensor, the moments decoded (the map's value times the
@@ -15,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import bitsandbytes as bnb
-import bitsandbytes.functional as bnbf
 import pytest
 import torch
 from helpers import tiny_config
@@ -211,6 +210,8 @@ def test_the_nearest_value_is_argmins_on_midpoints_and_their_neighbours():
 
 
 def test_the_maps_are_bitsandbytes():
+    import bitsandbytes.functional as bnbf
+
     for signed in (True, False):
         ours, theirs = low.dynamic_map(signed), bnbf.create_dynamic_map(signed=signed)
         assert same(ours, theirs) and same(dynamic_map(signed), theirs)
@@ -230,6 +231,8 @@ def test_bitsandbytes_adamw8bit_steps_as_the_engine_step_for_step(n):
     rounding: bitsandbytes' CPU update fuses multiply-adds), and the same codes but where its
     table's bins are coarser than the map (the engine's code is the nearest; bitsandbytes' within
     a bin of it)."""
+    import bitsandbytes as bnb
+
     gen = torch.Generator().manual_seed(n)
     param = torch.nn.Parameter(torch.randn(n, generator=gen) * 0.02)
     opt = bnb.optim.AdamW8bit([param], lr=1e-3, betas=BETAS, eps=EPS, weight_decay=WD, min_8bit_size=0)
@@ -362,3 +365,54 @@ def test_the_embeddings_rows_computed_ahead_are_its_updates_rows(moments):
         opt.step_held(unit, grad, c, 1e-2, step, 1 << 20)
         table = state.master(unit)[: V * H].view(V, H).index_select(0, rows)
         assert same(outs[0], to_bf16(table)) and same(outs[1], table), step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moments", [Q8, BF16], ids=["8bit", "bf16"])
+def test_the_one_pass_gpu_kernel_steps_the_transcriptions_bits(moments):
+    """engine/momentgpu.py's Triton kernel loads on CUDA (its self-check against the CPU's torch
+    ops passed) and, through the engine's step of each unit's GPU-resident state (`adamw_range`:
+    spans of several tensors, frozen and undecayed ones, tensors that end mid-block, clipped
+    gradients, zero gradients, huge elements among tiny ones), gives the transcription's bits step
+    for step, as the host's kernel does; a nonzero skip flag leaves everything as it was."""
+    from megatrain.engine import momentgpu
+    from megatrain.engine.optim import adamw_range, clip_scaled
+
+    dev = torch.device("cuda")
+    loaded, why = momentgpu.load(dev)
+    assert loaded, why
+    state = _state(moments)
+    cfg = AdamWConfig(1e-2, BETAS, EPS, WD, moments)
+    gpu = {
+        u.index: [state.master(u).to(dev)] + [state.flat(u, f.name).to(dev) for f in moments.fields]
+        for u in state.units
+    }
+    specs = [(u, p) for u in state.units for p in u.params]
+    ref = {p.key: [t.clone() for t in _tensors(state, u, p)] for u, p in specs}
+    gen = torch.Generator().manual_seed(0)
+    for step, (coef, lr, _) in enumerate(STEPS, start=1):
+        grads = _grads(state, step, gen)
+        c = None if coef is None else torch.tensor(coef, device=dev)
+        for u in state.units:
+            p, *ms = gpu[u.index]
+            adamw_range(u, 0, u.numel, p, clip_scaled(grads[u.index].to(dev), c), tuple(ms), cfg, lr, step)
+        for u, p in specs:
+            if not p.train:
+                continue
+            g = grads[u.index][p.offset : p.offset + p.numel]
+            g = g if coef is None else g * torch.tensor(coef)
+            rule = reference_8bit if moments == Q8 else reference_bf16
+            ref[p.key] = rule(*ref[p.key][:1], g, *ref[p.key][1:], lr, step, p.decay)
+        for u, p in specs:
+            a, b = p.offset, p.offset + p.numel
+            ours = [gpu[u.index][0][a:b]] + [
+                t[a // f.per : -(-b // f.per)] for t, f in zip(gpu[u.index][1:], moments.fields)
+            ]
+            for i, (o, t) in enumerate(zip(ours, ref[p.key])):
+                assert same(o.cpu(), t), (step, p.key, i, (o.cpu() != t).sum().item())
+    before = {k: [t.clone() for t in v] for k, v in gpu.items()}
+    flag = torch.ones((), device=dev)
+    for u in state.units:
+        p, *ms = gpu[u.index]
+        adamw_range(u, 0, u.numel, p, torch.randn(u.numel, device=dev), tuple(ms), cfg, 1e-2, 9, flag)
+    assert all(same(a, b) for k in gpu for a, b in zip(gpu[k], before[k]))

@@ -427,13 +427,13 @@ class MomentKernel:
             job.result()
 
 
-def check(kernel: MomentKernel) -> None:
-    """Raise Unavailable unless the kernel's results equal the torch ops' bit for bit (a NaN a
-    NaN), of fp32 weights and of the master's halves (`step_halves`: split.py's halves of the
-    torch ops' weights): spans of every kind of end (one element, a block less one, whole blocks,
-    partial blocks over several threads' takes), weight decay and none, zero moments, huge and
-    tiny values in one block, weights at the halves' special cases, both formats, three steps, the
-    gradient as it is and times two clip coefficients."""
+def check_cases(device: str | torch.device = "cpu"):
+    """The kernels' self-checks' cases, on `device`: (n, q8, decay, p, state, steps) for spans of
+    every kind of end (one element, a block less one, whole blocks, partial blocks over several
+    threads' takes), 8-bit moments and bf16 (`q8`), weight decay and none; fp32 weights `p` with
+    the halves' special cases among them, zero moments `state` (`Moments.fields` order), and three
+    steps `steps` of (gradient, clip coefficient or None, constants): a block of zero moments after
+    a step, a gradient whose square is near fp32's largest beside tiny ones."""
     gen = torch.Generator().manual_seed(0)
     patterns = (0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF, 0x00008000)  # fp32 bits, as int32 below
     special = torch.tensor([b - (b >> 31 << 32) for b in patterns], dtype=torch.int32).view(torch.float32)
@@ -444,37 +444,48 @@ def check(kernel: MomentKernel) -> None:
                 k = min(n, len(special))  # bf16 half a zero; the largest below them; a subnormal
                 p[:k] = special[:k]
                 if q8:
-                    st = [torch.zeros(n, dtype=torch.uint8) for _ in "mv"] + [
-                        torch.zeros(-(-n // BLOCK)) for _ in "mv"
-                    ]
+                    state = [torch.zeros(n, dtype=torch.uint8) for _ in "mv"]
+                    state += [torch.zeros(-(-n // BLOCK)) for _ in "mv"]
                 else:
-                    st = [torch.zeros(n, dtype=torch.bfloat16) for _ in "mv"]
-                ours, theirs = [p.clone(), *(t.clone() for t in st)], [p.clone(), *(t.clone() for t in st)]
-                halves = [split(p), *(t.clone() for t in st)]
+                    state = [torch.zeros(n, dtype=torch.bfloat16) for _ in "mv"]
+                steps = []
                 for step, coef in ((1, None), (2, 0.37), (3, 0.61)):
                     g = torch.randn(n, generator=gen) * 1e-2
                     if step == 2:
-                        g[:300] = 0.0  # a block of zero moments after a step or two
+                        g[:300] = 0.0
                     if step == 3:
-                        g[n // 2] = 4e18  # its square near fp32's largest, beside tiny ones
+                        g[n // 2] = 4e18
                     h = low.Hyper.of(1e-3, step, (0.9, 0.95), 1e-8, 0.1 if decay else 0.0)
-                    kernel.step(ours[0], g, tuple(ours[1:]), h, decay, threads=2, coef=coef)
-                    kernel.step_halves(halves[0], g, tuple(halves[1:]), h, decay, threads=2, coef=coef)
-                    scaled = g if coef is None else g * torch.tensor(coef)  # optim.py's clip_scaled
-                    low.step_span(theirs[0], scaled, tuple(theirs[1:]), h, decay)
-                want = split(theirs[0])
-                bits = [(t.hi.view(torch.int16), t.lo) for t in (halves[0], want)]
-                if not (
-                    all(_same(a, b) for a, b in zip(ours, theirs))
-                    and all(_same(a, b) for a, b in zip((*bits[0], *halves[1:]), (*bits[1], *theirs[1:])))
-                ):
-                    raise Unavailable(
-                        f"its results differ from the torch ops' here ({n} elements, {'8-bit' if q8 else 'bf16'}, "
-                        f"weight decay {decay})"
-                    )
+                    steps.append((g.to(device), coef, h))
+                yield n, q8, decay, p.to(device), [t.to(device) for t in state], steps
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def check(kernel: MomentKernel) -> None:
+    """Raise Unavailable unless the kernel's results equal the torch ops' bit for bit (a NaN a
+    NaN) in `check_cases`, of fp32 weights and of the master's halves (`step_halves`: split.py's
+    halves of the torch ops' weights), the gradient as it is and times two clip coefficients."""
+    for n, q8, decay, p, st, steps in check_cases():
+        ours, theirs = [p.clone(), *(t.clone() for t in st)], [p.clone(), *(t.clone() for t in st)]
+        halves = [split(p), *(t.clone() for t in st)]
+        for g, coef, h in steps:
+            kernel.step(ours[0], g, tuple(ours[1:]), h, decay, threads=2, coef=coef)
+            kernel.step_halves(halves[0], g, tuple(halves[1:]), h, decay, threads=2, coef=coef)
+            scaled = g if coef is None else g * torch.tensor(coef)  # optim.py's clip_scaled
+            low.step_span(theirs[0], scaled, tuple(theirs[1:]), h, decay)
+        want = split(theirs[0])
+        bits = [(t.hi.view(torch.int16), t.lo) for t in (halves[0], want)]
+        if not (
+            all(same_bits(a, b) for a, b in zip(ours, theirs))
+            and all(same_bits(a, b) for a, b in zip((*bits[0], *halves[1:]), (*bits[1], *theirs[1:])))
+        ):
+            raise Unavailable(
+                f"its results differ from the torch ops' here ({n} elements, {'8-bit' if q8 else 'bf16'}, "
+                f"weight decay {decay})"
+            )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (any NaN equal to any NaN)."""
     if a.is_floating_point() and a.isnan().any():
         nan = a.isnan()
         return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])

@@ -53,7 +53,7 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 
 @functools.cache
-def _maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def maps(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(signed, unsigned) dynamic maps on `device`: exp_avg's and exp_avg_sq's."""
     return dynamic_map(True).to(device), dynamic_map(False).to(device)
 
@@ -144,7 +144,7 @@ def step_span(
 def _step_chunk(p, g, moments, h: Hyper, decay: bool, found_inf) -> None:
     quantized = len(moments) == 4
     if quantized:
-        signed, unsigned = _maps(p.device)
+        signed, unsigned = maps(p.device)
         m = dequantize(moments[0], moments[2], signed)
         v = dequantize(moments[1], moments[3], unsigned)
     else:
@@ -186,7 +186,7 @@ def decode_at(moments: tuple[torch.Tensor, ...], index: torch.Tensor) -> tuple[t
     (`Moments.fields` order, bf16 or 8-bit): what the step decodes them to."""
     if len(moments) != 4:
         return moments[0][index].float(), moments[1][index].float()
-    signed, unsigned = _maps(index.device)
+    signed, unsigned = maps(index.device)
     block = index // BLOCK
     m = signed[moments[0][index].long()] * moments[2][block]
     v = unsigned[moments[1][index].long()] * moments[3][block]

@@ -35,7 +35,7 @@ from ..host.moments import BF16, BLOCK, FP32, Q8, Moments
 from ..host.split import Halves, cast, join
 from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
-from . import clipadam, momentkernel
+from . import clipadam, momentgpu, momentkernel
 from . import moments as low
 
 log = logging.getLogger(__name__)
@@ -162,15 +162,21 @@ def adamw_range(
 
 def _moments_range(unit, lo, hi, p, g, moments, cfg: AdamWConfig, lr, step, found_inf, base) -> None:
     """`adamw_range` of bf16 or 8-bit moments: engine/moments.py's step, span by span; in host
-    memory by momentkernel.py's kernel where it builds and checks (one pass, the same bits)."""
+    memory by momentkernel.py's kernel, on CUDA by momentgpu.py's, where they build and check (one
+    pass, the same bits)."""
     kernel = None
-    if p.device.type == "cpu" and found_inf is None and cfg.moments in (Q8, BF16):
+    one_pass = cfg.moments in (Q8, BF16)
+    if p.device.type == "cpu" and found_inf is None and one_pass:
         kernel = momentkernel.load()[0]
+    on_gpu = p.device.type == "cuda" and one_pass and momentgpu.load(p.device)[0]
     for a, b, views, h, decay in moment_spans(unit, lo, hi, moments, cfg, lr, step, base):
+        pa, ga = p[a - base : b - base], g[a - lo : b - lo]
         if kernel is not None:
-            kernel.step(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, torch.get_num_threads())
+            kernel.step(pa, ga, views, h, decay, torch.get_num_threads())
+        elif on_gpu:
+            momentgpu.step(pa, ga, views, h, decay, found_inf)
         else:
-            low.step_span(p[a - base : b - base], g[a - lo : b - lo], views, h, decay, found_inf)
+            low.step_span(pa, ga, views, h, decay, found_inf)
 
 
 def moment_spans(unit: Unit, lo: int, hi: int, moments, cfg: AdamWConfig, lr: float, step: int, base: int):
