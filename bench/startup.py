@@ -69,6 +69,8 @@ def run_train(d: Path, shape: dict, args) -> dict:
     rec: dict = {"mode": "train", "command": " ".join(cmd[1:]), "settings": settings}
     tail: list[str] = []
     for line in proc.stdout:
+        # echoed as it comes, so that a run cut by a time limit shows where it was
+        print(f"  {time.perf_counter() - t0:6.1f} s | {line}", end="", flush=True)
         tail = (tail + [line])[-40:]
         got = parse_ready(line)
         if got is not None:
