@@ -63,7 +63,10 @@ def run_train(d: Path, shape: dict, args) -> dict:
     )  # fmt: skip
     (d / "startup.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
     cmd = [sys.executable, "-m", "megatrain", "train", str(d / "startup.yaml"), *args.megatrain]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",  # its lines as they are written, not when a buffer fills
+    }
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=d, env=env)
     rec: dict = {"mode": "train", "command": " ".join(cmd[1:]), "settings": settings}

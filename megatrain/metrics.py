@@ -220,7 +220,10 @@ class MetricsLogger:
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""
-        (self.bar.write if self.interactive else print)(text)
+        if self.interactive:
+            self.bar.write(text)
+        else:  # a pipe or a file is block-buffered: a log read as the run goes shows the line now
+            print(text, flush=True)
 
     def close(self, failed: bool = False) -> None:
         """Close the bar, the trackers (their runs marked failed when `failed`: the training

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -582,3 +583,14 @@ def test_save_schedule_counts_what_it_saves():
                 s = SaveSchedule(every, at_end, total)
                 for start in range(total + 1):
                     assert s.count(start) == sum(s.due(k) for k in range(start + 1, total + 1))
+
+
+def test_a_message_reaches_a_piped_stdout_at_once(tmp_path, monkeypatch):
+    """Without a progress bar (stdout a pipe or a file, block-buffered) a message such as the
+    "ready for step" line is written through at once, not when the buffer fills or the run ends."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(raw, buffer_size=1 << 16)))
+    log = MetricsLogger(tmp_path, total_steps=1, disable_tqdm=True)
+    log.message("megatrain: ready for step 1")
+    assert b"ready for step 1" in raw.getvalue()
+    log.close()
