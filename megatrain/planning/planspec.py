@@ -102,6 +102,9 @@ class Batch:
     """Keys a token's attention covers, on average, times two (the causal mean: whole causal rows
     of S tokens give S), over packed documents and the layers' windows (`attention.span`); None:
     the whole row."""
+    coupled: str = ""
+    """Why the objective's loss couples a step's micro-batches beyond its normaliser
+    (`Objective.coupled`, stages.coupled), so that the update stays layer-major; "": it does not."""
 
     @property
     def tokens(self) -> int:
