@@ -379,6 +379,15 @@ class Engine:
             g_W = g_views[self.head.lm_weight_name]
         return Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W, self.compile), grads
 
+    def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int, bound=None):
+        """Loss (the objective's, over `n_tokens`: its count over the step) and its gradient w.r.t.
+        each micro-batch's last hidden state, through the chunked loss head bound now
+        (`_bound_head`) or, micro-batch-major, the step's `bound` (head, buffers), which each
+        micro-batch's call continues. Returns the loss, the gradients and the units' buffers."""
+        head, grads = bound or self._bound_head()
+        loss, dh = self.objective.loss_and_grads(head, h, [p.targets for p in prep], n_tokens)
+        return loss, dh, grads
+
     def _fetch_parked(self, s):
         """Start bringing a layer's parked inputs back (resident inputs and kept graphs need nothing)."""
         if isinstance(s, _Graph) or not s or not hasattr(s[0], "written"):
@@ -464,7 +473,7 @@ class Engine:
         t.begin(self._forward_order() + ([self.embed_unit] if self.vision_grad else []), rows)
         h0 = self._embed_all(prep, rows)
         layers: list[tuple[dict, list[str]]] = []  # each layer's weights, bound at its first visit
-        head = head_grads = None
+        bound = None  # the loss head and its buffers, for every micro-batch
         grads: dict[int, torch.Tensor] = {}
         dh0, stacked = [], [{} for _ in prep]
         for m, p in enumerate(prep):
@@ -472,15 +481,14 @@ class Engine:
             xs, ys = [], []
             for j, unit in enumerate(self.layer_units):
                 if m == 0:
-                    bound = _bind(unit, t.fetch(unit), grad=True)
-                    layers.append((bound, [n for n, v in bound.items() if v.requires_grad]))
-                    del bound
+                    weights = _bind(unit, t.fetch(unit), grad=True)
+                    layers.append((weights, [n for n, v in weights.items() if v.requires_grad]))
+                    del weights
                 x, y, h = self._with_graph(j, layers[j][0], h, m, p)
                 xs.append(x)
                 ys.append(y)
-            if head is None:
-                head, head_grads = self._bound_head()
-            loss, (dh,) = self.objective.loss_and_grads(head, [h], [p.targets], n_tokens)
+            bound = bound or self._bound_head()
+            loss, (dh,), head_grads = self._head_loss_backward([h], [p], n_tokens, bound)
             del h
             if m == last:  # the head's gradient is complete
                 loss = self._step_loss(loss)
@@ -596,9 +604,8 @@ class Engine:
             order += self._backward_order()
         self.transport.begin(order, rows)
         h, saved = self._forward_sweep(prep, keep=True, rows=rows)
-        bound, head_grads = self._bound_head()
-        loss, dh = self.objective.loss_and_grads(bound, h, [p.targets for p in prep], n_tokens)
-        del h, bound
+        loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
+        del h
         loss = self._step_loss(loss)
         head = self.head_unit
         # Reduced over ranks now (this rank's piece of it); the tied embedding's share with its unit.
