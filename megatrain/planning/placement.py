@@ -423,7 +423,9 @@ def _update_order(s: Shape, b: Batch, best: Plan, m: Machine, c: Choices) -> tup
             raise ConfigError(f"update_order: micro_batch: {why}; set it auto or layer")
         p = _micro_batch_major(s, b, best, m)
         if not fits(p, m):
-            raise PlanError(f"update_order: micro_batch: {_too_big(p, m, b)}")
+            raise PlanError(
+                f"update_order: micro_batch: it would need {_short_of(p, m)}; set it auto or layer"
+            )
         return p, "update order: micro-batch-major, as configured (update_order: micro_batch)"
     auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
     if m.device != "cuda" or b.micro_batches < 2 or not auto:
@@ -432,10 +434,9 @@ def _update_order(s: Shape, b: Batch, best: Plan, m: Machine, c: Choices) -> tup
         return best, f"update order: layer-major (micro-batch-major: {why})"
     p = _micro_batch_major(s, b, best, m)
     if not fits(p, m):
-        gpu = usable_gpu(m)
         return best, (
-            f"update order: layer-major; micro-batch-major (every layer's graph of a micro-batch kept, "
-            f"no recompute) would need ~{fmt_bytes(p.gpu_peak)} of GPU memory, {fmt_bytes(gpu)} usable"
+            "update order: layer-major; micro-batch-major (every unit's state on the GPU, every layer's "
+            f"graph of a micro-batch kept, no recompute) would need {_short_of(p, m)}"
         )
     faster = p.step_time_s < best.step_time_s * 0.999
     times = f"~{p.step_time_s:.2f} s a step against ~{best.step_time_s:.2f} layer-major"
@@ -446,6 +447,17 @@ def _update_order(s: Shape, b: Batch, best: Plan, m: Machine, c: Choices) -> tup
         f"update order: micro-batch-major (each micro-batch's forward, loss and backward through every "
         f"layer in turn, its graphs kept: ~{fmt_bytes(graphs)} at the peak; no layer recomputed), {times}"
     )
+
+
+def _short_of(p: Plan, m: Machine) -> str:
+    """What plan `p` needs beyond the machine's budgets, in words."""
+    gpu, host = usable_gpu(m), usable_host(m)
+    parts = []
+    if p.device == "cuda" and gpu is not None and p.gpu_peak > gpu:
+        parts.append(f"~{fmt_bytes(p.gpu_peak)} of GPU memory, {fmt_bytes(gpu)} usable")
+    if host is not None and p.host_total > host:
+        parts.append(f"~{fmt_bytes(p.host_total)} of host memory, {fmt_bytes(host)} usable")
+    return " and ".join(parts)
 
 
 def rows_refused(s: Shape, m: Machine, resident: int = 0) -> str:
