@@ -566,6 +566,13 @@ class TrainConfig:
     table later, in the backward sweep, where it otherwise idles; the same numbers (docs/memory.md).
     Default (auto): where `gpu_step_units: auto` plans and the cost model puts it 1% faster; true:
     always (CUDA, one process, untied embeddings, gradients held for the clip); false: never."""
+    update_order: str = "auto"
+    """How the update visits layers and micro-batches. layer: each layer passes every micro-batch
+    in one visit, the layers whose graphs are not kept recomputed in the backward; micro_batch:
+    each micro-batch's forward, loss and backward through every layer in turn, every layer's graph
+    of it kept, nothing recomputed (every unit's state on the GPU, one process; the same numbers to
+    the bit). auto: micro_batch where the plan holds every unit on the GPU with those graphs beside
+    it and its cost model puts it faster (a step of several micro-batches, `gpu_state: auto`)."""
     max_gpu_memory: str | int | None = None
     """GPU memory the run may use, e.g. "70GiB" (default: what is free on the card at start); the
     plan keeps 3% of it free for the allocator."""
@@ -689,6 +696,8 @@ class TrainConfig:
             bad("gpu_state", "must be auto or off")
         if self.gradient_placement not in ("auto", "gpu", "host", "two_pass"):
             bad("gradient_placement", "must be auto, gpu, host or two_pass")
+        if self.update_order not in ("auto", "layer", "micro_batch"):
+            bad("update_order", "must be auto, layer or micro_batch")
         if self.gpu_step_units != "auto" and (
             isinstance(self.gpu_step_units, str) or self.gpu_step_units < 0
         ):

@@ -29,7 +29,7 @@ from .planning.footprint import STATE_KEY, reward_model_bytes, rollout_bytes, us
 from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
 from .planning.placement import plan as make_placement
 from .rl import rewards
-from .stages import autograd_head, row_length
+from .stages import autograd_head, coupled, row_length
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
 DATA_BYTES_PER_FILE_BYTE = {".parquet": 40, ".gz": 50, ".zst": 50, ".arrow": 15}
@@ -68,6 +68,7 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: fl
         rows=rows,
         autograd_head=autograd_head(cfg),
         attention_span=attention_span,
+        coupled=coupled(cfg),
     )
 
 
@@ -80,6 +81,7 @@ def choices_of(cfg) -> Choices:
         gpu_step_units=None if cfg.gpu_step_units == "auto" else cfg.gpu_step_units,
         embedding_rows=cfg.embedding_rows,
         moments=cfg.moments().name,
+        update_order=cfg.update_order,
     )
 
 
@@ -478,7 +480,7 @@ def preflight(
     warn(f"megatrain: warning: {msg}")
     unlimited = Machine(machine.device, world=machine.world)
     batch = batch_of(cfg, model_cfg, compute_bytes, attention_span)
-    choices = replace(choices_of(cfg), gpu_state="off")
+    choices = replace(choices_of(cfg), gpu_state="off", update_order="layer")
     p = rollout_split(
         lambda r: with_rollout(make_placement(model_cfg, batch, unlimited, choices, layer_mem), r),
         cfg,

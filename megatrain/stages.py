@@ -200,6 +200,13 @@ def autograd_head(cfg) -> bool:
     return cfg.grpo() is not None or (pref is not None and pref.stage != "rm")
 
 
+def coupled(cfg) -> str:
+    """Why the stage's objective couples a step's micro-batches (`Objective.coupled`, the plan's
+    `Batch.coupled`): grpo's as its config says; "" for the others."""
+    grpo = cfg.grpo()
+    return "" if grpo is None else grpo.couples_micro_batches
+
+
 def objective_of(cfg, world) -> Objective | None:
     """The stage's objective (None: the engine's default, cross-entropy)."""
     if (grpo := cfg.grpo(world.world_size)) is not None:

@@ -72,13 +72,14 @@ ADAMW = AdamWConfig(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1)
 UNITS = 6  # embed, 4 layers, head
 
 
-def _plan(mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0, tile=0, stepped=0) -> Plan:
-    return Plan(
-        "cuda", mode, gpu_grads, resident, keep, parked, 100, mlp_tile_tokens=tile, gpu_stepped_units=stepped
-    )
+def _plan(
+    mode="stored", gpu_grads=UNITS, resident=0, keep=0, parked=0, tile=0, stepped=0, order="layer"
+) -> Plan:
+    return Plan("cuda", mode, gpu_grads, resident, keep, parked, 100, mlp_tile_tokens=tile,
+                gpu_stepped_units=stepped, update_order=order)  # fmt: skip
 
 
-def _build(cfg, plan, overlap=True, staging=None, dtype="bfloat16"):
+def _build(cfg, plan, overlap=True, staging=None, dtype="bfloat16", compile=False):
     if staging:  # many chunks per unit: exercise the chunked pipelines (and a slow optimizer)
         plan = replace(plan, staging_elems=staging)
     return build_model(
@@ -89,12 +90,12 @@ def _build(cfg, plan, overlap=True, staging=None, dtype="bfloat16"):
         adamw=ADAMW,
         overlap=overlap,
         plan=plan,
-        compile=False,  # the schedule is under test; compiled layers are in the last tests
+        compile=compile,  # off but where a test says: the schedule is under test
     )
 
 
-def _train(cfg, plan, overlap, max_norm=0.5, staging=None, dtype="bfloat16"):
-    m = _build(cfg, plan, overlap, staging, dtype)
+def _train(cfg, plan, overlap, max_norm=0.5, staging=None, dtype="bfloat16", compile=False):
+    m = _build(cfg, plan, overlap, staging, dtype, compile)
     losses, norms = _steps(m, max_norm=max_norm)
     out = (losses, norms, m.state.master(), m.state.exp_avg_sq.clone())
     moved = m.engine.host_acts.bytes_moved if m.engine.host_acts is not None else 0
@@ -175,6 +176,43 @@ def test_resident_units_overlapped_equal_serial():
         got, _ = _train(cfg, plan, overlap=True, max_norm=max_norm)
         assert ref[0] == got[0] and ref[1] == got[1]
         assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
+
+
+def test_the_micro_batch_major_update_equals_the_serial_layer_major_one_bitwise():
+    """Every unit GPU-resident, each micro-batch's forward, loss and backward through every layer
+    in turn, every layer's graph kept (`update_order: micro_batch`): the overlapped schedule and
+    the serial one equal the serial layer-major schedule (every layer recomputed) bitwise, with
+    gradients held for the clip and stepped without it, tied and untied."""
+    for family, tied in (("qwen3", True), ("llama", False)):
+        cfg = _cfg(family, tied)
+        for mode, max_norm in (("stored", 0.5), ("immediate", 0.0)):
+            ref, _ = _train(cfg, _plan(resident=UNITS), overlap=False, max_norm=max_norm)
+            assert max_norm == 0 or max(ref[1]) > max_norm  # the clip fired
+            for overlap in (False, True):
+                plan = _plan(mode, UNITS, resident=UNITS, order="micro_batch")
+                got, _ = _train(cfg, plan, overlap=overlap, max_norm=max_norm)
+                assert ref[0] == got[0] and ref[1] == got[1], (family, mode, overlap)
+                diff = (ref[2] - got[2]).abs()
+                assert torch.equal(ref[2], got[2]), (
+                    f"{family} {mode}: max {diff.max():.3g} mean {diff.mean():.3g}"
+                )
+                assert torch.equal(ref[3], got[3])
+
+
+@pytest.mark.parametrize("keep", [4, 0], ids=["layer-major-kept", "layer-major-recomputed"])
+def test_the_compiled_micro_batch_major_update_equals_the_layer_major_one_bitwise(keep):
+    """The same with the decoder layer compiled, against the compiled layer-major schedule keeping
+    every layer's graph (the same compiled training graph runs every forward) and recomputing
+    every layer (its forward sweep runs the layer compiled without autograd, the boundary
+    activations those forwards' outputs): bitwise where Inductor computes the layer's output to
+    the same bits with and without autograd."""
+    cfg = _cfg("llama", False)
+    ref, _ = _train(cfg, _plan(resident=UNITS, keep=keep), overlap=False, compile=True)
+    got, _ = _train(cfg, _plan(resident=UNITS, order="micro_batch"), overlap=True, compile=True)
+    assert ref[0] == got[0] and ref[1] == got[1]
+    diff = (ref[2] - got[2]).abs()
+    assert torch.equal(ref[2], got[2]), f"max {diff.max():.3g} mean {diff.mean():.3g}"
+    assert torch.equal(ref[3], got[3])
 
 
 def test_the_step_stream_reads_the_callers_flags_after_it_lets_them_go():

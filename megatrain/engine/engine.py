@@ -6,7 +6,10 @@ Every micro-batch of an optimizer step passes through a layer during one visit, 
 weights reach the device twice per optimizer step (forward, backward) however many micro-batches
 there are. Weights arrive through a `Transport` (transport.py), which also carries the fp32
 gradients back and applies the optimizer; the engine itself does only arithmetic, placed as the
-`Plan` (placement.py) says.
+`Plan` (placement.py) says. Where every unit is GPU-resident and its graphs fit, the plan may run
+the step micro-batch-major instead (`Plan.update_order`): each micro-batch's forward, loss and
+backward through every layer, its graphs kept, so nothing is recomputed; the same arithmetic in
+the same order, so the same bits (`_micro_batch_major`).
 
 How a step's gradients meet the exact global-norm clip depends on the plan's `grad_mode`:
 * `stored`: `forward_backward` runs the whole backward sweep and hands each unit's gradient to
@@ -14,7 +17,8 @@ How a step's gradients meet the exact global-norm clip depends on the plan's `gr
 * `two_pass`: `forward_backward` runs a backward sweep that only measures the norm (keeping the
   boundary activations); `step` runs it again and steps each unit as its gradient lands.
 * `immediate` (no clipping): `forward_backward` stops after the loss; `step` runs the backward
-  sweep, stepping each unit as its gradient lands.
+  sweep, stepping each unit as its gradient lands (micro-batch-major, `forward_backward` has
+  made every gradient: `step` steps them in the order they landed).
 All three give the same weights: the same gradients, times the same coefficient, through the
 same AdamW.
 """
@@ -129,6 +133,8 @@ class Engine:
         self.layer_units = self.units[1:-1]
         if plan.grad_mode == "two_pass" and plan.keep_layers:
             raise ValueError("a two-pass step recomputes every layer twice: it keeps no graphs")
+        if plan.update_order == "micro_batch" and (why := self._micro_batch_refused(plan, objective)):
+            raise ValueError(f"a micro-batch-major update: {why}")
         if plan.embed_rows and cfg.tie_word_embeddings:
             raise ValueError("a tied LM head reads the whole table: the embedding's rows alone do not do")
         family, t = family_of(cfg), templates(cfg)
@@ -167,6 +173,16 @@ class Engine:
         self._norms: dict[int, list[torch.Tensor]] = {}
         self._pending = None  # two_pass, immediate: what `step` needs to run the backward sweep
         self._head_grads: dict[int, torch.Tensor] = {}
+
+    def _micro_batch_refused(self, plan: Plan, objective: Objective) -> str:
+        """Why this engine cannot run `plan`'s micro-batch-major update ("": it can)."""
+        if plan.grad_mode == "two_pass":
+            return "a two-pass step keeps no graphs"
+        if plan.parked_layers:
+            return "it keeps one micro-batch's activations, none parked"
+        if self.collective.world_size > 1:
+            return "built for one process (the objectives meet the other ranks once a step)"
+        return objective.coupled
 
     def _call_layer(self, layer, params, x, inputs):
         return functional_call(layer, params, (x,), inputs)
@@ -295,15 +311,27 @@ class Engine:
         self._norms[unit.index] = self.collective.norms(unit, g)
 
     # ------------------------------------------------------------------ sweeps
-    def _forward_sweep(self, prep: list[_Prepared], keep: bool, rows: torch.Tensor | None = None):
+    def _embed_all(self, prep: list[_Prepared], rows: torch.Tensor | None) -> list[torch.Tensor]:
+        """Every micro-batch's first hidden state, the embedding fetched once (or its looked-up rows)."""
         t = self.transport
         if rows is None:
             w = unit_views(t.fetch(self.embed_unit), self.embed_unit)
-            h = [self._embed(w, p) for p in prep]
-        else:  # the looked-up rows alone, each token's id remapped into them: the same lookup
-            w = {self.embed.weight_name: t.fetch_rows(self.embed_unit, rows)}
-            h = [functional_call(self.embed, w, (p.row_ids,)) for p in prep]
-        del w
+            return [self._embed(w, p) for p in prep]
+        # the looked-up rows alone, each token's id remapped into them: the same lookup
+        w = {self.embed.weight_name: t.fetch_rows(self.embed_unit, rows)}
+        return [functional_call(self.embed, w, (p.row_ids,)) for p in prep]
+
+    def _with_graph(self, j: int, params, x: torch.Tensor, m: int, p: _Prepared):
+        """Layer j on micro-batch m with autograd, its graph kept: (its input, a leaf; its output;
+        the next layer's input, detached)."""
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = self._run(j, params, x, p)
+        return x, y, self._stacked(j, self._hidden(j, m, y, True).detach(), p)
+
+    def _forward_sweep(self, prep: list[_Prepared], keep: bool, rows: torch.Tensor | None = None):
+        t = self.transport
+        h = self._embed_all(prep, rows)
         saved: list[list | _Graph] = []
         first_kept = len(self.layer_units) - (self.keep_layers if keep else 0)
         for j, unit in enumerate(self.layer_units):
@@ -317,16 +345,12 @@ class Engine:
                         self._stacked(j, self._hidden(j, m, self._run(j, params, x, p), keep), p)
                         for m, (x, p) in enumerate(zip(h, prep))
                     ]
-            else:
+            else:  # kept layers (keep is true)
                 params = _bind(unit, t.fetch(unit), grad=True)
-                xs = [x.detach().requires_grad_() for x in h]
-                with torch.enable_grad():
-                    ys = [self._run(j, params, x, p) for x, p in zip(xs, prep)]
-                saved.append(_Graph(params, xs, ys))
-                h = [
-                    self._stacked(j, self._hidden(j, m, y, keep).detach(), p)
-                    for m, (y, p) in enumerate(zip(ys, prep))
-                ]
+                kept = [self._with_graph(j, params, x, m, p) for m, (x, p) in enumerate(zip(h, prep))]
+                saved.append(_Graph(params, [x for x, _, _ in kept], [y for _, y, _ in kept]))
+                h = [nxt for _, _, nxt in kept]
+                del kept
             del params
         return h, saved
 
@@ -339,11 +363,10 @@ class Engine:
             return params, embed[self.embed.weight_name]
         return params, params.pop(self.head.lm_weight_name)
 
-    def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int):
-        """Loss (the objective's, over `n_tokens`: its count over the step) and its gradient w.r.t.
-        each micro-batch's last hidden state, through the chunked loss head (objectives/). The
-        head's fp32 gradients (and, tied, the LM head's share of the embedding's) are kept for the
-        unit's finish. Returns the loss, the list of gradients and the units' gradient buffers."""
+    def _bound_head(self) -> tuple[Head, dict[int, torch.Tensor]]:
+        """The chunked loss head (objectives/) bound to its weights and to fresh fp32 gradient
+        buffers, which `loss_and_grads` adds its gradients into, and those buffers by unit index:
+        the head's and, tied, the embedding's (the LM head's share of it)."""
         head = self.head_unit
         params, W = self._head_params()
         g_head = self._grad_buffer(head)
@@ -354,9 +377,15 @@ class Engine:
             g_W = unit_views(grads[self.embed_unit.index], self.embed_unit)[self.embed.weight_name]
         else:
             g_W = g_views[self.head.lm_weight_name]
-        targets = [p.targets for p in prep]
-        bound = Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W, self.compile)
-        loss, dh = self.objective.loss_and_grads(bound, h, targets, n_tokens)
+        return Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W, self.compile), grads
+
+    def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int, bound=None):
+        """Loss (the objective's, over `n_tokens`: its count over the step) and its gradient w.r.t.
+        each micro-batch's last hidden state, through the chunked loss head bound now
+        (`_bound_head`) or, micro-batch-major, the step's `bound` (head, buffers), which each
+        micro-batch's call continues. Returns the loss, the gradients and the units' buffers."""
+        head, grads = bound or self._bound_head()
+        loss, dh = self.objective.loss_and_grads(head, h, [p.targets for p in prep], n_tokens)
         return loss, dh, grads
 
     def _fetch_parked(self, s):
@@ -393,9 +422,6 @@ class Engine:
             leaves = [params[n] for n in names]
             g = self._grad_buffer(unit, names if prep else [])
             for m, p in enumerate(prep):
-                j = unit.index - 1
-                if self.vision_grad and j < len(p.deepstack):  # added to the output: its gradient
-                    stacked[m][j] = dh[m][p.image_mask]
                 if kept:
                     x, y = s.xs[m], s.ys[m]
                     s.xs[m] = s.ys[m] = None
@@ -404,19 +430,87 @@ class Engine:
                     if consume:
                         s[m] = None  # the boundary activation is not needed again
                     with torch.enable_grad():
-                        y = self._run(j, params, x, p)
-                outs, gouts = self._grad_targets(m, y, dh[m])
-                grads = torch.autograd.grad(outs, [x, *leaves], gouts)
-                del outs, gouts
-                dh[m] = grads[0]
-                _accumulate(g, unit, names, grads[1:], first=m == 0)
-                del x, y, grads
+                        y = self._run(unit.index - 1, params, x, p)
+                dh[m] = self._differentiate(unit, names, leaves, g, x, y, m, p, dh[m], stacked[m])
+                del x, y
             del params, leaves
             if kept:  # its weights are not needed again (the sweep's list still holds the graph)
                 s.params = {}
             self.collective.reduce_then(unit, g, finish)  # reduced over ranks, then finished
             del g
         self._embedding_backward(dh, prep, finish, embed_grad, stacked)
+
+    def _differentiate(self, unit: Unit, names, leaves, g, x, y, m: int, p: _Prepared, dh, stacked):
+        """Layer `unit`'s output `y` on micro-batch m (from its input leaf `x`) differentiated with
+        `dh`, the gradient that reached it: its weights' gradients into the unit's fp32 buffer `g`
+        (`_accumulate`: micro-batch 0's copied, the others' added), a DeepStack layer's output
+        gradient kept in `stacked` (layer -> gradient) for the vision backward. Returns the input's
+        gradient."""
+        j = unit.index - 1
+        if self.vision_grad and j < len(p.deepstack):  # added to the output: its gradient
+            stacked[j] = dh[p.image_mask]
+        outs, gouts = self._grad_targets(m, y, dh)
+        grads = torch.autograd.grad(outs, [x, *leaves], gouts)
+        del outs, gouts
+        _accumulate(g, unit, names, grads[1:], first=m == 0)
+        return grads[0]
+
+    def _micro_batch_major(self, prep: list[_Prepared], rows, n_tokens: int) -> torch.Tensor:
+        """The micro-batch-major update (`Plan.update_order`): each micro-batch's forward through
+        every layer with its graphs kept, its loss head and its backward, then the next one's; no
+        layer is recomputed, and each unit is fetched once a step (its weights bound for all
+        micro-batches). The arithmetic is the layer-major sweep's, in its order: one fp32 buffer a
+        unit for the step, micro-batch 0's gradient copied in and the others' added, the head's
+        chunks one running sum (`Head.loss_sum`) and one set of buffers over the objective's
+        calls, one a micro-batch; the embedding's gradient taken at the end from every
+        micro-batch's (`_embedding_backward`), so the tied LM head's share is complete before it
+        as there. Each unit is finished after the last micro-batch, in the order the layer-major
+        sweep finishes it (head, last layer first, embedding): stored mode holds it; immediate mode
+        keeps the list for `step`. Returns the step's loss."""
+        landed: list[tuple[Unit, torch.Tensor]] = []
+        finish = self._hold if self.plan.grad_mode == "stored" else lambda u, g: landed.append((u, g))
+        t, last = self.transport, len(prep) - 1
+        t.begin(self._forward_order() + ([self.embed_unit] if self.vision_grad else []), rows)
+        h0 = self._embed_all(prep, rows)
+        layers: list[tuple[dict, list[str]]] = []  # each layer's weights, bound at its first visit
+        bound = None  # the loss head and its buffers, for every micro-batch
+        grads: dict[int, torch.Tensor] = {}
+        dh0, stacked = [], [{} for _ in prep]
+        for m, p in enumerate(prep):
+            h, h0[m] = h0[m], None
+            xs, ys = [], []
+            for j, unit in enumerate(self.layer_units):
+                if m == 0:
+                    weights = _bind(unit, t.fetch(unit), grad=True)
+                    layers.append((weights, [n for n, v in weights.items() if v.requires_grad]))
+                    del weights
+                x, y, h = self._with_graph(j, layers[j][0], h, m, p)
+                xs.append(x)
+                ys.append(y)
+            bound = bound or self._bound_head()
+            loss, (dh,), head_grads = self._head_loss_backward([h], [p], n_tokens, bound)
+            del h
+            if m == last:  # the head's gradient is complete
+                loss = self._step_loss(loss)
+                g = head_grads.pop(self.head_unit.index)
+                finish(self.head_unit, self.collective.reduce(self.head_unit, g))
+                del g
+            for j in reversed(range(len(self.layer_units))):
+                unit, names = self.layer_units[j], layers[j][1]
+                if m == 0:
+                    grads[unit.index] = self._grad_buffer(unit, names)
+                leaves = [layers[j][0][n] for n in names]
+                x, y = xs.pop(), ys.pop()
+                dh = self._differentiate(unit, names, leaves, grads[unit.index], x, y, m, p, dh, stacked[m])
+                del x, y, leaves
+                if m == last:
+                    self.collective.reduce_then(unit, grads.pop(unit.index), finish)
+            dh0.append(dh)
+            del dh
+        del layers
+        self._embedding_backward(dh0, prep, finish, head_grads.pop(self.embed_unit.index, None), stacked)
+        self._pending = landed or None
+        return loss
 
     def _embedding_backward(self, dh, prep, finish, embed_grad, stacked) -> None:
         """The embedding's gradient: a scatter-add of the input gradient (no weights needed), in
@@ -484,23 +578,36 @@ class Engine:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
         self._norms, self._pending = {}, None
         self.transport.discard()
-        mode = self.plan.grad_mode
-        order = self._forward_order()
-        if mode != "immediate":
-            order += self._backward_order()
         prep, rows = self._prepare_all(micro_batches)
-        self.transport.begin(order, rows)
         self._begin_parking(micro_batches)
         if self.aux is not None:  # padding is left out of the aux loss
             masks = [mb.attention_mask for mb in micro_batches]
             self.aux.begin([None if a is None else a.to(self.device).reshape(-1).float() for a in masks])
+        if self.plan.update_order == "micro_batch" and prep:
+            return self._micro_batch_major(prep, rows, n_tokens), n_tokens
+        return self._layer_major(prep, rows, n_tokens), n_tokens
+
+    def _step_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss from the objective's, once every micro-batch's forward is done: a
+        family's auxiliary loss added (every layer's routing was counted), summed over ranks."""
+        if self.aux is not None:
+            loss = loss + self.aux.loss()
+        self.collective.sum_(loss)
+        return loss
+
+    def _layer_major(self, prep: list[_Prepared], rows, n_tokens: int) -> torch.Tensor:
+        """The layer-major update: the forward sweep, the loss head over every micro-batch, then
+        (as the gradient mode says) the backward sweep, a norm-only one, or none until `step`."""
+        mode = self.plan.grad_mode
+        order = self._forward_order()
+        if mode != "immediate":
+            order += self._backward_order()
+        self.transport.begin(order, rows)
         h, saved = self._forward_sweep(prep, keep=True, rows=rows)
         loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
         del h
-        if self.aux is not None:  # known now: every layer's routing was counted
-            loss = loss + self.aux.loss()
+        loss = self._step_loss(loss)
         head = self.head_unit
-        self.collective.sum_(loss)
         # Reduced over ranks now (this rank's piece of it); the tied embedding's share with its unit.
         head_grads[head.index] = self.collective.reduce(head, head_grads[head.index])
         self._norm(head, head_grads[head.index])
@@ -516,7 +623,7 @@ class Engine:
             self._pending = (saved, dh_copy, prep, head_grads)
         else:
             self._pending = (saved, dh, prep, head_grads)
-        return loss, n_tokens
+        return loss
 
     def _begin_parking(self, micro_batches: list[MicroBatch]) -> None:
         if self.host_acts is None:
@@ -553,8 +660,7 @@ class Engine:
         if self.plan.grad_mode == "stored":
             self.transport.step(coef, lr, st)
             return None
-        saved, dh, prep, head_grads = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
         immediate = self.plan.grad_mode == "immediate"
 
         def land(unit: Unit, g: torch.Tensor) -> None:
@@ -564,6 +670,12 @@ class Engine:
                 skip = ~torch.isfinite(torch.stack(self._norms[unit.index]).sum())
             self.transport.step_unit(unit, g, coef, lr, st, skip)
 
+        if isinstance(pending, list):  # a micro-batch-major step's gradients, every one complete
+            pending.reverse()
+            while pending:  # in the order they landed, each freed once stepped
+                land(*pending.pop())
+            return self._total_norm()
+        saved, dh, prep, head_grads = pending
         head = self.head_unit
         land(head, head_grads.pop(head.index))
         self.transport.begin(self._backward_order())

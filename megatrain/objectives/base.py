@@ -23,6 +23,14 @@ class Objective(ABC):
     empty_step_ok = False
     """Whether a step whose `count` is 0 is a step (its loss 0) rather than an error."""
 
+    @property
+    def coupled(self) -> str:
+        """Why a call of `loss_and_grads` over one micro-batch at a time would not give the bits of
+        one call over the step's micro-batches (the engine then runs the update layer-major); ""
+        where it does: nothing but `total` and the head's running sum and buffers
+        (`Head.loss_sum`) joins the micro-batches, as in every objective in a world of one."""
+        return ""
+
     @abstractmethod
     def targets(self, mb: MicroBatch, device: torch.device) -> Any:
         """What the loss needs of one micro-batch, on `device` (copied once, before the sweep)."""
@@ -37,7 +45,9 @@ class Objective(ABC):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """This rank's share of the step's loss (an fp32 device scalar; the engine sums the ranks')
         and its gradient w.r.t. each micro-batch's last hidden states, the head's own gradients
-        added into `head`'s buffers (`Head.backward`). `total`: the step's summed `count`."""
+        added into `head`'s buffers (`Head.backward`), its loss's terms into `head.loss_sum`.
+        `total`: the step's summed `count`. A micro-batch-major update calls it once a micro-batch
+        (one hidden state, one target) with the same `head`: the last call's loss is the step's."""
 
     @abstractmethod
     def loss_sum(self, head: Head, hidden: list[torch.Tensor], targets: list[Any]) -> torch.Tensor:

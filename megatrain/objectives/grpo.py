@@ -208,6 +208,15 @@ class GRPOConfig:
         """Whether a rollout carries the reference policy's log-probs (the KL term)."""
         return self.beta > 0
 
+    @property
+    def couples_micro_batches(self) -> str:
+        """Why GRPO's loss of a step cannot be taken a micro-batch at a time ("": it can;
+        `Objective.coupled`): a stale generation batch trained within its step takes TRL's
+        sampler metrics over the step's micro-batches at once (offpolicy.step_metrics)."""
+        if self.corrects and not self.needs_old_logps:
+            return "max_staleness: 1 with the sampler's correction takes its metrics over the step at once"
+        return ""
+
 
 def reference_copy_bytes(num_params: int, compute_bytes: int, grpo: GRPOConfig | None) -> int:
     """Host memory of the reference policy's weights a run keeps (stages.grpo_reference), per
@@ -333,6 +342,10 @@ class GRPO(Objective):
 
     def __init__(self, cfg: GRPOConfig, micro_batches: int, collective=None):
         self.cfg, self.micro_batches, self.collective = cfg, micro_batches, collective
+
+    @property
+    def coupled(self) -> str:
+        return self.cfg.couples_micro_batches
 
     def targets(self, mb: MicroBatch, device: torch.device) -> _Targets:
         labels = mb.shifted_labels

@@ -27,9 +27,10 @@ from torch.overrides import TorchFunctionMode
 
 from ..models.compiling import compiled
 
-ChunkLoss = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ChunkLoss = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 """(micro-batch, its first token in the chunk, the chunk's fp32 logits) -> (the chunk's term of the
-loss to differentiate, the term to add to the sum `Head.backward` returns)."""
+loss to differentiate, the term to add to the sum `Head.backward` returns, or None: an objective
+that sums its loss otherwise)."""
 
 ChunkGrad = Callable[[int, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """(micro-batch, its first token in the chunk, the chunk's logits as the head template returns them,
@@ -119,6 +120,16 @@ class Head:
     """The fp32 gradient of the LM weight."""
     compile: bool = False
     """Whether `fused` compiles (the engine's choice for its layers)."""
+    loss_sum: torch.Tensor | None = None
+    """The step's running sum of its loss terms (an fp32 device scalar, 0 to start with), which
+    `backward` adds each chunk's term to in place, and an objective that sums its loss otherwise
+    its own terms. Where the engine calls the objective once a micro-batch (its micro-batch-major
+    update) every call continues it, so it ends as one call over every micro-batch ends it, bit
+    for bit, as the gradient buffers do."""
+
+    def __post_init__(self):
+        if self.loss_sum is None:
+            self.loss_sum = torch.zeros((), device=self.W.device)
 
     def fused(self, fn: Callable) -> Callable:
         """An objective's one-pass chunk function (`ChunkGrad`'s body), compiled where the engine
@@ -151,14 +162,14 @@ class Head:
         chunk_grad: ChunkGrad | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The chunks of `forward` with gradients, the loss given by `chunk_loss` or `chunk_grad`
-        (one of them): the sum of its terms to add (an fp32 device scalar) and the gradient of its
-        loss w.r.t. each micro-batch's last hidden states; the gradients of the head's own
+        (one of them): `loss_sum` with its terms added (an fp32 device scalar) and the gradient of
+        its loss w.r.t. each micro-batch's last hidden states; the gradients of the head's own
         parameters and of the LM weight are added into `grads` (by name) and `grad_W`."""
         if (chunk_loss is None) == (chunk_grad is None):
             raise TypeError("Head.backward takes one of chunk_loss and chunk_grad")
         names = list(self.params)
         g_own = [self.grads[n] for n in names]
-        loss = torch.zeros((), device=self.W.device)
+        loss = self.loss_sum
         dh = []
         for m, x in enumerate(hidden):
             dx = torch.empty_like(x.reshape(-1, x.shape[-1]))
@@ -182,7 +193,8 @@ class Head:
                 torch._foreach_add_(g_own, g)
                 if gW is not None:  # a template whose projection `_IntoGradW` did not take
                     self.grad_W.add_(gW)
-                loss += kept.detach()
+                if kept is not None:
+                    loss += kept.detach()
                 del own, gx, g, gW, z, kept
             dh.append(dx.view(x.shape))
         return loss, dh

@@ -113,7 +113,7 @@ class Reward(Objective):
         self, head: Head, hidden: list[Tensor], targets: list[_Targets], total: int
     ) -> tuple[Tensor, list[Tensor]]:
         scored = [_gather(x, t) for x, t in zip(hidden, targets)]
-        loss, weights = torch.zeros((), device=head.W.device), []
+        loss, weights = head.loss_sum, []  # the step's running sum (`Head.loss_sum`)
         for r, t in zip(self.rewards(head, scored), targets):
             r = r.detach().requires_grad_()
             with torch.enable_grad():
@@ -125,7 +125,7 @@ class Reward(Objective):
 
         def chunk_loss(m: int, a: int, logits: Tensor):
             term = (weights[m][a : a + logits.shape[0]] * logits[:, 0]).sum()
-            return term, term.detach() * 0
+            return term, None
 
         _, d_scored = head.backward(scored, chunk_loss)
         return loss / total, [_scatter(x, t, d) for x, t, d in zip(hidden, targets, d_scored)]

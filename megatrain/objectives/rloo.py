@@ -49,6 +49,10 @@ class RLOOConfig(GRPOConfig):
     reward_clip_range: list[float] | None = None
     """[low, high]: each completion's reward clamped to it (before the KL penalty)."""
 
+    @property
+    def couples_micro_batches(self) -> str:
+        return ""  # RLOO's loss takes no sampler metrics (GRPO's `_per_completion`)
+
     def __post_init__(self):
         if self.beta < 0:
             raise ConfigError(f"beta: must be >= 0 with stage rloo (0: no KL penalty) (got {self.beta!r})")
@@ -204,7 +208,7 @@ class RLOO(GRPO):
 
     def loss_and_grads(self, head: Head, hidden: list[Tensor], targets: list[_Rows], total: int):
         forward = self._forward(head, hidden, targets)
-        loss, weights, sums = torch.zeros((), device=head.W.device), [], []
+        loss, weights, sums = head.loss_sum, [], []  # the step's running sum (`Head.loss_sum`)
         for t, (logps, ent) in zip(targets, forward):
             value, w, clips = self._loss(t, logps, own_old=False)
             loss += value / self.micro_batches
@@ -216,7 +220,7 @@ class RLOO(GRPO):
             logp = log_probs(logits, t.tokens[a : a + n], self.cfg.temperature)[1]
             row = torch.arange(a, a + n, device=logits.device) // (len(t.mask) // t.rows)
             term = (weights[m][row] * t.mask[a : a + n] * logp).sum()
-            return term, term.detach() * 0
+            return term, None
 
         _, dh = head.backward(hidden, chunk_loss)
         ranks = self.collective.each(sums) if self.collective is not None else [sums]

@@ -97,7 +97,7 @@ class Preference(Objective):
         batches = [self._batch(t, s) for t, s in zip(targets, sums)]
         self._token_metrics(sums, [t.samples for t in targets])
         results = iter(self._losses(batches))
-        weights, loss = [], torch.zeros((), device=head.W.device)
+        weights, loss = [], head.loss_sum  # the step's running sum (`Head.loss_sum`)
         for t in targets:
             result = next(results)
             self.record(result.metrics)
@@ -107,7 +107,7 @@ class Preference(Objective):
         def chunk_loss(m: int, a: int, logits: Tensor):
             t, n = targets[m], logits.shape[0]
             term = (weights[m][t.slots[a : a + n] + 1] * token_logps(logits, t.tokens[a : a + n])).sum()
-            return term, term.detach() * 0
+            return term, None
 
         _, dh = head.backward(hidden, chunk_loss)
         return loss / total, dh

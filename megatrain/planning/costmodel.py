@@ -2,8 +2,8 @@
 
 `step_time` estimates the seconds of one optimizer step of a `Plan` from the model's shape, the
 step's tokens and the machine's rates. It counts the GPU's compute (each layer's forward and
-backward, the recompute of the layers whose graphs are not kept, the second backward sweep of a
-two-pass step, the MLP tiles recomputed in each backward, causal attention over the keys a token
+backward, the recompute of the layers whose graphs are not kept (none in a micro-batch-major
+step, `Plan.update_order`), the second backward sweep of a two-pass step, the MLP tiles recomputed in each backward, causal attention over the keys a token
 covers), the PCIe traffic (weights in, from the compute-dtype copy where there is one,
 gradients out, parked activations, the fp32 state of
 GPU-stepped units both ways, the embedding's looked-up rows where those are fetched), the CPU AdamW and how much of it the overlap hides (the next
@@ -100,7 +100,8 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     attn = 2 * T * (b.attention_span or b.seq_len) * s.q_dim  # causal QK^T and PV, one layer's forward
     layer_fwd = 2 * (s.layer - s.inactive) * T / F + attn / Fa  # seconds
     head = 6 * s.vocab * s.hidden * T / F
-    recompute = L - plan.keep_layers
+    micro_batch_major = plan.update_order == "micro_batch"  # every layer's graph kept, a unit fetched once
+    recompute = 0 if micro_batch_major else L - plan.keep_layers
     passes = 2 if plan.grad_mode == "two_pass" else 1
     gpu = 3 * L * layer_fwd + recompute * layer_fwd + head + (passes - 1) * 3 * L * layer_fwd
     backward = 2 * L * layer_fwd + recompute * layer_fwd  # the (last) backward sweep's
@@ -124,7 +125,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     # fetch of the embedding is not counted here either way).
     kept = fetched_bytes(s, b, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
     fetches = fetched_bytes(s, b, range(plan.resident_units, n))
-    h2d = fetches * (1 + passes) + act_bytes * passes + extra_in - kept
+    h2d = fetches * (1 if micro_batch_major else 1 + passes) + act_bytes * passes + extra_in - kept
     d2h = 4 * streamed + act_bytes + extra_out
     # The embedding's rows (`embed_rows`): the looked-up rows cross, not the table (its weights in
     # compute dtype, its gradient's rows back in fp32); the host computes those rows in the next

@@ -125,6 +125,8 @@ def _schedule(s: Shape, plan: Plan) -> list[list[int]]:
     and backward in one for the stored and two-pass first sweeps, apart in immediate mode (whose
     backward sweep runs in `step`)."""
     forward = list(range(len(s.units))) + ([0] if s.tied else [])  # a tied head borrows the embedding
+    if plan.update_order == "micro_batch":  # each unit fetched once for every micro-batch
+        return [forward + ([0] if s.vision_trains else [])]
     backward = list(range(s.layers - plan.keep_layers, 0, -1)) + ([0] if s.vision_trains else [])
     return [forward, backward] if plan.grad_mode == "immediate" else [forward + backward]
 
@@ -194,6 +196,8 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
         "AdamW temporaries (bf16, 8-bit moments)": _moment_temporaries(s, plan),
         "attention masks": _masks(b, flex=True),
     }
+    if plan.update_order == "micro_batch":
+        return _micro_batch_phases(s, b, plan, resident, win)
 
     def stepped_weights(u: int) -> int:
         """GPU-stepped units >= u: their updated weights (compute dtype), kept from the optimizer
@@ -344,6 +348,84 @@ def _phases(s: Shape, b: Batch, plan: Plan, world: Layout = ALONE) -> list[_Phas
     return phases
 
 
+def _micro_batch_phases(s: Shape, b: Batch, plan: Plan, resident: dict[str, int], win) -> list[_Phase]:
+    """`_phases` of a micro-batch-major step (`Plan.update_order`; every unit GPU-resident, one
+    process): the first micro-batch, whose gradients come into being as its backward reaches each
+    unit, and, with more, a later one, beside every unit's gradient and every layer's weights
+    (bound at the first micro-batch's visit, for the step). Alive throughout: each micro-batch's
+    first hidden state, or once its backward is done the gradient reaching the embedding (kept
+    for the embedding's at the end); in a micro-batch, its graphs of the layers it has passed
+    and not yet differentiated, each with its output."""
+    cb, L, h, lm, tile = b.compute_bytes, s.layers, s.hidden, s.layer_mem, plan.mlp_tile_tokens
+    Tm, M, n = b.micro_batch_tokens, b.micro_batches, len(s.units)
+    act = Tm * h * cb  # one micro-batch's hidden states at a layer boundary
+    graph = lm.graph(Tm, tile) + act  # one layer's graph of a micro-batch, with its output
+    grad = [4 * u for u in s.units]
+    head_grad = grad[-1] + (grad[0] if s.tied else 0)
+    head_w = cb * s.units[-1] + (cb * s.units[0] if s.tied else 0)  # bound for the step
+    phases: list[_Phase] = []
+    vision_tokens = math.ceil(s.vision[0] * Tm) if s.vision else 0
+    if s.vision:  # every micro-batch's first hidden states made, a micro-batch's images at a time
+        _, hv, fv, lv = s.vision
+        work = {"vision tower forward": vision_tokens * cb * (FORWARD_H * hv + fv)}
+        p = {**resident, "boundary activations (first hidden states, their gradients)": M * act}
+        phases.append(_Phase("forward", win[0], p, work))
+    for later in [False, True] if M > 1 else [False]:
+
+        def rest(graphs: int, weights_below: int, grads: int) -> dict[str, int]:
+            return {
+                **resident,
+                "boundary activations (first hidden states, their gradients)": M * act,
+                "kept graphs (one micro-batch)": graphs * graph,
+                "layer weights (bound for the step)": cb * sum(s.units[1 : weights_below + 1]),
+                "gradients": grads,
+            }
+
+        # a later micro-batch fetches nothing: its weights were bound by the first one's visit
+        for j in range(L):
+            weights = L if later else j
+            p = rest(j, weights, sum(grad[1:-1]) + head_grad if later else 0)
+            if later:
+                p["head weights"] = head_w
+            work = {"layer forward": lm.graph_peak(Tm, tile)}
+            phases.append(_Phase("forward", (0, 0) if later else win[j + 1], p, work))
+        loss_head = max(
+            plan.loss_chunk_tokens * (s.vocab * logit_bytes(b) + h * HEAD_TOKEN_H),
+            plan.loss_chunk_tokens * s.vocab * LOGIT_GRAD_BYTES + cb * s.vocab * h,
+        )
+        p = rest(L, L, sum(grad[1:-1]) + head_grad if later else 0)
+        work = {"loss head": loss_head + 2 * act}
+        if not later:  # its buffers made here
+            work["head gradient"] = head_grad
+        phases.append(_Phase("head", (0, 0) if later else win[L + 1], {**p, "head weights": head_w}, work))
+        for j in range(L - 1, -1, -1):
+            u = j + 1
+            held = sum(grad[1:-1]) + head_grad if later else sum(grad[u + 1 : n - 1]) + head_grad
+            p = rest(j + 1, L, held) | {"head weights": head_w}
+            p["activation gradients"] = act + int(BACKWARD_TOKEN_H * Tm * h)
+            work = {"layer backward": lm.backward(Tm, tile), "unit gradient": cb * s.units[u]}
+            if not later:  # its fp32 buffer made here, micro-batch 0's gradient copied in
+                work["unit gradient"] += grad[u]
+            phases.append(_Phase("backward", (0, 0), p, work, u))
+    # The embedding's gradient from every micro-batch's (as the layer-major sweep takes it), beside
+    # every other unit's, held for the clip (or, in immediate mode, for `step`).
+    p = {
+        **resident,
+        "activation gradients": M * act,
+        "gradients": sum(grad[1:-1]) + head_grad,
+        "head weights": head_w,
+    }
+    rows = min(Tm, EMBED_GRAD_ROWS)
+    work = {"embedding backward": rows * h * (8 + cb) + (0 if s.tied else grad[0])}
+    window = (0, 0)
+    if s.vision_trains:  # as `_phases` counts it
+        graph_v = vision_tokens * cb * (GRAPH_H * hv + GRAPH_F * fv)
+        work["vision tower backward"] = lv * graph_v + vision_tokens * cb * BACKWARD_H * hv
+        window = win[-1]
+    phases.append(_Phase("backward", window, p, work, 0))
+    return phases
+
+
 # GPU-stepped units' master weights cross as their halves through a chunk on the way in and one
 # on the way out (engine/gpustep.py).
 HALVES_STAGES = 2
@@ -434,9 +516,14 @@ def _host(s: Shape, b: Batch, plan: Plan, world: Layout) -> tuple[dict[str, int]
             host["fp32 gradients"] = 4 * s.total
         else:
             host["fp32 gradients in flight"] = 4 * (2 * max(s.units))
-        host["boundary activations"] = T * h * cb * s.layers
         Tm, tile = b.micro_batch_tokens, plan.mlp_tile_tokens
-        host["layer working set"] = s.layer_mem.graph(Tm, tile) + s.layer_mem.backward(Tm, tile)
+        if plan.update_order == "micro_batch":  # as `_micro_batch_phases` counts them
+            host["boundary activations"] = T * h * cb
+            host["kept graphs (one micro-batch)"] = s.layers * (s.layer_mem.graph(Tm, tile) + Tm * h * cb)
+            host["layer working set"] = s.layer_mem.backward(Tm, tile)
+        else:
+            host["boundary activations"] = T * h * cb * s.layers
+            host["layer working set"] = s.layer_mem.graph(Tm, tile) + s.layer_mem.backward(Tm, tile)
         host["loss chunk"] = plan.loss_chunk_tokens * s.vocab * logit_bytes(b)
         if b.masked:
             host["attention masks"] = _masks(b, flex=False)

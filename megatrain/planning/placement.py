@@ -20,6 +20,9 @@ From the model's shape, the batch shape and the memory the run may use (measured
   decoder layer's MLP runs over tiles of the sequence, as large as fit, so its intermediates
   (3 x tokens x ffn) exist for one tile at a time; each backward recomputes them once more.
 * the sizes of the pools: loss chunk, weight prefetch depth, gradient staging.
+* **update order** (`update_order: auto`): where every unit's state fits on the GPU with every
+  layer's graph of one micro-batch beside it, and the cost model puts it faster (no recompute),
+  the step runs micro-batch-major (engine.py), the same bits as layer-major.
 
 **GPU-stepped units** (`gpu_step_units`: a count, or `auto`: the fewest the cost model puts
 within STEPPING_TOLERANCE of its fastest, leaving the allocator STEPPING_GPU_HEADROOM of the card,
@@ -155,6 +158,7 @@ class Choices:
     # gpu_step_units: auto)
     embedding_rows: bool | None = None
     moments: str = FP32.name  # how the AdamW moments are stored (`optim`: host/moments.py)
+    update_order: str = "auto"  # auto | layer | micro_batch (`Plan.update_order`)
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -346,16 +350,114 @@ def _in_memory(
         best, headroom = _fastest_stepping(s, batch, best, m, may_store, keep_graphs, rows)
     if c.embedding_rows and not best.embed_rows:
         best.notes.append("embedding_rows: not in a two-pass or unclipped step (gradients held for the clip)")
+    best, order_note = _update_order(s, batch, best, m, c)
     why = _why_two_pass(best, c, m, candidate)
     if c.gpu_step_units == 0 and can_step and may_store:  # the user's default: say what auto would do
         why += _stepping_would_store(s, batch, best, m, keep_graphs)
     best = _note(best, s, batch, m, why)
+    if order_note:
+        best.notes.append(order_note)
     if headroom:
         best.notes.append(headroom)
     if m.device == "cuda":
         how = "measured on the device" if layer_mem else "estimated (no device here to measure it)"
         best.notes.append(f"one layer's activation memory: {how}")
     return best
+
+
+def micro_batch_refused(s: Shape, b: Batch, m: Machine, c: Choices) -> str:
+    """Why this run's step cannot be micro-batch-major (`Plan.update_order`; "": it can). On a GPU
+    it holds every unit's state there; the engine refuses what is not the layer-major step's
+    arithmetic to the bit (engine.py: several processes, a coupled objective)."""
+    if m.world.ranks > 1:
+        return "built for one process (the objectives meet the other ranks' once a step)"
+    if b.coupled:
+        return b.coupled
+    if b.clip and c.gradient_placement == "two_pass":
+        return "a two-pass step keeps no graphs (gradient_placement: two_pass)"
+    if c.offload_activations:
+        return "it keeps one micro-batch's activations on the GPU (offload_activations: true)"
+    if c.keep_layers is not None:
+        return "it keeps every layer's graph of a micro-batch (keep_layers is the layer-major step's)"
+    if m.device != "cuda":
+        return ""
+    if c.gpu_state == "off":
+        return "it keeps every unit's state on the GPU (gpu_state: off)"
+    if c.resident_units is not None and c.resident_units < len(s.units):
+        return f"it keeps every unit's state on the GPU ({len(s.units)} units; resident_units {c.resident_units})"
+    if c.gpu_step_units or c.embedding_rows:
+        return "it keeps every unit's state on the GPU, none streamed (gpu_step_units, embedding_rows)"
+    return ""
+
+
+def _micro_batch_major(s: Shape, b: Batch, base: Plan, m: Machine) -> Plan:
+    """`base` made micro-batch-major: on a GPU every unit resident (their gradients wait there),
+    nothing parked, stepped on the GPU from streamed state or fetched as rows; costed."""
+    n = len(s.units)
+    gpu = m.device == "cuda"
+    p = replace(
+        base,
+        grad_mode="stored" if b.clip else "immediate",
+        gpu_grad_units=n,
+        resident_units=n if gpu else base.resident_units,
+        keep_layers=0,
+        parked_layers=0,
+        gpu_stepped_units=0,
+        embed_rows=False,
+        update_order="micro_batch",
+        notes=[],
+    )
+    return evaluate(s, b, p, m)
+
+
+def _update_order(s: Shape, b: Batch, best: Plan, m: Machine, c: Choices) -> tuple[Plan, str]:
+    """The step's update order (`Plan.update_order`) and a note naming it: `update_order:
+    micro_batch` as configured (ConfigError or PlanError where it cannot be); `auto`, on a GPU
+    with several micro-batches, where `gpu_state: auto` plans, micro-batch-major where that fits
+    and the cost model puts it faster than `best`, layer-major."""
+    if c.update_order == "layer":
+        return best, ""
+    why = micro_batch_refused(s, b, m, c)
+    if c.update_order == "micro_batch":
+        if why:
+            raise ConfigError(f"update_order: micro_batch: {why}; set it auto or layer")
+        p = _micro_batch_major(s, b, best, m)
+        if not fits(p, m):
+            raise PlanError(
+                f"update_order: micro_batch: it would need {_short_of(p, m)}; set it auto or layer"
+            )
+        return p, "update order: micro-batch-major, as configured (update_order: micro_batch)"
+    auto = c.gpu_state != "off" and c.keep_layers is None and c.resident_units is None
+    if m.device != "cuda" or b.micro_batches < 2 or not auto:
+        return best, ""  # one micro-batch: the layer-major step keeps every graph already where it pays
+    if why:
+        return best, f"update order: layer-major (micro-batch-major: {why})"
+    p = _micro_batch_major(s, b, best, m)
+    if not fits(p, m):
+        return best, (
+            "update order: layer-major; micro-batch-major (every unit's state on the GPU, every layer's "
+            f"graph of a micro-batch kept, no recompute) would need {_short_of(p, m)}"
+        )
+    faster = p.step_time_s < best.step_time_s * 0.999
+    times = f"~{p.step_time_s:.2f} s a step against ~{best.step_time_s:.2f} layer-major"
+    if not faster:
+        return best, f"update order: layer-major; micro-batch-major would fit, {times} by the cost model"
+    graphs = p.gpu.get("kept graphs (one micro-batch)", 0)
+    return p, (
+        f"update order: micro-batch-major (each micro-batch's forward, loss and backward through every "
+        f"layer in turn, its graphs kept: ~{fmt_bytes(graphs)} at the peak; no layer recomputed), {times}"
+    )
+
+
+def _short_of(p: Plan, m: Machine) -> str:
+    """What plan `p` needs beyond the machine's budgets, in words."""
+    gpu, host = usable_gpu(m), usable_host(m)
+    parts = []
+    if p.device == "cuda" and gpu is not None and p.gpu_peak > gpu:
+        parts.append(f"~{fmt_bytes(p.gpu_peak)} of GPU memory, {fmt_bytes(gpu)} usable")
+    if host is not None and p.host_total > host:
+        parts.append(f"~{fmt_bytes(p.host_total)} of host memory, {fmt_bytes(host)} usable")
+    return " and ".join(parts)
 
 
 def rows_refused(s: Shape, m: Machine, resident: int = 0) -> str:

@@ -102,6 +102,9 @@ class Batch:
     """Keys a token's attention covers, on average, times two (the causal mean: whole causal rows
     of S tokens give S), over packed documents and the layers' windows (`attention.span`); None:
     the whole row."""
+    coupled: str = ""
+    """Why the objective's loss couples a step's micro-batches beyond its normaliser
+    (`Objective.coupled`, stages.coupled), so that the update stays layer-major; "": it does not."""
 
     @property
     def tokens(self) -> int:
@@ -141,6 +144,13 @@ class Plan:
     as the rows a step looks up, each step's rows computed ahead of its whole table's pass
     (engine/rows.py); the GPU-stepped units then start after it. The user's `embedding_rows`, or
     with `auto` the cost model's choice (placement.py)."""
+    update_order: str = "layer"
+    """How a step visits layers and micro-batches: `layer`, each layer's pass over every
+    micro-batch in turn (boundary activations kept, the layers but the kept ones recomputed in
+    the backward sweep); `micro_batch`, each micro-batch's forward, loss and backward through every
+    layer in turn, every layer's graph of it kept (no recompute), for models whose every unit is
+    GPU-resident (engine.py). The user's `update_order`, or with `auto` the cost model's choice
+    where the graphs fit (placement.py)."""
     moments: str = FP32.name
     """How the AdamW moments are stored (host/moments.py's `Moments.name`: fp32, bf16, 8bit), as
     `optim` says: every byte of state below is counted in it."""
