@@ -164,6 +164,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
             # records before the key: none fetched the rows
             embedding_rows=_tristate(spec.get("embedding_rows", "false")),
             keep_layers=spec.get("keep_layers"),
+            update_order=spec.get("update_order", "auto"),
             moments=moments.name,
         ),
         max_gpu_memory=size("max_gpu_memory"),
@@ -346,6 +347,7 @@ def _tuning(eng, tr) -> dict[str, int]:
     units = eng.state.units
     return {
         "keep_layers": int(eng.plan.keep_layers),
+        "update_order": eng.plan.update_order,
         "gpu_resident_units": len(resident),
         "gpu_resident_params": sum(units[i].numel for i in resident),
         "grad_mode": eng.plan.grad_mode,

@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--optim-args", default=None, help="megatrain's optim_args")
     ap.add_argument(
+        "--update-order",
+        default="auto",
+        choices=("auto", "layer", "micro_batch"),
+        help="megatrain's update_order",
+    )
+    ap.add_argument(
         "--embedding-rows",
         nargs="?",
         const="true",
@@ -411,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 "optim": a.optim,
                 "optim_args": a.optim_args,
                 "keep_layers": a.keep_layers,
+                "update_order": a.update_order,
                 "full_determinism": a.full_determinism,
                 "trace": str(out / rec["log"]).removesuffix(".log") + ".trace.json.gz" if a.trace else None,
             }
