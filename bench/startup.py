@@ -78,7 +78,9 @@ def run_train(d: Path, shape: dict, args) -> dict:
         got = parse_ready(line)
         if got is not None:
             rec.update(got, wall_s=time.perf_counter() - t0)
-            proc.terminate()  # the child this script started
+            # the child this script started; SIGTERM would let it finish its step (the trainer's
+            # graceful stop), and nothing of the run is kept
+            proc.kill()
             break
     proc.wait()
     if "total_s" not in rec:
