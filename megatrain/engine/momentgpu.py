@@ -8,15 +8,16 @@ state's bytes at the GPU's rate). This kernel reads a block's moments, steps its
 writes the moments again in one pass. Every operation is one IEEE rounding: no contraction into
 fused multiply-adds (`enable_fp_fusion=False`), the correctly rounded division and square root
 (`div_rn`, `sqrt_rn`: fp64's square root rounded to fp32 is the same bits); the map's nearest
-value by a lower-bound search that ranks NaN as `torch.searchsorted` does; an absmax and a clamp
-that keep NaN: the bits of the torch ops on the CPU, and so of the host's kernel (on CUDA the
-torch ops divide by a scalar through its reciprocal). That they are is checked when the kernel is
-first asked for on a device (`load`: momentkernel.py's cases, a skipped step), else the torch
-ops step.
+value by the host kernel's table on the quotient's top 16 bits (one load, one comparison); an
+absmax and a clamp that keep NaN: the bits of the torch ops on the CPU, and so of the host's
+kernel (on CUDA the torch ops divide by a scalar through its reciprocal). That they are is
+checked when the kernel is first asked for on a device (`load`: momentkernel.py's cases, a
+skipped step), else the torch ops step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from ..host.moments import BLOCK
 from . import moments as low
 from .clipadam import Unavailable
-from .momentkernel import check_cases, same_bits
+from .momentkernel import check_cases, lookup, same_bits
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +40,20 @@ except ImportError:  # the CPU build of torch comes without it
 if triton is not None:
 
     @triton.jit
-    def _nearest(x, code):
-        """The index (int32) of the value of the sorted 256-entry `code` nearest each of `x`, the
-        lower of two as near: moments.py's `nearest`. The lower bound (the first value >= x) in
-        eight halvings, `not (c >= x)` so that NaN ranks after every value as searchsorted's
-        does; x <= 1 = code[255] otherwise, so eight suffice."""
-        j = tl.zeros(x.shape, dtype=tl.int32)
-        for s in tl.static_range(7, -1, -1):
-            c = tl.load(code + j + ((1 << s) - 1))
-            j = tl.where(c >= x, j, j + (1 << s))
-        lo = tl.maximum(j - 1, 0)
-        hi = tl.minimum(j, 255)
-        return tl.where(x - tl.load(code + lo) <= tl.load(code + hi) - x, lo, hi)
+    def _nearest(x, look):
+        """The index (int32) of the dynamic map's value nearest each of `x` (in [-1, 1], or NaN),
+        the lower of two as near: moments.py's `nearest`, by the host kernel's table
+        (momentkernel.py's `lookup`: on x's top 16 bits the count of the map's edges below them
+        and the low 16 bits of the one edge among their values) in one load and one comparison."""
+        u = x.to(tl.uint32, bitcast=True)
+        e = tl.load(look + (u >> 16)).to(tl.uint32, bitcast=True)
+        # a negative value's low bits order magnitudes: flipped, they order values
+        flip = (x.to(tl.int32, bitcast=True) >> 31).to(tl.uint32, bitcast=True)
+        key = (u ^ flip) & 0xFFFF
+        return (e & 0xFF).to(tl.int32) + (key > (e >> 8)).to(tl.int32)
 
     @triton.jit
-    def _encode(x, mask, code, codes_ptr, absmax_ptr, offs, rows):
+    def _encode(x, mask, look, codes_ptr, absmax_ptr, offs, rows):
         """moments.py's `quantize` of a tile [ROWS, BLOCK] (its masked elements left out)."""
         a = tl.where(mask, tl.abs(x), 0.0)
         nan = tl.max(tl.where(a != a, 1, 0), axis=1) > 0  # amax keeps NaN; tl.max does not
@@ -62,12 +62,13 @@ if triton is not None:
         scale = absmax[:, None]
         t = tl.math.div_rn(x, scale)
         t = tl.where(t > 1.0, 1.0, tl.where(t < -1.0, -1.0, t))  # a clamp that keeps NaN
-        idx = tl.where(scale == 0.0, 0, _nearest(t, code))
+        idx = tl.where(scale == 0.0, 0, _nearest(t, look))
         tl.store(codes_ptr + offs, idx.to(tl.uint8), mask=mask)
 
     @triton.jit
     def _step_kernel(
-        p_ptr, g_ptr, m_ptr, v_ptr, am_ptr, av_ptr, signed_ptr, unsigned_ptr, skip_ptr, n,
+        p_ptr, g_ptr, m_ptr, v_ptr, am_ptr, av_ptr, signed_ptr, unsigned_ptr, look_s_ptr, look_u_ptr,
+        skip_ptr, n,
         b1, w1, b2, w2, c2, eps, keep, step_size,
         QUANTIZED: tl.constexpr, DECAY: tl.constexpr, SKIP: tl.constexpr, ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -96,8 +97,8 @@ if triton is not None:
         p = p + tl.math.div_rn(m, d) * step_size
         tl.store(p_ptr + offs, p, mask=mask)
         if QUANTIZED:
-            _encode(m, mask, signed_ptr, m_ptr, am_ptr, offs, rows)
-            _encode(v, mask, unsigned_ptr, v_ptr, av_ptr, offs, rows)
+            _encode(m, mask, look_s_ptr, m_ptr, am_ptr, offs, rows)
+            _encode(v, mask, look_u_ptr, v_ptr, av_ptr, offs, rows)
         else:
             tl.store(m_ptr + offs, m.to(tl.bfloat16), mask=mask)
             tl.store(v_ptr + offs, v.to(tl.bfloat16), mask=mask)
@@ -117,18 +118,25 @@ def step(
     quantized = len(moments) == 4
     if quantized:
         m, v, am, av = moments
-        signed, unsigned = low.maps(p.device)
+        signed, unsigned, look_s, look_u = _tables(p.device)
     else:
         (m, v), am, av = moments, p, p  # unread
-        signed = unsigned = p
+        signed = unsigned = look_s = look_u = p
     skip = found_inf if found_inf is not None else p
     grid = (triton.cdiv(n, ROWS * BLOCK),)
     _step_kernel[grid](
-        p, g, m, v, am, av, signed, unsigned, skip, n,
+        p, g, m, v, am, av, signed, unsigned, look_s, look_u, skip, n,
         h.b1, h.w1, h.b2, h.w2, h.c2, h.eps, h.keep, h.step_size,
         QUANTIZED=quantized, DECAY=decay, SKIP=found_inf is not None, ROWS=ROWS, BLOCK=BLOCK,
         enable_fp_fusion=False,
     )  # fmt: skip
+
+
+@functools.cache
+def _tables(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The dynamic maps (exp_avg's, exp_avg_sq's) and their lookup tables, on `device`."""
+    signed, unsigned = low.maps(torch.device("cpu"))
+    return tuple(t.to(device) for t in (signed, unsigned, lookup(signed), lookup(unsigned)))
 
 
 def check(device: torch.device) -> None:
