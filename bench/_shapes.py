@@ -15,6 +15,8 @@ DENSE_SHAPES: dict[str, dict[str, int]] = {
     "A": dict(hidden=3072, layers=28, heads=24, kv=8, ffn=8192, vocab=128256),
     # 8.03 B, Llama-3.1-8B's shape
     "B": dict(hidden=4096, layers=32, heads=32, kv=8, ffn=14336, vocab=128256),
+    # 11.52 B, B with 48 layers: under the 11.63 B that bf16 moments fit in one H200's 128 GiB host
+    "B11": dict(hidden=4096, layers=48, heads=32, kv=8, ffn=14336, vocab=128256),
     # 18.7 B and 20.3 B: Llama shapes past what an 80 GB GPU held with every gradient on it
     "B18": dict(hidden=6144, layers=44, heads=48, kv=8, ffn=16384, vocab=128256),
     "B20": dict(hidden=6144, layers=48, heads=48, kv=8, ffn=16384, vocab=128256),
