@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from _megatrain_run import train  # noqa: E402
 from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
 from _systems import model_config  # noqa: E402
@@ -68,21 +69,11 @@ def run_megatrain(d: Path, model: Path, data: Path, args, stage: str) -> dict:
         max_steps=args.steps, learning_rate=1e-6, save_strategy="no", save_final_model=False,
         disable_tqdm=True, logging_steps=1, shuffle=False,  # no export: its minute and disk are no step's
     )  # fmt: skip
-    (d / f"{stage}.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
-    cmd = [sys.executable, "-m", "megatrain", "train", str(d / f"{stage}.yaml"), *args.megatrain]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    rec: dict = {"system": "megatrain", "stage": stage, "command": " ".join(cmd[1:]), "wall_s": wall,
-                 "rc": proc.returncode}  # fmt: skip
-    if proc.returncode != 0:
-        rec["error"] = (proc.stdout + proc.stderr)[-3000:]
+    rec, steps, plan, log = train(d, stage, settings, args.megatrain, stage=stage)
+    if rec["rc"] != 0:
         return rec
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "loss" in r]
     timed = steps[WARMUP:]
-    plan = json.loads((out / "plan.json").read_text())
-    m = re.search(r"reference log-probs of (\d+) samples .* in ([\d.]+) s", proc.stdout)
+    m = re.search(r"reference log-probs of (\d+) samples .* in ([\d.]+) s", log)
     rec.update(
         tokens_per_s=sum(r["tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
         tokens=[r["tokens"] for r in steps],
@@ -92,7 +83,7 @@ def run_megatrain(d: Path, model: Path, data: Path, args, stage: str) -> dict:
         reference_s=float(m.group(2)) if m else None,
         predicted=plan.get("predicted"),
         measured=plan.get("measured"),
-        log_tail=proc.stdout[-2000:],
+        log_tail=log[-2000:],
     )
     return rec
 

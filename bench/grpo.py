@@ -35,6 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # the repository
+from _megatrain_run import train  # noqa: E402
 from _report import write_once  # noqa: E402
 from _shapes import DENSE_SHAPES  # noqa: E402
 from _systems import model_config  # noqa: E402
@@ -67,19 +68,9 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         learning_rate=1e-6, save_strategy="no", save_final_model=False, disable_tqdm=True, logging_steps=1,
         shuffle=False,
     )  # fmt: skip
-    (d / "grpo.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
-    cmd = [sys.executable, "-m", "megatrain", "train", str(d / "grpo.yaml"), *args.megatrain]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=d, env=env)
-    rec: dict = {"system": "megatrain", "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0,
-                 "rc": proc.returncode, "settings": settings}  # fmt: skip
-    if proc.returncode != 0:
-        rec["error"] = (proc.stdout + proc.stderr)[-4000:]
+    rec, steps, plan, log = train(d, "grpo", settings, args.megatrain, cwd=d, settings=settings)
+    if rec["rc"] != 0:
         return rec
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "loss" in r]
-    plan = json.loads((out / "plan.json").read_text())
     per_step = []
     for r in steps:
         tokens = rows * (args.prompt + r["completions/mean_length"])
@@ -106,7 +97,7 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         predicted=plan.get("predicted"),
         measured=plan.get("measured"),
         plan_notes=plan.get("plan", {}).get("notes"),
-        log_tail=proc.stdout[-2500:],
+        log_tail=log[-2500:],
     )
     return rec
 

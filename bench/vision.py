@@ -58,6 +58,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # the repository
+from _megatrain_run import train  # noqa: E402
 from _report import write_once  # noqa: E402
 
 WARMUP = 2  # steps left out of the rates (--warmup)
@@ -365,19 +366,9 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         gradient_accumulation_steps=args.accum, max_steps=args.steps, learning_rate=1e-5,
         save_strategy="no", save_final_model=False, disable_tqdm=True, logging_steps=1, shuffle=False,
     )  # fmt: skip
-    (d / "sft.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in settings.items()))
-    cmd = [sys.executable, "-m", "megatrain", "train", str(d / "sft.yaml"), *args.megatrain]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    rec: dict = {"system": "megatrain", "command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0,
-                 "rc": proc.returncode, "settings": settings}  # fmt: skip
-    if proc.returncode != 0:
-        rec["error"] = (proc.stdout + proc.stderr)[-4000:]
+    rec, steps, plan, log = train(d, "sft", settings, args.megatrain, settings=settings)
+    if rec["rc"] != 0:
         return rec
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in steps if "loss" in r]
-    plan = json.loads((out / "plan.json").read_text())
     rec.update(
         step_s=[r["step_time_s"] for r in steps],
         tokens=[r["tokens"] for r in steps],
@@ -386,7 +377,7 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         plan_step_s=plan["plan"].get("step_time_s"),
         predicted=plan.get("predicted"),
         measured=plan.get("measured"),
-        log_tail=proc.stdout[-2500:],
+        log_tail=log[-2500:],
     )
     if set(rec["tokens"]) != {args.batch * args.accum * args.seq}:
         rec["error"] = f"tokens per step {rec['tokens']}, not {args.batch * args.accum} samples of {args.seq}"

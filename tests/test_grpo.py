@@ -102,6 +102,36 @@ def run_two(tmp_path, name="two", **kw):
     return outputs(tmp_path / name)
 
 
+def two_against_one(
+    tmp_path, keys, steps=STEPS, rel=1e-5, atol=1e-7, advantages=False, same_keys=False, **kw
+):
+    """`run` and `run_two` of `kw`, compared: the main process's half of each step's completions
+    (it writes its half, the first) is the first half of the one process's (their advantages too
+    where `advantages`), `steps` steps each with the `keys` the one process logs within rel/atol
+    (`same_keys`: each logged by both or neither), and close final weights. Returns the metrics
+    records of one process and of two."""
+    from test_distributed import assert_close_weights
+
+    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
+    two, two_rollouts, final_two = run_two(tmp_path, **kw)
+    for step in {r["step"] for r in two_rollouts}:
+        mine = [r for r in two_rollouts if r["step"] == step]
+        theirs = [r for r in one_rollouts if r["step"] == step][: len(mine)]
+        assert [r["completion_ids"] for r in mine] == [r["completion_ids"] for r in theirs]
+        if advantages:
+            assert [r["advantage"] for r in mine] == pytest.approx([r["advantage"] for r in theirs], abs=1e-6)
+    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
+    assert len(got) == len(want) == steps
+    for a, b in zip(got, want):
+        for k in keys:
+            if same_keys:
+                assert (k in a) == (k in b), (a["step"], k)
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=rel, abs=atol), (a["step"], k)
+    assert_close_weights(final_two, final_one)
+    return one, two
+
+
 # ------------------------------------------------------------------------ TRL, transcribed
 def trl_advantages(rewards_per_func, weights, scale, g=G):
     rewards = (rewards_per_func * torch.tensor(weights, dtype=rewards_per_func.dtype)[None]).nansum(1)
@@ -841,31 +871,19 @@ def test_two_processes_equal_one(setup):
     completions into two micro-batches, two processes each shuffle their 4 into one (as TRL's
     processes do), so the micro-batches hold other completions; grpo's loss, a mean over
     completions of micro-batches of one size, is the same."""
-    from test_distributed import assert_close_weights
-
     tmp_path, _ = setup
     kw = dict(
         num_iterations=2, beta=0.04, loss_type="grpo", eval_dataset=write_eval_prompts(tmp_path), eval_steps=2
     )
-    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
-    two, two_rollouts, final_two = run_two(tmp_path, **kw)
-    for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
-        mine = [r["completion_ids"] for r in two_rollouts if r["step"] == step]
-        assert mine == [r["completion_ids"] for r in one_rollouts if r["step"] == step][: len(mine)]
-    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
-    assert len(got) == len(want) == STEPS
-    for a, b in zip(got, want):
-        for k in (
-            "loss",
-            "grad_norm",
-            "reward",
-            "reward_std",
-            "completions/mean_length",
-            "completions/clipped_ratio",
-        ):
-            if k in b:
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-    assert_close_weights(final_two, final_one)
+    keys = (
+        "loss",
+        "grad_norm",
+        "reward",
+        "reward_std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+    )
+    one, two = two_against_one(tmp_path, keys, **kw)
     got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
     # Every process's eval completions, in the prompts' order, with their group's advantages.

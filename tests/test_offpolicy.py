@@ -33,10 +33,10 @@ from test_grpo import (
     model,
     reward_table,
     run,
-    run_two,
     trl_advantages,
     trl_inputs,
     trl_logps,
+    two_against_one,
 )
 from test_parity import _decay_groups
 from transformers import AutoModelForCausalLM, LogitsProcessorList
@@ -492,22 +492,9 @@ def test_two_stale_processes_equal_one(setup, every):
     and weights as one process with the same global batch (grpo's loss: a mean over completions;
     truncated ratios: the processes' micro-batches hold other completions, so the policy's
     log-probs differ in their rounding, which could move a masked ratio across its bound)."""
-    from test_distributed import assert_close_weights
-
     tmp_path, _ = setup
     kw = dict(max_staleness=1, learning_rate=LR_STALE, num_iterations=every, loss_type="grpo", max_steps=4,
               vllm_importance_sampling_mode="token_truncate", **TOKEN)  # fmt: skip
-    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
-    two, two_rollouts, final_two = run_two(tmp_path, **kw)
-    for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
-        mine = [r["completion_ids"] for r in two_rollouts if r["step"] == step]
-        assert mine == [r["completion_ids"] for r in one_rollouts if r["step"] == step][: len(mine)]
-    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
-    assert len(got) == len(want) == 4
     names = ["loss", "grad_norm", "reward", "reward_std", SAMPLING[1], SAMPLING[2], SAMPLING[4]]
-    for a, b in zip(got, want):  # the ratios: exp of differences of log-probs, their rounding up
-        for k in names:
-            assert (k in a) == (k in b), (a["step"], k)
-            if k in b:
-                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
-    assert_close_weights(final_two, final_one)
+    # rel 1e-4: the ratios are exp of differences of log-probs, their rounding scaled up
+    two_against_one(tmp_path, names, steps=4, rel=1e-4, atol=1e-6, same_keys=True, **kw)

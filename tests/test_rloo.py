@@ -25,10 +25,10 @@ from test_grpo import (
     B,
     model,
     run,
-    run_two,
     slices_of,
     trl_inputs,
     trl_logps,
+    two_against_one,
     write_eval_prompts,
 )
 from test_parity import _decay_groups
@@ -494,25 +494,11 @@ def test_two_processes_equal_one(setup):
     same completions, losses, grad norms, rewards, kl, eval metrics and weights as one process
     with the same global batch (RLOO's loss is a mean over completions of micro-batches of one
     size, whichever micro-batch they are in)."""
-    from test_distributed import assert_close_weights
-
     tmp_path, _ = setup
     kw = dict(stage="rloo", num_iterations=2, learning_rate=LR_AGAIN, eval_dataset=write_eval_prompts(tmp_path),
               eval_steps=2)  # fmt: skip
-    one, one_rollouts, final_one = run(tmp_path, "one", **kw)
-    two, two_rollouts, final_two = run_two(tmp_path, **kw)
-    for step in {r["step"] for r in two_rollouts}:  # the main process writes its half: the first
-        mine = [r for r in two_rollouts if r["step"] == step]
-        theirs = [r for r in one_rollouts if r["step"] == step][: len(mine)]
-        assert [r["completion_ids"] for r in mine] == [r["completion_ids"] for r in theirs]
-        assert [r["advantage"] for r in mine] == pytest.approx([r["advantage"] for r in theirs], abs=1e-6)
-    got, want = [r for r in two if "loss" in r], [r for r in one if "loss" in r]
-    assert len(got) == len(want) == STEPS
-    for a, b in zip(got, want):
-        for k in ("loss", "grad_norm", "reward", "reward_std", "kl", "clip_ratio/region_mean"):
-            if k in b:
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-    assert_close_weights(final_two, final_one)
+    keys = ("loss", "grad_norm", "reward", "reward_std", "kl", "clip_ratio/region_mean")
+    one, two = two_against_one(tmp_path, keys, advantages=True, **kw)
     got, want = [r for r in two if is_eval(r)], [r for r in one if is_eval(r)]
     assert [r["step"] for r in got] == [r["step"] for r in want] == [2, STEPS]
     for a, b in zip(got, want):
