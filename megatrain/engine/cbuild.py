@@ -62,7 +62,8 @@ def cache_dir() -> Path | None:
     env = os.environ.get("MEGATRAIN_KERNEL_CACHE")
     if env is not None:
         return Path(env) if env else None
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain" / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base, "megatrain", "kernels") if os.path.isabs(base) else None  # no home: none
 
 
 def _cached(source: str, name: str, cc: str, args: list[str]) -> Path | None:
