@@ -77,12 +77,11 @@ def _train(args) -> int:
 
     cfg = TrainConfig.load(args.config, args.overrides)  # bad keys stop here, before any launch
     _check_files(cfg)
-    from .parallel.distributed import check_devices, in_world
+    from .devices import check_devices, in_world, resolve_device
 
     nproc = cfg.world().ranks  # nnodes > 1: simulated machines, all on this one
     if nproc > 1 and not in_world():
         from .parallel.launch import launch
-        from .runtime import resolve_device
 
         check_devices(resolve_device(cfg.device), nproc)
         return launch(args.config, args.overrides, nproc)

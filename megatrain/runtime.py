@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from . import CUDA_ALLOC_CONF, OMP_WAIT_POLICY
+from .devices import resolve_device
 from .engine import momentkernel
 from .engine.engine import Engine
 from .engine.optim import AdamWConfig, HostAdamW
@@ -44,23 +45,6 @@ def configure_allocator() -> None:
         # torch >= 2.10 names it for every accelerator; the CUDA name warns there on each process
         setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
         (setting or torch.cuda.memory._set_allocator_settings)(CUDA_ALLOC_CONF)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device: {name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device: {name!r} requested but CUDA is not available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"device: {name!r} does not exist ({torch.cuda.device_count()} GPUs)")
-    elif dev.type != "cpu":
-        raise ConfigError(f"device: {name!r} is not supported (auto, cpu, cuda, cuda:N)")
-    return dev
 
 
 def cpu_threads(ranks_per_machine: int = 1) -> int:

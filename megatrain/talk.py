@@ -235,7 +235,8 @@ def load_model(directory: Path, device: str = "auto", dtype: str = "auto"):
     on the CPU), for inference. ConfigError when transformers cannot load it."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from .runtime import resolve_device, resolve_dtype
+    from .devices import resolve_device
+    from .runtime import resolve_dtype
 
     dev = resolve_device(device)
     auto = AutoModelForImageTextToText if is_vision_model(directory) else AutoModelForCausalLM

@@ -32,6 +32,7 @@ from .data import Batcher, load_tokenizer, pad_token_id
 from .data.prompts import prompt_samples
 from .data.vision import VisionData, load_processor
 from .determinism import full_determinism
+from .devices import resolve_device
 from .engine.optim import AdamWConfig
 from .engine.schedule import lr_at
 from .errors import ConfigError
@@ -54,7 +55,7 @@ from .planning.placement import Machine, Plan
 from .rl import rewards
 from .rl.offpolicy import resumed_pending
 from .rl.rollout import Rollout, check_cache, resumed_rollout
-from .runtime import TrainableModel, build_model, resolve_device, resolve_dtype
+from .runtime import TrainableModel, build_model, resolve_dtype
 from .stages import (
     Reference,
     batch_shape,

@@ -44,3 +44,13 @@ def _trackers_stay_local(tmp_path_factory):
         mp.delenv(name, raising=False)
     yield
     mp.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernels_built_once(tmp_path_factory):
+    """The host kernels' C is built once a session, in a temporary directory (engine/cbuild.py's
+    cache, not the user's): the suite's processes and subprocesses load that build."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MEGATRAIN_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    yield
+    mp.undo()

@@ -1,17 +1,26 @@
-"""Compiled layers stay compiled however many models a process builds (megatrain/models/compiling.py)."""
+"""Compiled layers stay compiled however many models a process builds; what compiled code runs
+eagerly stays out of its graphs; a process that compiles nothing never imports the compiler
+(megatrain/models/compiling.py)."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import torch
 from helpers import tiny_config
+from test_checkpoint import subprocess_env
+from test_tiling import CFG, _inputs
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.func import functional_call
 
 from megatrain.data.batch import MicroBatch
 from megatrain.engine.engine import Engine
 from megatrain.engine.optim import AdamWConfig
+from megatrain.models.compiling import compiled
 from megatrain.models.config import ModelConfig
+from megatrain.models.decoder import DecoderLayer
 from megatrain.runtime import build_model
 
 
@@ -41,3 +50,32 @@ def _six_models() -> None:
         m.close()
         assert len(_debug_get_cache_entry_list(code)) == 2 * (i + 1), i  # both variants compiled
     assert torch._dynamo.config.recompile_limit >= 12
+
+
+def test_a_compiled_layer_breaks_its_graph_at_the_tiled_mlp_alone():
+    """The tiled MLP (`eager`) runs outside the compiled layer's graphs, as
+    `torch.compiler.disable` leaves it: one break, at it, the layer's other ops in the graphs."""
+    params, x, _, rope = _inputs()
+    with torch.device("meta"):
+        layer = DecoderLayer(CFG, mlp_tile_tokens=48)
+    compiled(lambda: None)  # what every compile of megatrain's does first
+
+    def call(p, x, cos, sin):
+        return functional_call(layer, p, (x, (cos, sin), None))
+
+    torch._dynamo.reset()
+    e = torch._dynamo.explain(call)(params, x, *rope)
+    torch._dynamo.reset()
+    assert (e.graph_count, e.graph_break_count) == (2, 1), e
+    assert "torch.compiler.disable" in e.break_reasons[0].reason, e.break_reasons[0].reason
+    assert e.op_count > 20  # the norms, attention and residual adds are traced
+
+
+def test_a_process_that_compiles_nothing_never_imports_the_compiler():
+    """Importing the trainer loads neither torch's compiler (dynamo, inductor) nor transformers'
+    modeling_utils: seconds of CPU that each process of a CPU run would spend for nothing."""
+    heavy = ["torch._dynamo", "torch._inductor", "transformers.modeling_utils"]
+    code = f"import sys, megatrain.trainer; print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -18,9 +18,9 @@ from helpers import tiny_config
 from test_checkpoint import make_run, metrics, subprocess_env, tensors, write_yaml
 
 from megatrain.config import TrainConfig
+from megatrain.devices import check_devices
 from megatrain.errors import ConfigError
 from megatrain.host.hostmem import shared_buffer
-from megatrain.parallel.distributed import check_devices
 from megatrain.parallel.launch import children
 from megatrain.parallel.layout import slices
 from megatrain.parallel.processgroup import SHM_DIR, ProcessGroup

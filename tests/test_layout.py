@@ -21,8 +21,15 @@ ROOT = Path(megatrain.__file__).parent
 # top layer, but for those that import nothing above themselves and that every layer may use.
 LAYERS = [
     # errors, metrics and trackers; determinism: how sums on a GPU are ordered
-    # hub: names on the Hugging Face Hub -> files in its cache
-    ("megatrain.errors", "megatrain.metrics", "megatrain.trackers", "megatrain.determinism", "megatrain.hub"),
+    # hub: names on the Hugging Face Hub -> files in its cache; devices: the run's device, checked
+    (
+        "megatrain.errors",
+        "megatrain.metrics",
+        "megatrain.trackers",
+        "megatrain.determinism",
+        "megatrain.hub",
+        "megatrain.devices",
+    ),
     ("megatrain.models",),  # decoder families, their config.json, compiled hot functions
     ("megatrain.data",),  # tokenizers, dataset files -> micro-batches
     ("megatrain.host",),  # the model's fp32 state and buffers in host memory

@@ -15,9 +15,9 @@ source below repeats those forms. Whether they hold for the torch build at hand 
 before the kernel is used: on every tail length, in every combination of weight decay or none, a
 clip or none and either form of the moment's lerp (each combination a vectorised loop of its
 own), its results must equal torch's bit for bit, and its halves split.py's, else `load` says why
-and the engine keeps torch's kernel (on fp32 made from the halves and split back). It is built with the machine's C compiler (`cc`, or
-CC) when first asked for, once a process, and runs on threads of the caller's (ctypes releases
-the GIL). The threads take blocks of `BLOCK` elements from a counter they share until none is
+and the engine keeps torch's kernel (on fp32 made from the halves and split back). It is built
+with the machine's C compiler (cbuild.py, which keeps the build for the next process) when first
+asked for, once a process, and runs on threads of the caller's (ctypes releases the GIL). The threads take blocks of `BLOCK` elements from a counter they share until none is
 left, not a fixed share each: a thread that runs slower (preempted, or reading memory the link's
 copies contend for) holds up the pass by the block it is on, not by its whole share: 8-10% faster
 alone, 8-15% beside a step's link traffic (bench/results/2026-11-28_0440_summary.md).
@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..host.split import Halves, split, to_bf16
 from ..planning.planspec import KERNEL_TAIL
+from .cbuild import Unavailable, build
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 # The CPU code torch dispatches to where the forms were found (AVX512; AVX2 is left to the check);
@@ -236,32 +234,6 @@ void rows_adamw_shared(const uint16_t *ph, const uint16_t *pl, const float *g, c
 }
 """
 )
-
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-
-
-class Unavailable(RuntimeError):
-    """Why the kernel cannot stand in for torch's here (no compiler, another CPU, another build)."""
-
-
-def build(source: str, name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """C `source` compiled with FLAGS (and `extra`) by $CC (default cc) into a shared library,
-    loaded; the files are gone once it is mapped. Unavailable (one line) where no compiler builds
-    it."""
-    with tempfile.TemporaryDirectory(prefix=f"megatrain-{name}-") as d:
-        src, lib = os.path.join(d, f"{name}.c"), os.path.join(d, f"{name}.so")
-        with open(src, "w") as f:
-            f.write(source)
-        cc = os.environ.get("CC", "cc")
-        try:
-            done = subprocess.run(
-                [cc, *FLAGS, *extra, "-o", lib, src], capture_output=True, text=True, timeout=120
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise Unavailable(f"no C compiler ({cc}: {e})") from None
-        if done.returncode:
-            raise Unavailable(f"{cc} failed: {done.stderr.strip()[-300:]}")
-        return ctypes.CDLL(lib)
 
 
 def f32(x: float) -> float:

@@ -36,7 +36,8 @@ from ..host.moments import BF16, BLOCK, Q8, Moments
 from ..host.split import Halves, split
 from ..planning.probe import best_pass
 from . import moments as low
-from .clipadam import HALVES, Unavailable, build, check_halves
+from .cbuild import Unavailable, build
+from .clipadam import HALVES, check_halves
 from .osthreads import OPTIMIZER_THREAD, name_os_thread
 
 log = logging.getLogger(__name__)

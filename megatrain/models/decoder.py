@@ -21,6 +21,7 @@ from transformers.activations import ACT2FN
 
 from .attention import Mask, attend, attention_mask
 from .base import Family, meta
+from .compiling import eager
 from .config import ModelConfig
 
 
@@ -178,7 +179,7 @@ class _TiledMLP(torch.autograd.Function):
         return (None if dx is None else dx.view_as(x)), None, None, *dw
 
 
-@torch.compiler.disable
+@eager
 def tiled_mlp(x: torch.Tensor, tile: int, act, *weights) -> torch.Tensor:
     """`_TiledMLP`, run eagerly inside a compiled layer: the compiler traces the layer around it
     (norms, attention, residual adds) and leaves the tile loop and its nested backward alone."""

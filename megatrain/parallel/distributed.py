@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from ..devices import check_devices
 from ..errors import ConfigError
 from ..host.moments import FP32, Moments
 from ..host.state import HostState, Unit, unit_views
@@ -188,11 +189,6 @@ class Single(Cuts):
         pass
 
 
-def in_world() -> bool:
-    """Started by torchrun (or launch.py) with more than one process."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def plans_for_all() -> bool:
     """This process is the world's first rank, whose plan every rank runs (runtime.build_model);
     a single process is its own."""
@@ -217,18 +213,6 @@ def world_layout(traffic: str = "auto", nnodes: int | None = None) -> Layout:
             f"nnodes must be a multiple of {real} that divides {world}"
         )
     return resolve(traffic, world, machines)
-
-
-def check_devices(device: torch.device, nproc: int) -> None:
-    """Refuse a world of `nproc` processes per machine that `device` cannot give a GPU each."""
-    if device.type != "cuda":
-        return
-    if device.index is not None:
-        raise ConfigError(f"device: {device} names one GPU; with several processes each uses cuda:LOCAL_RANK")
-    if nproc > torch.cuda.device_count():
-        raise ConfigError(
-            f"nproc_per_node: {nproc} processes, but this machine has {torch.cuda.device_count()} GPUs"
-        )
 
 
 def world_device(device: torch.device) -> torch.device:

@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
+from ..devices import in_world
 from ..errors import ConfigError
 from ..host.hostmem import shared_buffer
 from ..host.moments import FP32, Moments
 from ..host.state import MASTER, MASTER_BYTES, HostState, Unit
-from .distributed import Collective, Cuts, Single, T, in_world, param_norms, world_device, world_layout
+from .distributed import Collective, Cuts, Single, T, param_norms, world_device, world_layout
 from .layout import Layout, piece_len
 
 SHM_DIR = Path("/dev/shm")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, Cache
+from transformers import Cache
 
 from ..models.attention import eager_attention
 from ..objectives.logprobs import token_logps
@@ -146,12 +146,19 @@ def attention(module, query, key, value, attention_mask=None, scaling=None, drop
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION, attention)
+@functools.cache
+def _registered() -> None:
+    # With transformers' attention interface at the first use: importing it loads transformers'
+    # modeling_utils and torch's compiler, which a process that samples nothing never needs.
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
 
 
 @contextlib.contextmanager
 def engine_attention(model):
     """The model's attention switched to the engine's within the block."""
+    _registered()
     configs = [m.config for m in model.modules() if hasattr(m, "config")]
     before = [c._attn_implementation for c in configs]
     for c in configs:
