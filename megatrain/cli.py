@@ -92,15 +92,23 @@ def _train(args) -> int:
 
 
 def _check_files(cfg) -> None:
-    """The dataset files a run reads, found (their owner's errors) before torch loads: a missing
-    one answers at once."""
+    """The dataset files and local model paths a run reads, found (their owner's errors) before
+    torch loads: a missing one answers at once (a Hub name is asked for later)."""
+    from pathlib import Path
+
+    from . import hub
     from .config import DATASET_KEYS
     from .data.sources import resolve_dataset
+    from .errors import ConfigError
 
     cfg.require_dataset()
     for key in DATASET_KEYS:
         if getattr(cfg, key) is not None:
             resolve_dataset(cfg, key)
+    for key in hub.MODEL_KEYS:
+        name = getattr(cfg, key)
+        if name is not None and not Path(name).exists() and not hub.is_hub_name(name):
+            raise ConfigError(f"{key}: {name}: no such file or directory")
 
 
 def _export(args) -> int:

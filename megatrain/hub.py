@@ -13,6 +13,14 @@ from pathlib import Path
 from .errors import ConfigError, first_line
 
 OFFLINE = "HF_HUB_OFFLINE is set, so the Hub is not asked"
+# The settings naming a model's directory or Hub repository -> what of it a run reads
+# (io/pretrained.py): weights, a config alone, or a tokenizer alone.
+MODEL_KEYS = {
+    "model_name_or_path": "weights",
+    "ref_model_name_or_path": "weights",
+    "model_config": "config",
+    "tokenizer_name_or_path": "tokenizer",
+}
 
 
 def is_repo_id(name: str) -> bool:
@@ -25,6 +33,13 @@ def is_repo_id(name: str) -> bool:
     except HFValidationError:
         return False
     return True
+
+
+def is_hub_name(name: str) -> bool:
+    """Whether a model key's value names a Hub repository: no local path of that name exists, it
+    is no `.json` file's name, and it has a repository id's form."""
+    path = Path(name)
+    return not path.exists() and path.suffix != ".json" and is_repo_id(name)
 
 
 def offline() -> bool:

@@ -253,6 +253,10 @@ BAD = [
     ),
     (["eval_strategy=epoch"], "eval_strategy: needs an eval_dataset"),
     (
+        ["tokenizer_name_or_path={tmp}/no-tok"],
+        "tokenizer_name_or_path: {tmp}/no-tok: no such file or directory",
+    ),
+    (
         ["eval_dataset={tmp}/data.jsonl", "save_steps=3", "eval_steps=2", "load_best_model_at_end=true"],
         "load_best_model_at_end: save_steps 3 must be a round multiple of eval_steps 2",
     ),
@@ -614,9 +618,9 @@ def test_export_copies_a_tokenizer_it_cannot_load(tmp_path, capsys):
 
 
 def test_bad_input_is_answered_before_torch_loads(tmp_path):
-    """`train --help`, an unknown key, a bad value, a missing config file or dataset: each answered
-    (exit 0 or 2) before torch or transformers is imported, so in about a second, not the ten
-    that importing them takes on a busy machine. One interpreter runs every case in turn and says,
+    """`train --help`, an unknown key, a bad value, a missing config file, dataset or local model
+    directory: each answered (exit 0 or 2) before torch or transformers is imported, so in about a
+    second, not the ten that importing them takes on a busy machine. One interpreter runs every case in turn and says,
     after each, whether either library was imported."""
     import subprocess
     import sys
@@ -624,6 +628,8 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hi"}\n')
     cfg = write_yaml(tmp_path / "run.yaml", {"model_config": str(tmp_path), "dataset": str(data)})
+    missing = str(tmp_path / "no-model")  # a local path's form, not a Hub repository's
+    no_model = write_yaml(tmp_path / "none.yaml", {"model_name_or_path": missing, "dataset": str(data)})
     cases = [
         ["train", "--help"],
         ["train", cfg, "learning_rat=1"],
@@ -634,6 +640,8 @@ def test_bad_input_is_answered_before_torch_loads(tmp_path):
         ["train", cfg, "eval_strategy=sometimes"],
         ["train", str(tmp_path / "missing.yaml")],
         ["train", cfg, f"dataset={tmp_path / 'missing.jsonl'}"],
+        ["train", no_model],
+        ["train", cfg, f"tokenizer_name_or_path={missing}"],
         ["plan", cfg, "max_steps=0"],
     ]
     driver = (

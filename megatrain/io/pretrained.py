@@ -16,13 +16,6 @@ from ..errors import ConfigError
 from .reader import INDEX, SINGLE
 
 CONFIG_FILES = ["config.json", "generation_config.json"]
-# key -> what of the repository it reads: weights, a config alone, or a tokenizer alone
-MODEL_KEYS = {
-    "model_name_or_path": "weights",
-    "ref_model_name_or_path": "weights",
-    "model_config": "config",
-    "tokenizer_name_or_path": "tokenizer",
-}
 
 
 def local_models(cfg, weights: bool = True):
@@ -31,10 +24,10 @@ def local_models(cfg, weights: bool = True):
     place of the weights, for a plan); model_revision is the revision of model_name_or_path's
     repository (and of the others where they name the same one)."""
     changes = {}
-    for key, reads in MODEL_KEYS.items():
+    for key, reads in hub.MODEL_KEYS.items():
         reads = reads if weights or reads != "weights" else "config"
         name = getattr(cfg, key)
-        if name is None or Path(name).exists() or Path(name).suffix == ".json" or not hub.is_repo_id(name):
+        if name is None or not hub.is_hub_name(name):
             continue
         revision = cfg.model_revision if name == cfg.model_name_or_path else None
         changes[key] = str(fetch(name, key, reads, revision))
