@@ -138,6 +138,18 @@ def _tensors(state: HostState, unit, spec):
     return out
 
 
+def _reference_step(ref: dict, specs, grads, coef, lr: float, step: int, moments: Moments) -> None:
+    """The transcription's step of every trained parameter of `specs` in `ref` (key -> its weights
+    and moment buffers), from each unit's gradient times the clip coefficient (None: not clipped)."""
+    rule = reference_8bit if moments == Q8 else reference_bf16
+    for u, p in specs:
+        if not p.train:
+            continue
+        g = grads[u.index][p.offset : p.offset + p.numel]
+        g = g if coef is None else g * torch.tensor(coef)
+        ref[p.key] = rule(*ref[p.key][:1], g, *ref[p.key][1:], lr, step, p.decay)
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("moments", [Q8, BF16], ids=["8bit", "bf16"])
 def test_the_engines_pass_equals_the_transcription_bitwise_step_for_step(moments, kernel, monkeypatch):
@@ -155,13 +167,7 @@ def test_the_engines_pass_equals_the_transcription_bitwise_step_for_step(moments
     gen = torch.Generator().manual_seed(0)
     for step, (coef, lr, chunk) in enumerate(STEPS, start=1):
         grads = _grads(state, step, gen)
-        for u, p in specs:
-            if not p.train:
-                continue
-            g = grads[u.index][p.offset : p.offset + p.numel]
-            g = g if coef is None else g * torch.tensor(coef)
-            rule = reference_8bit if moments == Q8 else reference_bf16
-            ref[p.key] = rule(*ref[p.key][:1], g, *ref[p.key][1:], lr, step, p.decay)
+        _reference_step(ref, specs, grads, coef, lr, step, moments)
         for u in state.units:
             opt.step_held(u, grads[u.index], None if coef is None else torch.tensor(coef), lr, step, chunk)
         for u, p in specs:
@@ -396,13 +402,7 @@ def test_the_one_pass_gpu_kernel_steps_the_transcriptions_bits(moments):
         for u in state.units:
             p, *ms = gpu[u.index]
             adamw_range(u, 0, u.numel, p, clip_scaled(grads[u.index].to(dev), c), tuple(ms), cfg, lr, step)
-        for u, p in specs:
-            if not p.train:
-                continue
-            g = grads[u.index][p.offset : p.offset + p.numel]
-            g = g if coef is None else g * torch.tensor(coef)
-            rule = reference_8bit if moments == Q8 else reference_bf16
-            ref[p.key] = rule(*ref[p.key][:1], g, *ref[p.key][1:], lr, step, p.decay)
+        _reference_step(ref, specs, grads, coef, lr, step, moments)
         for u, p in specs:
             a, b = p.offset, p.offset + p.numel
             ours = [gpu[u.index][0][a:b]] + [
