@@ -416,3 +416,33 @@ def test_the_one_pass_gpu_kernel_steps_the_transcriptions_bits(moments):
         p, *ms = gpu[u.index]
         adamw_range(u, 0, u.numel, p, torch.randn(u.numel, device=dev), tuple(ms), cfg, 1e-2, 9, flag)
     assert all(same(a, b) for k in gpu for a, b in zip(gpu[k], before[k]))
+
+
+def test_a_gpu_kernel_that_fails_to_build_or_check_is_refused_with_its_reason(monkeypatch, caplog):
+    """momentgpu.load: a Triton that raises while building or checking the kernel, or one whose
+    results differ, leaves the torch ops to step on that device, saying why in one warning."""
+    from megatrain.engine import momentgpu
+    from megatrain.engine.clipadam import Unavailable
+
+    monkeypatch.setattr(momentgpu, "triton", object())  # as if installed
+    monkeypatch.setattr(momentgpu, "_LOADED", {})
+
+    def failing(device):
+        raise RuntimeError("PTX assembly aborted\nmore")
+
+    monkeypatch.setattr(momentgpu, "check", failing)
+    assert momentgpu.load(torch.device("cuda:0")) == (
+        False,
+        "Triton failed: RuntimeError: PTX assembly aborted",
+    )
+    assert "the torch ops step them" in caplog.text
+
+    def differing(device):
+        raise Unavailable("its results differ from the torch ops' on the CPU")
+
+    monkeypatch.setattr(momentgpu, "check", differing)
+    assert momentgpu.load(torch.device("cuda:1")) == (
+        False,
+        "its results differ from the torch ops' on the CPU",
+    )
+    assert momentgpu.load(torch.device("cuda:0"))[0] is False  # decided once a device

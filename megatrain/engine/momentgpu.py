@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from ..errors import first_line
 from ..host.moments import BLOCK
 from . import moments as low
 from .clipadam import Unavailable
@@ -175,11 +176,12 @@ def load(device: torch.device) -> tuple[bool, str]:
                 raise Unavailable("Triton is not installed")
             check(device)
             _LOADED[device] = (True, "compiled and equal to the torch ops here")
-        except Unavailable as e:
-            _LOADED[device] = (False, str(e))
+        except Exception as e:  # Unavailable, or whatever a Triton that cannot build it raises
+            why = str(e) if isinstance(e, Unavailable) else f"Triton failed: {first_line(e)}"
+            _LOADED[device] = (False, why)
             log.warning(
                 "AdamW of bf16 and 8-bit moments on %s: the torch ops step them, a pass an operation (%s)",
                 device,
-                e,
+                why,
             )
     return _LOADED[device]
