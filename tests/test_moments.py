@@ -427,22 +427,20 @@ def test_a_gpu_kernel_that_fails_to_build_or_check_is_refused_with_its_reason(mo
     monkeypatch.setattr(momentgpu, "triton", object())  # as if installed
     monkeypatch.setattr(momentgpu, "_LOADED", {})
 
-    def failing(device):
-        raise RuntimeError("PTX assembly aborted\nmore")
+    cases = [
+        (
+            "cuda:0",
+            RuntimeError("PTX assembly aborted\nmore"),
+            "Triton failed: RuntimeError: PTX assembly aborted",
+        ),
+        ("cuda:1", Unavailable("its results differ from the torch ops' on the CPU"), None),
+    ]
+    for device, error, why in cases:
 
-    monkeypatch.setattr(momentgpu, "check", failing)
-    assert momentgpu.load(torch.device("cuda:0")) == (
-        False,
-        "Triton failed: RuntimeError: PTX assembly aborted",
-    )
-    assert "the torch ops step them" in caplog.text
+        def check(_device, error=error):
+            raise error
 
-    def differing(device):
-        raise Unavailable("its results differ from the torch ops' on the CPU")
-
-    monkeypatch.setattr(momentgpu, "check", differing)
-    assert momentgpu.load(torch.device("cuda:1")) == (
-        False,
-        "its results differ from the torch ops' on the CPU",
-    )
+        monkeypatch.setattr(momentgpu, "check", check)
+        assert momentgpu.load(torch.device(device)) == (False, why or str(error))
+        assert "the torch ops step them" in caplog.text
     assert momentgpu.load(torch.device("cuda:0"))[0] is False  # decided once a device
