@@ -165,6 +165,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
             embedding_rows=_tristate(spec.get("embedding_rows", "false")),
             keep_layers=spec.get("keep_layers"),
             update_order=spec.get("update_order", "auto"),
+            fetch_both_halves=bool(spec.get("fetch_both_halves")),
             moments=moments.name,
         ),
         max_gpu_memory=size("max_gpu_memory"),

@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="megatrain's update_order",
     )
     ap.add_argument(
+        "--fetch-both-halves",
+        action="store_true",
+        help="in bf16, fetch both of the master's halves (4 B a parameter, as the fp32 master did before "
+        "the halves) and keep their hi: the same weights, the bytes of before, for comparison",
+    )
+    ap.add_argument(
         "--embedding-rows",
         nargs="?",
         const="true",
@@ -418,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                 "optim_args": a.optim_args,
                 "keep_layers": a.keep_layers,
                 "update_order": a.update_order,
+                "fetch_both_halves": a.fetch_both_halves,
                 "full_determinism": a.full_determinism,
                 "trace": str(out / rec["log"]).removesuffix(".log") + ".trace.json.gz" if a.trace else None,
             }

@@ -26,7 +26,7 @@ from .models.config import ModelConfig
 from .objectives.grpo import reference_copy_bytes
 from .parallel.layout import Layout
 from .planning.footprint import STATE_KEY, reward_model_bytes, rollout_bytes, usable_host
-from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes
+from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_bytes, host_available
 from .planning.placement import plan as make_placement
 from .rl import rewards
 from .stages import autograd_head, coupled, row_length
@@ -471,6 +471,11 @@ def preflight(
     preflight_check=false it warns and plans as if memory were unlimited. `attention_span`: the
     training data's (`Batcher.attention_span`)."""
     machine, layer_mem = measured(model_cfg, cfg, device, compute_bytes, world)
+    from .config import parse_size
+
+    cap = None if cfg.max_host_memory is None else parse_size(cfg.max_host_memory)
+    if beyond := host_cap_beyond(cap, host_available()):
+        warn(f"megatrain: warning: {beyond}")
     result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem, attention_span=attention_span)
     if result.fits:
         return result.plan, machine
@@ -488,6 +493,19 @@ def preflight(
         machine.device,
     )
     return p, unlimited
+
+
+def host_cap_beyond(cap: int | None, available: int | None) -> str:
+    """A warning where the user's max_host_memory (`cap`) is above the host memory this machine
+    has free now ("" where it is not, or either is unknown): the plan trusts the cap, which hosts
+    whose memory grows as it is used need, and elsewhere a run using it may be killed for memory."""
+    if cap is None or available is None or cap <= available:
+        return ""
+    return (
+        f"max_host_memory: {fmt_bytes(cap)} is above the {fmt_bytes(available)} this host has free "
+        "(MemAvailable); the plan trusts it, and unless this host's memory grows as it is used the "
+        "run may be killed for memory"
+    )
 
 
 def data_bytes(cfg) -> int:

@@ -367,3 +367,29 @@ def test_auto_leaves_the_allocator_the_headroom_it_retried_without(monkeypatch):
     with replay.as_recorded(r):
         h200 = placement.plan(cfg, batch, replay.machine_of(r), AUTO, lm)
     assert 24 <= h200.gpu_stepped_units <= 26 and not any("auto leaves" in n for n in h200.notes)
+
+
+def test_fetching_both_halves_is_the_system_before_the_halves():
+    """`fetch_both_halves` (bench.py's comparison of today's fetch with the fp32 master's) is
+    planned as the records of that system replay: the same step time and GPU peak (its landing
+    buffer lives while a copy is issued, below the peak a unit's work sets), beside today's plan
+    a slower step where the link binds (8B, all in host memory, 4k tokens, an H100's memory)."""
+    cfg = llama(4096, 32, 32, 8, 14336)
+    lm = formula_layer_memory(cfg, 2)
+    shape = planspec.model_shape(cfg, lm)
+    batch = dataclasses.replace(STEP16K, micro_batch_tokens=4096, rows=1)
+    machine = Machine("cuda", 80 * 2**30, 400 * 2**30, adam_params_s=30e9)  # a host fast enough
+    today = placement.plan(cfg, batch, machine, OFF, lm)
+    both = placement.plan(cfg, batch, machine, dataclasses.replace(OFF, fetch_both_halves=True), lm)
+    assert both.fetch_both_halves and not today.fetch_both_halves
+    assert (both.grad_mode, both.keep_layers, both.parked_layers) == (
+        today.grad_mode,
+        today.keep_layers,
+        today.parked_layers,
+    )
+    with replay.as_recorded(BEFORE_THE_HALVES):
+        before = footprint.evaluate(shape, batch, today, machine)
+    mine = footprint.evaluate(shape, batch, both, machine)
+    assert mine.step_time_s == pytest.approx(before.step_time_s, rel=1e-12)
+    assert mine.gpu_peak == before.gpu_peak
+    assert mine.step_time_s > today.step_time_s

@@ -747,6 +747,21 @@ def test_fetches_move_the_halves_and_fp32_compute_equals_the_serial_schedule():
     m.close()
 
 
+def test_fetching_both_halves_moves_twice_the_bytes_and_trains_the_same_bits():
+    """`fetch_both_halves` (the fp32 master's bytes, for comparison): a bf16 fetch moves both
+    halves, 4 B a parameter, and keeps their `hi`: the same losses, norms and state as today's."""
+    cfg = _cfg()
+    runs, moved = [], []
+    for both in (False, True):
+        m = _build(cfg, replace(_plan(gpu_grads=0, keep=1), fetch_both_halves=both))
+        runs.append((*_steps(m), m.state.master(), m.state.exp_avg_sq.clone()))
+        moved.append(m.transport.h2d_bytes)
+        m.close()
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert torch.equal(runs[0][2], runs[1][2]) and torch.equal(runs[0][3], runs[1][3])
+    assert moved[0] > 0 and moved[1] == 2 * moved[0]
+
+
 @pytest.mark.parametrize("moments", ["8bit", "bf16"])
 def test_low_precision_moments_on_the_gpu_equal_the_serial_schedule(moments):
     """bf16 and 8-bit AdamW moments (`optim`) stepped on the GPU: GPU-resident and GPU-stepped

@@ -47,10 +47,11 @@ from typing import Protocol
 import torch
 
 from ..host.hostmem import Registration, host_buffer
-from ..host.split import HALF_BYTES, HI, LO, Halves, fetch_join_, join_, split, to_bf16, to_device
+from ..host.split import HI, LO, Halves, fetch_join_, join_, split, to_bf16, to_device
 from ..host.state import HostState, Unit
 from ..parallel.distributed import Collective, Single
 from ..planning.placement import Plan, optimizer_threads
+from ..planning.planspec import fetch_bytes
 from .gpustep import GpuStepper
 from .optim import HostAdamW, adamw_range, chunk_ranges
 from .optim import clip_scaled as _scaled
@@ -357,11 +358,15 @@ class StreamingTransport:
         self.stepper.order_read(self.h2d, unit)
         with torch.cuda.stream(self.h2d):
             buf = torch.empty(self.world.padded(unit), dtype=self.dtype, device=self.device)
-            if self.dtype == src.hi.dtype:  # bf16: the halves' hi as it is
+            bf16 = self.dtype == src.hi.dtype
+            if bf16 and not self.plan.fetch_both_halves:  # the halves' hi as it is
                 buf[lo:hi].copy_(src.hi, non_blocking=True)
-            else:  # fp32: both halves, joined here (the landing buffer lives while this is issued)
+            else:  # both halves, landed here (the landing buffer lives while this is issued)
                 stage = Halves(*(t.to(self.device, non_blocking=True) for t in src))
-                join_(stage, buf[lo:hi])
+                if bf16:  # the fp32 master's bytes, for comparison: the same weights
+                    buf[lo:hi].copy_(stage.hi)
+                else:  # fp32: joined
+                    join_(stage, buf[lo:hi])
                 del stage
             if hi - lo < buf.numel():
                 self.world.gather_(unit, buf)  # the other ranks' pieces, on this stream's timeline
@@ -369,7 +374,7 @@ class StreamingTransport:
             ev.record(self.h2d)
         if self.overlap:
             buf.record_stream(self.compute)
-        self.h2d_bytes += (hi - lo) * (2 if self.dtype == src.hi.dtype else HALF_BYTES)
+        self.h2d_bytes += (hi - lo) * fetch_bytes(self.plan, self.dtype.itemsize)
         self._issued[k] = (buf[: unit.numel], ev)
 
     def fetch_rows(self, unit: Unit, rows: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ every run's measured and predicted step).
 from __future__ import annotations
 
 from ..host.moments import FORMATS
-from .planspec import FETCH_BYTES, Batch, Machine, Plan, Shape, looked_up_rows
+from .planspec import Batch, Machine, Plan, Shape, fetch_bytes, looked_up_rows
 
 # --- rates of the cost model (measured on H100/H200 with 16-core hosts; see shared figures in
 # bench/README.md). The plan only compares choices with them and projects step times.
@@ -118,13 +118,13 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     gpu_stepped = sum(s.units[u] for u in plan.stepped)
     act_bytes = plan.parked_layers * T * s.hidden * b.compute_bytes
     # A GPU-stepped unit's state crosses each way where a streamed unit's gradient goes out (4 B)
-    # and the next forward fetches its weights (FETCH_BYTES): the rest of its state's bytes more.
-    extra_in = plan.state_bytes(gpu_stepped) - FETCH_BYTES[b.compute_bytes] * gpu_stepped
+    # and the next forward fetches its weights (`fetch_bytes`): the rest of its state's bytes more.
+    extra_in = plan.state_bytes(gpu_stepped) - fetch_bytes(plan, b.compute_bytes) * gpu_stepped
     extra_out = plan.state_bytes(gpu_stepped) - 4 * gpu_stepped
     # Prestaged layers' backward fetches take the updated weights kept on the GPU (a tied head's
     # fetch of the embedding is not counted here either way).
-    kept = fetched_bytes(s, b, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
-    fetches = fetched_bytes(s, b, range(plan.resident_units, n))
+    kept = fetched_bytes(s, b, plan, [u for u in plan.kept_fresh(L, s.embed_again) if u > 0])
+    fetches = fetched_bytes(s, b, plan, range(plan.resident_units, n))
     h2d = fetches * (1 if micro_batch_major else 1 + passes) + act_bytes * passes + extra_in - kept
     d2h = 4 * streamed + act_bytes + extra_out
     # The embedding's rows (`embed_rows`): the looked-up rows cross, not the table (its weights in
@@ -133,7 +133,7 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     rows = looked_up_rows(s, b) * s.hidden if plan.embed_rows else 0
     late = s.units[0] if plan.embed_rows else 0
     if plan.embed_rows:
-        h2d += rows * b.compute_bytes - (1 + passes) * fetched_bytes(s, b, [0])
+        h2d += rows * b.compute_bytes - (1 + passes) * fetched_bytes(s, b, plan, [0])
         d2h -= 4 * (s.units[0] - rows)
     pcie = max(h2d, d2h) / rate
     duplex = (h2d + d2h) / (PCIE_DUPLEX_GAIN * rate)  # the link's two directions together
@@ -154,9 +154,9 @@ def step_time(s: Shape, b: Batch, plan: Plan, m: Machine) -> float:
     return busy + OPT_INTERFERENCE * (min(cpu, window) + late)
 
 
-def fetched_bytes(s: Shape, b: Batch, units) -> int:
-    """Bytes one fetch of each of `units` moves host->device (FETCH_BYTES a parameter)."""
-    return FETCH_BYTES[b.compute_bytes] * sum(s.units[u] for u in units)
+def fetched_bytes(s: Shape, b: Batch, plan: Plan, units) -> int:
+    """Bytes one fetch of each of `units` moves host->device (`fetch_bytes` a parameter)."""
+    return fetch_bytes(plan, b.compute_bytes) * sum(s.units[u] for u in units)
 
 
 def tier_io_s(disk: int, m: Machine) -> float:
@@ -220,7 +220,7 @@ def _gpu_stepping(
     # _2236_auto-repeat.json); counted so, -2% to +11%.
     skip = set(plan.kept_fresh(s.layers, s.embed_again))
     recomputed = range(max(1, plan.resident_units), s.layers - plan.keep_layers + 1)
-    fetched = fetched_bytes(s, b, [u for u in recomputed if u not in skip])
+    fetched = fetched_bytes(s, b, plan, [u for u in recomputed if u not in skip])
     link = (fetched + act_bytes + plan.state_bytes(prestaged)) / rate
     reach = forward_s * min(plan.stepped.stop - 1, s.layers) / max(1, s.layers)
     return max(0.0, link - backward_s - reach), plan.state_bytes(prestaged) / GPU_ADAMW_STATE_BYTES_S

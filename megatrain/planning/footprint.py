@@ -30,6 +30,7 @@ from .planspec import (
     Machine,
     Plan,
     Shape,
+    landing_bytes,
     looked_up_rows,
     model_shape,
 )
@@ -142,7 +143,7 @@ def _windows(s: Shape, plan: Plan, cb: int) -> list[tuple[int, int]]:
         for i in range(len(order)):
             win = order[i : i + plan.prefetch + 1]
             newest = win[-1]
-            stage = LANDING_BYTES[cb] * s.units[newest] if newest >= plan.resident_units else 0
+            stage = landing_bytes(plan, cb) * s.units[newest] if newest >= plan.resident_units else 0
             out.append((cb * sum(s.units[u] for u in win), stage))
     return out
 

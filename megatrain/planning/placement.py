@@ -159,6 +159,7 @@ class Choices:
     embedding_rows: bool | None = None
     moments: str = FP32.name  # how the AdamW moments are stored (`optim`: host/moments.py)
     update_order: str = "auto"  # auto | layer | micro_batch (`Plan.update_order`)
+    fetch_both_halves: bool = False  # `Plan.fetch_both_halves`
 
 
 # ---------------------------------------------------------------------------- deciding
@@ -281,7 +282,7 @@ def _in_memory(
     def candidate(mode: str, gpu_grad_units: int, parked: int, tile: int) -> Plan:
         rows = bool(c.embedding_rows) and mode == "stored"
         p = Plan(m.device, mode, gpu_grad_units, resident, keep, parked, chunk, tile, stepped,
-                 embed_rows=rows, moments=c.moments)  # fmt: skip
+                 embed_rows=rows, moments=c.moments, fetch_both_halves=c.fetch_both_halves)  # fmt: skip
         return _stepped_loading(s, batch, p, m)
 
     # the fastest plan of each gradient mode that fits, whichever mode wins below

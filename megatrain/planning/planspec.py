@@ -31,6 +31,18 @@ ADAM_PARAMS_S = 3e9
 # in on the device beside its compute-dtype buffer: none in bf16, the halves (joined there) in fp32.
 FETCH_BYTES = {2: 2, 4: HALF_BYTES}
 LANDING_BYTES = {2: 0, 4: HALF_BYTES}
+
+
+def fetch_bytes(plan: Plan, compute_bytes: int) -> int:
+    """Bytes a parameter moves host->device at each fetch under `plan` (`fetch_both_halves`)."""
+    return HALF_BYTES if plan.fetch_both_halves else FETCH_BYTES[compute_bytes]
+
+
+def landing_bytes(plan: Plan, compute_bytes: int) -> int:
+    """Bytes a parameter lands in on the device beside its compute-dtype buffer while fetched."""
+    return HALF_BYTES if plan.fetch_both_halves else LANDING_BYTES[compute_bytes]
+
+
 # The host AdamW kernel (torch's fused one, and engine/clipadam.py's) takes a tensor's last
 # `n % KERNEL_TAIL` elements in a form of their own, the others all in one.
 KERNEL_TAIL = 8
@@ -151,6 +163,11 @@ class Plan:
     layer in turn, every layer's graph of it kept (no recompute), for models whose every unit is
     GPU-resident (engine.py). The user's `update_order`, or with `auto` the cost model's choice
     where the graphs fit (placement.py)."""
+    fetch_both_halves: bool = False
+    """In bf16 compute, each fetch from host memory moves both of the master's halves (4 B a
+    parameter, as the fp32 master before the halves did) and the device keeps their `hi`: the
+    same weights, today's bytes beside those of before, for comparison (bench.py's
+    `--fetch-both-halves`); off, a fetch moves `hi` alone (FETCH_BYTES)."""
     moments: str = FP32.name
     """How the AdamW moments are stored (host/moments.py's `Moments.name`: fp32, bf16, 8bit), as
     `optim` says: every byte of state below is counted in it."""
