@@ -428,12 +428,13 @@ def _largest_fitting(fits, hi: int) -> int | None:
 
 
 def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
-    """One layer's activation memory measured on `device` (None where no CUDA device is there to
-    measure it: the formula; on the CPU, the formula with this CPU's FLOP rate)."""
-    from .planning.probe import layer_memory_for
+    """One layer's activation memory measured on `device`, its tiled layer when a plan asks
+    (`probe.LayerProbe`); None where no CUDA device is there to measure it: the formula; on the
+    CPU, the formula with this CPU's FLOP rate."""
+    from .planning.probe import layer_probe_for
 
     b = batch_of(cfg, model_cfg, compute_bytes)
-    return layer_memory_for(
+    return layer_probe_for(
         model_cfg, device, _compute_dtype(compute_bytes), cfg.torch_compile, b.micro_batch_tokens, b.masked
     )
 

@@ -29,7 +29,7 @@ from .parallel.distributed import Collective, Single
 from .parallel.layout import Layout
 from .planning import placement
 from .planning.placement import Batch, Choices, Machine, Plan, optimizer_threads
-from .planning.probe import LayerMemory, layer_memory_for
+from .planning.probe import LayerMemory, LayerProbe, layer_probe_for
 
 
 def configure_allocator() -> None:
@@ -92,8 +92,8 @@ class TrainableModel:
 
 
 def probe_machine(
-    machine: Machine, probe_layer: Callable[[], LayerMemory | None], moments: Moments = FP32
-) -> tuple[Machine, LayerMemory | None]:
+    machine: Machine, probe_layer: Callable[[], LayerMemory | LayerProbe | None], moments: Moments = FP32
+) -> tuple[Machine, LayerMemory | LayerProbe | None]:
     """What a plan takes of this machine beyond its budgets (`placement.measure`), the same for
     every way a run is planned (`make_plan`, `train`'s preflight, `megatrain plan`): one layer
     measured on the device (`probe_layer`), and the host's AdamW read once more after that, seconds after the first reading, the better one kept: a host busy at a process's start
@@ -137,7 +137,7 @@ def make_plan(
     choices = choices or Choices()
     machine, layer_mem = probe_machine(
         placement.measure(device, max_gpu_memory, max_host_memory, world),
-        lambda: layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
+        lambda: layer_probe_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
         named(choices.moments),
     )
     batch = Batch(
