@@ -383,3 +383,27 @@ def test_the_gpu_resident_state_is_the_hosts_bits(resumed):
         assert {"page-locking the host memory", "the GPU-resident state"} <= set(timings)
     finally:
         model.close()
+
+
+@pytest.mark.gpu
+def test_weights_drawn_beside_the_cuda_probe_are_the_weights_drawn_alone():
+    """On CUDA the probe compiles the layer (torch.compile saves and restores the global generators
+    around each compile) while the fill draws from generators of its own: the same bits as a draw
+    alone; and the plan of the layer probed untiled is the plan of the layer probed both ways."""
+    from megatrain.planning.probe import LayerProbe
+
+    cfg = ModelConfig.from_hf(tiny_config("llama", vocab_size=512, hidden_size=256, intermediate_size=640))
+    want = HostState(build_units(cfg))
+    init_random(want, cfg, seed=4)
+    filled = runtime.WeightsFill(cfg, Single(), FP32, None, 4)
+    machine, layer = runtime.probe_machine(
+        placement.measure("cuda"),
+        lambda: layer_probe_for(cfg, "cuda", torch.bfloat16, True, 2048),
+        FP32,
+        filled,
+    )
+    assert isinstance(layer, LayerProbe) and layer.untiled.tiled_graph_per_token is None
+    assert torch.equal(_bits(filled.state.hi), _bits(want.hi)) and torch.equal(filled.state.lo, want.lo)
+    batch = placement.Batch(2048, 1, 2048, 2, True)
+    lazy = placement.plan(cfg, batch, machine, layer_mem=layer)
+    assert lazy == placement.plan(cfg, batch, machine, layer_mem=layer.with_tiles())
