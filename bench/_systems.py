@@ -174,7 +174,7 @@ def run_megatrain(spec: dict, res: Result) -> None:
     )
     # the machine the plan was made for: with the probe's layer (below), enough to replay the plan
     res.update(plan=plan.to_json(), machine=dataclasses.asdict(machine))
-    if cuda:  # each phase's predicted peak (the probe's measurement is reused, not repeated)
+    if cuda:  # each phase's predicted peak (the plan's probe reused; its tiled layer probed for the record)
         tokens, dt = spec["mbs"] * spec["seq"], getattr(torch, dtype)
         batch = Batch(tokens, accum, spec["seq"], dt.itemsize, True, rows=spec["mbs"])
         lm = layer_memory_for(mcfg, dev, dt, None, tokens)

@@ -1,7 +1,7 @@
 """A run's time before its first step, by part: `megatrain train` with `stage: grpo` on a dense
 shape (random weights, random prompts), stopped at its "ready for step 1" line, whose parts
 (imports, inputs and plan, random weights, page-locking, GPU-resident state, the rest of the
-engine) are the record; or (`--mode build`) build_model alone in this process, timed the same way,
+engine; and what ran beside the plan: the weights drawn while it probed a layer) are the record; or (`--mode build`) build_model alone in this process, timed the same way,
 with `--profile` its cProfile top.
 
     python bench/startup.py --shape Q7 --device cuda --prompts 16 --generations 8 --prompt 128 --completion 256
@@ -37,15 +37,22 @@ READY = re.compile(r"ready for step 1 ([0-9.]+) s after the command: (.*)$")
 
 
 def parse_ready(line: str) -> dict | None:
-    """The total and the parts of the trainer's "ready for step 1" line (None: not that line)."""
+    """The total and the parts of the trainer's "ready for step 1" line (None: not that line),
+    and what it says ran beside a part (`beside`: {part: its parts}, not in the total)."""
     m = READY.search(line)
     if m is None:
         return None
-    parts = {}
-    for item in m.group(2).split(", "):
-        name, _, seconds = item.rpartition(" ")
-        parts[name] = float(seconds)
-    return {"total_s": float(m.group(1)), "parts": parts}
+    listed, _, beside = m.group(2).partition("; beside ")
+    rec = {"total_s": float(m.group(1)), "parts": _seconds(listed)}
+    if beside:
+        part, _, items = beside.partition(": ")
+        rec["beside"] = {part: _seconds(items)}
+    return rec
+
+
+def _seconds(items: str) -> dict[str, float]:
+    """{name: seconds} of "name 1.2, other name 3.4"."""
+    return {name: float(s) for name, _, s in (item.rpartition(" ") for item in items.split(", "))}
 
 
 def run_train(d: Path, shape: dict, args) -> dict:
@@ -121,6 +128,8 @@ def run_build(shape: dict, args) -> dict:
 def table(rec: dict) -> str:
     lines = ["| part | s |", "|---|---:|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in rec.get("parts", {}).items()]
+    for part, parts in rec.get("beside", {}).items():
+        lines += [f"| {k} (beside {part}, not in the total) | {v:.1f} |" for k, v in parts.items()]
     lines.append(f"| **total** | **{rec.get('total_s', float('nan')):.1f}** |")
     return "\n".join(lines)
 

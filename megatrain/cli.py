@@ -225,17 +225,18 @@ def _plan(args) -> int:
         name = "cuda"
     dtype = {"auto": "bfloat16" if kind == "cuda" else "float32"}.get(cfg.compute_dtype, cfg.compute_dtype)
     compute_bytes = 2 if dtype == "bfloat16" else 4
-    # The layer measured as the run will run it (layer_mem: None without a device).
+    # The layer measured as the run will run it (layer_mem: None without a device), its tiled
+    # layer where a plan below asks for it (probe.LayerProbe): measured as train would, too.
     with full_determinism(cfg.full_determinism):
         machine, layer_mem = plan.measured(model_cfg, cfg, name, compute_bytes)
-    data = plan.data_bytes(cfg)
-    result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
-    for warning in config_warnings(cfg, model_cfg):  # as train warns
-        print(f"megatrain: warning: {warning}")
-    print(planreport.report(model_cfg, result, name, dtype, cfg, data))
-    if result.fits:
-        print(planreport.limits_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
-    print(planreport.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
+        data = plan.data_bytes(cfg)
+        result = plan.check(model_cfg, cfg, machine, compute_bytes, data, layer_mem)
+        for warning in config_warnings(cfg, model_cfg):  # as train warns
+            print(f"megatrain: warning: {warning}")
+        print(planreport.report(model_cfg, result, name, dtype, cfg, data))
+        if result.fits:
+            print(planreport.limits_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
+        print(planreport.context_line(model_cfg, cfg, result.machine, compute_bytes, layer_mem))
     return 0 if result.fits else 1
 
 

@@ -15,6 +15,7 @@ import contextlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, MegatrainError
 from .host.disk import measure_drives
@@ -30,6 +31,9 @@ from .planning.placement import Batch, Choices, Machine, Plan, PlanError, fmt_by
 from .planning.placement import plan as make_placement
 from .rl import rewards
 from .stages import autograd_head, coupled, row_length
+
+if TYPE_CHECKING:
+    from .runtime import WeightsFill
 
 # Compressed text is about a quarter of its JSON; Arrow holds the strings without JSON's keys.
 DATA_BYTES_PER_FILE_BYTE = {".parquet": 40, ".gz": 50, ".zst": 50, ".arrow": 15}
@@ -428,12 +432,13 @@ def _largest_fitting(fits, hi: int) -> int | None:
 
 
 def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
-    """One layer's activation memory measured on `device` (None where no CUDA device is there to
-    measure it: the formula; on the CPU, the formula with this CPU's FLOP rate)."""
-    from .planning.probe import layer_memory_for
+    """One layer's activation memory measured on `device`, its tiled layer when a plan asks
+    (`probe.LayerProbe`); None where no CUDA device is there to measure it: the formula; on the
+    CPU, the formula with this CPU's FLOP rate."""
+    from .planning.probe import layer_probe_for
 
     b = batch_of(cfg, model_cfg, compute_bytes)
-    return layer_memory_for(
+    return layer_probe_for(
         model_cfg, device, _compute_dtype(compute_bytes), cfg.torch_compile, b.micro_batch_tokens, b.masked
     )
 
@@ -445,15 +450,24 @@ def _compute_dtype(compute_bytes: int):
     return torch.bfloat16 if compute_bytes == 2 else torch.float32
 
 
-def measured(model_cfg: ModelConfig, cfg, device, compute_bytes: int, world: Layout | None = None):
+def measured(
+    model_cfg: ModelConfig,
+    cfg,
+    device,
+    compute_bytes: int,
+    world: Layout | None = None,
+    fill: WeightsFill | None = None,
+):
     """(machine, layer memory) a plan of `cfg` on `device` is made from: `machine_of`'s budgets,
-    completed as every plan's are (`runtime.probe_machine`), and `layer_memory`."""
+    completed as every plan's are (`runtime.probe_machine`, `fill` filled meanwhile), and
+    `layer_memory`."""
     from .runtime import probe_machine
 
     return probe_machine(
         machine_of(cfg, device, world),
         lambda: layer_memory(model_cfg, cfg, device, compute_bytes),
         cfg.moments(),
+        fill,
     )
 
 
@@ -465,16 +479,19 @@ def preflight(
     warn=print,
     world: Layout | None = None,
     attention_span: float | None = None,
+    fill: WeightsFill | None = None,
 ) -> tuple[Plan, Machine]:
     """The plan `train` runs under, on one machine of `world` (its part of a partitioned state).
     Raises InsufficientMemory with a one-line message when no placement fits; with
     preflight_check=false it warns and plans as if memory were unlimited. `attention_span`: the
-    training data's (`Batcher.attention_span`)."""
-    machine, layer_mem = measured(model_cfg, cfg, device, compute_bytes, world)
+    training data's (`Batcher.attention_span`); `fill`: the run's host state filled while its
+    layer is probed (`runtime.WeightsFill`)."""
     from .config import parse_size
 
     cap = None if cfg.max_host_memory is None else parse_size(cfg.max_host_memory)
-    if beyond := host_cap_beyond(cap, host_available()):
+    beyond = host_cap_beyond(cap, host_available())  # read before the fill takes its memory
+    machine, layer_mem = measured(model_cfg, cfg, device, compute_bytes, world, fill)
+    if beyond:
         warn(f"megatrain: warning: {beyond}")
     result = check(model_cfg, cfg, machine, compute_bytes, layer_mem=layer_mem, attention_span=attention_span)
     if result.fits:

@@ -1,10 +1,13 @@
-"""Assemble a trainable model: config, host state, transport and engine."""
+"""Assemble a trainable model: config, host state, transport and engine. A run's host state may be
+filled while the plan probes a layer on the device (`WeightsFill`): it needs no plan."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -29,7 +32,7 @@ from .parallel.distributed import Collective, Single
 from .parallel.layout import Layout
 from .planning import placement
 from .planning.placement import Batch, Choices, Machine, Plan, optimizer_threads
-from .planning.probe import LayerMemory, layer_memory_for
+from .planning.probe import LayerMemory, LayerProbe, layer_probe_for
 
 
 def configure_allocator() -> None:
@@ -92,16 +95,22 @@ class TrainableModel:
 
 
 def probe_machine(
-    machine: Machine, probe_layer: Callable[[], LayerMemory | None], moments: Moments = FP32
-) -> tuple[Machine, LayerMemory | None]:
+    machine: Machine,
+    probe_layer: Callable[[], LayerMemory | LayerProbe | None],
+    moments: Moments = FP32,
+    fill: WeightsFill | None = None,
+) -> tuple[Machine, LayerMemory | LayerProbe | None]:
     """What a plan takes of this machine beyond its budgets (`placement.measure`), the same for
     every way a run is planned (`make_plan`, `train`'s preflight, `megatrain plan`): one layer
     measured on the device (`probe_layer`), and the host's AdamW read once more after that, seconds after the first reading, the better one kept: a host busy at a process's start
     reads slow, and the plan then steps too many units on the GPU (a 32-core host read 2.96 G
     params/s there and ran 4.46 in the steps: bench/results/2026-11-27_2140_x2-summary.md). For
     bf16 and 8-bit `moments`, their kernel's pass timed alike (`momentkernel.rate`): its share of
-    fp32's depends on the host (0.5 of it on a 2-core CPU, 0.95 on a 16-core H200 host)."""
-    layer_mem = probe_layer()
+    fp32's depends on the host (0.5 of it on a 2-core CPU, 0.95 on a 16-core H200 host). `fill`: a
+    host state filled while the layer is probed, joined before the host is read again (a host
+    busy filling reads slow)."""
+    with fill.running() if fill is not None else contextlib.nullcontext():
+        layer_mem = probe_layer()
     rate = placement.host_adam_rate(machine.device, machine.world, again=True)
     machine = replace(machine, adam_params_s=rate)
     own = placement.measured_adam_rate(
@@ -137,7 +146,7 @@ def make_plan(
     choices = choices or Choices()
     machine, layer_mem = probe_machine(
         placement.measure(device, max_gpu_memory, max_host_memory, world),
-        lambda: layer_memory_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
+        lambda: layer_probe_for(cfg, device, compute_dtype, compile, batch_size * seq_len, masked),
         named(choices.moments),
     )
     batch = Batch(
@@ -172,6 +181,7 @@ def build_model(
     objective: Objective | None = None,
     offload_dir: str | Path | list[str | Path] | None = None,
     timings: dict[str, float] | None = None,
+    filled: WeightsFill | None = None,
 ) -> TrainableModel:
     """Host state filled from `weights` (a Hugging Face directory) or randomly initialised, and an
     engine on `device`, placed as `plan` says (without one: `make_plan` for one 4096-token
@@ -185,7 +195,8 @@ def build_model(
     (objectives/; default: next-token cross-entropy). `offload_dir`: where the plan's disk tier
     (`plan.disk_units`) goes, a folder or one per drive (host/disk.py). `timings` gets the
     seconds of its parts: the host state, its weights, on CUDA the host memory's page-locking and
-    the GPU-resident state, and the rest of the device's engine."""
+    the GPU-resident state, and the rest of the device's engine. `filled`: the host state, its
+    weights filled already (`WeightsFill`, joined: `weights` and `seed` are its)."""
     clock = _Clock(timings)
     collective = collective or Single()
     device = resolve_device(device) if isinstance(device, str) else device
@@ -208,21 +219,19 @@ def build_model(
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, device.index or torch.cuda.current_device())
     clock.mark("the plan")
-    state = collective.host_state(build_units(cfg), adamw.moments)
+    state = filled.state if filled is not None else collective.host_state(build_units(cfg), adamw.moments)
     if plan.disk_units and state.exp_avg is not None:  # before anything is written to the moments
         if collective.world_size > 1:
             raise ConfigError("offload_dir: the disk tier is built for one process per machine")
         DiskTier(state, plan.disk_units, offload_dir)
     clock.mark("the host state")
     if collective.holds_state:
-        if weights is not None:
-            load_hf_weights(state, weights, cfg, progress=progress, seed=seed)
-        else:
-            init_random(state, cfg, seed, progress=progress)
+        if filled is None:
+            _fill(state, cfg, weights, seed, progress)
         if after_load is not None:
             after_load(state)
     collective.barrier()  # the weights are in place before any rank reads them
-    clock.mark("the weights" if weights is not None else "the random weights")
+    clock.mark(weights_part(weights))
     opt = HostAdamW(state, adamw, world=collective)
     if compile is None:
         compile = device.type == "cuda"
@@ -253,6 +262,97 @@ def build_model(
         state.tier.expect(engine.step_order())
     clock.mark("the engine on the device")
     return TrainableModel(cfg, state, engine, transport, opt, plan)
+
+
+def weights_part(weights: str | Path | None) -> str:
+    """The part of a run's start that fills the master weights from `weights` (`timings`)."""
+    return "the weights" if weights is not None else "the random weights"
+
+
+def _fill(state: HostState, cfg: ModelConfig, weights, seed: int, progress: bool, stop=None) -> None:
+    """The master weights: `weights` read (a Hugging Face directory, a checkpoint), else drawn."""
+    if weights is not None:
+        load_hf_weights(state, weights, cfg, progress=progress, seed=seed, stop=stop)
+    else:
+        init_random(state, cfg, seed, progress=progress, stop=stop)
+
+
+class WeightsFill:
+    """A run's host state, its master weights filled on a thread of their own while the plan
+    probes a layer (`probe_machine`), for `build_model` (`filled`). The state needs no plan: the
+    disk tier, made after it, holds only the moments, which the fill leaves alone. It is made at
+    `start`, after the plan has read the host's free memory; every rank of a world maps it (a
+    collective), the one that holds it fills it. `seconds`: the fill's; `waited`: those of them
+    that `join` waited for (`beside`: the rest, hidden behind the probe)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        collective: Collective,
+        moments: Moments,
+        weights,
+        seed: int,
+        progress: bool = False,
+    ):
+        self.cfg, self.collective, self.moments = cfg, collective, moments
+        self.weights, self.seed, self.progress = weights, seed, progress
+        self.state: HostState | None = None
+        self.seconds = self.waited = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def beside(self) -> float:
+        """Seconds of the fill hidden behind the probe."""
+        return max(0.0, self.seconds - self.waited)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The fill running while the body runs: joined after it, stopped where the body raises."""
+        self.start()
+        try:
+            yield
+        except BaseException:
+            self.stop()
+            raise
+        self.join()
+
+    def start(self) -> None:
+        self.state = self.collective.host_state(build_units(self.cfg), self.moments)
+        if self.collective.holds_state:
+            self._thread = threading.Thread(target=self._run, name="megatrain-weights", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        t = time.monotonic()
+        try:
+            _fill(self.state, self.cfg, self.weights, self.seed, self.progress, self._stop)
+        except BaseException as e:  # raised by `join`, in the thread that waits
+            self._error = e
+        self.seconds = time.monotonic() - t
+
+    def join(self) -> None:
+        """Wait for the fill; its error is raised here (the state dropped)."""
+        t = time.monotonic()
+        try:
+            if self._thread is not None:
+                self._thread.join()
+        except BaseException:  # an interrupt while waiting
+            self.stop()
+            raise
+        self.waited = time.monotonic() - t
+        if self._error is not None:
+            self.state = None
+            raise self._error
+
+    def stop(self) -> None:
+        """The units not begun skipped, the thread joined, the state dropped (and the fill's own
+        error, if any: the caller raises its own)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.state = None
 
 
 class _Clock:

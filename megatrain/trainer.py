@@ -43,6 +43,7 @@ from .io.outputs import OutputDir, SaveSchedule, interval_steps
 from .io.ownership import RunLock
 from .io.partition import check_shared, save_checkpoint, save_model
 from .io.pretrained import local_models
+from .io.weights import fills_apart
 from .metrics import MetricsLogger, SilentLogger, mean_metrics, show_progress
 from .models import attention
 from .models.config import ModelConfig
@@ -55,7 +56,7 @@ from .planning.placement import Machine, Plan
 from .rl import rewards
 from .rl.offpolicy import resumed_pending
 from .rl.rollout import Rollout, check_cache, resumed_rollout
-from .runtime import TrainableModel, build_model, resolve_dtype
+from .runtime import TrainableModel, WeightsFill, build_model, resolve_dtype, weights_part
 from .stages import (
     Reference,
     batch_shape,
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 PLAN_PART = "the memory plan"  # of the "ready for step" line: preflight, its probe of a layer included
+BESIDE = f"; beside {PLAN_PART}: "  # and what ran beside it, not in its total (`_policy_fill`)
 # Settings whose change between a checkpoint and its resume makes the continuation differ from
 # an uninterrupted run; changing them is allowed, with a warning.
 # fmt: off
@@ -149,6 +151,7 @@ class _Inputs:
     plan: Plan
     machine: Machine
     saves: SaveSchedule
+    fill: WeightsFill | None  # the policy's host state, filled beside the plan (`_policy_fill`)
 
 
 def _check_inputs(
@@ -156,7 +159,8 @@ def _check_inputs(
 ) -> _Inputs:
     """Read and check everything a run takes (model, checkpoint, output_dir, tokenizer, data, eval
     data, memory plan, disk space), raising a one-line error at the first fault, before anything
-    is written. `timings` gets the memory plan's seconds (its probe of a layer on the device)."""
+    is written. `timings` gets the memory plan's seconds (its probe of a layer on the device) and
+    those of the policy's weights that it waited for (`_policy_fill`)."""
     main = world.is_main
     say = print if main else lambda text: None  # every rank meets the same: the first one tells
     model_cfg = ModelConfig.from_json(cfg.model_name_or_path or cfg.model_config).with_router(
@@ -243,11 +247,15 @@ def _check_inputs(
     # Where every byte lives, decided before anything is allocated; refuses a run that cannot fit.
     docs = batcher.packed_lengths  # attention stays inside packed documents: its cost
     span = attention.span(docs, model_cfg.windows) if docs else None
+    fill = _policy_fill(cfg, model_cfg, resume, world)
     t = time.monotonic()
     plan, machine = preflight(
-        model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span
+        model_cfg, cfg, device, compute_dtype.itemsize, world=world.layout, attention_span=span, fill=fill
     )
-    timings[PLAN_PART] = time.monotonic() - t
+    waited = fill.waited if fill is not None else 0.0
+    timings[PLAN_PART] = time.monotonic() - t - waited
+    if fill is not None:
+        timings[weights_part(fill.weights)] = waited
     if grpo is not None:
         check_cache(cfg.rollout_cache, model_cfg.hf_config, streamed=plan.rollout_layers is not None)
     saves = SaveSchedule.of(cfg, total_steps, steps_per_epoch)
@@ -270,7 +278,22 @@ def _check_inputs(
         plan,
         machine,
         saves,
+        fill,
     )
+
+
+def _policy_fill(cfg: TrainConfig, model_cfg: ModelConfig, resume, world: Collective) -> WeightsFill | None:
+    """The policy's host state filled while the plan probes a layer (runtime.WeightsFill), where
+    nothing else is read into host memory before the policy is built (the plan counts one model
+    there: not beside a reference model's pass, `_reference`, nor grpo's reference copy) and the
+    fill draws from no generator but its own (`weights.fills_apart`); None: build_model fills it."""
+    weights = resume.path if resume else cfg.model_name_or_path
+    pref, rl = cfg.preference(), cfg.grpo()
+    reference_pass = pref is not None and pref.needs_reference and (cfg.ref_model_name_or_path or resume)
+    if reference_pass or (rl is not None and rl.needs_reference) or not fills_apart(model_cfg, weights):
+        return None
+    progress = show_progress(cfg.disable_tqdm) and world.is_main
+    return WeightsFill(model_cfg, world, cfg.moments(), weights, cfg.seed, progress)
 
 
 @dataclass
@@ -487,7 +510,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     main = world.is_main  # writes the outputs and shows progress
     planned: dict[str, float] = {}
     inputs = _check_inputs(cfg, world, device, compute_dtype, planned)
-    timings["the inputs"] = time.monotonic() - t - planned[PLAN_PART]
+    timings["the inputs"] = time.monotonic() - t - sum(planned.values())
     timings.update(planned)
     model_cfg, resume, outputs, batcher = inputs.model_cfg, inputs.resume, inputs.outputs, inputs.batcher
     runs_on = describe(model_cfg)
@@ -508,7 +531,7 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     memory = MemoryRecord(inputs.plan, inputs.machine, model_info, rollout_gpu=rollout)
     progress = show_progress(cfg.disable_tqdm) and main
 
-    def build(weights, after_load=None) -> TrainableModel:
+    def build(weights, after_load=None, filled=None) -> TrainableModel:
         return build_model(
             model_cfg,
             weights=weights,
@@ -531,12 +554,17 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
             objective=objective_of(cfg, world),
             offload_dir=cfg.offload_dirs(),
             timings=timings,
+            filled=filled,
         )
 
     reference = _reference(cfg, inputs, world, build, progress)
     initial = grpo_reference(cfg, model_cfg, compute_dtype)  # before the policy: its fp32 read is freed
     # a checkpoint holds HF-keyed fp32 weights
-    model = build(resume.path if resume else cfg.model_name_or_path, resume.load_moments if resume else None)
+    model = build(
+        resume.path if resume else cfg.model_name_or_path,
+        resume.load_moments if resume else None,
+        inputs.fill,
+    )
     if reference is not None and reference.missing:  # a fresh run: the policy is still the reference
         reference.compute(model.engine, cfg, batcher.pad_id, world, progress)
     out = outputs.path
@@ -603,9 +631,12 @@ def _setup(cfg: TrainConfig, world: Collective, device: torch.device) -> _Run:
     if reference is not None:
         log.message(reference.note())
     timings["the rest"] = time.monotonic() - STARTED - sum(timings.values())
+    fill = inputs.fill
+    beside = f"{BESIDE}{weights_part(fill.weights)} {fill.beside:.1f}" if fill and fill.beside >= 0.05 else ""
     log.message(
         f"megatrain: ready for step {start + 1} {sum(timings.values()):.1f} s after the command: "
         + ", ".join(f"{k} {v:.1f}" for k, v in timings.items() if v >= 0.05)
+        + beside
     )
     return run
 

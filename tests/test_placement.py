@@ -453,8 +453,8 @@ def test_every_plan_takes_the_best_of_two_readings_of_the_host_adamw(monkeypatch
         seen.append(probe._ADAM_RATES.copy())
         return probe.formula_layer_memory(cfg, 2)
 
-    monkeypatch.setattr(runtime, "layer_memory_for", layer_memory)
-    monkeypatch.setattr(probe, "layer_memory_for", layer_memory)
+    monkeypatch.setattr(runtime, "layer_probe_for", layer_memory)
+    monkeypatch.setattr(probe, "layer_probe_for", layer_memory)
     cfg = ModelConfig.from_hf(tiny_config())
     if path == "make_plan":
         plan, machine = runtime.make_plan(

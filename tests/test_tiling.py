@@ -1,11 +1,13 @@
 """The tiled MLP and long context: a layer whose MLP runs over sequence tiles holds one tile's
 intermediates at a time and gives the untiled layer's numbers (eager, compiled, bf16); the plan
 tiles only where the untiled layer does not fit, and `megatrain plan` names the longest context
-that the training preflight accepts."""
+that the training preflight accepts; the tiled layer is measured only where a plan reads it, and
+that plan is the plan of the layer measured both ways."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from megatrain.models.config import ModelConfig
 from megatrain.models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
 from megatrain.planning import placement
 from megatrain.planning.placement import Batch, Choices, PlanError
+from megatrain.planning.probe import LayerMemory, LayerProbe, formula_layer_memory
 
 GiB = 2**30
 CFG = ModelConfig.from_hf(tiny_config("llama", hidden_size=64, intermediate_size=112, mlp_bias=True))
@@ -144,6 +147,91 @@ def test_plan_tiles_only_where_the_untiled_layer_does_not_fit():
     assert placement.MIN_MLP_TILE <= small < t
     with pytest.raises(PlanError):
         placement.plan(B8, LONG, squeezed, Choices(mlp_tile_tokens=2 * small))
+
+
+# One layer as a device would measure it (the formula's, with a rate of its own), and untiled alone.
+MEASURED = replace(formula_layer_memory(B8, 2), flops_per_s=6.1e14)
+UNTILED = LayerMemory(*(getattr(MEASURED, k) for k in ("graph_per_token", "backward_per_token",
+                      "backward_fixed", "forward_per_token", "flops_per_s")))  # fmt: skip
+
+
+def _probe() -> tuple[LayerProbe, list[int]]:
+    """A LayerProbe of MEASURED, untiled until its tiled layer is asked for (counted)."""
+    calls: list[int] = []
+    return LayerProbe(UNTILED, lambda: calls.append(1) or MEASURED), calls
+
+
+@pytest.mark.parametrize(
+    "batch, machine, choices",
+    [
+        (SHORT, cuda(139, 256), Choices()),
+        (STEP16K := Batch(16384, 4, 4096, 2, True, rows=4), cuda(80, 400), Choices()),
+        (SHORT, cuda(40, 256), Choices(gpu_state="off")),
+        (Batch(16384, 1, 16384, 2, clip=False), cuda(139, 256), Choices(gpu_step_units=None)),
+        (LONG, cuda(80, 256), Choices(mlp_tile_tokens=0)),  # refused untiled, as measured both ways
+    ],
+)
+def test_a_plan_that_stops_untiled_never_measures_the_tiled_layer(batch, machine, choices):
+    probe, calls = _probe()
+    try:
+        want = placement.plan(B8, batch, machine, choices, MEASURED)
+    except PlanError as e:
+        with pytest.raises(PlanError) as got:
+            placement.plan(B8, batch, machine, choices, probe)
+        assert str(got.value) == str(e) and calls == []
+        return
+    got = placement.plan(B8, batch, machine, choices, probe)
+    assert want.grad_mode != "two_pass" and want.mlp_tile_tokens == 0
+    assert got == want and got.notes == want.notes and calls == []
+
+
+@pytest.mark.parametrize(
+    "batch, machine, choices",
+    [
+        (LONG, cuda(80, 256), Choices()),  # untiled does not fit: tiled
+        (LONG, cuda(75, 256), Choices()),  # nor the longest tile
+        (SHORT, cuda(139, 256), Choices(mlp_tile_tokens=1024)),  # the user's tiles
+        (LONG, cuda(75, 256), Choices(mlp_tile_tokens=2 * placement.MAX_MLP_TILE)),  # ... refused
+        (SHORT, cuda(40, 256), Choices(gradient_placement="two_pass")),  # two passes untiled
+    ],
+)
+def test_a_plan_that_needs_the_tiled_layer_measures_it_once_and_is_the_measured_plan(batch, machine, choices):
+    probe, calls = _probe()
+    try:
+        want = placement.plan(B8, batch, machine, choices, MEASURED)
+    except PlanError as e:
+        with pytest.raises(PlanError) as got:
+            placement.plan(B8, batch, machine, choices, probe)
+        assert str(got.value) == str(e) and calls == [1]
+        return
+    got = placement.plan(B8, batch, machine, choices, probe)
+    assert got == want and got.notes == want.notes and calls == [1]
+    assert placement.plan(B8, batch, machine, choices, probe) == want and calls == [1]  # kept
+
+
+def test_the_replanning_searches_measure_the_tiled_layer_once(tmp_path):
+    """`megatrain plan`'s searches (the settings that would fit, the limits, the longest context)
+    and the preflight plan many times; the tiled layer is measured once, and each answer is the
+    one of the layer measured both ways."""
+    from megatrain import plan
+    from megatrain.config import TrainConfig
+
+    B8.hf_config.save_pretrained(tmp_path / "model")
+    mcfg = ModelConfig.from_json(tmp_path / "model")
+    run = TrainConfig(model_config=str(tmp_path / "model"), device="cuda", max_length=262144,
+                      per_device_train_batch_size=2, output_dir=str(tmp_path / "out"))  # fmt: skip
+    machine = cuda(80, 256)
+    probe, calls = _probe()
+    refused, want = (plan.check(mcfg, run, machine, 2, layer_mem=lm) for lm in (probe, MEASURED))
+    assert not refused.fits and refused.problem == want.problem and calls == [1]
+    assert "would fit with" in refused.problem
+    probe, calls = _probe()
+    one = replace(run, per_device_train_batch_size=1, max_length=16384)
+    assert plan.limits(mcfg, one, machine, 2, probe) == plan.limits(mcfg, one, machine, 2, MEASURED)
+    assert plan.longest_context(mcfg, one, machine, 2, probe) == plan.longest_context(
+        mcfg, one, machine, 2, MEASURED
+    )
+    assert calls == [1]
 
 
 def test_tiling_costs_the_mlp_recompute_in_the_time_model():

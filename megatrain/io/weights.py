@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -39,12 +40,17 @@ from .writing import AtomicDir
 
 
 def load_hf_weights(
-    state: HostState, model_dir: str | Path, cfg: ModelConfig, progress=True, seed: int = 0
+    state: HostState,
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    progress=True,
+    seed: int = 0,
+    stop: threading.Event | None = None,
 ) -> None:
     """Fill the master weights of `state` (the part of the model it holds) from a Hugging Face safetensors
     checkpoint or a partitioned checkpoint, units in parallel threads (reading, and converting to
     fp32, release the GIL). A reward model read from a causal LM's checkpoint gets a new score
-    head (`new_score`, of `seed`)."""
+    head (`new_score`, of `seed`). `stop`, once set, skips the units not yet begun."""
     reader = TensorReader(checkpoint_files(model_dir), model_dir)
     fresh = new_score(cfg, seed) if cfg.num_labels and SCORE not in reader.files else {}
     for key, shape in checkpoint_entries(state.units):  # all present, right shapes, before reading
@@ -58,7 +64,7 @@ def load_hf_weights(
         state.load(unit, "master", tensor_entries(unit), read)
 
     try:
-        _per_unit(load, state.units, "loading weights", progress)
+        _per_unit(load, state.units, "loading weights", progress, stop)
     finally:
         reader.close()
 
@@ -76,12 +82,13 @@ def new_score(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 DRAW = 1 << 18
 
 
-def _per_unit(fn, units, desc: str, progress: bool) -> None:
+def _per_unit(fn, units, desc: str, progress: bool, stop: threading.Event | None = None) -> None:
     """fn(unit) for every unit on a thread pool, the largest first (the last to start is then a
     small one: the pool's wall time is near the units' total over its threads), with a progress
-    bar; the first error is raised. Each unit's torch ops run on the cores the pool leaves per
-    thread (one where units outnumber cores): a thread per unit and an OpenMP team per op would
-    put the cores' square of threads on them."""
+    bar; the first error is raised; once `stop` is set, the units not begun are skipped. Each
+    unit's torch ops run on the cores the pool leaves per thread (one where units outnumber
+    cores): a thread per unit and an OpenMP team per op would put the cores' square of threads
+    on them."""
     cores = os.cpu_count() or 1
     workers = min(len(units), cores, 32)
     order = sorted(units, key=lambda u: -u.numel)
@@ -92,11 +99,16 @@ def _per_unit(fn, units, desc: str, progress: bool) -> None:
             ThreadPoolExecutor(workers) as pool,
             tqdm(total=len(units), desc=desc, disable=not progress, unit="unit") as bar,
         ):
-            for fut in as_completed([pool.submit(fn, u) for u in order]):
+            for fut in as_completed([pool.submit(_unless, stop, fn, u) for u in order]):
                 fut.result()
                 bar.update(1)
     finally:
         torch.set_num_threads(threads)
+
+
+def _unless(stop: threading.Event | None, fn, unit) -> None:
+    if stop is None or not stop.is_set():
+        fn(unit)
 
 
 def draw_chunks(n: int, chunk: int = DRAW) -> list[tuple[int, int]]:
@@ -111,16 +123,17 @@ def draw_chunks(n: int, chunk: int = DRAW) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = False) -> None:
+def init_random(
+    state: HostState, cfg: ModelConfig, seed: int, progress: bool = False, stop: threading.Event | None = None
+) -> None:
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
     zeros for biases, ones for norms. Each unit draws from its own generator seeded from `seed`
     and its index, so units fill in parallel threads and the result depends on the seed alone;
     a parameter is drawn `DRAW` elements at a time, each split into the halves at once (the same
     numbers as drawn whole: `draw_chunks`). Other families are initialised by transformers' own
-    rules (Gemma's norms are zero-centred, for one), a unit at a time."""
-    from ..models.family import family_of
-
-    if family_of(cfg).hf_init:
+    rules (Gemma's norms are zero-centred, for one), a unit at a time (see `fills_apart`).
+    `stop`, once set, skips the units not yet begun."""
+    if not fills_apart(cfg, None):
         return _init_as_transformers(state, cfg, seed, progress)
     std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
 
@@ -140,7 +153,17 @@ def init_random(state: HostState, cfg: ModelConfig, seed: int, progress: bool = 
                     v.normal_(0.0, std, generator=gen)
                 state.load(unit, "master", [(p.key, p.offset + a, (b - a,))], lambda k, i, j, v=v: v[i:j])
 
-    _per_unit(fill, state.units, "initialising weights", progress)
+    _per_unit(fill, state.units, "initialising weights", progress, stop)
+
+
+def fills_apart(cfg: ModelConfig, model_dir: str | Path | None) -> bool:
+    """Whether filling a state from `model_dir` (None: the random initialisation) touches no
+    generator but its own, so that it may run on a thread beside other torch work: not
+    transformers' own initialisation (`Family.hf_init`), which draws from the process's global
+    generator, which torch.compile saves and restores around each compile."""
+    from ..models.family import family_of
+
+    return model_dir is not None or not family_of(cfg).hf_init
 
 
 def parameters_in(

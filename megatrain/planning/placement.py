@@ -71,7 +71,7 @@ from .footprint import (
     usable_host,
 )
 from .planspec import ADAM_PARAMS_S, KERNEL_TAIL, Batch, Machine, Plan, Shape, looked_up_rows, model_shape
-from .probe import LayerMemory, formula_layer_memory
+from .probe import LayerMemory, LayerProbe, formula_layer_memory
 
 __all__ = [
     "Batch",
@@ -168,10 +168,11 @@ def plan(
     batch: Batch,
     machine: Machine,
     choices: Choices | None = None,
-    layer_mem: LayerMemory | None = None,
+    layer_mem: LayerMemory | LayerProbe | None = None,
 ) -> Plan:
     """The placement of a run, or PlanError naming what does not fit (see the module docstring).
-    `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula).
+    `layer_mem`: one layer's activation memory as probe.py measured it (default: a formula); of a
+    `LayerProbe`, the tiled layer is measured only where the plan would read it (`_in_memory`).
     Where host memory cannot hold the state and the machine has a disk tier (`disk_bytes`), the
     AdamW moments of the fewest trailing units that make the run fit go to disk."""
     return _placed(cfg, batch, machine, choices or Choices(), layer_mem)
@@ -198,7 +199,8 @@ def _where(m: Machine) -> str:
 
 def _with_disk_tier(cfg, batch: Batch, m: Machine, choices, layer_mem, problem: str) -> Plan:
     """The plan with the fewest trailing units' moments on disk, or PlanError."""
-    s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
+    untiled = layer_mem.untiled if isinstance(layer_mem, LayerProbe) else layer_mem  # for the units
+    s = model_shape(cfg, untiled or formula_layer_memory(cfg, batch.compute_bytes))
     n, c = len(s.units), choices or Choices()
 
     def with_tier(k: int) -> Plan | None:
@@ -257,9 +259,31 @@ def _in_memory(
     batch: Batch,
     machine: Machine,
     choices: Choices | None = None,
-    layer_mem: LayerMemory | None = None,
+    layer_mem: LayerMemory | LayerProbe | None = None,
 ) -> Plan:
-    """The placement with the whole state in host memory (and on the GPU), or PlanError."""
+    """The placement with the whole state in host memory (and on the GPU), or PlanError. Of a
+    `LayerProbe`, the untiled layer's, unless its tile loop would go past the untiled layer (no
+    untiled placement fits, or only a two-pass one; the user's `mlp_tile_tokens`): then the tiled
+    layer is measured and planned with. Up to that point a plan reads no tiled field, so this is
+    the plan of the layer measured both ways."""
+    if isinstance(layer_mem, LayerProbe):
+        p = _in_memory_of(cfg, batch, machine, choices, layer_mem.untiled, untiled_only=True)
+        if p is not None:
+            return p
+        layer_mem = layer_mem.with_tiles()
+    return _in_memory_of(cfg, batch, machine, choices, layer_mem)
+
+
+def _in_memory_of(
+    cfg: ModelConfig,
+    batch: Batch,
+    machine: Machine,
+    choices: Choices | None,
+    layer_mem: LayerMemory | None,
+    untiled_only: bool = False,
+) -> Plan | None:
+    """`_in_memory` of a measured layer; `untiled_only`: its tiled fields are not measured, and
+    None is returned where the plan would read them."""
     c, m = choices or Choices(), machine
     check_gpu_stepping(c.gpu_step_units or 0, m.device)
     s = model_shape(cfg, layer_mem or formula_layer_memory(cfg, batch.compute_bytes))
@@ -314,9 +338,11 @@ def _in_memory(
 
     # Untiled where it fits, else the largest MLP tile that does (tiling costs a recompute of the
     # MLP, less than the second sweep of a two-pass step).
-    tiles = _tile_options(s, batch, c)
+    tiles = _tile_options(s, batch, c, untiled_only)
     best = None
     for tile in tiles:
+        if tile and untiled_only:
+            return None  # the tiled layer is read from here on
         p = fastest(tile)
         if p is not None and (best is None or p.step_time_s < best.step_time_s * 0.999):
             best = p
@@ -505,13 +531,15 @@ def _fewest_parked(options: list[int] | range, fits_gpu) -> int:
     return lo
 
 
-def _tile_options(s: Shape, b: Batch, c: Choices) -> list[int]:
+def _tile_options(s: Shape, b: Batch, c: Choices, untiled_only: bool = False) -> list[int]:
     """MLP tile sizes worth trying, best first: untiled, then halving from MAX_MLP_TILE (or the
-    largest power of two below the micro-batch) down to MIN_MLP_TILE."""
+    largest power of two below the micro-batch) down to MIN_MLP_TILE. `untiled_only`: those a
+    layer measured tiled too would have."""
     if c.mlp_tile_tokens is not None:
         return [c.mlp_tile_tokens]
     out = [0]
-    if s.layer_mem.tiled_graph_per_token is None or b.micro_batch_tokens <= MIN_MLP_TILE:
+    measured = untiled_only or s.layer_mem.tiled_graph_per_token is not None
+    if not measured or b.micro_batch_tokens <= MIN_MLP_TILE:
         return out  # the tiled layer was not measured, or a tile would be the whole micro-batch
     tile = min(MAX_MLP_TILE, 1 << ((b.micro_batch_tokens - 1).bit_length() - 1))  # a power of two below
     while tile >= MIN_MLP_TILE:

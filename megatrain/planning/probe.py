@@ -4,12 +4,13 @@ How much memory one layer's autograd graph holds per token is not a simple funct
 layer's shape once `torch.compile` decides which intermediates to save and which to recompute
 (measured on Hopper: 27 bytes per token x hidden for a 3072-wide layer, 42 for a 6144-wide one).
 So before a CUDA run is planned, the layer the engine will run (same template, dtype and
-compilation) is run on random data at two token counts, untiled and with its MLP tiled over the
-sequence, and the allocator's counters give the bytes per token of its graph and the peak while
-it is differentiated. placement.py turns these into the plan; without a device (`megatrain plan`
-on a login node) `formula_layer_memory` gives a conservative estimate instead. Beside it the
-host AdamW's rate (`adam_rate`: torch's fused fp32 kernel; `best_pass` times any kernel's pass,
-engine/momentkernel.py's for bf16 and 8-bit moments). The probe decides nothing.
+compilation) is run on random data at two token counts, and the allocator's counters give the
+bytes per token of its graph and the peak while it is differentiated: untiled, and with its MLP
+tiled over the sequence only when a plan asks (`LayerProbe`: no untiled placement fits, or only a
+two-pass one; six of the probe's ten compiles). placement.py turns these into the plan; without a
+device (`megatrain plan` on a login node) `formula_layer_memory` gives a conservative estimate.
+Beside it the host AdamW's rate (`adam_rate`: torch's fused fp32 kernel; `best_pass` times any
+kernel's pass, engine/momentkernel.py's for bf16 and 8-bit moments). The probe decides nothing.
 """
 
 from __future__ import annotations
@@ -190,21 +191,29 @@ def formula_layer_memory(cfg: ModelConfig, compute_bytes: int) -> LayerMemory:
     )
 
 
-def probe_layer_memory(
+def _probe_sizes(tokens: int) -> tuple[list[int], int]:
+    """The token counts a layer is probed at (`tokens` and a quarter of it) and its tile."""
+    sizes = sorted({max(128, tokens // 4), max(128, tokens)})
+    return sizes, max(32, sizes[0] // PROBE_TILES)
+
+
+def _probe_params(cfg: ModelConfig, i: int, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    layer = family_of(cfg).layer(cfg, i)
+    return {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
+
+
+def probe_untiled(
     cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int, masked: bool = False
 ) -> LayerMemory:
-    """Run one layer at `tokens` and a quarter of it (one sequence each) and measure, untiled and
-    with MLP tiles of a quarter of the smaller count: the family's template of the largest
-    full-attention layer where there is one (the largest working set: DeepSeek's expert layers,
-    not its dense first ones); `masked`: through the attention a run with packed rows or a
-    sliding window uses (a one-document block mask, the model's window)."""
+    """Run one layer untiled at `tokens` and a quarter of it (one sequence each) and measure it
+    (its tiled fields None): the family's template of the largest full-attention layer where
+    there is one (the largest working set: DeepSeek's expert layers, not its dense first ones);
+    `masked`: through the attention a run with packed rows or a sliding window uses (a
+    one-document block mask, the model's window)."""
     device = torch.device(device)
-    family = family_of(cfg)
     i = probed_layer(cfg)
-    layer = family.layer(cfg, i)
-    params = {n: (torch.randn(p.shape, device=device) * 0.02).to(dtype) for n, p in layer.named_parameters()}
-    sizes = sorted({max(128, tokens // 4), max(128, tokens)})
-    tile = max(32, sizes[0] // PROBE_TILES)
+    params = _probe_params(cfg, i, device, dtype)
+    sizes, _ = _probe_sizes(tokens)
     (t1, g1, b1, f1, _), (t2, g2, b2, f2, _), elapsed = _probe(
         cfg, i, params, device, dtype, compile, sizes, 0, masked
     )
@@ -214,7 +223,33 @@ def probe_layer_memory(
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope, fixed = _line((t1, b1), (t2, b2))
     rates = _split_rates(cfg, device, dtype, flops, 4 * 2 * t2 * t2 * q, elapsed)
-    (_, tg1, tb1, tf1, tl1), (_, tg2, tb2, tf2, tl2), _ = _probe(
+    return LayerMemory(
+        graph_per_token=max(g1 / t1, g2 / t2),
+        backward_per_token=slope,
+        backward_fixed=fixed,
+        forward_per_token=max(f1 / t1, f2 / t2),
+        flops_per_s=flops / elapsed,
+        **rates,
+    )
+
+
+def probe_tiled(
+    untiled: LayerMemory,
+    cfg: ModelConfig,
+    device,
+    dtype: torch.dtype,
+    compile: bool,
+    tokens: int,
+    masked: bool = False,
+) -> LayerMemory:
+    """`untiled` (`probe_untiled`'s) with the same layer measured with MLP tiles of a quarter of
+    the smaller count, at both counts, and with tiles four times as long at the larger one (on
+    weights of its own: its memory depends on their shapes alone)."""
+    device = torch.device(device)
+    i = probed_layer(cfg)
+    params = _probe_params(cfg, i, device, dtype)
+    sizes, tile = _probe_sizes(tokens)
+    (t1, tg1, tb1, tf1, tl1), (t2, tg2, tb2, tf2, tl2), _ = _probe(
         cfg, i, params, device, dtype, compile, sizes, tile, masked
     )
     # a third run at the larger count with tiles four times as long separates tiles from tokens
@@ -240,15 +275,7 @@ def probe_layer_memory(
         per_tile = max(per_tile, floor.tile_backward_per_token)
         fixed_loop = max(sums, tl2 - l_slope * t2 - per_tile * tile)
         tiled.update(mlp_backward_per_token=l_slope, tile_backward_per_token=per_tile, tile_fixed=fixed_loop)
-    return LayerMemory(
-        graph_per_token=max(g1 / t1, g2 / t2),
-        backward_per_token=slope,
-        backward_fixed=fixed,
-        forward_per_token=max(f1 / t1, f2 / t2),
-        flops_per_s=flops / elapsed,
-        **rates,
-        **tiled,
-    )
+    return replace(untiled, **tiled)
 
 
 def _split_rates(cfg: ModelConfig, device, dtype, flops: float, attention: float, elapsed: float) -> dict:
@@ -399,6 +426,49 @@ def measure_layer(fn, leaves, params, x, inputs, pgrads, device) -> tuple[int, i
     return graph, backward, forward, loop
 
 
+class LayerProbe:
+    """One layer measured on the device untiled (`untiled`, its tiled fields None), and with its
+    MLP tiled too only when a plan asks (`with_tiles`, which calls `measure_tiled` once): that
+    probe compiles the layer six more times, and a plan reads the tiled layer only where no
+    untiled placement fits or only a two-pass one does (placement.py's `_in_memory`)."""
+
+    def __init__(self, untiled: LayerMemory, measure_tiled: Callable[[], LayerMemory]):
+        self.untiled = untiled
+        self._measure_tiled = measure_tiled
+        self._tiled: LayerMemory | None = None
+
+    def with_tiles(self) -> LayerMemory:
+        """The layer measured untiled and tiled (measured on the first call)."""
+        if self._tiled is None:
+            self._tiled = self._measure_tiled()
+        return self._tiled
+
+
+def layer_probe_for(
+    cfg: ModelConfig,
+    device,
+    dtype: torch.dtype,
+    compile: bool | None,
+    micro_batch_tokens: int,
+    masked: bool = False,
+) -> LayerMemory | LayerProbe | None:
+    """The layer a plan of a run on `device` takes: on CUDA its probe, untiled, the tiled layer
+    measured when the plan asks (`LayerProbe`); None where no CUDA device is there to run it (the
+    plan's formula is used); on the CPU the formula, with this CPU's rate (`cpu_layer_memory`).
+    `compile` as the engine will run the layer (None: on, the CUDA default); `masked` as
+    `attention.uses_mask` says for the run's rows. Each measurement is made once per process (a
+    benchmark putting phases beside the plan asks again, a replanning search many times)."""
+    if torch.device(device).type == "cpu":
+        return cpu_layer_memory(cfg, dtype, micro_batch_tokens)
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    compile = True if compile is None else compile
+    args = (cfg, device, dtype, compile, min(micro_batch_tokens, PROBE_TOKENS), masked)
+    key = (repr(cfg), str(device), *args[2:])
+    untiled = _kept((*key, "untiled"), lambda: probe_untiled(*args))
+    return LayerProbe(untiled, lambda: _kept(key, lambda: probe_tiled(untiled, *args)))
+
+
 def layer_memory_for(
     cfg: ModelConfig,
     device,
@@ -407,23 +477,18 @@ def layer_memory_for(
     micro_batch_tokens: int,
     masked: bool = False,
 ) -> LayerMemory | None:
-    """The probe for a run on `device` (None where no CUDA device is there to run it, and the
-    plan's formula is used); `compile` as the engine will run the layer (None: on, the CUDA
-    default); `masked` as `attention.uses_mask` says for the run's rows. On the CPU: the formula,
-    with this CPU's rate (`cpu_layer_memory`)."""
-    if torch.device(device).type == "cpu":
-        return cpu_layer_memory(cfg, dtype, micro_batch_tokens)
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return None
-    compile = True if compile is None else compile
-    tokens = min(micro_batch_tokens, PROBE_TOKENS)
-    key = (repr(cfg), str(device), dtype, compile, tokens, masked)
-    if key not in _PROBED:  # a process asks again (a benchmark putting phases beside the plan)
-        _PROBED[key] = probe_layer_memory(cfg, device, dtype, compile, tokens, masked)
+    """`layer_probe_for`'s layer with its tiled fields measured (a benchmark's record of it)."""
+    layer = layer_probe_for(cfg, device, dtype, compile, micro_batch_tokens, masked)
+    return layer.with_tiles() if isinstance(layer, LayerProbe) else layer
+
+
+def _kept(key: tuple, measure: Callable[[], LayerMemory]) -> LayerMemory:
+    if key not in _PROBED:
+        _PROBED[key] = measure()
     return _PROBED[key]
 
 
-_PROBED: dict[tuple, LayerMemory] = {}  # layer_memory_for's measurements, one per layer and size
+_PROBED: dict[tuple, LayerMemory] = {}  # the layers measured, one per layer, size and variant
 
 
 def cpu_layer_memory(cfg: ModelConfig, dtype: torch.dtype, micro_batch_tokens: int) -> LayerMemory:
