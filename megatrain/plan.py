@@ -431,16 +431,15 @@ def _largest_fitting(fits, hi: int) -> int | None:
     return lo
 
 
-def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int):
+def layer_memory(model_cfg: ModelConfig, cfg, device, compute_bytes: int, quiet=contextlib.nullcontext):
     """One layer's activation memory measured on `device`, its tiled layer when a plan asks
     (`probe.LayerProbe`); None where no CUDA device is there to measure it: the formula; on the
-    CPU, the formula with this CPU's FLOP rate."""
+    CPU, the formula with this CPU's FLOP rate. `quiet`: what its timed passes run inside."""
     from .planning.probe import layer_probe_for
 
     b = batch_of(cfg, model_cfg, compute_bytes)
-    return layer_probe_for(
-        model_cfg, device, _compute_dtype(compute_bytes), cfg.torch_compile, b.micro_batch_tokens, b.masked
-    )
+    dtype = _compute_dtype(compute_bytes)
+    return layer_probe_for(model_cfg, device, dtype, cfg.torch_compile, b.micro_batch_tokens, b.masked, quiet)
 
 
 def _compute_dtype(compute_bytes: int):
@@ -459,13 +458,15 @@ def measured(
     fill: WeightsFill | None = None,
 ):
     """(machine, layer memory) a plan of `cfg` on `device` is made from: `machine_of`'s budgets,
-    completed as every plan's are (`runtime.probe_machine`, `fill` filled meanwhile), and
-    `layer_memory`."""
+    completed as every plan's are (`runtime.probe_machine`, `fill` filled meanwhile and held
+    quiet while the layer is timed), and `layer_memory`."""
     from .runtime import probe_machine
 
     return probe_machine(
         machine_of(cfg, device, world),
-        lambda: layer_memory(model_cfg, cfg, device, compute_bytes),
+        lambda: layer_memory(
+            model_cfg, cfg, device, compute_bytes, fill.gate.quiet if fill else contextlib.nullcontext
+        ),
         cfg.moments(),
         fill,
     )

@@ -24,7 +24,7 @@ from .errors import ConfigError
 from .host.disk import DiskTier
 from .host.moments import FP32, Moments, named
 from .host.state import HostState, build_units
-from .io.weights import init_random, load_hf_weights
+from .io.weights import Gate, init_random, load_hf_weights
 from .models.config import ModelConfig
 from .objectives.base import Objective
 from .objectives.cross_entropy import CrossEntropy
@@ -269,12 +269,14 @@ def weights_part(weights: str | Path | None) -> str:
     return "the weights" if weights is not None else "the random weights"
 
 
-def _fill(state: HostState, cfg: ModelConfig, weights, seed: int, progress: bool, stop=None) -> None:
+def _fill(
+    state: HostState, cfg: ModelConfig, weights, seed: int, progress: bool, gate: Gate | None = None
+) -> None:
     """The master weights: `weights` read (a Hugging Face directory, a checkpoint), else drawn."""
     if weights is not None:
-        load_hf_weights(state, weights, cfg, progress=progress, seed=seed, stop=stop)
+        load_hf_weights(state, weights, cfg, progress=progress, seed=seed, gate=gate)
     else:
-        init_random(state, cfg, seed, progress=progress, stop=stop)
+        init_random(state, cfg, seed, progress=progress, gate=gate)
 
 
 class WeightsFill:
@@ -282,8 +284,9 @@ class WeightsFill:
     probes a layer (`probe_machine`), for `build_model` (`filled`). The state needs no plan: the
     disk tier, made after it, holds only the moments, which the fill leaves alone. It is made at
     `start`, after the plan has read the host's free memory; every rank of a world maps it (a
-    collective), the one that holds it fills it. `seconds`: the fill's; `waited`: those of them
-    that `join` waited for (`beside`: the rest, hidden behind the probe)."""
+    collective), the one that holds it fills it; `gate.quiet()` holds it while the probe times
+    the layer. `seconds`: the fill's; `waited`: those of them that `join` waited for (`beside`:
+    the rest, hidden behind the probe)."""
 
     def __init__(
         self,
@@ -298,7 +301,7 @@ class WeightsFill:
         self.weights, self.seed, self.progress = weights, seed, progress
         self.state: HostState | None = None
         self.seconds = self.waited = 0.0
-        self._stop = threading.Event()
+        self.gate = Gate()  # `quiet()` for the probe's timed passes; stopped where the probe fails
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -327,7 +330,7 @@ class WeightsFill:
     def _run(self) -> None:
         t = time.monotonic()
         try:
-            _fill(self.state, self.cfg, self.weights, self.seed, self.progress, self._stop)
+            _fill(self.state, self.cfg, self.weights, self.seed, self.progress, self.gate)
         except BaseException as e:  # raised by `join`, in the thread that waits
             self._error = e
         self.seconds = time.monotonic() - t
@@ -349,7 +352,7 @@ class WeightsFill:
     def stop(self) -> None:
         """The units not begun skipped, the thread joined, the state dropped (and the fill's own
         error, if any: the caller raises its own)."""
-        self._stop.set()
+        self.gate.stop()
         if self._thread is not None:
             self._thread.join()
         self.state = None

@@ -41,7 +41,7 @@ def test_each_probe_runs_once_a_process_and_the_tiled_one_only_when_asked(monkey
     runs: list[str] = []
     untiled = probe.LayerMemory(1.0, 2.0, 3.0, 4.0, flops_per_s=5.0)
 
-    def probe_untiled(*args):
+    def probe_untiled(*args, quiet):
         runs.append("untiled")
         return untiled
 

@@ -240,8 +240,8 @@ def test_a_probe_that_fails_stops_the_fill_and_raises_its_own_error():
     stopped = threading.Event()
     filled = runtime.WeightsFill(cfg, Single(), FP32, None, 0)
 
-    def fill(state, cfg, weights, seed, progress, stop):  # a fill still under way when the probe fails
-        assert stop.wait(30)
+    def fill(state, cfg, weights, seed, progress, gate):  # a fill still under way when the probe fails
+        assert gate.wait_stopped(30)
         stopped.set()
 
     def probe():
@@ -253,9 +253,9 @@ def test_a_probe_that_fails_stops_the_fill_and_raises_its_own_error():
             runtime.probe_machine(placement.measure("cpu"), probe, FP32, filled)
     assert stopped.is_set() and filled.state is None and _weights_threads() == []
     # units not begun are skipped once stopped
-    state, stop = HostState(build_units(cfg)), threading.Event()
-    stop.set()
-    init_random(state, cfg, seed=1, stop=stop)
+    state, gate = HostState(build_units(cfg)), weights.Gate()
+    gate.stop()
+    init_random(state, cfg, seed=1, gate=gate)
     assert not state.hi.any() and not state.lo.any()
 
 
@@ -398,7 +398,7 @@ def test_weights_drawn_beside_the_cuda_probe_are_the_weights_drawn_alone():
     filled = runtime.WeightsFill(cfg, Single(), FP32, None, 4)
     machine, layer = runtime.probe_machine(
         placement.measure("cuda"),
-        lambda: layer_probe_for(cfg, "cuda", torch.bfloat16, True, 2048),
+        lambda: layer_probe_for(cfg, "cuda", torch.bfloat16, True, 2048, quiet=filled.gate.quiet),
         FP32,
         filled,
     )
@@ -407,3 +407,65 @@ def test_weights_drawn_beside_the_cuda_probe_are_the_weights_drawn_alone():
     batch = placement.Batch(2048, 1, 2048, 2, True)
     lazy = placement.plan(cfg, batch, machine, layer_mem=layer)
     assert lazy == placement.plan(cfg, batch, machine, layer_mem=layer.with_tiles())
+
+
+def test_a_quiet_gate_waits_for_the_piece_in_hand_and_holds_the_next():
+    """What the probe times runs with no piece of the fill's work beside it (`weights.Gate`)."""
+    gate, inside, release, log = weights.Gate(), threading.Event(), threading.Event(), []
+
+    def worker():
+        with gate.piece():
+            inside.set()
+            release.wait(30)
+            log.append("piece 1 ends")
+        with gate.piece():
+            log.append("piece 2")
+
+    def timed():
+        with gate.quiet():
+            log.append("quiet")
+            time.sleep(0.05)  # the worker, past piece 1, waits at piece 2's start
+            log.append("quiet ends")
+
+    threads = [threading.Thread(target=worker)]
+    threads[0].start()
+    assert inside.wait(30)
+    threads.append(threading.Thread(target=timed))
+    threads[1].start()
+    time.sleep(0.05)
+    assert log == []  # quiet waits for the piece in hand
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert log == ["piece 1 ends", "quiet", "quiet ends", "piece 2"]
+
+
+def test_the_probe_times_the_layer_with_the_fill_held(tmp_path, monkeypatch):
+    """The layer's timed pass (on the CPU, its matmul rate) runs inside the fill's `quiet`, and
+    the fill, held meanwhile, goes on after it: the same weights."""
+    from megatrain.planning import probe
+
+    cfg = ModelConfig.from_hf(tiny_config("qwen2", hidden_size=40))  # a shape no other test probes
+    filled = runtime.WeightsFill(cfg, Single(), FP32, None, 5)
+    held = []
+    rate_of = probe.cpu_matmul_rate
+
+    def rate(*args):
+        held.append(filled.gate.held)
+        return rate_of(*args)
+
+    monkeypatch.setattr(probe, "cpu_matmul_rate", rate)
+    run = _sft(tmp_path, "out")
+    runtime.probe_machine(
+        placement.measure("cpu"),
+        lambda: planning.layer_memory(cfg, run, "cpu", 4, filled.gate.quiet),
+        FP32,
+        filled,
+    )
+    assert held == [True] and not filled.gate.held
+    want = runtime.build_model(cfg, seed=5)
+    try:
+        assert torch.equal(_bits(filled.state.hi), _bits(want.state.hi))
+        assert torch.equal(filled.state.lo, want.state.lo)
+    finally:
+        want.close()

@@ -22,7 +22,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -45,12 +45,12 @@ def load_hf_weights(
     cfg: ModelConfig,
     progress=True,
     seed: int = 0,
-    stop: threading.Event | None = None,
+    gate: Gate | None = None,
 ) -> None:
     """Fill the master weights of `state` (the part of the model it holds) from a Hugging Face safetensors
     checkpoint or a partitioned checkpoint, units in parallel threads (reading, and converting to
     fp32, release the GIL). A reward model read from a causal LM's checkpoint gets a new score
-    head (`new_score`, of `seed`). `stop`, once set, skips the units not yet begun."""
+    head (`new_score`, of `seed`). `gate`: a fill beside other work (`Gate`): a tensor at a time."""
     reader = TensorReader(checkpoint_files(model_dir), model_dir)
     fresh = new_score(cfg, seed) if cfg.num_labels and SCORE not in reader.files else {}
     for key, shape in checkpoint_entries(state.units):  # all present, right shapes, before reading
@@ -61,10 +61,12 @@ def load_hf_weights(
         return fresh[key].reshape(-1)[a:b] if key in fresh else reader.get_range(key, a, b)
 
     def load(unit) -> None:  # each tensor a parameter, or one expert's block of one
-        state.load(unit, "master", tensor_entries(unit), read)
+        for entry in tensor_entries(unit):
+            with _piece(gate):
+                state.load(unit, "master", [entry], read)
 
     try:
-        _per_unit(load, state.units, "loading weights", progress, stop)
+        _per_unit(load, state.units, "loading weights", progress, gate)
     finally:
         reader.close()
 
@@ -82,10 +84,71 @@ def new_score(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 DRAW = 1 << 18
 
 
-def _per_unit(fn, units, desc: str, progress: bool, stop: threading.Event | None = None) -> None:
+class Gate:
+    """How a fill on threads of its own (runtime.WeightsFill) gives way to work beside it:
+    `stop` skips the units not begun; `quiet()` holds every worker between two pieces of work (a
+    chunk drawn, a tensor read) and begins once none is inside one, so that what it times (the
+    probe's layer) runs on a host the fill leaves alone."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._stopped = threading.Event()
+        self._held = self._busy = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    @property
+    def held(self) -> bool:
+        """Inside a `quiet()`."""
+        return self._held > 0
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped.set()
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def piece(self) -> Iterator[None]:
+        """A worker's piece of work: it waits while the gate is held quiet (not once stopped)."""
+        with self._cond:
+            while self._held and not self.stopped:
+                self._cond.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """No piece of work runs inside: the pieces in hand finish first, the next wait for its end."""
+        with self._cond:
+            self._held += 1
+            while self._busy:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+
+def _piece(gate: Gate | None):
+    return gate.piece() if gate is not None else contextlib.nullcontext()
+
+
+def _per_unit(fn, units, desc: str, progress: bool, gate: Gate | None = None) -> None:
     """fn(unit) for every unit on a thread pool, the largest first (the last to start is then a
     small one: the pool's wall time is near the units' total over its threads), with a progress
-    bar; the first error is raised; once `stop` is set, the units not begun are skipped. Each
+    bar; the first error is raised; once `gate` is stopped, the units not begun are skipped. Each
     unit's torch ops run on the cores the pool leaves per thread (one where units outnumber
     cores): a thread per unit and an OpenMP team per op would put the cores' square of threads
     on them."""
@@ -99,15 +162,15 @@ def _per_unit(fn, units, desc: str, progress: bool, stop: threading.Event | None
             ThreadPoolExecutor(workers) as pool,
             tqdm(total=len(units), desc=desc, disable=not progress, unit="unit") as bar,
         ):
-            for fut in as_completed([pool.submit(_unless, stop, fn, u) for u in order]):
+            for fut in as_completed([pool.submit(_unless, gate, fn, u) for u in order]):
                 fut.result()
                 bar.update(1)
     finally:
         torch.set_num_threads(threads)
 
 
-def _unless(stop: threading.Event | None, fn, unit) -> None:
-    if stop is None or not stop.is_set():
+def _unless(gate: Gate | None, fn, unit) -> None:
+    if gate is None or not gate.stopped:
         fn(unit)
 
 
@@ -124,7 +187,7 @@ def draw_chunks(n: int, chunk: int = DRAW) -> list[tuple[int, int]]:
 
 
 def init_random(
-    state: HostState, cfg: ModelConfig, seed: int, progress: bool = False, stop: threading.Event | None = None
+    state: HostState, cfg: ModelConfig, seed: int, progress: bool = False, gate: Gate | None = None
 ) -> None:
     """Hugging Face's initialisation: N(0, initializer_range) for linear and embedding weights,
     zeros for biases, ones for norms. Each unit draws from its own generator seeded from `seed`
@@ -132,7 +195,7 @@ def init_random(
     a parameter is drawn `DRAW` elements at a time, each split into the halves at once (the same
     numbers as drawn whole: `draw_chunks`). Other families are initialised by transformers' own
     rules (Gemma's norms are zero-centred, for one), a unit at a time (see `fills_apart`).
-    `stop`, once set, skips the units not yet begun."""
+    `gate`: a fill beside other work (`Gate`): a chunk at a time."""
     if not fills_apart(cfg, None):
         return _init_as_transformers(state, cfg, seed, progress)
     std = getattr(cfg.hf_config, "initializer_range", 0.02) or 0.02
@@ -144,16 +207,21 @@ def init_random(
             # Drawn whole, also where the state holds a part of it, so every part holds the
             # numbers the whole state would (and the generator moves on as far).
             for a, b in draw_chunks(p.numel, DRAW):
-                v = buf[: b - a]
-                if "norm" in p.name:
-                    v.fill_(1.0)
-                elif p.name.endswith("bias"):
-                    v.zero_()
-                else:
-                    v.normal_(0.0, std, generator=gen)
-                state.load(unit, "master", [(p.key, p.offset + a, (b - a,))], lambda k, i, j, v=v: v[i:j])
+                with _piece(gate):
+                    _draw(buf[: b - a], p.name, std, gen)
+                    state.load(unit, "master", [(p.key, p.offset + a, (b - a,))], lambda k, i, j: buf[i:j])
 
-    _per_unit(fill, state.units, "initialising weights", progress, stop)
+    _per_unit(fill, state.units, "initialising weights", progress, gate)
+
+
+def _draw(v: torch.Tensor, name: str, std: float, gen: torch.Generator) -> None:
+    """One chunk of parameter `name` as Hugging Face initialises it."""
+    if "norm" in name:
+        v.fill_(1.0)
+    elif name.endswith("bias"):
+        v.zero_()
+    else:
+        v.normal_(0.0, std, generator=gen)
 
 
 def fills_apart(cfg: ModelConfig, model_dir: str | Path | None) -> bool:

@@ -15,6 +15,7 @@ kernel's pass, engine/momentkernel.py's for bf16 and 8-bit moments). The probe d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from ..models.config import ModelConfig
 from ..models.decoder import set_mlp_tiles, tiled_backward_phases
 from ..models.family import family_of, templates
 
+Quiet = Callable[[], contextlib.AbstractContextManager]  # what a timed pass runs inside
 PROBE_TOKENS = 8192  # the largest token count the probe runs (it also runs a quarter of it)
 PROBE_TILES = 4  # MLP tiles in the smaller probe of the tiled layer
 # The causal attention kernel alone, timed at a length where its work dominates a layer's: at long
@@ -203,26 +205,33 @@ def _probe_params(cfg: ModelConfig, i: int, device, dtype: torch.dtype) -> dict[
 
 
 def probe_untiled(
-    cfg: ModelConfig, device, dtype: torch.dtype, compile: bool, tokens: int, masked: bool = False
+    cfg: ModelConfig,
+    device,
+    dtype: torch.dtype,
+    compile: bool,
+    tokens: int,
+    masked: bool = False,
+    quiet: Quiet = contextlib.nullcontext,
 ) -> LayerMemory:
     """Run one layer untiled at `tokens` and a quarter of it (one sequence each) and measure it
     (its tiled fields None): the family's template of the largest full-attention layer where
     there is one (the largest working set: DeepSeek's expert layers, not its dense first ones);
     `masked`: through the attention a run with packed rows or a sliding window uses (a
-    one-document block mask, the model's window)."""
+    one-document block mask, the model's window); `quiet`: what the timed passes run inside (the
+    host's other work held: runtime.WeightsFill)."""
     device = torch.device(device)
     i = probed_layer(cfg)
     params = _probe_params(cfg, i, device, dtype)
     sizes, _ = _probe_sizes(tokens)
     (t1, g1, b1, f1, _), (t2, g2, b2, f2, _), elapsed = _probe(
-        cfg, i, params, device, dtype, compile, sizes, 0, masked
+        cfg, i, params, device, dtype, compile, sizes, 0, masked, quiet
     )
     n = sum(t.numel() for t in params.values())
     n -= cfg.moe.inactive_params(cfg.hidden_size) if cfg.moe else 0  # what a token passes through
     q = cfg.attention_width
     flops = 3 * (2 * n * t2 + 2 * t2 * t2 * q) + (2 * n * t2 + 2 * t2 * t2 * q)  # + the no-grad forward
     slope, fixed = _line((t1, b1), (t2, b2))
-    rates = _split_rates(cfg, device, dtype, flops, 4 * 2 * t2 * t2 * q, elapsed)
+    rates = _split_rates(cfg, device, dtype, flops, 4 * 2 * t2 * t2 * q, elapsed, quiet)
     return LayerMemory(
         graph_per_token=max(g1 / t1, g2 / t2),
         backward_per_token=slope,
@@ -278,10 +287,18 @@ def probe_tiled(
     return replace(untiled, **tiled)
 
 
-def _split_rates(cfg: ModelConfig, device, dtype, flops: float, attention: float, elapsed: float) -> dict:
+def _split_rates(
+    cfg: ModelConfig,
+    device,
+    dtype,
+    flops: float,
+    attention: float,
+    elapsed: float,
+    quiet: Quiet = contextlib.nullcontext,
+) -> dict:
     """`dense_flops_per_s` and `attention_flops_per_s` of a layer whose `flops` (of which
     `attention` are the attention's) took `elapsed` seconds; {} where the split is not measurable."""
-    fa = attention_rate(cfg, device, dtype)
+    fa = attention_rate(cfg, device, dtype, quiet=quiet)
     rest = elapsed - attention / fa
     if rest <= 0.1 * elapsed:  # the attention alone ran slower than inside the layer: noise
         return {}
@@ -300,19 +317,23 @@ def attention_probe_tokens(cfg: ModelConfig, dtype: torch.dtype, free_bytes: int
     return max(1024, min(ATTENTION_PROBE_TOKENS, longest))
 
 
-def attention_rate(cfg: ModelConfig, device, dtype, tokens: int | None = None) -> float:
+def attention_rate(
+    cfg: ModelConfig, device, dtype, tokens: int | None = None, quiet: Quiet = contextlib.nullcontext
+) -> float:
     """FLOP/s of one causal attention's forward + backward on SDPA's kernel for `dtype`, with the
     model's heads, at `tokens` tokens in one row (default: `attention_probe_tokens`); FLOPs
     counted as costmodel.py counts a layer's (the forward 2 x tokens^2 x width, the backward
     twice that)."""
     if tokens is None:
         tokens = attention_probe_tokens(cfg, dtype, torch.cuda.mem_get_info(device)[0])
-    seconds = _attention_seconds(cfg, device, dtype, tokens)
+    seconds = _attention_seconds(cfg, device, dtype, tokens, quiet=quiet)
     torch.cuda.empty_cache()
     return 3 * 2 * tokens * tokens * cfg.attention_width / seconds
 
 
-def _attention_seconds(cfg: ModelConfig, device, dtype, tokens: int, reps: int = 3) -> float:
+def _attention_seconds(
+    cfg: ModelConfig, device, dtype, tokens: int, reps: int = 3, quiet: Quiet = contextlib.nullcontext
+) -> float:
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = cfg.attention_width // heads
     gen = torch.Generator(device=device).manual_seed(0)
@@ -328,12 +349,13 @@ def _attention_seconds(cfg: ModelConfig, device, dtype, tokens: int, reps: int =
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     once()  # kernels chosen and loaded
-    torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        once()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) / reps
+    with quiet():
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            once()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps
 
 
 def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
@@ -353,9 +375,20 @@ def probed_layer(cfg: ModelConfig) -> int:
     return max(full, key=lambda j: size[t["keys"][j]])
 
 
-def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], tile: int, masked: bool):
+def _probe(
+    cfg,
+    i: int,
+    params,
+    device,
+    dtype,
+    compile: bool,
+    sizes: list[int],
+    tile: int,
+    masked: bool,
+    quiet: Quiet = contextlib.nullcontext,
+):
     """Measure layer `i`'s template with MLP tiles of `tile` tokens (0: untiled) at each of
-    `sizes` tokens: one row per size, and the seconds of the last measurement."""
+    `sizes` tokens: one row per size, and the seconds of the last measurement (made `quiet`)."""
     family = family_of(cfg)
     layer, kind = family.layer(cfg, i), family.layer_kind(cfg, i)
     set_mlp_tiles(layer, tile)
@@ -377,10 +410,11 @@ def _probe(cfg, i: int, params, device, dtype, compile: bool, sizes: list[int], 
         one_doc = torch.zeros(1, t, dtype=torch.int64, device=device) if masked else None
         inputs = inputs_of(torch.arange(t, device=device)[None], one_doc, t, dtype, True)[kind]
         x = torch.randn(1, t, cfg.hidden_size, device=device, dtype=dtype)
-        for _ in range(2):  # the first compiles; the second is measured
-            t0 = time.perf_counter()
-            rows.append((t, *measure_layer(fn, leaves, params, x, inputs, pgrads, device)))
-            elapsed = time.perf_counter() - t0
+        for k in range(2):  # the first compiles; the second is measured
+            with quiet() if k else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                rows.append((t, *measure_layer(fn, leaves, params, x, inputs, pgrads, device)))
+                elapsed = time.perf_counter() - t0
         rows.pop(-2)
         del x, inputs
     torch.cuda.empty_cache()
@@ -451,21 +485,24 @@ def layer_probe_for(
     compile: bool | None,
     micro_batch_tokens: int,
     masked: bool = False,
+    quiet: Quiet = contextlib.nullcontext,
 ) -> LayerMemory | LayerProbe | None:
     """The layer a plan of a run on `device` takes: on CUDA its probe, untiled, the tiled layer
     measured when the plan asks (`LayerProbe`); None where no CUDA device is there to run it (the
     plan's formula is used); on the CPU the formula, with this CPU's rate (`cpu_layer_memory`).
     `compile` as the engine will run the layer (None: on, the CUDA default); `masked` as
-    `attention.uses_mask` says for the run's rows. Each measurement is made once per process (a
-    benchmark putting phases beside the plan asks again, a replanning search many times)."""
+    `attention.uses_mask` says for the run's rows; `quiet`: what the untiled probe's timed passes
+    run inside (the tiled probe runs once the plan asks, on its own). Each measurement is made once
+    per process (a benchmark putting phases beside the plan asks again, a replanning search many
+    times)."""
     if torch.device(device).type == "cpu":
-        return cpu_layer_memory(cfg, dtype, micro_batch_tokens)
+        return cpu_layer_memory(cfg, dtype, micro_batch_tokens, quiet)
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
     compile = True if compile is None else compile
     args = (cfg, device, dtype, compile, min(micro_batch_tokens, PROBE_TOKENS), masked)
     key = (repr(cfg), str(device), *args[2:])
-    untiled = _kept((*key, "untiled"), lambda: probe_untiled(*args))
+    untiled = _kept((*key, "untiled"), lambda: probe_untiled(*args, quiet=quiet))
     return LayerProbe(untiled, lambda: _kept(key, lambda: probe_tiled(untiled, *args)))
 
 
@@ -491,14 +528,17 @@ def _kept(key: tuple, measure: Callable[[], LayerMemory]) -> LayerMemory:
 _PROBED: dict[tuple, LayerMemory] = {}  # the layers measured, one per layer, size and variant
 
 
-def cpu_layer_memory(cfg: ModelConfig, dtype: torch.dtype, micro_batch_tokens: int) -> LayerMemory:
+def cpu_layer_memory(
+    cfg: ModelConfig, dtype: torch.dtype, micro_batch_tokens: int, quiet: Quiet = contextlib.nullcontext
+) -> LayerMemory:
     """A CPU run's layer: the formula's memory (nothing to measure it with), and the FLOP rate of
-    this CPU on torch's threads (`cpu_matmul_rate`, measured once per process and shape) in place
-    of a GPU's: a fixed rate missed a 2-core CPU's step time 3.5-4x."""
+    this CPU on torch's threads (`cpu_matmul_rate`, measured once per process and shape, inside
+    `quiet`) in place of a GPU's: a fixed rate missed a 2-core CPU's step time 3.5-4x."""
     tokens = min(micro_batch_tokens, CPU_PROBE_TOKENS)
     key = (repr(cfg), "cpu", dtype, tokens, torch.get_num_threads())
     if key not in _PROBED:
-        rate = cpu_matmul_rate(tokens, cfg.hidden_size, token_ffn(cfg), dtype)
+        with quiet():
+            rate = cpu_matmul_rate(tokens, cfg.hidden_size, token_ffn(cfg), dtype)
         _PROBED[key] = replace(formula_layer_memory(cfg, dtype.itemsize), flops_per_s=rate)
     return _PROBED[key]
 
