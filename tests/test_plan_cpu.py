@@ -95,20 +95,22 @@ def test_the_run_records_its_host_adamw_rate_beside_the_plans(tmp_path, capsys):
     assert re.search(r"host AdamW \d+\.\d\d G params/s in its steps \(plan \d+\.\d\d\)", line), line
 
 
-def test_a_host_cap_above_what_the_host_has_free_is_warned_of(tmp_path):
+def test_a_host_cap_above_what_the_host_has_free_is_warned_of(tmp_path, monkeypatch):
     """max_host_memory above MemAvailable: the plan trusts it (hosts whose memory grows as it is
     used need that), and a run's preflight says so in one line; at or below it, or unknown,
     nothing is said."""
+    from megatrain import plan
     from megatrain.plan import host_cap_beyond, preflight
-    from megatrain.planning.placement import host_available
 
+    free = 20 * 2**30
+    monkeypatch.setattr(plan, "host_available", lambda: free)  # MemAvailable moves as others run
     cfg = ModelConfig.from_hf(tiny_config())
-    for cap, warned in (("1000TB", True), (None, False)):
+    for cap, warned in (("1000TB", True), ("20GiB", False), (None, False)):
         run = TrainConfig(**make_run(tmp_path), output_dir=str(tmp_path / "out"), max_host_memory=cap)
         said: list[str] = []
         preflight(cfg, run, "cpu", 4, warn=said.append)
         assert [w for w in said if "max_host_memory" in w] == (
-            [f"megatrain: warning: {host_cap_beyond(1000 * 10**12, host_available())}"] if warned else []
+            [f"megatrain: warning: {host_cap_beyond(1000 * 10**12, free)}"] if warned else []
         )
 
     GiB = 2**30
