@@ -133,7 +133,8 @@ def test_checkpoint_of_two_processes_resumes_in_one_and_back(runs):
 def test_moe_aux_loss_two_processes_equal_one(tmp_path):
     """An OLMoE with the load-balancing loss on: each micro-batch's aux loss uses its own router
     counts, so two processes with half the micro-batches each give one process's losses (aux terms
-    included), gradient norms and weights."""
+    included), gradient norms and weights; the logged aux loss and expert loads are every
+    process's micro-batches', as one process logs them."""
     base = make_run(tmp_path, n=16)
     tiny_config("olmoe").save_pretrained(tmp_path / "model")  # aux loss on, coefficient 0.5
     base.update(max_steps=2, gradient_accumulation_steps=4)
@@ -142,6 +143,13 @@ def test_moe_aux_loss_two_processes_equal_one(tmp_path):
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     assert all(r["aux_loss"] > 0 for r in one if "loss" in r)
     assert_same_run(two, one, [1, 2])
+    steps = [(a, b) for a, b in zip(two, one) if "loss" in b]
+    assert len(steps) == 2
+    for a, b in steps:
+        assert a["aux_loss"] == pytest.approx(b["aux_loss"], rel=1e-6)
+        assert (a["expert_load_max"], a["expert_load_min"]) == pytest.approx(
+            (b["expert_load_max"], b["expert_load_min"]), rel=1e-6
+        )
     assert_close_weights(tensors(tmp_path / "two" / "final"), tensors(tmp_path / "one" / "final"))
 
 

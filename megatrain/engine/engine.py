@@ -694,8 +694,11 @@ class Engine:
             self.transport.fetch(unit)
 
     def aux_metrics(self) -> dict[str, float]:
-        """The last step's auxiliary-loss metrics (MoE: aux loss, expert load); empty without one."""
-        return {} if self.aux is None else self.aux.metrics()
+        """The last step's auxiliary-loss metrics (MoE: aux loss, expert load) over every rank's
+        micro-batches (a collective: every rank asks); empty without one."""
+        if self.aux is None or (totals := self.aux.totals()) is None:
+            return {}
+        return self.aux.metrics(self.collective.sum_(totals))
 
     def skip_step(self) -> None:
         """Drop this step's gradients: weights and AdamW moments stay as they were."""

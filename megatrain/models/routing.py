@@ -80,12 +80,23 @@ class RouterBalance:
         mask = self.masks[m]
         return [y, probs], [dh, w.expand(probs.shape) if mask is None else mask[:, None] * w]
 
-    def metrics(self) -> dict[str, float]:
+    def totals(self) -> torch.Tensor | None:
+        """What `metrics` reads, as sums (over processes too, where each sums its own): the
+        micro-batches' aux losses, their number, every layer's expert counts; None before a step."""
+        if not self.masks:
+            return None
+        aux = torch.stack(self.aux_losses()).sum()
+        n = torch.tensor(float(len(self.masks)), device=self.device)
+        return torch.cat([torch.stack([aux, n]), self.layer_counts.reshape(-1)])
+
+    def metrics(self, totals: torch.Tensor | None) -> dict[str, float]:
         """The aux loss (mean over micro-batches, as transformers reports it per forward) and the
         expert load: each expert's share of a layer's assignments times the number of experts, so
-        1.0 is a balanced load; the most and least loaded over all layers."""
-        if not self.masks:
+        1.0 is a balanced load; the most and least loaded over all layers. Of `totals`."""
+        if totals is None:
             return {}
-        load = self.layer_counts / self.layer_counts.sum(1, keepdim=True) * self.spec.num_experts
-        values = torch.stack([torch.stack(self.aux_losses()).mean(), load.max(), load.min()]).tolist()
+        E = self.spec.num_experts
+        counts = totals[2:].view(self.L, E)
+        load = counts / counts.sum(1, keepdim=True) * E
+        values = torch.stack([totals[0] / totals[1], load.max(), load.min()]).tolist()
         return dict(zip(("aux_loss", "expert_load_max", "expert_load_min"), values))  # one host sync
