@@ -8,7 +8,8 @@ rl/fuse.py: one q/k/v GEMM and one gate/up GEMM a layer, built from the same wei
     python bench/rollout.py --shape Q7 --rows 128 --prompt 128 --completion 256,512 --out bench/results
     python bench/rollout.py --shape Q7 --parts engine,compiled --completion 256 --layouts separate,fused
 
-Random weights in bf16, random prompts, every completion run to its limit (no end token). The
+Random weights in bf16, random prompts, every completion run to its limit (no end token; the
+`leave` part draws end tokens, its rows leaving the batch as they end against every row kept). The
 bound: a decode step reads every weight but the embedding once and each row's keys and values up
 to its length; bytes over the copy rate this GPU measured (a device-to-device copy, reads and
 writes counted) and over its 4.8 TB/s data sheet rate. Each part prints its line as it finishes;
@@ -177,6 +178,48 @@ def engine(model, cfg, rows: int, prompt: int, completion: int, ceiling: dict, c
         plan_bytes=plan)  # fmt: skip
 
 
+def leaving(model, cfg, rows: int, prompt: int, completion: int, mean: int) -> None:
+    """Completions that end: end tokens drawn at 1 in `mean` a token (a random model's near-uniform
+    distribution over the vocabulary; the lengths about geometric, a few rows to the limit), the
+    compiled engine with the ended rows leaving the batch (decode.LEAVE_AT) and keeping every row
+    to the last one's end (LEAVE_AT 0), the same prompts and streams: the same completions."""
+    from megatrain.rl import decode
+    from megatrain.rl.sampling import Warpers, row_seed
+
+    g = torch.Generator().manual_seed(0)
+    prompts = (
+        torch.randint(3, cfg.vocab_size, (rows // 8, prompt), generator=g).repeat_interleave(8, 0).tolist()
+    )
+    seeds = [row_seed(0, 1, i) for i in range(rows)]
+    stops = list(range(3, 3 + cfg.vocab_size // mean))
+    ends, rule, outs = set(stops), decode.LEAVE_AT, {}
+    for leave_at in (0.0, rule):
+        decode.LEAVE_AT = leave_at
+        try:
+            dec = decode.Decoder(model, "cuda", stops, 0, Warpers(), graphs=True, compile=True)
+            dec.sample(prompts, seeds, completion)  # compiled, captured and warmed
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = dec.sample(prompts, seeds, completion)
+            s = time.perf_counter() - t0
+        finally:
+            decode.LEAVE_AT = rule
+        outs[leave_at] = out
+        lengths = [next((i + 1 for i, t in enumerate(r) if t in ends), completion) for r in out]
+        t = dec.timing
+        widths = t["widths"] + [(t["steps"] + 1, 0)]
+        row_steps = sum((b - a) * w for (a, w), (b, _) in zip(widths, widths[1:]))
+        what = "rows leave the batch" if leave_at else "every row kept"
+        say(f"completions that end (1 in {mean} a token), compiled, {what}: {rows} rows x ({prompt} + at most "
+            f"{completion}), mean completion {sum(lengths) / rows:.0f}, longest {max(lengths)}: "
+            f"**{sum(lengths) / s:,.0f} completion tokens/s** ({s:.2f} s; {t['steps']} decode steps "
+            f"{t['decode_s']:.2f} s, {row_steps / max(t['steps'], 1):.1f} rows a step on average, "
+            f"widths {t['widths']})",
+            part="leave", leave_at=leave_at, mean_end=mean, rows=rows, prompt=prompt, completion=completion,
+            s=s, tokens=sum(lengths), tokens_per_s=sum(lengths) / s, timing=t)  # fmt: skip
+    assert outs[0.0] == outs[rule], "rows leaving the batch changed a completion"
+
+
 def profile(model, cfg, rows: int, prompt: int, span: int, compile: bool, layout: str = "separate",
             steps: int = 10) -> None:  # fmt: skip
     """Where one eager decode step's GPU time goes at `span` attended positions: the kernels'
@@ -308,6 +351,7 @@ def main() -> None:
     p.add_argument("--layouts", default="separate,fused", help="projection layouts of engine and profile")
     p.add_argument("--streamed-rows", type=int, default=128)
     p.add_argument("--streamed-completion", type=int, default=32)
+    p.add_argument("--end-every", type=int, default=128, help="leave: end tokens drawn 1 in N a token")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="rollout")
     a = p.parse_args()
@@ -335,6 +379,9 @@ def main() -> None:
                         engine(m, cfg, a.rows, a.prompt, c, ceiling, compile=True, layout=layout)
                 for compiled in [False, True] if "profile" in parts else []:
                     profile(m, cfg, a.rows, a.prompt, a.prompt + max(completions) // 2, compiled, layout)
+        if "leave" in parts:
+            with layout_of(model, cfg, "fused") as m:  # the rollout's policy
+                leaving(m, cfg, a.rows, a.prompt, max(completions), a.end_every)
         if "generate" in parts:
             generate(model, cfg, a.rows, a.prompt, completions[0])
         if "streamed" in parts:

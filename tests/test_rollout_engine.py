@@ -89,6 +89,55 @@ def test_rows_stop_at_their_end_token_and_take_padding_after():
         assert row == expect
 
 
+def ending_early(model, prompts, seeds, max_new: int) -> list[int]:
+    """End tokens that end most of the rows within their first few tokens and leave at least one
+    row to its limit (the rows' free completions searched)."""
+    free = Decoder(model, "cpu", [], 0, Warpers(**SAMPLED), graphs=False).sample(prompts, seeds, max_new)
+    for k in range(len(free) - 1, 0, -1):
+        stops = sorted({row[1] for row in free[:k]})
+        open_rows = [r for r in free if not set(r) & set(stops)]
+        if open_rows:
+            return stops
+    raise AssertionError("no end tokens leave a row open")
+
+
+def test_rows_that_end_leave_the_batch_and_the_others_sample_as_before(monkeypatch):
+    """Where at most LEAVE_AT of the rows still draw, the ended ones leave the batch: the rows
+    left keep their cache, tokens and streams, so every completion and each drawn token's log-prob
+    are those of the batch that kept every row, and `generate`'s."""
+    from megatrain.rl import decode
+
+    monkeypatch.setattr(decode, "SYNC_EVERY", 2)
+    model = model_of("llama")
+    prompts = PROMPTS * 2
+    seeds = [row_seed(0, 3, i) for i in range(len(prompts))]
+    max_new = 24
+    stops = ending_early(model, prompts, seeds, max_new)
+
+    def run(leave_at: float):
+        monkeypatch.setattr(decode, "LEAVE_AT", leave_at)
+        dec = Decoder(model, "cpu", stops, 0, Warpers(**SAMPLED), graphs=False, logps=True)
+        return dec.sample(prompts, seeds, max_new), dec.sampled_logps, dec.timing
+
+    kept, kept_logps, kept_t = run(0.0)
+    left, left_logps, left_t = run(0.5)
+    assert kept_t["widths"] == [(1, 8)] and len(left_t["widths"]) > 1  # rows left the batch
+    assert left_t["widths"][-1][1] < 8
+    assert left == kept
+    ends = [next((i + 1 for i, t in enumerate(r) if t in stops), max_new) for r in kept]
+    assert min(ends) <= 3 and max(ends) == max_new  # some ended early, one ran to its limit
+    for r, end in enumerate(ends):
+        # (fewer rows: the CPU's GEMMs may round the last bits otherwise)
+        torch.testing.assert_close(left_logps[r, :end], kept_logps[r, :end], rtol=0, atol=1e-5)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, pad_token_id=0,
+                             eos_token_id=stops, logits_processor=[RowSampler(seeds, "cpu", **SAMPLED)])  # fmt: skip
+    assert left == ref[:, width:].tolist()
+
+
 def test_the_cache_holds_every_layer_at_the_batch_width_plus_the_new_tokens():
     model = model_of("llama")
     made = []
@@ -149,6 +198,28 @@ def test_on_cuda_the_compiled_decode_samples_what_the_eager_one_does():
         for c in (False, True)
     ]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True], ids=["graphed", "compiled"])
+def test_on_cuda_rows_that_leave_the_graphed_batch_sample_what_the_kept_batch_does(monkeypatch, compile):
+    """Rows leaving a CUDA-graphed (and compiled) batch: the narrower steps' graphs are captured
+    again over the gathered buffers, and every completion is the eager batch's that kept all rows
+    (fp32)."""
+    from megatrain.rl import decode
+
+    monkeypatch.setattr(decode, "SYNC_EVERY", 2)
+    model = model_of("llama")
+    prompts, seeds = PROMPTS * 2, [row_seed(0, 3, i) for i in range(8)]
+    stops = ending_early(model, prompts, seeds, 24)
+    monkeypatch.setattr(decode, "LEAVE_AT", 0.0)
+    kept = Decoder(model.to("cuda"), "cuda", stops, 0, Warpers(**SAMPLED), graphs=False).sample(
+        prompts, seeds, 24
+    )
+    monkeypatch.setattr(decode, "LEAVE_AT", 0.5)
+    dec = Decoder(model, "cuda", stops, 0, Warpers(**SAMPLED), graphs=True, compile=compile)
+    assert dec.sample(prompts, seeds, 24) == kept
+    assert len(dec.timing["widths"]) > 1
 
 
 def test_a_decode_step_that_does_not_compile_is_sampled_eagerly(monkeypatch):

@@ -6,7 +6,9 @@ width + max_new_tokens - 1, the rows left-padded); one batched prefill of the di
 step per new token for every row at once. Each row's token is drawn on the device from its own
 stream (sampling.draw at sampling.device_uniforms), so a completion depends on its prompt, seed
 and the weights alone. A row that has drawn an end token takes padding from then on; the host
-looks every SYNC_EVERY steps whether every row has ended.
+looks every SYNC_EVERY steps which rows are still drawing, and where at most LEAVE_AT of the
+batch's rows are, the ended ones leave it (`_State.leave`: the live rows' cache, tokens and
+streams gathered to the front, the later steps that many rows wide).
 
 Attention goes through a function of this module registered with transformers
 (`ATTENTION`): the model's own layers, projections (the rollout's policy fuses q/k/v and gate/up,
@@ -36,7 +38,8 @@ from .sampling import Warpers, device_uniforms, draw
 
 ATTENTION = "megatrain_rollout"  # the attention implementation the engine's model runs with
 SPAN_BLOCK = 128  # decode steps attend to the filled cache rounded up to this: one graph each
-SYNC_EVERY = 16  # decode steps between the host's checks whether every row has ended
+SYNC_EVERY = 16  # decode steps between the host's checks of which rows have ended
+LEAVE_AT = 0.5  # the ended rows leave the batch where at most this share of its rows still draws
 
 # The forward in progress, for the attention function (a plain holder, which the compiler traces).
 _current: list[_Forward] = []
@@ -95,7 +98,8 @@ class KVCache(Cache):
         return self.seen
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.keys, self.values) for t in d.values())
+        """The buffers' bytes (as allocated: rows that left the batch still hold theirs)."""
+        return sum(t.untyped_storage().nbytes() for d in (self.keys, self.values) for t in d.values())
 
 
 @dataclass
@@ -212,8 +216,9 @@ class Decoder:
             s.prefill(prompts, width)
             self._sync()
             t1 = time.perf_counter()
-            graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by span, at the batch's current rows
             pool = torch.cuda.graph_pool_handle() if self.graphs else None
+            widths = [(1, rows)]  # (the decode step from which, rows in the batch)
             for n in range(1, max_new):
                 cache.span = min(length, -(-(width + n) // SPAN_BLOCK) * SPAN_BLOCK)
                 if not self.graphs:
@@ -226,13 +231,19 @@ class Decoder:
                     graphs[cache.span] = s.capture(pool)
                     capture_s += time.perf_counter() - c0
                 cache.seen, steps = width + n, n
-                if n % SYNC_EVERY == 0 and bool(s.done.all()):
-                    break
+                if n % SYNC_EVERY == 0:
+                    live = (~s.done).nonzero().squeeze(1)
+                    if len(live) == 0:
+                        break
+                    if len(live) <= LEAVE_AT * cache.rows:
+                        s.leave(live)
+                        graphs.clear()  # captured over the wider buffers
+                        widths.append((n + 1, len(live)))
             out = s.out.cpu()
             self.sampled_logps = s.logps.cpu() if s.logps is not None else None
         self.timing = {"prefill_s": t1 - t0, "capture_s": capture_s, "graphs": len(graphs),
                        "decode_s": time.perf_counter() - t1 - capture_s, "steps": steps,
-                       "cache_bytes": cache.nbytes()}  # fmt: skip
+                       "cache_bytes": cache.nbytes(), "widths": widths}  # fmt: skip
         del graphs, s, cache
         return out.tolist()
 
@@ -253,7 +264,9 @@ class _State:
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.drawn = torch.zeros(1, dtype=torch.long, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.rows = torch.arange(rows, device=device)  # the sampled row each row of the batch is
         self.out = torch.full((rows, max_new), dec.pad_id, dtype=torch.long, device=device)
+        self.compact = False  # rows have left: the decode step is not the compiled one's shape
         # Each drawn token's log-prob under the warped distribution it was drawn from (vLLM's
         # processed logprobs: the stale sampler's, for its correction in the loss).
         self.logps = torch.zeros(rows, max_new, device=device) if dec.logps else None
@@ -276,10 +289,11 @@ class _State:
         u = device_uniforms(self.seeds, self.drawn)
         warped = self.dec.warpers(logits)
         token = draw(warped, u)
+        at = (self.rows, self.drawn.expand(len(self.rows)))
         if self.logps is not None:
-            self.logps.index_copy_(1, self.drawn, token_logps(warped, token)[:, None])
+            self.logps.index_put_(at, token_logps(warped, token))
         token = torch.where(self.done, self.dec.pad_id, token)
-        self.out.index_copy_(1, self.drawn, token[:, None])
+        self.out.index_put_(at, token)
         self.done |= torch.isin(token, self.dec.stops)
         self.tokens.copy_(token[:, None])
         self.positions += 1
@@ -309,7 +323,7 @@ class _State:
 
     def decode(self) -> None:
         """One token for every row."""
-        if self.dec.compile:
+        if self.dec.compile and not self.compact:
             capturing = self.dec.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             # (a graph captures a step that already ran plainly)
             counters = None if capturing else [t.clone() for t in self._moving()]
@@ -326,6 +340,21 @@ class _State:
                 warnings.warn(f"rollout_compile: the decode step did not compile, sampling eagerly "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})", stacklevel=2)  # fmt: skip
         self._step()
+
+    def leave(self, live: torch.Tensor) -> None:
+        """The batch narrowed to the rows `live` (ascending): their cache rows gathered to the
+        front of each layer's buffers (one layer's live rows copied at a time), their tokens,
+        positions, padding and streams with them; the ended rows' tokens stay where they were
+        drawn. The narrower steps run as they are, not compiled (the compiled step is one shape's;
+        its CUDA graphs are captured again at the new width)."""
+        cache, n = self.cache, len(live)
+        for d in (cache.keys, cache.values):
+            for layer, t in d.items():
+                d[layer] = t[:n].copy_(t.index_select(0, live))
+        cache.rows = n
+        for name in ("tokens", "positions", "pad", "seeds", "done", "rows"):
+            setattr(self, name, getattr(self, name).index_select(0, live))
+        self.compact = True
 
     def _moving(self) -> list[torch.Tensor]:
         """What a step moves on rather than overwrites."""
