@@ -88,14 +88,16 @@ def md_table(records: list[dict[str, Any]]) -> str:
 def write_once(out: str, name: str, title: str, meta: dict[str, Any], rows: list[dict], table: str,
                key: str = "rows", stamp: str | None = None) -> str:  # fmt: skip
     """`<out>/<minute>_<name>.json` (meta, and the rows under `key`) and `.md` (title, meta,
-    table); exits naming the file instead where either exists: nothing is overwritten. `stamp`:
-    the minute (default now, as `%Y-%m-%d_%H%M`). Returns the path without suffix."""
+    table; the date first where meta has none); exits naming the file instead where either
+    exists: nothing is overwritten. `stamp`: the minute (default now, as `%Y-%m-%d_%H%M`).
+    Returns the path without suffix."""
     os.makedirs(out, exist_ok=True)
     stamp = stamp or datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
     stem = os.path.join(out, stamp + "_" + name)
     for path in (stem + ".json", stem + ".md"):
         if os.path.exists(path):
             sys.exit(f"{path} exists; nothing is overwritten")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta}
     with open(stem + ".json", "w") as f:
         json.dump({**meta, key: rows}, f, indent=1)
     with open(stem + ".md", "w") as f:

@@ -163,7 +163,10 @@ def main() -> None:
         print(rec["profile"])
     if "error" in rec:
         print(rec["error"], file=sys.stderr)
-    meta = {"shape": args.shape, "layers": shape["layers"], "device": args.device, "mode": args.mode,
+    import torch  # (after the run: the run's own imports are timed in its process)
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    meta = {"shape": args.shape, "layers": shape["layers"], "device": f"{args.device} ({gpu})", "mode": args.mode,
             "command": "python bench/startup.py " + " ".join(sys.argv[1:])}  # fmt: skip
     stem = write_once(args.out, args.tag, "Time to the first step", meta, [rec], table(rec))
     print(f"wrote {stem}.json and .md")

@@ -670,12 +670,14 @@ def test_tiled_layer_memory_is_what_the_probe_predicts():
     from torch.func import functional_call
 
     from megatrain.models.decoder import DecoderLayer, rope_cos_sin, rope_inv_freq
-    from megatrain.planning.probe import measure_layer, probe_layer_memory
+    from megatrain.planning.probe import measure_layer, probe_tiled, probe_untiled
 
     cfg = _cfg(
         "llama", hidden_size=2048, intermediate_size=7168, num_attention_heads=16, num_key_value_heads=4
     )
-    lm = probe_layer_memory(cfg, "cuda", torch.bfloat16, True, 8192)
+    lm = probe_tiled(
+        probe_untiled(cfg, "cuda", torch.bfloat16, True, 8192), cfg, "cuda", torch.bfloat16, True, 8192
+    )
     T, tile = 32768, 2048
     inv, scale = rope_inv_freq(cfg)
     cos, sin = rope_cos_sin(inv.cuda(), scale, torch.arange(T, device="cuda")[None], torch.bfloat16)

@@ -197,3 +197,32 @@ def test_the_checks_can_fail():
         layer("megatrain.engine.engine") > layer("megatrain.planning.placement") > layer("megatrain.models")
     )
     assert layer("megatrain.metrics") == 0 and layer("megatrain.trainer") == len(LAYERS) - 1
+
+
+def _missing_names(source: str) -> list[str]:
+    """The `from megatrain... import name` lines of `source` naming what the package lacks."""
+    import importlib.util
+
+    missing = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").startswith("megatrain")
+        ):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                submodule = hasattr(module, "__path__") and importlib.util.find_spec(name)
+                if not hasattr(module, alias.name) and not submodule:
+                    missing.append(f"line {node.lineno}: {node.module}.{alias.name}")
+    return missing
+
+
+def test_every_name_the_tests_import_exists():
+    """The GPU tests run only on a GPU: a name they import that the package renamed or removed is
+    caught here, on the CPU, not on the next device run."""
+    tests = Path(__file__).parent
+    missing = {f.name: m for f in sorted(tests.glob("*.py")) if (m := _missing_names(f.read_text()))}
+    assert not missing, missing
+    assert _missing_names("def f():\n    from megatrain.planning.probe import probe_layer_memory\n")
