@@ -3,14 +3,16 @@ under one name (the transport names its worker; OpenMP threads started from it i
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatrain.engine import clipadam
+from megatrain.engine import clipadam, osthreads
 from megatrain.engine.osthreads import OPTIMIZER_THREAD, name_os_thread
 from megatrain.host.split import split
 
@@ -98,3 +100,22 @@ def test_clipadams_threads_take_the_optimizers_name_whichever_thread_starts_them
     born = {tid: name for tid, (name, *_) in after.items() if tid not in before}
     assert born and set(born.values()) == {OPTIMIZER_THREAD}, born
     assert len(born) <= 3  # the pool's threads, at most one for each part
+
+
+@pytest.mark.skipif(not LINUX, reason="/proc/self/task is Linux's")
+def test_every_optimizer_thread_is_started_and_named_before_its_first_call(monkeypatch):
+    """A thread slow to start (here each a little slower than the last) lets the first take every
+    job: the pool's threads still all start, and all under the optimizer's name, before `run`
+    returns."""
+    started = itertools.count()
+
+    def slowly(name):
+        time.sleep(0.05 * next(started))
+        return name_os_thread(name)
+
+    monkeypatch.setattr(osthreads, "name_os_thread", slowly)
+    threads = osthreads.OptimizerThreads("megatrain-test")
+    before = _sched.snapshot()
+    threads.run(4, lambda: None)
+    born = {tid: name for tid, (name, *_) in _sched.snapshot().items() if tid not in before}
+    assert len(born) == 4 and set(born.values()) == {OPTIMIZER_THREAD}, born

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..host.split import Halves, split, to_bf16
 from ..planning.planspec import KERNEL_TAIL
 from .cbuild import Unavailable, build
-from .osthreads import OPTIMIZER_THREAD, name_os_thread
+from .osthreads import OptimizerThreads
 
 # The CPU code torch dispatches to where the forms were found (AVX512; AVX2 is left to the check);
 # elsewhere the kernel is not used.
@@ -257,8 +256,7 @@ class ClipAdamW:
         self._halves.argtypes, self._halves.restype = [ptr, ptr, ptr, i64], None
         self._round_trips = self._lib.round_trips
         self._round_trips.argtypes, self._round_trips.restype = [ctypes.c_uint32, i64], i64
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
+        self._threads = OptimizerThreads("megatrain-clipadam")
 
     def step(
         self,
@@ -287,7 +285,7 @@ class ClipAdamW:
             self._fn(*head, n, n, *args)
             return
         block = BLOCK or -(-n // parts // 64) * 64
-        self._run(parts, self._fn, *head, block, n, *args)
+        self._threads.run(parts, self._fn, *head, block, n, *args)
 
     def rows(
         self,
@@ -339,27 +337,7 @@ class ClipAdamW:
         hyper = _hyper(coef, lr, step, betas, eps, weight_decay)
         block = max(1, BLOCK // width)
         parts = max(1, min(threads, n * width // MIN_PER_THREAD))
-        self._run(parts, self._rows, *head, block, n, width, *hyper)
-
-    def _run(self, parts: int, fn, *args) -> None:
-        """`fn(*args)` on `parts` threads of the pool at once (the caller's alone for one)."""
-        if parts == 1:
-            fn(*args)
-            return
-        if self._pool is None or self._workers < parts:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool, self._workers = (
-                ThreadPoolExecutor(
-                    parts,
-                    thread_name_prefix="megatrain-clipadam",
-                    initializer=name_os_thread,  # the host optimizer's, whichever thread starts them
-                    initargs=(OPTIMIZER_THREAD,),
-                ),
-                parts,
-            )
-        for job in [self._pool.submit(fn, *args) for _ in range(parts)]:
-            job.result()
+        self._threads.run(parts, self._rows, *head, block, n, width, *hyper)
 
     def halves(self, x: torch.Tensor) -> Halves:
         """The halves of contiguous fp32 `x`, as the kernel makes them."""

@@ -28,7 +28,6 @@ import ctypes
 import logging
 import math
 import platform
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -38,7 +37,7 @@ from ..planning.probe import best_pass
 from . import moments as low
 from .cbuild import Unavailable, build
 from .clipadam import HALVES, check_halves
-from .osthreads import OPTIMIZER_THREAD, name_os_thread
+from .osthreads import OptimizerThreads
 
 log = logging.getLogger(__name__)
 
@@ -359,8 +358,7 @@ class MomentKernel:
         self._lib.q8_span.restype = self._lib.bf16_span.restype = None
         signed, unsigned = (low.dynamic_map(s) for s in (True, False))
         self._tables = (signed, unsigned, lookup(signed), lookup(unsigned))
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
+        self._threads = OptimizerThreads("megatrain-moments")
 
     def step(
         self,
@@ -407,25 +405,7 @@ class MomentKernel:
             fn, args = self._lib.bf16_span, (*head, *tail)
         else:
             raise ValueError("the kernel steps 8-bit moments or two bf16 moments")
-        self._run(max(1, min(threads, n // MIN_PER_THREAD)), fn, *args)
-
-    def _run(self, parts: int, fn, *args) -> None:
-        """`fn(*args)` on `parts` threads at once (the caller's alone for one)."""
-        if parts == 1:
-            fn(*args)
-            return
-        if self._pool is None or self._workers < parts:
-            if self._pool is not None:
-                self._pool.shutdown()
-            self._pool = ThreadPoolExecutor(
-                parts,
-                thread_name_prefix="megatrain-moments",
-                initializer=name_os_thread,
-                initargs=(OPTIMIZER_THREAD,),
-            )
-            self._workers = parts
-        for job in [self._pool.submit(fn, *args) for _ in range(parts)]:
-            job.result()
+        self._threads.run(max(1, min(threads, n // MIN_PER_THREAD)), fn, *args)
 
 
 def check_cases(device: str | torch.device = "cpu"):
