@@ -42,6 +42,21 @@ def beyond_positions(length: int, model_cfg: ModelConfig) -> str | None:
     )
 
 
+def shared_prompts_refused(cfg, model_cfg: ModelConfig) -> str | None:
+    """Why `share_prompts` cannot lay out this model's rows (data/shared.py; None: it can):
+    a window counts positions along the row, which the layout moves; a load-balancing loss
+    counts every token of every row; images are not in the layout."""
+    if not cfg.share_prompts:
+        return None
+    if any(model_cfg.windows):
+        return "share_prompts: the model's sliding-window attention counts along the row, which it reorders"
+    if model_cfg.moe is not None and model_cfg.moe.balance_loss:
+        return "share_prompts: the experts' load-balancing loss counts each row's prompt tokens"
+    if model_cfg.vision is not None:
+        return "share_prompts: not built for images"
+    return None
+
+
 def config_warnings(cfg, model_cfg: ModelConfig) -> list[str]:
     """Settings that are legal but probably not what was meant, known from the config and the
     model alone (`megatrain plan` prints them too)."""

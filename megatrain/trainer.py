@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import STARTED
-from .checks import check_outputs, run_warnings
+from .checks import check_outputs, run_warnings, shared_prompts_refused
 from .config import TrainConfig, parse_size, warmup_of
 from .data import Batcher, load_tokenizer, pad_token_id
 from .data.prompts import prompt_samples
@@ -241,6 +241,8 @@ def _check_inputs(
     )
     if reward_funcs is not None:  # what each built-in reads, in every prompt, before step one
         rewards.check_columns(reward_funcs, prompts + (evaluator.prompts or []))
+    if why := shared_prompts_refused(cfg, model_cfg):
+        raise ConfigError(why)
     warmup = warmup_of(cfg, total_steps)
     for warning in run_warnings(cfg, model_cfg, total_steps, warmup):
         say(f"megatrain: warning: {warning}")

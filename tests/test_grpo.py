@@ -338,6 +338,7 @@ CASES = [
     dict(num_iterations=2, beta=0.04, temperature=0.7, learning_rate=LR_AGAIN),
     dict(steps_per_generation=2 * GA),
     dict(steps_per_generation=2 * GA, loss_type="bnpo", scale_rewards="batch"),
+    dict(share_prompts=True, loss_type="grpo", num_iterations=2, beta=0.04, learning_rate=LR_AGAIN),
     dict(generation_batch_size=2 * B * GA, num_iterations=2, beta=0.04, loss_type="grpo", learning_rate=LR_AGAIN),
     dict(steps_per_generation=1, scale_rewards="batch"), dict(steps_per_generation=1, num_iterations=2),
     dict(steps_per_generation=3), dict(steps_per_generation=3, loss_type="dr_grpo", beta=0.04),
@@ -702,6 +703,7 @@ def test_a_failing_reward_function_is_one_line(setup):
         (dict(num_iterations=0), "num_iterations: must be >= 1"),
         (dict(num_generations_eval=0), r"^num_generations_eval: must be >= 1 \(got 0\)$"),
         (dict(loss_type="sigmoid"), "loss_type: must be one of dapo"),
+        (dict(share_prompts=True, stage="sft"), "^share_prompts: shares the prompts of sampled completions"),
     ],
 )
 def test_bad_settings_are_one_line_and_nothing_is_written(setup, kw, match):
@@ -1022,3 +1024,35 @@ def test_on_cuda_the_policy_reads_device_resident_units_on_the_device(setup, mon
     monkeypatch.setattr(rollout_module.Rollout, "_on_device", checked)
     run(tmp_path, max_steps=3, device="cuda", compute_dtype="float32")  # gpu_state auto: resident state
     assert len(seen) == 3 and seen[-1] > 0
+
+
+@pytest.mark.parametrize("kw", [{}, dict(loss_type="bnpo", beta=0.04), dict(steps_per_generation=1)], ids=str)
+def test_shared_prompts_train_as_separate_rows(setup, kw):
+    """`share_prompts`: each prompt through the layers once for its completions of the step,
+    against each completion's row of its own: the same completions, the losses, the gradient
+    norms and the final weights equal to rounding."""
+    tmp_path, _ = setup
+    records, rollouts, final = run(tmp_path, "rows", **kw)
+    shared, shared_rollouts, shared_final = run(tmp_path, "shared", share_prompts=True, **kw)
+    assert [r["completion_ids"] for r in shared_rollouts] == [r["completion_ids"] for r in rollouts]
+    got, want = [r for r in shared if "loss" in r], [r for r in records if "loss" in r]
+    assert len(got) == len(want) == STEPS
+    for a, b in zip(got, want):
+        for k in ("loss", "grad_norm", "entropy", "clip_ratio/region_mean"):
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    for k in final:
+        torch.testing.assert_close(shared_final[k], final[k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(shared_final[k], final[k]) for k in final)  # another order of sums
+
+
+def test_shared_prompts_are_refused_where_the_layout_would_change_the_arithmetic(setup):
+    """A sliding window counts along the row, which the shared layout reorders: one line,
+    nothing written."""
+    tmp_path, tok = setup
+    tiny_hf_model(
+        "mistral", seed=0, num_hidden_layers=2, vocab_size=len(tok), sliding_window=8
+    ).save_pretrained(tmp_path / "windowed")
+    tok.save_pretrained(tmp_path / "windowed")
+    with pytest.raises(ConfigError, match="^share_prompts: the model's sliding-window attention"):
+        run(tmp_path, model_name_or_path=str(tmp_path / "windowed"), share_prompts=True)
+    assert not (tmp_path / "out").exists()

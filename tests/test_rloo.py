@@ -266,6 +266,7 @@ CASES = [
     dict(mask_truncated_completions=True, normalize_advantages=True, reward_clip_range=[-0.9, 0.0]),
     dict(reward_funcs=["test_rloo:sometimes"], reward_weights=[-0.05]),
     dict(steps_per_generation=2 * GA, temperature=0.7, epsilon_high=0.28),
+    dict(share_prompts=True, num_iterations=2, learning_rate=LR_AGAIN),  # each prompt once in the layers
 ]  # fmt: skip
 
 

@@ -24,7 +24,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, S] int64
     labels: torch.Tensor  # [B, S] int64
     position_ids: torch.Tensor | None = None  # [B, S] int64; default arange(S)
-    document_ids: torch.Tensor | None = None  # [B, S] int64; packing only
+    document_ids: torch.Tensor | None = None  # [B, S] int64; packing only ([B, S, 2]: data/shared.py)
     attention_mask: torch.Tensor | None = None
     """[B, S] 1 for real tokens, 0 for padding, as transformers' `attention_mask`; None: no
     padding. Attention needs none (pads only ever follow real tokens, which never see them);
@@ -44,6 +44,11 @@ class MicroBatch:
     """[B, S, k] float32, aligned with `shifted_labels` (value t belongs to the token predicted at
     position t): per-token values an objective reads (grpo: the sampling and reference policies'
     log-probs); None where there are none."""
+
+    prompt_lengths: list[int] | None = None
+    """Each row's prompt length where its first tokens are a prompt the loss takes nothing on,
+    which the rows of the same prompt may share in the layers (data/shared.py; GRPO's, RLOO's);
+    None: no row shares."""
 
     images: dict[str, torch.Tensor] | None = None
     """A vision-language model's image inputs, as its processor gives them for the micro-batch's

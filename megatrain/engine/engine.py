@@ -33,6 +33,7 @@ import torch
 from torch.func import functional_call
 
 from ..data.batch import MicroBatch
+from ..data.shared import SharedPrompts, share_prompts
 from ..determinism import sorted_sums
 from ..host.state import HostState, Unit, unit_views
 from ..models.compiling import compiled
@@ -243,13 +244,36 @@ class Engine:
         into = into.split([i.numel() for i in ids])
         return rows, [j.view(mb.input_ids.shape) for j, mb in zip(into, micro_batches)]
 
-    def _prepare_all(self, micro_batches: list[MicroBatch]) -> tuple[list[_Prepared], torch.Tensor | None]:
-        """Each micro-batch on the device, and the rows of the embedding they look up (None: the
-        whole table is fetched)."""
+    def _prepare_all(
+        self, micro_batches: list[MicroBatch], targets: bool = True
+    ) -> tuple[list[_Prepared], torch.Tensor | None]:
+        """Each micro-batch on the device (with the objective's targets, unless `targets` is
+        false: a shared layout's, data/shared.py), and the rows of the embedding they look up
+        (None: the whole table is fetched)."""
         rows, into = self._looked_up(micro_batches)
-        return [self._prepare(mb, j) for mb, j in zip(micro_batches, into)], rows
+        return [self._prepare(mb, j, targets) for mb, j in zip(micro_batches, into)], rows
 
-    def _prepare(self, mb: MicroBatch, row_ids: torch.Tensor | None = None) -> _Prepared:
+    def _shared(self, micro_batches: list[MicroBatch]) -> SharedPrompts | None:
+        """The step's layout with each shared prompt once in the layers, where the objective asks
+        for it and the update is layer-major (None: the micro-batches as they are)."""
+        if not self.objective.shares_prompts or self.plan.update_order == "micro_batch":
+            return None
+        shared = share_prompts(micro_batches)
+        return None if shared is None else shared.to(self.device)
+
+    def _prepare_step(self, micro_batches: list[MicroBatch]):
+        """(the layers' micro-batches on the device, the embedding's rows, the loss's targets,
+        the shared layout or None)."""
+        shared = self._shared(micro_batches)
+        if shared is None:
+            prep, rows = self._prepare_all(micro_batches)
+            return prep, rows, [p.targets for p in prep], None
+        prep, rows = self._prepare_all(shared.compute, targets=False)
+        return prep, rows, [self.objective.targets(mb, self.device) for mb in micro_batches], shared
+
+    def _prepare(
+        self, mb: MicroBatch, row_ids: torch.Tensor | None = None, targets: bool = True
+    ) -> _Prepared:
         dev = self.device
         ids = mb.input_ids.to(dev, non_blocking=True)
         B, S = ids.shape
@@ -266,7 +290,7 @@ class Engine:
         seen = {"image_mask": mask} if self.vision is not None else {}  # Gemma 3's masks read it
         return _Prepared(
             ids=ids,
-            targets=self.objective.targets(mb, dev),
+            targets=self.objective.targets(mb, dev) if targets else None,
             inputs=self.inputs(pos, doc, S, self.dtype, self.flex_masks, **seen),
             row_ids=None if row_ids is None else row_ids.to(dev, non_blocking=True),
             images=images,
@@ -379,13 +403,13 @@ class Engine:
             g_W = g_views[self.head.lm_weight_name]
         return Head(self.head, params, W, self.loss_chunk_tokens, g_views, g_W, self.compile), grads
 
-    def _head_loss_backward(self, h: list[torch.Tensor], prep: list[_Prepared], n_tokens: int, bound=None):
+    def _head_loss_backward(self, h: list[torch.Tensor], targets: list, n_tokens: int, bound=None):
         """Loss (the objective's, over `n_tokens`: its count over the step) and its gradient w.r.t.
         each micro-batch's last hidden state, through the chunked loss head bound now
         (`_bound_head`) or, micro-batch-major, the step's `bound` (head, buffers), which each
         micro-batch's call continues. Returns the loss, the gradients and the units' buffers."""
         head, grads = bound or self._bound_head()
-        loss, dh = self.objective.loss_and_grads(head, h, [p.targets for p in prep], n_tokens)
+        loss, dh = self.objective.loss_and_grads(head, h, targets, n_tokens)
         return loss, dh, grads
 
     def _fetch_parked(self, s):
@@ -488,7 +512,7 @@ class Engine:
                 xs.append(x)
                 ys.append(y)
             bound = bound or self._bound_head()
-            loss, (dh,), head_grads = self._head_loss_backward([h], [p], n_tokens, bound)
+            loss, (dh,), head_grads = self._head_loss_backward([h], [p.targets], n_tokens, bound)
             del h
             if m == last:  # the head's gradient is complete
                 loss = self._step_loss(loss)
@@ -578,14 +602,15 @@ class Engine:
             raise ValueError("optimizer step has no label tokens (all labels are -100)")
         self._norms, self._pending = {}, None
         self.transport.discard()
-        prep, rows = self._prepare_all(micro_batches)
-        self._begin_parking(micro_batches)
+        prep, rows, targets, shared = self._prepare_step(micro_batches)
+        compute = micro_batches if shared is None else shared.compute
+        self._begin_parking(compute)
         if self.aux is not None:  # padding is left out of the aux loss
-            masks = [mb.attention_mask for mb in micro_batches]
+            masks = [mb.attention_mask for mb in compute]
             self.aux.begin([None if a is None else a.to(self.device).reshape(-1).float() for a in masks])
         if self.plan.update_order == "micro_batch" and prep:
             return self._micro_batch_major(prep, rows, n_tokens), n_tokens
-        return self._layer_major(prep, rows, n_tokens), n_tokens
+        return self._layer_major(prep, rows, n_tokens, targets, shared), n_tokens
 
     def _step_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's loss from the objective's, once every micro-batch's forward is done: a
@@ -595,17 +620,25 @@ class Engine:
         self.collective.sum_(loss)
         return loss
 
-    def _layer_major(self, prep: list[_Prepared], rows, n_tokens: int) -> torch.Tensor:
+    def _layer_major(
+        self, prep: list[_Prepared], rows, n_tokens: int, targets: list, shared=None
+    ) -> torch.Tensor:
         """The layer-major update: the forward sweep, the loss head over every micro-batch, then
-        (as the gradient mode says) the backward sweep, a norm-only one, or none until `step`."""
+        (as the gradient mode says) the backward sweep, a norm-only one, or none until `step`.
+        With a `shared` layout the sweeps run over its micro-batches (`prep`) and the head over
+        the loss's (`targets`), the last hidden states and their gradients mapped between them."""
         mode = self.plan.grad_mode
         order = self._forward_order()
         if mode != "immediate":
             order += self._backward_order()
         self.transport.begin(order, rows)
         h, saved = self._forward_sweep(prep, keep=True, rows=rows)
-        loss, dh, head_grads = self._head_loss_backward(h, prep, n_tokens)
+        if shared is not None:
+            h = shared.to_loss(h)  # the layers' last hidden states freed as the loss rows' are made
+        loss, dh, head_grads = self._head_loss_backward(h, targets, n_tokens)
         del h
+        if shared is not None:
+            dh = shared.to_compute(dh, [p.ids for p in prep])
         loss = self._step_loss(loss)
         head = self.head_unit
         # Reduced over ranks now (this rank's piece of it); the tied embedding's share with its unit.
@@ -737,11 +770,11 @@ class Engine:
         if self._pending is not None:
             # Its boundary activations are still on the device, and the plan has no room for two.
             raise RuntimeError("a forward pass inside an optimizer step: call it after step() or skip_step()")
-        prep, rows = self._prepare_all(micro_batches)
+        prep, rows, targets, shared = self._prepare_step(micro_batches)
         self.transport.begin(self._forward_order(), rows)
         h, _ = self._forward_sweep(prep, keep=False, rows=rows)
         head = Head(self.head, *self._head_params(), self.loss_chunk_tokens, compile=self.compile)
-        return fn(head, h, [p.targets for p in prep])
+        return fn(head, h if shared is None else shared.to_loss(h), targets)
 
     @torch.no_grad()
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Causal self-attention for plain, packed and sliding-window batches: one rule, three kernels.
 
 The rule: a token attends to itself and earlier tokens of the same document (packed rows carry
-`document_ids`), at most `sliding_window - 1` positions back (Mistral); a vision-language model's
+`document_ids`; rows whose documents share a prefix carry a pair a token, its document and the
+one it also reads, `shared_prefix_ids`), at most `sliding_window - 1` positions back (Mistral); a vision-language model's
 image tokens also attend to every token of their own image, later ones too (Gemma 3's `groups`,
 transformers' blockwise overlay: the window still bounds how far back). How it is applied:
 * no documents, no window shorter than the row: SDPA's `is_causal` (the flash kernel on CUDA);
@@ -75,8 +76,24 @@ def image_groups(image_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(image_mask, start.long().cumsum(1) - 1, -1)
 
 
+def shared_prefix_ids(document: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+    """Document ids [B, S, 2] of rows whose documents share a prefix: each token's document
+    (`document`, [B, S], ids >= 0) and the document it also reads (`reads`, an earlier one: its
+    shared prefix; -1: none). A completion packed after its prompt's tokens, shared with the
+    other completions of the prompt, reads the prompt's document (data/shared.py)."""
+    return torch.stack([document, reads], -1)
+
+
+def _split(document_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(each token's document, the document it also reads or None) of [B, S] or [B, S, 2] ids."""
+    if document_ids is None or document_ids.dim() == 2:
+        return document_ids, None
+    return document_ids[..., 0], document_ids[..., 1]
+
+
 def mask_rule(document_ids: torch.Tensor | None, window: int | None, groups: torch.Tensor | None = None):
     """The rule as a FlexAttention mask_mod: (batch, head, q, kv) -> attend?"""
+    doc, reads = _split(document_ids)
 
     def rule(b, h, q, kv):
         keep = q >= kv
@@ -84,8 +101,9 @@ def mask_rule(document_ids: torch.Tensor | None, window: int | None, groups: tor
             keep = keep | ((groups[b, q] == groups[b, kv]) & (groups[b, q] >= 0))
         if window is not None:
             keep = keep & (q - kv < window)
-        if document_ids is not None:
-            keep = keep & (document_ids[b, q] == document_ids[b, kv])
+        if doc is not None:
+            same = doc[b, q] == doc[b, kv]
+            keep = keep & (same if reads is None else same | (reads[b, q] == doc[b, kv]))
         return keep
 
     return rule
@@ -102,7 +120,8 @@ def attention_mask(
 ) -> Mask:
     """The mask of one micro-batch: None (plain causal, unless `always`: for attention that takes
     no causal flag), a BlockMask (`flex`) or a dense boolean [B|1, 1, S, S] tensor (True =
-    attend). `document_ids` and the image `groups` ([B, S], `image_groups`) must be on `device`."""
+    attend). `document_ids` ([B, S], or [B, S, 2]: `shared_prefix_ids`) and the image `groups`
+    ([B, S], `image_groups`) must be on `device`."""
     window = effective_window(sliding_window, seq_len)
     if document_ids is None and window is None and groups is None and not always:
         return None
@@ -140,12 +159,24 @@ def _block_mask(rule, document_ids, seq_len: int, window: int | None, device, gr
         every = every & (q1 - k0 < window)
     whole = last - first + 1 == BLOCK  # a block cut by the row's end is never full, as in torch
     every = every & whole[:, None] & whole[None]
-    if document_ids is not None:
-        d = _blocks(document_ids, n, seq_len, None)
+    doc, reads = _split(document_ids)
+    if doc is not None:
+        d = _blocks(doc, n, seq_len, None)
         lo, hi = d.amin(-1), d.amax(-1)
-        some = some & (lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= hi[:, :, None])
+        own = (lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= hi[:, :, None])
         single = lo == hi
-        every = every & single[:, :, None] & single[:, None] & (lo[:, :, None] == lo[:, None])
+        whole_doc = single[:, :, None] & single[:, None] & (lo[:, :, None] == lo[:, None])
+        if reads is not None:  # or a kv block's documents among those its queries also read
+            r = _blocks(reads, n, seq_len, -1)
+            r_lo, r_hi = torch.where(r >= 0, r, torch.iinfo(r.dtype).max).amin(-1), r.amax(-1)
+            own = own | ((r_lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= r_hi[:, :, None]))
+            # full: a kv block of one document that each query is of or reads (B x n^2 x BLOCK
+            # tests: a shared layout's rows are a step's prompt and completions, not 512k tokens)
+            x = lo[:, None, :, None]
+            each = ((d[:, :, None] == x) | (r[:, :, None] == x)).all(-1)
+            whole_doc = whole_doc | (each & single[:, None])
+        some = some & own
+        every = every & whole_doc
     every = every & some  # a no-op but for the batch dimension (images' groups are per row)
     partial = some & ~every
     return BlockMask.from_kv_blocks(

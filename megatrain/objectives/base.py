@@ -23,6 +23,10 @@ class Objective(ABC):
     empty_step_ok = False
     """Whether a step whose `count` is 0 is a step (its loss 0) rather than an error."""
 
+    shares_prompts = False
+    """Whether the layers may compute a prompt that several rows share once (data/shared.py):
+    the loss reads none of its tokens' hidden states but those of the rows' own positions."""
+
     @property
     def coupled(self) -> str:
         """Why a call of `loss_and_grads` over one micro-batch at a time would not give the bits of

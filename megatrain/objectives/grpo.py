@@ -89,6 +89,8 @@ class GRPOConfig:
     """Leave completions cut at max_completion_length out of the loss."""
     num_iterations: int = 1
     """Times each generation batch is trained on."""
+    share_prompts: bool = False
+    """The update computes each prompt its rows share once (data/shared.py), not once a row."""
     max_staleness: int = 0
     """0: each generation batch sampled by the weights its first step starts from; 1: by those of
     the step before (rl/rollout.py), corrected as TRL corrects vLLM's sampler (offpolicy.py)."""
@@ -215,6 +217,8 @@ class GRPOConfig:
         sampler metrics over the step's micro-batches at once (offpolicy.step_metrics)."""
         if self.corrects and not self.needs_old_logps:
             return "max_staleness: 1 with the sampler's correction takes its metrics over the step at once"
+        if self.share_prompts:
+            return "share_prompts lays out the step's micro-batches at once"
         return ""
 
 
@@ -342,6 +346,7 @@ class GRPO(Objective):
 
     def __init__(self, cfg: GRPOConfig, micro_batches: int, collective=None):
         self.cfg, self.micro_batches, self.collective = cfg, micro_batches, collective
+        self.shares_prompts = cfg.share_prompts
 
     @property
     def coupled(self) -> str:

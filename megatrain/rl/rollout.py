@@ -694,6 +694,7 @@ class Rollout:
             torch.tensor(labels),
             attention_mask=None if bool(mask.all()) else mask,
             extra=extra,
+            prompt_lengths=[len(p) for p, _, _ in rows],
         )
 
 
