@@ -72,6 +72,19 @@ def _rows(vocab, prompts, completions, seed=0):
     return out
 
 
+def _separate_rows_loss(hf, mbs) -> float:
+    """transformers' cross-entropy over the label tokens of each row alone, backpropagated into
+    `hf`'s gradients; its value."""
+    n, total = sum(mb.num_label_tokens for mb in mbs), 0
+    for mb in mbs:
+        logits = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
+        total = total + torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), mb.shifted_labels.reshape(-1), reduction="sum"
+        )
+    (total / n).backward()
+    return total.item() / n
+
+
 def test_the_layout_holds_each_prompt_once_and_refuses_what_it_cannot_share():
     mbs = _rows(50, [40, 25], [[10, 3, 17, 1], [6, 6, 30, 2]])
     shared = share_prompts(mbs)
@@ -103,16 +116,9 @@ def test_shared_rows_match_transformers_on_separate_rows(family, flex, tmp_path)
     mt.engine.objective.shares_prompts = True
     mbs = _rows(hf.config.vocab_size, [40, 25, 9], [[10, 3, 17, 1], [6, 6, 30, 2], [12, 12]])
     assert share_prompts(mbs) is not None
-    n = sum(mb.num_label_tokens for mb in mbs)
-    total = 0
-    for mb in mbs:
-        logits = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
-        total = total + torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), mb.shifted_labels.reshape(-1), reduction="sum"
-        )
-    (total / n).backward()
+    want = _separate_rows_loss(hf, mbs)
     loss, _ = mt.engine.forward_backward(mbs)
-    assert loss.item() == pytest.approx(total.item() / n, rel=1e-6)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
     grads = mt.engine.named_grads()
     for k, p in hf.named_parameters():
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
@@ -149,15 +155,9 @@ def test_on_cuda_shared_rows_match_transformers_on_separate_rows(tmp_path):
                      choices=Choices(loss_chunk_tokens=97, keep_layers=1))  # fmt: skip
     mt.engine.objective.shares_prompts = True
     mbs = _rows(hf.config.vocab_size, [140, 25], [[100, 3, 170, 1], [6, 6, 300, 2]])
-    n, total = sum(mb.num_label_tokens for mb in mbs), 0
-    for mb in mbs:
-        logits = hf(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits.float()
-        total = total + torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), mb.shifted_labels.reshape(-1), reduction="sum"
-        )
-    (total / n).backward()
+    want = _separate_rows_loss(hf, mbs)
     loss, _ = mt.engine.forward_backward(mbs)
-    assert loss.item() == pytest.approx(total.item() / n, rel=1e-5)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
     grads = mt.engine.named_grads()
     for k, p in hf.named_parameters():
         torch.testing.assert_close(
