@@ -1,9 +1,9 @@
 """Causal self-attention for plain, packed and sliding-window batches: one rule, three kernels.
 
 The rule: a token attends to itself and earlier tokens of the same document (packed rows carry
-`document_ids`; rows whose documents share a prefix carry a pair a token, its document and the
-one it also reads, `shared_prefix_ids`), at most `sliding_window - 1` positions back (Mistral); a vision-language model's
-image tokens also attend to every token of their own image, later ones too (Gemma 3's `groups`,
+`document_ids`; where documents share a prefix, a pair for each token: its document and the one
+it also reads, `shared_prefix_ids`), at most `sliding_window - 1` positions back (Mistral); a
+vision-language model's image tokens also attend to every token of their own image, later ones too (Gemma 3's `groups`,
 transformers' blockwise overlay: the window still bounds how far back). How it is applied:
 * no documents, no window shorter than the row: SDPA's `is_causal` (the flash kernel on CUDA);
 * otherwise, on CUDA: FlexAttention with a `BlockMask`, compiled. Its tables are per 128x128
@@ -140,6 +140,11 @@ def _blocks(ids: torch.Tensor, n: int, seq_len: int, fill: int | None) -> torch.
     return torch.cat([ids, tail], 1).view(-1, n, BLOCK)
 
 
+def _bounds(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, n, BLOCK] ids, -1 for none -> each block's least and greatest id (none: lo > hi)."""
+    return torch.where(ids >= 0, ids, torch.iinfo(ids.dtype).max).amin(-1), ids.amax(-1)
+
+
 def _block_mask(rule, document_ids, seq_len: int, window: int | None, device, groups=None) -> BlockMask:
     """Classify each (q block, kv block) pair from block bounds alone: *empty* when no pair of
     tokens in it may attend, *full* when every pair may (the kernel then skips the rule), else
@@ -151,8 +156,7 @@ def _block_mask(rule, document_ids, seq_len: int, window: int | None, device, gr
     some = (k0 <= q1)[None]  # causal: the earliest key is not after the latest query
     every = (k1 <= q0)[None]
     if groups is not None:  # or an image's tokens in both blocks (a full block stays full)
-        g = _blocks(groups, n, seq_len, -1)
-        lo, hi = torch.where(g >= 0, g, torch.iinfo(g.dtype).max).amin(-1), g.amax(-1)
+        lo, hi = _bounds(_blocks(groups, n, seq_len, -1))
         some = some | ((lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= hi[:, :, None]))
     if window is not None:
         some = some & (q0 - k1 < window)
@@ -168,7 +172,7 @@ def _block_mask(rule, document_ids, seq_len: int, window: int | None, device, gr
         whole_doc = single[:, :, None] & single[:, None] & (lo[:, :, None] == lo[:, None])
         if reads is not None:  # or a kv block's documents among those its queries also read
             r = _blocks(reads, n, seq_len, -1)
-            r_lo, r_hi = torch.where(r >= 0, r, torch.iinfo(r.dtype).max).amin(-1), r.amax(-1)
+            r_lo, r_hi = _bounds(r)
             own = own | ((r_lo[:, :, None] <= hi[:, None]) & (lo[:, None] <= r_hi[:, :, None]))
             # full: a kv block of one document that each query is of or reads (B x n^2 x BLOCK
             # tests: a shared layout's rows are a step's prompt and completions, not 512k tokens)
