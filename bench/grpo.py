@@ -9,7 +9,9 @@ The rollout's policy keeps the layers the plan gives it on the GPU and streams t
 forward; `--megatrain rollout_resident_layers=N` keeps N (the same run with N = 0 and without it
 compares streamed against resident sampling); `--megatrain rollout_engine=generate` samples with
 transformers' `generate` instead of the rollout engine. `--systems megatrain,generate,generate-static`
-times `generate` alone both ways (eager with the dynamic cache; the static cache, compiled).
+times `generate` alone both ways (eager with the dynamic cache; the static cache, compiled);
+`--systems megatrain,megatrain+share_prompts=true,trl` runs megatrain twice, the second with that
+override, each beside TRL in one call.
 
 Random weights rarely sample the end token, so every completion runs to --completion tokens: the
 longest rollout the settings allow. The reward (`_grpo_reward.py`: the parity of a completion's
@@ -56,8 +58,10 @@ def write_inputs(d: Path, shape: dict, args) -> tuple[Path, Path]:
     return d / "model", d / "prompts.jsonl"
 
 
-def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
-    out = d / "out"
+def run_megatrain(d: Path, model: Path, data: Path, args, variant: list[str] | None = None) -> dict:
+    """`megatrain train` on the inputs; `variant`: key=value overrides of this run alone, after
+    --megatrain's (a system `megatrain+share_prompts=true` in --systems)."""
+    out = d / ("out-" + "-".join(variant) if variant else "out")
     rows = args.prompts * args.generations
     settings = dict(
         model_config=str(model), dataset=str(data), stage="grpo", output_dir=str(out),
@@ -68,7 +72,10 @@ def run_megatrain(d: Path, model: Path, data: Path, args) -> dict:
         learning_rate=1e-6, save_strategy="no", save_final_model=False, disable_tqdm=True, logging_steps=1,
         shuffle=False,
     )  # fmt: skip
-    rec, steps, plan, log = train(d, "grpo", settings, args.megatrain, cwd=d, settings=settings)
+    rec, steps, plan, log = train(
+        d, "grpo", settings, args.megatrain + (variant or []), cwd=d, settings=settings
+    )
+    rec["variant"] = " ".join(variant or [])
     if rec["rc"] != 0:
         return rec
     per_step = []
@@ -158,6 +165,8 @@ def table(runs: list[dict], warmup: int = WARMUP) -> str:
             continue
         if r["system"] == "megatrain":
             p, m = r.get("predicted") or {}, r.get("measured") or {}
+            if r.get("variant"):
+                lines.append(f"megatrain with `{r['variant']}`:\n")
             lines += [
                 "| step | wall s | rollout s | scoring s | update s | tokens (prompt + completion) | tokens/s | reward |",
                 "|---|---|---|---|---|---|---|---|",
@@ -187,9 +196,11 @@ def table(runs: list[dict], warmup: int = WARMUP) -> str:
                          f"{r['rows']} x {r['completion']} tokens), GPU peak {gib(r['gpu_peak_bytes'])} GiB")  # fmt: skip
     mine = next((r for r in runs if r["system"] == "megatrain" and not r.get("error")), None)
     trl = next((r for r in runs if r["system"] == "TRL GRPOTrainer" and not r.get("error")), None)
-    if mine and trl:
-        lines.append(f"\n**megatrain / TRL GRPOTrainer: {mine['tokens_per_s'] / trl['tokens_per_s']:.2f}x** "
-                     "(tokens/s, the same GPU, model, prompts, lengths and reward)")  # fmt: skip
+    for r in runs if trl else []:
+        if r["system"] == "megatrain" and not r.get("error"):
+            which = f" with `{r['variant']}`" if r.get("variant") else ""
+            lines.append(f"\n**megatrain{which} / TRL GRPOTrainer: {r['tokens_per_s'] / trl['tokens_per_s']:.2f}x** "
+                         "(tokens/s, the same GPU, model, prompts, lengths and reward)")  # fmt: skip
     peer = next((r for r in runs if r["system"].startswith("transformers") and not r.get("error")), None)
     if mine and peer:
         rate, of = (
@@ -213,7 +224,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=WARMUP, help="steps left out of the rates, every system")
     p.add_argument(
-        "--systems", default="megatrain,trl,generate", help="of megatrain, trl, generate, generate-static"
+        "--systems",
+        default="megatrain,trl,generate",
+        help="of megatrain, trl, generate, generate-static; megatrain+KEY=VALUE[+...] runs megatrain once more with those overrides",
     )
     p.add_argument("--megatrain", nargs="*", default=[], help="extra key=value for megatrain")
     p.add_argument("--out", default="bench/results")
@@ -226,9 +239,10 @@ def main() -> None:
         model, data = write_inputs(d, shape, args)
         try:
             for system in args.systems.split(","):
+                name, *variant = system.split("+")
                 runs.append(
-                    run_megatrain(d, model, data, args)
-                    if system == "megatrain"
+                    run_megatrain(d, model, data, args, variant)
+                    if name == "megatrain"
                     else run_trl(d, model, data, args)
                     if system == "trl"
                     else run_generate(d, model, args, "static" if system == "generate-static" else "dynamic")
