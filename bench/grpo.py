@@ -105,8 +105,20 @@ def run_megatrain(d: Path, model: Path, data: Path, args, variant: list[str] | N
         measured=plan.get("measured"),
         plan_notes=plan.get("plan", {}).get("notes"),
         log_tail=log[-2500:],
+        profile=_profiles(out, Path(args.out), rec["variant"]),
     )
     return rec
+
+
+def _profiles(out: Path, keep: Path, variant: str) -> dict[str, str]:
+    """The tables of the steps `profile_steps` traced (name -> text), each also copied into
+    `keep` (the results' folder) with the variant in its name; the traces themselves stay."""
+    tables = {p.name: p.read_text() for p in sorted((out / "profile").glob("*.txt"))}
+    for name, text in tables.items():
+        keep.mkdir(parents=True, exist_ok=True)
+        tag = variant.replace(" ", "_").replace("=", "-") or "plain"
+        (keep / f"profile-{tag}-{name}").write_text(text)
+    return tables
 
 
 def run_generate(d: Path, model: Path, args, cache: str = "dynamic") -> dict:
@@ -247,7 +259,12 @@ def main() -> None:
                     if system == "trl"
                     else run_generate(d, model, args, "static" if system == "generate-static" else "dynamic")
                 )
-                print(json.dumps({k: v for k, v in runs[-1].items() if k != "log_tail"})[:2000], flush=True)
+                print(
+                    json.dumps({k: v for k, v in runs[-1].items() if k not in ("log_tail", "profile")})[
+                        :2000
+                    ],
+                    flush=True,
+                )
         except KeyboardInterrupt:  # a time limit's SIGINT: the systems that finished are still written
             stopped = f"stopped by SIGINT during {system}; the systems before it finished"
         # written before the temporary directory goes: removing a model's files takes a while,

@@ -447,6 +447,10 @@ class TrainConfig:
     report_to: str | list[str] = "none"
     """Experiment trackers: none, all (every one installed), or one or a list of tensorboard,
     wandb, mlflow, trackio (YAML's false/no/off read as none)."""
+    profile_steps: int | list[int] | None = None
+    """Steps to trace with torch.profiler (each step's rollout, scoring and update):
+    output_dir/profile/step-N.json.gz (a Chrome trace: Perfetto, chrome://tracing) and step-N.txt
+    (the ops and kernels by device time). The profiler slows the steps it traces."""
     run_name: str | None = None
     """The run's name in the experiment trackers (default: its run id, which checkpoints carry)."""
     project: str | None = None
@@ -681,6 +685,7 @@ class TrainConfig:
             if not isinstance(v, str):
                 bad("columns", f"{k}'s column must be a name, got {v!r}")
         self.report_to = reporters(self.report_to)
+        self.profile_steps = _profile_steps(self)
         if self.save_strategy not in SAVE_STRATEGIES:
             bad("save_strategy", f"must be one of {', '.join(SAVE_STRATEGIES)}")
         self.save_steps = _steps_or_fraction(self, "save_steps", zero=True)
@@ -989,6 +994,15 @@ def _steps_or_fraction(cfg: TrainConfig, key: str, zero: bool) -> int | float:
             f"{'[0' if zero else '(0'}, 1) (got {value!r})"
         )
     return int(value) if value >= 1 or value == 0 else value
+
+
+def _profile_steps(cfg: TrainConfig) -> list[int]:
+    """profile_steps as a sorted list of step numbers >= 1 (one number or a list of them)."""
+    value = cfg.profile_steps
+    steps = [] if value is None else [value] if not isinstance(value, list) else value
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in steps):
+        raise ConfigError(f"profile_steps: must be a step number >= 1 or a list of them (got {value!r})")
+    return sorted(set(steps))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?))?B?\s*$", re.IGNORECASE)

@@ -68,9 +68,11 @@ def batch_of(cfg, model_cfg: ModelConfig, compute_bytes: int, attention_span: fl
         seq_len=seq_len,
         compute_bytes=compute_bytes,
         clip=cfg.max_grad_norm > 0,
-        # shared prompts: rows of several documents (data/shared.py), in no more tokens
-        masked=uses_mask(bool(cfg.packing or cfg.share_prompts), model_cfg.sliding_window, seq_len)
-        or model_cfg.needs_mask,
+        # shared prompts (data/shared.py), in no more tokens: the fast families attend over the
+        # unshared rows again (attention.SharedRows), transformers' own layers take the dense mask
+        masked=uses_mask(bool(cfg.packing), model_cfg.sliding_window, seq_len)
+        or model_cfg.needs_mask
+        or (cfg.share_prompts and model_cfg.path == "generic"),
         rows=rows,
         autograd_head=autograd_head(cfg),
         attention_span=attention_span,

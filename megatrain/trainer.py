@@ -53,6 +53,7 @@ from .parallel.processgroup import start
 from .plan import preflight, rollout_memory
 from .planning.memory import PLAN_FILE, MemoryRecord
 from .planning.placement import Machine, Plan
+from .profiling import profiled
 from .rl import rewards
 from .rl.offpolicy import resumed_pending
 from .rl.rollout import Rollout, check_cache, resumed_rollout
@@ -462,14 +463,17 @@ def _train(cfg: TrainConfig, world: Collective, device: torch.device) -> Path | 
                 run.evaluate(0)  # eval_on_start: a baseline before the first step
             t_last = time.perf_counter()
             for step in range(run.start, total_steps):
-                if run.rollout is not None:  # grpo: sampled completions, a rollout every num_iterations steps
-                    micro_batches = run.rollout.step(step + 1, lambda: batcher.next_step(world.rank))
-                else:
-                    micro_batches = batcher.next_step(world.rank)
-                lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, run.warmup, total_steps)
-                outcome = _optimizer_step(
-                    run.model.engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1
-                )
+                with profiled(cfg.profile_steps, step + 1, run.out, world.rank, world.world_size):
+                    if (
+                        run.rollout is not None
+                    ):  # grpo: sampled completions, a rollout every num_iterations steps
+                        micro_batches = run.rollout.step(step + 1, lambda: batcher.next_step(world.rank))
+                    else:
+                        micro_batches = batcher.next_step(world.rank)
+                    lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, run.warmup, total_steps)
+                    outcome = _optimizer_step(
+                        run.model.engine, micro_batches, cfg.max_grad_norm, lr, nonfinite, step + 1
+                    )
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
                 run.log_step(step + 1, outcome, lr, dt, micro_batches)

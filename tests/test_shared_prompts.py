@@ -1,7 +1,7 @@
 """data/shared.py: the rows of a step that share a prompt, laid out with each prompt once in the
 layers: the attention rule of a shared prefix (its block tables against torch's), the layout's
 refusals and sizes, and the loss and every gradient of shared rows against transformers' of
-separate rows, through either mask."""
+separate rows, through the gathered unshared rows and through either mask."""
 
 from __future__ import annotations
 
@@ -105,13 +105,35 @@ def test_the_layout_holds_each_prompt_once_and_refuses_what_it_cannot_share():
     assert share_prompts(distinct) is None
 
 
-@pytest.mark.parametrize("flex", [False, True], ids=["dense", "flex"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def _tables_only(monkeypatch):
+    """The shared layout's attention through its mask (the block tables, or the dense mask),
+    as the families whose scores need one take it (Gemma 2's soft cap on CUDA), not its rows."""
+    from dataclasses import replace
+
+    import megatrain.engine.engine as engine
+
+    def without_rows(mbs):
+        shared = share_prompts(mbs)
+        if shared is not None:
+            shared.compute = [replace(mb, shared_rows=None) for mb in shared.compute]
+        return shared
+
+    monkeypatch.setattr(engine, "share_prompts", without_rows)
+
+
+PATHS = [("rows", False), ("dense", False), ("flex", True)]  # (attention, FlexAttention's tables)
+
+
+@pytest.mark.parametrize("path,flex", PATHS, ids=[p for p, _ in PATHS])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 @pytest.mark.usefixtures("cpu_flex")
-def test_shared_rows_match_transformers_on_separate_rows(family, flex, tmp_path):
+def test_shared_rows_match_transformers_on_separate_rows(family, path, flex, tmp_path, monkeypatch):
     """Cross-entropy over the completions of rows whose prompts are shared, the shared layout
-    in the layers: the loss and every gradient equal transformers' over each row alone."""
-    hf = _hf(family)
+    in the layers: the loss and every gradient equal transformers' over each row alone, whether
+    attention reads the unshared rows again (`SharedRows`) or takes the layout's mask."""
+    if path != "rows":
+        _tables_only(monkeypatch)
+    hf = _hf(family, **({"sliding_window": 4096} if family == "gemma2" else {}))  # the soft cap, no window
     mt = _megatrain(hf, tmp_path, flex)
     mt.engine.objective.shares_prompts = True
     mbs = _rows(hf.config.vocab_size, [40, 25, 9], [[10, 3, 17, 1], [6, 6, 30, 2], [12, 12]])
@@ -124,10 +146,10 @@ def test_shared_rows_match_transformers_on_separate_rows(family, flex, tmp_path)
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_the_plan_of_shared_prompts_counts_masks_and_keeps_the_update_layer_major():
-    """The layout's rows hold several documents (a mask on every layer) and are laid out over the
-    step's micro-batches at once: the plan counts the masks and never takes the micro-batch-major
-    update, whose loss runs a micro-batch at a time; its token counts are the rows', never less."""
+def test_the_plan_of_shared_prompts_keeps_the_update_layer_major_and_the_rows_tokens():
+    """The layout is laid out over the step's micro-batches at once: the plan never takes the
+    micro-batch-major update, whose loss runs a micro-batch at a time, and its token counts are
+    the rows', never less (attention reads the unshared rows again: no mask on the fast path)."""
     from dataclasses import replace
 
     from test_rollout_plan import shapes
@@ -137,14 +159,16 @@ def test_the_plan_of_shared_prompts_counts_masks_and_keeps_the_update_layer_majo
     model_cfg, cfg = shapes()
     rows, shared = (planning.batch_of(c, model_cfg, 2) for c in (cfg, replace(cfg, share_prompts=True)))
     assert not rows.masked and not rows.coupled
-    assert shared.masked and "share_prompts" in shared.coupled
+    assert not shared.masked and "share_prompts" in shared.coupled
+    generic = planning.batch_of(replace(cfg, share_prompts=True), replace(model_cfg, path="generic"), 2)
+    assert generic.masked  # transformers' own layers take the layout's dense mask
     assert (shared.micro_batch_tokens, shared.micro_batches) == (rows.micro_batch_tokens, rows.micro_batches)
 
 
 @pytest.mark.gpu
 def test_on_cuda_shared_rows_match_separate_rows(tmp_path):
-    """The CUDA path: FlexAttention's compiled kernel on the shared prefix's block tables, fp32.
-    The shared step equals the same engine's step over the separate rows to rounding (the loss
+    """The CUDA path: each completion's unshared row gathered for SDPA's kernels, fp32, compiled
+    layers (the serial schedule, whose gradients are held where a test reads them). The shared step equals the same engine's step over the separate rows to rounding (the loss
     and every gradient), and that one transformers' on the CPU as every fp32 CUDA test does."""
     from megatrain.models.config import ModelConfig
     from megatrain.planning.placement import Choices
@@ -153,7 +177,7 @@ def test_on_cuda_shared_rows_match_separate_rows(tmp_path):
     hf = _hf("llama")
     hf.save_pretrained(tmp_path / "hf")
     mt = build_model(ModelConfig.from_json(tmp_path / "hf"), weights=tmp_path / "hf", device="cuda",
-                     choices=Choices(loss_chunk_tokens=97, keep_layers=1))  # fmt: skip
+                     choices=Choices(loss_chunk_tokens=97, keep_layers=1), overlap=False)  # fmt: skip
     mbs = _rows(hf.config.vocab_size, [140, 25], [[100, 3, 170, 1], [6, 6, 300, 2]])
     want = _separate_rows_loss(hf, mbs)
     rows_loss, _ = mt.engine.forward_backward(mbs)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the tensors' own methods serve: importing this module (data/) needs no torch
     import torch
 
+    from ..models.attention import SharedRows
+
 IGNORE_INDEX = -100
 
 
@@ -49,6 +51,10 @@ class MicroBatch:
     """Each row's prompt length where its first tokens are a prompt the loss takes nothing on,
     which the rows of the same prompt may share in the layers (data/shared.py; GRPO's, RLOO's);
     None: no row shares."""
+
+    shared_rows: SharedRows | None = None
+    """A shared-prompt layout's attention rows (data/shared.py); None: attention over the rows as
+    they are (with `document_ids` where packed)."""
 
     images: dict[str, torch.Tensor] | None = None
     """A vision-language model's image inputs, as its processor gives them for the micro-batch's

@@ -5,7 +5,8 @@ that layout and the rows the objective takes its loss over.
 A prompt P of a group's completions c_1..c_g becomes one row: P's tokens but its last (the
 shared prefix, a document of its own), then for each completion P's last token and c_j (a
 document that also reads the prefix: attention.shared_prefix_ids), at the positions the
-unshared row gives them. The last hidden state at each position the loss reads is that of the
+unshared row gives them; its attention reads the unshared rows again (`SharedRows`: each
+completion's queries, keys and values gathered after its prefix's). The last hidden state at each position the loss reads is that of the
 unshared row (the same tokens, positions and attended keys), so the objective, its targets and
 its micro-batches stay as they are: `to_loss` gathers the last hidden states into the loss rows,
 `to_compute` puts their gradients back (each position the loss reads comes from one place; the
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.attention import shared_prefix_ids
+from ..models.attention import SharedRows, shared_prefix_ids
 from .batch import IGNORE_INDEX, MicroBatch
 
 
@@ -137,12 +138,16 @@ def _layout(micro_batches: list[MicroBatch], packed: list[list[list[_Row]]]) -> 
         pos, real = torch.zeros_like(ids), torch.zeros_like(ids)
         pad_doc = max(map(len, mb_rows)) + 1  # padding: a document of its own
         doc, reads = torch.full_like(ids, pad_doc), torch.full_like(ids, -1)
+        unshared = max(len(r.ids) for part in mb_rows for r in part)  # the attention rows' width
+        rows = torch.zeros(sum(map(len, mb_rows)), unshared, dtype=torch.long)
+        pick, row = torch.zeros(ids.numel(), dtype=torch.long), 0
         for c, part in enumerate(mb_rows):
             at = base + c * width  # the compute row's first token, flat
             lead = part[0].prompt - 1  # the shared prefix
             ids[c, :lead] = torch.tensor(part[0].ids[:lead], dtype=torch.long)
             pos[c, :lead] = torch.arange(lead)
             doc[c, :lead] = 0
+            pick[c * width : c * width + lead] = row * unshared + torch.arange(lead)  # the first row's
             s = lead
             for j, r in enumerate(part, 1):
                 n = len(r.ids) - lead  # the prompt's last token and the completion
@@ -150,6 +155,10 @@ def _layout(micro_batches: list[MicroBatch], packed: list[list[list[_Row]]]) -> 
                 pos[c, s : s + n] = torch.arange(lead, len(r.ids))
                 doc[c, s : s + n] = j
                 reads[c, s : s + n] = 0 if lead else -1
+                mine = c * width + torch.cat([torch.arange(lead), s + torch.arange(n)])
+                rows[row] = torch.cat([mine, mine[-1:].expand(unshared - len(mine))])
+                pick[c * width + s : c * width + s + n] = row * unshared + lead + torch.arange(n)
+                row += 1
                 S = micro_batches[r.m].input_ids.shape[1]
                 where = torch.full((S,), at, dtype=torch.long)  # padding: any token (not read)
                 where[:lead] = at + torch.arange(lead)
@@ -157,13 +166,15 @@ def _layout(micro_batches: list[MicroBatch], packed: list[list[list[_Row]]]) -> 
                 gather[r.m][r.b * S : (r.b + 1) * S] = where
                 s += n
             real[c, :s] = 1
+        document_ids = shared_prefix_ids(doc, reads)
         compute.append(
             MicroBatch(
                 ids,
                 torch.full_like(ids, IGNORE_INDEX),
                 position_ids=pos,
-                document_ids=shared_prefix_ids(doc, reads),
+                document_ids=document_ids,
                 attention_mask=None if bool(real.all()) else real,
+                shared_rows=SharedRows(rows, pick, document_ids),
             )
         )
         base += ids.numel()

@@ -282,7 +282,8 @@ class Engine:
         if self.positions is not None and mb.position_ids is None:  # M-RoPE: from the images' grids
             mrope = self.positions(mb.input_ids, mb.images, mb.attention_mask)
             pos = pos if mrope is None else mrope.to(dev)
-        doc = mb.document_ids.to(dev) if mb.document_ids is not None else None
+        doc = mb.shared_rows or mb.document_ids
+        doc = doc.to(dev) if doc is not None else None
         images = mask = None
         if self.vision is not None and mb.images is not None:
             images = {k: self._image_input(v) for k, v in mb.images.items()}
@@ -739,8 +740,8 @@ class Engine:
         self.transport.discard()
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        """Checkpoint key -> fp32 gradient held by a SerialTransport after `forward_backward` in
-        stored mode (for tests and debugging)."""
+        """Checkpoint key -> fp32 gradient held by a SerialTransport (the CPU's, or CUDA's with
+        `overlap=False`) after `forward_backward` in stored mode (for tests and debugging)."""
         out = {}
         for u in self.units:
             views = unit_views(self.transport.held[u.index], u)

@@ -12,7 +12,13 @@ transformers' blockwise overlay: the window still bounds how far back). How it i
   kernel and ~16 bytes per block pair in the tables;
 * otherwise (the CPU, which FlexAttention cannot differentiate on): SDPA with the rule
   materialised as a dense boolean [B, 1, S, S] mask. CPU runs are small; this is also the
-  plain reference the GPU tests compare FlexAttention against.
+  plain reference the GPU tests compare FlexAttention against;
+* rows that share a prefix (`SharedRows`, data/shared.py), on every device: each completion's
+  queries, keys and values gathered into the unshared row it stands for (its prefix's, then its
+  own), SDPA's `is_causal` over those rows (the flash kernel on CUDA), and each token's output
+  read back from one of them. The gathered rows are the unshared ones' tokens again, but only
+  in attention, a few percent of a layer's FLOPs at a step's lengths; FlexAttention's forward
+  and backward over the shared tables cost more.
 
 The mask of a micro-batch is built once (`attention_mask`) and shared by every layer and by the
 backward recompute.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +45,29 @@ from .compiling import compiled
 BLOCK = 128  # FlexAttention's default block size: the tables' granularity
 BLOCK_TABLE_BYTES = 16  # int32 kv/q counts and indices of partial and full blocks
 
-Mask = BlockMask | torch.Tensor | None
+
+@dataclass(frozen=True)
+class SharedRows:
+    """A shared-prefix layout's attention as the unshared rows it stands for (data/shared.py):
+    `rows` [R, W], each unshared row's tokens as flat indices into the micro-batch's B x S (its
+    prefix's, then its own, right-padded with its last, which causal attention never lets a real
+    token see); `pick` [B x S], the flat index into R x W each token's output is read from; `ids`
+    the layout's document ids ([B, S, 2], `shared_prefix_ids`), for the kernels that take a mask."""
+
+    rows: torch.Tensor
+    pick: torch.Tensor
+    ids: torch.Tensor
+
+    def to(self, device) -> SharedRows:
+        return SharedRows(*(t.to(device, non_blocking=True) for t in (self.rows, self.pick, self.ids)))
+
+
+Mask = BlockMask | SharedRows | torch.Tensor | None
+
+
+def dense_ids(document_ids: torch.Tensor | SharedRows | None) -> torch.Tensor | None:
+    """Document ids as a tensor (a shared layout's `ids`), for masks over the layout itself."""
+    return document_ids.ids if isinstance(document_ids, SharedRows) else document_ids
 
 
 def effective_window(sliding_window: int | None, seq_len: int) -> int | None:
@@ -110,7 +139,7 @@ def mask_rule(document_ids: torch.Tensor | None, window: int | None, groups: tor
 
 
 def attention_mask(
-    document_ids: torch.Tensor | None,
+    document_ids: torch.Tensor | SharedRows | None,
     seq_len: int,
     sliding_window: int | None,
     device,
@@ -119,10 +148,15 @@ def attention_mask(
     groups: torch.Tensor | None = None,
 ) -> Mask:
     """The mask of one micro-batch: None (plain causal, unless `always`: for attention that takes
-    no causal flag), a BlockMask (`flex`) or a dense boolean [B|1, 1, S, S] tensor (True =
-    attend). `document_ids` ([B, S], or [B, S, 2]: `shared_prefix_ids`) and the image `groups`
-    ([B, S], `image_groups`) must be on `device`."""
+    no causal flag), a shared layout's rows (`SharedRows`, where no window, image or score
+    variant asks for a mask), a BlockMask (`flex`) or a dense boolean [B|1, 1, S, S] tensor (True =
+    attend). `document_ids` ([B, S], or [B, S, 2]: `shared_prefix_ids`, or `SharedRows`) and the
+    image `groups` ([B, S], `image_groups`) must be on `device`."""
     window = effective_window(sliding_window, seq_len)
+    if isinstance(document_ids, SharedRows):
+        if window is None and groups is None and not always:
+            return document_ids
+        document_ids = document_ids.ids
     if document_ids is None and window is None and groups is None and not always:
         return None
     rule = mask_rule(document_ids, window, groups)
@@ -214,6 +248,8 @@ def attend(
     [B, H_kv, S, d] (grouped-query heads are read as they are, never repeated). `scale` replaces
     1/sqrt(d); `softcap` caps the scores at +-softcap with tanh first (Gemma 2); `sinks` [H] are
     extra logits in each head's softmax denominator (gpt-oss)."""
+    if isinstance(mask, SharedRows):
+        return _attend_rows(q, k, v, mask, scale, softcap, sinks)
     gqa = k.shape[1] != q.shape[1]
     if isinstance(mask, BlockMask):
         # Inside a compiled layer the compiler traces FlexAttention itself; a nested compiled
@@ -234,6 +270,20 @@ def attend(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _attend_rows(q, k, v, shared: SharedRows, scale, softcap, sinks) -> torch.Tensor:
+    """`attend` over a shared layout's unshared rows (causal, no mask), each token's output read
+    back from its row; the gathers' backward adds a prefix's gradients over its rows."""
+    B, H, S, d = q.shape
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # [B, h, S, e] -> [R, h, W, e]
+        flat = t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[-1])
+        return flat[shared.rows].transpose(1, 2)
+
+    y = attend(rows(q), rows(k), rows(v), None, scale, softcap, sinks)  # [R, H, W, e]
+    flat = y.transpose(1, 2).reshape(-1, H, y.shape[-1])
+    return flat[shared.pick].view(B, S, H, -1).transpose(1, 2)
 
 
 def _capped(cap: float | None):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
-from .attention import attention_mask
+from .attention import attention_mask, dense_ids
 from .base import Family
 from .config import FAMILIES, MOE_BLOCKS, ModelConfig
 
@@ -308,7 +308,9 @@ def _inputs(cfg: ModelConfig, device: torch.device):
         out = {}
         for kind, window in kinds.items():
             # transformers' own layers take dense masks only (`flex` aside): the generic path is the slow one
-            mask = attention_mask(document_ids, seq_len, window, position_ids.device, False, always=eager)
+            mask = attention_mask(
+                dense_ids(document_ids), seq_len, window, position_ids.device, False, always=eager
+            )
             if eager:  # an additive mask, as transformers' eager attention adds it to the scores
                 mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
                     ~mask, torch.finfo(dtype).min
