@@ -1,7 +1,8 @@
 """Traces of the steps a run names (`profile_steps`): torch.profiler over each such step (its
 rollout, scoring and update), written to output_dir/profile/ as a Chrome trace (step-N.json.gz:
 Perfetto, chrome://tracing) and a table of the ops and kernels by device time (step-N.txt);
-with several processes each rank writes its own (step-N-rank-R.*)."""
+with several processes each rank writes its own (step-N-rank-R.*); a name taken already gets
+a number (step-N.1.*), never overwritten."""
 
 from __future__ import annotations
 
@@ -36,13 +37,24 @@ def profiled(steps: list[int], step: int, out: Path, rank: int = 0, world_size: 
             torch.cuda.synchronize()
     folder = out / "profile"
     folder.mkdir(parents=True, exist_ok=True)
-    base = folder / _name(step, rank, world_size)
+    base = _free(folder, _name(step, rank, world_size))
     sort = "device_time_total" if cuda else "cpu_time_total"
     _write(
-        base.with_suffix(".txt"),
+        Path(f"{base}.txt"),
         lambda p: p.write_text(prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS)),
     )
     _write(Path(f"{base}.json.gz"), lambda p: prof.export_chrome_trace(str(p)))
+
+
+def _free(folder: Path, name: str) -> Path:
+    """folder/name, or name.1, name.2, ... where a file of that name is there already (a resumed
+    run tracing the step again, a file of the user's): nothing there is overwritten."""
+    taken = lambda base: Path(f"{base}.txt").exists() or Path(f"{base}.json.gz").exists()  # noqa: E731
+    base, n = folder / name, 0
+    while taken(base):
+        n += 1
+        base = folder / f"{name}.{n}"
+    return base
 
 
 def _write(path: Path, write) -> None:

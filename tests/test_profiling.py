@@ -28,6 +28,17 @@ def test_profiled_steps_write_a_trace_and_a_table_and_train_as_unprofiled(tmp_pa
     assert [r["loss"] for r in metrics(a)] == [r["loss"] for r in metrics(b)]
 
 
+def test_a_profile_file_there_already_is_kept(tmp_path):
+    base = make_run(tmp_path)
+    a = tmp_path / "a"
+    (a / "profile").mkdir(parents=True)
+    (a / "profile" / "step-1.txt").write_text("mine")
+    train(TrainConfig(**base, output_dir=str(a), max_steps=1, profile_steps=1))
+    assert (a / "profile" / "step-1.txt").read_text() == "mine"
+    assert "aten::mm" in (a / "profile" / "step-1.1.txt").read_text()
+    assert (a / "profile" / "step-1.1.json.gz").is_file()
+
+
 @pytest.mark.parametrize("value", [0, -1, [2, "x"], True, 1.5])
 def test_bad_profile_steps_are_refused_by_name(value):
     with pytest.raises(ConfigError, match="profile_steps"):
